@@ -1,0 +1,8 @@
+"""sparseflow: rewrite scaled-dot-product attention into sparse-attention custom ops."""
+from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, config_from_dict, default_config
+from .selection import Selection
+from .recording import capture, Capture, CallRecord
+from . import ops
+from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
+
+__version__ = "0.1.0"

@@ -1,0 +1,324 @@
+"""The ``sparseflow::*_attention`` custom ops: schemas, fake implementations, autograd, dispatch.
+
+Torch-only and registered at import; Triton and FlexAttention backends are imported lazily the
+first time they are asked for. One op per method, whose schema is derived from the method's
+config dataclass, so a config field and an op argument can never drift apart:
+
+    sparseflow::<method>_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask,
+        bool is_causal, float? scale, <config fields...>, str backend, str tag) -> Tensor
+
+``tag`` names the module the call came from (the rewrite pass fills it) so reports and logged
+fallbacks say which layer they are about. The Python entry points ``pbs_attention`` etc. below
+take a config object instead of loose arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import recording as _capture
+from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
+from .masks import analyse_mask
+
+__all__ = [
+    "attention",
+    "dense_attention",
+    "pbs_attention",
+    "pisa_attention",
+    "bsa_attention",
+    "op_for",
+    "op_args",
+    "IMPLEMENTATIONS",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
+
+# (method, backend) -> "module:function". Modules are imported on first use, so importing
+# sparseflow never imports Triton. Each function takes (q, k, v, *, key_padding_mask, is_causal,
+# scale, return_selection, **config_fields).
+IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
+    ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
+    ("pisa", "reference"): "sparseflow.kernels.pisa.reference:pisa_attention",
+    ("bsa", "reference"): "sparseflow.kernels.bsa.reference:bsa_attention",
+}
+
+
+def _config_fields(cls) -> List[dataclasses.Field]:
+    return list(dataclasses.fields(cls))
+
+
+def _schema(method: str) -> str:
+    fields = ", ".join(f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(METHODS[method]))
+    fields = (fields + ", ") if fields else ""
+    return (
+        "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, "
+        f"{fields}str backend, str tag) -> Tensor"
+    )
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    t = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    return t
+
+
+def op_for(method: str):
+    """The OpOverload of a method's op, e.g. ``torch.ops.sparseflow.pbs_attention.default``."""
+    return getattr(torch.ops.sparseflow, f"{method}_attention").default
+
+
+def op_args(config: AttentionConfig) -> List[Any]:
+    """The config's values in schema order (the positional arguments after ``scale``)."""
+    return [
+        float(getattr(config, name)) if kind is float else getattr(config, name)
+        for name, kind in _FIELDS[config.method]
+    ]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: str) -> None:
+    """Checks every call makes, on real and on fake tensors (so errors surface at trace time)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes of q, k, v must match, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims must match, got q={q.shape[-1]}, k={k.shape[-1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _sdpa(q, k, v, attn_mask, is_causal, scale):
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
+    )
+
+
+def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> str:
+    """Why this call cannot run the sparse method ("" when it can)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if q.shape[-1] != k.shape[-1] or k.shape[-1] != q.shape[-1]:
+        return "q/k head dims differ"
+    if is_causal and n_q != n_k:
+        # SDPA aligns is_causal to the top-left corner when Nq != Nk; keep its exact semantics.
+        return f"is_causal with Nq={n_q} != Nk={n_k}"
+    if n_k < cfg.min_seq_len:
+        return f"sequence length {n_k} < min_seq_len={cfg.min_seq_len}"
+    if method == "pbs":
+        if n_q != n_k:
+            return f"PBS is a prefill method (Nq={n_q}, Nk={n_k}: decode or chunked step)"
+        if n_k < cfg.segment_size:
+            return f"sequence length {n_k} < segment_size={cfg.segment_size} (no complete segment)"
+    return ""
+
+
+def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "reference"
+    if (method, backend) not in IMPLEMENTATIONS:
+        available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method)
+        raise ValueError(f"backend={backend!r} is not available for method {method!r}; available: {available + ['auto']}")
+    return backend
+
+
+def _load(method: str, backend: str) -> Callable:
+    module, fn = IMPLEMENTATIONS[(method, backend)].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
+    """The real implementation behind every op: analyse, fall back or dispatch, record."""
+    q, k, v, attn_mask, is_causal, scale = args[:6]
+    cfg_cls = METHODS[method]
+    n_cfg = len(_config_fields(cfg_cls))
+    cfg = cfg_cls(**{f.name: a for f, a in zip(_config_fields(cfg_cls), args[6 : 6 + n_cfg])})
+    backend, tag = args[6 + n_cfg], args[7 + n_cfg]
+    validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
+    cap = _capture.active_capture() if record else None
+
+    def dense(reason: str) -> torch.Tensor:
+        if reason:
+            _capture.log_fallback(method, tag, reason)
+        out = _sdpa(q, k, v, attn_mask, is_causal, scale).contiguous()
+        if cap is not None:
+            cap.calls.append(_capture.CallRecord(tag, method, "sdpa", False, reason, tuple(q.shape), tuple(k.shape)))
+        return out
+
+    if method == "dense":
+        return dense("")
+    b, _, n_q, _ = q.shape
+    n_k = k.shape[2]
+    mask = analyse_mask(attn_mask, is_causal, b, n_q, n_k)
+    if not mask.supported:
+        return dense(mask.reason)
+    if v.shape[-1] != q.shape[-1]:
+        return dense(f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]}")
+    reason = _dense_reason(method, cfg, q, k, mask.is_causal)
+    if reason:
+        return dense(reason)
+    chosen = _resolve_backend(method, backend, q.device)
+    impl = _load(method, chosen)
+    want_sel = cap is not None and cap.keep_selections
+    result = impl(
+        q, k, v,
+        key_padding_mask=mask.key_padding_mask,
+        is_causal=mask.is_causal,
+        scale=scale,
+        return_selection=cap is not None,
+        **dataclasses.asdict(cfg),
+    )
+    out, sel = result if isinstance(result, tuple) else (result, None)
+    if cap is not None:
+        cap.calls.append(
+            _capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), sel if (sel is None or want_sel) else _strip(sel))
+        )
+    return out.contiguous()
+
+
+def _strip(sel):
+    # keep the density, drop the (large) block tensors
+    return dataclasses.replace(sel, block_mask=None, permutation=None, block_indices=None, key_padding_mask=None)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _define(method: str) -> None:
+    name = f"sparseflow::{method}_attention"
+    bwd_name = f"sparseflow::{method}_attention_backward"
+    torch.library.define(name, _schema(method))
+    torch.library.define(
+        bwd_name,
+        _schema(method).replace("(Tensor q", "(Tensor grad_out, Tensor q").replace(
+            "-> Tensor", "-> (Tensor, Tensor, Tensor)"
+        ),
+    )
+
+    @torch.library.impl(name, "CompositeExplicitAutograd")
+    def _impl(*args):
+        return _run(method, args)
+
+    @torch.library.register_fake(name)
+    def _fake(*args):
+        q, k, v, attn_mask, is_causal, scale = args[:6]
+        validate_inputs(method, q, k, v, attn_mask, scale, args[-2], args[-1])
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+    @torch.library.impl(bwd_name, "CompositeExplicitAutograd")
+    def _bwd_impl(grad_out, *args):
+        # Recompute the forward with autograd on: the selection is made without gradient by the
+        # implementation itself, so gradients flow through the attention over selected keys only.
+        q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+        with torch.enable_grad(), _capture.suspended():
+            out = _run(method, (q, k, v) + tuple(args[3:]), record=False)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)
+        zeros = lambda t, g: torch.zeros_like(t) if g is None else g.contiguous()  # noqa: E731
+        return zeros(q, dq), zeros(k, dk), zeros(v, dv)
+
+    @torch.library.register_fake(bwd_name)
+    def _bwd_fake(grad_out, *args):
+        q, k, v = args[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    bwd_op = getattr(torch.ops.sparseflow, f"{method}_attention_backward").default
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3], *( [inputs[3]] if inputs[3] is not None else []))
+        ctx.has_mask = inputs[3] is not None
+        ctx.rest = inputs[4:]
+
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        mask = saved[3] if ctx.has_mask else None
+        dq, dk, dv = bwd_op(grad, q, k, v, mask, *ctx.rest)
+        return (dq, dk, dv) + (None,) * (3 + len(ctx.rest))
+
+    torch.library.register_autograd(name, backward, setup_context=setup_context)
+
+
+# Precomputed so op_args stays traceable by Dynamo (it cannot introspect dataclass fields).
+_FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
+    m: tuple((f.name, _field_type(f)) for f in _config_fields(cls)) for m, cls in METHODS.items()
+}
+
+for _method in METHODS:
+    _define(_method)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    config: AttentionConfig,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+    tag: str = "",
+) -> torch.Tensor:
+    """Sparse attention with the method of ``config`` (PBSConfig, PISAConfig, BSAConfig or
+    DenseConfig). ``q: [B, Hq, Nq, D]``, ``k, v: [B, Hkv, Nk, D]`` with Hq a multiple of Hkv.
+    ``attn_mask``: None, a ``[B, Nk]`` bool key-padding mask (True = valid), or any SDPA mask
+    (causal/padding masks are recognised; others run dense, logged)."""
+    if not isinstance(config, (DenseConfig, PBSConfig, PISAConfig, BSAConfig)):
+        raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    validate_inputs(config.method, q, k, v, attn_mask, scale, backend, tag)
+    return op_for(config.method)(
+        q, k, v, attn_mask, is_causal, None if scale is None else float(scale), *op_args(config), backend, tag
+    )
+
+
+def dense_attention(q, k, v, *, attn_mask=None, is_causal=True, scale=None, tag: str = ""):
+    return attention(q, k, v, config=DenseConfig(), attn_mask=attn_mask, is_causal=is_causal, scale=scale, tag=tag)
+
+
+def pbs_attention(q, k, v, *, config: Optional[PBSConfig] = None, **kw):
+    return attention(q, k, v, config=config or PBSConfig(), **kw)
+
+
+def pisa_attention(q, k, v, *, config: Optional[PISAConfig] = None, **kw):
+    return attention(q, k, v, config=config or PISAConfig(), **kw)
+
+
+def bsa_attention(q, k, v, *, config: Optional[BSAConfig] = None, **kw):
+    return attention(q, k, v, config=config or BSAConfig(), **kw)

@@ -1,0 +1,111 @@
+"""What an attention op computed: its block selection and the density it reached.
+
+Torch-only and shared by every method, so the reference implementations, the kernels and the
+tests speak one format. Two selection shapes exist:
+
+* block-level over a key layout (PBS): ``block_mask[b, h, qb, kb]`` says whether query block
+  ``qb`` of head ``h`` attends key block ``kb`` of the *permuted* key order, and
+  ``permutation[b, hp, j]`` gives the original position of the key at permuted slot ``j``;
+* token-level (PISA, BSA): ``block_indices[b, hkv, t, :]`` lists the leaf blocks (original key
+  order, ascending, ``-1`` padded) that query token ``t`` of KV group ``hkv`` attends.
+
+``density`` is always ``[B, Hq]`` float32: computed block pairs (PBS) or blocks per token
+(PISA/BSA), divided by the causally visible ones, counting only blocks that hold at least one
+key the query may see.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Selection", "visible_key_mask"]
+
+
+def visible_key_mask(
+    n_q: int,
+    n_k: int,
+    *,
+    is_causal: bool,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    batch: int = 1,
+    device=None,
+) -> torch.Tensor:
+    """``[B, Nq, Nk]`` bool: key j is visible to query i (causal needs Nq == Nk)."""
+    if is_causal:
+        if n_q != n_k:
+            raise ValueError(f"causal visibility needs Nq == Nk, got Nq={n_q}, Nk={n_k}")
+        base = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+    else:
+        base = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    base = base.unsqueeze(0).expand(batch, n_q, n_k)
+    if key_padding_mask is not None:
+        base = base & key_padding_mask[:, None, :].to(torch.bool)
+    return base
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The selection one op call made. Tensors live on the op's device."""
+
+    method: str
+    density: torch.Tensor  # [B, Hq] float32
+    block_size: int
+    is_causal: bool
+    num_keys: int
+    # PBS (block-level over permuted keys)
+    block_mask: Optional[torch.Tensor] = None  # [B, Hq, nQB, nKB] bool
+    permutation: Optional[torch.Tensor] = None  # [B, Hp, Nk] int64, Hp in {Hq, Hkv}
+    # PISA / BSA (token-level over original keys)
+    block_indices: Optional[torch.Tensor] = None  # [B, Hkv, Nq, K] int64, -1 padded
+    key_padding_mask: Optional[torch.Tensor] = None  # [B, Nk] bool, True = valid key
+
+    @property
+    def mean_density(self) -> float:
+        return float(self.density.float().mean())
+
+    def key_mask(self, num_query_heads: int) -> torch.Tensor:
+        """Dense ``[B, Hq, Nq, Nk]`` bool over *original* key positions: the keys each query
+        attends under this selection, causality and padding included. For tests and
+        diagnostics on small shapes (it is quadratic in memory)."""
+        if self.block_mask is not None:
+            return self._key_mask_from_blocks(num_query_heads)
+        if self.block_indices is not None:
+            return self._key_mask_from_indices(num_query_heads)
+        raise ValueError(f"selection of method {self.method!r} carries no blocks")
+
+    def _key_mask_from_blocks(self, hq: int) -> torch.Tensor:
+        bm, perm = self.block_mask, self.permutation
+        b, _, nqb, nkb = bm.shape
+        n_k = self.num_keys
+        n_q = n_k  # PBS selections are made for prefill, Nq == Nk
+        bs = self.block_size
+        q_block = torch.arange(n_q, device=bm.device) // bs  # [Nq]
+        slot_block = torch.arange(n_k, device=bm.device) // bs  # [Nk] block of permuted slot
+        # rows: [B, Hq, Nq, nKB] -> per permuted slot
+        per_q = bm[:, :, q_block, :]  # [B, Hq, Nq, nKB]
+        per_slot = per_q[..., slot_block]  # [B, Hq, Nq, Nk] indexed by permuted slot
+        group = hq // perm.shape[1]
+        perm_q = perm.repeat_interleave(group, dim=1)  # [B, Hq, Nk]
+        out = torch.zeros_like(per_slot)
+        out.scatter_(-1, perm_q[:, :, None, :].expand_as(per_slot), per_slot)
+        vis = visible_key_mask(n_q, n_k, is_causal=self.is_causal,
+                               key_padding_mask=self.key_padding_mask, batch=b, device=bm.device)
+        return out & vis[:, None]
+
+    def _key_mask_from_indices(self, hq: int) -> torch.Tensor:
+        idx = self.block_indices
+        b, hkv, n_q, _ = idx.shape
+        n_k = self.num_keys
+        n_blocks = -(-n_k // self.block_size)
+        blocks = torch.zeros(b, hkv, n_q, n_blocks + 1, dtype=torch.bool, device=idx.device)
+        safe = torch.where(idx < 0, torch.full_like(idx, n_blocks), idx)
+        blocks.scatter_(-1, safe, True)
+        blocks = blocks[..., :n_blocks]
+        key_block = torch.arange(n_k, device=idx.device) // self.block_size
+        per_key = blocks[..., key_block]  # [B, Hkv, Nq, Nk]
+        per_key = per_key.repeat_interleave(hq // hkv, dim=1)
+        vis = visible_key_mask(n_q, n_k, is_causal=self.is_causal,
+                               key_padding_mask=self.key_padding_mask, batch=b, device=idx.device)
+        return per_key & vis[:, None]
