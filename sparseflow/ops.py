@@ -36,7 +36,7 @@ __all__ = [
     "IMPLEMENTATIONS",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp64: oracles, gradcheck
 _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 # (method, backend) -> "module:function". Modules are imported on first use, so importing
@@ -91,7 +91,7 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):

@@ -1,0 +1,113 @@
+"""Fidelity and density of each method on a causal LM, against the same model run dense."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .config import AttentionConfig, default_config
+from .fidelity import Fidelity, compare_logits
+from .recording import capture
+
+__all__ = ["MethodResult", "evaluate_methods", "format_results"]
+
+
+@dataclass
+class MethodResult:
+    method: str
+    config: Dict
+    fidelity: Fidelity
+    density: float  # mean over sparse calls of computed / causally visible blocks
+    sparse_calls: int
+    dense_calls: int
+    fallback_reasons: List[str] = field(default_factory=list)
+    rewritten: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> Dict:
+        return {
+            "method": self.method,
+            "config": self.config,
+            **self.fidelity.to_dict(),
+            "density": self.density,
+            "sparse_calls": self.sparse_calls,
+            "dense_calls": self.dense_calls,
+            "fallback_reasons": self.fallback_reasons,
+            "rewritten": self.rewritten,
+            "skipped": self.skipped,
+            "seconds": self.seconds,
+        }
+
+
+def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep + 1)
+    return out.logits[0, :-1].float()  # [keep, V]: predictions for the last `keep` targets
+
+
+def evaluate_methods(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    methods: Sequence[str] = ("pbs", "pisa", "bsa"),
+    configs: Optional[Dict[str, AttentionConfig]] = None,
+    *,
+    eval_positions: int = 512,
+    backend: str = "auto",
+) -> List[MethodResult]:
+    """Compare each method with the dense model on the last ``eval_positions`` next-token
+    predictions of ``input_ids`` ([1, N]). The model is copied per method; it is not changed."""
+    from .api import compile as sf_compile, report as sf_report
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
+    n = input_ids.shape[1]
+    if not (1 <= eval_positions < n):
+        raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    configs = dict(configs or {})
+    targets = input_ids[0, n - eval_positions :]
+    dense = _logits(model, input_ids, eval_positions)
+    results = []
+    for method in methods:
+        cfg = configs.get(method) or default_config(method)
+        sparse_model = copy.deepcopy(model)
+        sf_compile(sparse_model, method=method, config=cfg, backend=backend, inner_backend="eager")
+        start = time.perf_counter()
+        with capture(keep_selections=False) as cap:
+            logits = _logits(sparse_model, input_ids, eval_positions)
+        seconds = time.perf_counter() - start
+        rep = sf_report(sparse_model)
+        sparse_calls = [c for c in cap.calls if c.sparse]
+        results.append(
+            MethodResult(
+                method=method,
+                config=cfg.to_dict(),
+                fidelity=compare_logits(dense, logits, targets),
+                density=cap.mean_density() if sparse_calls else 1.0,
+                sparse_calls=len(sparse_calls),
+                dense_calls=len(cap.calls) - len(sparse_calls),
+                fallback_reasons=sorted({c.reason for c in cap.fallbacks()}),
+                rewritten=rep.num_rewritten,
+                skipped=rep.num_skipped,
+                seconds=seconds,
+            )
+        )
+        del sparse_model
+    return results
+
+
+def format_results(results: Sequence[MethodResult]) -> str:
+    head = f"{'method':<7} {'rewritten':>9} {'density':>8} {'mean KL':>9} {'p99 KL':>8} {'top-1':>7} {'ppl dense':>9} {'ppl sparse':>10} {'secs':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        f = r.fidelity
+        lines.append(
+            f"{r.method:<7} {r.rewritten:>9} {r.density:>8.3f} {f.mean_kl:>9.4f} {f.p99_kl:>8.3f} "
+            f"{f.top1_agreement:>7.3f} {f.ppl_dense:>9.3f} {f.ppl_sparse:>10.3f} {r.seconds:>6.1f}"
+        )
+        for reason in r.fallback_reasons:
+            lines.append(f"        dense fallback: {reason}")
+    return "\n".join(lines)

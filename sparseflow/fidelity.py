@@ -1,0 +1,46 @@
+"""Fidelity of a sparse model against its dense original on the same tokens (SPEC §7)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["Fidelity", "compare_logits"]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    positions: int
+    mean_kl: float  # mean over positions of KL(dense || sparse) of the next-token distribution, nats
+    p99_kl: float
+    top1_agreement: float  # fraction of positions whose argmax agrees
+    ppl_dense: float
+    ppl_sparse: float
+
+    @property
+    def ppl_delta(self) -> float:
+        return self.ppl_sparse - self.ppl_dense
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ppl_delta": self.ppl_delta}
+
+
+def compare_logits(dense: torch.Tensor, sparse: torch.Tensor, targets: torch.Tensor) -> Fidelity:
+    """``dense, sparse: [T, V]`` logits at the same positions; ``targets: [T]`` next tokens."""
+    if dense.shape != sparse.shape or dense.dim() != 2:
+        raise ValueError(f"dense and sparse logits must both be [T, V], got {tuple(dense.shape)} and {tuple(sparse.shape)}")
+    if targets.shape != dense.shape[:1]:
+        raise ValueError(f"targets must be [T]={dense.shape[0]}, got {tuple(targets.shape)}")
+    lp_d = torch.log_softmax(dense.double(), dim=-1)
+    lp_s = torch.log_softmax(sparse.double(), dim=-1)
+    kl = (lp_d.exp() * (lp_d - lp_s)).sum(-1).clamp_min(0.0)
+    nll_d = -lp_d.gather(-1, targets[:, None]).squeeze(-1)
+    nll_s = -lp_s.gather(-1, targets[:, None]).squeeze(-1)
+    return Fidelity(
+        positions=int(dense.shape[0]),
+        mean_kl=float(kl.mean()),
+        p99_kl=float(torch.quantile(kl, 0.99)) if kl.numel() > 1 else float(kl.max()),
+        top1_agreement=float((dense.argmax(-1) == sparse.argmax(-1)).double().mean()),
+        ppl_dense=float(nll_d.mean().exp()),
+        ppl_sparse=float(nll_s.mean().exp()),
+    )

@@ -1,0 +1,652 @@
+"""PBS-Attn in plain PyTorch: the oracle the Triton and Flex backends are checked against (SPEC §3).
+
+Pipeline (every stage is a separately testable function):
+
+1. :func:`key_scores` -- proxy importance of every key, fp32 ``[B, Hp, N]``.
+2. :func:`segment_permutation` -- per complete segment, keys sorted by descending score (stable);
+   segment order kept, the tail stays in place. ``permutation[b, hp, j]`` = original position of
+   the key at permuted slot ``j``.
+3. :func:`select_blocks` -- ``block_mask[b, h, qb, kb]`` over *permuted* key blocks: threshold
+   selection over the candidate blocks plus the forced ones (own segment / tail region, sink).
+4. :func:`permuted_block_attention` -- softmax attention of every query over the keys of its
+   selected permuted blocks, element mask by original position (``orig_pos(k) <= pos(q)`` when
+   causal), key padding applied, zeros for a query that sees no key. Differentiable in q, k, v.
+
+Conventions and decisions (where SPEC §3 leaves room):
+
+* ``N = Nq = Nk``; blocks are ``[i*bs, min((i+1)*bs, N))`` for queries and permuted key slots
+  alike, ``nB = ceil(N / bs)``. Because ``segment_size % block_size == 0`` no block straddles a
+  segment boundary.
+* **Effective length per batch row.** With a key padding mask, row ``b``'s segment structure is
+  built on ``L_b = 1 + (last valid position)`` (``N`` without a mask, 0 for an all-padded row):
+  its complete segments are the first ``floor(L_b / S)`` segments and everything from
+  ``floor(L_b / S) * S`` on is its tail (the "region" after the last complete segment). Trailing
+  padding is therefore never sorted as if it were a complete segment, and a right-padded row
+  selects exactly what the unpadded, truncated sequence selects. Without trailing padding
+  ``L_b = N`` (the plain rule of SPEC §3).
+* **Region** of a block in row ``b``: its segment index if it lies in a complete segment, else
+  ``floor(L_b / S)`` (the tail). Causal candidates of query block ``I``: valid key blocks of a
+  strictly smaller region; non-causal: valid key blocks of any other region. A key block is valid
+  when it holds at least one valid (non-padded) key.
+* **Proxy**: the last ``block_size`` valid positions of the row (fewer if fewer exist); their
+  softmax runs over the valid keys of the complete segments, no causal mask inside the proxy.
+  ``causal_proxy=True`` normalises per segment. A row with no proxy row or no complete segment
+  scores 0 everywhere (identity permutation). Tail keys score 0.
+* **Pooling**: a query block's mean is over its valid positions (valid = key_padding_mask, as
+  Nq == Nk); a query block with no valid position falls back to the mean over all its
+  positions, so padded query rows still get an ordinary (finite) selection and the exact mode
+  equals dense attention on every row. A key block's mean is over its valid keys.
+* **scoring="mean"**: block logit ``q̄_I · k̄_J · scale`` (= the mean over all valid (q, k) pairs of
+  the block of ``q·k·scale``); block probability = softmax of the logits over the candidates.
+* **scoring="antidiagonal"** (PBS+, XAttention style, stride ``s``): split the query block into
+  ``bs/s`` strided rows and each key block into ``bs/s`` strided columns of ``s`` consecutive
+  tokens. The strided logit of row ``r`` (queries ``I*bs + r*s + t``) and column ``c`` (permuted
+  keys ``J*bs + c*s + t``) is the mean over ``t`` of ``q[I*bs + r*s + s-1-t] · k'[J*bs + c*s + t]
+  · scale`` -- the antidiagonal of that ``s x s`` tile, i.e. the pairs ``(i, j)`` of the block with
+  ``(i mod s) + (j mod s) = s - 1`` -- averaged over the pairs whose query and key are both valid
+  (a tile with no such pair is dropped). For every strided row, softmax over all strided columns
+  of all candidate blocks; a block's mass in that row is the sum over its columns; the block
+  probability is the mean of that mass over the strided rows that have at least one column. So
+  the probabilities again form a distribution over the candidates.
+* **Threshold**: candidates sorted by probability, descending, ties to the lower block index;
+  keep the smallest prefix whose cumulative mass reaches ``threshold`` (a block is kept iff the
+  mass of the blocks before it is ``< threshold``; fp32). ``threshold >= 1`` keeps every
+  candidate (exact mode, no floating-point cut-off).
+* **Forced** (not counted toward the threshold): every block of the query block's own region
+  and, with ``force_sink``, the permuted block holding the row's first valid token (token 0
+  without padding; with left padding the first real token, the attention sink).
+* **Density** ``[B, Hq]``: selected block pairs holding at least one visible (query, key)
+  element divided by all block pairs holding one, in the permuted layout; visibility is
+  ``visible_key_mask`` (causality and key padding; every query row counts, as in
+  ``Selection.key_mask``). A row with no visible pair has density 1. The exact mode gives 1.0.
+* Selection is computed without gradient; the attention is differentiable in q, k and v.
+* GQA is native: K/V are never repeated; per-query-head permutations index the shared KV head.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ...selection import Selection
+
+__all__ = [
+    "pbs_attention",
+    "effective_lengths",
+    "key_scores",
+    "segment_permutation",
+    "block_regions",
+    "block_probabilities",
+    "candidate_blocks",
+    "forced_blocks",
+    "threshold_blocks",
+    "select_blocks",
+    "permuted_block_attention",
+    "selection_density",
+]
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _scale(scale: Optional[float], d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def _num_blocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def _safe_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax that returns zeros (not NaN) for a slice whose entries are all -inf."""
+    empty = torch.isneginf(x.amax(dim=dim, keepdim=True))
+    return torch.softmax(x, dim=dim).masked_fill(empty, 0.0)
+
+
+def effective_lengths(key_padding_mask: Optional[Tensor], batch: int, n: int, device=None) -> Tensor:
+    """``[B]`` int64: ``1 + last valid position`` per row (``N`` without a mask, 0 if all padded)."""
+    if key_padding_mask is None:
+        return torch.full((batch,), n, dtype=torch.int64, device=device)
+    pos = torch.arange(1, n + 1, device=key_padding_mask.device)
+    return torch.where(key_padding_mask.bool(), pos, torch.zeros_like(pos)).amax(dim=-1)
+
+
+def _first_valid(key_padding_mask: Optional[Tensor], batch: int, n: int, device) -> Tensor:
+    """``[B]`` int64: first valid position per row, -1 for an all-padded row."""
+    if key_padding_mask is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    kpm = key_padding_mask.bool()
+    first = kpm.to(torch.int8).argmax(dim=-1)
+    return torch.where(kpm.any(dim=-1), first, torch.full_like(first, -1))
+
+
+def _padded_permutation(permutation: Tensor, n_blocks: int, block_size: int) -> Tensor:
+    """``[B, Hp, nB*bs]``: the permutation with -1 in the slots past N (partial last block)."""
+    b, hp, n = permutation.shape
+    total = n_blocks * block_size
+    if total == n:
+        return permutation
+    pad = permutation.new_full((b, hp, total - n), -1)
+    return torch.cat([permutation, pad], dim=-1)
+
+
+def _valid_positions(key_padding_mask: Optional[Tensor], batch: int, n: int, device) -> Tensor:
+    if key_padding_mask is None:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    return key_padding_mask.bool()
+
+
+# --------------------------------------------------------------------------- 1. key importance
+
+
+@torch.no_grad()
+def key_scores(
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    causal_proxy: bool = False,
+    gqa_permutation: str = "query_head",
+) -> Tensor:
+    """Proxy importance per key, fp32 ``[B, Hp, N]`` (Hp = Hq for ``"query_head"``, Hkv for
+    ``"kv_head"``, where the group's query-head scores are averaged).
+
+    Proxy rows: the last ``block_size`` valid query positions of each row. Score of key ``j`` of a
+    complete segment: mean over proxy rows of softmax(q_proxy · kᵀ · scale) over the valid keys of
+    all complete segments (per segment with ``causal_proxy``). Padded and tail keys score 0."""
+    bsz, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    sc = _scale(scale, d)
+    lengths = effective_lengths(key_padding_mask, bsz, n, q.device).tolist()
+    out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        n_seg = lengths[b] // segment_size
+        lc = n_seg * segment_size
+        if lc == 0:
+            continue
+        if key_padding_mask is None:
+            proxy = torch.arange(max(0, n - block_size), n, device=q.device)
+            key_ok = None
+        else:
+            proxy = key_padding_mask[b].bool().nonzero().squeeze(1)[-block_size:]
+            key_ok = key_padding_mask[b, :lc].bool()
+        p = proxy.numel()
+        if p == 0:
+            continue
+        for h in range(hkv):
+            qp = q[b, h * g : (h + 1) * g].index_select(1, proxy).float()  # [G, P, D]
+            kc = k[b, h, :lc].float()  # [Lc, D]
+            logits = torch.matmul(qp, kc.t()) * sc  # [G, P, Lc]
+            if key_ok is not None:
+                logits.masked_fill_(~key_ok, _NEG_INF)
+            if causal_proxy:
+                probs = _safe_softmax(logits.view(g, p, n_seg, segment_size)).view(g, p, lc)
+            else:
+                probs = _safe_softmax(logits)
+            out[b, h * g : (h + 1) * g, :lc] = probs.mean(dim=1)
+    if gqa_permutation == "kv_head":
+        out = out.view(bsz, hkv, g, n).mean(dim=2)
+    elif gqa_permutation != "query_head":
+        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
+    return out
+
+
+# --------------------------------------------------------------------------- 2. permutation
+
+
+@torch.no_grad()
+def segment_permutation(
+    scores: Tensor,
+    *,
+    segment_size: int = 256,
+    key_padding_mask: Optional[Tensor] = None,
+    permute: bool = True,
+) -> Tensor:
+    """``[B, Hp, N]`` int64 original positions per permuted slot: inside every complete segment
+    (of the row's effective length) keys sorted by descending score, stable; segment order kept;
+    the tail in place. ``permute=False`` gives the identity (the MeanPooling baseline)."""
+    bsz, hp, n = scores.shape
+    perm = torch.arange(n, device=scores.device).expand(bsz, hp, n).clone()
+    if not permute:
+        return perm
+    lengths = effective_lengths(key_padding_mask, bsz, n, scores.device).tolist()
+    for b in range(bsz):
+        n_seg = lengths[b] // segment_size
+        lc = n_seg * segment_size
+        if lc == 0:
+            continue
+        s = scores[b, :, :lc].reshape(hp, n_seg, segment_size)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+        base = torch.arange(n_seg, device=scores.device)[:, None] * segment_size
+        perm[b, :, :lc] = (order + base).reshape(hp, lc)
+    return perm
+
+
+# --------------------------------------------------------------------------- 3. block selection
+
+
+def block_regions(
+    key_padding_mask: Optional[Tensor], batch: int, n: int, *, block_size: int, segment_size: int, device=None
+) -> Tensor:
+    """``[B, nB]`` int64: the region of each block (segment index, or ``floor(L_b/S)`` = tail)."""
+    n_blocks = _num_blocks(n, block_size)
+    lengths = effective_lengths(key_padding_mask, batch, n, device)
+    start = torch.arange(n_blocks, device=lengths.device) * block_size
+    seg = start // segment_size
+    return torch.minimum(seg[None, :], (lengths // segment_size)[:, None])
+
+
+def _hp_of(hq: int, hp: int) -> Tensor:
+    return torch.arange(hq) // (hq // hp)
+
+
+@torch.no_grad()
+def candidate_blocks(
+    permutation: Tensor,
+    hq: int,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    block_size: int = 128,
+    segment_size: int = 256,
+) -> Tensor:
+    """``[B, Hq, nB, nB]`` bool: key block ``J`` (permuted) is a scored candidate of query block ``I``."""
+    bsz, hp, n = permutation.shape
+    nb = _num_blocks(n, block_size)
+    region = block_regions(key_padding_mask, bsz, n, block_size=block_size,
+                           segment_size=segment_size, device=permutation.device)
+    rq, rk = region[:, :, None], region[:, None, :]
+    cand = (rk < rq) if is_causal else (rk != rq)  # [B, nB, nB]
+    kvalid = _key_block_valid(permutation, key_padding_mask, block_size)  # [B, Hp, nB]
+    kvalid = kvalid[:, _hp_of(hq, hp).to(permutation.device)]  # [B, Hq, nB]
+    return cand[:, None] & kvalid[:, :, None, :]
+
+
+def _key_block_valid(permutation: Tensor, key_padding_mask: Optional[Tensor], block_size: int) -> Tensor:
+    bsz, hp, n = permutation.shape
+    nb = _num_blocks(n, block_size)
+    if key_padding_mask is None:
+        return torch.ones(bsz, hp, nb, dtype=torch.bool, device=permutation.device)
+    kpm = key_padding_mask.bool()
+    valid_slot = torch.gather(kpm[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
+    pad = valid_slot.new_zeros(bsz, hp, nb * block_size - n)
+    return torch.cat([valid_slot, pad], dim=-1).view(bsz, hp, nb, block_size).any(dim=-1)
+
+
+@torch.no_grad()
+def forced_blocks(
+    permutation: Tensor,
+    hq: int,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    force_sink: bool = True,
+) -> Tensor:
+    """``[B, Hq, nB, nB]`` bool: own region of every query block, plus the sink block."""
+    bsz, hp, n = permutation.shape
+    dev = permutation.device
+    nb = _num_blocks(n, block_size)
+    region = block_regions(key_padding_mask, bsz, n, block_size=block_size, segment_size=segment_size, device=dev)
+    forced = (region[:, :, None] == region[:, None, :])[:, None].expand(bsz, hq, nb, nb).clone()
+    if force_sink:
+        first = _first_valid(key_padding_mask, bsz, n, dev)  # [B]
+        has = first >= 0
+        slot = (permutation == first.clamp_min(0)[:, None, None]).to(torch.int8).argmax(dim=-1)  # [B, Hp]
+        sink_block = (slot // block_size)[:, _hp_of(hq, hp).to(dev)]  # [B, Hq]
+        onehot = torch.nn.functional.one_hot(sink_block, nb).bool() & has[:, None, None]  # [B, Hq, nB]
+        forced |= onehot[:, :, None, :]
+    return forced
+
+
+@torch.no_grad()
+def threshold_blocks(probs: Tensor, candidates: Tensor, threshold: float) -> Tensor:
+    """Keep, per query block, the smallest prefix of candidates (sorted by probability, descending,
+    ties to the lower index) whose cumulative mass reaches ``threshold``; all of them if
+    ``threshold >= 1``. ``probs``/``candidates``: ``[..., nKB]``. Returns bool ``[..., nKB]``."""
+    if float(threshold) >= 1.0:
+        return candidates.clone()
+    key = torch.where(candidates, probs.float(), torch.full_like(probs, -1.0, dtype=torch.float32))
+    sorted_p, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    sorted_cand = torch.gather(candidates, -1, order)
+    mass = torch.where(sorted_cand, sorted_p, torch.zeros_like(sorted_p))
+    before = torch.cumsum(mass, dim=-1) - mass  # exclusive prefix sum
+    keep_sorted = sorted_cand & (before < float(threshold))
+    keep = torch.zeros_like(candidates)
+    keep.scatter_(-1, order, keep_sorted)
+    return keep
+
+
+def _query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tuple[Tensor, Tensor]:
+    """Block means of q ``[B, H, N, D]`` over valid positions (all positions of a block without
+    any). Returns (means fp32 ``[B, H, nB, D]``, effective validity ``[B, N]``)."""
+    bsz, h, n, d = q.shape
+    nb = _num_blocks(n, block_size)
+    total = nb * block_size
+    vb = torch.cat([valid, valid.new_zeros(bsz, total - n)], dim=-1).view(bsz, nb, block_size)
+    exists = torch.cat([valid.new_ones(bsz, n), valid.new_zeros(bsz, total - n)], dim=-1).view(bsz, nb, block_size)
+    eff = torch.where(vb.any(dim=-1, keepdim=True), vb, exists)  # [B, nB, bs]
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
+    w = eff.float()[:, None, :, :, None]
+    means = (qf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
+    return means, eff.reshape(bsz, total)[:, :n]
+
+
+def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
+    """fp32 ``[total, D]``: k rows in permuted order, zero rows for slots past N."""
+    kp = k_bh.float().index_select(0, perm_row)
+    if total > kp.shape[0]:
+        kp = torch.cat([kp, kp.new_zeros(total - kp.shape[0], kp.shape[1])], dim=0)
+    return kp
+
+
+@torch.no_grad()
+def block_probabilities(
+    q: Tensor,
+    k: Tensor,
+    permutation: Tensor,
+    candidates: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    scoring: str = "mean",
+    antidiagonal_stride: int = 8,
+    chunk_blocks: int = 16,
+) -> Tensor:
+    """fp32 ``[B, Hq, nB, nB]``: each query block's distribution over its candidate key blocks
+    (zeros elsewhere; all zeros for a query block without candidates). See the module docstring
+    for the exact definition of both scorings."""
+    bsz, hq, n, d = q.shape
+    hkv = k.shape[1]
+    hp = permutation.shape[1]
+    sc = _scale(scale, d)
+    nb = _num_blocks(n, block_size)
+    total = nb * block_size
+    valid = _valid_positions(key_padding_mask, bsz, n, q.device)
+    _, qvalid_eff = _query_block_means(q[:, :1], valid, block_size)
+    perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total]
+    # validity of every permuted slot, per (b, hp)
+    kvalid_slot = torch.gather(
+        torch.cat([valid, valid.new_zeros(bsz, 1)], dim=-1)[:, None, :].expand(bsz, hp, n + 1),
+        2, torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p),
+    )  # [B, Hp, total]
+    out = torch.zeros(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
+    hq_per_hp = hq // hp
+    g = hq // hkv
+    if scoring == "mean":
+        qbar, _ = _query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
+        for b in range(bsz):
+            for p in range(hp):
+                kv_head = (p * hq_per_hp) // g
+                kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
+                w = kvalid_slot[b, p].float().view(nb, block_size, 1)
+                kbar = (kp.view(nb, block_size, d) * w).sum(1) / w.sum(1).clamp_min(1.0)  # [nB, D]
+                heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
+                logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
+                logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
+                out[b, heads] = _safe_softmax(logits)
+        return out
+    if scoring != "antidiagonal":
+        raise ValueError(f"scoring must be 'mean' or 'antidiagonal', got {scoring!r}")
+    s = antidiagonal_stride
+    if block_size % s:
+        raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {s}")
+    r = block_size // s
+    for b in range(bsz):
+        qv = torch.cat([qvalid_eff[b], qvalid_eff.new_zeros(total - n)])  # [total]
+        qgv = qv.view(nb * r, s).flip(-1).float()  # [nB*R, s] (reversed inside each stride)
+        for p in range(hp):
+            kv_head = (p * hq_per_hp) // g
+            kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
+            kvs = kvalid_slot[b, p]
+            kg = (kp * kvs[:, None].float()).view(nb * r, s * d)  # strided key columns
+            kgv = kvs.view(nb * r, s).float()
+            for h in range(p * hq_per_hp, (p + 1) * hq_per_hp):
+                qf = torch.nn.functional.pad(q[b, h].float(), (0, 0, 0, total - n))
+                qg = (qf * qv[:, None].float()).view(nb * r, s, d).flip(1).reshape(nb * r, s * d)
+                for i0 in range(0, nb, chunk_blocks):
+                    i1 = min(nb, i0 + chunk_blocks)
+                    rows = slice(i0 * r, i1 * r)
+                    cnt = torch.matmul(qgv[rows], kgv.t())  # valid pairs per tile antidiagonal
+                    logit = torch.matmul(qg[rows], kg.t()) / cnt.clamp_min(1.0) * sc  # [cR, nB*R]
+                    col_ok = candidates[b, h, i0:i1].repeat_interleave(r, dim=0).repeat_interleave(r, dim=1)
+                    col_ok = col_ok & (cnt > 0)
+                    prob = _safe_softmax(logit.masked_fill(~col_ok, _NEG_INF))
+                    mass = prob.view(i1 - i0, r, nb, r).sum(dim=-1)  # [c, R, nB]
+                    rows_ok = col_ok.any(dim=-1).view(i1 - i0, r).sum(dim=-1)  # [c]
+                    out[b, h, i0:i1] = mass.sum(dim=1) / rows_ok.clamp_min(1)[:, None].float()
+    return out
+
+
+@torch.no_grad()
+def select_blocks(
+    q: Tensor,
+    k: Tensor,
+    permutation: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    threshold: float = 0.9,
+    force_sink: bool = True,
+    scoring: str = "mean",
+    antidiagonal_stride: int = 8,
+) -> Tensor:
+    """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
+    candidates, plus the forced blocks (own region, sink)."""
+    hq = q.shape[1]
+    geo = dict(key_padding_mask=key_padding_mask, block_size=block_size, segment_size=segment_size)
+    cand = candidate_blocks(permutation, hq, is_causal=is_causal, **geo)
+    forced = forced_blocks(permutation, hq, force_sink=force_sink, **geo)
+    if float(threshold) >= 1.0:
+        return cand | forced
+    probs = block_probabilities(
+        q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
+        block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+    )
+    return threshold_blocks(probs, cand, threshold) | forced
+
+
+# --------------------------------------------------------------------------- 4. attention
+
+
+def _block_key_max(perm_p: Tensor, nb: int, block_size: int) -> Tensor:
+    """``[B, Hp, nB]``: largest original position in each permuted block."""
+    b, hp, _ = perm_p.shape
+    return perm_p.view(b, hp, nb, block_size).amax(dim=-1)
+
+
+def permuted_block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    permutation: Tensor,
+    block_mask: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+) -> Tensor:
+    """``[B, Hq, N, Dv]`` in q.dtype: each query attends the keys of its selected permuted blocks
+    (``orig_pos(k) <= pos(q)`` when causal; padded keys never); fp32 accumulation; zeros for a
+    query with no visible key. Loops over (batch, head, query block): memory O(bs · N)."""
+    bsz, hq, n, d = q.shape
+    hkv = k.shape[1]
+    hp = permutation.shape[1]
+    g = hq // hkv
+    hq_per_hp = hq // hp
+    sc = _scale(scale, d)
+    nb = _num_blocks(n, block_size)
+    dev = q.device
+    with torch.no_grad():
+        perm_p = _padded_permutation(permutation, nb, block_size)
+        kmax = _block_key_max(perm_p, nb, block_size)  # [B, Hp, nB]
+        if key_padding_mask is not None:
+            kpm_ext = torch.cat([key_padding_mask.bool(), key_padding_mask.new_zeros(bsz, 1).bool()], dim=-1)
+        qpos_all = torch.arange(n, device=dev)
+    rows: List[Tensor] = []
+    for b in range(bsz):
+        heads: List[Tensor] = []
+        for kvh in range(hkv):
+            kf = k[b, kvh].float()
+            vf = v[b, kvh].float()
+            for gi in range(g):
+                h = kvh * g + gi
+                p = h // hq_per_hp
+                qh = q[b, h].float() * sc
+                with torch.no_grad():
+                    bm_h = block_mask[b, h]
+                    pb = perm_p[b, p].view(nb, block_size)
+                    km = kmax[b, p]
+                blocks_out: List[Tensor] = []
+                for i in range(nb):
+                    q0, q1 = i * block_size, min(n, (i + 1) * block_size)
+                    with torch.no_grad():
+                        sel = bm_h[i].nonzero().squeeze(1)
+                        if is_causal:
+                            early = km[sel] <= q0  # every key of the block is visible to every query
+                            full, part = sel[early], sel[~early]
+                        else:
+                            full, part = sel, sel[:0]
+                        idx_f = pb[full].reshape(-1)
+                        idx_p = pb[part].reshape(-1)
+                        idx_f = idx_f[idx_f >= 0]
+                        idx_p = idx_p[idx_p >= 0]
+                        if key_padding_mask is not None:
+                            idx_f = idx_f[kpm_ext[b, idx_f]]
+                            idx_p = idx_p[kpm_ext[b, idx_p]]
+                        n_f = idx_f.numel()
+                        idx = torch.cat([idx_f, idx_p])
+                        late_mask = None
+                        row_ok = None
+                        if idx_p.numel():
+                            late_mask = idx_p[None, :] > qpos_all[q0:q1, None]  # True = hidden
+                            if n_f == 0:
+                                # a query that sees no key: leave its row unmasked (finite, no NaN
+                                # in forward or backward) and zero its output below
+                                row_ok = ~late_mask.all(dim=-1)
+                                late_mask &= row_ok[:, None]
+                    if idx.numel() == 0:
+                        blocks_out.append(qh.new_zeros(q1 - q0, v.shape[-1]))
+                        continue
+                    kk = kf.index_select(0, idx)
+                    vv = vf.index_select(0, idx)
+                    s = torch.matmul(qh[q0:q1], kk.t())  # [bq, n_sel]
+                    if late_mask is not None:
+                        s = torch.cat([s[:, :n_f], s[:, n_f:].masked_fill(late_mask, _NEG_INF)], dim=1) \
+                            if n_f else s.masked_fill(late_mask, _NEG_INF)
+                    pr = torch.softmax(s, dim=-1)
+                    if row_ok is not None:
+                        pr = torch.where(row_ok[:, None], pr, torch.zeros((), dtype=pr.dtype, device=dev))
+                    blocks_out.append(torch.matmul(pr, vv))
+                heads.append(torch.cat(blocks_out, dim=0))
+        rows.append(torch.stack(heads, dim=0))
+    return torch.stack(rows, dim=0).to(q.dtype)
+
+
+# --------------------------------------------------------------------------- 5. density
+
+
+@torch.no_grad()
+def selection_density(
+    block_mask: Tensor,
+    permutation: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    block_size: int = 128,
+) -> Tensor:
+    """``[B, Hq]`` float32: selected block pairs with a visible element / block pairs with one."""
+    bsz, hq, nb, _ = block_mask.shape
+    hp, n = permutation.shape[1], permutation.shape[2]
+    dev = block_mask.device
+    perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total]
+    big = n + 1
+    slot_ok = perm_p >= 0
+    if key_padding_mask is not None:
+        kpm_ext = torch.cat([key_padding_mask.bool(), key_padding_mask.new_zeros(bsz, 1).bool()], dim=-1)
+        slot_ok &= torch.gather(kpm_ext[:, None, :].expand(bsz, hp, n + 1), 2,
+                                torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p))
+    kmin = torch.where(slot_ok, perm_p, torch.full_like(perm_p, big)).view(bsz, hp, nb, block_size).amin(-1)
+    kmin = kmin[:, _hp_of(hq, hp).to(dev)]  # [B, Hq, nB]
+    qmax = (torch.arange(nb, device=dev) * block_size + block_size - 1).clamp_max(n - 1)  # [nB]
+    if is_causal:
+        vis = kmin[:, :, None, :] <= qmax[None, None, :, None]
+    else:
+        vis = (kmin < big)[:, :, None, :].expand(bsz, hq, nb, nb)
+    num = (block_mask & vis).sum(dim=(-1, -2)).float()
+    den = vis.sum(dim=(-1, -2)).float()
+    return torch.where(den > 0, num / den.clamp_min(1.0), torch.ones_like(num))
+
+
+# --------------------------------------------------------------------------- the op
+
+
+def pbs_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    threshold: float = 0.9,
+    force_sink: bool = True,
+    permute: bool = True,
+    gqa_permutation: str = "query_head",
+    scoring: str = "mean",
+    antidiagonal_stride: int = 8,
+    causal_proxy: bool = False,
+    min_seq_len: int = 0,
+    return_selection: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Selection]]:
+    """PBS-Attn prefill, plain PyTorch. ``q: [B, Hq, N, D]``, ``k, v: [B, Hkv, N, D]``; output
+    ``[B, Hq, N, Dv]`` in ``q.dtype``. ``min_seq_len`` is accepted for config parity and ignored
+    here (the dispatcher applies it). With ``return_selection`` also returns the
+    :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
+    bsz, hq, n, d = q.shape
+    hkv = k.shape[1]
+    if gqa_permutation not in ("query_head", "kv_head"):
+        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    hp = hq if gqa_permutation == "query_head" else hkv
+    with torch.no_grad():
+        qd, kd = q.detach(), k.detach()
+        if permute:
+            scores = key_scores(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=block_size,
+                                segment_size=segment_size, causal_proxy=causal_proxy,
+                                gqa_permutation=gqa_permutation)
+            perm = segment_permutation(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
+        else:
+            perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
+        block_mask = select_blocks(
+            qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+            block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
+            scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+        )
+    out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
+                                   is_causal=is_causal, scale=scale, block_size=block_size)
+    if not return_selection:
+        return out
+    density = selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                                block_size=block_size)
+    sel = Selection(
+        method="pbs", density=density, block_size=block_size, is_causal=is_causal, num_keys=n,
+        block_mask=block_mask, permutation=perm, key_padding_mask=key_padding_mask,
+    )
+    return out, sel

@@ -1,0 +1,472 @@
+"""Permuted block-sparse flash-attention forward (PBS-Attn, SPEC §3 step 4) in Triton.
+
+Imported lazily (only when ``backend="triton"`` is asked for): this module imports Triton.
+
+Layout (the contract of ``sparseflow::pbs_block_sparse_fwd``):
+
+* ``q``: ``[B, Hq, N, D]`` queries in their original order.
+* ``k``, ``v``: ``[B, Hkv', N, D]``. Either the *permuted* keys/values (``gather=False``; then
+  ``Hkv'`` is the number of permutation heads ``Hp``, i.e. Hq for per-query-head permutation or
+  Hkv for per-KV-head permutation) or the *original* keys/values (``gather=True``; then
+  ``Hkv' = Hkv`` and the kernel reads permuted slot ``j`` from row ``kpos[j]``). A query head
+  ``h`` reads K/V head ``h // (Hq // Hkv')``: GQA is native, K/V are never repeated.
+* ``kpos``: ``[B, Hp, N]`` int32, the original position of the key in permuted slot ``j``, or
+  ``PAD_POS`` (int32 max) for a padded key. Query head ``h`` reads permutation head
+  ``h // (Hq // Hp)``. A key is visible to query ``i`` iff ``kpos <= i`` (causal) or
+  ``kpos < N`` (non-causal): padding, causality inside the diagonal segment, and the ragged
+  last block are all one comparison.
+* ``kv_num``, ``kv_full``: ``[B, Hq, nQB]`` int32; ``kv_idx``: ``[B, Hq, nQB, L]`` int32.
+  Query block ``qb`` attends permuted key blocks ``kv_idx[..., :kv_num]``; the first ``kv_full``
+  of them need no element mask (every key strictly before the query block's segment, no
+  padding), the rest are masked element-wise through ``kpos``. ``block_mask_to_indices`` builds
+  these from a ``[B, Hq, nQB, nKB]`` bool block mask.
+
+Softmax is online in fp32 (exp2 with the scale folded in); fp32 inputs use IEEE fp32 dots.
+Rows that see no key are written as 0. Any head dim works (padded to a power of two inside the
+kernel), any N, any block size (blocks smaller than 16 run on masked 16-wide tiles).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+__all__ = [
+    "PAD_POS",
+    "block_mask_to_indices",
+    "key_positions",
+    "pbs_block_sparse_attention",
+]
+
+PAD_POS = 2**31 - 1
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _tile(
+    acc, l_i, m_i, q, offs_m, kb, sub_n,
+    k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+    stride_kn, stride_vn, N, qk_scale,
+    offs_d, d_ok,
+    SPARSE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_N: tl.constexpr,
+    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    start = kb * SPARSE_BLOCK + sub_n * BLOCK_N
+    in_blk = sub_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = kb * SPARSE_BLOCK + in_blk
+    if GATHER or MASK:
+        kp_ok = offs_n < N
+        if not EVEN_N:
+            kp_ok = kp_ok & (in_blk < SPARSE_BLOCK)
+        kp = tl.load(kpos_base + offs_n, mask=kp_ok, other=2147483647)
+    # ---- K
+    if USE_TMA:
+        k = desc_k.load([desc_row0 + start, 0])
+    elif GATHER:
+        src = tl.minimum(kp, N - 1)
+        if EVEN_D:
+            k = tl.load(k_base + src[:, None] * stride_kn + offs_d[None, :])
+        else:
+            k = tl.load(k_base + src[:, None] * stride_kn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        if MASK:
+            n_ok = offs_n < N
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASK:
+        if IS_CAUSAL:
+            vis = kp[None, :] <= offs_m[:, None]
+        else:
+            vis = kp[None, :] < N
+        s = tl.where(vis, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    # ---- V
+    if USE_TMA:
+        v = desc_v.load([desc_row0 + start, 0])
+    elif GATHER:
+        if EVEN_D:
+            v = tl.load(v_base + src[:, None] * stride_vn + offs_d[None, :])
+        else:
+            v = tl.load(v_base + src[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    else:
+        if MASK:
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _pbs_fwd_kernel(
+    Q, K, V, KPOS, KV_NUM, KV_FULL, KV_IDX, OUT,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_pb, stride_ph,
+    stride_cb, stride_ch,
+    stride_ib, stride_ih, stride_iq,
+    H, N, NQB, qk_scale, HKV, N_BUCKET,
+    KV_GROUP: tl.constexpr, P_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_ALL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    SUB_M: tl.constexpr = (SPARSE_BLOCK + BLOCK_M - 1) // BLOCK_M
+    SUB_N: tl.constexpr = (SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
+    EVEN_M: tl.constexpr = SPARSE_BLOCK % BLOCK_M == 0
+    EVEN_N: tl.constexpr = SPARSE_BLOCK % BLOCK_N == 0
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    # heaviest query tiles (latest) first, to shorten the causal tail
+    tile = NQB * SUB_M - 1 - pid
+    qb = tile // SUB_M
+    sub_m = tile % SUB_M
+    kvh = h // KV_GROUP
+    ph = h // P_GROUP
+
+    in_qblk = sub_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = qb * SPARSE_BLOCK + in_qblk
+    row_ok = offs_m < N
+    if not EVEN_M:
+        row_ok = row_ok & (in_qblk < SPARSE_BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    kpos_base = KPOS + b64 * stride_pb + ph.to(tl.int64) * stride_ph
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if USE_TMA:
+        rows = tl.num_programs(1) // H * HKV * N
+        desc_k = tl.make_tensor_descriptor(K, shape=[rows, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        desc_v = tl.make_tensor_descriptor(V, shape=[rows, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        desc_row0 = (b * HKV + kvh) * N
+    else:
+        desc_k = K
+        desc_v = V
+        desc_row0 = 0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    cnt_off = b64 * stride_cb + h.to(tl.int64) * stride_ch + qb
+    n_tot = tl.load(KV_NUM + cnt_off)
+    n_full = tl.load(KV_FULL + cnt_off)
+    idx_base = KV_IDX + b64 * stride_ib + h.to(tl.int64) * stride_ih + qb.to(tl.int64) * stride_iq
+
+    # blocks wholly before the query's segment, no padding: no element mask
+    for t in range(0, n_full * SUB_N):
+        kb = tl.load(idx_base + t // SUB_N)
+        acc, l_i, m_i = _tile(
+            acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
+            k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+            stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+            SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+            MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE,
+        )
+    # the diagonal segment (element mask by original position), ragged last block, padding
+    for t in range(n_full * SUB_N, n_tot * SUB_N):
+        kb = tl.load(idx_base + t // SUB_N)
+        acc, l_i, m_i = _tile(
+            acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
+            k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+            stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+            SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+            True, IS_CAUSAL, GATHER, USE_TMA, IEEE,
+        )
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_base = OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for w in (4, 8):
+                for s in (2, 3, 4):
+                    if bm * bn >= 128 * 128 and w == 4:
+                        continue
+                    if bm * bn < 64 * 128 and w == 8:
+                        continue
+                    cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    # small sparse blocks
+    cfgs.append(triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2))
+    cfgs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=2))
+    return cfgs
+
+
+def _prune(configs, named_args, **kwargs):
+    sb = kwargs.get("SPARSE_BLOCK", named_args.get("SPARSE_BLOCK"))
+    d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    tma = kwargs.get("USE_TMA", named_args.get("USE_TMA"))
+    fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= max(sb, 16) and c.kwargs["BLOCK_N"] <= max(sb, 16)]
+    if tma:
+        fitting = [c for c in fitting if sb % c.kwargs["BLOCK_N"] == 0]
+    if d is not None and d > 128:  # registers: keep tiles small for very large head dims
+        fitting = [c for c in fitting if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 or c.kwargs["BLOCK_N"] <= 32] or fitting
+    if not fitting:
+        fitting = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    # keep the largest fitting tiles only (smaller ones are for small sparse blocks)
+    best = max(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] for c in fitting)
+    return [c for c in fitting if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * 4 >= best]
+
+
+_pbs_fwd_autotuned = triton.autotune(
+    configs=_configs(),
+    key=["N_BUCKET", "HEAD_DIM", "SPARSE_BLOCK", "IS_CAUSAL", "MASK_ALL", "GATHER", "USE_TMA", "KV_GROUP", "P_GROUP"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_pbs_fwd_kernel)
+
+# Fixed-config launches (benchmarks compare configurations side by side with these).
+_FIXED_CONFIG: Optional[dict] = None
+
+
+def set_fixed_config(cfg: Optional[dict]) -> None:
+    """Bypass the autotuner: ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` or None."""
+    global _FIXED_CONFIG
+    _FIXED_CONFIG = cfg
+
+
+# --------------------------------------------------------------------------- host side
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+    _ALLOCATOR_SET = True
+
+
+def _tma_ok(q, k, v, gather: bool) -> bool:
+    if gather or _INTERPRET or not q.is_cuda or os.environ.get("SPARSEFLOW_PBS_TMA", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    d = k.shape[-1]
+    for t in (k, v):
+        if not t.is_contiguous() or (t.data_ptr() % 16) or (d * t.element_size()) % 16:
+            return False
+    return True
+
+
+@triton_op("sparseflow::pbs_block_sparse_fwd", mutates_args={})
+def pbs_block_sparse_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kpos: torch.Tensor,
+    kv_num: torch.Tensor,
+    kv_full: torch.Tensor,
+    kv_idx: torch.Tensor,
+    scale: float,
+    block_size: int,
+    is_causal: bool,
+    has_padding: bool,
+    gather: bool,
+) -> torch.Tensor:
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    hp = kpos.shape[1]
+    out = torch.empty_like(q)
+    nqb = kv_num.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    use_tma = _tma_ok(q, k, v, gather)
+    if use_tma:
+        _ensure_allocator()
+    mask_all = bool(has_padding)
+    ieee = q.dtype == torch.float32
+    n_bucket = triton.next_power_of_2(max(n, 1))
+    args = (
+        q, k, v, kpos, kv_num, kv_full, kv_idx, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        kpos.stride(0), kpos.stride(1),
+        kv_num.stride(0), kv_num.stride(1),
+        kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2),
+        hq, n, nqb, scale * 1.4426950408889634, hkv, n_bucket,
+    )
+    meta = dict(
+        KV_GROUP=hq // hkv, P_GROUP=hq // hp, HEAD_DIM=d, BLOCK_D=block_d,
+        SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=mask_all, GATHER=gather,
+        USE_TMA=use_tma, IEEE=ieee,
+    )
+    fixed = _FIXED_CONFIG
+    if fixed is not None:
+        bm = fixed["BLOCK_M"]
+
+        def grid(meta_):
+            return (nqb * triton.cdiv(block_size, bm), b * hq)
+
+        wrap_triton(_pbs_fwd_kernel)[grid](
+            *args, **meta, BLOCK_M=bm, BLOCK_N=fixed["BLOCK_N"],
+            num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
+        )
+    else:
+
+        def grid(meta_):
+            return (nqb * triton.cdiv(block_size, meta_["BLOCK_M"]), b * hq)
+
+        wrap_triton(_pbs_fwd_autotuned)[grid](*args, **meta)
+    return out
+
+
+@pbs_block_sparse_fwd.register_fake
+def _(q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D")
+    torch._check(kpos.dtype == torch.int32 and kv_num.dtype == torch.int32 and kv_idx.dtype == torch.int32,
+                 lambda: "kpos, kv_num, kv_full, kv_idx must be int32")
+    return torch.empty_like(q)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def key_positions(
+    permutation: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``[B, Hp, N]`` int32 original position per permuted slot, ``PAD_POS`` where padded."""
+    kpos = permutation.to(torch.int32)
+    if key_padding_mask is not None:
+        valid = torch.gather(
+            key_padding_mask.to(torch.bool)[:, None, :].expand(kpos.shape), 2, permutation.long()
+        )
+        kpos = torch.where(valid, kpos, torch.full_like(kpos, PAD_POS))
+    return kpos.contiguous()
+
+
+def block_mask_to_indices(
+    block_mask: torch.Tensor,
+    *,
+    num_keys: int,
+    block_size: int,
+    segment_size: int,
+    is_causal: bool,
+    has_padding: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, H, nQB, nKB]`` bool -> ``(kv_num, kv_full, kv_idx)`` int32 (see module docstring).
+
+    Blocks that need no element mask come first (ascending), then the rest (ascending). A block
+    needs a mask when it lies in or after the query block's segment (causal: its keys' original
+    positions may exceed a query's), when it is the ragged last block, or always under padding.
+    ``segment_size`` only decides which blocks take the cheaper unmasked path: every mask is
+    exact element-wise, so a smaller value (e.g. ``block_size`` when keys are unpermuted) is
+    still correct."""
+    bsz, h, nqb, nkb = block_mask.shape
+    dev = block_mask.device
+    kb = torch.arange(nkb, device=dev)
+    needs = torch.zeros(nqb, nkb, dtype=torch.bool, device=dev)
+    if is_causal:
+        qstart = torch.arange(nqb, device=dev) * block_size
+        seg_first_block = (qstart // segment_size) * segment_size // block_size
+        needs |= kb[None, :] >= seg_first_block[:, None]
+    if num_keys % block_size:
+        needs[:, nkb - 1] = True
+    if has_padding:
+        needs[:] = True
+    sel = block_mask.to(torch.bool)
+    key = torch.where(sel, kb + needs.to(kb.dtype) * nkb, kb + 2 * nkb)
+    # key < 3*nkb; sort keys are unique per row, so the sort is a plain ascending sort
+    sorted_key = torch.sort(key.to(torch.int32), dim=-1).values
+    kv_idx = (sorted_key % nkb).to(torch.int32).contiguous()
+    kv_num = sel.sum(-1, dtype=torch.int32).contiguous()
+    kv_full = (sel & ~needs).sum(-1, dtype=torch.int32).contiguous()
+    return kv_num, kv_full, kv_idx
+
+
+def pbs_block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kpos: torch.Tensor,
+    kv_num: torch.Tensor,
+    kv_full: torch.Tensor,
+    kv_idx: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    block_size: int,
+    is_causal: bool = True,
+    has_padding: bool = False,
+    gather: bool = False,
+) -> torch.Tensor:
+    """Python entry to the op; checks the layout (see module docstring)."""
+    b, hq, n, d = q.shape
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[2] != n or v.shape[-1] != d or k.shape[-1] != d:
+        raise ValueError(f"k/v must be [B, H', N, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[1] or hq % kpos.shape[1]:
+        raise ValueError(f"query heads {hq} must be a multiple of K/V heads {k.shape[1]} and permutation heads {kpos.shape[1]}")
+    if not gather and k.shape[1] != kpos.shape[1]:
+        raise ValueError("gather=False expects permuted K/V with one head per permutation head")
+    nqb = -(-n // block_size)
+    if kv_num.shape != (b, hq, nqb) or kv_full.shape != (b, hq, nqb) or kv_idx.shape[:3] != (b, hq, nqb):
+        raise ValueError(f"kv_num/kv_full must be [B, Hq, nQB]={(b, hq, nqb)}, kv_idx [B, Hq, nQB, L]")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if n == 0:
+        return torch.empty_like(q)
+    return pbs_block_sparse_fwd(
+        q, k, v, kpos, kv_num, kv_full, kv_idx, scale, int(block_size), bool(is_causal), bool(has_padding), bool(gather)
+    )

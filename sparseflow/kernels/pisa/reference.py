@@ -1,0 +1,314 @@
+"""PISA (pyramid block selection) in plain PyTorch: the oracle for every other backend (SPEC §4).
+
+Selection walks a pyramid of mean key summaries from the root down, per query token, keeping at
+most ``top_k`` nodes per level; the kept leaf blocks are attended with
+:func:`sparseflow.kernels.token_blocks.attend_selected_blocks`.
+
+Pyramid (per KV head, built by :func:`build_pyramid`): level 1 = leaf blocks of ``C`` keys, level
+``l+1`` node ``u`` merges level-``l`` nodes ``u*g .. u*g+g-1`` (the last group may be short: the
+pyramid is conceptually padded with empty nodes up to a power of ``g``). Every node's summary is
+the mean of the valid keys below it; a node with no valid key has a zero summary and is never a
+candidate. Node ``u`` of level ``l`` covers leaves ``[u*g**(l-1), (u+1)*g**(l-1))``.
+
+Walk for query ``i`` (position ``p_i``, horizon ``h_i``; see token_blocks):
+
+* level ``L`` (the root, a single node) is kept if it holds a visible key;
+* at each lower level the candidates are the children of the kept nodes that hold a visible key
+  (so nodes entirely in the future of ``p_i`` and nodes without valid keys are dropped);
+* *forced* candidates are kept without scoring: the ancestors of the visible forced leaves
+  (current / previous / sink) and the node that contains position ``p_i`` (in causal mode the
+  only node that can straddle ``p_i``; forcing it keeps future keys out of every score even when
+  the current leaf itself has no visible key because of padding);
+* if the candidates fit in ``top_k`` all are kept; otherwise the forced ones plus the
+  best-scoring others, ``top_k`` in total, ties to the lower index.
+
+Scores are computed in fp32 (fp64 for fp64 inputs), per query head, and summed over the query
+heads of the GQA group:
+
+* ``"lse"``: intermediate node: ``log sum_c exp(q . kbar_c * scale)`` over its children that hold
+  a visible key; leaf: exact LSE over its valid raw keys;
+* ``"mean"`` (PISA-1): ``q . kbar_u * scale`` with ``kbar_u`` the node's own (token-weighted) mean;
+* ``"mean_var"`` (PISA-2): mean + 1/2 population variance of the child logits (unweighted over the
+  children that hold a visible key; for a leaf, over its valid raw key logits).
+
+Scored nodes never hold a key after ``p_i`` (only the node containing ``p_i`` can, and it is
+forced), so selection is exactly causal.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import token_blocks as tb
+
+__all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES"]
+
+SCORES = ("lse", "mean", "mean_var")
+
+
+def build_pyramid(
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    branching: int,
+    key_padding_mask: Optional[torch.Tensor] = None,
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Mean-key pyramid of ``k [B, Hkv, Nk, D]``.
+
+    Returns one ``(summaries, token_counts)`` pair per level, leaves first and the root (a single
+    node) last: ``summaries [B, Hkv, n_l, D]`` (fp32, fp64 for fp64 keys) is the mean of the valid
+    keys below each node (zeros where there is none), ``token_counts [B, n_l]`` int64 the number
+    of those keys. ``n_1 = ceil(Nk / C)``, ``n_{l+1} = ceil(n_l / g)``.
+    """
+    sums, counts = tb.leaf_block_sums(k, block_size, key_padding_mask)
+    levels = []
+    while True:
+        summaries = sums / counts.clamp_min(1)[:, None, :, None].to(sums.dtype)
+        levels.append((summaries, counts))
+        n = counts.shape[-1]
+        if n <= 1:
+            break
+        pad = -n % branching
+        if pad:
+            sums = torch.nn.functional.pad(sums, (0, 0, 0, pad))
+            counts = torch.nn.functional.pad(counts, (0, pad))
+        b, hkv, m, d = sums.shape
+        sums = sums.view(b, hkv, m // branching, branching, d).sum(3)
+        counts = counts.view(b, m // branching, branching).sum(-1)
+    return levels
+
+
+def _level_first_valid(first_valid: torch.Tensor, n_levels: int, branching: int, n_k: int) -> List[torch.Tensor]:
+    """First valid key position of every node of every level (``Nk`` where none), leaves first."""
+    out = [first_valid]
+    cur = first_valid
+    for _ in range(n_levels - 1):
+        pad = -cur.shape[-1] % branching
+        if pad:
+            cur = torch.nn.functional.pad(cur, (0, pad), value=n_k)
+        cur = cur.view(cur.shape[0], -1, branching).amin(-1)
+        out.append(cur)
+    return out
+
+
+def _gather_nodes(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table [B, Hkv, n, ...]``, ``ids [B, Hkv, Q, M]`` (in range) -> ``[B, Hkv, Q, M, ...]``."""
+    return tb.gather_blocks(table, ids)
+
+
+def _gather_batch(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table [B, n]``, ``ids [B, Hkv, Q, M]`` (in range) -> ``[B, Hkv, Q, M]``."""
+    b = ids.shape[0]
+    return table.gather(1, ids.reshape(b, -1)).view(ids.shape)
+
+
+def _reduce_logits(logits: torch.Tensor, ok: torch.Tensor, score: str) -> torch.Tensor:
+    """``logits [B, Hkv, G, Q, M, J]``, ``ok [B, Hkv, 1, Q, M, J]`` -> per-head score ``[B, Hkv, G, Q, M]``."""
+    if score == "lse":
+        return torch.logsumexp(logits.masked_fill(~ok, -math.inf), dim=-1)
+    okf = ok.to(logits.dtype)
+    cnt = okf.sum(-1).clamp_min(1.0)
+    mean = (logits * okf).sum(-1) / cnt
+    var = (((logits - mean[..., None]) ** 2) * okf).sum(-1) / cnt
+    return mean + 0.5 * var
+
+
+def _scores(
+    level: int,
+    cand: torch.Tensor,
+    qg: torch.Tensor,
+    kblocks: torch.Tensor,
+    n_k: int,
+    pyramid,
+    first_valid_levels,
+    horizons: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    *,
+    scale: float,
+    block_size: int,
+    branching: int,
+    score: str,
+) -> torch.Tensor:
+    """Group-summed scores ``[B, Hkv, Q, M]`` of candidate nodes ``cand`` (level index ``level``,
+    0 = leaves) for the chunk's queries ``qg [B, Hkv, G, Q, D]`` with horizons ``[Q]``."""
+    b, hkv, nq, m = cand.shape
+    if score == "mean":
+        summ = _gather_nodes(pyramid[level][0], cand)  # [B, Hkv, Q, M, D]
+        per_head = torch.einsum("bhgqd,bhqmd->bhgqm", qg, summ) * scale
+        return per_head.sum(2)
+    if level == 0:
+        # raw keys of each candidate leaf block
+        offs = torch.arange(block_size, device=cand.device)
+        pos = cand[..., None] * block_size + offs  # [B, Hkv, Q, M, C]
+        ok = (pos < n_k) & (pos <= horizons.view(1, 1, nq, 1, 1))
+        if key_padding_mask is not None:
+            safe = torch.where(ok, pos, torch.zeros_like(pos))
+            ok = ok & key_padding_mask.gather(1, safe.reshape(b, -1)).view_as(pos)
+        keys = _gather_nodes(kblocks, cand)  # [B, Hkv, Q, M, C, D]
+        logits = torch.einsum("bhgqd,bhqmjd->bhgqmj", qg, keys) * scale
+    else:
+        child_summ, child_cnt = pyramid[level - 1]
+        n_child = child_cnt.shape[-1]
+        child = cand[..., None] * branching + torch.arange(branching, device=cand.device)  # [B,Hkv,Q,M,g]
+        ok = child < n_child
+        child = torch.where(ok, child, torch.zeros_like(child))
+        fv = _gather_batch(first_valid_levels[level - 1], child.flatten(-2)).view_as(child)
+        ok = ok & (fv <= horizons.view(1, 1, nq, 1, 1))  # holds a visible (hence valid) key
+        summ = _gather_nodes(child_summ, child.flatten(-2)).view(b, hkv, nq, m, branching, -1)
+        logits = torch.einsum("bhgqd,bhqmjd->bhgqmj", qg, summ) * scale
+    return _reduce_logits(logits, ok[:, :, None], score).sum(2)
+
+
+def _select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    block_size: int,
+    top_k: int,
+    branching: int,
+    score: str,
+    force_sink: bool,
+    force_previous: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq])."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {list(SCORES)}, got {score!r}")
+    if branching < 2:
+        raise ValueError(f"branching must be >= 2, got {branching}")
+    b, hq, n_q, d = q.shape
+    _, hkv, n_k, _ = k.shape
+    dev = q.device
+    sc = tb.default_scale(q, scale)
+    cdt = tb.compute_dtype(q.dtype)
+    kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
+    qg = tb.group_queries(q, hkv).to(cdt)
+    kf = k.to(cdt)
+    g = branching
+
+    pyramid = build_pyramid(kf, block_size=block_size, branching=g, key_padding_mask=kpm)
+    kblocks = tb.key_blocks(kf, block_size)  # [B, Hkv, nB, C, D]
+    first_valid = tb.leaf_first_valid(kpm, b, n_k, block_size, dev)
+    fvl = _level_first_valid(first_valid, len(pyramid), g, n_k)
+    positions = tb.query_positions(n_q, n_k, dev)
+    horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
+    forced_leaf = tb.forced_leaf_blocks(
+        positions, horizons, first_valid, block_size=block_size,
+        force_sink=force_sink, force_previous=force_previous,
+    )  # [B, Nq, 3]
+    current = torch.where(
+        (positions >= 0) & (positions < n_k),
+        torch.div(positions, block_size, rounding_mode="floor"),
+        torch.full_like(positions, -1),
+    )  # [Nq], the leaf holding p_i regardless of visibility
+    n_visible = tb.count_visible_blocks(first_valid, horizons)
+
+    result = torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev)
+    width_max = top_k * g
+    per_row = b * hkv * width_max * max(block_size if score != "mean" else 1, g) * max(d, qg.shape[2])
+    step = tb.chunk_rows(n_q, per_row)
+    top = len(pyramid) - 1
+    for s in range(0, n_q, step):
+        e = min(n_q, s + step)
+        nq = e - s
+        hz = horizons[s:e]
+        qc = qg[:, :, :, s:e]
+        anc_leaf = torch.cat(
+            [forced_leaf[:, s:e], current[s:e].view(1, nq, 1).expand(b, nq, 1)], dim=-1
+        )  # [B, nq, 4]
+        # root: a single node, kept if it holds a visible key
+        kept = torch.zeros(b, hkv, nq, 1, dtype=torch.long, device=dev)
+        ok = (fvl[top][:, :1] <= hz.view(1, nq)).view(b, 1, nq, 1).expand(b, hkv, nq, 1)
+        for level in range(top - 1, -1, -1):
+            n_l = fvl[level].shape[-1]
+            cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B,Hkv,nq,w*g]
+            valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
+            cand = torch.where(valid, cand, torch.zeros_like(cand))
+            valid = valid & (_gather_batch(fvl[level], cand) <= hz.view(1, 1, nq, 1))
+            span = g ** level
+            anc = torch.where(anc_leaf >= 0, torch.div(anc_leaf, span, rounding_mode="floor"), anc_leaf)
+            forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
+            need = valid.sum(-1) > top_k
+            scores = None
+            if bool(need.any()):
+                scores = _scores(
+                    level, cand, qc, kblocks, n_k, pyramid, fvl, hz, kpm,
+                    scale=sc, block_size=block_size, branching=g, score=score,
+                )
+            kept, ok = tb.select_top_k(cand, valid, forced, scores, top_k)
+            kept = torch.where(ok, kept, torch.zeros_like(kept))
+        w = kept.shape[-1]
+        result[:, :, s:e, :w] = torch.where(ok, kept, torch.full_like(kept, -1))
+    return result, n_visible
+
+
+def pisa_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    score: str = "lse",
+    force_sink: bool = True,
+    force_previous: bool = True,
+) -> torch.Tensor:
+    """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
+    by the query heads of a GQA group, ascending, ``-1`` padded; exactly
+    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included."""
+    with torch.no_grad():
+        idx, _ = _select(
+            q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+            block_size=block_size, top_k=top_k, branching=branching, score=score,
+            force_sink=force_sink, force_previous=force_previous,
+        )
+    return idx
+
+
+def pisa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    score: str = "lse",
+    force_sink: bool = True,
+    force_previous: bool = True,
+    return_selection: bool = False,
+    min_seq_len: int = 0,
+):
+    """PISA attention: select blocks (no gradient), then attend them (differentiable in q, k, v).
+
+    ``min_seq_len`` is accepted (the op passes every config field) and ignored here: the
+    dispatcher decides about the dense fallback. Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus
+    the :class:`Selection` when ``return_selection``.
+    """
+    with torch.no_grad():
+        idx, n_visible = _select(
+            q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,
+            scale=scale, block_size=block_size, top_k=top_k, branching=branching, score=score,
+            force_sink=force_sink, force_previous=force_previous,
+        )
+    out = tb.attend_selected_blocks(
+        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=block_size,
+    )
+    if not return_selection:
+        return out
+    sel = tb.make_selection(
+        "pisa", idx, n_visible, num_query_heads=q.shape[1], block_size=block_size,
+        is_causal=is_causal, num_keys=k.shape[2], key_padding_mask=key_padding_mask,
+    )
+    return out, sel

@@ -1,0 +1,237 @@
+"""Op contracts: registration, fake impls, opcheck, torch.compile(fullgraph), export, errors."""
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparseflow
+from sparseflow import BSAConfig, DenseConfig, PBSConfig, PISAConfig
+from sparseflow.ops import op_args, op_for
+
+SMALL = {
+    "dense": DenseConfig(),
+    "pbs": PBSConfig(block_size=8, segment_size=16, threshold=0.8),
+    "pisa": PISAConfig(block_size=8, top_k=4),
+    "bsa": BSAConfig(block_size=8, top_k=4),
+}
+METHODS = list(SMALL)
+
+
+def _qkv(b=2, hq=6, hkv=2, n=45, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=g, dtype=torch.float32).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float32).to(dtype)
+    return q, k, v
+
+
+def _op_inputs(method, q, k, v, mask=None, causal=True):
+    return (q, k, v, mask, causal, None, *op_args(SMALL[method]), "auto", "layer")
+
+
+def test_import_is_light():
+    code = "import sys, sparseflow; print('triton' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_schema_matches_config(method):
+    schema = str(op_for(method)._schema)
+    for name in SMALL[method].to_dict():
+        if name not in ("method", "version"):
+            assert f" {name}" in schema
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padmask"])
+def test_opcheck(method, masked):
+    q, k, v = _qkv()
+    mask = None
+    causal = True
+    if masked:
+        mask = torch.ones(2, 45, dtype=torch.bool)
+        mask[1, 40:] = False
+        causal = False
+        mask = mask[:, None, None, :] & torch.ones(45, 45, dtype=torch.bool).tril()
+    torch.library.opcheck(op_for(method), _op_inputs(method, q, k, v, mask, causal))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_opcheck_with_grad(method):
+    q, k, v = _qkv(b=1, n=33)
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    torch.library.opcheck(op_for(method), _op_inputs(method, q, k, v))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compile_fullgraph_matches_eager(method):
+    q, k, v = _qkv()
+    cfg = SMALL[method]
+
+    def f(q, k, v):
+        return sparseflow.attention(q, k, v, config=cfg) * 2.0
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True, backend="inductor")(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_export_roundtrip(method):
+    cfg = SMALL[method]
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return sparseflow.attention(q, k, v, config=cfg)
+
+    q, k, v = _qkv(b=1)
+    ep = torch.export.export(M(), (q, k, v))
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert op_for(method) in targets
+    torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
+
+
+def test_dense_op_is_sdpa_bitwise():
+    q, k, v = _qkv()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(sparseflow.dense_attention(q, k, v), ref)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_backward_flows(method):
+    q, k, v = _qkv(b=1, n=40, dtype=torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = sparseflow.attention(q, k, v, config=SMALL[method])
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda q, k, v: (q[0], k, v), "q must be 4-D"),
+        (lambda q, k, v: (q, k.to(torch.int32), v), "k must be float16"),
+        (lambda q, k, v: (q, k.half(), v), "share a dtype"),
+        (lambda q, k, v: (q[:, :5], k, v), r"query heads \(5\) must be a multiple of key/value heads \(2\)"),
+        (lambda q, k, v: (q, k, v[:, :, :-1]), "k and v must agree"),
+        (lambda q, k, v: (q[..., :8], k, v), "head dims must match"),
+        (lambda q, k, v: (q, k[:1], v[:1]), "batch sizes"),
+    ],
+    ids=["rank", "dtype-int", "dtype-mixed", "heads-not-divisible", "kv-length", "head-dim", "batch"],
+)
+@pytest.mark.parametrize("method", METHODS)
+def test_bad_inputs_raise_clear_errors(method, mutate, match):
+    q, k, v = mutate(*_qkv())
+    with pytest.raises((ValueError, TypeError), match=match):
+        sparseflow.attention(q, k, v, config=SMALL[method])
+
+
+def test_bad_scale_and_backend_and_config():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="scale"):
+        sparseflow.pbs_attention(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sparseflow.pbs_attention(q, k, v, backend="cuda")
+    with pytest.raises(TypeError, match="config must be one of"):
+        sparseflow.attention(q, k, v, config={"method": "pbs"})
+    with pytest.raises(TypeError, match="is_causal"):
+        sparseflow.pbs_attention(q, k, v, is_causal=1)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, match",
+    [
+        (PBSConfig, {"block_size": 0}, "block_size must be >= 1"),
+        (PBSConfig, {"block_size": 64, "segment_size": 96}, "segment_size must be a multiple of block_size=64"),
+        (PBSConfig, {"threshold": 0.0}, r"threshold must be in \(0, 1\]"),
+        (PBSConfig, {"threshold": 1.5}, r"threshold must be in \(0, 1\]"),
+        (PBSConfig, {"threshold": "0.9"}, "threshold must be a float"),
+        (PBSConfig, {"gqa_permutation": "group"}, "gqa_permutation must be one of"),
+        (PBSConfig, {"scoring": "max"}, "scoring must be one of"),
+        (PBSConfig, {"scoring": "antidiagonal", "antidiagonal_stride": 7}, "antidiagonal_stride must divide"),
+        (PISAConfig, {"top_k": 2}, r"top_k must be >= the number of forced blocks \(3"),
+        (PISAConfig, {"branching": 1}, "branching must be >= 2"),
+        (PISAConfig, {"score": "max"}, "score must be one of"),
+        (BSAConfig, {"top_k": 1, "force_previous": False}, r"top_k must be >= the number of forced blocks \(2"),
+        (BSAConfig, {"block_size": 16.0}, "block_size must be an int"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and len(x) < 20 else None,
+)
+def test_config_validation(cls, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("cfg", list(SMALL.values()), ids=METHODS)
+def test_config_roundtrip(cfg):
+    assert sparseflow.config_from_dict(cfg.to_json()) == cfg
+    assert sparseflow.config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="version must be"):
+        sparseflow.config_from_dict({**cfg.to_dict(), "version": 99})
+    with pytest.raises(ValueError, match="unknown fields"):
+        sparseflow.config_from_dict({**cfg.to_dict(), "bogus": 1})
+    with pytest.raises(dataclasses_frozen_error()):
+        cfg.__setattr__("min_seq_len", 3)
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+
+def test_pbs_decode_step_falls_back_dense_and_logs(caplog):
+    q, k, v = _qkv(n=40)
+    q1 = q[:, :, -1:]
+    with caplog.at_level(logging.INFO, logger="sparseflow"), sparseflow.capture() as cap:
+        out = sparseflow.pbs_attention(q1, k, v, is_causal=False, config=SMALL["pbs"], tag="dec")
+    ref = F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
+    assert torch.equal(out, ref)
+    assert not cap.calls[0].sparse and "prefill" in cap.calls[0].reason
+    assert any("runs dense" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_float_bias_mask_falls_back_dense(method):
+    q, k, v = _qkv()
+    bias = torch.randn(1, 1, 45, 45)
+    with sparseflow.capture() as cap:
+        out = sparseflow.attention(q, k, v, config=SMALL[method], attn_mask=bias, is_causal=False)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True))
+    assert "values other than 0/-inf" in cap.calls[0].reason
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_short_sequence_below_min_seq_len_is_dense(method):
+    q, k, v = _qkv(n=30)
+    cfg = SMALL[method].replace(min_seq_len=64)
+    with sparseflow.capture() as cap:
+        out = sparseflow.attention(q, k, v, config=cfg)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert "min_seq_len=64" in cap.calls[0].reason
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_causal_mask_is_recognised_as_causal(method):
+    q, k, v = _qkv()
+    mask = torch.ones(45, 45, dtype=torch.bool).tril()[None, None].expand(2, 1, 45, 45)
+    a = sparseflow.attention(q, k, v, config=SMALL[method], attn_mask=mask, is_causal=False)
+    b = sparseflow.attention(q, k, v, config=SMALL[method], is_causal=True)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with sparseflow.capture() as cap:
+        sparseflow.attention(q, k, v, config=SMALL[method], attn_mask=mask, is_causal=False)
+    assert cap.calls[0].sparse
