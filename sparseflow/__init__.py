@@ -6,3 +6,5 @@ from . import ops
 from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
 
 __version__ = "0.1.0"
+from .api import InspectionResult, RewriteReport, compile, export, inspect, report
+from . import passes

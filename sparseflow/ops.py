@@ -251,7 +251,8 @@ def _define(method: str) -> None:
     @torch.library.register_fake(bwd_name)
     def _bwd_fake(grad_out, *args):
         q, k, v = args[:3]
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # the real backward returns contiguous gradients; so must the fake (not empty_like's strides)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     bwd_op = getattr(torch.ops.sparseflow, f"{method}_attention_backward").default
 

@@ -1,0 +1,502 @@
+"""The public entry points: ``compile``, ``export``, ``inspect`` and the rewrite report.
+
+``compile`` rewrites lazily: ``torch.compile`` captures a graph on the first call (and again on
+every recompile, e.g. the decode steps of ``generate()``), and our backend rewrites each graph
+before handing it on. The model's :class:`RewriteReport` therefore fills up as the model runs;
+``inspect`` runs the model once so the report is complete for those inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import itertools
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import recording as _recording
+from .config import BACKENDS, METHODS, AttentionConfig, default_config
+from .ops import IMPLEMENTATIONS
+from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, rewrite_graph
+
+__all__ = ["compile", "export", "inspect", "report", "RewriteReport", "InspectionResult", "INNER_BACKENDS"]
+
+logger = logging.getLogger("sparseflow")
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+_CONFIG_ATTR = "_sparseflow_config"
+_REPORT_ATTR = "_sparseflow_report"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt_shape(s) -> str:
+    return "-" if s is None else "[" + ",".join(str(x) for x in s) + "]"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+@dataclass
+class RewriteReport:
+    """What the rewrite pass did, one entry per attention call site.
+
+    Deduplication: Dynamo may compile a model several times (a new graph for decode steps, a
+    recompile for new shapes, a graph per graph break). An entry is identified by
+    ``(graph kind, module tag, index of the call among that tag's calls in its graph, target,
+    decision)``, so the same call site seen in several graphs is one entry whose ``graphs``
+    counts them, while a call site that was rewritten in one graph and skipped in another
+    gets one entry per decision. (A graph break *between* two SDPA calls of one module would
+    make both index 0 of their graphs and merge them: a limitation we accept.)
+    """
+
+    method: str
+    config: Dict[str, Any]
+    backend: str
+    entries: List[RewriteEntry] = field(default_factory=list)
+    graphs: int = 0  # graphs the pass has seen
+    _index: Dict[Tuple, RewriteEntry] = field(default_factory=dict, repr=False, compare=False)
+
+    def add_graph(self, entries: Sequence[RewriteEntry]) -> None:
+        self.graphs += 1
+        for e in entries:
+            key = e.key()
+            old = self._index.get(key)
+            if old is not None:
+                old.graphs += 1
+                continue
+            self._index[key] = e
+            self.entries.append(e)
+            if not e.rewritten:
+                logger.info("sparseflow: %s at %s kept as is: %s", e.target, e.tag or "<root>", e.reason)
+            else:
+                logger.debug("sparseflow: %s at %s -> %s", e.target, e.tag or "<root>", e.method)
+
+    @property
+    def rewritten(self) -> List[RewriteEntry]:
+        return [e for e in self.entries if e.rewritten]
+
+    @property
+    def skipped(self) -> List[RewriteEntry]:
+        return [e for e in self.entries if not e.rewritten]
+
+    @property
+    def num_rewritten(self) -> int:
+        return len(self.rewritten)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def counts(self) -> Dict[str, int]:
+        return {"calls": len(self.entries), "rewritten": self.num_rewritten, "skipped": self.num_skipped, "graphs": self.graphs}
+
+    def tags(self, rewritten: Optional[bool] = None) -> List[str]:
+        return [e.tag for e in self.entries if rewritten is None or e.rewritten == rewritten]
+
+    def copy(self) -> "RewriteReport":
+        new = RewriteReport(self.method, dict(self.config), self.backend)
+        new.graphs = self.graphs
+        for e in self.entries:
+            e2 = dataclasses.replace(e, notes=list(e.notes))
+            new.entries.append(e2)
+            new._index[e2.key()] = e2
+        return new
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "method": self.method,
+            "config": self.config,
+            "backend": self.backend,
+            "counts": self.counts(),
+            "entries": [
+                {k: v for k, v in dataclasses.asdict(e).items()} for e in self.entries
+            ],
+        }
+
+    def __str__(self) -> str:
+        c = self.counts()
+        head = (
+            f"sparseflow rewrite report: method={self.method} backend={self.backend} - "
+            f"{c['rewritten']} rewritten, {c['skipped']} skipped, {c['graphs']} graph(s)"
+        )
+        if not self.entries:
+            return head + "\n(no attention calls seen yet: the graph is captured on the first call)"
+        rows = [
+            (
+                e.tag or "<root>",
+                "-" if e.layer is None else e.layer,
+                e.status,
+                e.method or "-",
+                e.target,
+                _fmt_shape(e.q_shape),
+                _fmt_shape(e.k_shape),
+                e.gqa or "-",
+                e.mask,
+                e.graphs,
+                e.reason,
+            )
+            for e in self.entries
+        ]
+        return head + "\n" + _table(
+            ("module", "layer", "status", "op", "target", "q", "k (to op)", "gqa", "mask", "graphs", "reason"), rows
+        )
+
+
+@dataclass
+class InspectionResult:
+    """The rewrite report plus what each op call did on one run of the example inputs."""
+
+    report: RewriteReport
+    calls: List[_recording.CallRecord]
+    output: Any = None
+
+    @property
+    def sparse_calls(self) -> List[_recording.CallRecord]:
+        return [c for c in self.calls if c.sparse]
+
+    @property
+    def dense_calls(self) -> List[_recording.CallRecord]:
+        return [c for c in self.calls if not c.sparse]
+
+    def mean_density(self) -> float:
+        vals = [c.density for c in self.calls if c.density is not None]
+        return float(sum(vals) / len(vals)) if vals else float("nan")
+
+    def __str__(self) -> str:
+        rows = [
+            (
+                c.tag or "<root>",
+                c.method,
+                "sparse" if c.sparse else "dense",
+                c.backend,
+                _fmt_shape(c.q_shape),
+                _fmt_shape(c.k_shape),
+                "-" if c.density is None else f"{c.density:.3f}",
+                c.reason,
+            )
+            for c in self.calls
+        ]
+        runtime = (
+            f"runtime: {len(self.calls)} op call(s), {len(self.sparse_calls)} sparse, "
+            f"{len(self.dense_calls)} dense, mean density {self.mean_density():.3f}"
+        )
+        table = _table(("module", "op", "path", "backend", "q", "k", "density", "reason"), rows) if rows else "(no op calls)"
+        return f"{self.report}\n\n{runtime}\n{table}"
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_backend(method: str, backend: str, arg: str = "backend") -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"{arg} must be a str, got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{arg} must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return
+    if method == "dense":
+        raise ValueError(f"{arg}={backend!r} with method 'dense': the dense op always runs SDPA; use {arg}='auto'")
+    if (method, backend) not in IMPLEMENTATIONS:
+        available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method) + ["auto"]
+        raise ValueError(f"{arg}={backend!r} is not available for method {method!r}; available: {available}")
+
+
+def _make_options(method, config, backend, filter_fn, skip_layers, layer_configs) -> RewriteOptions:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {list(METHODS)}, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+    if config is None:
+        config = default_config(method)
+    elif not isinstance(config, AttentionConfig):
+        raise TypeError(
+            f"config must be a sparseflow config ({', '.join(c.__name__ for c in METHODS.values())}) "
+            f"or None, got {type(config).__name__}"
+        )
+    elif config.method != method:
+        raise ValueError(
+            f"config is a {type(config).__name__} (method {config.method!r}) but method={method!r}; "
+            f"pass method={config.method!r} or a {METHODS[method].__name__}"
+        )
+    _check_backend(method, backend)
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable taking a module name and returning bool, got {type(filter_fn).__name__}")
+    if skip_layers is None:
+        skip_layers = ()
+    if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable):
+        raise TypeError(f"skip_layers must be an iterable of layer indices, got {type(skip_layers).__name__}")
+    skip = []
+    for i in skip_layers:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"skip_layers must hold ints, got {i!r}")
+        if i < 0:
+            raise ValueError(f"skip_layers must hold non-negative layer indices, got {i}")
+        skip.append(i)
+    per_layer: Dict[int, Optional[AttentionConfig]] = {}
+    if layer_configs is not None:
+        if not isinstance(layer_configs, Mapping):
+            raise TypeError(f"layer_configs must be a dict {{layer_index: config or None}}, got {type(layer_configs).__name__}")
+        for i, cfg in layer_configs.items():
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise TypeError(f"layer_configs keys must be int layer indices, got {i!r}")
+            if i < 0:
+                raise ValueError(f"layer_configs keys must be non-negative layer indices, got {i}")
+            if cfg is not None and not isinstance(cfg, AttentionConfig):
+                raise TypeError(f"layer_configs[{i}] must be a sparseflow config or None, got {type(cfg).__name__}")
+            if cfg is not None:
+                _check_backend(cfg.method, backend, arg=f"backend (for layer_configs[{i}], method {cfg.method!r})")
+                if i in skip:
+                    raise ValueError(f"layer {i} is both in skip_layers and given a config in layer_configs")
+            per_layer[i] = cfg
+    return RewriteOptions(
+        config=config,
+        backend=backend,
+        filter_fn=filter_fn,
+        skip_layers=frozenset(skip),
+        layer_configs=per_layer,
+    )
+
+
+def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
+    from . import __version__
+
+    return {
+        "sparseflow_version": __version__,
+        "method": options.config.method,
+        "config": options.config.to_dict(),
+        "backend": options.backend,
+        "skip_layers": sorted(options.skip_layers),
+        "layer_configs": {i: (None if c is None else c.to_dict()) for i, c in options.layer_configs.items()},
+        "filter_fn": None if options.filter_fn is None else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
+        **extra,
+    }
+
+
+def _check_not_transformed(model: nn.Module) -> None:
+    # A marked module whose compiled call is gone (a deepcopy or unpickled copy: Module drops
+    # _compiled_call_impl when pickled) runs plain SDPA again and may be compiled afresh.
+    for name, mod in model.named_modules():
+        marker = mod.__dict__.get(_CONFIG_ATTR)
+        if marker is not None and mod._compiled_call_impl is not None:
+            where = "this model" if not name else f"its submodule {name!r}"
+            raise RuntimeError(
+                f"sparseflow.compile: {where} was already transformed by sparseflow "
+                f"(method={marker.get('method')!r}); refusing to transform it twice. Start from the original model."
+            )
+
+
+# --------------------------------------------------------------------------- compile
+
+
+class _Backend:
+    """The torch.compile backend: rewrite the Dynamo graph, then hand it to the inner backend."""
+
+    def __init__(self, options: RewriteOptions, inner: str, report: RewriteReport):
+        self.options, self.inner, self.report = options, inner, report
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        entries = rewrite_graph(gm, self.options, graph_kind="dynamo")
+        self.report.add_graph(entries)
+        if self.inner == "eager":
+            return gm.forward
+        if self.inner == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+
+_TRAMPOLINES = itertools.count()
+
+
+def _trampoline(model: nn.Module) -> Callable:
+    """The function ``compile`` hands to ``torch.compile``: it calls ``model._call_impl`` (hooks
+    and forward, all inlined by Dynamo), exactly what ``Module.compile`` compiles, but
+
+    * its code object is fresh per model, so each model has its own Dynamo cache: models of one
+      class compiled with different settings neither evict nor reuse each other's graphs, and
+      compiling many models in one process never exhausts ``torch._dynamo.config.recompile_limit``
+      (with ``Module.compile`` all of them share the cache of the class's forward);
+    * the compiled frame starts outside torch's files, so a bare ``torch.nn`` module
+      (``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention``) is traced instead of skipped.
+    """
+
+    def sparseflow_call(*args, **kwargs):
+        return model._call_impl(*args, **kwargs)
+
+    code = sparseflow_call.__code__.replace(co_name=f"sparseflow_call_{next(_TRAMPOLINES)}")
+    fn = types.FunctionType(code, sparseflow_call.__globals__, code.co_name, None, sparseflow_call.__closure__)
+    fn.__qualname__ = code.co_name
+    return fn
+
+
+def compile(
+    model: nn.Module,
+    method: str = "pbs",
+    config: Optional[AttentionConfig] = None,
+    backend: str = "auto",
+    *,
+    filter_fn: Optional[Callable[[str], bool]] = None,
+    skip_layers: Iterable[int] = (),
+    layer_configs: Optional[Mapping[int, Optional[AttentionConfig]]] = None,
+    inner_backend: str = "inductor",
+    dynamic: Optional[bool] = None,
+    fullgraph: bool = False,
+) -> nn.Module:
+    """Compile ``model`` in place with a ``torch.compile`` backend that rewrites every SDPA call
+    into the ``method`` op, and return the same model.
+
+    ``model(...)`` and ``model.generate()`` (which calls ``self(...)``) run the rewritten graph.
+    The rewrite happens when Dynamo captures a graph (first call, recompiles); the report
+    (:func:`report`) fills up then. ``config`` must be a config of ``method`` (default config when
+    None). ``backend`` picks the op implementation ("auto", "reference", "triton", "flex").
+    ``filter_fn(tag)`` returning False, ``skip_layers`` and ``layer_configs[i] = None`` keep a call
+    as SDPA; ``layer_configs[i] = cfg`` uses ``cfg`` (any method) for layer ``i`` (the first integer
+    in the module path). ``inner_backend``: "inductor", "aot_eager" or "eager" compiles the
+    rewritten graph. ``dynamic`` and ``fullgraph`` go to ``torch.compile``.
+
+    Like ``Module.compile`` this sets ``model._compiled_call_impl``; the function compiled is a
+    per-model trampoline to ``model._call_impl`` (see ``_trampoline``). The model is marked with
+    ``model._sparseflow_config`` (the settings, as a dict) and ``model._sparseflow_report``; a
+    marked, still-compiled model (or one with such a submodule) is refused, as is a model that
+    already went through ``torch.compile``. A deep copy of a compiled model is uncompiled again
+    (``Module`` drops the compiled call when copied) and may be compiled afresh.
+    """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "model is a torch.compile wrapper (OptimizedModule); pass the original module "
+            "(model._orig_mod): sparseflow.compile compiles it itself"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_not_transformed(model)
+    if model._compiled_call_impl is not None:
+        raise RuntimeError(
+            "model already has torch.compile applied (Module.compile); sparseflow.compile would replace "
+            "those settings. Pass a model that has not been compiled."
+        )
+    options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
+        raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be None, True or False, got {dynamic!r}")
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"fullgraph must be a bool, got {fullgraph!r}")
+
+    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend)
+    be = _Backend(options, inner_backend, rep)
+    # What Module.compile(backend=be, dynamic=..., fullgraph=...) does, with a per-model
+    # trampoline in place of self._call_impl (see _trampoline for why).
+    model._compiled_call_impl = torch.compile(_trampoline(model), backend=be, dynamic=dynamic, fullgraph=fullgraph)
+    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph))
+    setattr(model, _REPORT_ATTR, rep)
+    return model
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _has_sparseflow_ops(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "sparseflow"
+        for n in gm.graph.nodes
+    )
+
+
+def export(
+    model: nn.Module,
+    args: Tuple[Any, ...],
+    kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    method: str,
+    config: Optional[AttentionConfig] = None,
+    backend: str = "auto",
+    filter_fn: Optional[Callable[[str], bool]] = None,
+    skip_layers: Iterable[int] = (),
+    layer_configs: Optional[Mapping[int, Optional[AttentionConfig]]] = None,
+) -> "torch.export.ExportedProgram":
+    """``torch.export.export(model, args, kwargs)``, SDPA kept (``run_decompositions({})``), every
+    SDPA node rewritten into the ``method`` op (K/V repeated for GQA folded back to native GQA,
+    masks passed through for the op to recognise at run time). Returns the ExportedProgram; its
+    report is ``sparseflow.report(program)``. Hugging Face models need ``use_cache=False`` in
+    ``kwargs`` (DynamicCache is not a pytree type)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of positional inputs, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    ep = torch.export.export(model, args, kwargs)
+    ep = ep.run_decompositions({})
+    gm = ep.graph_module
+    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend)
+    entries = rewrite_graph(gm, options, graph_kind="export")
+    if not entries and _has_sparseflow_ops(gm):
+        raise RuntimeError(
+            "sparseflow.export: the model's graph already holds sparseflow ops and no SDPA: it was "
+            "already transformed; refusing to transform it twice"
+        )
+    rep.add_graph(entries)
+    setattr(ep, _CONFIG_ATTR, _marker(options))
+    setattr(ep, _REPORT_ATTR, rep)
+    return ep
+
+
+# --------------------------------------------------------------------------- report / inspect
+
+
+def report(obj) -> RewriteReport:
+    """The live :class:`RewriteReport` of a model from :func:`compile` or a program from :func:`export`."""
+    rep = getattr(obj, _REPORT_ATTR, None)
+    if rep is None:
+        raise TypeError(
+            f"{type(obj).__name__} was not transformed by sparseflow: call sparseflow.compile(model, ...) "
+            "or sparseflow.export(model, ...) first"
+        )
+    return rep
+
+
+def inspect(model, *example_inputs, **example_kwargs) -> InspectionResult:
+    """Run a sparseflow-compiled model (or exported program) once on the example inputs, under
+    ``torch.no_grad()`` and ``sparseflow.capture()``, and return the rewrite report (a snapshot)
+    with what every op call did: sparse or dense and why, density.
+
+    Raises TypeError for a model sparseflow has not transformed: ``inspect`` never compiles or
+    copies a model behind the user's back; call ``sparseflow.compile`` first."""
+    if isinstance(model, torch.export.ExportedProgram):
+        rep = report(model)
+        runner = model.module()
+    elif isinstance(model, nn.Module) and getattr(model, _REPORT_ATTR, None) is not None:
+        rep = report(model)
+        runner = model
+    else:
+        raise TypeError(
+            f"sparseflow.inspect needs a model returned by sparseflow.compile (or a program from "
+            f"sparseflow.export), got an untransformed {type(model).__name__}; call "
+            "sparseflow.compile(model, method=...) first"
+        )
+    with torch.no_grad(), _recording.capture() as cap:
+        out = runner(*example_inputs, **example_kwargs)
+    if rep.graphs == 0:
+        logger.warning(
+            "sparseflow.inspect: no graph was captured, so nothing was rewritten: the model ran "
+            "uncompiled (Dynamo skipped its frame, was disabled, or hit torch._dynamo.config.recompile_limit)"
+        )
+    return InspectionResult(report=rep.copy(), calls=list(cap.calls), output=out)

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random-initialised models (no downloads), Dynamo isolation.
+
+transformers is imported inside the builders only, so collecting tests that do not use the
+Hugging Face models does not import it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB = 128
+
+# hidden 96 = 6 query heads x head_dim 16 (HF requires hidden % heads == 0); 2 KV heads: group 3
+_DECODER_KW = dict(
+    hidden_size=96,
+    intermediate_size=128,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=1024,
+)
+
+
+def make_tiny(arch: str, layers: int = 2, seed: int = 0):
+    """A tiny random-init Hugging Face model with ``attn_implementation="sdpa"``."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, **_DECODER_KW)
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(num_hidden_layers=layers, **_DECODER_KW)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(num_hidden_layers=layers, sliding_window=None, **_DECODER_KW)
+        cls = tf.MistralForCausalLM
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=1024,
+                            bos_token_id=0, eos_token_id=0)
+        cls = tf.GPT2LMHeadModel
+    elif arch == "bert":
+        cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512)
+        cls = tf.BertModel
+    else:  # pragma: no cover
+        raise ValueError(arch)
+    cfg._attn_implementation = "sdpa"
+    model = cls(cfg)
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":  # pragma: no cover
+        model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+class AttentionBlock(nn.Module):
+    """A user attention module calling F.scaled_dot_product_attention directly (native GQA)."""
+
+    def __init__(self, dim=48, heads=6, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, heads * self.hd)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.o = nn.Linear(heads * self.hd, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return x + self.o(a.transpose(1, 2).reshape(b, n, -1))
+
+
+class PlainAttention(nn.Module):
+    """A stack of user attention blocks: tags ``blocks.0``, ``blocks.1``, ..."""
+
+    def __init__(self, dim=48, heads=6, kv_heads=2, layers=2, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(AttentionBlock(dim, heads, kv_heads) for _ in range(layers))
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+
+@pytest.fixture
+def tiny():
+    """``tiny(arch, layers=2, seed=0)`` builds a tiny HF model (llama, qwen2, mistral, gpt2, bert)."""
+    pytest.importorskip("transformers")
+    return make_tiny
+
+
+@pytest.fixture
+def plain_attention():
+    return PlainAttention
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Empty Dynamo caches before and after the test (opt in with usefixtures: sparseflow.compile
+    gives every model its own cache, so this only keeps memory flat across many compiles)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
