@@ -129,7 +129,7 @@ def _padded_permutation(permutation: Tensor, n_blocks: int, block_size: int) -> 
     b, hp, n = permutation.shape
     total = n_blocks * block_size
     if total == n:
-        return permutation
+        return permutation.contiguous()
     pad = permutation.new_full((b, hp, total - n), -1)
     return torch.cat([permutation, pad], dim=-1)
 
@@ -181,17 +181,18 @@ def key_scores(
         p = proxy.numel()
         if p == 0:
             continue
-        for h in range(hkv):
-            qp = q[b, h * g : (h + 1) * g].index_select(1, proxy).float()  # [G, P, D]
-            kc = k[b, h, :lc].float()  # [Lc, D]
-            logits = torch.matmul(qp, kc.t()) * sc  # [G, P, Lc]
-            if key_ok is not None:
-                logits.masked_fill_(~key_ok, _NEG_INF)
-            if causal_proxy:
-                probs = _safe_softmax(logits.view(g, p, n_seg, segment_size)).view(g, p, lc)
-            else:
-                probs = _safe_softmax(logits)
-            out[b, h * g : (h + 1) * g, :lc] = probs.mean(dim=1)
+        for kvh in range(hkv):
+            kc = k[b, kvh, :lc].float()  # [Lc, D]
+            for h in range(kvh * g, (kvh + 1) * g):  # one query head at a time: O(bs * N) memory
+                qp = q[b, h].index_select(0, proxy).float()  # [P, D]
+                logits = torch.matmul(qp, kc.t()) * sc  # [P, Lc]
+                if key_ok is not None:
+                    logits.masked_fill_(~key_ok, _NEG_INF)
+                if causal_proxy:
+                    probs = _safe_softmax(logits.view(p, n_seg, segment_size)).view(p, lc)
+                else:
+                    probs = _safe_softmax(logits)
+                out[b, h, :lc] = probs.mean(dim=0)
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, g, n).mean(dim=2)
     elif gqa_permutation != "query_head":
@@ -260,7 +261,6 @@ def candidate_blocks(
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool: key block ``J`` (permuted) is a scored candidate of query block ``I``."""
     bsz, hp, n = permutation.shape
-    nb = _num_blocks(n, block_size)
     region = block_regions(key_padding_mask, bsz, n, block_size=block_size,
                            segment_size=segment_size, device=permutation.device)
     rq, rk = region[:, :, None], region[:, None, :]
@@ -325,19 +325,25 @@ def threshold_blocks(probs: Tensor, candidates: Tensor, threshold: float) -> Ten
     return keep
 
 
-def _query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tuple[Tensor, Tensor]:
-    """Block means of q ``[B, H, N, D]`` over valid positions (all positions of a block without
-    any). Returns (means fp32 ``[B, H, nB, D]``, effective validity ``[B, N]``)."""
-    bsz, h, n, d = q.shape
+def _query_validity(valid: Tensor, block_size: int) -> Tensor:
+    """``[B, nB*bs]`` bool: the query positions a block is pooled over -- its valid positions, or
+    all of its (in-range) positions when it has none."""
+    bsz, n = valid.shape
     nb = _num_blocks(n, block_size)
     total = nb * block_size
     vb = torch.cat([valid, valid.new_zeros(bsz, total - n)], dim=-1).view(bsz, nb, block_size)
     exists = torch.cat([valid.new_ones(bsz, n), valid.new_zeros(bsz, total - n)], dim=-1).view(bsz, nb, block_size)
-    eff = torch.where(vb.any(dim=-1, keepdim=True), vb, exists)  # [B, nB, bs]
+    return torch.where(vb.any(dim=-1, keepdim=True), vb, exists).reshape(bsz, total)
+
+
+def _query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
+    """fp32 ``[B, H, nB, D]``: block means of q ``[B, H, N, D]`` (see :func:`_query_validity`)."""
+    bsz, h, n, d = q.shape
+    nb = _num_blocks(n, block_size)
+    total = nb * block_size
+    w = _query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1).float()
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
-    w = eff.float()[:, None, :, :, None]
-    means = (qf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
-    return means, eff.reshape(bsz, total)[:, :n]
+    return (qf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
 
 
 def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
@@ -372,7 +378,7 @@ def block_probabilities(
     nb = _num_blocks(n, block_size)
     total = nb * block_size
     valid = _valid_positions(key_padding_mask, bsz, n, q.device)
-    _, qvalid_eff = _query_block_means(q[:, :1], valid, block_size)
+    qvalid_eff = _query_validity(valid, block_size)  # [B, total]
     perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total]
     # validity of every permuted slot, per (b, hp)
     kvalid_slot = torch.gather(
@@ -383,7 +389,7 @@ def block_probabilities(
     hq_per_hp = hq // hp
     g = hq // hkv
     if scoring == "mean":
-        qbar, _ = _query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
+        qbar = _query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
         for b in range(bsz):
             for p in range(hp):
                 kv_head = (p * hq_per_hp) // g
@@ -402,7 +408,7 @@ def block_probabilities(
         raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {s}")
     r = block_size // s
     for b in range(bsz):
-        qv = torch.cat([qvalid_eff[b], qvalid_eff.new_zeros(total - n)])  # [total]
+        qv = qvalid_eff[b]  # [total]
         qgv = qv.view(nb * r, s).flip(-1).float()  # [nB*R, s] (reversed inside each stride)
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
@@ -461,10 +467,16 @@ def select_blocks(
 # --------------------------------------------------------------------------- 4. attention
 
 
-def _block_key_max(perm_p: Tensor, nb: int, block_size: int) -> Tensor:
-    """``[B, Hp, nB]``: largest original position in each permuted block."""
-    b, hp, _ = perm_p.shape
-    return perm_p.view(b, hp, nb, block_size).amax(dim=-1)
+def _slot_validity(permutation: Tensor, key_padding_mask: Optional[Tensor], n_blocks: int, block_size: int) -> Tensor:
+    """``[B, Hp, nB*bs]`` bool: the permuted slot holds a real (in range, not padded) key."""
+    bsz, hp, n = permutation.shape
+    perm_p = _padded_permutation(permutation, n_blocks, block_size)
+    ok = perm_p >= 0
+    if key_padding_mask is not None:
+        kpm_ext = torch.cat([key_padding_mask.bool(), key_padding_mask.new_zeros(bsz, 1).bool()], dim=-1)
+        idx = torch.where(ok, perm_p, torch.full_like(perm_p, n))
+        ok = ok & torch.gather(kpm_ext[:, None, :].expand(bsz, hp, n + 1), 2, idx)
+    return ok
 
 
 def permuted_block_attention(
@@ -478,81 +490,110 @@ def permuted_block_attention(
     is_causal: bool = True,
     scale: Optional[float] = None,
     block_size: int = 128,
+    gather_below: float = 0.85,
 ) -> Tensor:
     """``[B, Hq, N, Dv]`` in q.dtype: each query attends the keys of its selected permuted blocks
-    (``orig_pos(k) <= pos(q)`` when causal; padded keys never); fp32 accumulation; zeros for a
-    query with no visible key. Loops over (batch, head, query block): memory O(bs · N)."""
+    (``orig_pos(k) <= pos(q)`` when causal; padded keys never), fp32 accumulation, zeros for a
+    query with no visible key (fp64 when given fp64). Differentiable in q, k, v.
+
+    Works per (batch row, KV group, query block): the group's keys are permuted once per head
+    (``[G, N, D]`` fp32, one group at a time; one copy when the permutation is per KV head), then
+    one batched score matrix covers the group's query heads over either the contiguous permuted
+    prefix up to the last selected block or, when the union of the heads' selected blocks is
+    below ``gather_below`` of that prefix, over the gathered union. An additive bias carries the
+    per-head block selection and key validity (broadcast over query rows) and, on the trailing
+    columns from the first block holding a key later than the block's first query, the element
+    mask ``orig_pos(k) <= pos(q)``. Memory O(G · N · D + G · bs · N)."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     hp = permutation.shape[1]
     g = hq // hkv
-    hq_per_hp = hq // hp
+    dv = v.shape[-1]
+    shared = hp != hq  # one permutation per KV head
     sc = _scale(scale, d)
     nb = _num_blocks(n, block_size)
     dev = q.device
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 stays fp64 (oracles)
+    neg_inf = torch.tensor(_NEG_INF, dtype=acc, device=dev)
+    zero_f = torch.tensor(0.0, dtype=acc, device=dev)
     with torch.no_grad():
-        perm_p = _padded_permutation(permutation, nb, block_size)
-        kmax = _block_key_max(perm_p, nb, block_size)  # [B, Hp, nB]
-        if key_padding_mask is not None:
-            kpm_ext = torch.cat([key_padding_mask.bool(), key_padding_mask.new_zeros(bsz, 1).bool()], dim=-1)
-        qpos_all = torch.arange(n, device=dev)
+        perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total], -1 past N
+        slot_ok = _slot_validity(permutation, key_padding_mask, nb, block_size)  # [B, Hp, total]
+        kmax = perm_p.view(bsz, hp, nb, block_size).amax(dim=-1)  # latest original key per block
+        qpos = torch.arange(n, device=dev)
+        offs = torch.arange(block_size, device=dev)
     rows: List[Tensor] = []
     for b in range(bsz):
-        heads: List[Tensor] = []
+        groups: List[Tensor] = []
         for kvh in range(hkv):
-            kf = k[b, kvh].float()
-            vf = v[b, kvh].float()
-            for gi in range(g):
-                h = kvh * g + gi
-                p = h // hq_per_hp
-                qh = q[b, h].float() * sc
+            heads = slice(kvh * g, (kvh + 1) * g)
+            hps = slice(kvh, kvh + 1) if shared else heads
+            with torch.no_grad():
+                pidx = torch.where(perm_p[b, hps] < 0, torch.full_like(perm_p[b, hps], n), perm_p[b, hps])
+                gpos = perm_p[b, hps]  # [P, total], P = 1 (shared) or G
+                gok = slot_ok[b, hps]
+                gkmax = kmax[b, hps].amax(dim=0)  # [nB], over the group's permutations
+                bm = block_mask[b, heads]  # [G, nB, nB]
+            kf = torch.cat([k[b, kvh].to(acc), k.new_zeros(1, d, dtype=acc)], dim=0)
+            vf = torch.cat([v[b, kvh].to(acc), v.new_zeros(1, dv, dtype=acc)], dim=0)
+            kp = kf[pidx]  # [P, total, D]: permuted keys, zero rows in the slots past N
+            vp = vf[pidx]
+            qg = q[b, heads].to(acc)  # [G, N, D]
+            outs: List[Tensor] = []
+            for i in range(nb):
+                q0, q1 = i * block_size, min(n, (i + 1) * block_size)
+                bq = q1 - q0
                 with torch.no_grad():
-                    bm_h = block_mask[b, h]
-                    pb = perm_p[b, p].view(nb, block_size)
-                    km = kmax[b, p]
-                blocks_out: List[Tensor] = []
-                for i in range(nb):
-                    q0, q1 = i * block_size, min(n, (i + 1) * block_size)
-                    with torch.no_grad():
-                        sel = bm_h[i].nonzero().squeeze(1)
-                        if is_causal:
-                            early = km[sel] <= q0  # every key of the block is visible to every query
-                            full, part = sel[early], sel[~early]
-                        else:
-                            full, part = sel, sel[:0]
-                        idx_f = pb[full].reshape(-1)
-                        idx_p = pb[part].reshape(-1)
-                        idx_f = idx_f[idx_f >= 0]
-                        idx_p = idx_p[idx_p >= 0]
-                        if key_padding_mask is not None:
-                            idx_f = idx_f[kpm_ext[b, idx_f]]
-                            idx_p = idx_p[kpm_ext[b, idx_p]]
-                        n_f = idx_f.numel()
-                        idx = torch.cat([idx_f, idx_p])
-                        late_mask = None
-                        row_ok = None
-                        if idx_p.numel():
-                            late_mask = idx_p[None, :] > qpos_all[q0:q1, None]  # True = hidden
-                            if n_f == 0:
-                                # a query that sees no key: leave its row unmasked (finite, no NaN
-                                # in forward or backward) and zero its output below
-                                row_ok = ~late_mask.all(dim=-1)
-                                late_mask &= row_ok[:, None]
-                    if idx.numel() == 0:
-                        blocks_out.append(qh.new_zeros(q1 - q0, v.shape[-1]))
+                    sel = bm[:, i]  # [G, nB]
+                    used = sel.any(dim=0).nonzero().squeeze(1)
+                    if used.numel() == 0:
+                        outs.append(qg.new_zeros(g, bq, dv))
                         continue
-                    kk = kf.index_select(0, idx)
-                    vv = vf.index_select(0, idx)
-                    s = torch.matmul(qh[q0:q1], kk.t())  # [bq, n_sel]
-                    if late_mask is not None:
-                        s = torch.cat([s[:, :n_f], s[:, n_f:].masked_fill(late_mask, _NEG_INF)], dim=1) \
-                            if n_f else s.masked_fill(late_mask, _NEG_INF)
-                    pr = torch.softmax(s, dim=-1)
-                    if row_ok is not None:
-                        pr = torch.where(row_ok[:, None], pr, torch.zeros((), dtype=pr.dtype, device=dev))
-                    blocks_out.append(torch.matmul(pr, vv))
-                heads.append(torch.cat(blocks_out, dim=0))
-        rows.append(torch.stack(heads, dim=0))
+                    last = int(used[-1]) + 1
+                    gather = used.numel() < gather_below * last
+                    blocks = used if gather else torch.arange(last, device=dev)
+                    nblk = blocks.numel()
+                    cols = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)
+                    ncols = cols.numel()
+                    col_ok = sel[:, blocks, None].expand(g, nblk, block_size).reshape(g, ncols) & gok[:, cols]
+                    all_ok = bool(col_ok.all())
+                    bias = None if all_ok else torch.where(col_ok, zero_f, neg_inf)[:, None, :]  # [G,1,nc]
+                    late = (gkmax[blocks] > q0).nonzero() if is_causal else blocks[:0]
+                    p0 = int(late[0]) * block_size if late.numel() else ncols  # element mask on p0..
+                    if p0 < ncols:
+                        late_vis = gpos[:, cols[p0:]][:, None, :] <= qpos[q0:q1, None]  # [P, bq, nl]
+                        late_bias = torch.where(late_vis, zero_f, neg_inf)
+                        seen = (late_vis & col_ok[:, None, p0:]).any(dim=-1)  # [G, bq]
+                        if p0:
+                            seen |= col_ok[:, :p0].any(dim=-1)[:, None]
+                    else:
+                        seen = col_ok.any(dim=-1)[:, None].expand(g, bq)
+                    empty = ~seen if not bool(seen.all()) else None  # [G, bq]: query sees no key
+                if gather:
+                    kk, vv = kp[:, cols], vp[:, cols]
+                else:
+                    kk, vv = kp[:, :ncols], vp[:, :ncols]
+                qs = qg[:, q0:q1] * sc
+                if shared:  # one GEMM for the whole group
+                    s = torch.matmul(qs.reshape(g * bq, d), kk[0].t()).view(g, bq, ncols)
+                else:
+                    s = torch.bmm(qs, kk.transpose(1, 2))
+                if bias is not None:
+                    s.add_(bias)
+                if p0 < ncols:
+                    s[:, :, p0:].add_(late_bias)
+                if empty is not None:
+                    s = torch.where(empty[..., None], zero_f, s)  # finite rows; output zeroed below
+                pr = torch.softmax(s, dim=-1)
+                if shared:
+                    o = torch.matmul(pr.reshape(g * bq, ncols), vv[0]).view(g, bq, dv)
+                else:
+                    o = torch.bmm(pr, vv)
+                if empty is not None:
+                    o = torch.where(empty[..., None], torch.zeros((), dtype=o.dtype, device=dev), o)
+                outs.append(o)
+            groups.append(torch.cat(outs, dim=1))
+        rows.append(torch.cat(groups, dim=0))
     return torch.stack(rows, dim=0).to(q.dtype)
 
 
