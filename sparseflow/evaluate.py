@@ -89,7 +89,7 @@ def evaluate_methods(
                 density=cap.mean_density() if sparse_calls else 1.0,
                 sparse_calls=len(sparse_calls),
                 dense_calls=len(cap.calls) - len(sparse_calls),
-                fallback_reasons=sorted({c.reason for c in cap.fallbacks()}),
+                fallback_reasons=sorted({c.reason for c in cap.fallbacks() if c.reason}),
                 rewritten=rep.num_rewritten,
                 skipped=rep.num_skipped,
                 seconds=seconds,
