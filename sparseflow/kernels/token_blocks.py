@@ -24,13 +24,18 @@ import math
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 
 from ..selection import Selection
 
 __all__ = [
     "num_blocks",
     "default_scale",
+    "compute_dtype",
+    "chunk_rows",
     "group_queries",
+    "key_blocks",
+    "gather_blocks",
     "query_positions",
     "query_horizons",
     "leaf_first_valid",
@@ -38,13 +43,14 @@ __all__ = [
     "forced_leaf_blocks",
     "count_visible_blocks",
     "select_top_k",
+    "pad_indices",
     "make_selection",
     "attend_selected_blocks",
 ]
 
 # Upper bound on the element count of the largest per-chunk intermediate (gathered keys or
-# logits). 2**24 fp32 elements = 64 MiB.
-_CHUNK_BUDGET = 1 << 24
+# logits). 2**22 fp32 elements = 16 MiB (larger chunks measured slower on CPU).
+_CHUNK_BUDGET = 1 << 22
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -264,7 +270,9 @@ def attend_selected_blocks(
     of a KV head. Keys of the selected blocks are gathered per query (memory
     ``O(chunk * K * C * D)``, looping over query chunks), masked element-wise by causality
     (``j <= p_i``), padding and the end of the sequence, and attended in fp32 (fp64 for fp64
-    inputs). A query with no visible key outputs 0. Differentiable in q, k, v by plain autograd.
+    inputs). A query with no visible key outputs 0. Differentiable in q, k, v by plain autograd;
+    each chunk is recomputed in backward (activation checkpointing), so training memory stays
+    ``O(chunk)`` plus the inputs.
     Returns ``[B, Hq, Nq, Dv]`` in ``q.dtype``.
     """
     b, hq, n_q, d = q.shape
@@ -275,38 +283,45 @@ def attend_selected_blocks(
     sc = default_scale(q, scale)
     cdt = compute_dtype(q.dtype)
     dev = q.device
+    if n_k == 0 or n_q == 0:
+        return (q.new_zeros(b, hq, n_q, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     qg = group_queries(q, hkv)
     kb = key_blocks(k.to(cdt), c)  # [B, Hkv, nB, C, D]
     vb = key_blocks(v.to(cdt), c)
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(device=dev, dtype=torch.bool)
     horizons = query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
     offs = torch.arange(c, device=dev, dtype=torch.long)
-    outs = []
-    step = chunk_rows(n_q, b * hkv * kk * c * max(d, dv, g))
-    for s in range(0, n_q, step):
-        e = min(n_q, s + step)
-        n = e - s
-        idx = block_indices[:, :, s:e, :]  # [B, Hkv, n, K]
+    kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
+
+    def chunk(qc, kb_, vb_, idx, hz):
+        """``qc [B, Hkv, G, n, D]``, ``idx [B, Hkv, n, K]``, ``hz [n]`` -> ``[B, Hkv, G, n, Dv]``."""
+        n = idx.shape[2]
         safe = idx.clamp_min(0)
         pos = (safe[..., None] * c + offs).flatten(-2)  # [B, Hkv, n, K*C]
-        ok = (idx >= 0).repeat_interleave(c, dim=-1) & (pos < n_k)
-        ok = ok & (pos <= horizons[s:e, None])
-        if key_padding_mask is not None:
+        ok = (idx >= 0).repeat_interleave(c, dim=-1) & (pos < n_k) & (pos <= hz[:, None])
+        if kpm is not None:
             ok = ok & kpm.gather(1, torch.where(ok, pos, 0).flatten(1)).view_as(pos)
-        ks = gather_blocks(kb, safe).view(b, hkv, n, kk * c, d)
-        vs = gather_blocks(vb, safe).view(b, hkv, n, kk * c, dv)
-        logits = torch.einsum("bhgnd,bhnjd->bhgnj", qg[:, :, :, s:e].to(cdt), ks) * sc
-        okg = ok[:, :, None]  # [B, Hkv, 1, n, K*C]
-        logits = logits.masked_fill(~okg, -math.inf)
+        ks = gather_blocks(kb_, safe).view(b, hkv, n, kk * c, d)
+        vs = gather_blocks(vb_, safe).view(b, hkv, n, kk * c, dv)
+        logits = torch.einsum("bhgnd,bhnjd->bhgnj", qc.to(cdt), ks) * sc
+        logits = logits.masked_fill(~ok[:, :, None], -math.inf)
         mx = logits.detach().amax(-1, keepdim=True)
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         p = torch.exp(logits - mx)  # masked entries: exp(-inf) = 0
         denom = p.sum(-1, keepdim=True)
         num = torch.einsum("bhgnj,bhnjd->bhgnd", p, vs)
-        out = num / torch.where(denom > 0, denom, torch.ones_like(denom))
-        outs.append(out)
-    if not outs:
-        return q.new_zeros(b, hq, n_q, dv)
+        return num / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+    # Under autograd, recompute each chunk in backward instead of keeping its gathered keys,
+    # values and probabilities: memory stays O(chunk) in training too.
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs = []
+    step = chunk_rows(n_q, b * hkv * kk * c * max(d, dv, g))
+    for s in range(0, n_q, step):
+        e = min(n_q, s + step)
+        args = (qg[:, :, :, s:e], kb, vb, block_indices[:, :, s:e, :], horizons[s:e])
+        if recompute:
+            outs.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False))
+        else:
+            outs.append(chunk(*args))
     out = torch.cat(outs, dim=3)  # [B, Hkv, G, Nq, Dv]
     return out.flatten(1, 2).to(q.dtype)

@@ -38,6 +38,9 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
+    if n_k == 0:  # nothing to select from
+        return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
+                torch.zeros(b, n_q, dtype=torch.long, device=dev))
     sc = tb.default_scale(q, scale)
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)

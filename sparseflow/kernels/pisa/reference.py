@@ -183,6 +183,9 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
+    if n_k == 0:  # nothing to select from
+        return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
+                torch.zeros(b, n_q, dtype=torch.long, device=dev))
     sc = tb.default_scale(q, scale)
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
@@ -207,42 +210,41 @@ def _select(
     )  # [Nq], the leaf holding p_i regardless of visibility
     n_visible = tb.count_visible_blocks(first_valid, horizons)
 
-    result = torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev)
-    width_max = top_k * g
-    per_row = b * hkv * width_max * max(block_size if score != "mean" else 1, g) * max(d, qg.shape[2])
-    step = tb.chunk_rows(n_q, per_row)
+    # The walk runs level by level over all queries at once (the bookkeeping is [B, Hkv, Nq, g*K]);
+    # only the scoring, which gathers summaries or raw keys, is chunked over queries.
     top = len(pyramid) - 1
-    for s in range(0, n_q, step):
-        e = min(n_q, s + step)
-        nq = e - s
-        hz = horizons[s:e]
-        qc = qg[:, :, :, s:e]
-        anc_leaf = torch.cat(
-            [forced_leaf[:, s:e], current[s:e].view(1, nq, 1).expand(b, nq, 1)], dim=-1
-        )  # [B, nq, 4]
-        # root: a single node, kept if it holds a visible key
-        kept = torch.zeros(b, hkv, nq, 1, dtype=torch.long, device=dev)
-        ok = (fvl[top][:, :1] <= hz.view(1, nq)).view(b, 1, nq, 1).expand(b, hkv, nq, 1)
-        for level in range(top - 1, -1, -1):
-            n_l = fvl[level].shape[-1]
-            cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B,Hkv,nq,w*g]
-            valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
-            cand = torch.where(valid, cand, torch.zeros_like(cand))
-            valid = valid & (_gather_batch(fvl[level], cand) <= hz.view(1, 1, nq, 1))
-            span = g ** level
-            anc = torch.where(anc_leaf >= 0, torch.div(anc_leaf, span, rounding_mode="floor"), anc_leaf)
-            forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
-            need = valid.sum(-1) > top_k
-            scores = None
-            if bool(need.any()):
-                scores = _scores(
-                    level, cand, qc, kblocks, n_k, pyramid, fvl, hz, kpm,
-                    scale=sc, block_size=block_size, branching=g, score=score,
+    anc_leaf = torch.cat([forced_leaf, current.view(1, n_q, 1).expand(b, n_q, 1)], dim=-1)  # [B, Nq, 4]
+    hz = horizons.view(1, 1, n_q, 1)
+    # root: a single node, kept if it holds a visible key
+    kept = torch.zeros(b, hkv, n_q, 1, dtype=torch.long, device=dev)
+    ok = (fvl[top][:, :1] <= horizons.view(1, n_q)).view(b, 1, n_q, 1).expand(b, hkv, n_q, 1)
+    for level in range(top - 1, -1, -1):
+        n_l = fvl[level].shape[-1]
+        cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B, Hkv, Nq, w*g]
+        valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
+        cand = torch.where(valid, cand, torch.zeros_like(cand))
+        valid = valid & (_gather_batch(fvl[level], cand) <= hz)  # holds a visible key
+        span = g ** level  # leaves under one node of this level
+        anc = torch.where(anc_leaf >= 0, torch.div(anc_leaf, span, rounding_mode="floor"), anc_leaf)
+        forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
+        need = (valid.sum(-1) > top_k).any(1).any(0)  # [Nq]: some row must be scored
+        scores = None
+        if bool(need.any()):
+            m = cand.shape[-1]
+            per_row = b * hkv * m * (block_size if level == 0 and score != "mean" else g) * max(d, qg.shape[2])
+            step = tb.chunk_rows(n_q, per_row)
+            scores = torch.zeros(cand.shape, dtype=cdt, device=dev)
+            for s in range(0, n_q, step):
+                e = min(n_q, s + step)
+                if not bool(need[s:e].any()):
+                    continue
+                scores[:, :, s:e] = _scores(
+                    level, cand[:, :, s:e], qg[:, :, :, s:e], kblocks, n_k, pyramid, fvl,
+                    horizons[s:e], kpm, scale=sc, block_size=block_size, branching=g, score=score,
                 )
-            kept, ok = tb.select_top_k(cand, valid, forced, scores, top_k)
-            kept = torch.where(ok, kept, torch.zeros_like(kept))
-        w = kept.shape[-1]
-        result[:, :, s:e, :w] = torch.where(ok, kept, torch.full_like(kept, -1))
+        kept, ok = tb.select_top_k(cand, valid, forced, scores, top_k)
+        kept = torch.where(ok, kept, torch.zeros_like(kept))
+    result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
     return result, n_visible
 
 

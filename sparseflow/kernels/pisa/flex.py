@@ -1,0 +1,63 @@
+"""PISA on FlexAttention (``backend="flex"``), SPEC §4.
+
+Selection: the reference's pyramid walk (:func:`sparseflow.kernels.pisa.reference.pisa_select`),
+so the selected blocks -- and the reported :class:`~sparseflow.selection.Selection` -- are the
+reference's exactly. Attention: compiled ``flex_attention`` through
+:func:`sparseflow.kernels.flex_common.token_block_attention` -- a query tile's block list is the
+union of its tokens' selections, and a ``mask_mod`` does the per-token membership test (bitset
+lookup ``bits[b, h // G, q_idx, blk // 32]``), causality and key padding. K/V keep their ``Hkv``
+heads (native GQA). On CPU, flex is inference only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import flex_common as fc
+from .reference import pisa_select
+
+__all__ = ["pisa_attention"]
+
+
+def pisa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    score: str = "lse",
+    force_sink: bool = True,
+    force_previous: bool = True,
+    return_selection: bool = False,
+    min_seq_len: int = 0,
+    q_tile: Optional[int] = None,
+    kv_tile: Optional[int] = None,
+):
+    """PISA attention with compiled FlexAttention: same signature, selection and result (to
+    floating-point tolerance) as :func:`sparseflow.kernels.pisa.reference.pisa_attention`.
+    ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
+    ``block_size``; ``kv_tile`` a multiple of it). ``min_seq_len`` is accepted
+    and ignored (the dispatcher handles it)."""
+    fc.check_flex_inputs(q, k, v)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
+    idx = pisa_select(
+        q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=block_size, top_k=top_k, branching=branching, score=score,
+        force_sink=force_sink, force_previous=force_previous,
+    )
+    out = fc.token_block_attention(
+        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=block_size, q_tile=q_tile, kv_tile=kv_tile,
+    )
+    if not return_selection:
+        return out
+    return out, fc.token_selection("pisa", idx, q, k, key_padding_mask=key_padding_mask,
+                                    is_causal=is_causal, block_size=block_size)
+
