@@ -44,14 +44,15 @@ def analyse_mask(
 ) -> MaskAnalysis:
     if attn_mask is None:
         return MaskAnalysis(True, is_causal=is_causal)
+    if attn_mask.dim() == 2 and attn_mask.dtype == torch.bool and attn_mask.shape == (batch, n_k):
+        # [B, Nk] key padding (sparseflow's own form) combines with either causality
+        return MaskAnalysis(True, is_causal=is_causal, key_padding_mask=_padding_or_none(attn_mask))
     if is_causal:
-        # SDPA itself rejects this combination; keep the same contract.
+        # SDPA itself rejects a 4-D mask together with is_causal; keep the same contract.
         return MaskAnalysis(False, reason="attn_mask together with is_causal=True")
     mask = _as_bool(attn_mask)
     if mask is None:
         return MaskAnalysis(False, reason=f"attn_mask of dtype {attn_mask.dtype} with values other than 0/-inf")
-    if mask.dim() == 2 and mask.shape == (batch, n_k) and attn_mask.dtype == torch.bool:
-        return MaskAnalysis(True, is_causal=False, key_padding_mask=_padding_or_none(mask))
     if mask.dim() != 4:
         return MaskAnalysis(False, reason=f"attn_mask of rank {mask.dim()} (expected a 4-D mask or [B, Nk] key padding)")
     if mask.shape[-2:] != (n_q, n_k) and not (mask.shape[-2] == 1 and mask.shape[-1] == n_k):

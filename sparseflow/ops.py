@@ -44,6 +44,10 @@ _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 # scale, return_selection, **config_fields).
 IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
     ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
+    ("pbs", "triton"): "sparseflow.kernels.pbs.triton_impl:pbs_attention",
+    ("pbs", "flex"): "sparseflow.kernels.pbs.flex:pbs_attention",
+    ("pisa", "flex"): "sparseflow.kernels.pisa.flex:pisa_attention",
+    ("bsa", "flex"): "sparseflow.kernels.bsa.flex:bsa_attention",
     ("pisa", "reference"): "sparseflow.kernels.pisa.reference:pisa_attention",
     ("bsa", "reference"): "sparseflow.kernels.bsa.reference:bsa_attention",
 }
@@ -122,6 +126,14 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
     group = q.shape[1] // k.shape[1]
+    if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.dtype == torch.bool:
+        # our [B, Nk] key-padding form -> an SDPA mask (SDPA takes no mask together with is_causal)
+        n_q, n_k = q.shape[2], k.shape[2]
+        attn_mask = attn_mask[:, None, None, :]
+        if is_causal:
+            causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+            attn_mask = attn_mask & causal
+            is_causal = False
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
     )

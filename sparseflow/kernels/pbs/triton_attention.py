@@ -59,7 +59,7 @@ def _tile(
     SPARSE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_N: tl.constexpr,
     MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, INTERP: tl.constexpr,
 ):
     start = kb * SPARSE_BLOCK + sub_n * BLOCK_N
     in_blk = sub_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +87,10 @@ def _tile(
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
         else:
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    if IEEE:
+    if INTERP:
+        # the CPU interpreter mis-multiplies bf16 operands: compute the same products in fp32
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
@@ -123,7 +126,16 @@ def _tile(
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    if IEEE:
+    if INTERP:
+        pr = p
+        if v.dtype == tl.bfloat16:
+            # the interpreter truncates fp32 -> bf16 (its round-to-nearest drops the carry into the
+            # exponent); the GPU rounds to nearest even: do that on the bits
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            pr = bits.to(tl.float32, bitcast=True)
+        acc = tl.dot(pr.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -145,7 +157,7 @@ def _pbs_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_ALL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, INTERP: tl.constexpr,
 ):
     SUB_M: tl.constexpr = (SPARSE_BLOCK + BLOCK_M - 1) // BLOCK_M
     SUB_N: tl.constexpr = (SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
@@ -200,30 +212,60 @@ def _pbs_fwd_kernel(
     n_full = tl.load(KV_FULL + cnt_off)
     idx_base = KV_IDX + b64 * stride_ib + h.to(tl.int64) * stride_ih + qb.to(tl.int64) * stride_iq
 
-    # blocks wholly before the query's segment, no padding: no element mask
-    for t in range(0, n_full * SUB_N):
-        kb = tl.load(idx_base + t // SUB_N)
-        acc, l_i, m_i = _tile(
-            acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
-            k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-            stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-            SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-            MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE,
-        )
-    # the diagonal segment (element mask by original position), ragged last block, padding
-    for t in range(n_full * SUB_N, n_tot * SUB_N):
-        kb = tl.load(idx_base + t // SUB_N)
-        acc, l_i, m_i = _tile(
-            acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
-            k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-            stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-            SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-            True, IS_CAUSAL, GATHER, USE_TMA, IEEE,
-        )
+    # First the blocks wholly before the query's segment (no padding): no element mask; then the
+    # diagonal segment (element mask by original position), the ragged last block, padding.
+    # (Helpers are one call deep so Inductor's copy of the kernel source holds all of them.)
+    hi_full = n_full * SUB_N
+    hi_all = n_tot * SUB_N
+    if INTERP:
+        # The CPU interpreter cannot take a loaded scalar as a range bound with NumPy >= 2.3 (it
+        # calls int() on a 1-element array); while loops evaluate the same tiles.
+        t = hi_full * 0
+        while t < hi_full:
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, offs_m, tl.load(idx_base + t // SUB_N), t % SUB_N,
+                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+                MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+            )
+            t += 1
+        while t < hi_all:
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, offs_m, tl.load(idx_base + t // SUB_N), t % SUB_N,
+                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+                True, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+            )
+            t += 1
+    else:
+        for t in range(0, hi_full):
+            kb = tl.load(idx_base + t // SUB_N)
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
+                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+                MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+            )
+        for t in range(hi_full, hi_all):
+            kb = tl.load(idx_base + t // SUB_N)
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
+                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
+                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
+                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
+                True, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+            )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_base = OUT + b64 * stride_ob + h.to(tl.int64) * stride_oh
+    if INTERP and OUT.dtype.element_ty == tl.bfloat16:
+        obits = out.to(tl.uint32, bitcast=True)
+        obits = (obits + 0x7FFF + ((obits >> 16) & 1)) & 0xFFFF0000
+        out = obits.to(tl.float32, bitcast=True)
     tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
@@ -231,20 +273,16 @@ def _pbs_fwd_kernel(
 def _configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    cfgs = []
-    for bm in (64, 128):
-        for bn in (32, 64, 128):
-            for w in (4, 8):
-                for s in (2, 3, 4):
-                    if bm * bn >= 128 * 128 and w == 4:
-                        continue
-                    if bm * bn < 64 * 128 and w == 8:
-                        continue
-                    cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    # small sparse blocks
-    cfgs.append(triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2))
-    cfgs.append(triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=2))
-    return cfgs
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages): the candidates measured on the H200
+    # (H200, bf16, D=128, Hq=32/Hkv=8, 100% density; benchmarks/results/pbs_h200.json): 128x64, 4 warps,
+    # 2 stages is best at 8K-128K (0.72-0.87x cuDNN); 128x128/8 warps next; 4 warps on 128x128 and
+    # 64-row tiles are far behind; tl.range(warp_specialize=True) failed to compile for 128x64/4 warps
+    # on sm_90 and was slower for 128x128/8 warps (0.65-0.76x), so it is not used.
+    table = [
+        (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+        (32, 32, 4, 2), (16, 16, 4, 2),
+    ]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in table]
 
 
 def _prune(configs, named_args, **kwargs):
@@ -302,11 +340,18 @@ def _tma_ok(q, k, v, gather: bool) -> bool:
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
-    d = k.shape[-1]
+    d = int(k.shape[-1])
     for t in (k, v):
-        if not t.is_contiguous() or (t.data_ptr() % 16) or (d * t.element_size()) % 16:
+        # storage_offset (not data_ptr) so the check also runs on fake tensors while tracing;
+        # allocations themselves are 256-byte aligned
+        if not t.is_contiguous() or (int(t.storage_offset()) * t.element_size()) % 16 or (d * t.element_size()) % 16:
             return False
     return True
+
+
+def _alloc_out(q: torch.Tensor) -> torch.Tensor:
+    # one place to allocate the output, so tests can poison it (every row must be written)
+    return torch.empty_like(q)
 
 
 @triton_op("sparseflow::pbs_block_sparse_fwd", mutates_args={})
@@ -324,11 +369,11 @@ def pbs_block_sparse_fwd(
     has_padding: bool,
     gather: bool,
 ) -> torch.Tensor:
-    b, hq, n, d = q.shape
-    hkv = k.shape[1]
-    hp = kpos.shape[1]
-    out = torch.empty_like(q)
-    nqb = kv_num.shape[2]
+    b, hq, n, d = (int(x) for x in q.shape)
+    hkv = int(k.shape[1])
+    hp = int(kpos.shape[1])
+    out = _alloc_out(q)
+    nqb = int(kv_num.shape[2])
     block_d = max(16, triton.next_power_of_2(d))
     use_tma = _tma_ok(q, k, v, gather)
     if use_tma:
@@ -350,7 +395,7 @@ def pbs_block_sparse_fwd(
     meta = dict(
         KV_GROUP=hq // hkv, P_GROUP=hq // hp, HEAD_DIM=d, BLOCK_D=block_d,
         SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=mask_all, GATHER=gather,
-        USE_TMA=use_tma, IEEE=ieee,
+        USE_TMA=use_tma, IEEE=ieee, INTERP=_INTERPRET,
     )
     fixed = _FIXED_CONFIG
     if fixed is not None:

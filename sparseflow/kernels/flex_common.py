@@ -1,0 +1,420 @@
+"""Shared FlexAttention plumbing for the ``backend="flex"`` implementations (PBS, PISA, BSA).
+
+Every flex backend turns its method's selection into a :class:`BlockMask` built *directly from
+block indices* (``BlockMask.from_kv_blocks``; never ``create_block_mask``, which without
+compilation materialises an ``N x N`` mask) plus a ``mask_mod`` that does the element-level
+test inside partial blocks, then runs the **compiled** ``flex_attention``.
+
+Why compiled only: eager ``flex_attention`` ignores a BlockMask's block lists (it evaluates the
+``mask_mod`` densely), so an eager result is dense attention restricted by ``mask_mod`` alone --
+not the selection. :func:`flex_attention_compiled` refuses to run whenever the call would not go
+through the compiler (``TORCHDYNAMO_DISABLE``, ``torch.compiler.set_stance("force_eager")``) and
+is compiled with ``fullgraph=True``, so a failed or over-limit compilation raises instead of
+silently running eagerly.
+
+Facts measured on torch 2.13 CPU (see ``tests/test_flex.py``):
+
+* compiled CPU flex takes fp32, bf16 and fp16 (fp64 is rejected with a ``ValueError`` naming the
+  dtype), any head dim tried (16..256, including 80 and 96), any (Q, KV) block size pair, and
+  lengths that are not a multiple of the block size (partial last blocks are exact);
+* it is inference only (no backward, no lse): a CPU call with ``requires_grad`` inputs raises
+  (through the op: the forward runs, the backward raises);
+* the CPU kernel tiles by the BlockMask's block sizes and applies ``mask_mod`` to partial blocks
+  only; on CUDA the Triton kernel indexes the block lists by ``h % H_mask``, so the lists are
+  always expanded to ``Hq`` heads (never broadcast from ``Hkv``);
+* ``dynamic=True`` fails to build on CPU (C++ codegen error), so the callable is compiled with
+  ``dynamic=False``. Every new (shape, dtype, block size) compiles again (5-25 s on a busy
+  2-core CPU); to
+  bound the number of compilations the sequence is padded to a bucketed number of blocks (see
+  :func:`bucketed_length`), and the Dynamo recompile limit is raised for these calls only;
+* rows that see no key come back as 0 (never NaN), on CPU and (by the flex kernel's
+  ``l_i == 0`` rule) on CUDA.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "FLEX_DTYPES",
+    "RECOMPILE_LIMIT",
+    "SELECTION_TABLE_BUDGET",
+    "check_flex_inputs",
+    "flex_attention_compiled",
+    "compiled_flex_attention",
+    "bucketed_length",
+    "pad_seq",
+    "block_lists",
+    "kernel_options_for",
+    "needs_grad",
+    "default_scale",
+    "gather_rows",
+    "token_block_attention",
+    "token_selection",
+]
+
+# dtypes compiled flex accepts on every device it runs on (CPU: fp32/bf16/fp16; CUDA: the same).
+FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Per-token selection tables up to this many bytes are bool [B, Hkv, Nq, nKB] (one gather per
+# score in mask_mod, ~25% faster on CPU); larger ones are packed into int32 bitsets (8x smaller).
+SELECTION_TABLE_BUDGET = 1 << 28
+
+# Compilations allowed per process for the flex callable (Dynamo's default is 8 per code object;
+# every distinct (shape, dtype, block size, mask kind) needs one).
+RECOMPILE_LIMIT = 256
+
+_lock = threading.Lock()
+_compiled: Optional[Callable] = None
+
+
+def compiled_flex_attention() -> Callable:
+    """The process-wide ``torch.compile(flex_attention, dynamic=False, fullgraph=True)``, created
+    lazily on first use (importing sparseflow must not touch the compiler)."""
+    global _compiled
+    if _compiled is None:
+        with _lock:
+            if _compiled is None:
+                from torch.nn.attention.flex_attention import flex_attention
+
+                _compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _compiled
+
+
+def _compiler_disabled_reason() -> str:
+    """Why a torch.compile'd callable would run eagerly right now ("" when it would compile)."""
+    import torch._dynamo as dynamo
+
+    if getattr(dynamo.config, "disable", False):
+        return "TorchDynamo is disabled (TORCHDYNAMO_DISABLE / torch._dynamo.config.disable)"
+    try:
+        from torch._dynamo.eval_frame import _stance
+
+        if _stance.stance not in ("default",):
+            return f"torch.compiler stance is {_stance.stance!r}"
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    if torch.compiler.is_compiling():
+        return "called from inside a torch.compile trace"
+    return ""
+
+
+def check_flex_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a clear error for what compiled flex cannot do (so nothing runs eagerly or wrongly)."""
+    if q.dtype not in FLEX_DTYPES:
+        raise ValueError(
+            f"backend='flex' does not support dtype {q.dtype} (compiled FlexAttention takes "
+            f"{', '.join(str(d) for d in FLEX_DTYPES)}); use backend='reference' for {q.dtype}"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend='flex' runs on cpu and cuda, got device {q.device}")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+    ):
+        raise NotImplementedError(
+            "backend='flex' on CPU is inference-only (compiled FlexAttention has no CPU backward); "
+            "run under torch.no_grad(), detach q/k/v, or use backend='reference' for gradients"
+        )
+    if q.device.type == "cpu":
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+        if not check_cpu_supported():
+            raise NotImplementedError(
+                "backend='flex' needs a CPU with AVX2 (compiled FlexAttention is not supported on "
+                "this CPU / platform); use backend='reference'"
+            )
+
+
+def flex_attention_compiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask,
+    *,
+    scale: float,
+    enable_gqa: bool,
+    kernel_options: Optional[Dict] = None,
+) -> torch.Tensor:
+    """Run the compiled flex_attention; raises rather than ever running the eager path."""
+    reason = _compiler_disabled_reason()
+    if reason:
+        raise RuntimeError(
+            f"backend='flex' needs compiled FlexAttention, but {reason}: eager FlexAttention ignores "
+            "the block lists and would silently compute the wrong attention; use backend='reference'"
+        )
+    fn = compiled_flex_attention()
+    import torch._dynamo as dynamo
+
+    limit = max(RECOMPILE_LIMIT, dynamo.config.recompile_limit)
+    acc = max(4 * RECOMPILE_LIMIT, dynamo.config.accumulated_recompile_limit)
+    with dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=acc):
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                 kernel_options=kernel_options)
+    return out
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def bucketed_length(n: int, block: int) -> int:
+    """Length ``>= n`` the flex call runs at: a multiple of ``block`` whose block count is rounded
+    up to at most 4 steps per octave (1..8 blocks exactly, then 8, 10, 12, 14, 16, 20, 24, 28, 32,
+    40, ...), so the number of distinct compiled shapes grows with log(N), not N. The padding
+    costs a copy of q/k/v (O(N·D)); padded key slots are masked, padded query tiles select no
+    block and are sliced off."""
+    nb = max(1, -(-n // block))
+    if nb > 8:
+        step = 1 << (nb.bit_length() - 3)  # 4 steps per power of two
+        nb = -(-nb // step) * step
+    return nb * block
+
+
+def pad_seq(t: torch.Tensor, n: int, dim: int = 2, value=0) -> torch.Tensor:
+    """Pad ``t`` along ``dim`` to length ``n`` with ``value`` (no copy when already ``n``)."""
+    cur = t.shape[dim]
+    if cur == n:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n - cur
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+def block_lists(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``mask [B, H, nQ, nK]`` bool -> (``num [B, H, nQ]`` int32, ``indices [B, H, nQ, nK]`` int32):
+    the selected key blocks of each query tile, ascending, followed by the unselected ones
+    (ignored by flex because of ``num``)."""
+    num = mask.sum(-1, dtype=torch.int32)
+    order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+    return num, order.to(torch.int32)
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether the flex call will be differentiated (then the BlockMask needs its q-block lists)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def kernel_options_for(device: torch.device, q_block: int, kv_block: int, head_dim: int) -> Optional[Dict]:
+    """Triton tile sizes that divide the sparse block sizes (flex requires Q_BLOCK % BLOCK_M == 0
+    and KV_BLOCK % BLOCK_N == 0); None on CPU, where the kernel tiles by the block sizes."""
+    if device.type != "cuda":
+        return None
+
+    def pow2_divisor(x: int, cap: int) -> int:
+        p = x & -x  # largest power of two dividing x
+        return max(16, min(p, cap))
+
+    if q_block % 128 == 0 and kv_block % 128 == 0:
+        return None  # every default flex config (tiles <= 128) divides them
+    big = head_dim <= 128
+    if q_block % 16 or kv_block % 16:
+        raise ValueError(
+            f"backend='flex' on CUDA needs block sizes that are multiples of 16, got "
+            f"q_block={q_block}, kv_block={kv_block}"
+        )
+    # forward tiles only ("fwd_" prefix): the backward autotunes over its own configs and skips
+    # the ones that do not divide the block sizes
+    return {
+        "fwd_BLOCK_M": pow2_divisor(q_block, 128 if big else 64),
+        "fwd_BLOCK_N": pow2_divisor(kv_block, 64 if big else 32),
+    }
+
+
+def default_scale(d: int, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [B, Hx, N, D]``, ``index [B, Hi, L]`` (values in ``[0, N)``; ``Hi`` a multiple of ``Hx``,
+    index head ``i`` reading ``x`` head ``i // (Hi // Hx)``) -> ``[B, Hi, L, D]`` in one copy
+    (no repeated K/V is materialised first)."""
+    b, hx, n, d = x.shape
+    hi, length = index.shape[1], index.shape[2]
+    src_head = torch.arange(hi, device=index.device) // (hi // hx)  # [Hi]
+    base = (torch.arange(b, device=index.device)[:, None] * hx + src_head[None, :]) * n  # [B, Hi]
+    flat = (index + base[:, :, None]).reshape(-1)
+    return x.reshape(b * hx * n, d).index_select(0, flat).view(b, hi, length, d)
+
+
+# --------------------------------------------------------------------------- token-level selections
+
+
+def _tile_counts(idx: torch.Tensor, n_blocks: int, q_tile: int) -> torch.Tensor:
+    """``idx [B, Hkv, Nq_pad, K]`` (-1 = unused; padded rows all -1) -> ``[B, Hkv, nQT, nKB]``
+    int32: how many query rows of each tile selected each key block."""
+    b, hkv, nq, kk = idx.shape
+    nqt = nq // q_tile
+    safe = torch.where(idx < 0, torch.full_like(idx, n_blocks), idx).view(b, hkv, nqt, q_tile * kk)
+    counts = torch.zeros(b, hkv, nqt, n_blocks + 1, dtype=torch.int32, device=idx.device)
+    counts.scatter_add_(-1, safe, torch.ones_like(safe, dtype=torch.int32))
+    return counts[..., :n_blocks]
+
+
+def _selection_table(idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """``idx [B, Hkv, Nq, K]`` (-1 = unused) -> ``[B, Hkv, Nq, nKB]`` bool: block selected."""
+    b, hkv, nq, kk = idx.shape
+    table = torch.zeros(b, hkv, nq, n_blocks + 1, dtype=torch.bool, device=idx.device)
+    table.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, n_blocks), idx), True)
+    return table[..., :n_blocks].contiguous()
+
+
+def _selection_bits(idx: torch.Tensor, n_words: int) -> torch.Tensor:
+    """``idx [B, Hkv, Nq, K]`` (ascending-or-not, distinct, -1 = unused) -> ``[B, Hkv, Nq, W]``
+    int32 bitset: bit ``c % 32`` of word ``c // 32`` set iff block ``c`` is selected."""
+    b, hkv, nq, kk = idx.shape
+    safe = idx.clamp_min(0)
+    word = torch.where(idx < 0, torch.full_like(idx, n_words), safe // 32)
+    bit = torch.where(idx < 0, torch.zeros_like(idx), torch.bitwise_left_shift(torch.ones_like(idx), safe % 32))
+    words = torch.zeros(b, hkv, nq, n_words + 1, dtype=torch.int64, device=idx.device)
+    words.scatter_add_(-1, word, bit)  # blocks are distinct: add == or
+    words = words[..., :n_words]
+    # two's complement wrap of bit 31 into int32
+    words = torch.where(words >= (1 << 31), words - (1 << 32), words)
+    return words.to(torch.int32).contiguous()
+
+
+def token_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    block_size: int,
+    q_tile: Optional[int] = None,
+    kv_tile: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of each query token over its own selected key blocks (PISA/BSA selections) with
+    compiled FlexAttention; the flex counterpart of ``token_blocks.attend_selected_blocks``.
+
+    ``block_indices [B, Hkv, Nq, K]`` int64 (``-1`` = unused) is shared by the ``G`` query heads
+    of a KV head; K/V keep their ``Hkv`` heads (``enable_gqa``). The BlockMask tiles queries by
+    ``q_tile`` rows and keys by ``kv_tile`` columns (defaults: ``block_size`` both; ``kv_tile``
+    must be a multiple of ``block_size``): a tile's block list is the union of its rows'
+    selections. A key tile that every real row of the query tile selected entirely, whose keys
+    are all valid and (causal) all visible to the tile's first query, is a full block (no
+    mask_mod); the others are partial, where ``mask_mod`` tests membership per token in a
+    ``[B, Hkv, Nq, nKB]`` bool table of the selection (or, above ``SELECTION_TABLE_BUDGET``
+    bytes, an int32 bitset of it: ``Nq·nKB/8`` bytes per KV head), plus causality
+    (``kv <= q + Nk - Nq``) and key padding. Queries bottom-right aligned as in token_blocks. A
+    query with no visible key outputs 0. Returns ``[B, Hq, Nq, Dv]`` in ``q.dtype``.
+
+    On CUDA with gradients, both tiles are rounded up to multiples of 128: the default Triton
+    backward configs of flex (sm80/sm90, D <= 128) need sparse block sizes divisible by 128."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    check_flex_inputs(q, k, v)
+    bsz, hq, n_q, d = q.shape
+    _, hkv, n_k, _ = k.shape
+    g = hq // hkv
+    c = int(block_size)
+    qt = c if q_tile is None else int(q_tile)
+    kt = c if kv_tile is None else int(kv_tile)
+    if kt % c:
+        raise ValueError(f"kv_tile must be a multiple of block_size={c}, got kv_tile={kt}")
+    dev = q.device
+    if dev.type == "cuda" and needs_grad(q, k, v):
+        qt, kt = math.lcm(qt, 128), math.lcm(kt, 128)
+    m = kt // c  # leaf blocks per key tile
+    offset = n_k - n_q
+    with torch.no_grad():
+        nq_pad = bucketed_length(n_q, qt)
+        nk_pad = bucketed_length(n_k, kt)
+        nkb = nk_pad // c
+        nkt = nk_pad // kt
+        nqt = nq_pad // qt
+        idx = pad_seq(block_indices.to(device=dev, dtype=torch.long), nq_pad, dim=2, value=-1)
+        packed = bsz * hkv * nq_pad * nkb > SELECTION_TABLE_BUDGET
+        if packed:
+            table = _selection_bits(idx, -(-nkb // 32))  # [B, Hkv, Nq_pad, W] int32
+        else:
+            table = _selection_table(idx, nkb)  # [B, Hkv, Nq_pad, nKB] bool
+        counts = _tile_counts(idx, nkb, qt).view(bsz, hkv, nqt, nkt, m)  # rows selecting each leaf
+        # real query rows per tile
+        rows = (n_q - torch.arange(nqt, device=dev) * qt).clamp(0, qt).to(torch.int32)  # [nQT]
+        # key tiles that hold only valid keys
+        key_ok = torch.arange(nk_pad, device=dev) < n_k
+        kpm_ext = None
+        if key_padding_mask is not None or (not is_causal and nk_pad > n_k):
+            # key validity table: padding and (non-causal) the slots past Nk. Causal needs no
+            # table for those slots: only padded query rows (sliced off) can reach them.
+            kpm = key_padding_mask if key_padding_mask is not None else torch.ones(bsz, n_k, dtype=torch.bool, device=dev)
+            kpm_ext = pad_seq(kpm.to(device=dev, dtype=torch.bool), nk_pad, dim=1, value=False)
+            key_ok = key_ok[None, :] & kpm_ext  # [B, Nk_pad]
+        else:
+            key_ok = key_ok[None, :].expand(bsz, nk_pad)
+        tile_all_valid = key_ok.reshape(bsz, nkt, kt).all(-1)  # [B, nKT]
+        r = rows[None, None, :, None]
+        full = ((counts == r[..., None]).all(-1)) & (r > 0) & tile_all_valid[:, None, None, :]
+        if is_causal:
+            last_key = torch.arange(nkt, device=dev) * kt + kt - 1  # [nKT]
+            first_q = torch.arange(nqt, device=dev) * qt + offset  # [nQT] horizon of the tile's first row
+            full = full & (last_key[None, :] <= first_q[:, None])[None, None]
+        partial = (counts > 0).any(-1) & ~full
+        kv_num, kv_idx = block_lists(partial)
+        full_num, full_idx = block_lists(full)
+        head_map = torch.arange(hq, device=dev) // g
+        kv_num, kv_idx, full_num, full_idx = (t[:, head_map].contiguous() for t in (kv_num, kv_idx, full_num, full_idx))
+
+        mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
+        bm = BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qt, kt), mask_mod=mask_mod,
+            seq_lengths=(nq_pad, nk_pad), compute_q_blocks=needs_grad(q, k, v),
+        )
+    qp = pad_seq(q, nq_pad).contiguous()
+    kp = pad_seq(k, nk_pad).contiguous()
+    vp = pad_seq(v, nk_pad).contiguous()
+    out = flex_attention_compiled(
+        qp, kp, vp, bm, scale=default_scale(d, scale), enable_gqa=g > 1,
+        kernel_options=kernel_options_for(dev, qt, kt, d),
+    )
+    return out[:, :, :n_q].to(q.dtype)
+
+
+def _token_mask_mod(table, kpm_ext, *, g: int, c: int, offset: int, is_causal: bool, packed: bool):
+    """mask_mod for token-level selections, one closure per (table kind, causal, padding) variant.
+    Only tensors and shape-determined ints are captured, so lengths that share a padded bucket
+    share the compiled kernel (a captured int such as Nk would be guarded on and recompile)."""
+
+    if packed:
+        def member(b, h, q_idx, kv_idx):
+            blk = kv_idx // c
+            word = table[b, h // g, q_idx, blk // 32]
+            return ((word >> (blk % 32)) & 1) != 0
+    else:
+        def member(b, h, q_idx, kv_idx):
+            return table[b, h // g, q_idx, kv_idx // c]
+
+    if is_causal and kpm_ext is not None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return member(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + offset) & kpm_ext[b, kv_idx]
+    elif is_causal:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return member(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + offset)
+    elif kpm_ext is not None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return member(b, h, q_idx, kv_idx) & kpm_ext[b, kv_idx]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return member(b, h, q_idx, kv_idx)
+    return mask_mod
+
+
+def token_selection(method: str, block_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
+                    key_padding_mask: Optional[torch.Tensor], is_causal: bool, block_size: int):
+    """The :class:`Selection` the token-level references report for ``block_indices`` (same
+    density: selected / visible blocks per token, via the shared token_blocks helpers)."""
+    from . import token_blocks as tb
+
+    n_q, n_k = q.shape[2], k.shape[2]
+    first_valid = tb.leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
+    horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=q.device)
+    n_visible = tb.count_visible_blocks(first_valid, horizons)
+    return tb.make_selection(
+        method, block_indices, n_visible, num_query_heads=q.shape[1], block_size=block_size,
+        is_causal=is_causal, num_keys=n_k, key_padding_mask=key_padding_mask,
+    )

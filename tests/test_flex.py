@@ -1,0 +1,375 @@
+"""backend="flex" (compiled FlexAttention) against the plain references, on the CPU.
+
+Only the compiled flex path is exercised (eager FlexAttention ignores BlockMask block lists; the
+backends refuse to run it). Compilation is slow on the CPU (~5-20 s per shape), so every test
+reuses the few shapes of ``CASES``: tensors of equal shapes, dtype and mask kind hit the compile
+cache whatever the seeds, padding patterns or method configs (thresholds, top_k, scores).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparseflow.kernels import flex_common as fc
+from sparseflow.kernels.bsa import flex as bsa_flex
+from sparseflow.kernels.bsa import reference as bsa_ref
+from sparseflow.kernels.pbs import flex as pbs_flex
+from sparseflow.kernels.pbs import reference as pbs_ref
+from sparseflow.kernels.pisa import flex as pisa_flex
+from sparseflow.kernels.pisa import reference as pisa_ref
+from sparseflow.testing import error_bound
+
+pytestmark = pytest.mark.skipif(
+    not __import__("torch._inductor.kernel.flex.flex_cpu", fromlist=["x"]).check_cpu_supported(),
+    reason="compiled FlexAttention is not supported on this CPU",
+)
+
+IMPLS = {
+    "pbs": (pbs_ref.pbs_attention, pbs_flex.pbs_attention),
+    "pisa": (pisa_ref.pisa_attention, pisa_flex.pisa_attention),
+    "bsa": (bsa_ref.bsa_attention, bsa_flex.bsa_attention),
+}
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    hkv: int
+    group: int
+    n: int
+    d: int
+    dtype: torch.dtype
+    is_causal: bool
+    padded: bool  # a key padding mask is passed (the mask kind is part of the compiled graph)
+
+    @property
+    def hq(self) -> int:
+        return self.hkv * self.group
+
+    def tensors(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(self.batch, self.hq, self.n, self.d, generator=g).to(self.dtype)
+        k = torch.randn(self.batch, self.hkv, self.n, self.d, generator=g).to(self.dtype)
+        v = torch.randn(self.batch, self.hkv, self.n, self.d, generator=g).to(self.dtype)
+        return q, k, v
+
+    def default_mask(self) -> Optional[torch.Tensor]:
+        if not self.padded:
+            return None
+        m = torch.ones(self.batch, self.n, dtype=torch.bool)
+        m[0, self.n - 7 :] = False  # trailing padding
+        m[-1, :5] = False  # leading padding: the first queries of that row see no key
+        return m
+
+
+CASES = {
+    # group 3, batch 2, key padding, odd length, causal
+    "pad130": Case("pad130", 2, 2, 3, 130, 64, torch.float32, True, True),
+    # one segment + tail for PBS, non-causal, small head dim
+    "odd37": Case("odd37", 1, 1, 3, 37, 32, torch.float32, False, False),
+    # bf16, head dim 80, long-ish odd length, causal
+    "bf16_301": Case("bf16_301", 1, 1, 3, 301, 80, torch.bfloat16, True, False),
+}
+
+
+def _config(method: str, **kw):
+    if method == "pbs":
+        base = dict(block_size=BLOCK, segment_size=2 * BLOCK, threshold=0.6)
+    else:
+        base = dict(block_size=BLOCK, top_k=4)
+    base.update(kw)
+    return base
+
+
+def _run_both(method, q, k, v, kpm, is_causal, cfg):
+    ref, flex = IMPLS[method]
+    with torch.no_grad():
+        out_r, sel_r = ref(q, k, v, key_padding_mask=kpm, is_causal=is_causal, return_selection=True, **cfg)
+        out_f, sel_f = flex(q, k, v, key_padding_mask=kpm, is_causal=is_causal, return_selection=True, **cfg)
+    return out_r, sel_r, out_f, sel_f
+
+
+def _assert_same_selection(sel_r, sel_f):
+    assert sel_f.method == sel_r.method and sel_f.block_size == sel_r.block_size
+    for name in ("block_mask", "permutation", "block_indices"):
+        a, b = getattr(sel_r, name), getattr(sel_f, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), f"{name} differs"
+    torch.testing.assert_close(sel_f.density, sel_r.density, rtol=0, atol=0)
+
+
+def _check(method, case: Case, q, k, v, kpm, cfg):
+    """flex == reference within the 2x-plain-PyTorch rule against the fp64 masked-dense oracle
+    over the reported selection; same selection; finite; dtype/shape."""
+    out_r, sel_r, out_f, sel_f = _run_both(method, q, k, v, kpm, case.is_causal, cfg)
+    assert out_f.shape == out_r.shape and out_f.dtype == q.dtype
+    assert torch.isfinite(out_f).all(), "flex output has NaN/inf"
+    _assert_same_selection(sel_r, sel_f)
+    oracle, bound = error_bound(q, k, v, key_mask=sel_f.key_mask(q.shape[1]), key_padding_mask=kpm,
+                                is_causal=case.is_causal)
+    err_f = (out_f.double() - oracle).abs().max().item()
+    err_r = (out_r.double() - oracle).abs().max().item()
+    assert err_r <= bound, f"reference off the oracle: {err_r:.3g} > {bound:.3g}"
+    assert err_f <= bound, f"{method} flex: max |out - fp64 oracle| = {err_f:.3g} > bound {bound:.3g}"
+    return out_f, sel_f
+
+
+# --------------------------------------------------------------------------- parametrized cases
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_flex_matches_reference(method, case):
+    c = CASES[case]
+    q, k, v = c.tensors(seed=1)
+    _check(method, c, q, k, v, c.default_mask(), _config(method))
+
+
+def test_pbs_kv_head_permutation_native_gqa():
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=2)
+    _check("pbs", c, q, k, v, c.default_mask(), _config("pbs", gqa_permutation="kv_head"))
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_fully_padded_row_and_keyless_queries_are_zero_not_nan(method):
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=3)
+    kpm = torch.ones(c.batch, c.n, dtype=torch.bool)
+    kpm[0] = False  # a fully padded batch row
+    kpm[1, :20] = False  # leading padding: queries 0..19 see no key
+    out, _ = _check(method, c, q, k, v, kpm, _config(method))
+    assert out[0].abs().max().item() == 0.0
+    assert out[1, :, :20].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_coarse_tiles_and_packed_selection(method, monkeypatch):
+    """Query tiles of 3 leaf blocks and key tiles of 2 (unions over more tokens, full/partial
+    classification of multi-block key tiles) with the bitset-packed selection table."""
+    monkeypatch.setattr(fc, "SELECTION_TABLE_BUDGET", 0)
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=10)
+    kpm = c.default_mask()
+    ref, flex = IMPLS[method]
+    cfg = _config(method, top_k=5)
+    with torch.no_grad():
+        out_r, sel = ref(q, k, v, key_padding_mask=kpm, return_selection=True, **cfg)
+        out_f = flex(q, k, v, key_padding_mask=kpm, q_tile=3 * BLOCK, kv_tile=2 * BLOCK, **cfg)
+    oracle, bound = error_bound(q, k, v, key_mask=sel.key_mask(c.hq), key_padding_mask=kpm, is_causal=True)
+    assert torch.isfinite(out_f).all()
+    assert (out_f.double() - oracle).abs().max().item() <= bound
+
+
+# --------------------------------------------------------------------------- the block lists matter
+
+
+def _plant_hot_key(q, k, v, hot: int) -> None:
+    """Key ``hot`` gets a logit >= 40 with every query and a value of 1e3: any query that can see
+    it outputs ~1e3, any query that cannot stays O(1)."""
+    d = q.shape[-1]
+    q[..., 0] = q[..., 0].abs() + 1.0
+    k[:, :, hot] = 0.0
+    k[:, :, hot, 0] = 40.0 * d ** 0.5
+    v[:, :, hot] = 1e3
+
+
+def test_pbs_block_lists_are_honoured():
+    """A key with a huge logit and a huge value sits in a block the selection skips. Dense
+    attention (what eager flex computes: its mask_mod is only causality/padding) would be
+    dominated by it; the compiled flex result must not see it at all."""
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=4)
+    n, bs = c.n, BLOCK
+    total = fc.bucketed_length(n, bs)
+    nb = -(-n // bs)
+    hot = 40  # key 40 lies in block 2
+    _plant_hot_key(q, k, v, hot)
+    perm = torch.arange(n).expand(c.batch, c.hq, n).clone()  # identity order
+    sel = torch.ones(c.batch, c.hq, nb, nb, dtype=torch.bool).tril()
+    sel[..., 2] = False  # skip block 2 everywhere
+    kpm = torch.ones(c.batch, n, dtype=torch.bool)
+    with torch.no_grad():
+        bm, _ = pbs_flex.pbs_block_mask(sel, perm, n=n, total=total, key_padding_mask=kpm, is_causal=True,
+                                        block_size=bs)
+        kp = fc.gather_rows(k, fc.pad_seq(perm, total, value=0))
+        vp = fc.gather_rows(v, fc.pad_seq(perm, total, value=0))
+        out = fc.flex_attention_compiled(fc.pad_seq(q, total), kp, vp, bm, scale=1 / math.sqrt(c.d),
+                                         enable_gqa=False)[:, :, :n]
+    key_mask = torch.ones(n, n, dtype=torch.bool).tril().expand(c.batch, c.hq, n, n).clone()
+    key_mask[..., 2 * bs : 3 * bs] = False
+    oracle, bound = error_bound(q, k, v, key_mask=key_mask, is_causal=True)
+    dense, _ = error_bound(q, k, v, is_causal=True)
+    assert (dense - oracle).abs().max().item() > 100.0  # the skipped block matters a lot
+    assert (out.double() - oracle).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_token_selection_membership_is_per_token(method):
+    """Two queries of one tile: one selected the block holding a huge key, the other did not.
+    The tile's block list holds it (union), the mask_mod must hide it from the second query."""
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=5)
+    n = c.n
+    hot = 40  # block 2
+    _plant_hot_key(q, k, v, hot)
+    pos = torch.arange(n)
+    nb = -(-n // BLOCK)
+    table = torch.zeros(n, nb, dtype=torch.bool)
+    table[pos, pos // BLOCK] = True  # current block
+    table[:, 0] = True  # sink
+    table[(pos % 2 == 0) & (pos >= 3 * BLOCK), 2] = True  # even queries past block 2 also take it
+    blocks = torch.arange(nb).expand(n, nb)
+    idx = torch.where(table, blocks, torch.full_like(blocks, nb)).sort(-1).values[:, :3]
+    idx = torch.where(idx == nb, torch.full_like(idx, -1), idx)
+    idx = idx.expand(c.batch, c.hkv, n, 3).contiguous()
+    kpm = torch.ones(c.batch, n, dtype=torch.bool)
+    with torch.no_grad():
+        out = fc.token_block_attention(q, k, v, idx, key_padding_mask=kpm, is_causal=True, scale=None,
+                                       block_size=BLOCK)
+    sel = fc.token_selection(method, idx, q, k, key_padding_mask=kpm, is_causal=True, block_size=BLOCK)
+    oracle, bound = error_bound(q, k, v, key_mask=sel.key_mask(c.hq), key_padding_mask=kpm, is_causal=True)
+    assert (out.double() - oracle).abs().max().item() <= bound
+    odd = (pos % 2 == 1) & (pos >= 3 * BLOCK)
+    assert out[:, :, odd].abs().max().item() < 50.0  # never saw v = 1e3
+    assert out[:, :, ~odd & (pos >= 3 * BLOCK)].abs().max().item() > 100.0  # did see it
+
+
+# --------------------------------------------------------------------------- compiled path only
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_only_the_compiled_callable_runs(monkeypatch):
+    """The eager flex implementation (the dense math fallback) must never execute."""
+    import importlib
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    hop = importlib.import_module("torch._higher_order_ops.flex_attention")  # the module, not the HOP
+
+    c = CASES["odd37"]
+    q, k, v = c.tensors(seed=6)
+    cfg = _config("pisa")
+    with torch.no_grad():
+        pisa_flex.pisa_attention(q, k, v, is_causal=c.is_causal, **cfg)  # compile (cache) outside the spy
+
+    calls = []
+
+    def eager_spy(*a, **kw):
+        calls.append(1)
+        raise AssertionError("eager FlexAttention ran")
+
+    compiled = fc.compiled_flex_attention()
+    assert hasattr(compiled, "_torchdynamo_orig_callable"), "flex callable is not torch.compile'd"
+    through = []
+    monkeypatch.setattr(fc, "_compiled", lambda *a, **kw: (through.append(1), compiled(*a, **kw))[1])
+    monkeypatch.setattr(hop, "math_attention", eager_spy)
+    with torch.no_grad():
+        for method in ("pisa", "bsa"):
+            _, flex = IMPLS[method]
+            flex(q, k, v, is_causal=c.is_causal, **_config(method))
+        pbs_flex.pbs_attention(q, k, v, is_causal=c.is_causal, **_config("pbs"))
+    assert not calls and len(through) == 3
+    # the spy has teeth: an eager flex call does reach it
+    with pytest.raises(AssertionError, match="eager FlexAttention ran"), torch.no_grad():
+        flex_attention(q, k.expand(-1, c.hq, -1, -1), v.expand(-1, c.hq, -1, -1))
+
+
+def test_refuses_to_run_eagerly():
+    c = CASES["odd37"]
+    q, k, v = c.tensors(seed=7)
+    with torch.no_grad():
+        with torch.compiler.set_stance("force_eager"):
+            with pytest.raises(RuntimeError, match="eager FlexAttention"):
+                pisa_flex.pisa_attention(q, k, v, **_config("pisa"))
+        with torch._dynamo.config.patch(disable=True):
+            with pytest.raises(RuntimeError, match="eager FlexAttention"):
+                pbs_flex.pbs_attention(q, k, v, **_config("pbs"))
+
+
+def test_clear_errors():
+    c = CASES["odd37"]
+    q, k, v = c.tensors(seed=8)
+    with pytest.raises(ValueError, match="float64"):
+        pisa_flex.pisa_attention(q.double(), k.double(), v.double(), **_config("pisa"))
+    with pytest.raises(ValueError, match="float64"):
+        pbs_flex.pbs_attention(q.double(), k.double(), v.double(), **_config("pbs"))
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        bsa_flex.bsa_attention(q.requires_grad_(), k, v, **_config("bsa"))
+
+
+def test_bucketed_length():
+    assert [fc.bucketed_length(n, 16) // 16 for n in (1, 16, 17, 128, 129, 130, 160, 161, 301)] == [
+        1, 1, 2, 8, 10, 10, 10, 12, 20]
+    for n in range(1, 3000, 7):
+        t = fc.bucketed_length(n, 64)
+        assert t >= n and t % 64 == 0 and t < 1.25 * n + 64
+
+
+# --------------------------------------------------------------------------- through the op
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_through_the_dispatcher(method, monkeypatch):
+    """The (method, "flex") entries the dispatch table should get, via sparseflow.testing checks."""
+    from sparseflow import ops
+    from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
+    from sparseflow.testing import check_exact_mode, check_matches_own_selection
+
+    monkeypatch.setitem(ops.IMPLEMENTATIONS, (method, "flex"), f"sparseflow.kernels.{method}.flex:{method}_attention")
+    c = CASES["pad130"]
+    q, k, v = c.tensors(seed=9)
+    cls = {"pbs": PBSConfig, "pisa": PISAConfig, "bsa": BSAConfig}[method]
+    cfg = cls(**_config(method))
+    with torch.no_grad():
+        check_matches_own_selection(q, k, v, cfg, key_padding_mask=c.default_mask(), backend="flex")
+        check_exact_mode(q, k, v, method, base=cfg, key_padding_mask=c.default_mask(), backend="flex")
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hypothesis_flex_equals_reference(data):
+    """Random seeds, padding patterns and method configs over the compiled shapes."""
+    method = data.draw(st.sampled_from(["pbs", "pisa", "bsa"]), label="method")
+    c = CASES[data.draw(st.sampled_from(list(CASES)), label="case")]
+    q, k, v = c.tensors(seed=data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    kpm = None
+    if c.padded:
+        kpm = torch.ones(c.batch, c.n, dtype=torch.bool)
+        for b in range(c.batch):
+            lead = data.draw(st.integers(0, c.n), label="lead_pad")
+            trail = data.draw(st.integers(0, c.n - lead), label="trail_pad")
+            kpm[b, :lead] = False
+            kpm[b, c.n - trail :] = False
+    if method == "pbs":
+        cfg = _config(
+            "pbs",
+            threshold=data.draw(st.sampled_from([0.3, 0.6, 0.9, 1.0]), label="threshold"),
+            force_sink=data.draw(st.booleans(), label="force_sink"),
+            permute=data.draw(st.booleans(), label="permute"),
+            scoring=data.draw(st.sampled_from(["mean", "antidiagonal"]), label="scoring"),
+            antidiagonal_stride=4,
+            causal_proxy=data.draw(st.booleans(), label="causal_proxy"),
+            gqa_permutation=data.draw(st.sampled_from(["query_head", "kv_head"]), label="gqa")
+            if c.name == "pad130" else "query_head",
+        )
+    else:
+        cfg = _config(method, top_k=data.draw(st.integers(3, 9), label="top_k"),
+                      force_previous=data.draw(st.booleans(), label="force_previous"))
+        if method == "pisa":
+            cfg["score"] = data.draw(st.sampled_from(["lse", "mean", "mean_var"]), label="score")
+            cfg["branching"] = data.draw(st.sampled_from([2, 3]), label="branching")
+    _check(method, c, q, k, v, kpm, cfg)
