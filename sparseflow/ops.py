@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
+import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -157,12 +159,28 @@ def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> s
     return ""
 
 
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
     if backend == "auto":
+        # Measured on the H200 (benchmarks/results/pbs_h200.json): the Triton PBS attention runs
+        # 0.76-0.91x cuDNN at equal work, the reference far slower. Flex is not yet measured on
+        # the GPU, and compiled flex on CPU pays 8-25 s per new shape: reference elsewhere.
+        if method == "pbs" and device.type == "cuda" and _triton_usable(device):
+            return "triton"
         return "reference"
     if (method, backend) not in IMPLEMENTATIONS:
         available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method)
         raise ValueError(f"backend={backend!r} is not available for method {method!r}; available: {available + ['auto']}")
+    if backend == "triton" and not _triton_usable(device):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device}) and an installed triton; "
+            "on the CPU use backend='reference' or 'flex' (or TRITON_INTERPRET=1 for kernel tests)"
+        )
     return backend
 
 
@@ -254,8 +272,11 @@ def _define(method: str) -> None:
         # Recompute the forward with autograd on: the selection is made without gradient by the
         # implementation itself, so gradients flow through the attention over selected keys only.
         q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
+        # The reference is differentiable with plain autograd; the fast backends are forward-only
+        # (or, for flex on CPU, inference-only), so gradients always come from the reference.
+        rest = tuple(args[3:-2]) + ("reference", args[-1])
         with torch.enable_grad(), _capture.suspended():
-            out = _run(method, (q, k, v) + tuple(args[3:]), record=False)
+            out = _run(method, (q, k, v) + rest, record=False)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)
         zeros = lambda t, g: torch.zeros_like(t) if g is None else g.contiguous()  # noqa: E731
         return zeros(q, dq), zeros(k, dk), zeros(v, dv)
