@@ -144,8 +144,6 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
 def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> str:
     """Why this call cannot run the sparse method ("" when it can)."""
     n_q, n_k = q.shape[2], k.shape[2]
-    if q.shape[-1] != k.shape[-1] or k.shape[-1] != q.shape[-1]:
-        return "q/k head dims differ"
     if is_causal and n_q != n_k:
         # SDPA aligns is_causal to the top-left corner when Nq != Nk; keep its exact semantics.
         return f"is_causal with Nq={n_q} != Nk={n_k}"
