@@ -35,10 +35,13 @@ SHAPES = [  # (B, Hq, Hkv, N, D, dtype, padded)
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=list(CONFIGS))
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = []
     for method, cfg in CONFIGS.items():
+        if method not in args.methods:
+            continue
         backends = sorted(b for (m, b) in IMPLEMENTATIONS if m == method)
         for backend in backends:
             for b, hq, hkv, n, d, dt, padded in SHAPES:

@@ -2,11 +2,11 @@
 
 Stages (SPEC §3):
 
-1. proxy key scores, 2. segmented permutation, 3. block selection -- by default the reference's
-   PyTorch implementations (plain torch ops, also on the GPU), so the selection is the
-   reference's by construction; with ``SPARSEFLOW_PBS_SELECT=triton`` the Triton kernels of
-   ``triton_select`` (identical selections on the CPU-interpreter tests; not yet timed on the
-   H200, hence not the default);
+1. proxy key scores, 2. segmented permutation, 3. block selection -- on CUDA the Triton kernels
+   of ``triton_select`` (identical selections to the reference in the CPU-interpreter tests and
+   in ``benchmarks/pbs.py --part check`` on the H200, and 8.6x faster than the torch stages at
+   8K: benchmarks/results/pbs_h200_total_2026-11-29.log); elsewhere (the interpreter) the
+   reference's torch stages. ``SPARSEFLOW_PBS_SELECT=reference|triton`` overrides;
 4. attention -- the Triton kernel ``sparseflow::pbs_block_sparse_fwd`` (``triton_attention``).
 
 K/V layout for the kernel (``SPARSEFLOW_PBS_KV`` = ``permuted`` | ``gather``):
@@ -34,11 +34,13 @@ from .triton_attention import block_mask_to_indices, key_positions, pbs_block_sp
 __all__ = ["pbs_attention", "permute_kv", "kv_layout", "select_impl"]
 
 
-def select_impl() -> str:
-    """``SPARSEFLOW_PBS_SELECT``: ``reference`` (default; the reference's torch stages 1-3) or
-    ``triton`` (``triton_select``: Triton proxy scoring, segment sort and -- for
-    ``scoring="mean"`` -- the one-kernel block selection that writes the attention's block lists)."""
-    impl = os.environ.get("SPARSEFLOW_PBS_SELECT", "reference")
+def select_impl(device: Optional[torch.device] = None) -> str:
+    """``SPARSEFLOW_PBS_SELECT``: ``reference`` (the reference's torch stages 1-3) or ``triton``
+    (``triton_select``: Triton proxy scoring, segment sort and -- for ``scoring="mean"`` -- the
+    one-kernel block selection that writes the attention's block lists). Unset: ``triton`` on
+    CUDA, ``reference`` elsewhere."""
+    default = "triton" if device is not None and device.type == "cuda" else "reference"
+    impl = os.environ.get("SPARSEFLOW_PBS_SELECT", default)
     if impl not in ("reference", "triton"):
         raise ValueError(f"SPARSEFLOW_PBS_SELECT must be 'reference' or 'triton', got {impl!r}")
     return impl
@@ -95,7 +97,7 @@ def pbs_attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     hp = hq if gqa_permutation == "query_head" else hkv
-    kernels = select_impl() == "triton"
+    kernels = select_impl(q.device) == "triton"
     if kernels:
         from . import triton_select as _sel
 
