@@ -99,6 +99,10 @@ def _eval(args: argparse.Namespace) -> int:
             ]
         elif recorded is not None:
             plans = [Plan.from_dict(recorded)]
+            if args.backend != "auto":
+                import dataclasses
+
+                plans = [dataclasses.replace(p, backend=args.backend) for p in plans]
         else:
             raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa, bsa or a comma list)")
         stderr_progress(f"loading {source} ...")

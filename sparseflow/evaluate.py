@@ -111,3 +111,107 @@ def format_results(results: Sequence[MethodResult]) -> str:
         for reason in r.fallback_reasons:
             lines.append(f"        dense fallback: {reason}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- converted / HF models
+
+
+@dataclass
+class PlanResult(MethodResult):
+    """A :class:`MethodResult` of a transformers model run with the ``"sparseflow"`` attention
+    and a per-layer plan, with the density per layer and head (``None`` rows: layer not seen)."""
+
+    plan: Dict = field(default_factory=dict)
+    density_per_layer: List[Optional[float]] = field(default_factory=list)
+    density_per_layer_head: List[Optional[List[float]]] = field(default_factory=list)
+    tokens: int = 0
+
+    def to_dict(self) -> Dict:
+        return {
+            **super().to_dict(),
+            "plan": self.plan,
+            "tokens": self.tokens,
+            "density_per_layer": self.density_per_layer,
+            "density_per_layer_head": self.density_per_layer_head,
+        }
+
+
+def _layer_of(tag: str) -> Optional[int]:
+    import re
+
+    m = re.search(r"(\d+)", tag or "")
+    return int(m.group(1)) if m else None
+
+
+def evaluate_plans(model: torch.nn.Module, input_ids: torch.Tensor, plans, *, eval_positions: int = 512) -> List[PlanResult]:
+    """Compare a transformers causal LM run dense (SDPA) with the same weights run through the
+    ``"sparseflow"`` attention under each :class:`sparseflow.hf.Plan` in ``plans``, on the last
+    ``eval_positions`` next-token predictions of ``input_ids`` ([1, N]). The model is switched in
+    place and left on SDPA."""
+    from .hf import apply_plan
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
+    n = input_ids.shape[1]
+    if not (1 <= eval_positions < n):
+        raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    n_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    n_heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
+    model.set_attn_implementation("sdpa")
+    targets = input_ids[0, n - eval_positions :]
+    dense = _logits(model, input_ids, eval_positions)
+    results: List[PlanResult] = []
+    try:
+        for plan in plans:
+            apply_plan(model, plan)
+            start = time.perf_counter()
+            with capture(keep_selections=False) as cap:
+                logits = _logits(model, input_ids, eval_positions)
+            seconds = time.perf_counter() - start
+            model.set_attn_implementation("sdpa")
+            per_layer: List[Optional[List[float]]] = [None] * n_layers
+            for c in cap.calls:
+                layer = _layer_of(c.tag)
+                if layer is None or layer >= n_layers:
+                    continue
+                if c.selection is not None:
+                    row = c.selection.density.float().mean(0).tolist()
+                else:  # dense call: every visible block
+                    row = [1.0] * (c.q_shape[1] if len(c.q_shape) > 1 else n_heads)
+                per_layer[layer] = [float(x) for x in row]
+            sparse = [c for c in cap.calls if c.sparse]
+            results.append(
+                PlanResult(
+                    method=plan.method,
+                    config=plan.config.to_dict(),
+                    fidelity=compare_logits(dense, logits, targets),
+                    density=cap.mean_density() if cap.calls else 1.0,
+                    sparse_calls=len(sparse),
+                    dense_calls=len(cap.calls) - len(sparse),
+                    fallback_reasons=sorted({c.reason for c in cap.fallbacks() if c.reason}),
+                    rewritten=len(cap.calls),
+                    skipped=0,
+                    seconds=seconds,
+                    plan=plan.to_dict(),
+                    density_per_layer=[None if r is None else float(sum(r) / len(r)) for r in per_layer],
+                    density_per_layer_head=per_layer,
+                    tokens=n,
+                )
+            )
+    finally:
+        model.set_attn_implementation("sdpa")
+    return results
+
+
+def format_density(result: PlanResult) -> str:
+    """Density per layer (rows) and head (columns) as a text table."""
+    rows = result.density_per_layer_head
+    width = max((len(r) for r in rows if r), default=0)
+    head = "layer " + " ".join(f"{'h' + str(h):>5}" for h in range(width)) + "   mean"
+    lines = [head]
+    for i, r in enumerate(rows):
+        if r is None:
+            lines.append(f"{i:>5}  (not called)")
+            continue
+        lines.append(f"{i:>5} " + " ".join(f"{x:>5.2f}" for x in r) + f"  {sum(r) / len(r):>5.3f}")
+    return "\n".join(lines)

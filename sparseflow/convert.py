@@ -1,0 +1,326 @@
+"""``sparseflow convert``: turn a third-party checkpoint into a Hugging Face folder that runs
+sparse attention when reloaded.
+
+The output is a standard ``save_pretrained`` folder (weights, tokenizer when the source has one)
+whose ``config.json`` carries ``"attn_implementation": "sparseflow"`` and a ``"sparseflow"``
+entry: the per-layer :class:`sparseflow.hf.Plan` (method, config dict, backend, dense layers,
+per-layer configs, recipe, source). Reload it with::
+
+    import sparseflow.hf
+    sparseflow.hf.register()                      # once per process
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+
+or ``sparseflow.hf.from_pretrained(out_dir)``. ``attn_implementation="sdpa"`` loads it dense.
+
+The folder is written into a temporary sibling directory and renamed into place at the end, so
+a failure (or Ctrl-C) never leaves a half-written ``out_dir``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+from .config import METHODS, AttentionConfig, config_from_dict, default_config
+
+__all__ = [
+    "ConversionError",
+    "SUPPORTED_MODEL_TYPES",
+    "Source",
+    "resolve_source",
+    "build_plan",
+    "load_source",
+    "convert",
+]
+
+# Decoder LMs whose attention goes through transformers' AttentionInterface with the
+# (module, q, k, v, mask) signature and native GQA K/V: what the "sparseflow" attention expects.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SPARSE_METHODS = ("pbs", "pisa", "bsa")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or setting that ``convert`` cannot handle; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "hf" or "gguf"
+    folder: Path
+    gguf_file: Optional[str] = None
+
+    def __str__(self) -> str:
+        return str(self.folder / self.gguf_file) if self.gguf_file else str(self.folder)
+
+    def load_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _say(progress: Optional[Callable[[str], None]], msg: str) -> None:
+    if progress is not None:
+        progress(msg)
+
+
+def resolve_source(src: Union[str, os.PathLike]) -> Source:
+    """Classify ``src``: a GGUF file, a folder holding one GGUF file, or a HF model folder
+    (``config.json`` + safetensors/bin weights). Raises FileNotFoundError naming what is missing."""
+    path = Path(src).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"source {str(src)!r} does not exist (expected a Hugging Face model folder or a .gguf file)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConversionError(
+                f"source file {str(src)!r} is not a .gguf file; pass a GGUF file or a Hugging Face model folder"
+            )
+        return Source("gguf", path.resolve().parent, path.name)
+    has_config = (path / "config.json").is_file()
+    weights = [f for f in _WEIGHT_FILES if (path / f).is_file()]
+    weights += sorted(p.name for p in path.glob("*.safetensors") if p.name not in weights)
+    if has_config and weights:
+        return Source("hf", path.resolve())
+    ggufs = sorted(path.glob("*.gguf"))
+    if not has_config and len(ggufs) == 1:
+        return Source("gguf", path.resolve(), ggufs[0].name)
+    if not has_config and len(ggufs) > 1:
+        raise ConversionError(f"{str(src)!r} holds several .gguf files ({[g.name for g in ggufs]}); pass one of them")
+    missing = []
+    if not has_config:
+        missing.append("config.json")
+    if not weights:
+        missing.append("weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
+    raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model folder: missing {' and '.join(missing)}")
+
+
+def _load_config(source: Source):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(source.folder), **source.load_kwargs())
+    except Exception as exc:  # transformers raises many types for unreadable/unsupported configs
+        raise ConversionError(f"cannot read the model configuration of {source}: {exc}") from exc
+
+
+def check_architecture(model_config) -> None:
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = getattr(model_config, "architectures", None)
+        raise ConversionError(
+            f"unsupported architecture: model_type={model_type!r}"
+            f"{f' ({archs})' if archs else ''}; sparseflow convert supports the decoder LMs "
+            f"{list(SUPPORTED_MODEL_TYPES)}. For other models use sparseflow.compile(model, ...) directly."
+        )
+
+
+def _parse_layers(layers: Union[None, str, Iterable[int]]) -> Optional[tuple]:
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        items = [s.strip() for s in layers.split(",") if s.strip()]
+        try:
+            return tuple(int(s) for s in items)
+        except ValueError:
+            raise ConversionError(f"dense layers must be a comma list of layer indices, got {layers!r}") from None
+    return tuple(layers)
+
+
+def _parse_config(method: str, config) -> Optional[AttentionConfig]:
+    if config is None or isinstance(config, AttentionConfig):
+        cfg = config
+    else:
+        if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+            config = Path(config).read_text()
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as exc:
+                raise ConversionError(f"config must be JSON (or a JSON file): {exc}") from exc
+        if not isinstance(config, dict):
+            raise ConversionError(f"config must be a JSON object, got {type(config).__name__}")
+        config = dict(config)
+        config.setdefault("method", method)
+        try:
+            cfg = config_from_dict(config)
+        except (TypeError, ValueError) as exc:
+            raise ConversionError(f"bad config: {exc}") from exc
+    if cfg is not None and cfg.method != method:
+        raise ConversionError(f"config is for method {cfg.method!r} but method={method!r}")
+    return cfg
+
+
+def build_plan(
+    model_config,
+    method: str,
+    *,
+    recipe: Optional[str] = None,
+    config=None,
+    dense_layers=None,
+    backend: str = "auto",
+    source: Optional[str] = None,
+):
+    """The :class:`sparseflow.hf.Plan` for a model: the recipe's (checked against the model) or the
+    method's defaults, with ``config`` (a config, dict or JSON) and ``dense_layers`` overriding."""
+    from .hf import Plan
+    from .recipes import RecipeError, get_recipe
+
+    if method not in SPARSE_METHODS:
+        raise ConversionError(f"method must be one of {list(SPARSE_METHODS)}, got {method!r}")
+    if backend not in ("auto", "reference", "triton", "flex"):
+        raise ConversionError(f"backend must be one of ['auto', 'reference', 'triton', 'flex'], got {backend!r}")
+    check_architecture(model_config)
+    n_layers = getattr(model_config, "num_hidden_layers", None)
+    cfg = _parse_config(method, config)
+    dense = _parse_layers(dense_layers)
+    name = None
+    if recipe is not None:
+        try:
+            rec = get_recipe(recipe)
+            rec.check_model(model_config)
+            rec_cfg = rec.config_for(method)
+        except RecipeError as exc:
+            raise ConversionError(f"bad recipe: {exc}") from exc
+        name = rec.name
+        cfg = cfg or rec_cfg
+        dense = rec.dense_layers if dense is None else dense
+    cfg = cfg or default_config(method)
+    dense = tuple(sorted(set(dense or ())))
+    if n_layers is not None:
+        bad = [i for i in dense if not (0 <= i < n_layers)]
+        if bad:
+            raise ConversionError(f"dense layers {bad} out of range: the model has {n_layers} layers (0..{n_layers - 1})")
+    try:
+        return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, recipe=name,
+                    num_layers=n_layers, source=source)
+    except (TypeError, ValueError) as exc:
+        raise ConversionError(f"bad plan: {exc}") from exc
+
+
+def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa"):
+    """(model, tokenizer or None) of a source, offline, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        # GGUF weights are dequantised by transformers: keep fp32; HF folders keep their dtype
+        torch_dtype = torch.float32 if source.kind == "gguf" else "auto"
+    else:
+        torch_dtype = getattr(torch, dtype)
+    kw = source.load_kwargs()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.folder), dtype=torch_dtype, attn_implementation=attn_implementation, **kw
+        )
+    except Exception as exc:
+        raise ConversionError(f"cannot load the model from {source}: {type(exc).__name__}: {exc}") from exc
+    if source.kind == "gguf":
+        _drop_gguf_quantizer(model)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source.folder), **kw)
+    except Exception:  # no tokenizer files: the converted folder has none either
+        tok = None
+    return model.eval(), tok
+
+
+def _drop_gguf_quantizer(model) -> None:
+    # transformers dequantises GGUF tensors to plain torch tensors on load but keeps a "gguf"
+    # quantizer attached, which refuses save_pretrained; the weights are ordinary, so drop it.
+    q = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(q, "quantization_config", None), "quant_method", None)
+    if q is not None and str(getattr(method, "value", method)).lower() == "gguf":
+        model.hf_quantizer = None
+        if hasattr(model, "is_quantized"):
+            try:
+                model.is_quantized = False
+            except AttributeError:
+                pass
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not out.is_dir():
+            raise FileExistsError(f"output {str(out)!r} exists and is not a folder")
+        if any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"output folder {str(out)!r} exists and is not empty; pass --force (overwrite=True) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def convert(
+    src: Union[str, os.PathLike],
+    out: Union[str, os.PathLike],
+    method: str = "pbs",
+    *,
+    recipe: Optional[str] = None,
+    config=None,
+    dense_layers=None,
+    backend: str = "auto",
+    dtype: str = "auto",
+    overwrite: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Path:
+    """Convert ``src`` (HF folder or GGUF file) into the HF folder ``out`` running ``method``.
+    Returns ``out``. Checks everything it can before loading weights; writes atomically."""
+    source = resolve_source(src)
+    out = Path(out).expanduser()
+    _prepare_out(out, overwrite)
+    t0 = time.perf_counter()
+    _say(progress, f"[1/4] reading the configuration of {source} ({source.kind})")
+    model_config = _load_config(source)
+    plan = build_plan(model_config, method, recipe=recipe, config=config, dense_layers=dense_layers,
+                      backend=backend, source=str(source))
+    _say(progress, f"      {model_config.model_type}, {plan.num_layers} layers; method {plan.method}, "
+                   f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}")
+    _say(progress, "[2/4] loading the weights" + (" (dequantising GGUF)" if source.kind == "gguf" else ""))
+    model, tok = load_source(source, dtype=dtype)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.sparseflow-", dir=str(out.parent)))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
+    try:
+        _say(progress, f"[3/4] writing the Hugging Face folder")
+        model.save_pretrained(str(tmp))
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
+        else:
+            _say(progress, "      note: the source has no tokenizer; the output has none either")
+        cfg_path = tmp / "config.json"
+        data = json.loads(cfg_path.read_text())
+        data["attn_implementation"] = "sparseflow"
+        data["sparseflow"] = plan.to_dict()
+        cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        from .hf import Plan
+
+        Plan.from_dict(json.loads(cfg_path.read_text())["sparseflow"])  # round-trips
+        _say(progress, f"[4/4] moving it into place: {out}")
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=str(out.parent)))
+            old.rmdir()
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _say(progress, f"done in {time.perf_counter() - t0:.1f} s; load with sparseflow.hf.from_pretrained({str(out)!r})")
+    return out
+
+
+def stderr_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,258 @@
+"""Hugging Face transformers integration: a ``"sparseflow"`` attention implementation.
+
+Nothing here runs at ``import sparseflow`` (which never imports transformers). Call
+:func:`register` once, then load a folder written by ``sparseflow convert``::
+
+    import sparseflow.hf
+    sparseflow.hf.register()
+    model = AutoModelForCausalLM.from_pretrained("converted/")   # attention runs sparseflow ops
+
+or in one step ``model = sparseflow.hf.from_pretrained("converted/")``.
+
+:func:`register` adds an attention function named ``"sparseflow"`` to transformers'
+``AttentionInterface`` **and** a mask function under the same name to ``AttentionMaskInterface``
+(without it, transformers hands a custom attention ``attention_mask=None`` and padding would be
+lost). The mask function is transformers' SDPA mask: ``None`` for plain causal prefill (the op
+gets ``is_causal=True``), a 4-D bool mask otherwise, which the op folds into causality + key
+padding itself or runs dense with a logged reason.
+
+Which layer computes what is the model config's ``sparseflow`` entry, a :class:`Plan` written
+by ``sparseflow convert`` into ``config.json`` next to ``"attn_implementation": "sparseflow"``.
+Layers a plan keeps dense call the ``sparseflow::dense_attention`` op (plain SDPA), so a
+converted model holds no bare SDPA call: ``sparseflow.compile`` accepts it and finds nothing left
+to rewrite (its report shows 0 rewrites) while the recorded per-layer plan stays in effect.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PLAN_KEY",
+    "PLAN_FORMAT",
+    "Plan",
+    "register",
+    "is_registered",
+    "plan_of",
+    "apply_plan",
+    "from_pretrained",
+    "sparseflow_attention_forward",
+]
+
+logger = logging.getLogger("sparseflow")
+
+ATTN_IMPLEMENTATION = "sparseflow"
+PLAN_KEY = "sparseflow"  # the key in config.json
+PLAN_FORMAT = 1
+
+_LAYER_RE = re.compile(r"(\d+)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer sparse attention settings of a converted model (serialised into config.json).
+
+    ``config`` applies to every layer except ``dense_layers`` (run dense) and ``layer_configs``
+    (layer index -> its own config, any method).
+    """
+
+    method: str
+    config: AttentionConfig
+    backend: str = "auto"
+    dense_layers: Tuple[int, ...] = ()
+    layer_configs: Mapping[int, AttentionConfig] = field(default_factory=dict)
+    recipe: Optional[str] = None
+    num_layers: Optional[int] = None
+    source: Optional[str] = None
+
+    def __post_init__(self):
+        if not isinstance(self.config, AttentionConfig):
+            raise TypeError(f"Plan.config must be a sparseflow config, got {type(self.config).__name__}")
+        if self.config.method != self.method:
+            raise ValueError(f"Plan.method={self.method!r} but its config is for {self.config.method!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Plan.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        for i in tuple(self.dense_layers) + tuple(self.layer_configs):
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"layer indices must be non-negative ints, got {i!r}")
+            if self.num_layers is not None and i >= self.num_layers:
+                raise ValueError(f"layer index {i} out of range: the model has {self.num_layers} layers")
+        both = sorted(set(self.dense_layers) & set(self.layer_configs))
+        if both:
+            raise ValueError(f"layers {both} are both dense and given a config")
+
+    def config_for(self, layer: Optional[int]) -> AttentionConfig:
+        if layer is not None:
+            if layer in self.dense_layers:
+                return DenseConfig()
+            if layer in self.layer_configs:
+                return self.layer_configs[layer]
+        return self.config
+
+    def to_dict(self) -> Dict[str, Any]:
+        from . import __version__
+
+        return {
+            "format": PLAN_FORMAT,
+            "sparseflow_version": __version__,
+            "method": self.method,
+            "config": self.config.to_dict(),
+            "backend": self.backend,
+            "dense_layers": sorted(self.dense_layers),
+            "layer_configs": {str(i): c.to_dict() for i, c in sorted(self.layer_configs.items())},
+            "recipe": self.recipe,
+            "num_layers": self.num_layers,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a sparseflow plan must be a dict, got {type(data).__name__}")
+        fmt = data.get("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise ValueError(f"sparseflow plan format {fmt} is not readable by this sparseflow (expects {PLAN_FORMAT})")
+        cfg = config_from_dict(data["config"])
+        return cls(
+            method=data.get("method", cfg.method),
+            config=cfg,
+            backend=data.get("backend", "auto"),
+            dense_layers=tuple(int(i) for i in data.get("dense_layers", ())),
+            layer_configs={int(i): config_from_dict(c) for i, c in (data.get("layer_configs") or {}).items()},
+            recipe=data.get("recipe"),
+            num_layers=data.get("num_layers"),
+            source=data.get("source"),
+        )
+
+
+# --------------------------------------------------------------------------- runtime
+
+_PLAN_CACHE: Dict[int, Tuple[Any, Plan]] = {}
+_LOCK = threading.Lock()
+
+
+def plan_of(config) -> Plan:
+    """The :class:`Plan` recorded in a transformers config (``config.sparseflow``)."""
+    raw = getattr(config, PLAN_KEY, None)
+    if raw is None:
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the model config to carry a "
+            f"'{PLAN_KEY}' entry (written by `sparseflow convert` or sparseflow.hf.apply_plan)"
+        )
+    if isinstance(raw, Plan):
+        return raw
+    key = id(config)
+    with _LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None and hit[0] is raw:
+            return hit[1]
+        plan = Plan.from_dict(raw)
+        _PLAN_CACHE[key] = (raw, plan)
+        return plan
+
+
+def _layer_index(module) -> Optional[int]:
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int):
+        return idx
+    return None
+
+
+def sparseflow_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+):
+    """The attention function registered as ``"sparseflow"``: q ``[B, Hq, Nq, D]``, k/v
+    ``[B, Hkv, Nk, D]`` (native GQA, no repeat) -> ``([B, Nq, Hq, D], None)``."""
+    from .ops import attention
+
+    plan = plan_of(module.config)
+    layer = _layer_index(module)
+    cfg = plan.config_for(layer)
+    if dropout and getattr(module, "training", False):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        logger.info("sparseflow: dropout=%s in training at layer %s runs transformers' SDPA", dropout, layer)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
+    out = attention(
+        query, key, value,
+        config=cfg,
+        attn_mask=attention_mask,
+        is_causal=causal,
+        scale=None if scaling is None else float(scaling),
+        backend=plan.backend if cfg.method != "dense" else "auto",
+        tag=tag,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``attn_implementation="sparseflow"`` (attention and mask functions) with
+    transformers. Idempotent; imports transformers."""
+    global _REGISTERED
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "sparseflow.hf needs transformers>=5 (pip install 'sparseflow[hf]'): " + str(exc)
+        ) from exc
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sparseflow_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    _REGISTERED = True
+
+
+def is_registered() -> bool:
+    return _REGISTERED
+
+
+def apply_plan(model, plan: Plan):
+    """Switch a loaded transformers model to the ``"sparseflow"`` attention with ``plan``
+    (in place; returns the model). ``model.set_attn_implementation("sdpa")`` switches back."""
+    register()
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    if plan.num_layers is not None and n_layers is not None and plan.num_layers != n_layers:
+        raise ValueError(f"the plan is for {plan.num_layers} layers but the model has {n_layers}")
+    setattr(model.config, PLAN_KEY, plan.to_dict())
+    _set_attn(model, ATTN_IMPLEMENTATION)
+    return model
+
+
+def _set_attn(model, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = name
+
+
+def from_pretrained(path, **kwargs):
+    """``register()`` then ``AutoModelForCausalLM.from_pretrained(path, **kwargs)``, in eval mode."""
+    register()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.eval()
