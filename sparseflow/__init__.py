@@ -8,3 +8,12 @@ from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_
 __version__ = "0.1.0"
 from .api import InspectionResult, RewriteReport, compile, export, inspect, report
 from . import passes
+
+
+def export_onnx(*args, **kwargs):
+    """Export a model rewritten with a sparseflow method to ONNX (see :mod:`sparseflow.onnx_export`;
+    needs ``pip install sparseflow[onnx]``). Imported lazily: ``import sparseflow`` never imports
+    onnx or onnxscript."""
+    from .onnx_export import export_onnx as _export_onnx
+
+    return _export_onnx(*args, **kwargs)

@@ -1,0 +1,638 @@
+"""ONNX export of rewritten models: one ``sparseflow``-domain node per attention call.
+
+``export_onnx`` exports the model with ``torch.export`` (sequence length dynamic by default),
+rewrites every SDPA call into the method's op (the same pass as :func:`sparseflow.export`), and
+hands the program to ``torch.onnx.export(..., dynamo=True)`` with a translation table that turns
+each ``sparseflow::<method>_attention`` call into ONE node of domain ``sparseflow``
+(``DenseAttention``, ``BSAAttention``, ``PBSAttention``, ``PISAAttention``) whose attributes are
+the op's configuration. The file carries, for each of those node types, a registered schema and a
+model-local ONNX function whose body (standard opset-23 ops only) computes what the PyTorch
+reference computes, so any ONNX runtime runs the file as it is, and a runtime with its own kernel
+binds the node by (domain, op_type) and ignores the body. See ``docs/onnx.md``.
+
+Node inputs (all methods): ``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (native GQA, never
+repeated) and ``key_padding_mask [B, N]`` bool (True = valid key; all True when the model has no
+padding). Causality is the ``is_causal`` attribute. The 4-D boolean mask Hugging Face models build
+under ``torch.export`` is folded at export time into ``(is_causal, key_padding_mask)``, after
+checking on the example inputs that it is exactly ``causal & key_padding`` (or key padding only);
+any other mask is refused.
+
+What the function bodies compute (checked against the PyTorch reference by tests/test_onnx.py):
+
+* ``DenseAttention``: masked softmax attention (SDPA semantics, GQA native).
+* ``BSAAttention``: the full BSA selection -- block means over valid keys, group-summed scores,
+  forced current / previous / sink blocks, ``TopK`` with ties to the lower block index (ONNX
+  ``TopK`` breaks ties by the lower index, as the reference's stable sort does), then attention
+  restricted to the selected blocks with the element-level causal mask. The selection is computed
+  densely on the ``[N, N/C]`` block scores and the attention on the ``[N, N]`` scores: a portable
+  O(N^2) fallback, not a fast kernel.
+* ``PBSAttention`` / ``PISAAttention``: exported only in their exact mode (PBS ``threshold >= 1``;
+  PISA ``top_k`` >= the number of key blocks, which needs a static sequence length), where the op
+  equals dense causal attention; the body is the dense one. The sparse PBS permutation and the
+  PISA pyramid walk have no ONNX body yet, so export refuses them with a clear error instead of
+  writing a file that computes something else.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .config import METHODS, AttentionConfig
+from .masks import analyse_mask
+
+__all__ = ["export_onnx", "OnnxExportError", "DOMAIN", "NODE_TYPES", "function_protos", "register_schemas"]
+
+DOMAIN = "sparseflow"
+DOMAIN_VERSION = 1
+OPSET = 23
+NODE_TYPES = {"dense": "DenseAttention", "pbs": "PBSAttention", "pisa": "PISAAttention", "bsa": "BSAAttention"}
+
+
+class OnnxExportError(ValueError):
+    """The model (or one attention call in it) cannot be exported faithfully."""
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+def _config_fields(method: str) -> List[Tuple[str, type]]:
+    from .ops import _FIELDS
+
+    return list(_FIELDS[method])
+
+
+def _attr_names(method: str) -> List[str]:
+    return ["is_causal", "scale"] + [name for name, _ in _config_fields(method)]
+
+
+# --------------------------------------------------------------------------- function bodies
+#
+# Written in the ONNX textual syntax; configuration values enter through attribute references
+# (``@name``), so one function per node type serves every configuration.
+
+_PROLOGUE = """
+  qf = Cast <to = 1> (q)
+  kf = Cast <to = 1> (k)
+  vf = Cast <to = 1> (v)
+  sc = Constant <value_float: float = @scale> ()
+  causal_i = Constant <value_int: int = @is_causal> ()
+  causal = Cast <to = 9> (causal_i)
+  zero = Constant <value_int = 0> ()
+  one = Constant <value_int = 1> ()
+  i12 = Constant <value_ints = [1, 2]> ()
+  i13 = Constant <value_ints = [1, 3]> ()
+  i02 = Constant <value_ints = [0, 2]> ()
+  i3 = Constant <value_ints = [3]> ()
+  i0 = Constant <value_ints = [0]> ()
+  i1 = Constant <value_ints = [1]> ()
+  i2 = Constant <value_ints = [2]> ()
+  im1 = Constant <value_ints = [-1]> ()
+  ninf = Constant <value_float = -inf> ()
+  pinf = Constant <value_float = inf> ()
+  fzero = Constant <value_float = 0.0> ()
+  fone = Constant <value_float = 1.0> ()
+  B = Shape <start = 0, end = 1> (q)
+  Hq = Shape <start = 1, end = 2> (q)
+  Nq1 = Shape <start = 2, end = 3> (q)
+  D = Shape <start = 3, end = 4> (q)
+  Hkv = Shape <start = 1, end = 2> (k)
+  Nk1 = Shape <start = 2, end = 3> (k)
+  Dv = Shape <start = 3, end = 4> (v)
+  G = Div (Hq, Hkv)
+  Nq = Squeeze (Nq1, i0)
+  Nk = Squeeze (Nk1, i0)
+  g_shape = Concat <axis = 0> (B, Hkv, G, Nq1, D)
+  qg = Reshape (qf, g_shape)
+  iq = Range (zero, Nq, one)
+  jk = Range (zero, Nk, one)
+  iq_col = Unsqueeze (iq, i1)
+  jk_row = Unsqueeze (jk, i0)
+  kpm4 = Unsqueeze (kpm, i12)
+  not_causal = Not (causal)
+"""
+
+# ``allowed [B, 1 or Hkv, Nq, Nk]`` bool -> ``out [B, Hq, Nq, Dv]`` in q's dtype.
+_EPILOGUE = """
+  allowed5 = Unsqueeze (allowed, i2)
+  k5 = Unsqueeze (kf, i2)
+  kt = Transpose <perm = [0, 1, 2, 4, 3]> (k5)
+  qk = MatMul (qg, kt)
+  logits = Mul (qk, sc)
+  masked = Where (allowed5, logits, ninf)
+  mx = ReduceMax <keepdims = 1> (masked, im1)
+  mx_inf = IsInf (mx)
+  mx_safe = Where (mx_inf, fzero, mx)
+  shifted = Sub (masked, mx_safe)
+  p = Exp (shifted)
+  den = ReduceSum <keepdims = 1> (p, im1)
+  v5 = Unsqueeze (vf, i2)
+  num = MatMul (p, v5)
+  den_pos = Greater (den, fzero)
+  den_safe = Where (den_pos, den, fone)
+  o5 = Div (num, den_safe)
+  o_shape = Concat <axis = 0> (B, Hq, Nq1, Dv)
+  o4 = Reshape (o5, o_shape)
+  out = CastLike (o4, q)
+"""
+
+# Dense: SDPA semantics (top-left causal alignment, as SDPA) & key padding.
+_DENSE_MASK = """
+  tri = LessOrEqual (jk_row, iq_col)
+  vis = Or (tri, not_causal)
+  allowed = And (vis, kpm4)
+"""
+
+# BSA selection (sparseflow.kernels.bsa.reference + token_blocks), dense over block scores.
+_BSA_MASK = """
+  C = Constant <value_int: int = @block_size> ()
+  TK = Constant <value_int: int = @top_k> ()
+  fsink_i = Constant <value_int: int = @force_sink> ()
+  fprev_i = Constant <value_int: int = @force_previous> ()
+  minlen = Constant <value_int: int = @min_seq_len> ()
+  fsink = Cast <to = 9> (fsink_i)
+  fprev = Cast <to = 9> (fprev_i)
+  Cm1 = Sub (C, one)
+  Nk_c = Add (Nk, Cm1)
+  nb = Div (Nk_c, C)
+  nbC = Mul (nb, C)
+  padlen = Sub (nbC, Nk)
+  padlen1 = Unsqueeze (padlen, i0)
+  zeros6 = Constant <value_ints = [0, 0, 0, 0, 0, 0]> ()
+  zeros1 = Constant <value_ints = [0]> ()
+  zeros3 = Constant <value_ints = [0, 0, 0]> ()
+  pads_k = Concat <axis = 0> (zeros6, padlen1, zeros1)
+  pads_m = Concat <axis = 0> (zeros3, padlen1)
+  kpmf = Cast <to = 1> (kpm)
+  kpmf4 = Unsqueeze (kpmf, i13)
+  kmasked = Mul (kf, kpmf4)
+  kpad = Pad (kmasked, pads_k)
+  nb1 = Unsqueeze (nb, i0)
+  C1 = Unsqueeze (C, i0)
+  kb_shape = Concat <axis = 0> (B, Hkv, nb1, C1, D)
+  kb = Reshape (kpad, kb_shape)
+  sums = ReduceSum <keepdims = 0> (kb, i3)
+  mpad = Pad (kpmf, pads_m)
+  mb_shape = Concat <axis = 0> (B, nb1, C1)
+  mb = Reshape (mpad, mb_shape)
+  counts = ReduceSum <keepdims = 0> (mb, i2)
+  counts1 = Max (counts, fone)
+  counts4 = Unsqueeze (counts1, i13)
+  means = Div (sums, counts4)
+  means5 = Unsqueeze (means, i2)
+  meanst = Transpose <perm = [0, 1, 2, 4, 3]> (means5)
+  hs = MatMul (qg, meanst)
+  gsum = ReduceSum <keepdims = 0> (hs, i2)
+  scores = Mul (gsum, sc)
+  posk = Range (zero, nbC, one)
+  posk0 = Unsqueeze (posk, i0)
+  inrange = Less (posk0, Nk)
+  mpad_b = Cast <to = 9> (mpad)
+  kvalid = And (inrange, mpad_b)
+  nk_fill = CastLike (Nk, posk)
+  fv_all = Where (kvalid, posk0, nk_fill)
+  fv_b = Reshape (fv_all, mb_shape)
+  first_valid = ReduceMin <keepdims = 0> (fv_b, i2)
+  shift = Sub (Nk, Nq)
+  positions = Add (iq, shift)
+  nk_last = Sub (Nk, one)
+  nk_last_v = Expand (nk_last, Nq1)
+  horizons = Where (causal, positions, nk_last_v)
+  fv3 = Unsqueeze (first_valid, i1)
+  hz3 = Unsqueeze (horizons, i02)
+  visible = LessOrEqual (fv3, hz3)
+  blocks = Range (zero, nb, one)
+  blocks_row = Unsqueeze (blocks, i0)
+  cur = Div (positions, C)
+  cur_col = Unsqueeze (cur, i1)
+  is_cur = Equal (blocks_row, cur_col)
+  prev_col = Sub (cur_col, one)
+  is_prev0 = Equal (blocks_row, prev_col)
+  is_prev = And (is_prev0, fprev)
+  is_sink0 = Equal (blocks_row, zero)
+  is_sink = And (is_sink0, fsink)
+  f01 = Or (is_cur, is_prev)
+  f012 = Or (f01, is_sink)
+  f3 = Unsqueeze (f012, i0)
+  forced = And (f3, visible)
+  forced4 = Unsqueeze (forced, i1)
+  visible4 = Unsqueeze (visible, i1)
+  key0 = Where (forced4, pinf, scores)
+  key = Where (visible4, key0, ninf)
+  kk0 = Min (TK, nb)
+  kk = Unsqueeze (kk0, i0)
+  top_vals, top_idx = TopK <axis = -1, largest = 1, sorted = 1> (key, kk)
+  sel_shape = Shape (key)
+  sel_zero = ConstantOfShape <value = float[1] {0}> (sel_shape)
+  idx_shape = Shape (top_idx)
+  ones_upd = ConstantOfShape <value = float[1] {1}> (idx_shape)
+  sel_f = ScatterElements <axis = -1> (sel_zero, top_idx, ones_upd)
+  sel = Cast <to = 9> (sel_f)
+  member0 = And (sel, visible4)
+  short = Less (Nk, minlen)
+  member = Or (member0, short)
+  kblock = Div (jk, C)
+  member_k = Gather <axis = -1> (member, kblock)
+  hz_col = Unsqueeze (horizons, i1)
+  elem = LessOrEqual (jk_row, hz_col)
+  elem_kpm = And (elem, kpm4)
+  allowed = And (member_k, elem_kpm)
+"""
+
+
+def _function_text(method: str, mask_body: str) -> str:
+    attrs = ", ".join(_attr_names(method))
+    return (
+        f'<domain: "{DOMAIN}", opset_import: ["" : {OPSET}]>\n'
+        f"{NODE_TYPES[method]} <{attrs}> (q, k, v, kpm) => (out) {{\n"
+        f"{_PROLOGUE}{mask_body}{_EPILOGUE}}}\n"
+    )
+
+
+def function_protos() -> Dict[str, Any]:
+    """``{method: onnx.FunctionProto}``: the portable body of every node type."""
+    import onnx.parser
+
+    bodies = {"dense": _DENSE_MASK, "bsa": _BSA_MASK, "pbs": _DENSE_MASK, "pisa": _DENSE_MASK}
+    return {m: onnx.parser.parse_function(_function_text(m, body)) for m, body in bodies.items()}
+
+
+_SCHEMAS_REGISTERED = False
+
+
+def _attr_type(kind: type):
+    from onnx import defs
+
+    AT = defs.OpSchema.AttrType
+    return {int: AT.INT, bool: AT.INT, float: AT.FLOAT, str: AT.STRING}[kind]
+
+
+def register_schemas() -> None:
+    """Register the ``sparseflow`` node schemas with ``onnx.defs`` (idempotent), so the checker
+    and shape inference know them. Runtimes that bind the nodes to their own kernels use the
+    same names, inputs and attributes (docs/onnx.md)."""
+    global _SCHEMAS_REGISTERED
+    if _SCHEMAS_REGISTERED:
+        return
+    from onnx import defs
+
+    for method, op_type in NODE_TYPES.items():
+        if defs.has(op_type, DOMAIN):
+            continue
+        AT = defs.OpSchema.AttrType
+        attrs = [
+            defs.OpSchema.Attribute("is_causal", AT.INT, "1: causal (query i sees keys j <= i)."),
+            defs.OpSchema.Attribute("scale", AT.FLOAT, "Softmax scale applied to q.k."),
+        ] + [
+            defs.OpSchema.Attribute(name, _attr_type(kind), f"{METHODS[method].__name__}.{name}")
+            for name, kind in _config_fields(method)
+        ]
+        schema = defs.OpSchema(
+            op_type,
+            DOMAIN,
+            DOMAIN_VERSION,
+            doc=f"sparseflow {method} attention (see sparseflow.ops, docs/onnx.md).",
+            inputs=[
+                defs.OpSchema.FormalParameter("q", "T", "[B, Hq, N, D]"),
+                defs.OpSchema.FormalParameter("k", "T", "[B, Hkv, N, D]"),
+                defs.OpSchema.FormalParameter("v", "T", "[B, Hkv, N, Dv]"),
+                defs.OpSchema.FormalParameter("key_padding_mask", "M", "[B, N] bool, True = valid"),
+            ],
+            outputs=[defs.OpSchema.FormalParameter("out", "T", "[B, Hq, N, Dv]")],
+            type_constraints=[
+                ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types"),
+                ("M", ["tensor(bool)"], "mask"),
+            ],
+            attributes=attrs,
+        )
+        defs.register_schema(schema)
+    _SCHEMAS_REGISTERED = True
+
+
+# --------------------------------------------------------------------------- export-time checks
+
+
+@dataclass
+class _CallPlan:
+    tag: str
+    method: str
+    is_causal: bool
+    mask_kind: str  # "none", "padding2d", "mask4d"
+
+
+def _static_int(x) -> Optional[int]:
+    """``x`` as an int when it is a concrete size; None when symbolic (never specialises)."""
+    if isinstance(x, int) and not isinstance(x, torch.SymInt):
+        return x
+    if isinstance(x, torch.SymInt):
+        try:
+            return int(x.node.maybe_as_int()) if x.node.maybe_as_int() is not None else None
+        except Exception:
+            return None
+    return None
+
+
+def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
+    """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can)."""
+    if method in ("dense", "bsa"):
+        return ""
+    if method == "pbs":
+        if float(cfg.threshold) >= 1.0:
+            return ""
+        return (
+            f"PBS with threshold={cfg.threshold} at {tag or '<root>'}: the ONNX body of PBSAttention "
+            "covers only the exact mode (threshold >= 1); the sparse segmented permutation is not "
+            "implemented in ONNX yet. Export with PBSConfig(threshold=1.0), or method='bsa'/'dense'."
+        )
+    if method == "pisa":
+        n = _static_int(n_k)
+        nb = None if n is None else -(-n // cfg.block_size)
+        if nb is not None and cfg.top_k >= nb:
+            return ""
+        why = (
+            "the sequence length is dynamic" if n is None
+            else f"top_k={cfg.top_k} < {nb} key blocks at N={n}"
+        )
+        return (
+            f"PISA at {tag or '<root>'}: the ONNX body of PISAAttention covers only the exact mode "
+            f"(top_k >= number of key blocks, with a static sequence length) and here {why}; the "
+            "pyramid walk is not implemented in ONNX yet. Use dynamic_seq=False with top_k covering "
+            "every block, or method='bsa'/'dense'."
+        )
+    return f"unknown method {method!r}"
+
+
+def _sparseflow_nodes(gm) -> List[torch.fx.Node]:
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "sparseflow"
+    ]
+
+
+def _method_of(target) -> str:
+    name = target._schema.name.split("::")[1]
+    return name[: -len("_attention")]
+
+
+def _cfg_of(method: str, args: Sequence) -> AttentionConfig:
+    fields = _config_fields(method)
+    return METHODS[method](**{name: a for (name, _), a in zip(fields, args[6 : 6 + len(fields)])})
+
+
+MaskAnalysisSummary = Tuple[bool, bool, str]
+
+
+def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
+    """Run the rewritten program once on the example inputs and analyse the mask every op call
+    receives: ``{tag: (supported, is_causal, reason)}``. (The op implementations look ``_run`` up
+    at call time; for this one run it is replaced by the analysis plus dense attention, so the
+    model runs at SDPA speed.)"""
+    from . import ops as _ops
+
+    found: Dict[str, MaskAnalysisSummary] = {}
+    real_run = _ops._run
+
+    def spy(method, a, **kw):
+        q, k, _, mask, is_causal = a[:5]
+        res = analyse_mask(mask, bool(is_causal), q.shape[0], q.shape[2], k.shape[2])
+        tag = a[-1]
+        cur = (res.supported, res.is_causal, res.reason)
+        prev = found.get(tag)
+        if prev is not None and prev != cur:
+            cur = (False, False, f"calls tagged {tag!r} disagree about their mask")
+        found[tag] = cur
+        # the masks never depend on attention outputs: dense attention is enough (and fast)
+        out = torch.empty(q.shape[:-1] + (a[2].shape[-1],), dtype=q.dtype, device=q.device)
+        return out.zero_() if not res.supported else _ops._sdpa(q, k, a[2], mask, is_causal, a[5]).contiguous()
+
+    _ops._run = spy
+    try:
+        with torch.no_grad():
+            ep.module()(*args, **(kwargs or {}))
+    finally:
+        _ops._run = real_run
+    return found
+
+
+# --------------------------------------------------------------------------- translation
+
+
+def _make_translation(method: str, plans: Dict[str, _CallPlan], default_scales: Dict[str, float]):
+    """The trace-only translation function of one op: emits one ``sparseflow`` node."""
+    from onnxscript import opset23 as op
+    from onnxscript.values import Opset
+
+    sf = Opset(DOMAIN, DOMAIN_VERSION)
+    fields = _config_fields(method)
+
+    def translate(q, k, v, attn_mask, is_causal, scale, *rest):
+        cfg_vals = rest[: len(fields)]
+        tag = rest[len(fields) + 1] if len(rest) > len(fields) + 1 else ""
+        plan = plans.get(tag)
+        causal = bool(is_causal) if plan is None else plan.is_causal
+        if attn_mask is None:
+            # all keys valid: [B, Nk] of True, built from k's shape (dynamic N)
+            shape_k = op.Shape(k)
+            bn = op.Concat(op.Slice(shape_k, [0], [1]), op.Slice(shape_k, [2], [3]), axis=0)
+            kpm = op.Expand(op.Constant(value=_bool_scalar(True)), bn)
+        elif plan is not None and plan.mask_kind == "mask4d":
+            # the causal & padding (or padding) mask: its last query row is the key padding
+            row = op.Gather(attn_mask, op.Constant(value_int=0), axis=1)  # [B, Nq', Nk]
+            kpm = op.Gather(row, op.Constant(value_int=-1), axis=1)  # [B, Nk]
+            kpm = op.Cast(kpm, to=9)
+        else:
+            kpm = op.Cast(attn_mask, to=9)
+        sc = float(scale) if scale is not None else default_scales[tag]
+        attrs: Dict[str, Any] = {"is_causal": int(causal), "scale": sc}
+        for (name, kind), val in zip(fields, cfg_vals):
+            attrs[name] = int(val) if kind is bool else (float(val) if kind is float else val)
+        return getattr(sf, NODE_TYPES[method])(q, k, v, kpm, **attrs)
+
+    return translate
+
+
+def _bool_scalar(value: bool):
+    import onnx.numpy_helper
+    import numpy as np
+
+    return onnx.numpy_helper.from_array(np.array(value, dtype=np.bool_))
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def _dynamic_shapes(model: nn.Module, args, kwargs, seq_dim: int = 1):
+    """Mark dim ``seq_dim`` of every tensor input of rank >= 2 as one dynamic ``seq`` dimension
+    (a dict keyed by ``forward``'s parameter names, as ``torch.export`` wants with kwargs)."""
+    import inspect
+
+    seq = torch.export.Dim("seq", min=2, max=1 << 17)
+
+    def spec(x):
+        if isinstance(x, torch.Tensor) and x.dim() > seq_dim:
+            return {seq_dim: seq}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **(kwargs or {}))
+    out = {}
+    for name, val in bound.arguments.items():
+        param = bound.signature.parameters[name]
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(spec(a) for a in val)
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: spec(a) for k, a in val.items()}
+        else:
+            out[name] = spec(val)
+    return out
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: Tuple[Any, ...],
+    path: Optional[str] = None,
+    *,
+    method: str,
+    config: Optional[AttentionConfig] = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    dynamic_seq: bool = True,
+    dynamic_shapes: Any = None,
+    filter_fn: Optional[Callable[[str], bool]] = None,
+    skip_layers: Iterable[int] = (),
+    layer_configs: Optional[Mapping[int, Optional[AttentionConfig]]] = None,
+    check: bool = True,
+    optimize: bool = False,
+    return_program: bool = False,
+):
+    """Export ``model`` rewritten with ``method``/``config`` to ONNX (``path``; returns the
+    ``onnx.ModelProto``).
+
+    Every sparseflow op becomes one ``sparseflow``-domain node (``DenseAttention``,
+    ``BSAAttention``, ``PBSAttention``, ``PISAAttention``) carrying the configuration as
+    attributes, with a model-local function as its portable body (see the module docstring for
+    what is supported). ``dynamic_seq`` makes dim 1 of every tensor input of rank >= 2 one dynamic
+    ``seq`` dimension (token ids and attention masks of a decoder LM); pass ``dynamic_shapes`` to
+    say it yourself. Hugging Face models need ``example_kwargs={"use_cache": False}``.
+    ``optimize`` runs the ONNX exporter's graph optimizer (off by default: on torch 2.13 its fused
+    ``RotaryEmbedding`` breaks batch sizes > 1). With ``return_program`` returns
+    ``(model_proto, program)``, ``program`` being the rewritten ``ExportedProgram`` (same dynamic
+    shapes) that the file reproduces.
+    Raises :class:`OnnxExportError` (a ``ValueError``) for anything the ONNX bodies cannot
+    reproduce exactly, naming the layer and the setting, before any file is written.
+    """
+    import onnx
+
+    from .api import _make_options
+    from .passes.sdpa_rewrite import rewrite_graph
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(f"example_inputs must be a tuple of positional inputs, got {type(example_inputs).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str, a path or None, got {type(path).__name__}")
+    options = _make_options(method, config, "auto", filter_fn, skip_layers, layer_configs)
+    kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None and dynamic_seq:
+        dynamic_shapes = _dynamic_shapes(model, example_inputs, kwargs)
+
+    t0 = time.perf_counter()
+    ep = torch.export.export(model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes)
+    # no run_decompositions({}) here: the rewrite works on the training IR and the ONNX exporter
+    # decomposes the program itself (one decomposition instead of two: half the export time)
+    entries = rewrite_graph(ep.graph_module, options, graph_kind="export")
+    ep.graph_module.recompile()
+
+    nodes = _sparseflow_nodes(ep.graph_module)
+    if not nodes:
+        raise OnnxExportError(
+            "export_onnx: no attention call was rewritten"
+            + ("" if not entries else ": " + "; ".join(f"{e.tag or '<root>'}: {e.reason}" for e in entries))
+        )
+    # 1. config and shape checks, per call
+    default_scales: Dict[str, float] = {}
+    methods_used = set()
+    for n in nodes:
+        m = _method_of(n.target)
+        methods_used.add(m)
+        cfg = _cfg_of(m, n.args)
+        tag = n.args[-1]
+        q_val, k_val = n.args[0].meta["val"], n.args[1].meta["val"]
+        n_q, n_k = q_val.shape[2], k_val.shape[2]
+        if str(n_q) != str(n_k):
+            raise OnnxExportError(
+                f"export_onnx: attention at {tag or '<root>'} has Nq={n_q} != Nk={n_k}; the ONNX nodes "
+                "cover prefill/self-attention (Nq == Nk) only"
+            )
+        reason = _refusal(m, cfg, n_k, tag)
+        if reason:
+            raise OnnxExportError("export_onnx: " + reason)
+        d = _static_int(q_val.shape[-1])
+        if d is None:
+            raise OnnxExportError(f"export_onnx: head dim of {tag or '<root>'} is not static")
+        default_scales[tag] = 1.0 / math.sqrt(d)
+    # 2. masks: what the op will see, checked on the example values
+    analysis = _analyse_masks(ep, example_inputs, kwargs)
+    plans: Dict[str, _CallPlan] = {}
+    for n in nodes:
+        tag = n.args[-1]
+        mask = n.args[3]
+        m = _method_of(n.target)
+        if mask is None:
+            plans[tag] = _CallPlan(tag, m, bool(n.args[4]), "none")
+            continue
+        mval = mask.meta["val"]
+        supported, is_causal, why = analysis.get(tag, (False, False, "not reached on the example inputs"))
+        if not supported:
+            raise OnnxExportError(
+                f"export_onnx: attention at {tag or '<root>'} gets an attn_mask the sparseflow ONNX nodes "
+                f"cannot take ({why}); only causal / key-padding masks are exported"
+            )
+        if mval.dtype != torch.bool:
+            raise OnnxExportError(
+                f"export_onnx: attention at {tag or '<root>'} gets a {mval.dtype} attn_mask; only boolean "
+                "masks are exported"
+            )
+        kind = "mask4d" if mval.dim() == 4 else "padding2d"
+        plans[tag] = _CallPlan(tag, m, is_causal if kind == "mask4d" else bool(n.args[4]), kind)
+
+    register_schemas()
+    from .ops import op_for
+
+    table = {op_for(m): _make_translation(m, plans, default_scales) for m in methods_used}
+    onnx_program = torch.onnx.export(
+        ep,
+        (),
+        dynamo=True,
+        custom_translation_table=table,
+        opset_version=OPSET,
+        optimize=optimize,
+        verbose=False,
+    )
+    proto = onnx_program.model_proto
+    fns = function_protos()
+    present = {(f.domain, f.name) for f in proto.functions}
+    for m in sorted(methods_used):
+        f = fns[m]
+        if (f.domain, f.name) not in present:
+            proto.functions.append(f)
+    if not any(o.domain == DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    if not any(o.domain == "" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("", OPSET))
+    proto.metadata_props.add(key="sparseflow_method", value=options.config.method)
+    proto.metadata_props.add(key="sparseflow_config", value=options.config.to_json())
+    proto.metadata_props.add(key="sparseflow_export_seconds", value=f"{time.perf_counter() - t0:.2f}")
+    if check:
+        onnx.checker.check_model(proto)
+    if path is not None:
+        onnx.save_model(proto, os.fspath(path))
+    return (proto, ep) if return_program else proto

@@ -1,0 +1,330 @@
+"""ONNX export (issue 7): one ``sparseflow``-domain node per attention layer, run by onnxruntime
+through the model-local function bodies, equal to the PyTorch rewritten model.
+
+Error metric everywhere: max |onnx - torch| / max |torch| over the logits (fp32).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import sparseflow
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+pytest.importorskip("transformers")
+
+from sparseflow.onnx_export import DOMAIN, NODE_TYPES, OnnxExportError, export_onnx  # noqa: E402
+
+TOL = 1e-3
+LAYERS = 2
+BSA = sparseflow.BSAConfig(block_size=16, top_k=4)  # 200 tokens = 13 blocks: really sparse
+
+
+def _session(proto):
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _torch_logits(program, ids, attention_mask=None):
+    """The PyTorch rewritten model (the ExportedProgram export_onnx converted, same method and
+    config, dynamic length) on ``ids``."""
+    kw = {"use_cache": False}
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
+    with torch.no_grad():
+        return program.module()(ids, **kw).logits
+
+
+def _onnx_logits(sess, ids, attention_mask=None):
+    feed = {"input_ids": ids.numpy()}
+    if attention_mask is not None:
+        feed["attention_mask"] = attention_mask.numpy()
+    return torch.from_numpy(sess.run(None, feed)[0])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    import conftest
+
+    return conftest.make_tiny("llama", layers=LAYERS)
+
+
+_CACHE = {}
+
+
+def _exported(model, key, **kw):
+    if key not in _CACHE:
+        ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+        t0 = time.perf_counter()
+        proto, program = export_onnx(model, (ids,), None, example_kwargs={"use_cache": False},
+                                     return_program=True, **kw)
+        _CACHE[key] = (proto, _session(proto), program, time.perf_counter() - t0)
+    return _CACHE[key]
+
+
+def _ids(n, seed=0, batch=1):
+    return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("n", [64, 200, 333])
+def test_dense_matches_torch_dynamic_length(llama, n):
+    proto, sess, program, _ = _exported(llama, "dense", method="dense")
+    ids = _ids(n, seed=n)
+    err = _rel(_onnx_logits(sess, ids), _torch_logits(program, ids))
+    print(f"dense N={n}: max rel err {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("n", [64, 200, 333])
+def test_bsa_matches_torch_dynamic_length(llama, n):
+    proto, sess, program, _ = _exported(llama, "bsa", method="bsa", config=BSA)
+    ids = _ids(n, seed=n)
+    ref = _torch_logits(program, ids)
+    err = _rel(_onnx_logits(sess, ids), ref)
+    print(f"bsa N={n}: max rel err {err:.2e}")
+    assert err <= TOL
+    if n >= 200:  # the selection really drops blocks: far from dense, yet ONNX matches it
+        with torch.no_grad():
+            dense = llama(ids, use_cache=False).logits
+        assert _rel(ref, dense) > 100 * TOL
+
+
+def test_bsa_batch_with_key_padding(llama):
+    cfg = BSA
+    ids = _ids(150, seed=3, batch=2)
+    am = torch.ones(2, 150, dtype=torch.long)
+    am[1, 120:] = 0
+    proto, program = export_onnx(llama, (ids,), None, method="bsa", config=cfg, return_program=True,
+                                 example_kwargs={"attention_mask": am, "use_cache": False})
+    sess = _session(proto)
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask"]
+    for n, pad in ((150, 30), (97, 20)):
+        ids = _ids(n, seed=n, batch=2)
+        am = torch.ones(2, n, dtype=torch.long)
+        am[1, n - pad:] = 0
+        got = _onnx_logits(sess, ids, am)
+        ref = _torch_logits(program, ids, am)
+        valid = am.bool()
+        err = _rel(got[valid], ref[valid])
+        print(f"bsa padded N={n}: max rel err {err:.2e}")
+        assert err <= TOL
+
+
+@pytest.mark.parametrize(
+    "method,config,dynamic",
+    [
+        ("pbs", sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=1.0), True),
+        ("bsa", sparseflow.BSAConfig(block_size=16, top_k=64), True),
+        ("pisa", sparseflow.PISAConfig(block_size=16, top_k=8), False),
+    ],
+)
+def test_exact_modes_match_dense(llama, method, config, dynamic):
+    n = 100  # 7 blocks of 16: every top_k above covers them all
+    ids = _ids(n, seed=5)
+    proto, program = export_onnx(llama, (ids,), None, method=method, config=config, return_program=True,
+                                 example_kwargs={"use_cache": False}, dynamic_seq=dynamic)
+    got = _onnx_logits(_session(proto), ids)
+    with torch.no_grad():
+        dense = llama(ids, use_cache=False).logits
+    err_dense = _rel(got, dense)
+    err_torch = _rel(got, _torch_logits(program, ids))
+    print(f"{method} exact: rel err vs dense {err_dense:.2e}, vs torch op {err_torch:.2e}")
+    assert err_dense <= TOL and err_torch <= TOL
+
+
+# --------------------------------------------------------------------------- graph structure
+
+
+@pytest.mark.parametrize("method", ["dense", "bsa"])
+def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
+    cfg = BSA if method == "bsa" else sparseflow.DenseConfig()
+    proto, _, program, _ = _exported(llama, method, method=method, config=cfg if method == "bsa" else None)
+    # native GQA reaches the op: K/V with the model's 2 KV heads, never repeated to 6
+    ops = [n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "sparseflow"]
+    assert len(ops) == LAYERS
+    assert all(n.args[0].meta["val"].shape[1] == 6 and n.args[1].meta["val"].shape[1] == 2 for n in ops)
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
+    assert len(nodes) == LAYERS
+    assert all(n.op_type == NODE_TYPES[method] for n in nodes)
+    # nothing else computes attention: no decomposed softmax in the main graph
+    assert not any(n.op_type in ("Softmax", "Attention") for n in proto.graph.node)
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["is_causal"] == 1
+        assert attrs["scale"] == pytest.approx(1 / 16 ** 0.5)
+        for name, value in cfg.to_dict().items():
+            if name in ("method", "version"):
+                continue
+            assert attrs[name] == (int(value) if isinstance(value, bool) else value), name
+        assert len(node.input) == 4
+    fn_names = {(f.domain, f.name) for f in proto.functions}
+    assert (DOMAIN, NODE_TYPES[method]) in fn_names
+    assert any(o.domain == DOMAIN for o in proto.opset_import)
+    assert onnx.defs.has(NODE_TYPES[method], DOMAIN)  # registered schema
+    onnx.checker.check_model(proto)
+    # the dynamic sequence dimension is symbolic in the file
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    assert dims[1].dim_param and not dims[1].dim_value
+    # config travels in the metadata too
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert sparseflow.config_from_dict(meta["sparseflow_config"]) == cfg
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "method,config,dynamic,match",
+    [
+        ("pbs", sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=0.9), True, "threshold=0.9"),
+        ("pisa", sparseflow.PISAConfig(block_size=16, top_k=4), True, "sequence length is dynamic"),
+        ("pisa", sparseflow.PISAConfig(block_size=16, top_k=4), False, "top_k=4 < 7 key blocks at N=100"),
+    ],
+)
+def test_unsupported_fails_at_export_time(llama, tmp_path, method, config, dynamic, match):
+    path = tmp_path / "m.onnx"
+    ids = _ids(100)
+    with pytest.raises(OnnxExportError, match=match) as info:
+        export_onnx(llama, (ids,), path, method=method, config=config,
+                    example_kwargs={"use_cache": False}, dynamic_seq=dynamic)
+    assert "model.layers.0.self_attn" in str(info.value)
+    assert not path.exists()
+
+
+def test_bad_arguments_fail_clearly(llama):
+    with pytest.raises(TypeError, match="example_inputs must be a tuple"):
+        export_onnx(llama, _ids(64), None, method="dense")
+    with pytest.raises(ValueError, match="method must be one of"):
+        export_onnx(llama, (_ids(64),), None, method="nope")
+
+
+def test_import_sparseflow_does_not_import_onnx():
+    code = (
+        "import sys, sparseflow; assert callable(sparseflow.export_onnx); "
+        "bad = [m for m in ('onnx', 'onnxscript', 'onnxruntime') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- single node, op level
+
+
+def _single_node_model(method, attrs, dtype=onnx.TensorProto.FLOAT):
+    from sparseflow.onnx_export import DOMAIN_VERSION, OPSET, function_protos, register_schemas
+
+    register_schemas()
+    h = onnx.helper
+    node = h.make_node(NODE_TYPES[method], ["q", "k", "v", "kpm"], ["out"], domain=DOMAIN, **attrs)
+    inputs = [h.make_tensor_value_info(n, dtype, [None] * 4) for n in ("q", "k", "v")]
+    inputs.append(h.make_tensor_value_info("kpm", onnx.TensorProto.BOOL, [None] * 2))
+    graph = h.make_graph([node], "one_node", inputs, [h.make_tensor_value_info("out", dtype, [None] * 4)])
+    model = h.make_model(
+        graph, functions=[function_protos()[method]],
+        opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+    )
+    onnx.checker.check_model(model)
+    return _session(model)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("n", [37, 96])
+def test_bsa_node_matches_op(is_causal, ties, n):
+    """One BSAAttention node vs sparseflow.ops.bsa_attention: GQA group 3, padding, non-causal,
+    exactly tied block scores (every key equal: ties must go to the lower block index)."""
+    g = torch.Generator().manual_seed(n)
+    b, hkv, grp, d = 2, 2, 3, 8
+    q = torch.randn(b, hkv * grp, n, d, generator=g)
+    k = torch.randn(b, hkv, n, d, generator=g)
+    if ties:  # small integers: block sums and means are exact, so the scores tie exactly
+        k = torch.randint(-3, 4, (b, hkv, 1, d), generator=g).float().expand(b, hkv, n, d).contiguous()
+    v = torch.randn(b, hkv, n, d, generator=g)
+    kpm = torch.ones(b, n, dtype=torch.bool)
+    kpm[1, n - 5:] = False
+    kpm[1, 3] = False
+    cfg = sparseflow.BSAConfig(block_size=8, top_k=5)
+    ref = sparseflow.bsa_attention(q, k, v, config=cfg, attn_mask=kpm, is_causal=is_causal, scale=0.3)
+    attrs = dict(is_causal=int(is_causal), scale=0.3, block_size=8, top_k=5, force_sink=1,
+                 force_previous=1, min_seq_len=0)
+    sess = _single_node_model("bsa", attrs)
+    got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
+    err = _rel(got, ref)
+    assert err <= 1e-5, err
+
+
+# --------------------------------------------------------------------------- the real checkpoint
+
+
+@pytest.mark.slow
+def test_smollm2_bsa_onnx_matches_torch_at_1k_tokens():
+    """SmolLM2-135M-Instruct (9 query heads, 3 KV heads, 30 layers), BSA at its defaults, exported
+    with a 256-token example and run by onnxruntime at 1024 tokens of real text."""
+    from sparseflow.checkpoints import SMOLLM2_PACKAGE_HINT, load_smollm2, real_tokens, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip(f"SmolLM2 GGUF not installed ({SMOLLM2_PACKAGE_HINT})")
+    model, tok = load_smollm2()
+    ids = real_tokens(tok, 1024)
+    t0 = time.perf_counter()
+    proto, program = export_onnx(model, (ids[:, :256],), None, method="bsa", config=sparseflow.BSAConfig(),
+                                 example_kwargs={"use_cache": False}, return_program=True)
+    export_s = time.perf_counter() - t0
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
+    assert len(nodes) == model.config.num_hidden_layers and all(n.op_type == "BSAAttention" for n in nodes)
+    t0 = time.perf_counter()
+    got = _onnx_logits(_session(proto), ids)
+    run_s = time.perf_counter() - t0
+    ref = _torch_logits(program, ids)
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+    err = _rel(got, ref)
+    print(f"\nSmolLM2 BSA N=1024: export {export_s:.1f} s, onnxruntime {run_s:.1f} s, "
+          f"max rel err {err:.2e} (torch BSA vs dense {_rel(ref, dense):.2e})")
+    assert err <= TOL
+    assert _rel(ref, dense) > 100 * TOL  # really sparse at 1K tokens
+    assert export_s < 120
+
+
+def test_plain_module_native_gqa(plain_attention):
+    """A user module calling F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)."""
+    model = plain_attention(dim=48, heads=6, kv_heads=2, layers=2).eval()
+    cfg = sparseflow.BSAConfig(block_size=8, top_k=3)
+    x = torch.randn(1, 40, 48, generator=torch.Generator().manual_seed(0))
+    proto, program = export_onnx(model, (x,), None, method="bsa", config=cfg, return_program=True)
+    assert sum(n.op_type == "BSAAttention" for n in proto.graph.node) == 2
+    sess = _session(proto)
+    for n in (40, 71):
+        x = torch.randn(1, n, 48, generator=torch.Generator().manual_seed(n))
+        got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+        with torch.no_grad():
+            ref = program.module()(x)
+        err = _rel(got, ref)
+        assert err <= TOL, err
+
+
+def test_dense_node_half_precision():
+    """fp16 q/k/v: the body computes in fp32 and returns fp16, like the op."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 50, 16, generator=g).half()
+    k = torch.randn(1, 2, 50, 16, generator=g).half()
+    v = torch.randn(1, 2, 50, 16, generator=g).half()
+    kpm = torch.ones(1, 50, dtype=torch.bool)
+    sess = _single_node_model("dense", dict(is_causal=1, scale=0.25), dtype=onnx.TensorProto.FLOAT16)
+    got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
+    assert got.dtype.name == "float16"
+    ref = sparseflow.dense_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25)
+    assert _rel(got, ref) <= 1e-3
