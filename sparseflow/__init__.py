@@ -1,13 +1,16 @@
-"""sparseflow: rewrite scaled-dot-product attention into sparse-attention custom ops."""
+"""sparseflow: rewrite scaled-dot-product attention into sparse-attention custom ops.
+
+Importing registers the ``sparseflow::*`` ops (torch only); Triton, transformers and ONNX are
+imported lazily by the backends and tools that need them.
+"""
+from . import ops, passes
+from .api import InspectionResult, RewriteReport, compile, export, inspect, report
 from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, config_from_dict, default_config
-from .selection import Selection
-from .recording import capture, Capture, CallRecord
-from . import ops
 from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
+from .recording import CallRecord, Capture, capture
+from .selection import Selection
 
 __version__ = "0.1.0"
-from .api import InspectionResult, RewriteReport, compile, export, inspect, report
-from . import passes
 
 
 def export_onnx(*args, **kwargs):
