@@ -43,7 +43,7 @@ _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 # (method, backend) -> "module:function". Modules are imported on first use, so importing
 # sparseflow never imports Triton. Each function takes (q, k, v, *, key_padding_mask, is_causal,
-# scale, return_selection, **config_fields).
+# scale, return_selection, **config fields except min_seq_len, which the dispatcher applies).
 IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
     ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
     ("pbs", "triton"): "sparseflow.kernels.pbs.triton_impl:pbs_attention",
@@ -226,7 +226,7 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
         is_causal=mask.is_causal,
         scale=scale,
         return_selection=cap is not None,
-        **dataclasses.asdict(cfg),
+        **_impl_kwargs(cfg),
     )
     out, sel = result if isinstance(result, tuple) else (result, None)
     if cap is not None:
@@ -234,6 +234,11 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
             _capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), sel if (sel is None or want_sel) else _strip(sel))
         )
     return out.contiguous()
+
+
+def _impl_kwargs(cfg: AttentionConfig) -> Dict[str, Any]:
+    # min_seq_len is the dispatcher's (dense below it); implementations take the method's fields
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "min_seq_len"}
 
 
 def _strip(sel):

@@ -33,15 +33,13 @@ def bsa_attention(
     force_sink: bool = True,
     force_previous: bool = True,
     return_selection: bool = False,
-    min_seq_len: int = 0,
     q_tile: Optional[int] = None,
     kv_tile: Optional[int] = None,
 ):
     """BSA attention with compiled FlexAttention: same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.kernels.bsa.reference.bsa_attention`.
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
-    ``block_size``; ``kv_tile`` a multiple of it). ``min_seq_len`` is accepted
-    and ignored (the dispatcher handles it)."""
+    ``block_size``; ``kv_tile`` a multiple of it)."""
     fc.check_flex_inputs(q, k, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)

@@ -110,11 +110,9 @@ def bsa_attention(
     force_sink: bool = True,
     force_previous: bool = True,
     return_selection: bool = False,
-    min_seq_len: int = 0,
 ):
     """BSA attention: full-scan top-K selection (no gradient), then attention over the selected
-    blocks (differentiable in q, k, v). ``min_seq_len`` is accepted and ignored (the dispatcher
-    handles it). Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus the :class:`Selection` when
+    blocks (differentiable in q, k, v). Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus the :class:`Selection` when
     ``return_selection``."""
     with torch.no_grad():
         idx, n_visible = _select(

@@ -134,12 +134,10 @@ def pbs_attention(
     scoring: str = "mean",
     antidiagonal_stride: int = 8,
     causal_proxy: bool = False,
-    min_seq_len: int = 0,
     return_selection: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with compiled FlexAttention. Same signature, selection and result (to
-    floating-point tolerance) as :func:`sparseflow.kernels.pbs.reference.pbs_attention`.
-    ``min_seq_len`` is accepted for config parity (the dispatcher applies it)."""
+    floating-point tolerance) as :func:`sparseflow.kernels.pbs.reference.pbs_attention`."""
     fc.check_flex_inputs(q, k, v)
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]

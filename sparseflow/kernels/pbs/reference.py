@@ -652,12 +652,10 @@ def pbs_attention(
     scoring: str = "mean",
     antidiagonal_stride: int = 8,
     causal_proxy: bool = False,
-    min_seq_len: int = 0,
     return_selection: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill, plain PyTorch. ``q: [B, Hq, N, D]``, ``k, v: [B, Hkv, N, D]``; output
-    ``[B, Hq, N, Dv]`` in ``q.dtype``. ``min_seq_len`` is accepted for config parity and ignored
-    here (the dispatcher applies it). With ``return_selection`` also returns the
+    ``[B, Hq, N, Dv]`` in ``q.dtype``. With ``return_selection`` also returns the
     :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]

@@ -81,7 +81,6 @@ def pbs_attention(
     scoring: str = "mean",
     antidiagonal_stride: int = 8,
     causal_proxy: bool = False,
-    min_seq_len: int = 0,
     return_selection: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with the Triton attention kernel. ``q: [B, Hq, N, D]``,

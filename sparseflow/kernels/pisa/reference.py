@@ -289,12 +289,10 @@ def pisa_attention(
     force_sink: bool = True,
     force_previous: bool = True,
     return_selection: bool = False,
-    min_seq_len: int = 0,
 ):
     """PISA attention: select blocks (no gradient), then attend them (differentiable in q, k, v).
 
-    ``min_seq_len`` is accepted (the op passes every config field) and ignored here: the
-    dispatcher decides about the dense fallback. Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus
+    Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus
     the :class:`Selection` when ``return_selection``.
     """
     with torch.no_grad():
