@@ -1,0 +1,440 @@
+"""PISA selection in Triton (SPEC §4): the pyramid build and the fused coarse-to-fine walk.
+
+Imported lazily (``backend="triton"``); this module imports Triton.
+
+* ``build_pyramid``: two kernels. The first sums the valid keys of every leaf block (``C`` keys)
+  and records its valid-key count and first valid position; the second fills every upper node of
+  every level at once from the leaf sums (a node's summary is the mean of all valid keys under
+  it, as in the reference). All levels live in one ``[B, Hkv, T, D]`` fp32 table, leaves first.
+* ``pisa_select``: one program per (query token, batch x KV head) walks from the root to the
+  leaves with its kept nodes in registers: the candidates of a level are the children of the
+  nodes kept at the level above, future / empty nodes are dropped, the ancestors of the forced
+  blocks are kept without scoring, and, when more than ``top_k`` remain, the best-scoring ones
+  fill the rest (ties to the lower index). Scores are the reference's, summed over the ``G``
+  query heads of the group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32
+  summaries in IEEE fp32; raw keys in their own 16-bit dtype, whose products are exact in fp32).
+  No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
+
+The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * K * log(N / C))`` per token.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+__all__ = ["build_pyramid", "pisa_select", "level_sizes", "SCORE_CODES"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
+
+
+def _p2(x: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def level_sizes(n_leaves: int, branching: int) -> List[int]:
+    """Node counts per level, leaves first, root (1 node) last."""
+    sizes = [max(1, n_leaves)]
+    while sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // branching))
+    return sizes
+
+
+# --------------------------------------------------------------------------- pyramid
+
+
+@triton.jit
+def _leaf_kernel(
+    k_ptr, kpm_ptr, sums_ptr, cnt_ptr, fv_ptr,
+    stride_kb, stride_kh, stride_kn,
+    stride_sb, stride_sh, stride_st,
+    Nk, n_leaves, HKV,
+    HAS_KPM: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    leaf = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    offs_c = tl.arange(0, CP)
+    offs_d = tl.arange(0, DP)
+    pos = leaf * C + offs_c
+    ok = (offs_c < C) & (pos < Nk)
+    if HAS_KPM:
+        ok = ok & (tl.load(kpm_ptr + b * Nk + pos, mask=ok, other=0) != 0)
+    kt = tl.load(
+        k_ptr + b * stride_kb + h * stride_kh + pos[:, None] * stride_kn + offs_d[None, :],
+        mask=ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    ).to(tl.float32)
+    s = tl.sum(kt, axis=0)
+    tl.store(sums_ptr + b * stride_sb + h * stride_sh + leaf * stride_st + offs_d, s, mask=offs_d < D)
+    if h == 0:
+        tl.store(cnt_ptr + b * n_leaves + leaf, tl.sum(ok.to(tl.int32), axis=0))
+        first = tl.min(tl.where(ok, pos, Nk), axis=0)
+        tl.store(fv_ptr + b * n_leaves + leaf, first)
+
+
+@triton.jit
+def _node_kernel(
+    sums_ptr, lcnt_ptr, lfv_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr,
+    stride_sb, stride_sh, stride_st,
+    stride_mb, stride_mh, stride_mt,
+    n_leaves, T, HKV, Nk,
+    N_LEVELS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+):
+    """One program per node of every level (leaves included): summary = sum of its leaves'
+    key sums / their valid-key count; first valid position = min over its leaves."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    lv = 0
+    for i in range(1, N_LEVELS):
+        lv = tl.where(t >= tl.load(lvl_off_ptr + i), i, lv)
+    u = t - tl.load(lvl_off_ptr + lv)
+    span = tl.load(lvl_span_ptr + lv)
+    first_leaf = u * span
+    offs_d = tl.arange(0, DP)
+    offs_l = tl.arange(0, BL)
+    acc = tl.zeros([DP], dtype=tl.float32)
+    cnt = 0
+    fv = Nk
+    l0 = 0
+    while l0 < span:  # (while: the interpreter cannot range() over a runtime bound)
+        leaf = first_leaf + l0 + offs_l
+        ok = (l0 + offs_l < span) & (leaf < n_leaves)
+        s = tl.load(
+            sums_ptr + b * stride_sb + h * stride_sh + leaf[:, None] * stride_st + offs_d[None, :],
+            mask=ok[:, None] & (offs_d[None, :] < D), other=0.0,
+        )
+        acc += tl.sum(s, axis=0)
+        cnt += tl.sum(tl.load(lcnt_ptr + b * n_leaves + leaf, mask=ok, other=0), axis=0)
+        fv = tl.minimum(fv, tl.min(tl.load(lfv_ptr + b * n_leaves + leaf, mask=ok, other=Nk), axis=0))
+        l0 += BL
+    mean = acc / tl.maximum(cnt, 1).to(tl.float32)
+    tl.store(summ_ptr + b * stride_mb + h * stride_mh + t * stride_mt + offs_d, mean, mask=offs_d < D)
+    if h == 0:
+        tl.store(nfv_ptr + b * T + t, fv)
+
+
+def _pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], torch.Tensor, torch.Tensor]:
+    sizes = level_sizes(n_leaves, branching)
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    spans = [branching ** i for i in range(len(sizes))]
+    # spans of the top levels can exceed int32 for tiny leaves counts only in theory; clamp
+    spans = [min(s, 2**30) for s in spans]
+    return sizes, torch.tensor(offs, dtype=torch.int32, device=device), torch.tensor(spans, dtype=torch.int32, device=device)
+
+
+@triton_op("sparseflow::pisa_pyramid", mutates_args={})
+def _pisa_pyramid(
+    k: torch.Tensor, kpm: Optional[torch.Tensor], lvl_off: torch.Tensor, lvl_span: torch.Tensor,
+    block_size: int, total_nodes: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    b, hkv, n_k, d = k.shape
+    n_leaves = max(1, -(-n_k // block_size))
+    n_levels = lvl_span.shape[0]
+    sums = torch.empty(b, hkv, n_leaves, d, dtype=torch.float32, device=k.device)
+    cnt = torch.empty(b, n_leaves, dtype=torch.int32, device=k.device)
+    lfv = torch.empty(b, n_leaves, dtype=torch.int32, device=k.device)
+    summ = torch.empty(b, hkv, total_nodes, d, dtype=torch.float32, device=k.device)
+    nfv = torch.empty(b, total_nodes, dtype=torch.int32, device=k.device)
+    dp = _p2(d, 16)
+    kpm_arg = kpm if kpm is not None else cnt  # never read without HAS_KPM
+    wrap_triton(_leaf_kernel)[(n_leaves, b * hkv)](
+        k, kpm_arg, sums, cnt, lfv,
+        k.stride(0), k.stride(1), k.stride(2),
+        sums.stride(0), sums.stride(1), sums.stride(2),
+        n_k, n_leaves, hkv,
+        HAS_KPM=kpm is not None, C=block_size, CP=_p2(block_size, 16), D=d, DP=dp,
+    )
+    wrap_triton(_node_kernel)[(total_nodes, b * hkv)](
+        sums, cnt, lfv, summ, nfv, lvl_off, lvl_span,
+        sums.stride(0), sums.stride(1), sums.stride(2),
+        summ.stride(0), summ.stride(1), summ.stride(2),
+        n_leaves, total_nodes, hkv, n_k,
+        N_LEVELS=n_levels, D=d, DP=dp, BL=32,
+    )
+    return summ, nfv
+
+
+@_pisa_pyramid.register_fake
+def _(k, kpm, lvl_off, lvl_span, block_size, total_nodes):
+    b, hkv, _, d = k.shape
+    return (k.new_empty(b, hkv, total_nodes, d, dtype=torch.float32),
+            k.new_empty(b, total_nodes, dtype=torch.int32))
+
+
+def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
+                  key_padding_mask: Optional[torch.Tensor] = None):
+    """``(summaries [B, Hkv, T, D] fp32, first_valid [B, T] int32, sizes, lvl_off, lvl_span)``:
+    every level's node means (leaves first), each node's first valid key position (``Nk`` if
+    none), the node counts per level and the level offsets / leaf spans as int32 tensors."""
+    n_leaves = max(1, -(-k.shape[2] // block_size))
+    sizes, lvl_off, lvl_span = _pyramid_tables(n_leaves, branching, k.device)
+    kpm = None if key_padding_mask is None else key_padding_mask.to(device=k.device, dtype=torch.int8).contiguous()
+    summ, nfv = _pisa_pyramid(k, kpm, lvl_off, lvl_span, block_size, sum(sizes))
+    return summ, nfv, sizes, lvl_off, lvl_span
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@triton.jit
+def _top_k_keep(cand, valid, forced, score, ar, TOPK: tl.constexpr, CW: tl.constexpr):
+    """Keep the forced entries and the best-scoring others, TOPK in total (ties to the lower
+    position, i.e. the lower node id): returns the kept flags."""
+    big = 3.0e38
+    key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
+    key = tl.where(forced, float("inf"), key)
+    key = tl.where(valid, key, float("-inf"))
+    kept = ar < 0
+    for _ in range(TOPK):
+        m = tl.argmax(key, axis=0, tie_break_left=True)
+        hit = ar == m
+        kept = kept | (hit & valid)
+        key = tl.where(hit, float("-inf"), key)
+        valid = valid & ~hit
+    return kept
+
+
+@triton.jit
+def _compact(cand, keep, ar_kp, ar_cw):
+    """Kept candidates (ascending in ``cand`` order) packed into the first slots of a [KP] row."""
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    hit = keep[None, :] & (slot[None, :] == ar_kp[:, None])
+    ids = tl.sum(tl.where(hit, cand[None, :], 0), axis=1)
+    return ids, ar_kp < tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pisa_select_kernel(
+    q_ptr, k_ptr, kpm_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_mb, stride_mh, stride_mt,
+    stride_ob, stride_oh, stride_on,
+    Nq, Nk, T, HKV, qk_scale,
+    N_LEVELS: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, SCORE: tl.constexpr,
+    FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, IEEE_KEYS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    # CW >= KP * BRP candidate slots: BRP children of each of KP kept nodes (slots past KP * BRP,
+    # there only because tl.dot needs 16 columns, have no parent and stay invalid)
+    p = i + Nk - Nq  # query position (bottom-right aligned)
+    if IS_CAUSAL:
+        hz = p
+    else:
+        hz = Nk - 1
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    q_rows = q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i * stride_qn + offs_d[None, :]
+    q_raw = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q32 = q_raw.to(tl.float32)
+    summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
+    nfv_base = nfv_ptr + b * T
+
+    # forced leaves (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
+    n_leaves = tl.load(lvl_off_ptr + 1)
+    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
+    prev = -1
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = -1
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    cur_f = tl.where((cur >= 0) & (tl.load(nfv_base + tl.maximum(cur, 0)) <= hz), cur, -1)
+    prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
+    sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
+    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+
+    ar_kp = tl.arange(0, KP)
+    ar_cw = tl.arange(0, CW)
+    top = N_LEVELS - 1
+    root_ok = tl.load(nfv_base + tl.load(lvl_off_ptr + top)) <= hz
+    kept = tl.zeros([KP], dtype=tl.int32)
+    ok = (ar_kp == 0) & root_ok
+    for it in range(0, N_LEVELS - 1):
+        lv = top - 1 - it
+        off = tl.load(lvl_off_ptr + lv)
+        n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+        span = tl.load(lvl_span_ptr + lv)
+        par = ar_cw // BRP
+        j = ar_cw % BRP
+        par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
+        par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
+        cand = par_id * BR + j
+        valid = par_ok & (j < BR) & (cand < n_lv)
+        cand = tl.where(valid, cand, 0)
+        valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
+        forced = (cand == tl.where(cur_f >= 0, cur_f // span, -1)) | (cand == tl.where(prev_f >= 0, prev_f // span, -1))
+        forced = forced | (cand == tl.where(sink_f >= 0, sink_f // span, -1)) | (cand == tl.where(here >= 0, here // span, -1))
+        forced = forced & valid
+        n_valid = tl.sum(valid.to(tl.int32), axis=0)
+        if n_valid > TOPK:
+            score = tl.zeros([CW], dtype=tl.float32)
+            if SCORE == 1:
+                # PISA-1: q . mean(node) * scale
+                s_t = tl.load(summ_base + (off + cand)[None, :] * stride_mt + offs_d[:, None],
+                              mask=valid[None, :] & d_ok[:, None], other=0.0)
+                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
+                score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
+            elif lv > 0:
+                # intermediate node: LSE (or mean + var/2) over its visible children's summaries
+                coff = tl.load(lvl_off_ptr + lv - 1)
+                n_ch = off - coff
+                ar_ch = tl.arange(0, CW * BRP)
+                owner = ar_ch // BRP
+                jc = ar_ch % BRP
+                own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
+                own_ok = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
+                child = own_id * BR + jc
+                c_ok = own_ok & (jc < BR) & (child < n_ch)
+                child = tl.where(c_ok, child, 0)
+                c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+                s_t = tl.load(summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
+                              mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
+                logit = tl.reshape(logit, (GP, CW, BRP))
+                okc = tl.reshape(c_ok, (CW, BRP))[None, :, :]
+                if SCORE == 0:
+                    mx = tl.max(tl.where(okc, logit, float("-inf")), axis=2)
+                    mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+                    se = tl.sum(tl.where(okc, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
+                    per_head = mx_s + tl.log(se)
+                else:
+                    nc = tl.maximum(tl.sum(okc.to(tl.float32), axis=2), 1.0)
+                    mean = tl.sum(tl.where(okc, logit, 0.0), axis=2) / nc
+                    dev = tl.where(okc, logit - mean[:, :, None], 0.0)
+                    per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+            else:
+                # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys
+                offs_c = tl.arange(0, CP)
+                for c in range(0, CW):
+                    hit = ar_cw == c
+                    leaf = tl.sum(tl.where(hit, cand, 0), axis=0)
+                    is_ok = tl.sum(tl.where(hit, valid.to(tl.int32), 0), axis=0) > 0
+                    if is_ok:
+                        pos = leaf * C + offs_c
+                        kok = (offs_c < C) & (pos < Nk) & (pos <= hz)
+                        if HAS_KPM:
+                            kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+                        k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + pos[None, :] * stride_kn + offs_d[:, None],
+                                      mask=kok[None, :] & d_ok[:, None], other=0.0)
+                        if IEEE_KEYS:
+                            logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+                        else:
+                            logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+                        if SCORE == 0:
+                            mx = tl.max(tl.where(kok[None, :], logit, float("-inf")), axis=1)
+                            mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+                            se = tl.sum(tl.where(kok[None, :], tl.exp(logit - mx_s[:, None]), 0.0), axis=1)
+                            per_head = mx_s + tl.log(se)
+                        else:
+                            nc = tl.maximum(tl.sum(kok.to(tl.float32), axis=0), 1.0)
+                            mean = tl.sum(tl.where(kok[None, :], logit, 0.0), axis=1) / nc
+                            dev = tl.where(kok[None, :], logit - mean[:, None], 0.0)
+                            per_head = mean + 0.5 * tl.sum(dev * dev, axis=1) / nc
+                        s = tl.sum(tl.where(g_ok, per_head, 0.0), axis=0)
+                        score = tl.where(hit, s, score)
+            keep = _top_k_keep(cand, valid, forced, score, ar_cw, TOPK, CW)
+        else:
+            keep = valid
+        kept, ok = _compact(cand, keep, ar_kp, ar_cw)
+    out = tl.where(ok, kept, -1)
+    tl.store(out_ptr + b * stride_ob + hkv * stride_oh + i * stride_on + ar_kp, out, mask=ar_kp < TOPK)
+
+
+@triton_op("sparseflow::pisa_select_fwd", mutates_args={})
+def _pisa_select_fwd(
+    q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
+    lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
+    block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool,
+) -> torch.Tensor:
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    g = hq // hkv
+    out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
+    if n_q == 0:
+        return out
+    kp = _p2(top_k)
+    # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
+    # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
+    ieee = q.dtype == torch.float32 or _INTERPRET
+    kpm_arg = kpm if kpm is not None else nfv
+    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
+        q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        summ.stride(0), summ.stride(1), summ.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_q, n_k, summ.shape[2], hkv, scale,
+        N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
+        FORCE_SINK=force_sink, FORCE_PREV=force_previous,
+        G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=_p2(block_size, 16),
+        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=max(16, kp * _p2(branching)), IEEE_KEYS=ieee,
+        num_warps=4,
+    )
+    return out
+
+
+@_pisa_select_fwd.register_fake
+def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
+      force_sink, force_previous):
+    return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
+
+
+def pisa_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    score: str = "lse",
+    force_sink: bool = True,
+    force_previous: bool = True,
+) -> torch.Tensor:
+    """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
+    block ids per query token, ascending, ``-1`` padded."""
+    if score not in SCORE_CODES:
+        raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
+    if branching < 2:
+        raise ValueError(f"branching must be >= 2, got {branching}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton PISA selection takes fp16, bf16 or fp32 q/k, got {q.dtype}")
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    if n_k == 0:
+        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=torch.long, device=q.device)
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    with torch.no_grad():
+        kc = k.detach()
+        summ, nfv, _, lvl_off, lvl_span = build_pyramid(kc, block_size=block_size, branching=branching,
+                                                        key_padding_mask=key_padding_mask)
+        kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+        idx = _pisa_select_fwd(q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal),
+                               SCORE_CODES[score], int(block_size), int(branching), int(top_k),
+                               bool(force_sink), bool(force_previous))
+    return idx.long()
