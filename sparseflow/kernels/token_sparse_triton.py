@@ -1,0 +1,422 @@
+"""Attention over per-token selected key blocks (PISA and BSA selections) in Triton, forward and
+backward: the Triton counterpart of ``token_blocks.attend_selected_blocks``.
+
+Imported lazily; this module imports Triton.
+
+Contract: ``block_indices [B, Hkv, Nq, K]`` (``-1`` = unused) is shared by the ``G`` query heads
+of a KV head; K/V keep their ``Hkv`` heads (native GQA, never repeated). Query ``i`` sits at key
+position ``p_i = i + Nk - Nq`` and sees key ``j`` iff ``j``'s block is among its selected ones,
+``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``. A query that sees no key
+outputs 0.
+
+Schedule. Queries are tiled by ``BLOCK_M`` rows; a tile loops over the union of its rows'
+blocks (``tile_block_lists``), loading each key block once for the whole tile, and tests
+membership per row against the rows' own ``K`` block ids kept in registers -- no selection table
+or score matrix is written. The backward runs one program per (query tile, query head) for dq,
+and one per (key block, KV head) for dk/dv over the query tiles whose union holds that block
+(the transposed lists, in CSR form), looping over the ``G`` query heads of the group.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+__all__ = ["tile_block_lists", "transpose_lists", "token_sparse_attention", "BLOCK_M"]
+
+BLOCK_M = 64
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _p2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+# --------------------------------------------------------------------------- block lists (torch)
+
+
+def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[B, Hkv, Nq, K]`` -> (``num [B, Hkv, nQT]`` int32, ``lists [B, Hkv, nQT, block_m*K]``
+    int32): each query tile's distinct selected blocks, ascending, then filler."""
+    b, hkv, n_q, kk = block_indices.shape
+    nqt = -(-n_q // block_m)
+    pad = nqt * block_m - n_q
+    idx = block_indices
+    if pad:
+        idx = torch.nn.functional.pad(idx, (0, 0, 0, pad), value=-1)
+    big = n_blocks + 1
+    s = idx.reshape(b, hkv, nqt, block_m * kk).to(torch.int32)
+    s = torch.where(s < 0, torch.full_like(s, big), s).sort(-1).values
+    dup = torch.zeros_like(s, dtype=torch.bool)
+    dup[..., 1:] = s[..., 1:] == s[..., :-1]
+    s = torch.where(dup, torch.full_like(s, big), s).sort(-1).values
+    num = (s < big).sum(-1, dtype=torch.int32)
+    return num.contiguous(), s.contiguous()
+
+
+def transpose_lists(num: torch.Tensor, lists: torch.Tensor, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CSR of the query tiles that hold each key block: (``start [B, Hkv, nKB + 1]`` int32 offsets
+    into ``tiles [B, Hkv, P]`` int32, tiles ascending per block)."""
+    b, hkv, nqt, width = lists.shape
+    slot = torch.arange(width, device=lists.device, dtype=torch.int32)
+    ok = slot.view(1, 1, 1, -1) < num[..., None]
+    qt = torch.arange(nqt, device=lists.device, dtype=torch.int64).view(1, 1, -1, 1).expand_as(lists)
+    blk = torch.where(ok, lists.to(torch.int64), torch.full_like(qt, n_blocks))
+    key = (blk * nqt + qt).reshape(b, hkv, -1)
+    order = key.sort(-1).values
+    tiles = (order % nqt).to(torch.int32)
+    counts = torch.zeros(b, hkv, n_blocks + 1, dtype=torch.int64, device=lists.device)
+    counts.scatter_add_(-1, blk.reshape(b, hkv, -1), torch.ones_like(key))
+    start = torch.zeros(b, hkv, n_blocks + 1, dtype=torch.int64, device=lists.device)
+    start[..., 1:] = counts[..., :n_blocks].cumsum(-1)
+    return start.to(torch.int32).contiguous(), tiles.contiguous()
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _scores(q, k_t, kb, sel, rows_hz, kpm_ptr, b, Nk, offs_c, qk_scale,
+            C: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """log2-scaled logits of a query tile against key block ``kb`` and the element mask."""
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, k_t)
+    s = s * qk_scale
+    kpos = kb * C + offs_c
+    member = tl.sum((sel == kb).to(tl.int32), axis=1) > 0
+    ok = member[:, None] & ((offs_c < C) & (kpos < Nk))[None, :]
+    if IS_CAUSAL:
+        ok = ok & (kpos[None, :] <= rows_hz[:, None])
+    if HAS_KPM:
+        ok = ok & (tl.load(kpm_ptr + b * Nk + kpos, mask=kpos < Nk, other=0) != 0)[None, :]
+    return s, ok
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, sel_ptr, num_ptr, list_ptr, kpm_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_sb, stride_sh, stride_sn,
+    stride_ob, stride_oh, stride_on,
+    Nq, Nk, HQ, HKV, LW, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    qt = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hkv = h // G
+    nqt = tl.num_programs(0)
+    rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Nq
+    hz = rows + Nk - Nq
+    offs_d = tl.arange(0, DP)
+    offs_c = tl.arange(0, CP)
+    offs_k = tl.arange(0, KP)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+                  mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
+    lst = (b * HKV + hkv) * nqt + qt
+    n = tl.load(num_ptr + lst)
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    j = 0
+    while j < n:
+        kb = tl.load(list_ptr + lst * LW + j)
+        kpos = kb * C + offs_c
+        kv_ok = (offs_c < C) & (kpos < Nk)
+        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+        j += 1
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    # log2-domain LSE per row (+inf where the row sees nothing, so backward's p is 0 there)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(lse_ptr + (b * HQ + h) * Nq + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, sel_ptr, num_ptr, list_ptr, kpm_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_sb, stride_sh, stride_sn,
+    Nq, Nk, HQ, HKV, LW, qk_scale, sm_scale,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    qt = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hkv = h // G
+    nqt = tl.num_programs(0)
+    rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Nq
+    hz = rows + Nk - Nq
+    offs_d = tl.arange(0, DP)
+    offs_c = tl.arange(0, CP)
+    offs_k = tl.arange(0, KP)
+    d_ok = offs_d < D
+    qo = b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :]
+    m2 = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + qo, mask=m2, other=0.0)
+    do = tl.load(do_ptr + qo, mask=m2, other=0.0)
+    lse = tl.load(lse_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=0.0)
+    sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+                  mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+    dq = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
+    lst = (b * HKV + hkv) * nqt + qt
+    n = tl.load(num_ptr + lst)
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    v_base = v_ptr + b * stride_vb + hkv * stride_vh
+    j = 0
+    while j < n:
+        kb = tl.load(list_ptr + lst * LW + j)
+        kpos = kb * C + offs_c
+        kv_ok = (offs_c < C) & (kpos < Nk)
+        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        v_t = tl.load(v_base + kpos[None, :] * stride_vn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        if IEEE:
+            dp = tl.dot(do.to(tl.float32), v_t.to(tl.float32), input_precision="ieee")
+        else:
+            dp = tl.dot(do, v_t)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            dq += tl.dot(ds, tl.trans(k_t).to(tl.float32), input_precision="ieee")
+        else:
+            dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t))
+        j += 1
+    tl.store(dq_ptr + qo, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, sel_ptr, start_ptr, tiles_ptr, kpm_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_sb, stride_sh, stride_sn,
+    Nq, Nk, HQ, HKV, NKB, PW, qk_scale, sm_scale,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    offs_d = tl.arange(0, DP)
+    offs_c = tl.arange(0, CP)
+    offs_k = tl.arange(0, KP)
+    offs_m = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < D
+    kpos = kb * C + offs_c
+    kv_ok = (offs_c < C) & (kpos < Nk)
+    k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + kpos[None, :] * stride_kn + offs_d[:, None],
+                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    v_t = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + kpos[None, :] * stride_vn + offs_d[:, None],
+                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    dk = tl.zeros([CP, DP], dtype=tl.float32)
+    dv = tl.zeros([CP, DP], dtype=tl.float32)
+    csr = (b * HKV + hkv) * (NKB + 1) + kb
+    lo = tl.load(start_ptr + csr)
+    hi = tl.load(start_ptr + csr + 1)
+    t = lo
+    while t < hi:
+        qt = tl.load(tiles_ptr + (b * HKV + hkv) * PW + t)
+        rows = qt * BLOCK_M + offs_m
+        row_ok = rows < Nq
+        hz = rows + Nk - Nq
+        sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+                      mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+        for g in range(G):
+            h = hkv * G + g
+            qo = b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :]
+            m2 = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_ptr + qo, mask=m2, other=0.0)
+            do = tl.load(do_ptr + qo, mask=m2, other=0.0)
+            lse = tl.load(lse_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=0.0)
+            s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+            p = tl.where(ok & row_ok[:, None], tl.exp2(s - lse[:, None]), 0.0)  # [BM, CP]
+            if IEEE:
+                dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
+                dp = tl.dot(do.to(tl.float32), v_t.to(tl.float32), input_precision="ieee")
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds), q.to(tl.float32), input_precision="ieee")
+            else:
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                dp = tl.dot(do, v_t)
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        t += 1
+    so = b * stride_kb + hkv * stride_kh + kpos[:, None] * stride_kn + offs_d[None, :]
+    m2 = kv_ok[:, None] & d_ok[None, :]
+    tl.store(dk_ptr + so, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=m2)
+    tl.store(dv_ptr + so, dv.to(dv_ptr.dtype.element_ty), mask=m2)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _meta(q, k, block_size, top_k):
+    d = q.shape[-1]
+    ieee = q.dtype == torch.float32 or _INTERPRET  # the interpreter's 16-bit dot is unreliable
+    return dict(G=q.shape[1] // k.shape[1], D=d, DP=_p2(d), C=block_size, CP=_p2(block_size),
+                TOPK=top_k, KP=_p2(top_k, 1), BLOCK_M=BLOCK_M, IEEE=ieee)
+
+
+@triton_op("sparseflow::token_sparse_fwd", mutates_args={})
+def token_sparse_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, num: torch.Tensor, lists: torch.Tensor,
+    kpm: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, n_q, dtype=torch.float32, device=q.device)
+    if n_q == 0:
+        return out, lse
+    nqt = num.shape[2]
+    wrap_triton(_fwd_kernel)[(nqt, b * hq)](
+        q, k, v, sel, num, lists, kpm if kpm is not None else num, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        sel.stride(0), sel.stride(1), sel.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_q, n_k, hq, hkv, lists.shape[-1], scale * _LOG2E,
+        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2,
+        **_meta(q, k, block_size, sel.shape[-1]),
+    )
+    return out, lse
+
+
+@token_sparse_fwd.register_fake
+def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@triton_op("sparseflow::token_sparse_bwd", mutates_args={})
+def token_sparse_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    sel: torch.Tensor, num: torch.Tensor, lists: torch.Tensor, start: torch.Tensor, tiles: torch.Tensor,
+    kpm: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    do = grad_out.contiguous()
+    delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, Hq, Nq]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    meta = _meta(q, k, block_size, sel.shape[-1])
+    kpm_arg = kpm if kpm is not None else num
+    nqt = num.shape[2]
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2), sel.stride(0), sel.stride(1), sel.stride(2))
+    wrap_triton(_bwd_dq_kernel)[(nqt, b * hq)](
+        q, k, v, do, sel, num, lists, kpm_arg, lse, delta, dq, *common,
+        n_q, n_k, hq, hkv, lists.shape[-1], scale * _LOG2E, scale,
+        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2, **meta,
+    )
+    n_kb = start.shape[-1] - 1
+    wrap_triton(_bwd_dkdv_kernel)[(n_kb, b * hkv)](
+        q, k, v, do, sel, start, tiles, kpm_arg, lse, delta, dk, dv, *common,
+        n_q, n_k, hq, hkv, n_kb, tiles.shape[-1], scale * _LOG2E, scale,
+        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2, **meta,
+    )
+    return dq, dk, dv
+
+
+@token_sparse_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, sel, num, lists, kpm, scale, block_size, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sel, num, lists, *([kpm] if kpm is not None else []))
+    ctx.has_kpm = kpm is not None
+    ctx.args = (scale, block_size, is_causal)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    saved = ctx.saved_tensors
+    q, k, v, out, lse, sel, num, lists = saved[:8]
+    kpm = saved[8] if ctx.has_kpm else None
+    scale, block_size, is_causal = ctx.args
+    n_kb = max(1, -(-k.shape[2] // block_size))
+    start, tiles = transpose_lists(num, lists, n_kb)
+    dq, dk, dv = token_sparse_bwd(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm,
+                                  scale, block_size, is_causal)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+token_sparse_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def token_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int,
+) -> torch.Tensor:
+    """``attend_selected_blocks``'s contract (differentiable in q, k, v) on the Triton kernels."""
+    b, hq, n_q, d = q.shape
+    if v.shape[-1] != d:
+        raise ValueError(f"the Triton token-sparse kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton token-sparse kernel takes fp16, bf16 or fp32, got {q.dtype}")
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    n_kb = max(1, -(-k.shape[2] // block_size))
+    with torch.no_grad():
+        sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
+        num, lists = tile_block_lists(sel, BLOCK_M, n_kb)
+        kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+    out, _ = token_sparse_fwd(q.contiguous(), k.contiguous(), v.contiguous(), sel, num, lists, kpm, sc,
+                              int(block_size), bool(is_causal))
+    return out
