@@ -48,11 +48,22 @@ IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
     ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
     ("pbs", "triton"): "sparseflow.kernels.pbs.triton_impl:pbs_attention",
     ("pbs", "flex"): "sparseflow.kernels.pbs.flex:pbs_attention",
+    ("pisa", "triton"): "sparseflow.kernels.pisa.triton_impl:pisa_attention",
     ("pisa", "flex"): "sparseflow.kernels.pisa.flex:pisa_attention",
+    ("bsa", "triton"): "sparseflow.kernels.bsa.triton_impl:bsa_attention",
     ("bsa", "flex"): "sparseflow.kernels.bsa.flex:bsa_attention",
     ("pisa", "reference"): "sparseflow.kernels.pisa.reference:pisa_attention",
     ("bsa", "reference"): "sparseflow.kernels.bsa.reference:bsa_attention",
 }
+
+# Backends whose outputs autograd can differentiate (the selection itself never carries a
+# gradient): the op's backward recomputes through them; every other backend's gradient comes
+# from the reference. PBS's Triton kernel is forward-only; compiled flex has no CPU backward.
+DIFFERENTIABLE = {("pisa", "triton"), ("bsa", "triton")}
+
+
+def _grad_backend(method: str, backend: str) -> str:
+    return backend if (method, backend) in DIFFERENTIABLE else "reference"
 
 
 def _config_fields(cls) -> List[dataclasses.Field]:
@@ -168,7 +179,7 @@ def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
         # Measured on the H200 (benchmarks/results/pbs_h200.json): the Triton PBS attention runs
         # 0.76-0.91x cuDNN at equal work, the reference far slower. Flex is not yet measured on
         # the GPU, and compiled flex on CPU pays 8-25 s per new shape: reference elsewhere.
-        if method == "pbs" and device.type == "cuda" and _triton_usable(device):
+        if device.type == "cuda" and _triton_usable(device) and (method, "triton") in IMPLEMENTATIONS:
             return "triton"
         return "reference"
     if (method, backend) not in IMPLEMENTATIONS:
@@ -275,9 +286,10 @@ def _define(method: str) -> None:
         # Recompute the forward with autograd on: the selection is made without gradient by the
         # implementation itself, so gradients flow through the attention over selected keys only.
         q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
-        # The reference is differentiable with plain autograd; the fast backends are forward-only
-        # (or, for flex on CPU, inference-only), so gradients always come from the reference.
-        rest = tuple(args[3:-2]) + ("reference", args[-1])
+        # Recompute through the chosen backend when it is differentiable (DIFFERENTIABLE), else
+        # through the reference (plain autograd), which selects exactly the same blocks.
+        chosen = _resolve_backend(method, args[-2], q.device)
+        rest = tuple(args[3:-2]) + (_grad_backend(method, chosen), args[-1])
         with torch.enable_grad(), _capture.suspended():
             out = _run(method, (q, k, v) + rest, record=False)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)

@@ -406,15 +406,8 @@ def _token_mask_mod(table, kpm_ext, *, g: int, c: int, offset: int, is_causal: b
 
 def token_selection(method: str, block_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
                     key_padding_mask: Optional[torch.Tensor], is_causal: bool, block_size: int):
-    """The :class:`Selection` the token-level references report for ``block_indices`` (same
-    density: selected / visible blocks per token, via the shared token_blocks helpers)."""
-    from . import token_blocks as tb
+    """The :class:`Selection` the token-level references report for ``block_indices``."""
+    from .token_blocks import selection_for_indices
 
-    n_q, n_k = q.shape[2], k.shape[2]
-    first_valid = tb.leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
-    horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=q.device)
-    n_visible = tb.count_visible_blocks(first_valid, horizons)
-    return tb.make_selection(
-        method, block_indices, n_visible, num_query_heads=q.shape[1], block_size=block_size,
-        is_causal=is_causal, num_keys=n_k, key_padding_mask=key_padding_mask,
-    )
+    return selection_for_indices(method, block_indices, q, k, key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, block_size=block_size)

@@ -253,6 +253,17 @@ def make_selection(
     )
 
 
+def selection_for_indices(method: str, block_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
+                          key_padding_mask: Optional[torch.Tensor], is_causal: bool, block_size: int) -> Selection:
+    """The :class:`Selection` the token-level references report for ``block_indices`` (density:
+    selected / visible blocks per token), for the fast backends that compute the same indices."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    first_valid = leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
+    n_visible = count_visible_blocks(first_valid, query_horizons(n_q, n_k, is_causal=is_causal, device=q.device))
+    return make_selection(method, block_indices, n_visible, num_query_heads=q.shape[1], block_size=block_size,
+                          is_causal=is_causal, num_keys=n_k, key_padding_mask=key_padding_mask)
+
+
 def attend_selected_blocks(
     q: torch.Tensor,
     k: torch.Tensor,

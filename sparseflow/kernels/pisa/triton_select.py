@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ..block_summaries_triton import leaf_sums
+
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "SCORE_CODES"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -47,36 +49,6 @@ def level_sizes(n_leaves: int, branching: int) -> List[int]:
 
 
 # --------------------------------------------------------------------------- pyramid
-
-
-@triton.jit
-def _leaf_kernel(
-    k_ptr, kpm_ptr, sums_ptr, cnt_ptr, fv_ptr,
-    stride_kb, stride_kh, stride_kn,
-    stride_sb, stride_sh, stride_st,
-    Nk, n_leaves, HKV,
-    HAS_KPM: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-):
-    leaf = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    h = bh % HKV
-    offs_c = tl.arange(0, CP)
-    offs_d = tl.arange(0, DP)
-    pos = leaf * C + offs_c
-    ok = (offs_c < C) & (pos < Nk)
-    if HAS_KPM:
-        ok = ok & (tl.load(kpm_ptr + b * Nk + pos, mask=ok, other=0) != 0)
-    kt = tl.load(
-        k_ptr + b * stride_kb + h * stride_kh + pos[:, None] * stride_kn + offs_d[None, :],
-        mask=ok[:, None] & (offs_d[None, :] < D), other=0.0,
-    ).to(tl.float32)
-    s = tl.sum(kt, axis=0)
-    tl.store(sums_ptr + b * stride_sb + h * stride_sh + leaf * stride_st + offs_d, s, mask=offs_d < D)
-    if h == 0:
-        tl.store(cnt_ptr + b * n_leaves + leaf, tl.sum(ok.to(tl.int32), axis=0))
-        first = tl.min(tl.where(ok, pos, Nk), axis=0)
-        tl.store(fv_ptr + b * n_leaves + leaf, first)
 
 
 @triton.jit
@@ -133,43 +105,28 @@ def _pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], t
     return sizes, torch.tensor(offs, dtype=torch.int32, device=device), torch.tensor(spans, dtype=torch.int32, device=device)
 
 
-@triton_op("sparseflow::pisa_pyramid", mutates_args={})
-def _pisa_pyramid(
-    k: torch.Tensor, kpm: Optional[torch.Tensor], lvl_off: torch.Tensor, lvl_span: torch.Tensor,
-    block_size: int, total_nodes: int,
+@triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})
+def _pisa_nodes(
+    sums: torch.Tensor, cnt: torch.Tensor, lfv: torch.Tensor, lvl_off: torch.Tensor, lvl_span: torch.Tensor,
+    n_k: int, total_nodes: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    b, hkv, n_k, d = k.shape
-    n_leaves = max(1, -(-n_k // block_size))
-    n_levels = lvl_span.shape[0]
-    sums = torch.empty(b, hkv, n_leaves, d, dtype=torch.float32, device=k.device)
-    cnt = torch.empty(b, n_leaves, dtype=torch.int32, device=k.device)
-    lfv = torch.empty(b, n_leaves, dtype=torch.int32, device=k.device)
-    summ = torch.empty(b, hkv, total_nodes, d, dtype=torch.float32, device=k.device)
-    nfv = torch.empty(b, total_nodes, dtype=torch.int32, device=k.device)
-    dp = _p2(d, 16)
-    kpm_arg = kpm if kpm is not None else cnt  # never read without HAS_KPM
-    wrap_triton(_leaf_kernel)[(n_leaves, b * hkv)](
-        k, kpm_arg, sums, cnt, lfv,
-        k.stride(0), k.stride(1), k.stride(2),
-        sums.stride(0), sums.stride(1), sums.stride(2),
-        n_k, n_leaves, hkv,
-        HAS_KPM=kpm is not None, C=block_size, CP=_p2(block_size, 16), D=d, DP=dp,
-    )
+    b, hkv, n_leaves, d = sums.shape
+    summ = torch.empty(b, hkv, total_nodes, d, dtype=torch.float32, device=sums.device)
+    nfv = torch.empty(b, total_nodes, dtype=torch.int32, device=sums.device)
     wrap_triton(_node_kernel)[(total_nodes, b * hkv)](
         sums, cnt, lfv, summ, nfv, lvl_off, lvl_span,
         sums.stride(0), sums.stride(1), sums.stride(2),
         summ.stride(0), summ.stride(1), summ.stride(2),
         n_leaves, total_nodes, hkv, n_k,
-        N_LEVELS=n_levels, D=d, DP=dp, BL=32,
+        N_LEVELS=lvl_span.shape[0], D=d, DP=_p2(d, 16), BL=32,
     )
     return summ, nfv
 
 
-@_pisa_pyramid.register_fake
-def _(k, kpm, lvl_off, lvl_span, block_size, total_nodes):
-    b, hkv, _, d = k.shape
-    return (k.new_empty(b, hkv, total_nodes, d, dtype=torch.float32),
-            k.new_empty(b, total_nodes, dtype=torch.int32))
+@_pisa_nodes.register_fake
+def _(sums, cnt, lfv, lvl_off, lvl_span, n_k, total_nodes):
+    b, hkv, _, d = sums.shape
+    return (sums.new_empty(b, hkv, total_nodes, d), cnt.new_empty(b, total_nodes))
 
 
 def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
@@ -180,7 +137,8 @@ def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
     n_leaves = max(1, -(-k.shape[2] // block_size))
     sizes, lvl_off, lvl_span = _pyramid_tables(n_leaves, branching, k.device)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=k.device, dtype=torch.int8).contiguous()
-    summ, nfv = _pisa_pyramid(k, kpm, lvl_off, lvl_span, block_size, sum(sizes))
+    sums, cnt, lfv = leaf_sums(k, kpm, block_size)
+    summ, nfv = _pisa_nodes(sums, cnt, lfv, lvl_off, lvl_span, k.shape[2], sum(sizes))
     return summ, nfv, sizes, lvl_off, lvl_span
 
 

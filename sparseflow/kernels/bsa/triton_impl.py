@@ -1,0 +1,44 @@
+"""BSA, ``backend="triton"``: same signature and result as ``reference.bsa_attention``.
+
+Selection: ``triton_select`` (the fused full-scan selector; selections equal the reference's).
+Attention: ``token_sparse_triton`` (forward and dq/dk/dv backward in Triton), so training runs on
+the kernels end to end; the selection itself carries no gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import token_blocks as tb
+from ..token_sparse_triton import token_sparse_attention
+from .triton_select import bsa_select
+
+__all__ = ["bsa_attention"]
+
+
+def bsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    force_sink: bool = True,
+    force_previous: bool = True,
+    return_selection: bool = False,
+):
+    idx = bsa_select(
+        q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
+        top_k=top_k, force_sink=force_sink, force_previous=force_previous,
+    )
+    out = token_sparse_attention(q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                                 scale=scale, block_size=block_size)
+    if not return_selection:
+        return out
+    return out, tb.selection_for_indices("bsa", idx, q, k, key_padding_mask=key_padding_mask,
+                                          is_causal=is_causal, block_size=block_size)
+

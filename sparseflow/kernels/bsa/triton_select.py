@@ -1,0 +1,191 @@
+"""BSA full-scan selector in Triton (SPEC §4's baseline, made as fast as we can).
+
+Imported lazily; this module imports Triton.
+
+The group-summed score ``sum_h q_h . kbar_c * scale`` equals ``(sum_h q_h) . kbar_c * scale``, so
+one program per (query tile, batch x KV head) sums the tile's ``G`` query heads once and streams
+the leaf-block means in tiles of ``BLOCK_N`` blocks through one ``tl.dot`` each, keeping a
+running top-K (value, block id) per row in registers: no score matrix is ever written. A tile
+whose scores cannot enter any row's top-K (none above the row's current K-th best) is skipped
+without merging. Forced blocks enter with +inf, invisible ones never enter; ties go to the lower
+block id, as in the reference.
+
+``precision="ieee"`` (default) scores in IEEE fp32 (selections equal the reference's up to fp32
+summation order); ``"bf16"`` rounds the summed queries and the means to bf16 for the tensor
+cores, the fastest variant, reported beside it in ``benchmarks/pisa.py``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ..block_summaries_triton import leaf_sums
+
+__all__ = ["bsa_select", "PRECISIONS"]
+
+PRECISIONS = ("ieee", "bf16")
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_BIG_ID = 2**30
+
+
+def _p2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+@triton.jit
+def _bsa_select_kernel(
+    q_ptr, sums_ptr, cnt_ptr, lfv_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qn,
+    stride_sb, stride_sh, stride_st,
+    stride_ob, stride_oh, stride_on,
+    Nq, Nk, NB, HKV, scale,
+    IS_CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    qt = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Nq
+    p = rows + Nk - Nq
+    if IS_CAUSAL:
+        hz = p
+    else:
+        hz = p * 0 + (Nk - 1)
+    offs_d = tl.arange(0, DP)
+    d_ok = offs_d < D
+    qs = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
+    for g in range(G):
+        qs += tl.load(q_ptr + b * stride_qb + (hkv * G + g) * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+                      mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    qs = qs * scale
+    # forced leaves (token_blocks.forced_leaf_blocks): current / previous / sink when visible
+    lfv_base = lfv_ptr + b * NB
+    cur = tl.where((p >= 0) & (p < NB * C), p // C, -1)
+    prev = tl.full([BLOCK_M], -1, tl.int32)
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = tl.full([BLOCK_M], -1, tl.int32)
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    cur = tl.where((cur >= 0) & (tl.load(lfv_base + tl.maximum(cur, 0), mask=row_ok, other=Nk) <= hz), cur, -1)
+    prev = tl.where((prev >= 0) & (tl.load(lfv_base + tl.maximum(prev, 0), mask=row_ok, other=Nk) <= hz), prev, -1)
+    sink = tl.where((sink >= 0) & (tl.load(lfv_base + tl.maximum(sink, 0), mask=row_ok, other=Nk) <= hz), sink, -1)
+
+    offs_k = tl.arange(0, KP)
+    top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
+    top_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
+    # blocks that can be visible to some row of the tile
+    hz_max = tl.max(tl.where(row_ok, hz, -1), axis=0)
+    nb_hi = tl.minimum(NB, hz_max // C + 1)
+    offs_n = tl.arange(0, BLOCK_N)
+    kb0 = 0
+    while kb0 < nb_hi:
+        blk = kb0 + offs_n
+        b_ok = blk < NB
+        cnt = tl.load(cnt_ptr + b * NB + blk, mask=b_ok, other=1)
+        s_t = tl.load(sums_ptr + b * stride_sb + hkv * stride_sh + blk[None, :] * stride_st + offs_d[:, None],
+                      mask=b_ok[None, :] & d_ok[:, None], other=0.0)
+        m_t = s_t / tl.maximum(cnt, 1).to(tl.float32)[None, :]
+        if BF16:
+            sc = tl.dot(qs.to(tl.bfloat16), m_t.to(tl.bfloat16))
+        else:
+            sc = tl.dot(qs, m_t, input_precision="ieee")
+        vis = b_ok[None, :] & (tl.load(lfv_base + blk, mask=b_ok, other=Nk)[None, :] <= hz[:, None])
+        forced = (blk[None, :] == cur[:, None]) | (blk[None, :] == prev[:, None]) | (blk[None, :] == sink[:, None])
+        key = tl.where(sc != sc, -3.0e38, tl.minimum(tl.maximum(sc, -3.0e38), 3.0e38))
+        key = tl.where(forced & vis, float("inf"), key)
+        key = tl.where(vis, key, float("-inf"))
+        kth = tl.min(top_v, axis=1)
+        if tl.sum(tl.sum((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+            new_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
+            new_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
+            for t in range(TOPK):
+                m = tl.maximum(tl.max(top_v, axis=1), tl.max(key, axis=1))
+                id_old = tl.min(tl.where(top_v == m[:, None], top_i, 1073741824), axis=1)
+                id_new = tl.min(tl.where(key == m[:, None], blk[None, :], 1073741824), axis=1)
+                pick = tl.minimum(id_old, id_new)
+                real = m > float("-inf")
+                new_v = tl.where((offs_k[None, :] == t) & real[:, None], m[:, None], new_v)
+                new_i = tl.where((offs_k[None, :] == t) & real[:, None], pick[:, None], new_i)
+                top_v = tl.where(top_i == pick[:, None], float("-inf"), top_v)
+                top_i = tl.where(top_i == pick[:, None], 1073741824, top_i)
+                key = tl.where(blk[None, :] == pick[:, None], float("-inf"), key)
+            top_v = new_v
+            top_i = new_i
+        kb0 += BLOCK_N
+    ids = tl.sort(top_i, dim=1)
+    ids = tl.where(ids == 1073741824, -1, ids)
+    tl.store(out_ptr + b * stride_ob + hkv * stride_oh + rows[:, None] * stride_on + offs_k[None, :], ids,
+             mask=row_ok[:, None] & (offs_k[None, :] < TOPK))
+
+
+@triton_op("sparseflow::bsa_select_fwd", mutates_args={})
+def _bsa_select_fwd(
+    q: torch.Tensor, sums: torch.Tensor, cnt: torch.Tensor, lfv: torch.Tensor, n_k: int, scale: float,
+    is_causal: bool, block_size: int, top_k: int, force_sink: bool, force_previous: bool, bf16: bool,
+) -> torch.Tensor:
+    b, hq, n_q, d = q.shape
+    hkv, nb = sums.shape[1], sums.shape[2]
+    out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
+    if n_q == 0:
+        return out
+    block_m = 64
+    wrap_triton(_bsa_select_kernel)[(triton.cdiv(n_q, block_m), b * hkv)](
+        q, sums, cnt, lfv, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        sums.stride(0), sums.stride(1), sums.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        n_q, n_k, nb, hkv, scale,
+        IS_CAUSAL=is_causal, FORCE_SINK=force_sink, FORCE_PREV=force_previous,
+        G=hq // hkv, D=d, DP=_p2(d), C=block_size, TOPK=top_k, KP=_p2(top_k, 2),
+        BLOCK_M=block_m, BLOCK_N=64, BF16=bf16, num_warps=4,
+    )
+    return out
+
+
+@_bsa_select_fwd.register_fake
+def _(q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, bf16):
+    return q.new_empty(q.shape[0], sums.shape[1], q.shape[2], top_k, dtype=torch.int32)
+
+
+def bsa_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 64,
+    top_k: int = 8,
+    force_sink: bool = True,
+    force_previous: bool = True,
+    precision: str = "ieee",
+) -> torch.Tensor:
+    """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton BSA selector takes fp16, bf16 or fp32 q/k, got {q.dtype}")
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    if n_k == 0:
+        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=torch.long, device=q.device)
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    with torch.no_grad():
+        kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
+        sums, cnt, lfv = leaf_sums(k.detach(), kpm, int(block_size))
+        idx = _bsa_select_fwd(q.detach(), sums, cnt, lfv, n_k, sc, bool(is_causal), int(block_size), int(top_k),
+                              bool(force_sink), bool(force_previous), precision == "bf16" and not _INTERPRET)
+    return idx.long()
