@@ -145,3 +145,22 @@ def test_op_triton_backend_matches_reference_and_reports_selection(method):
     (g_tri,) = torch.autograd.grad(out.square().sum(), q)
     (g_ref,) = torch.autograd.grad(ref_out.square().sum(), q)
     torch.testing.assert_close(g_tri, g_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_pyramid_cache_matches_reference_selection_and_attention():
+    from sparseflow.kernels.pisa.decode import PyramidCache
+
+    c, kk, n0, steps = 8, 3, 37, 6
+    q, k, v, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=5)
+    cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 30, block_size=c, branching=2)
+    for t in range(n0, n0 + steps):
+        n = t + 1
+        qt = q[:, :, t:t + 1]
+        out = cache.decode_step(qt, k[:, :, :n], v[:, :, :n], top_k=kk)
+        want_idx = pisa_ref.pisa_select(qt, k[:, :, :n], block_size=c, top_k=kk)
+        got_idx = cache.select(qt, k[:, :, :n], top_k=kk).long()
+        assert torch.equal(got_idx, want_idx), f"step {t}"
+        want = tb.attend_selected_blocks(qt, k[:, :, :n], v[:, :, :n], want_idx, block_size=c)
+        torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+    assert cache.length == n0 + steps
+    assert ((want_idx >= 0).sum(-1) < -(-(n0 + steps) // c)).all(), "decode selection must be sparse"
