@@ -117,9 +117,10 @@ _PROLOGUE = """
   not_causal = Not (causal)
 """
 
-# ``allowed [B, 1 or Hkv, Nq, Nk]`` bool -> ``out [B, Hq, Nq, Dv]`` in q's dtype.
+# ``allowed5 [B, 1 or Hkv, 1 or G, Nq, Nk]`` bool, ``cfg_ok`` bool -> ``out [B, Hq, Nq, Dv]`` in q's
+# dtype. ``cfg_ok`` False (a node setting the body does not implement) makes the output NaN: a
+# runtime running the body on such a node gets an unmistakable result, never another attention.
 _EPILOGUE = """
-  allowed5 = Unsqueeze (allowed, i2)
   k5 = Unsqueeze (kf, i2)
   kt = Transpose <perm = [0, 1, 2, 4, 3]> (k5)
   qk = MatMul (qg, kt)
@@ -138,7 +139,9 @@ _EPILOGUE = """
   o5 = Div (num, den_safe)
   o_shape = Concat <axis = 0> (B, Hq, Nq1, Dv)
   o4 = Reshape (o5, o_shape)
-  out = CastLike (o4, q)
+  fnan = Constant <value_float = nan> ()
+  o4g = Where (cfg_ok, o4, fnan)
+  out = CastLike (o4g, q)
 """
 
 # Dense: SDPA semantics (top-left causal alignment, as SDPA) & key padding.
@@ -146,6 +149,8 @@ _DENSE_MASK = """
   tri = LessOrEqual (jk_row, iq_col)
   vis = Or (tri, not_causal)
   allowed = And (vis, kpm4)
+  allowed5 = Unsqueeze (allowed, i2)
+  cfg_ok = Cast <to = 9> (one)
 """
 
 # BSA selection (sparseflow.kernels.bsa.reference + token_blocks), dense over block scores.
@@ -242,6 +247,8 @@ _BSA_MASK = """
   elem = LessOrEqual (jk_row, hz_col)
   elem_kpm = And (elem, kpm4)
   allowed = And (member_k, elem_kpm)
+  allowed5 = Unsqueeze (allowed, i2)
+  cfg_ok = Cast <to = 9> (one)
 """
 
 
@@ -258,7 +265,9 @@ def function_protos() -> Dict[str, Any]:
     """``{method: onnx.FunctionProto}``: the portable body of every node type."""
     import onnx.parser
 
-    bodies = {"dense": _DENSE_MASK, "bsa": _BSA_MASK, "pbs": _DENSE_MASK, "pisa": _DENSE_MASK}
+    from . import onnx_pbs, onnx_pisa
+
+    bodies = {"dense": _DENSE_MASK, "bsa": _BSA_MASK, "pbs": onnx_pbs.MASK, "pisa": onnx_pisa.MASK}
     return {m: onnx.parser.parse_function(_function_text(m, body)) for m, body in bodies.items()}
 
 
@@ -339,32 +348,15 @@ def _static_int(x) -> Optional[int]:
 
 def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can)."""
-    if method in ("dense", "bsa"):
-        return ""
-    if method == "pbs":
-        if float(cfg.threshold) >= 1.0:
-            return ""
+    where = tag or "<root>"
+    if method == "pbs" and cfg.scoring != "mean":
         return (
-            f"PBS with threshold={cfg.threshold} at {tag or '<root>'}: the ONNX body of PBSAttention "
-            "covers only the exact mode (threshold >= 1); the sparse segmented permutation is not "
-            "implemented in ONNX yet. Export with PBSConfig(threshold=1.0), or method='bsa'/'dense'."
+            f"PBS at {where}: scoring={cfg.scoring!r} has no ONNX body (the PBSAttention body "
+            "implements scoring='mean'); export with PBSConfig(scoring='mean'), or method='bsa'/'dense'."
         )
-    if method == "pisa":
-        n = _static_int(n_k)
-        nb = None if n is None else -(-n // cfg.block_size)
-        if nb is not None and cfg.top_k >= nb:
-            return ""
-        why = (
-            "the sequence length is dynamic" if n is None
-            else f"top_k={cfg.top_k} < {nb} key blocks at N={n}"
-        )
-        return (
-            f"PISA at {tag or '<root>'}: the ONNX body of PISAAttention covers only the exact mode "
-            f"(top_k >= number of key blocks, with a static sequence length) and here {why}; the "
-            "pyramid walk is not implemented in ONNX yet. Use dynamic_seq=False with top_k covering "
-            "every block, or method='bsa'/'dense'."
-        )
-    return f"unknown method {method!r}"
+    if method not in METHODS:
+        return f"unknown method {method!r}"
+    return ""
 
 
 def _sparseflow_nodes(gm) -> List[torch.fx.Node]:
@@ -575,6 +567,13 @@ def export_onnx(
         reason = _refusal(m, cfg, n_k, tag)
         if reason:
             raise OnnxExportError("export_onnx: " + reason)
+        v_val = n.args[2].meta["val"]
+        if m != "dense" and str(v_val.shape[-1]) != str(q_val.shape[-1]):
+            # the op runs dense attention then (sparseflow.ops._run); the sparse body would not
+            raise OnnxExportError(
+                f"export_onnx: attention at {tag or '<root>'} has value head dim {v_val.shape[-1]} != query "
+                f"head dim {q_val.shape[-1]}, where the {m} op runs dense; export it with method='dense'"
+            )
         d = _static_int(q_val.shape[-1])
         if d is None:
             raise OnnxExportError(f"export_onnx: head dim of {tag or '<root>'} is not static")
@@ -634,5 +633,12 @@ def export_onnx(
     if check:
         onnx.checker.check_model(proto)
     if path is not None:
-        onnx.save_model(proto, os.fspath(path))
+        # write next to the target and rename: an interrupted save never leaves a partial model
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        try:
+            onnx.save_model(proto, tmp)
+            os.replace(tmp, os.fspath(path))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     return (proto, ep) if return_program else proto
