@@ -347,15 +347,19 @@ def _static_int(x) -> Optional[int]:
 
 
 def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
-    """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can)."""
-    where = tag or "<root>"
-    if method == "pbs" and cfg.scoring != "mean":
-        return (
-            f"PBS at {where}: scoring={cfg.scoring!r} has no ONNX body (the PBSAttention body "
-            "implements scoring='mean'); export with PBSConfig(scoring='mean'), or method='bsa'/'dense'."
-        )
+    """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can).
+    Every option of every method has a body today; new config fields must be added here (or to
+    the bodies) before they can be exported."""
     if method not in METHODS:
-        return f"unknown method {method!r}"
+        return f"unknown method {method!r} at {tag or '<root>'}"
+    known = {"dense": set(), "bsa": {"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"}}
+    known["pisa"] = known["bsa"] | {"branching", "score"}
+    known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
+                    "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"}
+    unknown = sorted({name for name, _ in _config_fields(method)} - known[method])
+    if unknown:
+        return (f"{method} at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} does not implement "
+                f"the config field(s) {unknown}; export with method='dense' until it does")
     return ""
 
 

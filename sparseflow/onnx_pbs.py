@@ -21,7 +21,7 @@ Formulation (equal to the reference, written for static-free shapes):
   ``inv_perm[j] // block_size``, so the block mask is gathered per key and no key is moved.
 """
 
-MASK = """
+MASK_TEMPLATE = """
   BS = Constant <value_int: int = @block_size> ()
   SS = Constant <value_int: int = @segment_size> ()
   thr = Constant <value_float: float = @threshold> ()
@@ -37,8 +37,11 @@ MASK = """
   per_kv = Equal (gqa_s, kvh_s)
   per_q = Equal (gqa_s, qh_s)
   gqa_ok = Or (per_kv, per_q)
+  ad_s = Constant <value_string = "antidiagonal"> ()
   mean_ok = Equal (scoring_s, mean_s)
-  cfg_ok = And (gqa_ok, mean_ok)
+  is_ad = Equal (scoring_s, ad_s)
+  scoring_ok = Or (mean_ok, is_ad)
+  cfg_ok = And (gqa_ok, scoring_ok)
   fsink = Cast <to = 9> (fsink_i)
   do_perm = Cast <to = 9> (permute_i)
   cproxy = Cast <to = 9> (cproxy_i)
@@ -235,7 +238,11 @@ MASK = """
   bsum = ReduceSum <keepdims = 1> (bex, im1)
   bsum_pos = Greater (bsum, fzero)
   bsum_s = Where (bsum_pos, bsum, fone)
-  bprob = Div (bex, bsum_s)
+  bprob_mean = Div (bex, bsum_s)
+  bprob = If (is_ad) <then_branch = ad_scores () => (float[b, h, g, i, j] ad_prob) {ANTIDIAGONAL
+    }, else_branch = mean_scores () => (float[b, h, g, i, j] mean_prob) {
+      mean_prob = Identity (bprob_mean)
+    }>
   bkey = Where (cand, bprob, fneg1)
   sp, order = TopK <axis = -1, largest = 1, sorted = 1> (bkey, nbT1)
   scand = GatherElements <axis = -1> (cand, order)
@@ -273,3 +280,77 @@ MASK = """
   elem5 = Unsqueeze (elem, i2)
   allowed5 = And (member2, elem5)
 """
+
+# scoring="antidiagonal" (PBS+, XAttention style; in a branch: the strided reshapes need
+# block_size % antidiagonal_stride == 0, which only that scoring guarantees). Rows and columns
+# are strided groups of ``s`` tokens; a tile's logit is the mean of its antidiagonal over the
+# (query, key) pairs that are both valid; softmax per strided row over the candidates' columns;
+# a block's probability is its mass averaged over the strided rows that have a column.
+_ANTIDIAGONAL = """
+      A_s = Constant <value_int: int = @antidiagonal_stride> ()
+      A_R = Div (BS, A_s)
+      A_nR = Div (NT, A_s)
+      A_s1 = Unsqueeze (A_s, i0)
+      A_R1 = Unsqueeze (A_R, i0)
+      A_nR1 = Unsqueeze (A_nR, i0)
+      A_flip_start = Constant <value_ints = [-1]> ()
+      A_flip_end = Constant <value_ints = [-9223372036854775807]> ()
+      A_flip_step = Constant <value_ints = [-1]> ()
+      A_ax2 = Constant <value_ints = [2]> ()
+      A_ax4 = Constant <value_ints = [4]> ()
+      A_qv_shape = Concat <axis = 0> (B, A_nR1, A_s1)
+      A_qv = Reshape (qw, A_qv_shape)
+      A_qgv0 = Slice (A_qv, A_flip_start, A_flip_end, A_ax2, A_flip_step)
+      A_qgv = Unsqueeze (A_qgv0, i12)
+      A_kv_shape = Concat <axis = 0> (B, Hkv, G, A_nR1, A_s1)
+      A_kgv = Reshape (kvs, A_kv_shape)
+      A_kgv_t = Transpose <perm = [0, 1, 2, 4, 3]> (A_kgv)
+      A_cnt = MatMul (A_qgv, A_kgv_t)
+      A_qT_shape = Concat <axis = 0> (B, Hkv, G, NT1, D)
+      A_qg0 = Reshape (qT, A_qT_shape)
+      A_qvf_shape = Concat <axis = 0> (B, i1, i1, NT1, i1)
+      A_qvf = Reshape (qw, A_qvf_shape)
+      A_qm = Mul (A_qg0, A_qvf)
+      A_q6_shape = Concat <axis = 0> (B, Hkv, G, A_nR1, A_s1, D)
+      A_q6 = Reshape (A_qm, A_q6_shape)
+      A_q6f = Slice (A_q6, A_flip_start, A_flip_end, A_ax4, A_flip_step)
+      A_sd = Mul (A_s1, D)
+      A_row_shape = Concat <axis = 0> (B, Hkv, G, A_nR1, A_sd)
+      A_qrow = Reshape (A_q6f, A_row_shape)
+      A_kcol = Reshape (kpw, A_row_shape)
+      A_kcol_t = Transpose <perm = [0, 1, 2, 4, 3]> (A_kcol)
+      A_dot = MatMul (A_qrow, A_kcol_t)
+      A_cnt1 = Max (A_cnt, fone)
+      A_avg = Div (A_dot, A_cnt1)
+      A_logit = Mul (A_avg, sc)
+      A_ax46 = Constant <value_ints = [4, 6]> ()
+      A_c7 = Unsqueeze (cand, A_ax46)
+      A_c7_shape = Concat <axis = 0> (B, Hkv, G, nbT1, A_R1, nbT1, A_R1)
+      A_c7e = Expand (A_c7, A_c7_shape)
+      A_sq_shape = Concat <axis = 0> (B, Hkv, G, A_nR1, A_nR1)
+      A_cand = Reshape (A_c7e, A_sq_shape)
+      A_has = Greater (A_cnt, fzero)
+      A_ok = And (A_cand, A_has)
+      A_m = Where (A_ok, A_logit, ninf)
+      A_mx = ReduceMax <keepdims = 1> (A_m, im1)
+      A_mxi = IsInf (A_mx)
+      A_mxs = Where (A_mxi, fzero, A_mx)
+      A_sh = Sub (A_m, A_mxs)
+      A_ex = Exp (A_sh)
+      A_se = ReduceSum <keepdims = 1> (A_ex, im1)
+      A_sep = Greater (A_se, fzero)
+      A_ses = Where (A_sep, A_se, fone)
+      A_prob = Div (A_ex, A_ses)
+      A_p7 = Reshape (A_prob, A_c7_shape)
+      A_m6 = ReduceSum <keepdims = 0> (A_p7, im1)
+      A_mass = ReduceSum <keepdims = 0> (A_m6, A_ax4)
+      A_okf = Cast <to = 1> (A_ok)
+      A_rowmax = ReduceMax <keepdims = 0> (A_okf, im1)
+      A_rows_shape = Concat <axis = 0> (B, Hkv, G, nbT1, A_R1)
+      A_rows = Reshape (A_rowmax, A_rows_shape)
+      A_nrows = ReduceSum <keepdims = 1> (A_rows, im1)
+      A_nrows1 = Max (A_nrows, fone)
+      ad_prob = Div (A_mass, A_nrows1)
+"""
+
+MASK = MASK_TEMPLATE.replace("ANTIDIAGONAL", _ANTIDIAGONAL)

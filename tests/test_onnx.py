@@ -205,18 +205,43 @@ def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
 # --------------------------------------------------------------------------- refusals
 
 
+class _OddAttention(torch.nn.Module):
+    """One SDPA call the sparse ops cannot take as a sparse node: a sliding-window mask (not
+    causal / key padding) or a value head dim different from the query's (the op runs dense)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.qk = torch.nn.Linear(32, 64)
+        self.v = torch.nn.Linear(32, 48 if kind == "value_dim" else 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k = self.qk(x).view(b, n, 2, 2, 16).unbind(2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v(x).view(b, n, 2, -1).transpose(1, 2)
+        if self.kind == "window":
+            i = torch.arange(n, device=x.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 8)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o.transpose(1, 2).reshape(b, n, -1)
+
+
 @pytest.mark.parametrize(
-    "config,match",
-    [
-        (sparseflow.PBSConfig(block_size=16, segment_size=32, scoring="antidiagonal"), "scoring='antidiagonal'"),
-    ],
+    "kind,method,match",
+    [("window", "bsa", "cannot take"), ("window", "pisa", "cannot take"), ("value_dim", "pbs", "value head dim 24")],
 )
-def test_unsupported_fails_at_export_time(llama, tmp_path, config, match):
+def test_unsupported_fails_at_export_time(tmp_path, kind, method, match):
+    """Calls the nodes cannot reproduce are refused before anything is written, naming the call."""
     path = tmp_path / "m.onnx"
-    ids = _ids(100)
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(0))
+    cfg = sparseflow.default_config(method).replace(block_size=8) if method != "pbs" else \
+        sparseflow.PBSConfig(block_size=8, segment_size=16)
     with pytest.raises(OnnxExportError, match=match) as info:
-        export_onnx(llama, (ids,), path, method=config.method, config=config, example_kwargs={"use_cache": False})
-    assert "model.layers.0.self_attn" in str(info.value)
+        export_onnx(_OddAttention(kind).eval(), (x,), path, method=method, config=cfg)
+    assert "<root>" in str(info.value)
     assert not path.exists()
     assert not list(tmp_path.iterdir())  # no partial or temporary file either
 
@@ -326,6 +351,9 @@ PBS_NODE_CONFIGS = [
     sparseflow.PBSConfig(block_size=8, segment_size=32, threshold=0.6, gqa_permutation="kv_head"),
     sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.7, causal_proxy=True, force_sink=False),
     sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.7, permute=False),
+    sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.6, scoring="antidiagonal", antidiagonal_stride=4),
+    sparseflow.PBSConfig(block_size=8, segment_size=32, threshold=0.7, scoring="antidiagonal", antidiagonal_stride=2,
+                         gqa_permutation="kv_head", causal_proxy=True),
 ]
 PISA_NODE_CONFIGS = [
     sparseflow.PISAConfig(block_size=8, top_k=4),
@@ -359,7 +387,8 @@ def test_sparse_node_ties_and_odd_lengths(cfg, n):
 
 @pytest.mark.parametrize(
     "method,bad",
-    [("pbs", {"scoring": "antidiagonal"}), ("pbs", {"gqa_permutation": "per_token"}), ("pisa", {"score": "max"})],
+    [("pbs", {"scoring": "max"}), ("pbs", {"gqa_permutation": "per_token"}), ("pisa", {"score": "max"}),
+     ("pisa", {"branching": 1})],
 )
 def test_body_outputs_nan_for_settings_it_does_not_implement(method, bad):
     """A node written by hand (or by another tool) with a setting the body lacks: the fallback
@@ -450,10 +479,10 @@ def test_cli_export_onnx_errors(llama_folder, tmp_path, capsys):
     out = tmp_path / "x.onnx"
     assert main(["export-onnx", str(llama_folder), "--out", str(out)]) == 2
     assert "pass --method" in capsys.readouterr().err
-    bad = '{"block_size": 16, "segment_size": 32, "scoring": "antidiagonal"}'
+    bad = '{"block_size": 16, "segment_size": 24}'
     assert main(["export-onnx", str(llama_folder), "--method", "pbs", "--config", bad, "--tokens", "64",
                  "--out", str(out)]) == 2
-    assert "scoring='antidiagonal'" in capsys.readouterr().err
+    assert "segment_size must be a multiple of block_size" in capsys.readouterr().err
     assert not out.exists()
 
 
