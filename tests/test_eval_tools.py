@@ -1,0 +1,229 @@
+"""Tools behind ``sparseflow eval`` and ``sparseflow bench``: sweeps, block maps, the dense-logits
+cache, plots, the benchmark runner (all on tiny inputs; the CLI end to end is in test_convert)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
+from sparseflow.diagnostics import block_map
+from sparseflow.ops import attention
+from sparseflow.recording import capture
+from sparseflow.sweep import curve_points, parse_sweep, sweep_plans
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def test_parse_sweep():
+    assert parse_sweep("threshold=0.8, 0.9") == ("threshold", ["0.8", "0.9"])
+    for bad in ("threshold", "=1,2", "top_k=", 3):
+        with pytest.raises(ValueError, match="sweep must"):
+            parse_sweep(bad)
+
+
+def test_sweep_plans_types_values_and_rejects_bad_fields():
+    from sparseflow.hf import Plan
+
+    base = Plan("pbs", PBSConfig(block_size=16, segment_size=32), dense_layers=(0,))
+    plans = sweep_plans(base, "threshold", ["0.5", "1"], no_permute=True)
+    assert [(p.config.threshold, p.config.permute) for p in plans] == [(0.5, True), (1.0, True), (0.5, False), (1.0, False)]
+    assert all(p.dense_layers == (0,) and p.config.block_size == 16 for p in plans)
+    assert [p.config.gqa_permutation for p in sweep_plans(base, "gqa_permutation", ["kv_head"])] == ["kv_head"]
+    assert [p.config.force_sink for p in sweep_plans(base, "force_sink", ["false"])] == [False]
+    topk = sweep_plans(Plan("bsa", BSAConfig()), "top_k", ["4", "16"])
+    assert [p.config.top_k for p in topk] == [4, 16] and isinstance(topk[0].config.top_k, int)
+    with pytest.raises(ValueError, match=r"'top_k' is not a pbs setting; expected one of \[.*'threshold'"):
+        sweep_plans(base, "top_k", ["4"])
+    with pytest.raises(ValueError, match="must be a int"):
+        sweep_plans(Plan("bsa", BSAConfig()), "top_k", ["4.5"])
+    with pytest.raises(ValueError, match="must be a bool"):
+        sweep_plans(base, "permute", ["maybe"])
+    with pytest.raises(ValueError, match="threshold must be in"):  # the config validates values
+        sweep_plans(base, "threshold", ["1.5"])
+    with pytest.raises(ValueError, match="--no-permute compares PBS"):
+        sweep_plans(Plan("pisa", PISAConfig()), "top_k", ["8"], no_permute=True)
+    with pytest.raises(ValueError, match="not a pbs setting"):
+        sweep_plans(base, "min_seq_len", ["4"])  # the dispatcher's, not a selection setting
+
+
+def test_curve_points_series():
+    from sparseflow.evaluate import MethodResult
+    from sparseflow.fidelity import Fidelity
+
+    fid = Fidelity(positions=4, mean_kl=0.1, p99_kl=0.2, top1_agreement=0.75, ppl_dense=2.0, ppl_sparse=2.5)
+    rs = [MethodResult("pbs", PBSConfig(threshold=t, permute=p).to_dict(), fid, d, 1, 0)
+          for t, p, d in ((0.9, True, 0.3), (0.9, False, 0.4))]
+    pts = curve_points(rs, "threshold")
+    assert [(p["series"], p["value"], p["density"]) for p in pts] == [("pbs", 0.9, 0.3), ("pbs (no permute)", 0.9, 0.4)]
+    assert pts[0]["top1"] == 0.75 and pts[0]["ppl_delta"] == 0.5
+    # a sweep over permute itself keeps one series
+    assert {p["series"] for p in curve_points(rs, "permute")} == {"pbs"}
+
+
+# --------------------------------------------------------------------------- block maps
+
+
+def _selection(cfg, n=160, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h in (6, 2, 2))
+    with capture() as cap:
+        attention(q, k, v, config=cfg, is_causal=True, backend="reference")
+    (call,) = cap.calls
+    assert call.sparse, call.reason
+    return call.selection
+
+
+@pytest.mark.parametrize("cfg", [
+    PBSConfig(block_size=16, segment_size=32, threshold=0.6),
+    PBSConfig(block_size=16, segment_size=32, threshold=0.6, gqa_permutation="kv_head"),
+    PISAConfig(block_size=16, top_k=4),
+    BSAConfig(block_size=16, top_k=4),
+], ids=["pbs", "pbs-kv", "pisa", "bsa"])
+def test_block_map_matches_the_key_mask(cfg):
+    """Strictly below the diagonal every key of a block is visible to every query of a block, so
+    the map must equal the quadratic key mask averaged over each (query block, key block)."""
+    sel = _selection(cfg)
+    bs, n = 16, sel.num_keys
+    nb = -(-n // bs)
+    km = sel.key_mask(6)[0].float()  # [Hq, N, N], causal applied
+    for head in (0, 4):
+        got = block_map(sel, head)
+        assert got.shape == (nb, nb)
+        want = km[head].reshape(nb, bs, nb, bs).mean(dim=(1, 3))
+        below = torch.ones(nb, nb, dtype=torch.bool).tril(-1)
+        torch.testing.assert_close(got[below], want[below])
+        assert 0.0 < float(got[below].mean()) < 1.0  # really sparse: the comparison is not vacuous
+    # coarser blocks pool the same selection
+    coarse = block_map(sel, 4, block_size=32)
+    assert coarse.shape == (-(-n // 32),) * 2
+
+
+def test_block_map_errors():
+    sel = _selection(BSAConfig(block_size=16, top_k=4))
+    with pytest.raises(ValueError, match=r"head must be an int in \[0, 5\], got 6"):
+        block_map(sel, 6)
+    with pytest.raises(TypeError, match="selection must be a sparseflow Selection"):
+        block_map(object(), 0)
+    import dataclasses
+
+    with pytest.raises(ValueError, match="carries no blocks"):
+        block_map(dataclasses.replace(sel, block_indices=None), 0)
+
+
+# --------------------------------------------------------------------------- dense-logits cache
+
+
+def test_dense_logits_cache_hits_and_keys_on_weights(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import conftest
+    import sparseflow.evaluate as ev
+
+    model = conftest.make_tiny("llama", layers=1)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    first = ev.dense_logits(model, ids, 8, cache_dir=tmp_path)
+    assert first.shape == (8, 128) and len(list(tmp_path.glob("*.pt"))) == 1
+    real = ev._logits
+    monkeypatch.setattr(ev, "_logits", lambda *a: pytest.fail("cache miss"))
+    torch.testing.assert_close(ev.dense_logits(model, ids, 8, cache_dir=tmp_path), first, rtol=0, atol=0)
+    monkeypatch.setattr(ev, "_logits", real)
+    # other tokens, other positions and other weights are other entries
+    ev.dense_logits(model, ids.flip(1), 8, cache_dir=tmp_path)
+    ev.dense_logits(model, ids, 4, cache_dir=tmp_path)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    changed = ev.dense_logits(model, ids, 8, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 4
+    assert not torch.allclose(changed, first)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from sparseflow import plots
+
+    paths = [
+        plots.density_heatmap([[0.2, 0.5], None, [1.0, 1.0]], "d", str(tmp_path / "a" / "d.png")),
+        plots.block_map_plot(torch.rand(5, 5), "m", str(tmp_path / "m.png")),
+        plots.curve_plot([{"series": "s", "density": 0.3, "mean_kl": 0.0, "value": 1},
+                          {"series": "s", "density": 0.5, "mean_kl": 0.1, "value": 2}], "c", str(tmp_path / "c.png")),
+        plots.bar_plot({"pisa": {"recall": 0.8}, "bsa": {"recall": 0.6}}, "b", str(tmp_path / "b.png")),
+    ]
+    for p in paths:
+        data = Path(p).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, p
+
+
+def test_plots_without_matplotlib(monkeypatch):
+    from sparseflow import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"plots need matplotlib, which is not installed: pip install matplotlib"):
+        plots.require_matplotlib()
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_op_timings_tiny():
+    from sparseflow.bench import BenchShape, format_rows, op_timings
+
+    rows = op_timings([BenchShape(320, hq=4, hkv=2, d=16)], ["pbs", "bsa"], ["reference"], reps=1)
+    assert [(r["method"], r["backend"], r["n"]) for r in rows] == [("pbs", "reference", 320), ("bsa", "reference", 320)]
+    for r in rows:
+        assert r["ran"] == "reference" and r["sparse"] and r["op_s"] > 0 and r["dense_sdpa_s"] > 0
+        assert r["ratio_vs_dense"] == pytest.approx(r["op_s"] / r["dense_sdpa_s"])
+        assert 0.0 < r["density"] <= 1.0
+    assert "op/SDPA" in format_rows(rows)
+    with pytest.raises(ValueError, match="hq must be a multiple of hkv=3"):
+        BenchShape(64, hq=4, hkv=3)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        BenchShape(0)
+
+
+def test_bench_scripts_found_missing_and_skipped(tmp_path, monkeypatch):
+    from sparseflow import bench
+
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    # a stand-in pbs.py that records its arguments; pisa.py is absent
+    (folder / "pbs.py").write_text(
+        "import json, sys\nout = sys.argv[sys.argv.index('--json') + 1]\n"
+        "json.dump({'argv': sys.argv[1:]}, open(out, 'w'))\n"
+    )
+    assert bench.find_benchmarks(str(folder)) == folder
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        bench.find_benchmarks(str(tmp_path / "nope"))
+    if not torch.cuda.is_available():
+        rows = bench.run_scripts(folder, tmp_path)
+        assert {r["status"] for r in rows} == {"skipped"} and "CUDA" in rows[0]["reason"]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA path's bookkeeping
+    rows = {r["script"]: r for r in bench.run_scripts(folder, tmp_path / "out")}
+    assert rows["pbs.py"]["status"] == "ok", rows["pbs.py"]
+    argv = json.loads(Path(rows["pbs.py"]["json"]).read_text())["argv"]
+    assert "--ns" in argv and str(tmp_path / "out") in argv[argv.index("--json") + 1]
+    assert rows["pisa.py"]["status"] == "skipped" and "pisa.py not found" in rows["pisa.py"]["reason"]
+    assert bench.run_scripts(None, tmp_path)[0]["reason"].endswith("pass --benchmarks DIR)")
+    with pytest.raises(ValueError, match="unknown benchmark script"):
+        bench.run_scripts(folder, tmp_path, scripts=["x.py"])
+
+
+def test_cli_bench_tiny(tmp_path, capsys):
+    from sparseflow.cli import main
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--ns", "320", "--hq", "4", "--hkv", "2", "--d", "16", "--reps", "1", "--methods", "pisa",
+               "--backends", "reference", "--json", str(out), "--out", str(tmp_path / "o")])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "op/SDPA" in text and "benchmarks/pbs.py" in text
+    data = json.loads(out.read_text())
+    assert [r["method"] for r in data["op_timing"]] == ["pisa"] and data["env"]["torch"] == torch.__version__
+    assert {s["script"] for s in data["scripts"]} == {"pbs.py", "pisa.py"}
+    assert main(["bench", "--hq", "4", "--hkv", "3"]) == 2
+    assert "hq must be a multiple" in capsys.readouterr().err
