@@ -26,11 +26,18 @@ What the function bodies compute (checked against the PyTorch reference by tests
   restricted to the selected blocks with the element-level causal mask. The selection is computed
   densely on the ``[N, N/C]`` block scores and the attention on the ``[N, N]`` scores: a portable
   O(N^2) fallback, not a fast kernel.
-* ``PBSAttention`` / ``PISAAttention``: exported only in their exact mode (PBS ``threshold >= 1``;
-  PISA ``top_k`` >= the number of key blocks, which needs a static sequence length), where the op
-  equals dense causal attention; the body is the dense one. The sparse PBS permutation and the
-  PISA pyramid walk have no ONNX body yet, so export refuses them with a clear error instead of
-  writing a file that computes something else.
+* ``PBSAttention`` (:mod:`sparseflow.onnx_pbs`): proxy key scores from the last query block,
+  per-segment key permutation (``TopK``, stable), block probabilities (``scoring`` "mean" or
+  "antidiagonal"), cumulative-mass threshold, forced own-region and sink blocks, then attention
+  in the original key order with the block mask gathered per key.
+* ``PISAAttention`` (:mod:`sparseflow.onnx_pisa`): the pyramid walk per query token as an ONNX
+  ``Loop`` over levels (their number depends on N, so the length stays dynamic), scores "lse",
+  "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level.
+
+Every option of every config has a body, so the export-time refusals are about the calls
+themselves: masks other than causal / key padding, Nq != Nk, value head dim != query head dim.
+A node carrying a setting its body does not know (written by another tool) makes the body
+output NaN, never a different attention.
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ Formulation (equal to the reference, written for static-free shapes):
   averaged over the GQA group for ``gqa_permutation="kv_head"``;
 * permutation per segment by ``TopK`` (descending, ties to the lower index = a stable sort);
   slots from the row's complete-segment prefix ``lc_b`` on keep the identity;
-* block probabilities from block means (``scoring="mean"``), threshold on the sorted cumulative
-  mass computed as ``cumsum - mass`` like the reference (bit-equal prefix sums);
+* block probabilities from block means (``scoring="mean"``) or strided antidiagonals
+  (``"antidiagonal"``, in an ``If`` branch), threshold on the sorted cumulative mass computed as
+  ``cumsum - mass`` like the reference (bit-equal prefix sums);
 * attention runs in the ORIGINAL key order: key ``j`` sits in permuted block
   ``inv_perm[j] // block_size``, so the block mask is gathered per key and no key is moved.
 """
