@@ -6,6 +6,8 @@
 * ``sparseflow eval MODEL --method ... --tokens N [--json F] [--plots DIR] [--sweep F=V1,V2]
   [--no-permute]``: fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density
   per layer and head), parameter sweeps as KL/top-1-vs-density curves, PNG plots;
+* ``sparseflow export-onnx MODEL --method ... [--recipe NAME] --out FILE``: ONNX file with one
+  ``sparseflow``-domain node per attention layer (see :mod:`sparseflow.onnx_export`);
 * ``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on
   CUDA) the repository's ``benchmarks/*.py`` scripts (see :mod:`sparseflow.bench`);
 * ``sparseflow recipes``: list the shipped recipes.
@@ -241,6 +243,53 @@ def _plots(results, folder: str, field, text: str, tokens: int) -> None:
                                   os.path.join(folder, "sweep_top1_vs_density.png"), y="top1", log_y=False))
 
 
+def _export_onnx(args: argparse.Namespace) -> int:
+    """HF folder / GGUF / converted folder -> ONNX file with one ``sparseflow`` node per layer."""
+    import time
+
+    import torch
+
+    from .convert import ConversionError, _load_config, build_plan, load_source, resolve_source, stderr_progress
+    from .hf import PLAN_KEY, Plan
+
+    try:
+        from .onnx_export import export_onnx
+    except ImportError as exc:
+        print(f"error: ONNX export needs onnx, onnxscript and onnxruntime (pip install 'sparseflow[onnx]'): {exc}",
+              file=sys.stderr)
+        return 2
+    try:
+        source = resolve_source(args.model)
+        model_config = _load_config(source)
+        recorded = getattr(model_config, PLAN_KEY, None)
+        if args.method:
+            plan = build_plan(model_config, args.method, recipe=args.recipe, config=args.config,
+                              dense_layers=args.dense_layers, source=str(source))
+        elif recorded is not None:  # a converted folder: export what it runs
+            plan = Plan.from_dict(recorded)
+        else:
+            raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa or bsa)")
+        stderr_progress(f"loading {source} ...")
+        model, _ = load_source(source, dtype=args.dtype)
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        if vocab < 1:
+            raise ConversionError(f"{args.model}: the model config has no vocab_size to draw example tokens from")
+        # the example only fixes what tracing needs; the exported length is dynamic
+        ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+        stderr_progress(f"exporting {plan.method} ({plan.config.to_json()}) with a {args.tokens}-token example ...")
+        t0 = time.perf_counter()
+        proto = export_onnx(model, (ids,), args.out, method=plan.method, config=plan.config,
+                            skip_layers=plan.dense_layers, layer_configs=dict(plan.layer_configs) or None,
+                            example_kwargs={"use_cache": False})
+    except (ConversionError, ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    nodes = [n.op_type for n in proto.graph.node if n.domain == "sparseflow"]
+    kinds = ", ".join(f"{nodes.count(t)} {t}" for t in sorted(set(nodes)))
+    print(f"wrote {args.out}: {kinds} node(s), dynamic sequence length, {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
@@ -385,6 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--map-layer", type=int, default=None, help="layer of the selected-block map (default: the middle one)")
     ev.add_argument("--map-head", type=int, default=0, help="query head of the selected-block map (default 0)")
     ev.set_defaults(func=_eval)
+
+    onx = sub.add_parser("export-onnx", help="export a HF folder, GGUF file or converted folder to ONNX with "
+                                              "sparseflow-domain attention nodes (see docs/onnx.md)")
+    onx.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder")
+    onx.add_argument("--method", choices=["pbs", "pisa", "bsa"], help="required unless MODEL is a converted folder")
+    onx.add_argument("--recipe", help="named recipe for --method (see `sparseflow recipes`)")
+    onx.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
+    onx.add_argument("--dense-layers", help="comma list of layer indices kept dense")
+    onx.add_argument("--tokens", type=_positive, default=256,
+                     help="length of the example used for tracing (default 256; the file's length is dynamic)")
+    onx.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    onx.add_argument("--out", required=True, help="the .onnx file to write")
+    onx.set_defaults(func=_export_onnx)
 
     be = sub.add_parser("bench", help="small benchmark on this device: each method's op vs dense SDPA, and "
                                       "(on CUDA) the repository's benchmarks/*.py scripts at a small size")
