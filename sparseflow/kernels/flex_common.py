@@ -321,6 +321,8 @@ def token_block_attention(
         qt, kt = math.lcm(qt, 128), math.lcm(kt, 128)
     m = kt // c  # leaf blocks per key tile
     offset = n_k - n_q
+    # decided before the no_grad block below, inside which needs_grad() is always False
+    grad = needs_grad(q, k, v)
     with torch.no_grad():
         nq_pad = bucketed_length(n_q, qt)
         nk_pad = bucketed_length(n_k, kt)
@@ -363,7 +365,7 @@ def token_block_attention(
         mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
         bm = BlockMask.from_kv_blocks(
             kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qt, kt), mask_mod=mask_mod,
-            seq_lengths=(nq_pad, nk_pad), compute_q_blocks=needs_grad(q, k, v),
+            seq_lengths=(nq_pad, nk_pad), compute_q_blocks=grad,
         )
     qp = pad_seq(q, nq_pad).contiguous()
     kp = pad_seq(k, nk_pad).contiguous()

@@ -148,6 +148,7 @@ def pbs_attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     hp = hq if gqa_permutation == "query_head" else hkv
+    grad = fc.needs_grad(q, k, v)  # before no_grad, inside which it would always be False
     with torch.no_grad():
         qd, kd = q.detach(), k.detach()
         if permute:
@@ -165,7 +166,7 @@ def pbs_attention(
         total = fc.bucketed_length(n, block_size)
         bm, _ = pbs_block_mask(block_mask, perm, n=n, total=total, key_padding_mask=key_padding_mask,
                                is_causal=is_causal, block_size=block_size,
-                               need_backward=fc.needs_grad(q, k, v))
+                               need_backward=grad)
         gather_index = _padded_perm(perm, total).clamp_min(0)  # [B, Hp, total]
     # permuted K/V: Hp heads (Hq under per-query-head permutation, Hkv under kv_head)
     kp = fc.gather_rows(k, gather_index)

@@ -184,7 +184,7 @@ def _pisa_select_kernel(
     FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, IEEE_KEYS: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr, IEEE_KEYS: tl.constexpr,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -284,15 +284,18 @@ def _pisa_select_kernel(
                     per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
                 score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
             else:
-                # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys
+                # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
+                # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
                 offs_c = tl.arange(0, CP)
-                for c in range(0, CW):
-                    hit = ar_cw == c
-                    leaf = tl.sum(tl.where(hit, cand, 0), axis=0)
-                    is_ok = tl.sum(tl.where(hit, valid.to(tl.int32), 0), axis=0) > 0
-                    if is_ok:
-                        pos = leaf * C + offs_c
-                        kok = (offs_c < C) & (pos < Nk) & (pos <= hz)
+                ar_lc = tl.arange(0, LC)
+                for c0 in range(0, CW, LC):
+                    sub = c0 + ar_lc
+                    pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
+                    leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
+                    l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+                    if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
+                        pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
+                        kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
                         if HAS_KPM:
                             kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
                         k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + pos[None, :] * stride_kn + offs_d[:, None],
@@ -301,18 +304,20 @@ def _pisa_select_kernel(
                             logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
                         else:
                             logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+                        logit = tl.reshape(logit, (GP, LC, CP))
+                        okk = tl.reshape(kok, (LC, CP))[None, :, :]
                         if SCORE == 0:
-                            mx = tl.max(tl.where(kok[None, :], logit, float("-inf")), axis=1)
+                            mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
                             mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-                            se = tl.sum(tl.where(kok[None, :], tl.exp(logit - mx_s[:, None]), 0.0), axis=1)
+                            se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
                             per_head = mx_s + tl.log(se)
                         else:
-                            nc = tl.maximum(tl.sum(kok.to(tl.float32), axis=0), 1.0)
-                            mean = tl.sum(tl.where(kok[None, :], logit, 0.0), axis=1) / nc
-                            dev = tl.where(kok[None, :], logit - mean[:, None], 0.0)
-                            per_head = mean + 0.5 * tl.sum(dev * dev, axis=1) / nc
-                        s = tl.sum(tl.where(g_ok, per_head, 0.0), axis=0)
-                        score = tl.where(hit, s, score)
+                            nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
+                            mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
+                            dev = tl.where(okk, logit - mean[:, :, None], 0.0)
+                            per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                        s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
+                        score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
             keep = _top_k_keep(cand, valid, forced, score, ar_cw, TOPK, CW)
         else:
             keep = valid
@@ -334,6 +339,8 @@ def _pisa_select_fwd(
     if n_q == 0:
         return out
     kp = _p2(top_k)
+    cw = max(16, kp * _p2(branching))
+    cp = _p2(block_size, 16)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
     ieee = q.dtype == torch.float32 or _INTERPRET
@@ -347,8 +354,8 @@ def _pisa_select_fwd(
         n_q, n_k, summ.shape[2], hkv, scale,
         N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
-        G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=_p2(block_size, 16),
-        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=max(16, kp * _p2(branching)), IEEE_KEYS=ieee,
+        G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
+        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw, LC=min(cw, max(1, 512 // cp)), IEEE_KEYS=ieee,
         num_warps=4,
     )
     return out

@@ -1,0 +1,302 @@
+"""PISA / BSA benchmark (SPEC §8, issues 4 and 5): one run, ratios side by side, table + JSON.
+
+    python benchmarks/pisa.py                  # every part, default sizes (CUDA)
+    python benchmarks/pisa.py --part check     # GPU selections vs the reference, attention errors (2x rule)
+    python benchmarks/pisa.py --part select    # selection only: PISA walk vs the fused BSA scan, 4K..256K
+    python benchmarks/pisa.py --part attn      # select + attention, forward and forward+backward, vs cuDNN
+    python benchmarks/pisa.py --part flex      # triton vs flex backends on the same selection
+    python benchmarks/pisa.py --part decode    # one decoding step at a long context vs dense SDPA decode
+
+Selection shapes (SPEC §8): B=1, Hq=32, Hkv=2, D=64, C=64, K=8, g=2, bf16. Attention: Hq=32, Hkv=8,
+D=128, C=64, K=32. Dense baseline: SDPA's cuDNN backend (the fastest on the H200; flash beside it
+in the attention part). Writes ``--json`` (default benchmarks/results/pisa_h200.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from pbs import bench, env_info, sdpa_dense, structured_qkv  # noqa: E402
+
+DEV = "cuda"
+
+
+def rand(*shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, dtype=dtype, generator=g)
+
+
+def pisa_inputs(n, hq, hkv, d, dtype=torch.bfloat16, seed=0, structured=False):
+    """Random Q/K/V with a little structure: a shared direction per key block makes block means
+    informative (pure noise would make every block score alike). ``structured``: the SPEC §8
+    generator of benchmarks/pbs.py (sink, local band, topics in runs: neighbouring queries agree,
+    as in real models, so a query tile's rows select overlapping blocks)."""
+    if structured:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        return structured_qkv(1, hq, hkv, n, d, dtype, g)
+    q = rand(1, hq, n, d, dtype=torch.float32, seed=seed)
+    k = rand(1, hkv, n, d, dtype=torch.float32, seed=seed + 1)
+    topic = rand(1, hkv, -(-n // 64), d, dtype=torch.float32, seed=seed + 2)
+    k = k + 1.5 * topic.repeat_interleave(64, dim=2)[:, :, :n]
+    v = rand(1, hkv, n, d, dtype=torch.float32, seed=seed + 3)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def part_check(args, results):
+    from sparseflow.kernels import token_blocks as tb
+    from sparseflow.kernels.bsa import reference as BR
+    from sparseflow.kernels.bsa import triton_select as BT
+    from sparseflow.kernels.pisa import reference as PR
+    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    rows = []
+    for (n, hq, hkv, d, dt, score) in [(4096, 32, 2, 64, torch.bfloat16, "lse"), (3001, 12, 4, 128, torch.float16, "mean_var"),
+                                      (2500, 8, 8, 64, torch.float32, "mean")]:
+        q, k, v = pisa_inputs(n, hq, hkv, d, dt, seed=n)
+        want = PR.pisa_select(q, k, block_size=64, top_k=8, score=score)
+        got = PT.pisa_select(q, k, block_size=64, top_k=8, score=score)
+        bw = BR.bsa_select(q, k, block_size=64, top_k=8)
+        bg = BT.bsa_select(q, k, block_size=64, top_k=8)
+        pisa_same = (got == want).all(-1).float().mean().item()
+        bsa_same = (bg == bw).all(-1).float().mean().item()
+        # attention given the reference's selection: error vs fp64, and plain PyTorch's in dt
+        q2, k2, v2 = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = token_sparse_attention(q2, k2, v2, want, block_size=64)
+        go = torch.randn_like(out)
+        gq = torch.autograd.grad(out, (q2, k2, v2), go)
+        o64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+        ref = tb.attend_selected_blocks(*o64, want, block_size=64)
+        r64 = torch.autograd.grad(ref, o64, go.double())
+        # plain PyTorch in the same dtype: SDPA on the same problem as a dense boolean mask
+        km = tb.selection_for_indices("pisa", want, q, k, key_padding_mask=None, is_causal=True,
+                                      block_size=64).key_mask(hq)
+        plain_in = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        g_ = hq // hkv
+        plain = F.scaled_dot_product_attention(plain_in[0], plain_in[1].repeat_interleave(g_, 1),
+                                               plain_in[2].repeat_interleave(g_, 1), attn_mask=km)
+        pg = torch.autograd.grad(plain, plain_in, go)
+        rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+        errs = {nm: (rel(a, r), rel(p, r)) for nm, a, p, r in zip(("out", "dq", "dk", "dv"), (out,) + gq, (plain,) + pg, (ref,) + r64)}
+        ok = pisa_same == 1.0 and all(e <= 2 * pe + 1e-6 for e, pe in errs.values())  # the 2x rule
+        row = dict(n=n, hq=hq, hkv=hkv, d=d, dtype=str(dt).split(".")[-1], score=score, pisa_rows_identical=pisa_same,
+                   bsa_rows_identical=bsa_same, errors={k_: dict(triton=e, torch_same_dtype=pe) for k_, (e, pe) in errs.items()},
+                   ok=ok)
+        rows.append(row)
+        print(f"check n={n} {row['dtype']} {score}: pisa identical rows {pisa_same:.4f}, bsa {bsa_same:.4f}, "
+              + ", ".join(f"{k_} {e:.1e} (torch {pe:.1e})" for k_, (e, pe) in errs.items()) + f"  ok={ok}", flush=True)
+    results["check"] = rows
+
+
+def part_select(args, results):
+    from sparseflow.kernels.bsa import triton_select as BT
+    from sparseflow.kernels.pisa import triton_select as PT
+
+    rows = []
+    for n in args.select_ns:
+        q, k, _ = pisa_inputs(n, 32, 2, 64)
+        kw = dict(block_size=64, top_k=8)
+        t_pisa = bench(lambda: PT.pisa_select(q, k, branching=2, **kw))
+        t_pyr = bench(lambda: PT.build_pyramid(k, block_size=64, branching=2))
+        t_bsa = bench(lambda: BT.bsa_select(q, k, **kw))
+        t_bsa16 = bench(lambda: BT.bsa_select(q, k, precision="bf16", **kw))
+        best_bsa = min(t_bsa, t_bsa16)
+        row = dict(n=n, pisa_ms=t_pisa, pyramid_ms=t_pyr, bsa_ieee_ms=t_bsa, bsa_bf16_ms=t_bsa16,
+                   speedup_vs_best_bsa=best_bsa / t_pisa, speedup_vs_bsa_ieee=t_bsa / t_pisa)
+        rows.append(row)
+        print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
+              f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f})", flush=True)
+        del q, k
+        torch.cuda.empty_cache()
+    big = [r for r in rows if r["n"] >= 65536]
+    if len(big) >= 2:
+        xs = [math.log(r["n"]) for r in big]
+        for key in ("pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms"):
+            ys = [math.log(r[key]) for r in big]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            results.setdefault("select_slopes_64k_up", {})[key] = slope
+            print(f"log-log slope 64K..{big[-1]['n'] // 1024}K {key}: {slope:.3f}")
+    results["select"] = rows
+
+
+def _cudnn_fwd_bwd(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+        o.backward(torch.ones_like(o))
+
+    try:
+        run()
+        return run, "gqa"
+    except Exception:
+        g = q.shape[1] // k.shape[1]
+        kr, vr = (t.repeat_interleave(g, 1).detach().requires_grad_(True) for t in (k, v))
+
+        def run2():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(qq, kr, vr, is_causal=True)
+            o.backward(torch.ones_like(o))
+
+        run2()
+        return run2, "repeated-kv"
+
+
+def part_attn(args, results):
+    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    rows = []
+    for n in args.attn_ns:
+        q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
+        kw = dict(block_size=64, top_k=args.attn_k)
+        cud, mode = sdpa_dense(q, k, v, "cudnn")
+        fla, _ = sdpa_dense(q, k, v, "flash")
+        t_cud, t_fla = bench(cud), bench(fla)
+        cud_fb, mode_fb = _cudnn_fwd_bwd(q, k, v)
+        t_cud_fb = bench(cud_fb)
+        idx = PT.pisa_select(q, k, **kw)
+        from sparseflow.kernels.token_sparse_triton import BLOCK_M, tile_block_lists
+
+        num, _ = tile_block_lists(idx.int(), BLOCK_M, -(-n // 64))
+        union = num.float().mean().item() / args.attn_k  # blocks a tile loads / blocks a row uses
+        t_sel = bench(lambda: PT.pisa_select(q, k, **kw))
+        t_att = bench(lambda: token_sparse_attention(q, k, v, idx, block_size=64))
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def fb():
+            i = PT.pisa_select(qq, kk, **kw)
+            o = token_sparse_attention(qq, kk, vv, i, block_size=64)
+            o.backward(torch.ones_like(o))
+
+        t_fb = bench(fb)
+        fwd = t_sel + t_att
+        row = dict(n=n, top_k=args.attn_k, tile_union_over_k=union, cudnn_fwd_ms=t_cud, flash_fwd_ms=t_fla, cudnn_fwd_bwd_ms=t_cud_fb,
+                   cudnn_kv=mode, cudnn_fwd_bwd_kv=mode_fb, pisa_select_ms=t_sel, pisa_attention_fwd_ms=t_att,
+                   pisa_fwd_ms=fwd, pisa_fwd_bwd_ms=t_fb, fwd_speedup_vs_cudnn=t_cud / fwd,
+                   attention_only_fwd_speedup_vs_cudnn=t_cud / t_att, fwd_bwd_speedup_vs_cudnn=t_cud_fb / t_fb)
+        rows.append(row)
+        print(f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
+              f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
+              f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}", flush=True)
+        del q, k, v, qq, kk, vv
+        torch.cuda.empty_cache()
+    results["attn"] = rows
+
+
+def part_flex(args, results):
+    from sparseflow.kernels import flex_common as fc
+    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    rows = []
+    for n in args.flex_ns:
+        q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
+        idx = PT.pisa_select(q, k, block_size=64, top_k=args.attn_k)
+        tri = lambda: token_sparse_attention(q, k, v, idx, block_size=64)  # noqa: E731
+        flx = lambda: fc.token_block_attention(q, k, v, idx, key_padding_mask=None, is_causal=True, scale=None,  # noqa: E731
+                                               block_size=64)
+        ref = tri()
+        err = ((flx().float() - ref.float()).norm() / ref.float().norm()).item()
+        t_tri, t_flx = bench(tri), bench(flx)
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+        def tri_fb():
+            o = token_sparse_attention(qq, kk, vv, idx, block_size=64)
+            o.backward(torch.ones_like(o))
+
+        def flx_fb():
+            o = fc.token_block_attention(qq, kk, vv, idx, key_padding_mask=None, is_causal=True, scale=None, block_size=64)
+            o.backward(torch.ones_like(o))
+
+        t_tri_fb = bench(tri_fb)
+        try:
+            t_flx_fb = bench(flx_fb)
+        except Exception as exc:  # report, do not hide
+            t_flx_fb = float("nan")
+            print(f"flex backward failed at n={n}: {type(exc).__name__}: {exc}")
+        row = dict(n=n, top_k=args.attn_k, triton_fwd_ms=t_tri, flex_fwd_ms=t_flx, triton_fwd_bwd_ms=t_tri_fb,
+                   flex_fwd_bwd_ms=t_flx_fb, flex_over_triton_fwd=t_flx / t_tri, flex_over_triton_fwd_bwd=t_flx_fb / t_tri_fb,
+                   flex_vs_triton_rel_err=err)
+        rows.append(row)
+        print(f"flex n={n:7d}: fwd triton {t_tri:7.3f} flex {t_flx:7.3f} (x{t_flx / t_tri:4.2f}) | fwd+bwd triton {t_tri_fb:7.3f} "
+              f"flex {t_flx_fb:7.3f} (x{t_flx_fb / t_tri_fb:4.2f}) | rel err {err:.1e}", flush=True)
+    results["flex"] = rows
+
+
+def part_decode(args, results):
+    from sparseflow.kernels.pisa.decode import PyramidCache
+
+    rows = []
+    for n in args.decode_ns:
+        q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
+        q1 = q[:, :, -1:].contiguous()
+        cache = PyramidCache(k[:, :, : n - 1], capacity=n + 1024, block_size=64, branching=2)
+        base = cache.length
+
+        def step():
+            cache.length = base  # re-append the same token: the cost of one real step
+            return cache.decode_step(q1, k, v, top_k=args.attn_k)
+
+        def dense():
+            return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
+
+        t_step, t_dense = bench(step), bench(dense)
+        t_sel = bench(lambda: cache.select(q1, k, top_k=args.attn_k))
+        row = dict(n=n, top_k=args.attn_k, pisa_step_ms=t_step, pisa_select_ms=t_sel, dense_sdpa_decode_ms=t_dense,
+                   speedup_vs_dense=t_dense / t_step)
+        rows.append(row)
+        print(f"decode n={n:7d} K={args.attn_k}: pisa step {t_step * 1e3:8.1f} us (select {t_sel * 1e3:7.1f}) dense {t_dense * 1e3:8.1f} us"
+              f"  x{t_dense / t_step:5.2f}", flush=True)
+    results["decode"] = rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", action="append", choices=["check", "select", "attn", "flex", "decode"])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ap.add_argument("--select-ns", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
+    ap.add_argument("--attn-ns", type=ints, default=[16384, 32768, 131072])
+    ap.add_argument("--flex-ns", type=ints, default=[16384, 32768])
+    ap.add_argument("--decode-ns", type=ints, default=[32768, 131072])
+    ap.add_argument("--attn-k", type=int, default=32)
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_h200.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/pisa.py needs a CUDA device", file=sys.stderr)
+        return 2
+    parts = args.part or ["check", "select", "attn", "flex", "decode"]
+    results = {"env": env_info(), "args": {k: v for k, v in vars(args).items() if k != "json"}}
+    for p in parts:
+        try:
+            globals()[f"part_{p}"](args, results)
+        except Exception as exc:  # keep the other parts' numbers; the failure is in the JSON too
+            import traceback
+
+            traceback.print_exc()
+            results[f"{p}_error"] = f"{type(exc).__name__}: {exc}"
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
