@@ -205,6 +205,22 @@ def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
     assert sparseflow.config_from_dict(meta["sparseflow_config"]) == cfg
 
 
+@pytest.mark.parametrize("method", ["pbs", "pisa"])
+def test_stripped_bodies_leave_bindable_nodes(llama, method):
+    """The docs/onnx.md recipe for kernel runtimes: drop the bodies of the bound op types. The file
+    still checks (registered schemas), and onnxruntime, which has no kernel for the node, refuses
+    it by name -- the nodes are the only attention in the graph, nothing else computes it."""
+    proto, _, _, _ = _exported(llama, method, method=method, config=SPARSE[method])
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(proto)
+    keep = [f for f in stripped.functions if not (f.domain == DOMAIN and f.name == NODE_TYPES[method])]
+    del stripped.functions[:]
+    stripped.functions.extend(keep)
+    onnx.checker.check_model(stripped)
+    with pytest.raises(Exception, match=NODE_TYPES[method]):
+        _session(stripped)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
