@@ -175,12 +175,11 @@ def _triton_usable(device: torch.device) -> bool:
 
 
 def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
+    """The concrete backend for a call; ``auto`` here is the static part of the choice (reference
+    off CUDA, else ``"measure"``: _run times the fast backends on the call, see autobackend)."""
     if backend == "auto":
-        # Measured on the H200 (benchmarks/results/pbs_h200.json): the Triton PBS attention runs
-        # 0.76-0.91x cuDNN at equal work, the reference far slower. Flex is not yet measured on
-        # the GPU, and compiled flex on CPU pays 8-25 s per new shape: reference elsewhere.
-        if device.type == "cuda" and _triton_usable(device) and (method, "triton") in IMPLEMENTATIONS:
-            return "triton"
+        if device.type == "cuda" and _fast_backends(method, device):
+            return "measure"
         return "reference"
     if (method, backend) not in IMPLEMENTATIONS:
         available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method)
@@ -191,6 +190,25 @@ def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
             "on the CPU use backend='reference' or 'flex' (or TRITON_INTERPRET=1 for kernel tests)"
         )
     return backend
+
+
+def _fast_backends(method: str, device: torch.device) -> List[str]:
+    fast = [b for b in ("triton", "flex") if (method, b) in IMPLEMENTATIONS]
+    return [b for b in fast if b != "triton" or _triton_usable(device)]
+
+
+def _auto_choice(method: str, cfg, q, k, v, mask, scale) -> str:
+    """Measure the fast backends on this call (once per shape bucket) and return the fastest."""
+    from .autobackend import default_chooser
+
+    kw = _impl_kwargs(cfg)
+    key = default_chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None))
+
+    def run(name: str):
+        return _load(method, name)(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal,
+                                   scale=scale, return_selection=False, **kw)
+
+    return default_chooser.choose(key, _fast_backends(method, q.device), run)
 
 
 def _load(method: str, backend: str) -> Callable:
@@ -229,6 +247,8 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
     if reason:
         return dense(reason)
     chosen = _resolve_backend(method, backend, q.device)
+    if chosen == "measure":
+        chosen = _auto_choice(method, cfg, q, k, v, mask, scale)
     impl = _load(method, chosen)
     want_sel = cap is not None and cap.keep_selections
     result = impl(
@@ -289,6 +309,8 @@ def _define(method: str) -> None:
         # Recompute through the chosen backend when it is differentiable (DIFFERENTIABLE), else
         # through the reference (plain autograd), which selects exactly the same blocks.
         chosen = _resolve_backend(method, args[-2], q.device)
+        if chosen == "measure":  # every backend selects the same blocks: take a differentiable one
+            chosen = next((b for b in _fast_backends(method, q.device) if (method, b) in DIFFERENTIABLE), "reference")
         rest = tuple(args[3:-2]) + (_grad_backend(method, chosen), args[-1])
         with torch.enable_grad(), _capture.suspended():
             out = _run(method, (q, k, v) + rest, record=False)

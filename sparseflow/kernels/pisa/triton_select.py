@@ -40,6 +40,12 @@ def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def _leaf_chunk(cw: int, cp: int, dp: int, elem_bytes: int, budget: int = 65536) -> int:
+    """Candidate leaves scored per dot at the leaf level: their keys (LC * CP rows of DP) stay
+    within ``budget`` bytes of shared memory (fp32 keys at D=128 need smaller chunks)."""
+    return max(1, min(cw, budget // (cp * dp * elem_bytes)))
+
+
 def level_sizes(n_leaves: int, branching: int) -> List[int]:
     """Node counts per level, leaves first, root (1 node) last."""
     sizes = [max(1, n_leaves)]
@@ -355,7 +361,7 @@ def _pisa_select_fwd(
         N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
-        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw, LC=min(cw, max(1, 512 // cp)), IEEE_KEYS=ieee,
+        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw, LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2), IEEE_KEYS=ieee,
         num_warps=4,
     )
     return out

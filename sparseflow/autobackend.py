@@ -1,0 +1,85 @@
+"""``backend="auto"`` on CUDA: pick the faster of the fast backends by measuring them on the
+device the op runs on (issue 5), once per shape bucket.
+
+The first call of a (method, device, dtype, heads, head dim, config, length bucket) runs every
+candidate backend on the call's own inputs (a warm-up run, which also compiles flex, then
+timed runs with CUDA events) and keeps the fastest for later calls of that key; the choice is what
+the op's report shows as the call's backend. ``SPARSEFLOW_AUTO_BACKEND=<backend>`` skips the
+measurement and forces one. On the CPU ``auto`` is the reference: compiled flex costs seconds
+per new shape there, and Triton runs only in its interpreter.
+
+The choices live in a ``BackendChooser`` that a caller may own; the default one is per process,
+like Triton's autotuning cache, and ``clear()`` empties it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+__all__ = ["BackendChooser", "default_chooser", "ENV_OVERRIDE"]
+
+ENV_OVERRIDE = "SPARSEFLOW_AUTO_BACKEND"
+_log = logging.getLogger("sparseflow")
+
+
+def _bucket(n: int) -> int:
+    # four buckets per octave: lengths within ~19% of each other share a measurement
+    return 0 if n <= 0 else int(round(4 * math.log2(n)))
+
+
+class BackendChooser:
+    def __init__(self, reps: int = 3):
+        self.reps = int(reps)
+        self.choices: Dict[Tuple, str] = {}
+        self.timings: Dict[Tuple, Dict[str, float]] = {}
+
+    def clear(self) -> None:
+        self.choices.clear()
+        self.timings.clear()
+
+    def key(self, method: str, q: torch.Tensor, k: torch.Tensor, config_key: Tuple) -> Tuple:
+        return (method, str(q.device), torch.cuda.get_device_name(q.device) if q.is_cuda else "cpu", q.dtype,
+                q.shape[0], q.shape[1], k.shape[1], q.shape[-1], _bucket(q.shape[2]), _bucket(k.shape[2]), config_key)
+
+    def choose(self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor]) -> str:
+        forced = os.environ.get(ENV_OVERRIDE)
+        if forced:
+            if forced not in candidates:
+                raise ValueError(f"{ENV_OVERRIDE} must be one of {list(candidates)} for {key[0]}, got {forced!r}")
+            return forced
+        if key in self.choices:
+            return self.choices[key]
+        if len(candidates) == 1:
+            self.choices[key] = candidates[0]
+            return candidates[0]
+        times: Dict[str, float] = {}
+        for name in candidates:
+            try:
+                with torch.no_grad():
+                    run(name)  # warm-up: compiles / autotunes
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(self.reps):
+                        run(name)
+                    end.record()
+                    torch.cuda.synchronize()
+                times[name] = start.elapsed_time(end) / self.reps
+            except Exception as exc:  # a backend that cannot run this case is not a candidate
+                _log.warning("sparseflow auto backend: %s failed on %s (%s: %s); not a candidate",
+                             name, key[0], type(exc).__name__, exc)
+        if not times:
+            raise RuntimeError(f"backend='auto': no backend among {list(candidates)} could run {key[0]}")
+        best = min(times, key=times.get)
+        self.choices[key] = best
+        self.timings[key] = times
+        _log.info("sparseflow auto backend for %s: %s (measured ms: %s)", key[0], best,
+                  ", ".join(f"{n}={t:.3f}" for n, t in times.items()))
+        return best
+
+
+default_chooser = BackendChooser()
