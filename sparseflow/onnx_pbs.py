@@ -20,6 +20,10 @@ Formulation (equal to the reference, written for static-free shapes):
   ``cumsum - mass`` like the reference (bit-equal prefix sums);
 * attention runs in the ORIGINAL key order: key ``j`` sits in permuted block
   ``inv_perm[j] // block_size``, so the block mask is gathered per key and no key is moved.
+
+onnxruntime's reduction and matmul orders differ from torch's in the last bits only; keys or
+blocks whose scores tie to within that could sort differently (exact ties cannot: both sides
+break them by the lower index), which the equivalence tests have not met.
 """
 
 MASK_TEMPLATE = """

@@ -1,8 +1,8 @@
 """ONNX function body of ``PISAAttention`` (sparseflow.kernels.pisa.reference, SPEC §4).
 
 Spliced between the shared prologue and epilogue of :mod:`sparseflow.onnx_export`; defines
-``allowed5 [B, Hkv, 1, N, N]`` and ``cfg_ok`` (False for a ``score`` this body does not know:
-the output is then NaN, never a different attention).
+``allowed5 [B, Hkv, 1, N, N]`` and ``cfg_ok`` (False for a ``score`` this body does not know or
+``branching < 2``: the output is then NaN, never a different attention).
 
 The number of pyramid levels depends on N, so the walk is an ONNX ``Loop`` over levels and the
 sequence length stays dynamic. To give the loop a fixed-shape state, the leaves are padded to
@@ -15,6 +15,9 @@ and that hold a visible key; forced ones (ancestors of the current / previous / 
 rank first, then ``TopK`` by score (ties to the lower node id, as the reference's stable sort),
 ``top_k`` in total. Node summaries and first-valid positions are reduced from the leaves with
 reshapes; raw-key leaf scores (``lse``/``mean_var``) are computed once, outside the loop.
+Summing a node's keys from its leaves (the reference sums level by level) and onnxruntime's own
+matmul order change scores in the last bits only; two candidates closer than that could rank
+differently, which the equivalence tests (random and real-text inputs) have not met.
 """
 
 
