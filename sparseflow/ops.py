@@ -58,12 +58,16 @@ IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
 
 # Backends whose outputs autograd can differentiate (the selection itself never carries a
 # gradient): the op's backward recomputes through them; every other backend's gradient comes
-# from the reference. PBS's Triton kernel is forward-only; compiled flex has no CPU backward.
+# from the reference, which selects the same blocks. PBS's Triton kernel is forward-only;
+# compiled flex differentiates on CUDA only (no CPU backward).
 DIFFERENTIABLE = {("pisa", "triton"), ("bsa", "triton")}
+DIFFERENTIABLE_ON_CUDA = {("pbs", "flex"), ("pisa", "flex"), ("bsa", "flex")}
 
 
-def _grad_backend(method: str, backend: str) -> str:
-    return backend if (method, backend) in DIFFERENTIABLE else "reference"
+def _grad_backend(method: str, backend: str, device: torch.device) -> str:
+    if (method, backend) in DIFFERENTIABLE or (device.type == "cuda" and (method, backend) in DIFFERENTIABLE_ON_CUDA):
+        return backend
+    return "reference"
 
 
 def _config_fields(cls) -> List[dataclasses.Field]:
@@ -310,8 +314,9 @@ def _define(method: str) -> None:
         # through the reference (plain autograd), which selects exactly the same blocks.
         chosen = _resolve_backend(method, args[-2], q.device)
         if chosen == "measure":  # every backend selects the same blocks: take a differentiable one
-            chosen = next((b for b in _fast_backends(method, q.device) if (method, b) in DIFFERENTIABLE), "reference")
-        rest = tuple(args[3:-2]) + (_grad_backend(method, chosen), args[-1])
+            chosen = next((b for b in _fast_backends(method, q.device) if _grad_backend(method, b, q.device) == b),
+                          "reference")
+        rest = tuple(args[3:-2]) + (_grad_backend(method, chosen, q.device), args[-1])
         with torch.enable_grad(), _capture.suspended():
             out = _run(method, (q, k, v) + rest, record=False)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)
