@@ -253,7 +253,7 @@ def part_decode(args, results):
 
         def step():
             cache.length = base  # re-append the same token: the cost of one real step
-            return cache.decode_step(q1, k, v, top_k=args.attn_k)
+            return cache.decode_step(q1, k, v, top_k=args.attn_k)[0]
 
         def dense():
             return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from . import decode_state
 from . import recording as _recording
 from .config import BACKENDS, METHODS, AttentionConfig, default_config
 from .ops import IMPLEMENTATIONS
@@ -30,6 +31,7 @@ logger = logging.getLogger("sparseflow")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 _CONFIG_ATTR = "_sparseflow_config"
 _REPORT_ATTR = "_sparseflow_report"
+DECODE_STATE_ATTR = "_sparseflow_decode_state"  # the model's DecodeState (PISA pyramids across steps)
 
 
 # --------------------------------------------------------------------------- report
@@ -401,7 +403,17 @@ def compile(
     be = _Backend(options, inner_backend, rep)
     # What Module.compile(backend=be, dynamic=..., fullgraph=...) does, with a per-model
     # trampoline in place of self._call_impl (see _trampoline for why).
-    model._compiled_call_impl = torch.compile(_trampoline(model), backend=be, dynamic=dynamic, fullgraph=fullgraph)
+    compiled = torch.compile(_trampoline(model), backend=be, dynamic=dynamic, fullgraph=fullgraph)
+    state = decode_state.DecodeState()
+
+    def sparseflow_forward(*args, **kwargs):
+        # the model's PISA decode state (per-layer pyramids across generate() steps) is active
+        # only while this model runs: no process-global state
+        with decode_state.active(state):
+            return compiled(*args, **kwargs)
+
+    model._compiled_call_impl = sparseflow_forward
+    setattr(model, DECODE_STATE_ATTR, state)
     setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph))
     setattr(model, _REPORT_ATTR, rep)
     return model

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import decode_state as _decode_state
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
 from .masks import analyse_mask
@@ -253,8 +254,12 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
     chosen = _resolve_backend(method, backend, q.device)
     if chosen == "measure":
         chosen = _auto_choice(method, cfg, q, k, v, mask, scale)
-    impl = _load(method, chosen)
     want_sel = cap is not None and cap.keep_selections
+    if method == "pisa" and chosen == "triton" and n_q == 1 and n_k > 1 and mask.key_padding_mask is None:
+        state = _decode_state.current()
+        if state is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel)
+    impl = _load(method, chosen)
     result = impl(
         q, k, v,
         key_padding_mask=mask.key_padding_mask,
@@ -268,6 +273,21 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
         cap.calls.append(
             _capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), sel if (sel is None or want_sel) else _strip(sel))
         )
+    return out.contiguous()
+
+
+def _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel) -> torch.Tensor:
+    """One generate() step of a PISA layer on the model's cached pyramid (O(log N) append)."""
+    cache = state.pyramid(tag, k, block_size=cfg.block_size, branching=cfg.branching)
+    out, idx = cache.decode_step(q, k, v, top_k=cfg.top_k, score=cfg.score, scale=scale, force_sink=cfg.force_sink,
+                                 force_previous=cfg.force_previous, append=False)
+    if cap is not None:
+        from .kernels import token_blocks as tb
+
+        sel = tb.selection_for_indices("pisa", idx.long(), q, k, key_padding_mask=None, is_causal=True,
+                                       block_size=cfg.block_size)
+        cap.calls.append(_capture.CallRecord(tag, "pisa", "triton", True, "", tuple(q.shape), tuple(k.shape),
+                                             sel if want_sel else _strip(sel)))
     return out.contiguous()
 
 

@@ -156,7 +156,7 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
     for t in range(n0, n0 + steps):
         n = t + 1
         qt = q[:, :, t:t + 1]
-        out = cache.decode_step(qt, k[:, :, :n], v[:, :, :n], top_k=kk)
+        out, _ = cache.decode_step(qt, k[:, :, :n], v[:, :, :n], top_k=kk)
         want_idx = pisa_ref.pisa_select(qt, k[:, :, :n], block_size=c, top_k=kk)
         got_idx = cache.select(qt, k[:, :, :n], top_k=kk).long()
         assert torch.equal(got_idx, want_idx), f"step {t}"
@@ -164,3 +164,24 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
         torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
     assert cache.length == n0 + steps
     assert ((want_idx >= 0).sum(-1) < -(-(n0 + steps) // c)).all(), "decode selection must be sparse"
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
+    from sparseflow.api import DECODE_STATE_ATTR
+
+    cfg = sparseflow.PISAConfig(block_size=16, top_k=3, min_seq_len=0)
+    prompt = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for backend in ("triton", "reference"):
+        model = tiny("llama", layers=2, seed=0).to(DEVICE)
+        sparseflow.compile(model, "pisa", cfg, backend=backend, inner_backend="eager")
+        with torch.no_grad():
+            outs[backend] = model.generate(prompt.to(DEVICE), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        state = getattr(model, DECODE_STATE_ATTR)
+        if backend == "triton":
+            # first decode step builds each layer's pyramid, every later step appends one key
+            assert state.rebuilt == 2 and state.appended == 2 * 4, (state.rebuilt, state.appended)
+        else:
+            assert state.rebuilt == 0 and state.appended == 0  # the reference rebuilds per call
+    assert torch.equal(outs["triton"], outs["reference"])

@@ -133,9 +133,14 @@ class PyramidCache:
         return idx
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = 8, score: str = "lse",
-                    scale: Optional[float] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
+                    append: bool = True):
         """One decoding step: ``k``/``v`` hold every key including the new one (``[B, Hkv, N, D]``);
-        appends the new key, selects for ``q [B, Hq, 1, D]`` and attends. Returns ``[B, Hq, 1, D]``."""
-        self.append(k[:, :, -1:])
-        idx = self.select(q, k, top_k=top_k, score=score, scale=scale)
-        return token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        appends the new key (unless ``append=False``: already in), selects for ``q [B, Hq, 1, D]``
+        and attends. Returns ``(out [B, Hq, 1, D], block indices [B, Hkv, 1, top_k])``."""
+        if append:
+            self.append(k[:, :, -1:])
+        idx = self.select(q, k, top_k=top_k, score=score, scale=scale, force_sink=force_sink,
+                          force_previous=force_previous)
+        out = token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        return out, idx
