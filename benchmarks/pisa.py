@@ -133,6 +133,35 @@ def part_select(args, results):
     results["select"] = rows
 
 
+def part_select_variants(args, results):
+    """Launch settings of the PISA walk side by side (each in a fresh process: they are read at
+    import), plus the PISA-1 score (no raw keys at the leaves) for scale."""
+    import subprocess
+
+    rows = []
+    code = ("import sys,torch; sys.path.insert(0,'.'); sys.path.insert(0,'benchmarks');"
+            "from pisa import pisa_inputs; from pbs import bench;"
+            "from sparseflow.kernels.pisa import triton_select as PT;"
+            "n=int(sys.argv[1]); q,k,_=pisa_inputs(n,32,2,64);"
+            "print(bench(lambda: PT.pisa_select(q,k,block_size=64,top_k=8,score=sys.argv[2])))")
+    for warps in (1, 2, 4, 8):
+        for leaf_bytes in (16384, 65536):
+            for score in ("lse", "mean"):
+                if score == "mean" and leaf_bytes != 65536:
+                    continue
+                env = dict(os.environ, SPARSEFLOW_PISA_WARPS=str(warps), SPARSEFLOW_PISA_LEAF_BYTES=str(leaf_bytes))
+                res = subprocess.run([sys.executable, "-c", code, str(args.variant_n), score], env=env,
+                                     capture_output=True, text=True, cwd=os.path.join(HERE, ".."))
+                try:
+                    ms = float(res.stdout.strip().splitlines()[-1])
+                except (ValueError, IndexError):
+                    ms = float("nan")
+                    print(res.stderr[-500:])
+                rows.append(dict(n=args.variant_n, warps=warps, leaf_bytes=leaf_bytes, score=score, ms=ms))
+                print(f"select variant n={args.variant_n} warps={warps} leaf_bytes={leaf_bytes} score={score}: {ms:.3f} ms", flush=True)
+    results["select_variants"] = rows
+
+
 def _cudnn_fwd_bwd(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -270,7 +299,8 @@ def part_decode(args, results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", action="append", choices=["check", "select", "attn", "flex", "decode"])
+    ap.add_argument("--part", action="append", choices=["check", "select", "select_variants", "attn", "flex", "decode"])
+    ap.add_argument("--variant-n", type=int, default=65536)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--select-ns", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
     ap.add_argument("--attn-ns", type=ints, default=[16384, 32768, 131072])

@@ -51,6 +51,10 @@ def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -
     if pad:
         idx = torch.nn.functional.pad(idx, (0, 0, 0, pad), value=-1)
     big = n_blocks + 1
+    if n_q == 1:  # decoding: one row, whose block ids are already distinct -- one small sort
+        s = block_indices.reshape(b, hkv, 1, kk).to(torch.int32)
+        s = torch.where(s < 0, torch.full_like(s, big), s).sort(-1).values
+        return (s < big).sum(-1, dtype=torch.int32).contiguous(), s.contiguous()
     s = idx.reshape(b, hkv, nqt, block_m * kk).to(torch.int32)
     s = torch.where(s < 0, torch.full_like(s, big), s).sort(-1).values
     dup = torch.zeros_like(s, dtype=torch.bool)

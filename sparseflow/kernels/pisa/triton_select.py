@@ -33,6 +33,9 @@ from ..block_summaries_triton import leaf_sums
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "SCORE_CODES"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# launch settings of the walk; the environment overrides exist for benchmarks/pisa.py's variants
+_WARPS = int(os.environ.get("SPARSEFLOW_PISA_WARPS", "4"))
+_LEAF_BYTES = int(os.environ.get("SPARSEFLOW_PISA_LEAF_BYTES", "65536"))
 SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
 
 
@@ -154,19 +157,18 @@ def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
 @triton.jit
 def _top_k_keep(cand, valid, forced, score, ar, TOPK: tl.constexpr, CW: tl.constexpr):
     """Keep the forced entries and the best-scoring others, TOPK in total (ties to the lower
-    position, i.e. the lower node id): returns the kept flags."""
+    position, i.e. the lower node id): returns the kept flags. One bitonic sort of 64-bit keys
+    (order-preserving score bits, then the reversed position) replaces TOPK argmax passes."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
     key = tl.where(valid, key, float("-inf"))
-    kept = ar < 0
-    for _ in range(TOPK):
-        m = tl.argmax(key, axis=0, tie_break_left=True)
-        hit = ar == m
-        kept = kept | (hit & valid)
-        key = tl.where(hit, float("-inf"), key)
-        valid = valid & ~hit
-    return kept
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
+    k64 = (ordered.to(tl.int64) << 32) + (CW - 1 - ar).to(tl.int64)  # distinct; lower position wins ties
+    srt = tl.sort(k64, 0, descending=True)
+    kth = tl.sum(tl.where(ar == TOPK - 1, srt, 0), axis=0)
+    return valid & (k64 >= kth)
 
 
 @triton.jit
@@ -361,8 +363,9 @@ def _pisa_select_fwd(
         N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
-        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw, LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2), IEEE_KEYS=ieee,
-        num_warps=4,
+        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw,
+        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, _LEAF_BYTES), IEEE_KEYS=ieee,
+        num_warps=_WARPS,
     )
     return out
 
