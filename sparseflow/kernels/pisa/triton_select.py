@@ -33,9 +33,19 @@ from ..block_summaries_triton import leaf_sums
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "SCORE_CODES"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# launch settings of the walk; the environment overrides exist for benchmarks/pisa.py's variants
-_WARPS = int(os.environ.get("SPARSEFLOW_PISA_WARPS", "4"))
-_LEAF_BYTES = int(os.environ.get("SPARSEFLOW_PISA_LEAF_BYTES", "65536"))
+# Launch settings of the walk. Measured on the H200 (benchmarks/results/pisa_h200_select_variants.json,
+# 64K tokens, K=8): 1 warp with 16 KB leaf chunks 17.0 ms, 4 warps 30.7-31.4 ms, 8 warps 43-49 ms;
+# with K=32 (64 candidates) 1 warp was 2x slower than 4 (pisa_h200_k8_warps1.json vs pisa_h200.json).
+# The environment overrides exist for benchmarks/pisa.py's variants.
+_WARPS_ENV = os.environ.get("SPARSEFLOW_PISA_WARPS")
+_LEAF_BYTES_ENV = os.environ.get("SPARSEFLOW_PISA_LEAF_BYTES")
+
+
+def _launch(cw: int):
+    small = cw <= 16
+    warps = int(_WARPS_ENV) if _WARPS_ENV else (1 if small else 4)
+    leaf_bytes = int(_LEAF_BYTES_ENV) if _LEAF_BYTES_ENV else (16384 if small else 65536)
+    return warps, leaf_bytes
 SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
 
 
@@ -349,6 +359,7 @@ def _pisa_select_fwd(
     kp = _p2(top_k)
     cw = max(16, kp * _p2(branching))
     cp = _p2(block_size, 16)
+    warps, leaf_bytes = _launch(cw)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
     ieee = q.dtype == torch.float32 or _INTERPRET
@@ -364,8 +375,8 @@ def _pisa_select_fwd(
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
         BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw,
-        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, _LEAF_BYTES), IEEE_KEYS=ieee,
-        num_warps=_WARPS,
+        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, leaf_bytes), IEEE_KEYS=ieee,
+        num_warps=warps,
     )
     return out
 
