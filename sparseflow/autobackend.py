@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Callable, Dict, Sequence, Tuple
 
 import torch
@@ -41,6 +42,25 @@ class BackendChooser:
         self.choices.clear()
         self.timings.clear()
 
+    def _time(self, run: Callable[[str], torch.Tensor], name: str) -> float:
+        """Milliseconds per call after one warm-up call (which compiles / autotunes): CUDA events
+        on the GPU, the wall clock elsewhere."""
+        with torch.no_grad():
+            out = run(name)  # warm-up
+            if out.is_cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.reps):
+                    run(name)
+                end.record()
+                torch.cuda.synchronize()
+                return start.elapsed_time(end) / self.reps
+            t0 = time.perf_counter()
+            for _ in range(self.reps):
+                run(name)
+            return (time.perf_counter() - t0) * 1e3 / self.reps
+
     def key(self, method: str, q: torch.Tensor, k: torch.Tensor, config_key: Tuple) -> Tuple:
         return (method, str(q.device), torch.cuda.get_device_name(q.device) if q.is_cuda else "cpu", q.dtype,
                 q.shape[0], q.shape[1], k.shape[1], q.shape[-1], _bucket(q.shape[2]), _bucket(k.shape[2]), config_key)
@@ -59,16 +79,7 @@ class BackendChooser:
         times: Dict[str, float] = {}
         for name in candidates:
             try:
-                with torch.no_grad():
-                    run(name)  # warm-up: compiles / autotunes
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(self.reps):
-                        run(name)
-                    end.record()
-                    torch.cuda.synchronize()
-                times[name] = start.elapsed_time(end) / self.reps
+                times[name] = self._time(run, name)
             except Exception as exc:  # a backend that cannot run this case is not a candidate
                 _log.warning("sparseflow auto backend: %s failed on %s (%s: %s); not a candidate",
                              name, key[0], type(exc).__name__, exc)

@@ -202,18 +202,29 @@ def _fast_backends(method: str, device: torch.device) -> List[str]:
     return [b for b in fast if b != "triton" or _triton_usable(device)]
 
 
-def _auto_choice(method: str, cfg, q, k, v, mask, scale) -> str:
-    """Measure the fast backends on this call (once per shape bucket) and return the fastest."""
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+DENSE_CHOICE = "sdpa"  # what the auto chooser calls dense attention among its candidates
+
+
+def _auto_choice(method: str, cfg, q, k, v, attn_mask, is_causal, mask, scale) -> str:
+    """Measure the fast backends and dense SDPA on this call (once per shape bucket) and return
+    the fastest: the op is never slower than dense at a length it has measured."""
     from .autobackend import default_chooser
 
     kw = _impl_kwargs(cfg)
     key = default_chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None))
 
     def run(name: str):
+        if name == DENSE_CHOICE:
+            return _sdpa(q, k, v, attn_mask, is_causal, scale)
         return _load(method, name)(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal,
                                    scale=scale, return_selection=False, **kw)
 
-    return default_chooser.choose(key, _fast_backends(method, q.device), run)
+    choice = default_chooser.choose(key, _fast_backends(method, q.device) + [DENSE_CHOICE], run)
+    return choice, default_chooser.timings.get(key, {})
 
 
 def _load(method: str, backend: str) -> Callable:
@@ -221,8 +232,10 @@ def _load(method: str, backend: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
-def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
-    """The real implementation behind every op: analyse, fall back or dispatch, record."""
+def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False) -> torch.Tensor:
+    """The real implementation behind every op: analyse, fall back or dispatch, record.
+    ``for_grad``: the backward's recomputation (same choice as the forward, through a
+    differentiable backend)."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
     cfg_cls = METHODS[method]
     n_cfg = len(_config_fields(cfg_cls))
@@ -253,7 +266,13 @@ def _run(method: str, args: Tuple, *, record: bool = True) -> torch.Tensor:
         return dense(reason)
     chosen = _resolve_backend(method, backend, q.device)
     if chosen == "measure":
-        chosen = _auto_choice(method, cfg, q, k, v, mask, scale)
+        chosen, times = _auto_choice(method, cfg, q, k, v, attn_mask, is_causal, mask, scale)
+        if chosen == DENSE_CHOICE:
+            others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
+            return dense(f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
+                         f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})")
+    if for_grad:
+        chosen = _grad_backend(method, chosen, q.device)
     want_sel = cap is not None and cap.keep_selections
     if method == "pisa" and chosen == "triton" and n_q == 1 and n_k > 1 and mask.key_padding_mask is None:
         state = _decode_state.current()
@@ -330,15 +349,10 @@ def _define(method: str) -> None:
         # Recompute the forward with autograd on: the selection is made without gradient by the
         # implementation itself, so gradients flow through the attention over selected keys only.
         q, k, v = (t.detach().requires_grad_(True) for t in args[:3])
-        # Recompute through the chosen backend when it is differentiable (DIFFERENTIABLE), else
-        # through the reference (plain autograd), which selects exactly the same blocks.
-        chosen = _resolve_backend(method, args[-2], q.device)
-        if chosen == "measure":  # every backend selects the same blocks: take a differentiable one
-            chosen = next((b for b in _fast_backends(method, q.device) if _grad_backend(method, b, q.device) == b),
-                          "reference")
-        rest = tuple(args[3:-2]) + (_grad_backend(method, chosen, q.device), args[-1])
+        # Recompute with the forward's choice (dense, or sparse through that backend when it is
+        # differentiable, else through the reference, which selects exactly the same blocks).
         with torch.enable_grad(), _capture.suspended():
-            out = _run(method, (q, k, v) + rest, record=False)
+            out = _run(method, (q, k, v) + tuple(args[3:]), record=False, for_grad=True)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out, allow_unused=True)
         zeros = lambda t, g: torch.zeros_like(t) if g is None else g.contiguous()  # noqa: E731
         return zeros(q, dq), zeros(k, dk), zeros(v, dv)

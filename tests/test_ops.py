@@ -256,27 +256,53 @@ def test_key_padding_mask_2d_with_either_causality(method, causal):
 def test_auto_backend_chooser_measures_once_per_bucket_and_honours_override(monkeypatch):
     from sparseflow.autobackend import ENV_OVERRIDE, BackendChooser
 
-    if not torch.cuda.is_available():
-        # the chooser's timing needs CUDA events; its bookkeeping is checked with a fake clock
-        pytest.skip("the measured choice runs on CUDA only (on the CPU auto is the reference)")
     chooser = BackendChooser(reps=1)
     calls = []
 
     def run(name):
         calls.append(name)
-        n = 20000 if name == "flex" else 10
-        return torch.ones(n, n, device="cuda").sum()
+        n = 600 if name == "flex" else 10
+        return torch.ones(n, n).matmul(torch.ones(n, n)).sum()
 
-    q = torch.zeros(1, 4, 1000, 16, device="cuda")
+    q = torch.zeros(1, 4, 1000, 16)
     key = chooser.key("pisa", q, q[:, :2], ())
     assert chooser.choose(key, ["triton", "flex"], run) == "triton"
     n_calls = len(calls)
     assert chooser.choose(key, ["triton", "flex"], run) == "triton" and len(calls) == n_calls  # cached
+    assert chooser.timings[key]["flex"] > chooser.timings[key]["triton"]
+    other = chooser.key("pisa", torch.zeros(1, 4, 2000, 16), q[:, :2], ())
+    assert other != key  # another length bucket is measured on its own
     monkeypatch.setenv(ENV_OVERRIDE, "flex")
     assert chooser.choose(key, ["triton", "flex"], run) == "flex"
     monkeypatch.setenv(ENV_OVERRIDE, "cuda-graphs")
     with pytest.raises(ValueError, match=ENV_OVERRIDE):
         chooser.choose(key, ["triton", "flex"], run)
+
+
+def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
+    # CPU stand-in for the CUDA path: auto measures the (slow) reference against dense SDPA
+    import sparseflow.ops as ops
+    from sparseflow.autobackend import default_chooser
+
+    monkeypatch.setattr(ops, "_resolve_backend", lambda method, backend, device: "measure" if backend == "auto" else backend)
+    monkeypatch.setattr(ops, "_fast_backends", lambda method, device: ["reference"])
+    default_chooser.clear()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 300, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 300, 16, generator=g) for _ in range(2))
+    try:
+        with sparseflow.capture() as cap:
+            out = sparseflow.attention(q, k, v, config=PISAConfig(block_size=16, top_k=3), backend="auto")
+        rec = cap.calls[-1]
+        assert rec.backend == "sdpa" and not rec.sparse and "measured faster than pisa" in rec.reason
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        torch.testing.assert_close(out, ref)
+        # the backward recomputes with the forward's choice (dense), not a sparse backend
+        (g_out,) = torch.autograd.grad(out.sum(), q)
+        (g_ref,) = torch.autograd.grad(ref.sum(), q)
+        torch.testing.assert_close(g_out, g_ref)
+    finally:
+        default_chooser.clear()
 
 
 def test_auto_backend_is_reference_on_cpu_and_recorded():
