@@ -113,8 +113,12 @@ def _eval(args: argparse.Namespace) -> int:
                 import dataclasses
 
                 plans = [dataclasses.replace(p, backend=args.backend) for p in plans]
+        elif args.recall:
+            plans = []
         else:
             raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa, bsa or a comma list)")
+        if args.recall and (args.sweep or args.no_permute):
+            raise ValueError("--recall is a diagnostic of its own: it takes no --sweep/--no-permute")
         field = None
         if args.sweep or args.no_permute:
             if args.sweep:
@@ -131,6 +135,8 @@ def _eval(args: argparse.Namespace) -> int:
             plans = swept
         if args.no_permute and not any(p.method == "pbs" for p in plans):
             raise ValueError("--no-permute compares PBS with and without permutation: include pbs in --method")
+        if args.recall:
+            return _recall(args, source, model_config)
         map_at = None
         if args.plots:
             n_layers = int(model_config.num_hidden_layers)
@@ -195,6 +201,55 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plots:
         _plots(results, args.plots, field, args.text, args.tokens)
+    return 0
+
+
+def _recall(args: argparse.Namespace, source, model_config) -> int:
+    """``eval --recall``: PISA Recall@K / retained-mass diagnostic on the model's real Q/K."""
+    import torch
+
+    from .attention_mass import TOPK_SELECTORS, recall_diagnostic
+    from .checkpoints import TEXTS, real_tokens
+    from .convert import load_source, stderr_progress
+
+    if args.recall_k < 4:
+        raise ValueError(f"--recall-k must be >= 4 (3 forced blocks + 1), got {args.recall_k}")
+    stderr_progress(f"loading {source} ...")
+    model, tok = load_source(source, dtype=args.dtype)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    ids = real_tokens(tok, args.tokens, text=args.text)
+    q_start = min(512, args.tokens - 1)
+    stderr_progress(f"Recall@{args.recall_k} (C=64, g=2, 3 forced) over queries >= {q_start} of {args.tokens} tokens "
+                    f"of {args.text}")
+    report = recall_diagnostic(model, ids, top_k=args.recall_k, block_size=64, branching=2, q_start=q_start,
+                               progress=stderr_progress)
+    report.update(model=str(source), text=args.text, text_description=TEXTS[args.text][1], torch=torch.__version__,
+                  python=platform.python_version(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    head = f"{'selector':<14} {'Recall@K':>9} {'free recall':>11} {'retained mass':>13}"
+    print(head + "\n" + "-" * len(head))
+    for s in list(TOPK_SELECTORS) + ["oracle"]:
+        m = report["mean"][s]
+        print(f"{s:<14} {m.get('recall', float('nan')):>9.3f} {m.get('recall_free', float('nan')):>11.3f} "
+              f"{m['retained_mass']:>13.3f}")
+    if args.json:
+        _write_json_atomic(args.json, report)
+        print(f"wrote {args.json}")
+    if args.plots:
+        import os
+
+        from .plots import bar_plot, curve_plot
+
+        title = f"{args.text}, {args.tokens} tokens, K={args.recall_k}, C=64"
+        print("wrote", bar_plot({s: report["mean"][s] for s in TOPK_SELECTORS}, f"Recall@K / retained mass: {title}",
+                                os.path.join(args.plots, "recall_mean.png")))
+        pts = [{"series": s, "layer": r["layer"], "recall_free": r[s]["recall_free"], "value": ""}
+               for r in report["layers"] for s in TOPK_SELECTORS]
+        print("wrote", curve_plot(pts, f"free-block recall per layer: {title}", os.path.join(args.plots, "recall_per_layer.png"),
+                                  x="layer", y="recall_free", log_y=False))
     return 0
 
 
@@ -433,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--cache", help="folder caching the dense logits per model/text/length (reused across runs)")
     ev.add_argument("--map-layer", type=int, default=None, help="layer of the selected-block map (default: the middle one)")
     ev.add_argument("--map-head", type=int, default=0, help="query head of the selected-block map (default 0)")
+    ev.add_argument("--recall", action="store_true",
+                    help="instead of fidelity: PISA Recall@K / retained-mass diagnostic on the model's Q/K (reference: "
+                         "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
+                         "mean_var, BSA and a flat exact-LSE scan)")
+    ev.add_argument("--recall-k", type=int, default=8, help="K for --recall, 3 forced blocks included (default 8)")
     ev.set_defaults(func=_eval)
 
     onx = sub.add_parser("export-onnx", help="export a HF folder, GGUF file or converted folder to ONNX with "

@@ -341,6 +341,26 @@ def test_cli_eval_sweep_errors(src, tmp_path, capsys):
         assert match in err, (extra, err)
 
 
+def test_cli_eval_recall_diagnostic(src, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder, _ = src
+    out, plots = tmp_path / "recall.json", tmp_path / "plots"
+    rc = main(["eval", str(folder), "--recall", "--tokens", "640", "--json", str(out), "--plots", str(plots)])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "Recall@K" in text and "flat_lse" in text
+    data = json.loads(out.read_text())
+    assert data["top_k"] == 8 and data["block_size"] == 64 and data["q_start"] == 512 and len(data["layers"]) == 2
+    for s in ("pisa_lse", "pisa_mean", "pisa_mean_var", "bsa", "flat_lse"):
+        m = data["mean"][s]
+        assert 0.0 < m["recall_free"] <= 1.0 and 0.0 < m["retained_mass"] <= data["mean"]["oracle"]["retained_mass"] + 1e-9
+    assert _is_png(plots / "recall_mean.png") and _is_png(plots / "recall_per_layer.png")
+    assert main(["eval", str(folder), "--recall", "--recall-k", "3", "--tokens", "640"]) == 2
+    assert "--recall-k must be >= 4" in capsys.readouterr().err
+    assert main(["eval", str(folder), "--recall", "--method", "pbs", "--sweep", "threshold=0.9", "--tokens", "640"]) == 2
+    assert "takes no --sweep" in capsys.readouterr().err
+
+
 def test_cli_eval_plots_without_matplotlib_fails_first(src, tmp_path, capsys, monkeypatch):
     folder, _ = src
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

@@ -1,0 +1,278 @@
+"""How much of the true attention a selection keeps, measured on a real model's Q/K (issue 8).
+
+* :func:`capture_qkv` runs a transformers model once and keeps every layer's post-RoPE Q, K, V
+  (through a registered attention function, so nothing of the model is patched).
+* :func:`topk_recall` is the PISA diagnostic: for each query ``t >= q_start`` and KV group, the
+  reference set is the K blocks of C keys with the most *group-averaged full-attention mass*
+  (the forced sink / previous / current blocks plus the best K-3 others); a selector's
+  Recall@K is the fraction of that set it picked, its retained mass the attention mass of the
+  blocks it picked. Selectors: PISA (any score), BSA, and ``flat_lse`` — an exact scan scoring
+  every visible block by the summed per-head LSE over its raw keys (what PISA's pyramid
+  approximates, at O(N) cost per query).
+* :func:`pbs_retained_mass` is the PBS counterpart: the attention mass of the last queries that
+  falls on the key blocks PBS selects (through its permutation), per head, with the density.
+
+Everything is exact fp32 torch on whatever device the tensors are on; the quadratic work is done
+in query chunks so 8K tokens fit in a few hundred MB.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["capture_qkv", "topk_recall", "pbs_retained_mass", "spread_positions", "recall_diagnostic", "TOPK_SELECTORS"]
+
+TOPK_SELECTORS = ("pisa_lse", "pisa_mean", "pisa_mean_var", "bsa", "flat_lse")
+_CAPTURE_NAME = "sparseflow_capture_qkv"
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def capture_qkv(model, input_ids: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Run ``model`` (a transformers causal LM using the AttentionInterface) dense on
+    ``input_ids`` ([1, N]) and return ``[(q, k, v)]`` per layer: q ``[1, Hq, N, D]``, k/v
+    ``[1, Hkv, N, D]`` fp32, post-RoPE, exactly what attention saw. The model's attention
+    implementation is restored afterwards."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
+    store: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            raise ValueError(f"capture_qkv needs attention modules with an int layer_idx, got {type(module).__name__}")
+        store[idx] = (query.detach().float().clone(), key.detach().float().clone(), value.detach().float().clone())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CAPTURE_NAME, record)
+    AttentionMaskInterface.register(_CAPTURE_NAME, sdpa_mask)
+    previous = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    model.set_attn_implementation(_CAPTURE_NAME)
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    n_layers = int(getattr(model.config, "num_hidden_layers", len(store)))
+    missing = [i for i in range(n_layers) if i not in store]
+    if missing:
+        raise ValueError(f"capture_qkv saw no attention call for layers {missing}")
+    return [store[i] for i in range(n_layers)]
+
+
+# --------------------------------------------------------------------------- PISA / BSA Recall@K
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"q and k must be [1, H, N, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    _, hq, n, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"q [1, Hq, N, D] and k [1, Hkv, N, D] with Hq a multiple of Hkv, got {tuple(q.shape)}, {tuple(k.shape)}")
+    return hq, hkv, n, d
+
+
+def _selector_indices(name: str, q, k, block_size: int, top_k: int, branching: int) -> Optional[torch.Tensor]:
+    """``[Hkv, N, K]`` block ids of a library selector, or None for ``flat_lse`` (done inline)."""
+    if name.startswith("pisa_"):
+        from .kernels.pisa.reference import pisa_select
+
+        return pisa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching,
+                           score=name[len("pisa_"):])[0]
+    if name == "bsa":
+        from .kernels.bsa.reference import bsa_select
+
+        return bsa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k)[0]
+    if name == "flat_lse":
+        return None
+    raise ValueError(f"selector must be one of {list(TOPK_SELECTORS)}, got {name!r}")
+
+
+def topk_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    selectors: Sequence[str] = TOPK_SELECTORS,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    q_start: int = 512,
+    chunk: int = 256,
+) -> Dict[str, Dict[str, float]]:
+    """Recall@K and retained attention mass of each selector against the mass-oracle reference,
+    averaged over queries ``t >= q_start`` and KV groups (see the module docstring). Returns
+    ``{selector: {"recall", "recall_free", "retained_mass"}, "oracle": {"retained_mass"}}``;
+    ``recall_free`` counts only the K-3 blocks that are not forced."""
+    hq, hkv, n, d = _check_qk(q, k)
+    if top_k < 4:
+        raise ValueError(f"top_k must be >= 4 (3 forced blocks + at least one chosen), got {top_k}")
+    if not (0 <= q_start < n):
+        raise ValueError(f"q_start must be in [0, {n - 1}], got {q_start}")
+    if q_start < block_size * top_k:
+        raise ValueError(f"q_start must be >= block_size*top_k={block_size * top_k} so every query has more "
+                         f"visible blocks than K (else recall is trivially 1), got {q_start}")
+    g = hq // hkv
+    nb = -(-n // block_size)
+    scale = 1.0 / math.sqrt(d)
+    picked = {s: _selector_indices(s, q, k, block_size, top_k, branching) for s in selectors}
+    sums = {s: {"recall": 0.0, "recall_free": 0.0, "retained_mass": 0.0} for s in selectors}
+    oracle_mass = 0.0
+    count = 0
+    kf = k[0].float()  # [Hkv, N, D]
+    key_block = torch.arange(n, device=q.device) // block_size
+    pad = nb * block_size - n
+    for t0 in range(q_start, n, chunk):
+        t = torch.arange(t0, min(n, t0 + chunk), device=q.device)
+        m = t.numel()
+        qc = q[0, :, t0:t0 + m].float().view(hkv, g, m, d)
+        logits = torch.einsum("hgmd,hnd->hgmn", qc, kf) * scale  # [Hkv, g, m, N]
+        future = torch.arange(n, device=q.device)[None, :] > t[:, None]  # [m, N]
+        logits = logits.masked_fill(future, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        blocks = torch.nn.functional.pad(probs, (0, pad)).view(hkv, g, m, nb, block_size)
+        mass = blocks.sum(-1).mean(1)  # [Hkv, m, nB] group-averaged mass per block
+        cur = (t // block_size)[None, :, None]  # [1, m, 1]
+        bidx = torch.arange(nb, device=q.device)[None, None, :]
+        visible = bidx <= cur
+        forced = (bidx == 0) | (bidx == cur) | (bidx == cur - 1)
+        free = visible & ~forced
+        n_free = top_k - 3
+        ref = forced.expand(hkv, m, nb) | _topk_mask(mass.masked_fill(~free, -1.0), n_free, free)
+        oracle_mass += float((mass * ref).sum(-1).sum())
+        for s in selectors:
+            if picked[s] is None:  # flat exact LSE: sum over the group's heads of each head's LSE
+                lse = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")).view(hkv, g, m, nb, block_size)
+                score = torch.logsumexp(lse, dim=-1)
+                score = torch.where(torch.isfinite(score), score, torch.zeros_like(score)).sum(1)  # [Hkv, m, nB]
+                sel = forced.expand(hkv, m, nb) | _topk_mask(score.masked_fill(~free, float("-inf")), n_free, free)
+            else:
+                idx = picked[s][:, t0:t0 + m]  # [Hkv, m, K]
+                sel = torch.zeros(hkv, m, nb + 1, dtype=torch.bool, device=q.device)
+                sel.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, nb), idx), True)
+                sel = sel[..., :nb]
+            hit = (sel & ref).sum(-1).float()
+            hit_free = (sel & ref & free).sum(-1).float()
+            sums[s]["recall"] += float((hit / ref.sum(-1).float()).sum())
+            sums[s]["recall_free"] += float((hit_free / (ref & free).sum(-1).clamp_min(1).float()).sum())
+            sums[s]["retained_mass"] += float((mass * sel).sum(-1).sum())
+        count += hkv * m
+    out = {s: {key: v / count for key, v in vals.items()} for s, vals in sums.items()}
+    out["oracle"] = {"retained_mass": oracle_mass / count}
+    return out
+
+
+def _topk_mask(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:
+    # top-k along the last axis among ``allowed`` entries; ties to the lower block index
+    # (torch.topk on CPU is not guaranteed stable, so sort stably instead)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    allowed = allowed.expand(scores.shape)
+    mask = torch.zeros_like(allowed)
+    mask.scatter_(-1, order, True)
+    return mask & allowed
+
+
+# --------------------------------------------------------------------------- PBS retained mass
+
+
+def spread_positions(n: int, count: int, start: int = 0, width: int = 64) -> torch.Tensor:
+    """``count`` runs of ``width`` consecutive query positions, evenly spread over ``[start, n)``:
+    a cheap sample of the whole sequence (errors at early positions reach the last tokens through
+    later layers' keys and values, so the last queries alone under-report the damage)."""
+    if not (0 <= start < n) or count < 1 or width < 1:
+        raise ValueError(f"need 0 <= start < n, count >= 1 and width >= 1, got start={start}, n={n}, count={count}, width={width}")
+    starts = torch.linspace(start, n - width, count).round().long().clamp_min(start)
+    pos = (starts[:, None] + torch.arange(width)[None, :]).reshape(-1)
+    return torch.unique(pos[pos < n])
+
+
+def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 512, chunk: int = 128,
+                      positions: Optional[torch.Tensor] = None) -> Dict[str, object]:
+    """The share of the true attention mass of the last ``last`` queries (or of the query
+    ``positions`` given, e.g. :func:`spread_positions`) that falls on the keys PBS (``config``, a
+    PBSConfig) selects for them, per query head, plus the density of the whole selection (as
+    ``sparseflow eval`` reports it) and of the evaluated queries alone."""
+    from .config import PBSConfig
+    from .kernels.pbs import reference as R
+
+    if not isinstance(config, PBSConfig):
+        raise TypeError(f"config must be a PBSConfig, got {type(config).__name__}")
+    hq, hkv, n, d = _check_qk(q, k)
+    if positions is None:
+        if not (1 <= last <= n):
+            raise ValueError(f"last must be in [1, {n}], got {last}")
+        positions = torch.arange(n - last, n)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    if positions.numel() == 0 or int(positions.min()) < 0 or int(positions.max()) >= n:
+        raise ValueError(f"positions must be a non-empty set of query positions in [0, {n - 1}]")
+    positions = positions.to(q.device)
+    bs = config.block_size
+    with torch.no_grad():
+        if config.permute:
+            scores = R.key_scores(q, k, block_size=bs, segment_size=config.segment_size,
+                                  causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation)
+            perm = R.segment_permutation(scores, segment_size=config.segment_size)
+        else:
+            hp = hq if config.gqa_permutation == "query_head" else hkv
+            perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
+        mask = R.select_blocks(q, k, perm, is_causal=True, block_size=bs, segment_size=config.segment_size,
+                               threshold=config.threshold, force_sink=config.force_sink, scoring=config.scoring,
+                               antidiagonal_stride=config.antidiagonal_stride)
+        density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
+    g = hq // hkv
+    hp = perm.shape[1]
+    slot_block = torch.arange(n, device=q.device) // bs
+    scale = 1.0 / math.sqrt(d)
+    kept = torch.zeros(hq, dtype=torch.float64)
+    sel_keys = torch.zeros(hq, dtype=torch.float64)
+    vis_keys = 0.0
+    for c0 in range(0, positions.numel(), chunk):
+        t = positions[c0:c0 + chunk]
+        m = t.numel()
+        future = torch.arange(n, device=q.device)[None, :] > t[:, None]
+        vis_keys += float((~future).sum())
+        for h in range(hq):
+            logits = (q[0, h].index_select(0, t).float() @ k[0, h // g].float().t()) * scale
+            probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)  # [m, N]
+            per_slot = mask[0, h][t // bs][:, slot_block]  # [m, N] over permuted slots
+            per_key = torch.zeros_like(per_slot)
+            per_key.scatter_(1, perm[0, h * hp // hq][None, :].expand(m, n), per_slot)
+            per_key &= ~future
+            kept[h] += float((probs * per_key).sum())
+            sel_keys[h] += float(per_key.sum())
+    count = positions.numel()
+    return {
+        "retained_mass": (kept / count).tolist(),
+        "mean_retained_mass": float(kept.sum() / (count * hq)),
+        "density": float(density.mean()),
+        "density_last": float(sel_keys.sum() / (vis_keys * hq)),
+    }
+
+
+def recall_diagnostic(model, input_ids: torch.Tensor, *, selectors: Sequence[str] = TOPK_SELECTORS,
+                      block_size: int = 64, top_k: int = 8, branching: int = 2, q_start: int = 512,
+                      progress=None) -> Dict[str, object]:
+    """:func:`topk_recall` for every layer of a transformers model on ``input_ids``: per-layer
+    rows and the mean over layers of each selector's recall, free-block recall and retained mass."""
+    bad = [s for s in selectors if s not in TOPK_SELECTORS]
+    if bad or not selectors:
+        raise ValueError(f"selectors must be a non-empty subset of {list(TOPK_SELECTORS)}, got {list(selectors)}")
+    layers = capture_qkv(model, input_ids)
+    rows = []
+    for i, (q, k, _) in enumerate(layers):
+        r = topk_recall(q, k, selectors=selectors, block_size=block_size, top_k=top_k, branching=branching,
+                        q_start=q_start)
+        rows.append({"layer": i, **r})
+        if progress is not None:
+            progress(f"  layer {i}: " + ", ".join(f"{s} {r[s]['recall_free']:.3f}" for s in selectors))
+    names = list(selectors) + ["oracle"]
+    mean = {s: {m: float(sum(r[s][m] for r in rows) / len(rows)) for m in rows[0][s]} for s in names}
+    return {"block_size": block_size, "top_k": top_k, "forced": 3, "branching": branching, "q_start": q_start,
+            "tokens": int(input_ids.shape[1]), "selectors": list(selectors), "mean": mean, "layers": rows}
