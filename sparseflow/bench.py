@@ -29,7 +29,8 @@ __all__ = ["BenchShape", "op_timings", "find_benchmarks", "run_scripts", "SCRIPT
 # script -> arguments for a small CUDA run (``{json}`` is replaced by the output path)
 SCRIPTS: Dict[str, List[str]] = {
     "pbs.py": ["--part", "check", "--part", "total", "--ns", "8192", "--json", "{json}"],
-    "pisa.py": ["--ns", "4096,8192", "--json", "{json}"],
+    "pisa.py": ["--part", "check", "--part", "select", "--select-ns", "4096,8192", "--part", "attn",
+                "--attn-ns", "16384", "--json", "{json}"],
 }
 
 

@@ -227,3 +227,30 @@ def test_cli_bench_tiny(tmp_path, capsys):
     assert {s["script"] for s in data["scripts"]} == {"pbs.py", "pisa.py"}
     assert main(["bench", "--hq", "4", "--hkv", "3"]) == 2
     assert "hq must be a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["pbs.py", "pisa.py"])
+def test_bench_small_arguments_parse_with_the_real_scripts(name):
+    """The arguments `sparseflow bench` passes must be accepted by the repository's script (its
+    argument parser runs; measuring needs CUDA and is stopped right after parsing)."""
+    import subprocess
+
+    from sparseflow.bench import SCRIPTS, find_benchmarks
+
+    folder = find_benchmarks()
+    if folder is None or not (folder / name).is_file():
+        pytest.skip(f"benchmarks/{name} is not in this checkout")
+    args = [a.replace("{json}", "out.json") for a in SCRIPTS[name]]
+    code = (
+        "import argparse, runpy, sys\n"
+        f"sys.argv = [{name!r}] + {args!r}\n"
+        "parse = argparse.ArgumentParser.parse_args\n"
+        "def stop(self, a=None, ns=None):\n"
+        "    parse(self, a, ns)\n"
+        "    print('PARSED')\n"
+        "    raise SystemExit(0)\n"
+        "argparse.ArgumentParser.parse_args = stop\n"
+        f"runpy.run_path({str(folder / name)!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(folder.parent))
+    assert proc.returncode == 0 and "PARSED" in proc.stdout, proc.stderr[-2000:]
