@@ -130,3 +130,18 @@ def test_imports_stay_light():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_smollm2_pbs_setting_is_a_measured_row_that_meets_the_targets():
+    """The shipped PBS setting must be one the recipe measured, and that row must meet the
+    recipe's targets (mean KL <= 0.01 nats, top-1 >= 97%) — edits to one without the other fail."""
+    r = get_recipe("smollm2")
+    cfg = r.config_for("pbs")
+    rows = [m for m in r.measured["pbs"]
+            if m["threshold"] == cfg.threshold and m["permute"] == cfg.permute and m.get("scoring", "mean") == cfg.scoring]
+    assert len(rows) == 1, rows
+    assert rows[0]["mean_kl"] <= 0.01 and rows[0]["top1"] >= 0.97, rows[0]
+    assert 0.0 < rows[0]["density"] < 1.0
+    # and no measured row meeting the targets is sparser
+    ok = [m for m in r.measured["pbs"] if m["mean_kl"] <= 0.01 and m["top1"] >= 0.97]
+    assert min(m["density"] for m in ok) == rows[0]["density"]
