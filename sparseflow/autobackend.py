@@ -62,7 +62,8 @@ class BackendChooser:
             return (time.perf_counter() - t0) * 1e3 / self.reps
 
     def key(self, method: str, q: torch.Tensor, k: torch.Tensor, config_key: Tuple) -> Tuple:
-        return (method, str(q.device), torch.cuda.get_device_name(q.device) if q.is_cuda else "cpu", q.dtype,
+        # the device index identifies the GPU within a process: no name lookup on every call
+        return (method, str(q.device), q.dtype,
                 q.shape[0], q.shape[1], k.shape[1], q.shape[-1], _bucket(q.shape[2]), _bucket(k.shape[2]), config_key)
 
     def choose(self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor]) -> str:

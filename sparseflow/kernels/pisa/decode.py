@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..token_sparse_triton import token_sparse_attention
-from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, level_sizes
+from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
 
 __all__ = ["PyramidCache"]
 
@@ -69,13 +69,8 @@ class PyramidCache:
         self.block_size, self.branching, self.capacity = int(block_size), int(branching), int(capacity)
         self.length = n0
         n_leaves = max(1, -(-capacity // block_size))
-        self.sizes = level_sizes(n_leaves, branching)
-        offs = [0]
-        for s in self.sizes:
-            offs.append(offs[-1] + s)
         dev = k.device
-        self.lvl_off = torch.tensor(offs, dtype=torch.int32, device=dev)
-        self.lvl_span = torch.tensor([min(branching ** i, 2**30) for i in range(len(self.sizes))], dtype=torch.int32, device=dev)
+        self.sizes, offs, self.lvl_off, self.lvl_span = pyramid_tables(n_leaves, branching, dev)
         total = offs[-1]
         self.sums = torch.zeros(b, hkv, total, d, dtype=torch.float32, device=dev)
         self.summ = torch.zeros_like(self.sums)

@@ -30,7 +30,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..block_summaries_triton import leaf_sums
 
-__all__ = ["build_pyramid", "pisa_select", "level_sizes", "SCORE_CODES"]
+__all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Launch settings of the walk. Measured on the H200 (benchmarks/results/pisa_h200_select_variants.json,
@@ -113,15 +113,17 @@ def _node_kernel(
         tl.store(nfv_ptr + b * T + t, fv)
 
 
-def _pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], torch.Tensor, torch.Tensor]:
+def pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], List[int], torch.Tensor, torch.Tensor]:
+    """Layout of every level in one table, leaves first: (node counts per level, level offsets
+    (length levels + 1), the offsets and the leaf spans ``g**level`` as int32 tensors)."""
     sizes = level_sizes(n_leaves, branching)
     offs = [0]
     for s in sizes:
         offs.append(offs[-1] + s)
-    spans = [branching ** i for i in range(len(sizes))]
     # spans of the top levels can exceed int32 for tiny leaves counts only in theory; clamp
-    spans = [min(s, 2**30) for s in spans]
-    return sizes, torch.tensor(offs, dtype=torch.int32, device=device), torch.tensor(spans, dtype=torch.int32, device=device)
+    spans = [min(branching ** i, 2**30) for i in range(len(sizes))]
+    return (sizes, offs, torch.tensor(offs, dtype=torch.int32, device=device),
+            torch.tensor(spans, dtype=torch.int32, device=device))
 
 
 @triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})
@@ -154,7 +156,7 @@ def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
     every level's node means (leaves first), each node's first valid key position (``Nk`` if
     none), the node counts per level and the level offsets / leaf spans as int32 tensors."""
     n_leaves = max(1, -(-k.shape[2] // block_size))
-    sizes, lvl_off, lvl_span = _pyramid_tables(n_leaves, branching, k.device)
+    sizes, _, lvl_off, lvl_span = pyramid_tables(n_leaves, branching, k.device)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=k.device, dtype=torch.int8).contiguous()
     sums, cnt, lfv = leaf_sums(k, kpm, block_size)
     summ, nfv = _pisa_nodes(sums, cnt, lfv, lvl_off, lvl_span, k.shape[2], sum(sizes))
