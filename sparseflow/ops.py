@@ -299,7 +299,7 @@ def _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel) -> torch.T
     """One generate() step of a PISA layer on the model's cached pyramid (O(log N) append)."""
     cache = state.pyramid(tag, k, block_size=cfg.block_size, branching=cfg.branching)
     out, idx = cache.decode_step(q, k, v, top_k=cfg.top_k, score=cfg.score, scale=scale, force_sink=cfg.force_sink,
-                                 force_previous=cfg.force_previous, append=False)
+                                 force_previous=cfg.force_previous, append=False, beam=cfg.beam)
     if cap is not None:
         from .kernels import token_blocks as tb
 

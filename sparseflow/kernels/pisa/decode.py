@@ -8,7 +8,8 @@ key and are dropped by the walk, which therefore selects exactly what a pyramid 
 current length selects). ``append`` adds one key per (batch, KV head): one kernel launch updates
 the leaf and its ``O(log N)`` ancestors (sum, count, mean, first valid position).
 ``select`` runs the fused walk of ``triton_select`` for the new query token(s) against it:
-``O(g * K * log(N / C))`` per token. ``decode_step`` = append + select + attention over the
+``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k`` nodes above
+the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention over the
 selected blocks (``token_sparse_triton``).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..token_sparse_triton import token_sparse_attention
+from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
 
 __all__ = ["PyramidCache"]
@@ -117,25 +119,29 @@ class PyramidCache:
         self.length += 1
 
     def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = 8, score: str = "lse",
-               scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True) -> torch.Tensor:
+               scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
+               beam: int = 1) -> torch.Tensor:
         """Selection ``[B, Hkv, Nq, top_k]`` for the last ``Nq`` positions (``k`` = all cached keys)."""
+        check_beam(beam)
+        if score not in SCORE_CODES:
+            raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
         if k.shape[2] != self.length:
             raise ValueError(f"k holds {k.shape[2]} keys but the pyramid {self.length}")
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         idx = _pisa_select_fwd(q, k, None, self.summ, self.first_valid, self.lvl_off, self.lvl_span, sc, True,
                                SCORE_CODES[score], self.block_size, self.branching, int(top_k),
-                               bool(force_sink), bool(force_previous))
+                               bool(force_sink), bool(force_previous), int(beam))
         return idx
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = 8, score: str = "lse",
                     scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
-                    append: bool = True):
+                    append: bool = True, beam: int = 1):
         """One decoding step: ``k``/``v`` hold every key including the new one (``[B, Hkv, N, D]``);
         appends the new key (unless ``append=False``: already in), selects for ``q [B, Hq, 1, D]``
         and attends. Returns ``(out [B, Hq, 1, D], block indices [B, Hkv, 1, top_k])``."""
         if append:
             self.append(k[:, :, -1:])
         idx = self.select(q, k, top_k=top_k, score=score, scale=scale, force_sink=force_sink,
-                          force_previous=force_previous)
+                          force_previous=force_previous, beam=beam)
         out = token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
         return out, idx

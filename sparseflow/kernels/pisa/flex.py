@@ -34,6 +34,7 @@ def pisa_attention(
     score: str = "lse",
     force_sink: bool = True,
     force_previous: bool = True,
+    beam: int = 1,
     return_selection: bool = False,
     q_tile: Optional[int] = None,
     kv_tile: Optional[int] = None,
@@ -48,7 +49,7 @@ def pisa_attention(
     idx = pisa_select(
         q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
         block_size=block_size, top_k=top_k, branching=branching, score=score,
-        force_sink=force_sink, force_previous=force_previous,
+        force_sink=force_sink, force_previous=force_previous, beam=beam,
     )
     out = fc.token_block_attention(
         q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,

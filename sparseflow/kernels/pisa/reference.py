@@ -1,8 +1,8 @@
 """PISA (pyramid block selection) in plain PyTorch: the oracle for every other backend (SPEC §4).
 
 Selection walks a pyramid of mean key summaries from the root down, per query token, keeping at
-most ``top_k`` nodes per level; the kept leaf blocks are attended with
-:func:`sparseflow.kernels.token_blocks.attend_selected_blocks`.
+most ``beam * top_k`` nodes per level above the leaves and ``top_k`` leaves; the kept leaf
+blocks are attended with :func:`sparseflow.kernels.token_blocks.attend_selected_blocks`.
 
 Pyramid (per KV head, built by :func:`build_pyramid`): level 1 = leaf blocks of ``C`` keys, level
 ``l+1`` node ``u`` merges level-``l`` nodes ``u*g .. u*g+g-1`` (the last group may be short: the
@@ -19,8 +19,11 @@ Walk for query ``i`` (position ``p_i``, horizon ``h_i``; see token_blocks):
   (current / previous / sink) and the node that contains position ``p_i`` (in causal mode the
   only node that can straddle ``p_i``; forcing it keeps future keys out of every score even when
   the current leaf itself has no visible key because of padding);
-* if the candidates fit in ``top_k`` all are kept; otherwise the forced ones plus the
-  best-scoring others, ``top_k`` in total, ties to the lower index.
+* if the candidates fit in the level's width all are kept; otherwise the forced ones plus the
+  best-scoring others, the width in total, ties to the lower index. The width is ``top_k`` at the
+  leaf level and ``beam * top_k`` at every level above it (``beam=1``: ``top_k`` everywhere, the
+  walk of SPEC §4; a wider beam keeps more coarse candidates alive until their finer scores are
+  known, at ``beam`` times the selection cost).
 
 Scores are computed in fp32 (fp64 for fp64 inputs), per query head, and summed over the query
 heads of the GQA group:
@@ -43,9 +46,18 @@ import torch
 
 from .. import token_blocks as tb
 
-__all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES"]
+__all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES", "check_beam"]
 
 SCORES = ("lse", "mean", "mean_var")
+
+
+def check_beam(beam) -> int:
+    """``beam`` as an int >= 1, else a TypeError / ValueError naming it."""
+    if isinstance(beam, bool) or not isinstance(beam, int):
+        raise TypeError(f"beam must be an int >= 1, got {type(beam).__name__} ({beam!r})")
+    if beam < 1:
+        raise ValueError(f"beam must be >= 1, got {beam}")
+    return beam
 
 
 def build_pyramid(
@@ -174,12 +186,14 @@ def _select(
     score: str,
     force_sink: bool,
     force_previous: bool,
+    beam: int = 1,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq])."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {list(SCORES)}, got {score!r}")
     if branching < 2:
         raise ValueError(f"branching must be >= 2, got {branching}")
+    check_beam(beam)
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
@@ -227,7 +241,8 @@ def _select(
         span = g ** level  # leaves under one node of this level
         anc = torch.where(anc_leaf >= 0, torch.div(anc_leaf, span, rounding_mode="floor"), anc_leaf)
         forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
-        need = (valid.sum(-1) > top_k).any(1).any(0)  # [Nq]: some row must be scored
+        width = top_k if level == 0 else beam * top_k  # nodes kept at this level
+        need = (valid.sum(-1) > width).any(1).any(0)  # [Nq]: some row must be scored
         scores = None
         if bool(need.any()):
             m = cand.shape[-1]
@@ -242,7 +257,7 @@ def _select(
                     level, cand[:, :, s:e], qg[:, :, :, s:e], kblocks, n_k, pyramid, fvl,
                     horizons[s:e], kpm, scale=sc, block_size=block_size, branching=g, score=score,
                 )
-        kept, ok = tb.select_top_k(cand, valid, forced, scores, top_k)
+        kept, ok = tb.select_top_k(cand, valid, forced, scores, width)
         kept = torch.where(ok, kept, torch.zeros_like(kept))
     result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
     return result, n_visible
@@ -261,15 +276,18 @@ def pisa_select(
     score: str = "lse",
     force_sink: bool = True,
     force_previous: bool = True,
+    beam: int = 1,
 ) -> torch.Tensor:
     """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
-    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included."""
+    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included. ``beam``:
+    the walk keeps ``beam * top_k`` nodes at every level above the leaves (see the module
+    docstring; 1 = the plain walk)."""
     with torch.no_grad():
         idx, _ = _select(
             q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
             block_size=block_size, top_k=top_k, branching=branching, score=score,
-            force_sink=force_sink, force_previous=force_previous,
+            force_sink=force_sink, force_previous=force_previous, beam=beam,
         )
     return idx
 
@@ -288,6 +306,7 @@ def pisa_attention(
     score: str = "lse",
     force_sink: bool = True,
     force_previous: bool = True,
+    beam: int = 1,
     return_selection: bool = False,
 ):
     """PISA attention: select blocks (no gradient), then attend them (differentiable in q, k, v).
@@ -299,7 +318,7 @@ def pisa_attention(
         idx, n_visible = _select(
             q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,
             scale=scale, block_size=block_size, top_k=top_k, branching=branching, score=score,
-            force_sink=force_sink, force_previous=force_previous,
+            force_sink=force_sink, force_previous=force_previous, beam=beam,
         )
     out = tb.attend_selected_blocks(
         q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,

@@ -31,11 +31,13 @@ def pisa_attention(
     score: str = "lse",
     force_sink: bool = True,
     force_previous: bool = True,
+    beam: int = 1,
     return_selection: bool = False,
 ):
     idx = pisa_select(
         q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
         top_k=top_k, branching=branching, score=score, force_sink=force_sink, force_previous=force_previous,
+        beam=beam,
     )
     out = token_sparse_attention(q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal,
                                  scale=scale, block_size=block_size)

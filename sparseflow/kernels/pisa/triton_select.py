@@ -9,13 +9,16 @@ Imported lazily (``backend="triton"``); this module imports Triton.
 * ``pisa_select``: one program per (query token, batch x KV head) walks from the root to the
   leaves with its kept nodes in registers: the candidates of a level are the children of the
   nodes kept at the level above, future / empty nodes are dropped, the ancestors of the forced
-  blocks are kept without scoring, and, when more than ``top_k`` remain, the best-scoring ones
-  fill the rest (ties to the lower index). Scores are the reference's, summed over the ``G``
+  blocks are kept without scoring, and, when more than the level's width remain, the
+  best-scoring ones fill the rest (ties to the lower index). The width is ``top_k`` at the leaf
+  level and ``beam * top_k`` above it (the reference's ``beam``); the kept-node registers hold
+  ``KP = next_pow2(beam * top_k)`` slots and a level's ``CW >= KP * next_pow2(g)`` candidates. Scores are the reference's, summed over the ``G``
   query heads of the group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32
   summaries in IEEE fp32; raw keys in their own 16-bit dtype, whose products are exact in fp32).
   No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
 
-The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * K * log(N / C))`` per token.
+The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
+token.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ..block_summaries_triton import leaf_sums
+from .reference import check_beam
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 
@@ -167,10 +171,11 @@ def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
 
 
 @triton.jit
-def _top_k_keep(cand, valid, forced, score, ar, TOPK: tl.constexpr, CW: tl.constexpr):
-    """Keep the forced entries and the best-scoring others, TOPK in total (ties to the lower
-    position, i.e. the lower node id): returns the kept flags. One bitonic sort of 64-bit keys
-    (order-preserving score bits, then the reversed position) replaces TOPK argmax passes."""
+def _top_k_keep(cand, valid, forced, score, ar, width, CW: tl.constexpr):
+    """Keep the forced entries and the best-scoring others, ``width`` (<= CW, a runtime value:
+    the level's width) in total (ties to the lower position, i.e. the lower node id): returns
+    the kept flags. One bitonic sort of 64-bit keys (order-preserving score bits, then the
+    reversed position) replaces ``width`` argmax passes."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
@@ -179,7 +184,7 @@ def _top_k_keep(cand, valid, forced, score, ar, TOPK: tl.constexpr, CW: tl.const
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
     k64 = (ordered.to(tl.int64) << 32) + (CW - 1 - ar).to(tl.int64)  # distinct; lower position wins ties
     srt = tl.sort(k64, 0, descending=True)
-    kth = tl.sum(tl.where(ar == TOPK - 1, srt, 0), axis=0)
+    kth = tl.sum(tl.where(ar == width - 1, srt, 0), axis=0)
     return valid & (k64 >= kth)
 
 
@@ -204,14 +209,16 @@ def _pisa_select_kernel(
     FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr, IEEE_KEYS: tl.constexpr,
+    TOPK: tl.constexpr, WIDE: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     hkv = bh % HKV
-    # CW >= KP * BRP candidate slots: BRP children of each of KP kept nodes (slots past KP * BRP,
-    # there only because tl.dot needs 16 columns, have no parent and stay invalid)
+    # KP >= WIDE kept-node slots (WIDE = beam * TOPK nodes kept above the leaves, TOPK at the
+    # leaves); CW >= KP * BRP candidate slots: BRP children of each of KP kept nodes (slots past
+    # KP * BRP, there only because tl.dot needs 16 columns, have no parent and stay invalid)
     p = i + Nk - Nq  # query position (bottom-right aligned)
     if IS_CAUSAL:
         hz = p
@@ -266,7 +273,8 @@ def _pisa_select_kernel(
         forced = forced | (cand == tl.where(sink_f >= 0, sink_f // span, -1)) | (cand == tl.where(here >= 0, here // span, -1))
         forced = forced & valid
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
-        if n_valid > TOPK:
+        width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
+        if n_valid > width:
             score = tl.zeros([CW], dtype=tl.float32)
             if SCORE == 1:
                 # PISA-1: q . mean(node) * scale
@@ -338,7 +346,7 @@ def _pisa_select_kernel(
                             per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
                         s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
                         score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-            keep = _top_k_keep(cand, valid, forced, score, ar_cw, TOPK, CW)
+            keep = _top_k_keep(cand, valid, forced, score, ar_cw, width, CW)
         else:
             keep = valid
         kept, ok = _compact(cand, keep, ar_kp, ar_cw)
@@ -350,7 +358,7 @@ def _pisa_select_kernel(
 def _pisa_select_fwd(
     q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
     lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
-    block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool,
+    block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -358,7 +366,7 @@ def _pisa_select_fwd(
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    kp = _p2(top_k)
+    kp = _p2(beam * top_k)
     cw = max(16, kp * _p2(branching))
     cp = _p2(block_size, 16)
     warps, leaf_bytes = _launch(cw)
@@ -376,7 +384,7 @@ def _pisa_select_fwd(
         N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
-        BR=branching, BRP=_p2(branching), TOPK=top_k, KP=kp, CW=cw,
+        BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=kp, CW=cw,
         LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, leaf_bytes), IEEE_KEYS=ieee,
         num_warps=warps,
     )
@@ -385,7 +393,7 @@ def _pisa_select_fwd(
 
 @_pisa_select_fwd.register_fake
 def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
-      force_sink, force_previous):
+      force_sink, force_previous, beam):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
@@ -402,9 +410,12 @@ def pisa_select(
     score: str = "lse",
     force_sink: bool = True,
     force_previous: bool = True,
+    beam: int = 1,
 ) -> torch.Tensor:
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
-    block ids per query token, ascending, ``-1`` padded."""
+    block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
+    keeps ``beam * top_k`` nodes above the leaves)."""
+    check_beam(beam)
     if score not in SCORE_CODES:
         raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
     if branching < 2:
@@ -423,5 +434,5 @@ def pisa_select(
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         idx = _pisa_select_fwd(q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal),
                                SCORE_CODES[score], int(block_size), int(branching), int(top_k),
-                               bool(force_sink), bool(force_previous))
+                               bool(force_sink), bool(force_previous), int(beam))
     return idx.long()
