@@ -360,7 +360,7 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
     known = {"dense": set(), "bsa": {"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"}}
-    known["pisa"] = known["bsa"] | {"branching", "score"}
+    known["pisa"] = known["bsa"] | {"branching", "score", "beam"}
     known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
                     "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"}
     unknown = sorted({name for name, _ in _config_fields(method)} - known[method])

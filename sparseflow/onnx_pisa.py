@@ -1,8 +1,8 @@
 """ONNX function body of ``PISAAttention`` (sparseflow.kernels.pisa.reference, SPEC §4).
 
 Spliced between the shared prologue and epilogue of :mod:`sparseflow.onnx_export`; defines
-``allowed5 [B, Hkv, 1, N, N]`` and ``cfg_ok`` (False for a ``score`` this body does not know or
-``branching < 2``: the output is then NaN, never a different attention).
+``allowed5 [B, Hkv, 1, N, N]`` and ``cfg_ok`` (False for a ``score`` this body does not know,
+``branching < 2`` or ``beam < 1``: the output is then NaN, never a different attention).
 
 The number of pyramid levels depends on N, so the walk is an ONNX ``Loop`` over levels and the
 sequence length stays dynamic. To give the loop a fixed-shape state, the leaves are padded to
@@ -13,7 +13,7 @@ are never visible and never selected, exactly like the reference's padding to a 
 At level ``l`` (span ``g**l`` leaves per node) the candidates are the nodes whose parent is kept
 and that hold a visible key; forced ones (ancestors of the current / previous / sink leaves)
 rank first, then ``TopK`` by score (ties to the lower node id, as the reference's stable sort),
-``top_k`` in total. Node summaries and first-valid positions are reduced from the leaves with
+``top_k`` in total at the leaf level and ``beam * top_k`` at the levels above it. Node summaries and first-valid positions are reduced from the leaves with
 reshapes; raw-key leaf scores (``lse``/``mean_var``) are computed once, outside the loop.
 Summing a node's keys from its leaves (the reference sums level by level) and onnxruntime's own
 matmul order change scores in the last bits only; two candidates closer than that could rank
@@ -126,6 +126,8 @@ _LEAF_RAW = (
 MASK = f"""
   C = Constant <value_int: int = @block_size> ()
   TK = Constant <value_int: int = @top_k> ()
+  BM = Constant <value_int: int = @beam> ()
+  TKW = Mul (TK, BM)
   fsink_i = Constant <value_int: int = @force_sink> ()
   fprev_i = Constant <value_int: int = @force_previous> ()
   minlen = Constant <value_int: int = @min_seq_len> ()
@@ -142,7 +144,9 @@ MASK = f"""
   two = Constant <value_int = 2> ()
   g_ok = GreaterOrEqual (gb_attr, two)
   gb = Max (gb_attr, two)
-  cfg_ok = And (known, g_ok)
+  bm_ok = GreaterOrEqual (BM, one)
+  cfg_ok0 = And (known, g_ok)
+  cfg_ok = And (cfg_ok0, bm_ok)
   fsink = Cast <to = 9> (fsink_i)
   fprev = Cast <to = 9> (fprev_i)
   fhalf = Constant <value_float = 0.5> ()
@@ -269,7 +273,8 @@ MASK = f"""
       s_2 = Clip (s_1, fnbig, fbig)
       key0 = Where (forced, pinf, s_2)
       key = Where (valid, key0, ninf)
-      kk0 = Min (TK, nn)
+      width = Where (is_leaf, TK, TKW)
+      kk0 = Min (width, nn)
       kk = Unsqueeze (kk0, i0)
       top_v, top_i = TopK <axis = -1, largest = 1, sorted = 1> (key, kk)
       key_shape = Shape (key)

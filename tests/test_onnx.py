@@ -379,6 +379,7 @@ PISA_NODE_CONFIGS = [
     sparseflow.PISAConfig(block_size=4, top_k=5, branching=3, score="mean"),
     sparseflow.PISAConfig(block_size=8, top_k=3, score="mean_var", force_previous=False),
     sparseflow.PISAConfig(block_size=8, top_k=4, branching=4, force_sink=False),
+    sparseflow.PISAConfig(block_size=4, top_k=4, beam=2, score="mean_var"),
 ]
 
 
@@ -407,7 +408,7 @@ def test_sparse_node_ties_and_odd_lengths(cfg, n):
 @pytest.mark.parametrize(
     "method,bad",
     [("pbs", {"scoring": "max"}), ("pbs", {"gqa_permutation": "per_token"}), ("pisa", {"score": "max"}),
-     ("pisa", {"branching": 1})],
+     ("pisa", {"branching": 1}), ("pisa", {"beam": 0})],
 )
 def test_body_outputs_nan_for_settings_it_does_not_implement(method, bad):
     """A node written by hand (or by another tool) with a setting the body lacks: the fallback
