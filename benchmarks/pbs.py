@@ -5,6 +5,7 @@
     python benchmarks/pbs.py --part kernel   # attention kernel at 100% density vs cuDNN / flash SDPA
     python benchmarks/pbs.py --part total    # whole op at the default threshold, per stage, vs dense
     python benchmarks/pbs.py --part variants # layouts / TMA / fixed tile configs side by side
+    python benchmarks/pbs.py --part stages   # just the selection pipeline's kernels at 8K, 32K, 128K (short)
 
 Shapes: B=1, Hq=32, Hkv=8, D=128, bf16, N in {8K..128K} (``--ns``). Dense baselines: SDPA with
 the cuDNN backend and with the flash backend (causal, GQA), and FlexAttention (compiled) running
@@ -135,6 +136,38 @@ def env_info():
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def selection_diff(q, k, perm, bm, bs, seg, thr, tie_tol=1e-4):
+    """Kernel block mask ``bm`` vs the reference's ``select_blocks`` on the same permutation:
+    fraction of (batch, head, query block) rows that differ, and whether every differing block
+    is a near-tie of the reference's threshold rule (the mass ranked before it within
+    ``tie_tol`` of the threshold, or its probability within ``tie_tol`` (relative) of the
+    probability of the last block the reference keeps)."""
+    hq = q.shape[1]
+    ref = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
+    rows = (ref != bm).any(-1)  # [B, Hq, nB]
+    out = dict(kern_same_selection=not bool(rows.any()), kern_sel_rows_differing=rows.float().mean().item(),
+               kern_sel_blocks_differing=int((ref != bm).sum()))
+    if rows.any() and thr < 1.0:
+        cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
+        forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
+        probs = R.block_probabilities(q, k, perm, cand, block_size=bs)
+        idx = rows.nonzero(as_tuple=True)
+        pr, cd, dif = probs[idx], cand[idx], (ref != bm)[idx] & ~forced[idx]  # [R, nB]
+        key = torch.where(cd, pr, torch.full_like(pr, -1.0))
+        sp, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        mass = torch.where(sp >= 0, sp, torch.zeros_like(sp))
+        before = torch.empty_like(mass).scatter_(-1, order, torch.cumsum(mass, -1) - mass)
+        kept = cd & (before < thr)
+        p_cut = torch.where(kept, pr, torch.full_like(pr, float("inf"))).amin(-1, keepdim=True)
+        near = ((before - thr).abs() <= tie_tol) | ((pr - p_cut).abs() <= tie_tol * p_cut.clamp_min(1e-30))
+        out["kern_sel_diff_all_near_ties"] = bool((near | ~dif).all())
+        out["kern_sel_diff_max_threshold_gap"] = float(torch.where(dif, (before - thr).abs(),
+                                                                   torch.zeros_like(before)).max())
+        del cand, forced, probs
+    del ref
+    return out
 
 
 # --------------------------------------------------------------------------- parts
@@ -416,7 +449,9 @@ def part_total(args, results):
                    select_ms=t[2], layout_ms=t_prep, attention_ms=t_attn, total_ms=total,
                    select_frac_of_cudnn=(sel_ms + t_prep) / t_cudnn, total_speedup_vs_cudnn=t_cudnn / total,
                    attention_speedup_vs_cudnn=t_cudnn / t_attn, selection_impl="torch reference (no kernel yet)")
-        # stages 1-3 + layout with the Triton kernels (triton_select), side by side
+        # stages 1-3 + layout with the Triton kernels (triton_select, triton_impl.permuted_layout),
+        # side by side; the selection is checked against the reference run on the kernels' own
+        # permutation (perm2), which may differ from the reference's (perm) at score near-ties
         kern_stage_ms = None
         if args.select_kernels:
             try:
@@ -424,24 +459,25 @@ def part_total(args, results):
 
                 sc2 = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
                 perm2 = S.segment_permutation(sc2, segment_size=seg)
-                kk2 = TI.permute_kv(k, perm2)
-                lists2 = S.select_block_lists(q, kk2, perm2, block_size=bs, segment_size=seg, threshold=thr)
+                lay2 = TI.permuted_layout(k, v, perm2, block_size=bs)
+                lists2 = S.select_block_lists(q, None, perm2, block_size=bs, segment_size=seg, threshold=thr,
+                                              layout=lay2)
                 torch.cuda.synchronize()
                 t_ks = bench(lambda: S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa))
                 t_kp = bench(lambda: S.segment_permutation(sc2, segment_size=seg))
-                t_kl = bench(lambda: (TI.permute_kv(k, perm2), TI.permute_kv(v, perm2), TA.key_positions(perm2)))
-                t_kb = bench(lambda: S.select_block_lists(q, kk2, perm2, block_size=bs, segment_size=seg,
-                                                          threshold=thr, return_block_mask=False))
+                t_kl = bench(lambda: TI.permuted_layout(k, v, perm2, block_size=bs))
+                t_kb = bench(lambda: S.select_block_lists(q, None, perm2, block_size=bs, segment_size=seg,
+                                                          threshold=thr, return_block_mask=False, layout=lay2))
                 kern_stage_ms = t_ks + t_kp + t_kl + t_kb
                 ref_sc = R.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+                diff = selection_diff(q, k, perm2, lists2[3], bs, seg, thr)
                 row.update(kern_score_ms=t_ks, kern_permute_ms=t_kp, kern_layout_ms=t_kl, kern_select_ms=t_kb,
                            kern_stages_ms=kern_stage_ms, kern_stages_frac_of_cudnn=kern_stage_ms / t_cudnn,
                            kern_total_ms=kern_stage_ms + t_attn,
                            kern_total_speedup_vs_cudnn=t_cudnn / (kern_stage_ms + t_attn),
                            kern_score_rel_err=((sc2 - ref_sc).norm() / ref_sc.norm()).item(),
-                           kern_same_permutation=bool(torch.equal(perm2, perm)),
-                           kern_same_selection=bool(torch.equal(lists2[3], bm)))
-                del kk2, lists2, sc2, ref_sc
+                           kern_same_permutation=bool(torch.equal(perm2, perm)), **diff)
+                del lay2, lists2, sc2, ref_sc
             except Exception as e:  # noqa: BLE001
                 row["kern_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print("select kernels failed:", row["kern_error"], flush=True)
@@ -471,6 +507,75 @@ def part_total(args, results):
     results["total"] = rows
 
 
+def part_stages(args, results):
+    """Just the selection pipeline with the kernels (score, segment sort, layout, selection), per
+    stage and back to back, at ``--stage-ns`` (default 8K, 32K, 128K) on the structured generator
+    (query-head permutation), vs cuDNN dense; plus the old layout (two torch gathers + positions),
+    the selection's parts (query pooling, logits GEMM, the row kernel with either cut), the whole
+    op, and the selection checked against the reference on the same permutation."""
+    from sparseflow.kernels.pbs import triton_attention as TA
+    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.kernels.pbs import triton_select as S
+
+    b, hq, hkv, d = 1, args.hq, args.hkv, args.d
+    bs, seg, thr = args.block, args.segment, args.threshold
+    gqa = args.gqa[0]
+    rows = []
+    for n in args.stage_ns:
+        q, k, v = qkv(b, hq, hkv, n, d, args.dtype, seed=n, structured=True)
+        cud, _ = sdpa_dense(q, k, v, "cudnn")
+        t_cudnn = bench(cud)
+        sc = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+        perm = S.segment_permutation(sc, segment_size=seg)
+        lay = TI.permuted_layout(k, v, perm, block_size=bs)
+
+        def select(cut="bisect"):
+            return S.select_block_lists(q, None, perm, block_size=bs, segment_size=seg, threshold=thr,
+                                        return_block_mask=False, layout=lay, cut=cut)
+
+        def pipeline():
+            s_ = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+            p_ = S.segment_permutation(s_, segment_size=seg)
+            l_ = TI.permuted_layout(k, v, p_, block_size=bs)
+            return S.select_block_lists(q, None, p_, block_size=bs, segment_size=seg, threshold=thr,
+                                        return_block_mask=False, layout=l_)
+
+        row = dict(n=n, cudnn_ms=t_cudnn)
+        row["score_ms"] = bench(lambda: S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa))
+        row["permute_ms"] = bench(lambda: S.segment_permutation(sc, segment_size=seg))
+        row["layout_ms"] = bench(lambda: TI.permuted_layout(k, v, perm, block_size=bs))
+        row["select_ms"] = bench(select)
+        row["select_sort_ms"] = bench(lambda: select("sort"))
+        row["qpool_ms"] = bench(lambda: TI.pool_query_blocks(q, None, bs))
+        qbar = TI.pool_query_blocks(q, None, bs)
+        row["logits_ms"] = bench(lambda: S.block_logits(qbar, lay.kbar))
+        row["stages_sum_ms"] = row["score_ms"] + row["permute_ms"] + row["layout_ms"] + row["select_ms"]
+        row["pipeline_ms"] = bench(pipeline)  # back to back, launch overheads included
+        row["pipeline_frac_of_cudnn"] = row["pipeline_ms"] / t_cudnn
+        row["old_layout_ms"] = bench(lambda: (TI.permute_kv_torch(k, perm), TI.permute_kv_torch(v, perm),
+                                              TA.key_positions(perm)))
+        row["op_ms"] = bench(lambda: TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=thr,
+                                                      gqa_permutation=gqa))
+        row["op_speedup_vs_cudnn"] = t_cudnn / row["op_ms"]
+        exact_layout = bool(torch.equal(lay.k, TI.permute_kv_torch(k, perm))
+                            and torch.equal(lay.v, TI.permute_kv_torch(v, perm))
+                            and torch.equal(lay.kpos, TA.key_positions(perm)))
+        row["layout_exact"] = exact_layout
+        bm = S.select_block_lists(q, None, perm, block_size=bs, segment_size=seg, threshold=thr, layout=lay)[3]
+        bm_sort = S.select_block_lists(q, None, perm, block_size=bs, segment_size=seg, threshold=thr, layout=lay,
+                                       cut="sort")[3]
+        row["sort_vs_bisect_rows_differing"] = (bm != bm_sort).any(-1).float().mean().item()
+        row["density"] = R.selection_density(bm, perm, block_size=bs).mean().item()
+        if not args.no_stage_check:
+            row.update(selection_diff(q, k, perm, bm, bs, seg, thr))
+        rows.append(row)
+        print("stages " + " ".join(f"{k_}={v_:.4f}" if isinstance(v_, float) else f"{k_}={v_}"
+                                   for k_, v_ in row.items()), flush=True)
+        del q, k, v, lay, bm, bm_sort, qbar, sc, perm
+        torch.cuda.empty_cache()
+    results["stages"] = rows
+
+
 def print_table(results):
     if "kernel_100pct" in results:
         print("\n=== attention kernel at 100% density (equal work), B=1 Hq=32 Hkv=8 D=128 bf16 ===")
@@ -480,12 +585,23 @@ def print_table(results):
         for r in rows:
             print(f"{r['n']:>7} {r['cudnn_ms']:>9.3f} {r['flash_ms']:>9.3f} " +
                   " ".join(f"{r.get(k, float('nan')):>26.3f}" for k in keys))
+    if "stages" in results:
+        print("\n=== selection pipeline with the kernels (ms), B=1 Hq=32 Hkv=8 D=128 bf16, query-head permutation ===")
+        cols = ["cudnn_ms", "score_ms", "permute_ms", "layout_ms", "select_ms", "select_sort_ms", "qpool_ms",
+                "logits_ms", "stages_sum_ms", "pipeline_ms", "pipeline_frac_of_cudnn", "old_layout_ms", "op_ms",
+                "op_speedup_vs_cudnn", "density", "kern_sel_rows_differing"]
+        print(f"{'N':>7} " + " ".join(f"{c.replace('_ms', ''):>12}" for c in cols) + f" {'ties':>5} {'exact':>5}")
+        for r in results["stages"]:
+            print(f"{r['n']:>7} " + " ".join(f"{r.get(c, float('nan')):>12.4f}" for c in cols) +
+                  f" {str(r.get('kern_sel_diff_all_near_ties', '-')):>5} {str(r['layout_exact']):>5}")
     if "total" in results:
         print("\n=== whole op at threshold, structured synthetic Q/K ===")
-        print("(ms; stages 1-3 with the torch reference, then with the Triton kernels [kern])")
+        print("(ms; stages 1-3 with the torch reference, then with the Triton kernels [kern]; 'rows diff': fraction "
+              "of (head, query block) rows whose kernel selection differs from the reference's on the kernels' "
+              "permutation, 'ties': every differing block is a near-tie)")
         print(f"{'N':>7} {'density':>8} {'cudnn':>8} {'score':>8} {'perm':>8} {'select':>8} {'layout':>8} "
               f"{'attn':>8} {'total':>8} {'sel/cudnn':>9} {'speedup':>8} | {'kscore':>7} {'kperm':>7} {'ksel':>7} "
-              f"{'klayout':>7} {'ksel/cudnn':>10} {'kspeedup':>8} {'same':>5}")
+              f"{'klayout':>7} {'ksel/cudnn':>10} {'kspeedup':>8} {'rows diff':>9} {'ties':>5}")
         nan = float("nan")
         for r in results["total"]:
             print(f"{r['n']:>7} {r['density']:>8.3f} {r['cudnn_ms']:>8.2f} {r['score_ms']:>8.2f} {r['permute_ms']:>8.2f} "
@@ -494,7 +610,7 @@ def print_table(results):
                   f"{r.get('kern_score_ms', nan):>7.3f} {r.get('kern_permute_ms', nan):>7.3f} "
                   f"{r.get('kern_select_ms', nan):>7.3f} {r.get('kern_layout_ms', nan):>7.3f} "
                   f"{r.get('kern_stages_frac_of_cudnn', nan):>10.3f} {r.get('kern_total_speedup_vs_cudnn', nan):>8.2f} "
-                  f"{str(r.get('kern_same_selection', '-')):>5}")
+                  f"{r.get('kern_sel_rows_differing', nan):>9.2e} {str(r.get('kern_sel_diff_all_near_ties', '-')):>5}")
         print("whole op vs density (random selections, forced blocks in): speedup vs cuDNN, kernel stages")
         for r in results["total"]:
             print(f"{r['n']:>7} " + "  ".join(
@@ -504,7 +620,10 @@ def print_table(results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", action="append", choices=["check", "kernel", "total", "variants"])
+    ap.add_argument("--part", action="append", choices=["check", "kernel", "total", "variants", "stages"])
+    ap.add_argument("--stage-ns", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 131072])
+    ap.add_argument("--no-stage-check", action="store_true",
+                    help="--part stages: skip the comparison with the reference selection")
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--variant-ns", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
     ap.add_argument("--variant-configs", type=lambda s: [tuple(int(x) for x in c.split("/")) for c in s.split(",")],
@@ -544,7 +663,8 @@ def main(argv=None):
     print(json.dumps(results["env"]))
     t0 = time.time()
     for p in parts:
-        {"check": part_check, "kernel": part_kernel, "total": part_total, "variants": part_variants}[p](args, results)
+        {"check": part_check, "kernel": part_kernel, "total": part_total, "variants": part_variants,
+         "stages": part_stages}[p](args, results)
         print(f"[{p} done at {time.time() - t0:.0f}s]", flush=True)
         os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w") as f:

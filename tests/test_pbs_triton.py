@@ -5,6 +5,7 @@ here before the Triton modules are imported; small shapes). Error rule: the Trit
 relative error against the reference in fp64 must be at most twice PyTorch's own error on the
 same masked problem in the same dtype (SDPA with the selection's key mask), plus 1e-6.
 """
+import math
 import os
 
 import pytest
@@ -346,3 +347,109 @@ def test_dispatch_through_op(monkeypatch):
         out = sparseflow.pbs_attention(q, k, v, config=cfg, backend="triton", **kw)
         ref = sparseflow.pbs_attention(q, k, v, config=cfg, backend="reference", **kw)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- layout kernel, new selection path
+
+
+def _random_perm(b, hp, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.stack([torch.randperm(n, generator=g) for _ in range(hp)]) for _ in range(b)]).to(DEV)
+
+
+@pytest.mark.parametrize("hp_kind", ["query_head", "kv_head"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_permute_kv_kernel_exact(hp_kind, dtype):
+    """The Triton gather writes exactly the torch index_select's tensors (odd N, GQA, strided input),
+    and the same launch's positions, pooled key blocks, counts and sink match their torch forms."""
+    b, hq, hkv, n, d, bs = 2, 6, 2, 77, 48, 16
+    hp = hq if hp_kind == "query_head" else hkv
+    g = torch.Generator().manual_seed(7)
+    # a [B, N, H, D] buffer seen as [B, H, N, D]: row stride H*D, not D
+    k = torch.randn(b, n, hkv, d, generator=g).to(DEV, dtype).transpose(1, 2)
+    v = torch.randn(b, hkv, n, d, generator=g).to(DEV, dtype)
+    perm = _random_perm(b, hp, n, seed=3)
+    assert torch.equal(TI.permute_kv(k, perm), TI.permute_kv_torch(k, perm))
+    kpm = _padding(b, n)
+    for mask in (None, kpm):
+        lay = TI.permuted_layout(k, v, perm, key_padding_mask=mask, block_size=bs)
+        assert torch.equal(lay.k, TI.permute_kv_torch(k, perm))
+        assert torch.equal(lay.v, TI.permute_kv_torch(v, perm))
+        assert torch.equal(lay.kpos, TA.key_positions(perm, mask))
+        valid = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=DEV)
+        slot_valid = torch.gather(valid[:, None, :].expand(b, hp, n), 2, perm)
+        nb = -(-n // bs)
+        cnt = F.pad(slot_valid, (0, nb * bs - n)).view(b, hp, nb, bs).sum(-1)
+        assert torch.equal(lay.kcount.long(), cnt)
+        from sparseflow.kernels.pbs.triton_select import pool_blocks
+
+        torch.testing.assert_close(lay.kbar, pool_blocks(TI.permute_kv_torch(k, perm), slot_valid, bs, False),
+                                   rtol=1e-6, atol=1e-6)
+        first = R._first_valid(mask, b, n, DEV)
+        sink = (perm == first[:, None, None]).to(torch.int8).argmax(-1) // bs
+        assert torch.equal(lay.sink.long(), sink)
+
+
+def test_pool_query_blocks_matches_reference():
+    b, h, n, d, bs = 2, 3, 45, 32, 16
+    q, _, _ = _qkv(b, h, 1, n, d, torch.float32, seed=9)
+    kpm = _padding(b, n)
+    kpm[1, 16:32] = False  # a block with no valid query: pooled over all its positions
+    for mask in (None, kpm):
+        ref = R._query_block_means(q, R._valid_positions(mask, b, n, DEV), bs)
+        torch.testing.assert_close(TI.pool_query_blocks(q, mask, bs), ref, rtol=1e-6, atol=1e-6)
+
+
+NEW_SELECT_CASES = [
+    # n, hq, hkv, gqa, pad, causal, block, segment, threshold, cut, max_logit_bytes
+    (157, 6, 2, "query_head", True, True, 16, 32, 0.8, "bisect", 1 << 30),
+    (157, 6, 2, "kv_head", True, True, 16, 32, 0.8, "sort", 1 << 30),
+    (157, 6, 2, "query_head", True, False, 16, 32, 0.7, "bisect", 1),  # one permutation head per chunk
+    (203, 4, 2, "kv_head", False, True, 8, 32, 0.9, "bisect", 4000),
+    (203, 4, 2, "query_head", False, True, 8, 32, 1.0, "bisect", 1 << 30),
+]
+
+
+@pytest.mark.parametrize("case", NEW_SELECT_CASES, ids=[f"new{i}" for i in range(len(NEW_SELECT_CASES))])
+def test_select_from_layout_identical_to_reference(case):
+    """Pooled keys from the layout launch, logits from one batched GEMM (in head chunks), rows
+    from the threshold kernel: identical selection and block lists to the reference."""
+    from sparseflow.kernels.pbs.triton_select import select_block_lists
+
+    n, hq, hkv, gqa, pad, causal, bs, seg, thr, cut, mlb = case
+    b = 2 if pad else 1
+    q, k, v = _qkv(b, hq, hkv, n, 24, torch.float32, seed=n * 3 + hq)
+    kpm = _padding(b, n) if pad else None
+    sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+    perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+    ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg,
+                             threshold=thr)
+    lay = TI.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
+    kv_num, kv_full, kv_idx, bm = select_block_lists(
+        q, None, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr,
+        layout=lay, cut=cut, max_logit_bytes=mlb)
+    assert torch.equal(bm, ref_bm)
+    r_num, r_full, r_idx = TA.block_mask_to_indices(ref_bm, num_keys=n, block_size=bs, segment_size=seg,
+                                                    is_causal=causal, has_padding=pad)
+    assert torch.equal(kv_num, r_num) and torch.equal(kv_full, r_full)
+    assert torch.equal(kv_idx, r_idx.masked_fill(torch.arange(r_idx.shape[-1], device=DEV) >= r_num[..., None], 0))
+
+
+@pytest.mark.parametrize("cut", ["bisect", "sort"])
+@pytest.mark.parametrize("thr", [0.3, 0.5, 0.99])
+def test_threshold_ties_go_to_lower_blocks(cut, thr):
+    """All key blocks pool to the same mean: uniform probabilities, so the threshold prefix is
+    decided by the tie rule alone (lower block index first), as in the reference."""
+    from sparseflow.kernels.pbs.triton_select import select_block_lists
+
+    n, bs, seg = 160, 16, 32
+    q, _, _ = _qkv(1, 2, 1, n, 16, torch.float32, seed=2)
+    k = torch.randn(1, 1, 1, 16, device=DEV).expand(1, 1, n, 16).contiguous()
+    perm = torch.arange(n, device=DEV).expand(1, 1, n).contiguous()
+    ref_bm = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
+    bm = select_block_lists(q, None, perm, block_size=bs, segment_size=seg, threshold=thr, cut=cut,
+                            layout=TI.permuted_layout(k, None, perm, block_size=bs))[3]
+    assert torch.equal(bm, ref_bm)
+    # the last query block has 8 candidates of 1/8 each: it keeps ceil(thr * 8) of them, the first ones
+    kept = bm[0, 0, -1, :8].nonzero().squeeze(1).tolist()
+    assert kept == list(range(math.ceil(thr * 8 - 1e-6)))

@@ -26,6 +26,7 @@ H200 -- ``triton_impl`` uses these only when ``SPARSEFLOW_PBS_SELECT=triton``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional, Tuple
@@ -36,74 +37,89 @@ import triton.language as tl
 
 from . import reference as _ref
 
-__all__ = ["pool_blocks", "select_block_lists", "key_scores", "segment_permutation"]
+__all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _select_kernel(
-    QBAR, KBAR, REGION, KVALID, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK,
-    H, NB, HP_GROUP, N, scale, threshold, block_size, segment_size,
-    HEAD_DIM: tl.constexpr, BLOCK_B: tl.constexpr, CHUNK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, EXACT: tl.constexpr, HAS_PAD: tl.constexpr, WRITE_MASK: tl.constexpr,
+def _select_rows_kernel(
+    LOGITS, LENS, KCNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK,
+    H, H0, HC, NB, HP_GROUP, HP, N, scale, threshold, block_size, segment_size, mask_segment,
+    BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, EXACT: tl.constexpr, HAS_PAD: tl.constexpr,
+    WRITE_MASK: tl.constexpr, CUT_SORT: tl.constexpr,
 ):
+    """One program per (query block, batch * head of the chunk ``[H0, H0 + HC)``): reads its row
+    of raw block logits ``q̄·k̄`` (``LOGITS [B, HC, nB, nB]`` fp32), applies the scale, masks the
+    non-candidates, takes the softmax, finds the threshold prefix, adds the forced blocks and
+    writes the block lists (and the mask)."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b = bh // HC
+    hc = bh % HC
+    h = H0 + hc
     p = h // HP_GROUP
-    hp = H // HP_GROUP
     offs = tl.arange(0, BLOCK_B)
     kb_ok = offs < NB
     b64 = b.to(tl.int64)
 
-    region_k = tl.load(REGION + b64 * NB + offs, mask=kb_ok, other=-1)
-    region_q = tl.load(REGION + b64 * NB + qb)
-    kvalid = tl.load(KVALID + (b64 * hp + p) * NB + offs, mask=kb_ok, other=0) != 0
+    # regions: segment index, capped at floor(L_b / S) (the tail); L_b = N without padding
+    if HAS_PAD:
+        n_seg = tl.load(LENS + b) // segment_size
+    else:
+        n_seg = N // segment_size
+    region_k = tl.minimum((offs * block_size) // segment_size, n_seg)
+    region_q = tl.minimum((qb * block_size) // segment_size, n_seg)
+    kvalid = tl.load(KCNT + (b64 * HP + p) * NB + offs, mask=kb_ok, other=0) > 0
     if IS_CAUSAL:
         cand = kb_ok & kvalid & (region_k < region_q)
     else:
         cand = kb_ok & kvalid & (region_k != region_q)
-    sink = tl.load(SINK + b64 * H + h)  # -1: none
+    sink = tl.load(SINK + b64 * HP + p)  # -1: none
     forced = kb_ok & ((region_k == region_q) | (offs == sink))
 
     if EXACT:
         keep = cand
     else:
-        # block logits q̄·k̄·scale, fp32, reduced over D in chunks
-        q_row = QBAR + (b64 * H + h) * NB * HEAD_DIM + qb * HEAD_DIM
-        k_rows = KBAR + (b64 * hp + p) * NB * HEAD_DIM
-        logit = tl.zeros([BLOCK_B], dtype=tl.float32)
-        for d0 in tl.static_range(0, HEAD_DIM, CHUNK_D):
-            dd = d0 + tl.arange(0, CHUNK_D)
-            d_ok = dd < HEAD_DIM
-            qv = tl.load(q_row + dd, mask=d_ok, other=0.0)
-            kv = tl.load(k_rows + offs[:, None] * HEAD_DIM + dd[None, :], mask=kb_ok[:, None] & d_ok[None, :],
-                         other=0.0)
-            logit += tl.sum(kv * qv[None, :], axis=1)
-        logit = tl.where(cand, logit * scale, float("-inf"))
+        raw = tl.load(LOGITS + ((b64 * HC + hc) * NB + qb) * NB + offs, mask=cand, other=0.0)
+        logit = tl.where(cand, raw * scale, float("-inf"))
         m = tl.max(logit, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
         e = tl.where(cand, tl.exp(logit - m), 0.0)
         denom = tl.sum(e, 0)
         prob = e / tl.where(denom > 0.0, denom, 1.0)
-        # sort key: probability bits (>= 0, so integer order = float order; -1 for non-candidates)
-        # in the high word, (BLOCK_B-1-index) in the low word: descending = ties to the lower index
+        # total order: probability bits (>= 0, integer order = float order; -1 for
+        # non-candidates) in the high part, (BLOCK_B-1-index) in the low part, so descending
+        # order breaks ties to the lower block index
         pbits = tl.where(cand, prob.to(tl.int32, bitcast=True), -1)
-        packed = (pbits.to(tl.int64) << 32) | (BLOCK_B - 1 - offs).to(tl.int64)
-        srt = tl.sort(packed, descending=True)
-        s_bits = (srt >> 32).to(tl.int32)
-        s_cand = s_bits >= 0
-        s_prob = tl.where(s_cand, s_bits.to(tl.float32, bitcast=True), 0.0)
-        before = tl.cumsum(s_prob, 0) - s_prob
-        keep_sorted = s_cand & (before < threshold)
-        cut = tl.min(tl.where(keep_sorted, srt, 9223372036854775807), 0)
-        keep = cand & (packed >= cut)
+        packed = pbits.to(tl.int64) * BLOCK_B + (BLOCK_B - 1 - offs).to(tl.int64)
+        if CUT_SORT:
+            srt = tl.sort(packed, descending=True)
+            s_bits = (srt // BLOCK_B).to(tl.int32)
+            s_cand = srt >= 0
+            s_prob = tl.where(s_cand, s_bits.to(tl.float32, bitcast=True), 0.0)
+            before = tl.cumsum(s_prob, 0) - s_prob
+            keep_sorted = s_cand & (before < threshold)
+            cut = tl.min(tl.where(keep_sorted, srt, 9223372036854775807), 0)
+            keep = cand & (packed >= cut)
+        else:
+            # a candidate is kept iff the mass of the candidates ranked before it is below the
+            # threshold; that mass falls as the key rises, so bisect for the smallest key whose
+            # mass-above is < threshold (no sort; ~log2(range) masked sums)
+            hi = tl.max(packed, 0)  # mass above the top key is 0 (< threshold when threshold > 0)
+            lo = tl.min(tl.where(cand, packed, hi), 0) - 1  # mass above it: everything
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                above = tl.sum(tl.where(packed > mid, prob, 0.0), 0)
+                go = above < threshold
+                hi = tl.where(go, mid, hi)
+                lo = tl.where(go, lo, mid)
+            # (when even the total mass is below the threshold, hi ends at the lowest key: all kept)
+            keep = cand & (packed >= hi) & (threshold > 0.0)
 
     final = keep | forced
     # blocks that need the attention kernel's element mask
-    seg_first = (qb * block_size // segment_size) * segment_size // block_size
+    seg_first = (qb * block_size // mask_segment) * mask_segment // block_size
     if IS_CAUSAL:
         needs = offs >= seg_first
     else:
@@ -118,8 +134,9 @@ def _select_kernel(
     n_full = tl.sum(fi, 0)
     n_tot = n_full + tl.sum(ri, 0)
     pos = tl.where(full, tl.cumsum(fi, 0) - 1, n_full + tl.cumsum(ri, 0) - 1)
-    row = (b64 * H + h) * tl.num_programs(0) + qb
+    row = (b64 * H + h) * NB + qb
     tl.store(KV_IDX + row * NB + pos, offs, mask=final)
+    tl.store(KV_IDX + row * NB + offs, tl.zeros_like(offs), mask=kb_ok & (offs >= n_tot))
     tl.store(KV_NUM + row, n_tot)
     tl.store(KV_FULL + row, n_full)
     if WRITE_MASK:
@@ -144,9 +161,38 @@ def pool_blocks(x: torch.Tensor, valid: torch.Tensor, block_size: int, fallback_
     return (xf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
 
 
+@contextlib.contextmanager
+def _ieee_fp32_matmul(enabled: bool):
+    """Exact fp32 matmuls (no TF32) inside, whatever the global setting; restored after."""
+    if not enabled:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def block_logits(qbar: torch.Tensor, kbar: torch.Tensor, p0: int = 0, p1: Optional[int] = None) -> torch.Tensor:
+    """fp32 ``[B, (p1-p0)*G, nB, nB]`` raw block logits ``q̄_I · k̄_J`` of the query heads of
+    permutation heads ``[p0, p1)``: one batched fp32 GEMM (no TF32) with the group of query heads
+    sharing a permutation head folded into the rows (a view, no repeat), as the reference's
+    ``torch.matmul(qbar[b, heads], kbar.t())``."""
+    bsz, hq, nb, d = qbar.shape
+    hp = kbar.shape[1]
+    p1 = hp if p1 is None else p1
+    g = hq // hp
+    qv = qbar.view(bsz, hp, g * nb, d)[:, p0:p1]
+    with _ieee_fp32_matmul(qbar.is_cuda):
+        out = torch.matmul(qv, kbar[:, p0:p1].transpose(-1, -2))  # [B, P, G*nB, nB]
+    return out.view(bsz, (p1 - p0) * g, nb, nb)
+
+
 def select_block_lists(
     q: torch.Tensor,
-    k_perm: torch.Tensor,
+    k_perm: Optional[torch.Tensor],
     permutation: torch.Tensor,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
@@ -158,52 +204,77 @@ def select_block_lists(
     force_sink: bool = True,
     mask_segment: Optional[int] = None,
     return_block_mask: bool = True,
+    layout=None,
+    max_logit_bytes: int = 1 << 30,
+    cut: str = "bisect",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
-    keys ``k_perm [B, Hp, N, D]`` (``permute_kv(k, permutation)``). ``mask_segment`` (default
-    ``segment_size``) decides which blocks take the attention kernel's unmasked path."""
+    keys. ``layout``: the :class:`triton_impl.PermutedLayout` of the permutation (its pooled key
+    blocks, valid-key counts and sink blocks, made by the same launch that permutes K/V); without
+    it they are computed here in torch from ``k_perm [B, Hp, N, D]`` (``permute_kv(k,
+    permutation)``). ``mask_segment`` (default ``segment_size``) decides which blocks take the
+    attention kernel's unmasked path. ``max_logit_bytes`` bounds the logits buffer (heads are
+    processed in chunks beyond it). ``cut``: ``"bisect"`` or ``"sort"`` (same selection; two
+    ways to find the threshold prefix)."""
+    from .triton_impl import pool_query_blocks
+
     bsz, hq, n, d = q.shape
     hp = permutation.shape[1]
     dev = q.device
     nb = -(-n // block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
-    kpm = key_padding_mask.to(torch.bool) if key_padding_mask is not None else None
-    valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev)
-    region = _ref.block_regions(kpm, bsz, n, block_size=block_size, segment_size=segment_size,
-                                device=dev).to(torch.int32).contiguous()
-    slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
-    kvalid = torch.nn.functional.pad(slot_valid, (0, nb * block_size - n)).view(bsz, hp, nb, block_size).any(-1)
-    kvalid = kvalid.to(torch.int8).contiguous()
-    if force_sink:
-        first = _ref._first_valid(kpm, bsz, n, dev)  # [B], -1 if none
-        slot = (permutation == first.clamp_min(0)[:, None, None]).to(torch.int8).argmax(dim=-1)  # [B, Hp]
-        sink = (slot // block_size).repeat_interleave(hq // hp, dim=1)
-        sink = torch.where(first[:, None] >= 0, sink, torch.full_like(sink, -1))
-    else:
-        sink = torch.full((bsz, hq), -1, device=dev, dtype=torch.int64)
-    sink = sink.to(torch.int32).contiguous()
+    kpm = key_padding_mask.to(torch.bool) if has_pad else None
     exact = float(threshold) >= 1.0
-    if exact:
-        qbar = torch.empty(1, device=dev, dtype=torch.float32)
-        kbar = qbar
-    else:
-        qbar = pool_blocks(q, valid, block_size, fallback_all=True).contiguous()
-        kbar = pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous()
+    if cut not in ("bisect", "sort"):
+        raise ValueError(f"cut must be 'bisect' or 'sort', got {cut!r}")
+    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
+    if layout is not None and layout.kcount is not None and (exact or layout.kbar is not None) \
+            and (layout.sink is not None or not force_sink):
+        kbar, kcnt = layout.kbar, layout.kcount
+        sink = layout.sink if force_sink else None
+    else:  # pooled keys, counts and sink from the permuted K in torch
+        valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev)
+        slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
+        kcnt = torch.nn.functional.pad(slot_valid, (0, nb * block_size - n)).view(
+            bsz, hp, nb, block_size).sum(-1, dtype=torch.int32)
+        kbar = None if exact else pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous()
+        sink = None
+        if force_sink:
+            first = _ref._first_valid(kpm, bsz, n, dev)  # [B], -1 if none
+            slot = (permutation == first.clamp_min(0)[:, None, None]).to(torch.int8).argmax(dim=-1)  # [B, Hp]
+            sink = torch.where(first[:, None] >= 0, slot // block_size, torch.full_like(slot, -1))
+    if sink is None:
+        sink = torch.full((bsz, hp), -1, device=dev, dtype=torch.int32)
+    sink = sink.to(torch.int32).contiguous()
+    kcnt = kcnt.contiguous()
     kv_num = torch.empty(bsz, hq, nb, dtype=torch.int32, device=dev)
     kv_full = torch.empty_like(kv_num)
-    kv_idx = torch.zeros(bsz, hq, nb, nb, dtype=torch.int32, device=dev)
-    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.int8, device=dev) if return_block_mask else kv_num
+    kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
+    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if return_block_mask else None
     block_b = max(16, triton.next_power_of_2(nb))
-    chunk_d = max(1, min(triton.next_power_of_2(d), max(1, 8192 // block_b)))
-    _select_kernel[(nb, bsz * hq)](
-        qbar, kbar, region, kvalid, sink, kv_num, kv_full, kv_idx, bmask,
-        hq, nb, hq // hp, n, sc, float(threshold), block_size,
-        mask_segment if mask_segment is not None else segment_size,
-        HEAD_DIM=d, BLOCK_B=block_b, CHUNK_D=chunk_d, IS_CAUSAL=bool(is_causal), EXACT=exact,
-        HAS_PAD=has_pad, WRITE_MASK=return_block_mask, num_warps=4 if block_b <= 256 else 8,
-    )
-    return kv_num, kv_full, kv_idx, (bmask.bool() if return_block_mask else None)
+    g = hq // hp
+    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
+                WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
+    common = (kv_num, kv_full, kv_idx, bmask.view(torch.int8) if return_block_mask else kv_num)
+    seg_args = (n, sc, float(threshold), block_size, segment_size,
+                mask_segment if mask_segment is not None else segment_size)
+    lens_arg = lens if lens is not None else kv_num
+    if exact:
+        _select_rows_kernel[(nb, bsz * hq)](kv_num, lens_arg, kcnt, sink, *common, hq, 0, hq, nb, g, hp,
+                                            *seg_args, **meta)
+    else:
+        qbar = pool_query_blocks(q, kpm, block_size).contiguous()
+        kbar = kbar.contiguous()
+        per_p = bsz * g * nb * nb * 4
+        pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
+        for p0 in range(0, hp, pc):
+            p1 = min(hp, p0 + pc)
+            logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
+            hc = (p1 - p0) * g
+            _select_rows_kernel[(nb, bsz * hc)](logits, lens_arg, kcnt, sink, *common, hq, p0 * g, hc, nb, g, hp,
+                                                *seg_args, **meta)
+    return kv_num, kv_full, kv_idx, bmask
 
 
 # --------------------------------------------------------------------------- 1. proxy key scores
