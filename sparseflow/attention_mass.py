@@ -8,7 +8,9 @@
   Recall@K is the fraction of that set it picked, its retained mass the attention mass of the
   blocks it picked. Selectors: PISA (any score), BSA, and ``flat_lse`` — an exact scan scoring
   every visible block by the summed per-head LSE over its raw keys (what PISA's pyramid
-  approximates, at O(N) cost per query).
+  approximates, at O(N) cost per query). A PISA selector may carry a beam suffix,
+  ``pisa_<score>_beam<B>`` (e.g. ``pisa_lse_beam4``): the walk with ``PISAConfig.beam = B``
+  (:func:`parse_selector`).
 * :func:`pbs_retained_mass` is the PBS counterpart: the attention mass of the last queries that
   falls on the key blocks PBS selects (through its permutation), per head, with the density.
 
@@ -18,13 +20,16 @@ in query chunks so 8K tokens fit in a few hundred MB.
 from __future__ import annotations
 
 import math
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["capture_qkv", "topk_recall", "pbs_retained_mass", "spread_positions", "recall_diagnostic", "TOPK_SELECTORS"]
+__all__ = ["capture_qkv", "topk_recall", "pbs_retained_mass", "spread_positions", "recall_diagnostic",
+           "parse_selector", "check_selectors", "TOPK_SELECTORS"]
 
 TOPK_SELECTORS = ("pisa_lse", "pisa_mean", "pisa_mean_var", "bsa", "flat_lse")
+_PISA_SELECTOR = re.compile(r"pisa_(lse|mean_var|mean)(?:_beam([1-9][0-9]*))?")
 _CAPTURE_NAME = "sparseflow_capture_qkv"
 
 
@@ -80,20 +85,47 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
     return hq, hkv, n, d
 
 
+def parse_selector(name) -> Tuple[str, Optional[str], int]:
+    """``(kind, score, beam)`` of a Recall@K selector name: ``("pisa", score, beam)`` for
+    ``pisa_<score>`` / ``pisa_<score>_beam<B>`` (score ``lse``, ``mean`` or ``mean_var``, B >= 1;
+    no suffix = beam 1), ``("bsa", None, 1)``, ``("flat_lse", None, 1)``. Anything else raises a
+    ValueError listing the accepted names."""
+    if isinstance(name, str):
+        if name in ("bsa", "flat_lse"):
+            return name, None, 1
+        m = _PISA_SELECTOR.fullmatch(name)
+        if m is not None:
+            return "pisa", m.group(1), int(m.group(2) or 1)
+    raise ValueError(f"selector must be one of {list(TOPK_SELECTORS)} or pisa_<score>_beam<B> (score lse, mean or "
+                     f"mean_var; B an int >= 1, e.g. pisa_lse_beam4), got {name!r}")
+
+
+def check_selectors(selectors: Sequence[str]) -> List[str]:
+    """``selectors`` as a list after checking every name (:func:`parse_selector`) and that they
+    are distinct and non-empty; a ValueError otherwise."""
+    if isinstance(selectors, str) or not selectors:
+        raise ValueError(f"selectors must be a non-empty list of selector names, got {selectors!r}")
+    for s in selectors:
+        parse_selector(s)
+    dup = sorted({s for s in selectors if list(selectors).count(s) > 1})
+    if dup:
+        raise ValueError(f"selectors must be distinct, got {dup} more than once")
+    return list(selectors)
+
+
 def _selector_indices(name: str, q, k, block_size: int, top_k: int, branching: int) -> Optional[torch.Tensor]:
     """``[Hkv, N, K]`` block ids of a library selector, or None for ``flat_lse`` (done inline)."""
-    if name.startswith("pisa_"):
+    kind, score, beam = parse_selector(name)
+    if kind == "pisa":
         from .kernels.pisa.reference import pisa_select
 
         return pisa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching,
-                           score=name[len("pisa_"):])[0]
-    if name == "bsa":
+                           score=score, beam=beam)[0]
+    if kind == "bsa":
         from .kernels.bsa.reference import bsa_select
 
         return bsa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k)[0]
-    if name == "flat_lse":
-        return None
-    raise ValueError(f"selector must be one of {list(TOPK_SELECTORS)}, got {name!r}")
+    return None  # flat_lse
 
 
 def topk_recall(
@@ -112,6 +144,7 @@ def topk_recall(
     ``{selector: {"recall", "recall_free", "retained_mass"}, "oracle": {"retained_mass"}}``;
     ``recall_free`` counts only the K-3 blocks that are not forced."""
     hq, hkv, n, d = _check_qk(q, k)
+    selectors = check_selectors(selectors)
     if top_k < 4:
         raise ValueError(f"top_k must be >= 4 (3 forced blocks + at least one chosen), got {top_k}")
     if not (0 <= q_start < n):
@@ -260,10 +293,9 @@ def recall_diagnostic(model, input_ids: torch.Tensor, *, selectors: Sequence[str
                       block_size: int = 64, top_k: int = 8, branching: int = 2, q_start: int = 512,
                       progress=None) -> Dict[str, object]:
     """:func:`topk_recall` for every layer of a transformers model on ``input_ids``: per-layer
-    rows and the mean over layers of each selector's recall, free-block recall and retained mass."""
-    bad = [s for s in selectors if s not in TOPK_SELECTORS]
-    if bad or not selectors:
-        raise ValueError(f"selectors must be a non-empty subset of {list(TOPK_SELECTORS)}, got {list(selectors)}")
+    rows and the mean over layers of each selector's recall, free-block recall and retained mass.
+    ``selectors``: names accepted by :func:`parse_selector` (e.g. add ``pisa_lse_beam2``)."""
+    selectors = check_selectors(selectors)
     layers = capture_qkv(model, input_ids)
     rows = []
     for i, (q, k, _) in enumerate(layers):

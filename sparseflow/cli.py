@@ -119,6 +119,8 @@ def _eval(args: argparse.Namespace) -> int:
             raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa, bsa or a comma list)")
         if args.recall and (args.sweep or args.no_permute):
             raise ValueError("--recall is a diagnostic of its own: it takes no --sweep/--no-permute")
+        if args.recall_selectors and not args.recall:
+            raise ValueError("--recall-selectors chooses the selectors of --recall: pass --recall too")
         field = None
         if args.sweep or args.no_permute:
             if args.sweep:
@@ -208,12 +210,19 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
     """``eval --recall``: PISA Recall@K / retained-mass diagnostic on the model's real Q/K."""
     import torch
 
-    from .attention_mass import TOPK_SELECTORS, recall_diagnostic
+    from .attention_mass import TOPK_SELECTORS, check_selectors, recall_diagnostic
     from .checkpoints import TEXTS, real_tokens
     from .convert import load_source, stderr_progress
 
     if args.recall_k < 4:
         raise ValueError(f"--recall-k must be >= 4 (3 forced blocks + 1), got {args.recall_k}")
+    selectors = list(TOPK_SELECTORS)
+    if args.recall_selectors:
+        selectors = [x.strip() for x in args.recall_selectors.split(",") if x.strip()]
+        try:
+            selectors = check_selectors(selectors)
+        except ValueError as e:
+            raise ValueError(f"--recall-selectors: {e}") from None
     stderr_progress(f"loading {source} ...")
     model, tok = load_source(source, dtype=args.dtype)
     if args.tokenizer:
@@ -224,16 +233,17 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
     q_start = min(512, args.tokens - 1)
     stderr_progress(f"Recall@{args.recall_k} (C=64, g=2, 3 forced) over queries >= {q_start} of {args.tokens} tokens "
                     f"of {args.text}")
-    report = recall_diagnostic(model, ids, top_k=args.recall_k, block_size=64, branching=2, q_start=q_start,
-                               progress=stderr_progress)
+    report = recall_diagnostic(model, ids, selectors=selectors, top_k=args.recall_k, block_size=64, branching=2,
+                               q_start=q_start, progress=stderr_progress)
     report.update(model=str(source), text=args.text, text_description=TEXTS[args.text][1], torch=torch.__version__,
                   python=platform.python_version(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    head = f"{'selector':<14} {'Recall@K':>9} {'free recall':>11} {'retained mass':>13}"
+    w = max(14, *(len(s) for s in selectors))
+    head = f"{'selector':<{w}} {'Recall@K':>9} {'free recall':>11} {'retained mass':>13}"
     print(head + "\n" + "-" * len(head))
-    for s in list(TOPK_SELECTORS) + ["oracle"]:
+    for s in selectors + ["oracle"]:
         m = report["mean"][s]
-        print(f"{s:<14} {m.get('recall', float('nan')):>9.3f} {m.get('recall_free', float('nan')):>11.3f} "
+        print(f"{s:<{w}} {m.get('recall', float('nan')):>9.3f} {m.get('recall_free', float('nan')):>11.3f} "
               f"{m['retained_mass']:>13.3f}")
     if args.json:
         _write_json_atomic(args.json, report)
@@ -244,10 +254,10 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
         from .plots import bar_plot, curve_plot
 
         title = f"{args.text}, {args.tokens} tokens, K={args.recall_k}, C=64"
-        print("wrote", bar_plot({s: report["mean"][s] for s in TOPK_SELECTORS}, f"Recall@K / retained mass: {title}",
+        print("wrote", bar_plot({s: report["mean"][s] for s in selectors}, f"Recall@K / retained mass: {title}",
                                 os.path.join(args.plots, "recall_mean.png")))
         pts = [{"series": s, "layer": r["layer"], "recall_free": r[s]["recall_free"], "value": ""}
-               for r in report["layers"] for s in TOPK_SELECTORS]
+               for r in report["layers"] for s in selectors]
         print("wrote", curve_plot(pts, f"free-block recall per layer: {title}", os.path.join(args.plots, "recall_per_layer.png"),
                                   x="layer", y="recall_free", log_y=False))
     return 0
@@ -493,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
                          "mean_var, BSA and a flat exact-LSE scan)")
     ev.add_argument("--recall-k", type=int, default=8, help="K for --recall, 3 forced blocks included (default 8)")
+    ev.add_argument("--recall-selectors",
+                    help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
+                         "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "
+                         "pisa_lse,pisa_lse_beam2,pisa_lse_beam4,flat_lse")
     ev.set_defaults(func=_eval)
 
     onx = sub.add_parser("export-onnx", help="export a HF folder, GGUF file or converted folder to ONNX with "

@@ -60,6 +60,30 @@ def test_pisa_selection_equals_reference(case):
     assert torch.equal(got, want)
 
 
+# id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype, beam); beam * K not a power of two
+# in two of them (the kept-node registers are padded), last queries only (the interpreter is slow)
+PISA_BEAM_CASES = {
+    "lse-beam2-gqa2-nq40-nk150": (1, 4, 2, 40, 150, 16, 8, 5, 2, "lse", True, False, torch.float32, 2),
+    "mean_var-beam3-g3-pad-b2-nq24-nk97": (2, 3, 1, 24, 97, 16, 4, 4, 3, "mean_var", True, True, torch.float32, 3),
+    "mean-beam2-noncausal-pad-nq30-nk77": (1, 2, 2, 30, 77, 16, 4, 4, 2, "mean", False, True, torch.float32, 2),
+}
+
+
+@pytest.mark.parametrize("case", PISA_BEAM_CASES.values(), ids=PISA_BEAM_CASES.keys())
+def test_pisa_beam_selection_equals_reference(case):
+    """The walk with ``beam``: ``beam * top_k`` kept nodes above the leaves, ``top_k`` leaves."""
+    from sparseflow.kernels.pisa import triton_select
+
+    b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
+    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=beam)
+    kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score)
+    want = pisa_ref.pisa_select(q, k, beam=beam, **kw)
+    got = triton_select.pisa_select(q, k, beam=beam, **kw)
+    assert got.shape == want.shape == (b, hkv, nq, kk)
+    assert not torch.equal(want, pisa_ref.pisa_select(q, k, **kw)), "the beam must change some selection"
+    assert torch.equal(got, want)
+
+
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, causal, pad, dtype)
 BSA_CASES = {
     "gqa2-n300-k4": (1, 4, 2, 300, 300, 32, 16, 4, True, False, torch.float32),
@@ -164,6 +188,22 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
         torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
     assert cache.length == n0 + steps
     assert ((want_idx >= 0).sum(-1) < -(-(n0 + steps) // c)).all(), "decode selection must be sparse"
+
+
+def test_decode_pyramid_cache_beam_matches_reference_selection():
+    from sparseflow.kernels.pisa.decode import PyramidCache
+
+    c, kk, n0, steps, beam = 4, 4, 61, 3, 2
+    q, k, _, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=6)
+    cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 20, block_size=c, branching=2)
+    differs = False
+    for t in range(n0, n0 + steps):
+        cache.append(k[:, :, t:t + 1])
+        qt, kt = q[:, :, t:t + 1], k[:, :, :t + 1]
+        want = pisa_ref.pisa_select(qt, kt, block_size=c, top_k=kk, beam=beam)
+        assert torch.equal(cache.select(qt, kt, top_k=kk, beam=beam).long(), want), f"step {t}"
+        differs |= not torch.equal(want, pisa_ref.pisa_select(qt, kt, block_size=c, top_k=kk))
+    assert differs, "the beam must change some selection"
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
