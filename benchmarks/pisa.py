@@ -3,6 +3,8 @@
     python benchmarks/pisa.py                  # every part, default sizes (CUDA)
     python benchmarks/pisa.py --part check     # GPU selections vs the reference, attention errors (2x rule)
     python benchmarks/pisa.py --part select    # selection only: PISA walk vs the fused BSA scan, 4K..256K
+    python benchmarks/pisa.py --part select --beams 1,2,4 --select-ns 16384,65536,262144
+                                               # ... with the walk's beam (PISAConfig.beam) side by side
     python benchmarks/pisa.py --part attn      # select + attention, forward and forward+backward, vs cuDNN
     python benchmarks/pisa.py --part flex      # triton vs flex backends on the same selection
     python benchmarks/pisa.py --part decode    # one decoding step at a long context vs dense SDPA decode
@@ -72,6 +74,11 @@ def part_check(args, results):
         bw = BR.bsa_select(q, k, block_size=64, top_k=8)
         bg = BT.bsa_select(q, k, block_size=64, top_k=8)
         pisa_same = (got == want).all(-1).float().mean().item()
+        beam_same = {}
+        for beam in (b_ for b_ in args.beams if b_ > 1):  # the wider walks: the same check
+            w_b = PR.pisa_select(q, k, block_size=64, top_k=8, score=score, beam=beam)
+            g_b = PT.pisa_select(q, k, block_size=64, top_k=8, score=score, beam=beam)
+            beam_same[beam] = (g_b == w_b).all(-1).float().mean().item()
         bsa_same = (bg == bw).all(-1).float().mean().item()
         # attention given the reference's selection: error vs fp64, and plain PyTorch's in dt
         q2, k2, v2 = (t.detach().requires_grad_(True) for t in (q, k, v))
@@ -91,12 +98,15 @@ def part_check(args, results):
         pg = torch.autograd.grad(plain, plain_in, go)
         rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
         errs = {nm: (rel(a, r), rel(p, r)) for nm, a, p, r in zip(("out", "dq", "dk", "dv"), (out,) + gq, (plain,) + pg, (ref,) + r64)}
-        ok = pisa_same == 1.0 and all(e <= 2 * pe + 1e-6 for e, pe in errs.values())  # the 2x rule
+        ok = pisa_same == 1.0 and all(v_ == 1.0 for v_ in beam_same.values())
+        ok = ok and all(e <= 2 * pe + 1e-6 for e, pe in errs.values())  # the 2x rule
         row = dict(n=n, hq=hq, hkv=hkv, d=d, dtype=str(dt).split(".")[-1], score=score, pisa_rows_identical=pisa_same,
+                   pisa_beam_rows_identical={str(b_): v_ for b_, v_ in beam_same.items()},
                    bsa_rows_identical=bsa_same, errors={k_: dict(triton=e, torch_same_dtype=pe) for k_, (e, pe) in errs.items()},
                    ok=ok)
         rows.append(row)
-        print(f"check n={n} {row['dtype']} {score}: pisa identical rows {pisa_same:.4f}, bsa {bsa_same:.4f}, "
+        print(f"check n={n} {row['dtype']} {score}: pisa identical rows {pisa_same:.4f}, "
+              + "".join(f"beam {b_} {v_:.4f}, " for b_, v_ in beam_same.items()) + f"bsa {bsa_same:.4f}, "
               + ", ".join(f"{k_} {e:.1e} (torch {pe:.1e})" for k_, (e, pe) in errs.items()) + f"  ok={ok}", flush=True)
     results["check"] = rows
 
@@ -109,22 +119,27 @@ def part_select(args, results):
     for n in args.select_ns:
         q, k, _ = pisa_inputs(n, 32, 2, 64)
         kw = dict(block_size=64, top_k=8)
-        t_pisa = bench(lambda: PT.pisa_select(q, k, branching=2, **kw))
+        # the walk per beam (pyramid build included); pisa_ms is beam 1's, as before --beams existed
+        t_beam = {b_: bench(lambda b_=b_: PT.pisa_select(q, k, branching=2, beam=b_, **kw)) for b_ in args.beams}
+        t_pisa = t_beam[1] if 1 in t_beam else t_beam[args.beams[0]]
         t_pyr = bench(lambda: PT.build_pyramid(k, block_size=64, branching=2))
         t_bsa = bench(lambda: BT.bsa_select(q, k, **kw))
         t_bsa16 = bench(lambda: BT.bsa_select(q, k, precision="bf16", **kw))
         best_bsa = min(t_bsa, t_bsa16)
         row = dict(n=n, pisa_ms=t_pisa, pyramid_ms=t_pyr, bsa_ieee_ms=t_bsa, bsa_bf16_ms=t_bsa16,
                    speedup_vs_best_bsa=best_bsa / t_pisa, speedup_vs_bsa_ieee=t_bsa / t_pisa)
+        row.update({f"pisa_beam{b_}_ms": t for b_, t in t_beam.items()})
+        row.update({f"pisa_beam{b_}_speedup_vs_best_bsa": best_bsa / t for b_, t in t_beam.items()})
         rows.append(row)
+        beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
         print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
-              f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f})", flush=True)
+              f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f}){beams}", flush=True)
         del q, k
         torch.cuda.empty_cache()
     big = [r for r in rows if r["n"] >= 65536]
     if len(big) >= 2:
         xs = [math.log(r["n"]) for r in big]
-        for key in ("pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms"):
+        for key in ["pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms"] + [f"pisa_beam{b_}_ms" for b_ in args.beams if b_ != 1]:
             ys = [math.log(r[key]) for r in big]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -297,6 +312,16 @@ def part_decode(args, results):
     results["decode"] = rows
 
 
+def _beams(text):
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--beams must be a comma list of ints >= 1, got {text!r}") from None
+    if not out or any(b_ < 1 for b_ in out) or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"--beams must be a comma list of distinct ints >= 1, got {text!r}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", action="append", choices=["check", "select", "select_variants", "attn", "flex", "decode"])
@@ -307,6 +332,9 @@ def main(argv=None):
     ap.add_argument("--flex-ns", type=ints, default=[16384, 32768])
     ap.add_argument("--decode-ns", type=ints, default=[32768, 131072])
     ap.add_argument("--attn-k", type=int, default=32)
+    ap.add_argument("--beams", type=_beams, default=[1],
+                    help="comma list of PISA walk beams (PISAConfig.beam) timed side by side in --part select and "
+                         "checked against the reference in --part check, e.g. 1,2,4 (default 1)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_h200.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
