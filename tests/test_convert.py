@@ -361,6 +361,23 @@ def test_cli_eval_recall_diagnostic(src, tmp_path, capsys):
     assert "takes no --sweep" in capsys.readouterr().err
 
 
+def test_cli_eval_recall_selectors_with_beams(src, tmp_path, capsys):
+    folder, _ = src
+    out = tmp_path / "recall.json"
+    rc = main(["eval", str(folder), "--recall", "--tokens", "640", "--json", str(out),
+               "--recall-selectors", "pisa_lse,pisa_lse_beam2,flat_lse"])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "pisa_lse_beam2" in text and "bsa" not in text
+    data = json.loads(out.read_text())
+    assert data["selectors"] == ["pisa_lse", "pisa_lse_beam2", "flat_lse"]
+    assert set(data["mean"]) == {"pisa_lse", "pisa_lse_beam2", "flat_lse", "oracle"}
+    assert main(["eval", str(folder), "--recall", "--tokens", "640", "--recall-selectors", "pisa_lse_beam0"]) == 2
+    assert "--recall-selectors: selector must be one of" in capsys.readouterr().err
+    assert main(["eval", str(folder), "--method", "pisa", "--tokens", "640", "--recall-selectors", "pisa_lse"]) == 2
+    assert "pass --recall too" in capsys.readouterr().err
+
+
 def test_cli_eval_plots_without_matplotlib_fails_first(src, tmp_path, capsys, monkeypatch):
     folder, _ = src
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
