@@ -237,9 +237,15 @@ def part_check(args, results):
             perm2 = S.segment_permutation(sc2, segment_size=seg, key_padding_mask=kpm)
             _, _, _, bm2 = S.select_block_lists(q, TI.permute_kv(k, perm), perm, key_padding_mask=kpm,
                                                 is_causal=causal, block_size=bs, segment_size=seg, threshold=thr)
+            lay = TI.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
+            _, _, _, bm3 = S.select_block_lists(q, None, perm, key_padding_mask=kpm, is_causal=causal,
+                                                block_size=bs, segment_size=seg, threshold=thr, layout=lay)
             row.update(score_rel_err=((sc2 - sc).norm() / sc.norm().clamp_min(1e-30)).item(),
                        same_permutation=bool(torch.equal(perm2, perm)), same_selection=bool(torch.equal(bm2, bm)),
-                       selection_diff_blocks=int((bm2 != bm).sum()))
+                       selection_diff_blocks=int((bm2 != bm).sum()),
+                       same_selection_layout_path=bool(torch.equal(bm3, bm)),
+                       layout_exact=bool(torch.equal(lay.k, TI.permute_kv_torch(k, perm))
+                                         and torch.equal(lay.v, TI.permute_kv_torch(v, perm))))
         except Exception as e:  # noqa: BLE001
             row["select_kernels_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
@@ -247,6 +253,7 @@ def part_check(args, results):
               f"causal={int(causal)} bs={bs:3d} err={err:.2e} sdpa_err={sd_err:.2e} det={int(deterministic)} "
               f"{'OK' if ok else 'FAIL'} | kernels: score_err={row.get('score_rel_err', float('nan')):.1e} "
               f"same_perm={row.get('same_permutation')} same_sel={row.get('same_selection')} "
+              f"same_sel_layout={row.get('same_selection_layout_path')} layout_exact={row.get('layout_exact')} "
               f"{row.get('select_kernels_error', '')}", flush=True)
         del q, k, v, ref, km, sd, kr, vr
         torch.cuda.empty_cache()

@@ -283,7 +283,7 @@ def select_block_lists(
 @triton.jit
 def _proxy_pass(
     Q, K, KVALID, PIDX, PCNT, LENS, M_OUT, L_OUT, LSE, SCORE,
-    H, HKV, N, NSEG_MAX, qk_scale,
+    H, HKV, N, NSEG_MAX, NPROXY, lse_sh, lse_ss, qk_scale,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     SEGMENT: tl.constexpr, SCORE_PASS: tl.constexpr, HAS_PAD: tl.constexpr, IEEE: tl.constexpr,
@@ -297,12 +297,20 @@ def _proxy_pass(
     b = bh // H
     h = bh % H
     kvh = h // (H // HKV)
-    n_seg = tl.load(LENS + b) // SEGMENT
+    if HAS_PAD:
+        n_seg = tl.load(LENS + b) // SEGMENT
+    else:
+        n_seg = N // SEGMENT
     if seg < n_seg:
         rows = tl.arange(0, BLOCK_P)
-        pcnt = tl.load(PCNT + b)
-        r_ok = rows < pcnt
-        pidx = tl.load(PIDX + b * BLOCK_P + rows, mask=r_ok, other=0)
+        if HAS_PAD:
+            pcnt = tl.load(PCNT + b)
+            r_ok = rows < pcnt
+            pidx = tl.load(PIDX + b * BLOCK_P + rows, mask=r_ok, other=0)
+        else:  # the last NPROXY positions
+            pcnt = NPROXY + b * 0
+            r_ok = rows < pcnt
+            pidx = tl.where(r_ok, N - NPROXY + rows, 0)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         b64 = b.to(tl.int64)
@@ -310,7 +318,7 @@ def _proxy_pass(
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
         if SCORE_PASS:
-            lse = tl.load(LSE + ((b64 * H + h) * NSEG_MAX + seg) * BLOCK_P + rows, mask=r_ok, other=float("inf"))
+            lse = tl.load(LSE + (b64 * H + h) * lse_sh + seg * lse_ss + rows, mask=r_ok, other=float("inf"))
             inv_cnt = 1.0 / pcnt.to(tl.float32)
         else:
             m_i = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
@@ -347,6 +355,58 @@ def _proxy_pass(
             tl.store(L_OUT + o, l_i)
 
 
+@triton.jit
+def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, BLOCK_P: tl.constexpr,
+                        CHUNK_S: tl.constexpr, PER_SEGMENT: tl.constexpr, HAS_PAD: tl.constexpr):
+    """One program per batch*head: each proxy row's log2-sum-exp2 normaliser from the per-segment
+    running max / sum of pass 1 -- over the row's complete segments (max first, then the sum of
+    exp2 over segments, as torch would), or per segment (``PER_SEGMENT``, causal proxy)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    if HAS_PAD:
+        n_seg = tl.load(LENS + b) // SEGMENT
+    else:
+        n_seg = N // SEGMENT
+    rows = tl.arange(0, BLOCK_P)
+    base = bh.to(tl.int64) * NSEG_MAX * BLOCK_P
+    if PER_SEGMENT:
+        s0 = 0
+        while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
+            segs = s0 + tl.arange(0, CHUNK_S)
+            ok = segs < NSEG_MAX
+            o = base + segs[:, None] * BLOCK_P + rows[None, :]
+            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
+            l = tl.load(L + o, mask=ok[:, None], other=0.0)
+            lse = tl.where((l > 0) & (segs < n_seg)[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            tl.store(LSE + o, lse, mask=ok[:, None])
+            s0 += CHUNK_S
+    else:
+        mx = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+        s0 = 0
+        while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
+            segs = s0 + tl.arange(0, CHUNK_S)
+            ok = segs < n_seg
+            o = base + segs[:, None] * BLOCK_P + rows[None, :]
+            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
+            l = tl.load(L + o, mask=ok[:, None], other=0.0)
+            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            mx = tl.maximum(mx, tl.max(lse, 0))
+            s0 += CHUNK_S
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.zeros([BLOCK_P], dtype=tl.float32)
+        s0 = 0
+        while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
+            segs = s0 + tl.arange(0, CHUNK_S)
+            ok = segs < n_seg
+            o = base + segs[:, None] * BLOCK_P + rows[None, :]
+            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
+            l = tl.load(L + o, mask=ok[:, None], other=0.0)
+            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            tot += tl.sum(tl.exp2(lse - mx_safe[None, :]), 0)
+            s0 += CHUNK_S
+        tl.store(LSE + bh.to(tl.int64) * BLOCK_P + rows, mx_safe + tl.log2(tot))
+
+
 def key_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -365,49 +425,48 @@ def key_scores(
     dev = q.device
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kpm = key_padding_mask.to(torch.bool) if key_padding_mask is not None else None
-    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
     nseg_max = n // segment_size
     out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=dev)
     if nseg_max > 0 and n > 0:
         block_p = max(16, triton.next_power_of_2(block_size))
-        # proxy rows: the last block_size valid positions of each row
-        if kpm is None:
-            valid = torch.ones(bsz, n, dtype=torch.bool, device=dev)
-        else:
+        has_pad = kpm is not None
+        if has_pad:
+            # proxy rows: the last block_size valid positions of each row
+            lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
             valid = kpm
-        pos = torch.arange(n, device=dev).expand(bsz, n)
-        rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid position
-        is_proxy = valid & (rank_from_end <= block_size)
-        pcnt = is_proxy.sum(-1).to(torch.int32).contiguous()
-        key = torch.where(is_proxy, pos, pos + n)  # proxies first, ascending
-        pidx = torch.sort(key, dim=-1).values[:, : min(block_p, n)] % n
-        if pidx.shape[1] < block_p:
-            pidx = torch.nn.functional.pad(pidx, (0, block_p - pidx.shape[1]))
-        pidx = pidx.to(torch.int32).contiguous()
-        kvalid = valid.to(torch.int8).contiguous()
+            pos = torch.arange(n, device=dev).expand(bsz, n)
+            rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid position
+            is_proxy = valid & (rank_from_end <= block_size)
+            pcnt = is_proxy.sum(-1).to(torch.int32).contiguous()
+            key = torch.where(is_proxy, pos, pos + n)  # proxies first, ascending
+            pidx = torch.sort(key, dim=-1).values[:, : min(block_p, n)] % n
+            if pidx.shape[1] < block_p:
+                pidx = torch.nn.functional.pad(pidx, (0, block_p - pidx.shape[1]))
+            pidx = pidx.to(torch.int32).contiguous()
+            kvalid = valid.to(torch.int8).contiguous()
+        else:  # no padding: the kernels derive lengths and proxies from N
+            lens = pcnt = pidx = kvalid = out
         m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
         l = torch.empty_like(m)
         block_d = max(16, triton.next_power_of_2(d))
         block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
         meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
-                    HAS_PAD=kpm is not None, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
+                    HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
                     num_warps=4 if block_p * block_n <= 128 * 32 else 8)
-        common = (hq, hkv, n, nseg_max, sc * 1.4426950408889634,
+        # softmax normaliser per proxy row: over all complete segments, or per segment
+        if causal_proxy:
+            lse = torch.empty_like(m)
+            lse_sh, lse_ss = nseg_max * block_p, block_p
+        else:
+            lse = torch.empty(bsz, hq, block_p, dtype=torch.float32, device=dev)
+            lse_sh, lse_ss = block_p, 0
+        common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
         grid = (nseg_max, bsz * hq)
         _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
-        # softmax normaliser per proxy row: over all complete segments, or per segment
-        seg_ok = (torch.arange(nseg_max, device=dev)[None, :] < (lens.long() // segment_size)[:, None])  # [B, S]
-        lse_seg = torch.where(l > 0, m + torch.log2(l.clamp_min(1e-38)), torch.full_like(m, float("-inf")))
-        lse_seg = torch.where(seg_ok[:, None, :, None], lse_seg, torch.full_like(lse_seg, float("-inf")))
-        if causal_proxy:
-            lse = lse_seg
-        else:
-            mx = lse_seg.amax(dim=2, keepdim=True)
-            mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-            lse = mx_safe + torch.log2(torch.exp2(lse_seg - mx_safe).sum(dim=2, keepdim=True))
-            lse = lse.expand_as(lse_seg)
-        lse = lse.contiguous()
+        _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
+                                         CHUNK_S=max(1, min(16, triton.next_power_of_2(nseg_max))),
+                                         PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
         _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, hq // hkv, n).mean(dim=2)
