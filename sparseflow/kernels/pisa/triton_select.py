@@ -12,9 +12,10 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   blocks are kept without scoring, and, when more than the level's width remain, the
   best-scoring ones fill the rest (ties to the lower index). The width is ``top_k`` at the leaf
   level and ``beam * top_k`` above it (the reference's ``beam``); the kept-node registers hold
-  ``KP = next_pow2(beam * top_k)`` slots and a level's ``CW >= KP * next_pow2(g)`` candidates. Scores are the reference's, summed over the ``G``
-  query heads of the group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32
-  summaries in IEEE fp32; raw keys in their own 16-bit dtype, whose products are exact in fp32).
+  ``KP = next_pow2(beam * top_k)`` slots and a level's ``CW >= KP * next_pow2(g)`` candidates.
+  Scores are the reference's, summed over the ``G`` query heads of the group, with the ``G``
+  heads as the rows of one ``tl.dot`` per level (fp32 summaries in IEEE fp32; raw keys in their
+  own 16-bit dtype, whose products are exact in fp32).
   No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
 
 The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
