@@ -377,7 +377,7 @@ def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, 
             o = base + segs[:, None] * BLOCK_P + rows[None, :]
             m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
             l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & (segs < n_seg)[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            lse = tl.where((l > 0) & (segs < n_seg)[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
             tl.store(LSE + o, lse, mask=ok[:, None])
             s0 += CHUNK_S
     else:
@@ -389,7 +389,7 @@ def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, 
             o = base + segs[:, None] * BLOCK_P + rows[None, :]
             m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
             l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
             mx = tl.maximum(mx, tl.max(lse, 0))
             s0 += CHUNK_S
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
@@ -401,7 +401,7 @@ def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, 
             o = base + segs[:, None] * BLOCK_P + rows[None, :]
             m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
             l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-38)), float("-inf"))
+            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
             tot += tl.sum(tl.exp2(lse - mx_safe[None, :]), 0)
             s0 += CHUNK_S
         tl.store(LSE + bh.to(tl.int64) * BLOCK_P + rows, mx_safe + tl.log2(tot))
