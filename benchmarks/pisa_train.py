@@ -65,6 +65,9 @@ def train(model, method, args, train_windows, eval_window, device):
         cfg = cfg_cls(block_size=args.block, top_k=args.top_k, min_seq_len=0)
         sparseflow.compile(model, method, cfg, backend=args.backend, inner_backend=args.inner_backend)
     model.train()
+    import time
+
+    start = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     curve, evals = [], []
     with sparseflow.capture(keep_selections=False) as cap:
@@ -75,16 +78,17 @@ def train(model, method, args, train_windows, eval_window, device):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            curve.append(float(loss))
+            curve.append(float(loss.detach()))
             if (step + 1) % args.eval_every == 0 or step + 1 == len(train_windows):
                 with torch.no_grad():
                     e = eval_window.to(device)
                     evals.append((step + 1, float(model(input_ids=e, labels=e).loss)))
+                print(f"{method:5s} step {step + 1:4d} held-out loss {evals[-1][1]:.4f}", flush=True)
             if (step + 1) % max(1, len(train_windows) // 10) == 0:
                 print(f"{method:5s} step {step + 1:4d} loss {curve[-1]:.4f}", flush=True)
     dens = [float(c.selection.density.mean()) for c in cap.calls if c.sparse and c.selection is not None]
     fallbacks = sorted({c.reason for c in cap.calls if not c.sparse and c.reason})
-    return dict(train_loss=curve, eval_loss=evals, mean_density=(sum(dens) / len(dens)) if dens else None,
+    return dict(train_loss=curve, eval_loss=evals, seconds=time.perf_counter() - start, mean_density=(sum(dens) / len(dens)) if dens else None,
                 fallbacks=fallbacks)
 
 
@@ -112,17 +116,25 @@ def main(argv=None):
     print(f"{ids.shape[1]} tokens of text: {args.steps} windows of {args.tokens} ({epochs:.2f} epochs), "
           f"the last {args.tokens} held out", flush=True)
     curves = {}
+    env = {"torch": torch.__version__, "epochs": epochs, "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    png = args.png or os.path.splitext(args.json)[0] + ".png"
     for method in args.methods:
         torch.manual_seed(0)
         curves[method] = train(copy.deepcopy(base), method, args, train_w, eval_w, args.device)
         print(f"{method}: final train loss {curves[method]['train_loss'][-1]:.4f}, eval {curves[method]['eval_loss'][-1][1]:.4f}, "
               f"density {curves[method]['mean_density']}", flush=True)
-    env = {"torch": torch.__version__, "epochs": epochs, "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    with open(args.json, "w") as fh:
+        # after every method: a run cut short by a time limit keeps the finished curves
+        write_results(args, env, curves, png)
+    return 0
+
+
+def write_results(args, env, curves, png):
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as fh:
         json.dump({"env": env, "args": vars(args), "curves": curves}, fh, indent=2)
+    os.replace(tmp, args.json)
     print(f"wrote {args.json}")
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
     from sparseflow.plots import require_matplotlib
 
     plt = require_matplotlib()
@@ -136,8 +148,8 @@ def main(argv=None):
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+    plt.close(fig)
     print(f"wrote {png}")
-    return 0
 
 
 if __name__ == "__main__":
