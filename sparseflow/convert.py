@@ -200,9 +200,17 @@ def build_plan(
         bad = [i for i in dense if not (0 <= i < n_layers)]
         if bad:
             raise ConversionError(f"dense layers {bad} out of range: the model has {n_layers} layers (0..{n_layers - 1})")
+    per_layer = {}
+    if recipe is not None:
+        # the recipe's per-layer changes apply on top of whichever config is used; a layer the
+        # caller made dense stays dense
+        try:
+            per_layer = {i: c for i, c in rec.layer_configs_for(method, cfg, n_layers).items() if i not in dense}
+        except RecipeError as exc:
+            raise ConversionError(f"bad recipe: {exc}") from exc
     try:
-        return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, recipe=name,
-                    num_layers=n_layers, source=source)
+        return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, layer_configs=per_layer,
+                    recipe=name, num_layers=n_layers, source=source)
     except (TypeError, ValueError) as exc:
         raise ConversionError(f"bad plan: {exc}") from exc
 

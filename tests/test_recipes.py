@@ -34,7 +34,7 @@ def test_list_and_get():
 
 
 def test_unknown_recipe_names_the_known_ones():
-    with pytest.raises(RecipeError, match=r"unknown recipe 'llama9'; available recipes: \['smollm2'\]"):
+    with pytest.raises(RecipeError, match=r"unknown recipe 'llama9'; available recipes: \['smollm2', 'smollm2-code'\]"):
         get_recipe("llama9")
     with pytest.raises(TypeError, match="recipe name must be a str"):
         get_recipe(3)
@@ -145,3 +145,43 @@ def test_smollm2_pbs_setting_is_a_measured_row_that_meets_the_targets():
     # and no measured row meeting the targets is sparser
     ok = [m for m in r.measured["pbs"] if m["mean_kl"] <= 0.01 and m["top1"] >= 0.97]
     assert min(m["density"] for m in ok) == rows[0]["density"]
+
+
+def test_layer_overrides_reach_the_plan_on_any_base_config():
+    cfg = _smollm2_config()
+    r = get_recipe("smollm2-code")
+    plan = r.plan("pbs", cfg)
+    permuted = sorted(i for i, c in plan.layer_configs.items() if c.permute)
+    assert permuted == list(r.layer_overrides["pbs"]) and 17 not in permuted and 0 in plan.dense_layers
+    assert plan.config.permute is False
+    # every non-permuted sparse layer runs the base config
+    assert plan.config_for(17) == plan.config and plan.config_for(5).permute is True
+    # a user's config replaces the base, the per-layer change still applies on top of it
+    from sparseflow.convert import build_plan
+
+    p2 = build_plan(cfg, "pbs", recipe="smollm2-code", config={"threshold": 0.95, "permute": False})
+    assert p2.config.threshold == 0.95 and p2.config_for(3).threshold == 0.95 and p2.config_for(3).permute is True
+    # a layer the caller makes dense stays dense
+    p3 = build_plan(cfg, "pbs", recipe="smollm2-code", dense_layers="0,3")
+    assert 3 not in p3.layer_configs and p3.config_for(3).method == "dense"
+    # methods without overrides get none
+    assert r.plan("pisa", cfg).layer_configs == {}
+    assert r.to_dict()["layer_overrides"]["pbs"]["1"] == {"permute": True}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"pisa": {1: {"permute": True}}}, "layer_overrides\\['pisa'\\]\\[1\\]"),
+    ({"pbs": {-1: {"permute": True}}}, "keys must be non-negative ints"),
+    ({"pbs": {0: {"permute": True}}}, "layer 0 is dense and has layer_overrides"),
+    ({"bsa": {1: {"top_k": 4}}}, "layer_overrides for 'bsa', which has no config"),
+])
+def test_layer_overrides_validation(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        Recipe(name="x", description="", model_types=("llama",),
+               configs={"pbs": PBSConfig(), "pisa": PISAConfig()}, dense_layers=(0,), layer_overrides=overrides)
+
+
+def test_layer_overrides_beyond_the_model_are_an_error():
+    r = get_recipe("smollm2-code")
+    with pytest.raises(RecipeError, match="layer_overrides name layer 12, but the model has 12 layers"):
+        r.layer_configs_for("pbs", r.config_for("pbs"), n_layers=12)

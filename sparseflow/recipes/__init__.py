@@ -21,6 +21,7 @@ __all__ = ["Recipe", "RecipeError", "get_recipe", "list_recipes", "RECIPE_MODULE
 # name -> module defining ``RECIPE`` (imported on first use)
 RECIPE_MODULES: Dict[str, str] = {
     "smollm2": "sparseflow.recipes.smollm2",
+    "smollm2-code": "sparseflow.recipes.smollm2_code",
 }
 
 
@@ -40,6 +41,9 @@ class Recipe:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     measured: Mapping[str, Any] = field(default_factory=dict)  # method -> measured fidelity notes
+    # method -> {layer: {config field: value}}: per-layer changes applied on top of the method's
+    # config (the recipe's, or a user's override), e.g. a calibrated per-layer permute choice
+    layer_overrides: Mapping[str, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -60,6 +64,31 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r}: dense layer {i} >= num_layers={self.num_layers}")
         if len(set(self.dense_layers)) != len(self.dense_layers):
             raise RecipeError(f"recipe {self.name!r}: dense_layers has duplicates: {list(self.dense_layers)}")
+        for method, per_layer in self.layer_overrides.items():
+            if method not in self.configs:
+                raise RecipeError(f"recipe {self.name!r}: layer_overrides for {method!r}, which has no config")
+            for i, changes in per_layer.items():
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}] keys must be non-negative ints, got {i!r}")
+                if i in self.dense_layers:
+                    raise RecipeError(f"recipe {self.name!r}: layer {i} is dense and has layer_overrides")
+                try:
+                    self.configs[method].replace(**dict(changes))
+                except (TypeError, ValueError) as exc:
+                    raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
+
+    def layer_configs_for(self, method: str, base: AttentionConfig, n_layers: Optional[int] = None) -> Dict[int, AttentionConfig]:
+        """``{layer: config}``: this recipe's per-layer changes for ``method`` applied to ``base``
+        (the recipe's config or a user's). Layers beyond ``n_layers`` are an error."""
+        out = {}
+        for i, changes in sorted(self.layer_overrides.get(method, {}).items()):
+            if n_layers is not None and i >= n_layers:
+                raise RecipeError(f"recipe {self.name!r}: layer_overrides name layer {i}, but the model has {n_layers} layers")
+            try:
+                out[i] = base.replace(**dict(changes))
+            except (TypeError, ValueError) as exc:
+                raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}] on {base.to_dict()}: {exc}") from exc
+        return out
 
     @property
     def methods(self) -> List[str]:
@@ -101,6 +130,7 @@ class Recipe:
             self.check_model(model_config)
             n_layers = getattr(model_config, "num_hidden_layers", None)
         return Plan(method=method, config=cfg, backend=backend, dense_layers=tuple(self.dense_layers),
+                    layer_configs=self.layer_configs_for(method, cfg, n_layers),
                     recipe=self.name, num_layers=n_layers, source=source)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -111,6 +141,8 @@ class Recipe:
             "configs": {m: c.to_dict() for m, c in sorted(self.configs.items())},
             "dense_layers": list(self.dense_layers),
             "num_layers": self.num_layers,
+            "layer_overrides": {m: {str(i): dict(c) for i, c in sorted(per.items())}
+                                for m, per in sorted(self.layer_overrides.items())},
             "measured": dict(self.measured),
         }
 
