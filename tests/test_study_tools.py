@@ -1,0 +1,59 @@
+"""The issue-8 study helpers: equal-density interpolation, the calibration's choice, the plots."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import smollm2_study as study  # noqa: E402
+import smollm2_study_plots as plots  # noqa: E402
+
+
+def test_kl_interpolation_is_log_linear_and_refuses_to_extrapolate():
+    pts = [(0.5, 0.01), (0.3, 0.1)]
+    assert plots.kl_at(pts, 0.4) == pytest.approx(math.sqrt(0.1 * 0.01))
+    assert plots.kl_at(pts, 0.3) == pytest.approx(0.1)
+    assert plots.kl_at(pts, 0.29) is None and plots.kl_at(pts, 0.51) is None
+
+
+def test_missed_mass_clamps_at_the_measured_ends():
+    pts = [(0.2, 0.2), (0.6, 0.02)]
+    assert study._missed_at(pts, 0.1) == 0.2 and study._missed_at(pts, 0.9) == 0.02
+    assert study._missed_at(pts, 0.4) == pytest.approx(math.sqrt(0.2 * 0.02))
+
+
+def test_every_variant_is_a_valid_pbs_config():
+    from sparseflow import PBSConfig
+
+    for name, changes in study.VARIANTS.items():
+        PBSConfig(threshold=0.9, **changes)  # raises on a bad field or value
+
+
+def test_plots_write_one_png_per_text_and_length(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows = [{"text": t, "tokens": n, "variant": v, "density": d, "mean_kl": k}
+            for t in ("a", "b") for n in (2048,) for v, off in (("paper", 1.0), ("no_permute", 2.0))
+            for d, k in ((0.6, 0.03 * off), (0.7, 0.01 * off), (0.8, 0.004 * off))]
+    src = tmp_path / "s.json"
+    src.write_text(json.dumps({"rows": rows}))
+    assert plots.main([str(src), "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["smollm2_study_a_2048.png", "smollm2_study_b_2048.png"]
+    out = capsys.readouterr().out
+    # the no_permute row is twice the paper row at every interpolated density
+    def row(name):
+        line = next(ln for ln in out.splitlines() if ln.split() and ln.split()[0] == name)
+        return [float(x) for x in line.split()[1:] if x != "-"]
+
+    plain, paper = row("no_permute"), row("paper")
+    assert plain[1] == pytest.approx(math.sqrt(0.06 * 0.02), rel=1e-3)  # density 0.65: log-linear
+    assert [a / b for a, b in zip(plain, paper)] == pytest.approx([2.0] * len(plain), rel=1e-3)
+
+
+def test_study_cli_rejects_unknown_variants_and_parts():
+    with pytest.raises(SystemExit):
+        study.main(["--variants", "paper,nope", "--out", "/tmp/x"])
+    with pytest.raises(SystemExit):
+        study.main(["--parts", "pbs,everything", "--out", "/tmp/x"])
