@@ -48,8 +48,8 @@ def test_plots_write_one_png_per_text_and_length(tmp_path, capsys):
         return [float(x) for x in line.split()[1:] if x != "-"]
 
     plain, paper = row("no_permute"), row("paper")
-    assert plain[1] == pytest.approx(math.sqrt(0.06 * 0.02), rel=1e-3)  # density 0.65: log-linear
-    assert [a / b for a, b in zip(plain, paper)] == pytest.approx([2.0] * len(plain), rel=1e-3)
+    assert plain[1] == pytest.approx(math.sqrt(0.06 * 0.02), rel=5e-3)  # density 0.65: log-linear
+    assert [a / b for a, b in zip(plain, paper)] == pytest.approx([2.0] * len(plain), rel=1e-2)
 
 
 def test_study_cli_rejects_unknown_variants_and_parts():
