@@ -14,8 +14,9 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   0.0038, top-1 97.7%); 0.98 reaches density 0.575 with KL 0.0092 but top-1 96.9%.
   The 2K-tuned setting (0.95 with permutation) fails at 8K (KL 0.18, top-1 88%).
 * The H200 study (benchmarks/smollm2_study.py; both texts at 2K/4K/8K) confirms this for prose --
-  no permutation with antidiagonal scoring is the lowest curve at every density from 0.3 to 0.6
-  at 8K -- and finds the opposite on source code, where permutation pays at every length: use the
+  no permutation with antidiagonal scoring is the lowest curve from density 0.3 to 0.45 at 8K and
+  within 25% of the lowest (64-token blocks, no permutation) at 0.5-0.55 -- and finds the opposite
+  on source code, where permutation pays at every length: use the
   ``smollm2-code`` recipe (per-layer calibrated permutation) there.
 * PISA / BSA: K=16 blocks of 64. At 8K neither is close to dense (KL 0.75 / 0.85 at density 0.40)
   — a fixed K covers a shrinking share of an 8K context; PISA stays below BSA at equal K and C.
