@@ -87,6 +87,14 @@ class PBSConfig(AttentionConfig):
     ``causal_proxy``: normalise the proxy softmax per segment instead of over all complete
     segments, so the permutation of a segment depends on no later key (strict causality of the
     selection); the paper's scheme (False) lets later keys reorder earlier segments.
+    ``proxy_blocks``: how many query blocks score the keys for the permutation. 1 (default) is
+    the paper's proxy, the last ``block_size`` valid queries, which sees every complete segment.
+    With P > 1 the proxies are P query blocks spread evenly over the row's valid query blocks
+    (proxy ``j = 1..P`` ends the first ``j/P`` of them; the last one is the paper's proxy); an
+    earlier proxy sees only the complete segments strictly before its own segment, and a key's
+    score is the mean of the probabilities it gets from the proxies that see it. Combines with
+    ``causal_proxy`` (each proxy then normalises per segment). See
+    :func:`sparseflow.kernels.pbs.reference.key_scores`.
     """
 
     method: ClassVar[str] = "pbs"
@@ -99,6 +107,7 @@ class PBSConfig(AttentionConfig):
     scoring: str = "mean"
     antidiagonal_stride: int = 8
     causal_proxy: bool = False
+    proxy_blocks: int = 1
     min_seq_len: int = 0
 
     def __post_init__(self):
@@ -116,6 +125,7 @@ class PBSConfig(AttentionConfig):
         _check_bool("force_sink", self.force_sink)
         _check_bool("permute", self.permute)
         _check_bool("causal_proxy", self.causal_proxy)
+        _check_int("proxy_blocks", self.proxy_blocks, 1)
         _check_choice("gqa_permutation", self.gqa_permutation, ("query_head", "kv_head"))
         _check_choice("scoring", self.scoring, ("mean", "antidiagonal"))
         _check_int("antidiagonal_stride", self.antidiagonal_stride, 1)
