@@ -250,7 +250,8 @@ def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 5
     with torch.no_grad():
         if config.permute:
             scores = R.key_scores(q, k, block_size=bs, segment_size=config.segment_size,
-                                  causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation)
+                                  causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation,
+                                  proxy_blocks=config.proxy_blocks)
             perm = R.segment_permutation(scores, segment_size=config.segment_size)
         else:
             hp = hq if config.gqa_permutation == "query_head" else hkv

@@ -290,6 +290,7 @@ def pbs_attention(
     scoring: str = "mean",
     antidiagonal_stride: int = 8,
     causal_proxy: bool = False,
+    proxy_blocks: int = 1,
     return_selection: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with the Triton attention kernel. ``q: [B, Hq, N, D]``,
@@ -316,7 +317,8 @@ def pbs_attention(
         qd, kd = q.detach(), k.detach()
         if permute:
             scores = score_fn(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=block_size,
-                              segment_size=segment_size, causal_proxy=causal_proxy, gqa_permutation=gqa_permutation)
+                              segment_size=segment_size, causal_proxy=causal_proxy, gqa_permutation=gqa_permutation,
+                              proxy_blocks=proxy_blocks)
             perm = perm_fn(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
         else:
             perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()

@@ -4,7 +4,9 @@ attention kernel's block lists directly.
 
 ``key_scores``: two passes, one program per (segment, batch*query head): per-proxy-row softmax
 statistics over the segment's valid keys (combined over the complete segments in torch, or kept
-per segment with ``causal_proxy``), then each key's mean probability over the proxy rows.
+per segment with ``causal_proxy``), then each key's mean probability over the proxy rows. With
+``proxy_blocks > 1`` the passes run once per proxy (planned by the reference's ``proxy_queries``)
+and the per-key probabilities are averaged over the proxies that see the key.
 ``segment_permutation``: one program per (segment, batch*head), a descending sort of packed
 (score bits, reversed position) keys, so ties keep the lower position first (stable).
 
@@ -417,9 +419,15 @@ def key_scores(
     segment_size: int = 256,
     causal_proxy: bool = False,
     gqa_permutation: str = "query_head",
+    proxy_blocks: int = 1,
 ) -> torch.Tensor:
     """The reference's ``key_scores`` (same definition, fp32 ``[B, Hp, N]``) in two Triton passes:
-    per-segment softmax statistics of the proxy rows, then per-key mean probabilities."""
+    per-segment softmax statistics of the proxy rows, then per-key mean probabilities.
+
+    ``proxy_blocks > 1``: the proxies come from the reference's ``proxy_queries`` (host-side
+    planning, one sync); the same two passes run once per proxy slot, each batch row giving its
+    ``j``-th proxy's rows and, as its "length", the end of the segments that proxy sees, and the
+    per-key probabilities are averaged over the proxies that see the key."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     dev = q.device
@@ -427,7 +435,33 @@ def key_scores(
     kpm = key_padding_mask.to(torch.bool) if key_padding_mask is not None else None
     nseg_max = n // segment_size
     out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=dev)
-    if nseg_max > 0 and n > 0:
+    if nseg_max > 0 and n > 0 and proxy_blocks > 1:
+        block_p = max(16, triton.next_power_of_2(block_size))
+        plan = _ref.proxy_queries(kpm, bsz, n, block_size=block_size, segment_size=segment_size,
+                                  proxy_blocks=proxy_blocks, device=dev)
+        n_slots = max((len(p) for p in plan), default=0)
+        kvalid = (kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev))
+        kvalid = kvalid.to(torch.int8).contiguous()
+        seen_by = torch.zeros(bsz, 1, n, dtype=torch.float32, device=dev)
+        for j in range(n_slots):  # slot j: the j-th proxy of every row that has one (the last ones aligned)
+            pidx = torch.zeros(bsz, block_p, dtype=torch.int32, device=dev)
+            pcnt = torch.zeros(bsz, dtype=torch.int32, device=dev)
+            lens = torch.zeros(bsz, dtype=torch.int32, device=dev)
+            for b, proxies in enumerate(plan):
+                slot = j - (n_slots - len(proxies))
+                if slot < 0:
+                    continue
+                rows, seen = proxies[slot]
+                pidx[b, : rows.numel()] = rows.to(torch.int32)
+                pcnt[b] = rows.numel()
+                lens[b] = seen * segment_size
+                seen_by[b, 0, : seen * segment_size] += 1.0
+            part = torch.zeros_like(out)
+            _proxy_scores(q, k, part, kvalid, pidx, pcnt, lens, True, nseg_max, block_p, block_size, segment_size,
+                          sc, causal_proxy)
+            out += part
+        out = torch.where(seen_by > 0, out / seen_by.clamp_min(1.0), out)
+    elif nseg_max > 0 and n > 0:
         block_p = max(16, triton.next_power_of_2(block_size))
         has_pad = kpm is not None
         if has_pad:
@@ -446,33 +480,44 @@ def key_scores(
             kvalid = valid.to(torch.int8).contiguous()
         else:  # no padding: the kernels derive lengths and proxies from N
             lens = pcnt = pidx = kvalid = out
-        m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
-        l = torch.empty_like(m)
-        block_d = max(16, triton.next_power_of_2(d))
-        block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
-        meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
-                    HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
-                    num_warps=4 if block_p * block_n <= 128 * 32 else 8)
-        # softmax normaliser per proxy row: over all complete segments, or per segment
-        if causal_proxy:
-            lse = torch.empty_like(m)
-            lse_sh, lse_ss = nseg_max * block_p, block_p
-        else:
-            lse = torch.empty(bsz, hq, block_p, dtype=torch.float32, device=dev)
-            lse_sh, lse_ss = block_p, 0
-        common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
-                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-        grid = (nseg_max, bsz * hq)
-        _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
-        _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
-                                         CHUNK_S=max(1, min(16, triton.next_power_of_2(nseg_max))),
-                                         PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
-        _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
+        _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_p, block_size, segment_size,
+                      sc, causal_proxy)
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, hq // hkv, n).mean(dim=2)
     elif gqa_permutation != "query_head":
         raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
     return out
+
+
+def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_p, block_size, segment_size, sc,
+                  causal_proxy):
+    """The two passes (and the normaliser in between) for one proxy per batch row, into ``out``
+    ``[B, Hq, N]`` (only the keys of the row's ``lens // segment_size`` segments are written)."""
+    bsz, hq, n, d = q.shape
+    hkv = k.shape[1]
+    dev = q.device
+    m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
+                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
+                num_warps=4 if block_p * block_n <= 128 * 32 else 8)
+    # softmax normaliser per proxy row: over all complete segments, or per segment
+    if causal_proxy:
+        lse = torch.empty_like(m)
+        lse_sh, lse_ss = nseg_max * block_p, block_p
+    else:
+        lse = torch.empty(bsz, hq, block_p, dtype=torch.float32, device=dev)
+        lse_sh, lse_ss = block_p, 0
+    common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
+              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    grid = (nseg_max, bsz * hq)
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
+    _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
+                                     CHUNK_S=max(1, min(16, triton.next_power_of_2(nseg_max))),
+                                     PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
 
 
 # --------------------------------------------------------------------------- 2. segment sort
