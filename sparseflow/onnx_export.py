@@ -362,7 +362,8 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     known = {"dense": set(), "bsa": {"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"}}
     known["pisa"] = known["bsa"] | {"branching", "score", "beam"}
     known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
-                    "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"}
+                    "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"} | (
+                        {"proxy_blocks"} if getattr(cfg, "proxy_blocks", 1) == 1 else set())  # body: P = 1 only
     unknown = sorted({name for name, _ in _config_fields(method)} - known[method])
     if unknown:
         return (f"{method} at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} does not implement "

@@ -13,6 +13,8 @@ Formulation (equal to the reference, written for static-free shapes):
   them, so their sum runs in position order like the reference's), softmax over the valid keys
   of the complete segments (per segment when ``causal_proxy``), mean over the proxy rows,
   averaged over the GQA group for ``gqa_permutation="kv_head"``;
+  only the single proxy (``proxy_blocks=1``): export refuses ``proxy_blocks > 1`` and a node
+  carrying another value computes NaN (``cfg_ok``);
 * permutation per segment by ``TopK`` (descending, ties to the lower index = a stable sort);
   slots from the row's complete-segment prefix ``lc_b`` on keep the identity;
 * block probabilities from block means (``scoring="mean"``) or strided antidiagonals
@@ -33,6 +35,7 @@ MASK_TEMPLATE = """
   fsink_i = Constant <value_int: int = @force_sink> ()
   permute_i = Constant <value_int: int = @permute> ()
   cproxy_i = Constant <value_int: int = @causal_proxy> ()
+  nproxy = Constant <value_int: int = @proxy_blocks> ()
   minlen = Constant <value_int: int = @min_seq_len> ()
   gqa_s = Constant <value_string: string = @gqa_permutation> ()
   scoring_s = Constant <value_string: string = @scoring> ()
@@ -46,7 +49,9 @@ MASK_TEMPLATE = """
   mean_ok = Equal (scoring_s, mean_s)
   is_ad = Equal (scoring_s, ad_s)
   scoring_ok = Or (mean_ok, is_ad)
-  cfg_ok = And (gqa_ok, scoring_ok)
+  proxy_ok = Equal (nproxy, one)
+  cfg_ok0 = And (gqa_ok, scoring_ok)
+  cfg_ok = And (cfg_ok0, proxy_ok)
   fsink = Cast <to = 9> (fsink_i)
   do_perm = Cast <to = 9> (permute_i)
   cproxy = Cast <to = 9> (cproxy_i)

@@ -265,6 +265,21 @@ def test_unsupported_fails_at_export_time(tmp_path, kind, method, match):
     assert not list(tmp_path.iterdir())  # no partial or temporary file either
 
 
+def test_pbs_proxy_blocks_above_one_is_refused_at_export_time(tmp_path):
+    """The PBSAttention body implements the single proxy only: proxy_blocks > 1 is refused,
+    naming the option, before anything is written; proxy_blocks=1 (the default) exports."""
+    path = tmp_path / "m.onnx"
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(0))
+    model = _OddAttention("causal").eval()
+    cfg = sparseflow.PBSConfig(block_size=8, segment_size=16, proxy_blocks=3)
+    with pytest.raises(OnnxExportError, match="proxy_blocks") as info:
+        export_onnx(model, (x,), path, method="pbs", config=cfg)
+    assert "<root>" in str(info.value)
+    assert not path.exists() and not list(tmp_path.iterdir())
+    export_onnx(model, (x,), path, method="pbs", config=cfg.replace(proxy_blocks=1))
+    assert path.exists()
+
+
 def test_bad_arguments_fail_clearly(llama):
     with pytest.raises(TypeError, match="example_inputs must be a tuple"):
         export_onnx(llama, _ids(64), None, method="dense")
@@ -407,7 +422,8 @@ def test_sparse_node_ties_and_odd_lengths(cfg, n):
 
 @pytest.mark.parametrize(
     "method,bad",
-    [("pbs", {"scoring": "max"}), ("pbs", {"gqa_permutation": "per_token"}), ("pisa", {"score": "max"}),
+    [("pbs", {"scoring": "max"}), ("pbs", {"gqa_permutation": "per_token"}), ("pbs", {"proxy_blocks": 2}),
+     ("pisa", {"score": "max"}),
      ("pisa", {"branching": 1}), ("pisa", {"beam": 0})],
 )
 def test_body_outputs_nan_for_settings_it_does_not_implement(method, bad):
