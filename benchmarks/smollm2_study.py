@@ -55,6 +55,7 @@ VARIANTS = {
     "antidiag": {"scoring": "antidiagonal"},
     "no_permute_antidiag": {"permute": False, "scoring": "antidiagonal"},
     "segment512_antidiag": {"segment_size": 512, "scoring": "antidiagonal"},
+    "proxy4": {"proxy_blocks": 4},
 }
 DENSE_LAYERS = (0,)  # as the smollm2 recipe: layer 0 stays dense in every row
 
