@@ -295,3 +295,14 @@ def test_retained_mass_uses_the_option():
     a = pbs_retained_mass(q, k, cfg, last=64)
     b = pbs_retained_mass(q, k, cfg.replace(proxy_blocks=4), last=64)
     assert a["retained_mass"] != b["retained_mass"]
+
+
+@pytest.mark.parametrize("t", [17, 40, 66])
+def test_causal_proxy_with_several_proxies_stays_causal_in_keys(t):
+    """causal_proxy=True with P > 1: every proxy normalises per segment, so (as with P = 1) no
+    key after position t changes an output at or before t."""
+    from sparseflow.testing import check_causality
+
+    q, k, v, _ = _random(1, 4, 2, 83, 8, seed=10 + t, pad=False)
+    check_causality(q, k, v, PBSConfig(block_size=4, segment_size=8, threshold=0.6, causal_proxy=True,
+                                       proxy_blocks=3), t, backend="reference")

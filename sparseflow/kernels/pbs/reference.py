@@ -41,6 +41,9 @@ Conventions and decisions (where SPEC §3 leaves room):
   look ahead; a proxy of region 0 sees nothing and drops out). Each proxy computes its own mean
   probabilities exactly as the single proxy does (softmax over the valid keys it sees, per
   segment with ``causal_proxy``), and a key's score is the mean over the proxies that see it.
+  With ``causal_proxy`` a segment's scores thus depend on its own keys only (which proxies see
+  it depends on positions and padding, not on key values), so the selection stays causal in
+  keys, as with one proxy.
   Visibility is per segment, so all keys of a segment are averaged over the same proxies and
   the in-segment order is a fair comparison. Every complete-segment key is seen by the last
   proxy; keys no proxy sees (tail, padding) keep score 0. ``P = 1`` is the single proxy, bit
