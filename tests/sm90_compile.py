@@ -133,11 +133,12 @@ def run_pbs(cases):
 
     TI._use_kernels = lambda t: True
     tma_default = TA._tma_ok
-    for d, dtype, gqa, pad, causal, thr, tma in cases:
+    for d, dtype, gqa, pad, causal, thr, tma, proxies in cases:
         TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
         q, k, v = _qkv(2, 8, 2, 700, d, dtype)
         TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, 700) if pad else None, is_causal=causal,
-                         block_size=128, segment_size=256, threshold=thr, gqa_permutation=gqa)
+                         block_size=128, segment_size=256, threshold=thr, gqa_permutation=gqa,
+                         proxy_blocks=proxies)
     TA._tma_ok = tma_default
 
 
@@ -214,8 +215,9 @@ def main(argv=None) -> int:
     if args.selftest:
         return selftest()
     bf16, fp16 = torch.bfloat16, torch.float16
-    pbs = [(128, bf16, "query_head", False, True, 0.9, True), (64, fp16, "kv_head", True, True, 0.9, False),
-           (128, bf16, "query_head", False, True, 1.0, False), (80, bf16, "kv_head", True, False, 0.8, False)]
+    pbs = [(128, bf16, "query_head", False, True, 0.9, True, 1), (64, fp16, "kv_head", True, True, 0.9, False, 1),
+           (128, bf16, "query_head", False, True, 1.0, False, 1), (80, bf16, "kv_head", True, False, 0.8, False, 1),
+           (64, bf16, "query_head", True, True, 0.9, False, 3)]
     pisa = [(64, bf16, False, 8, 1, "lse"), (128, bf16, True, 32, 1, "lse"), (64, fp16, True, 8, 2, "mean_var"),
             (64, bf16, False, 8, 4, "lse")]
     dec = [(64, bf16, 8, 1), (128, bf16, 8, 2)]
