@@ -61,6 +61,24 @@ def _use_kernels(t: Tensor) -> bool:
 
 
 @triton.jit
+def _slot_rows(p_base, KPM, b64, blk, r0, N, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+               IDENTITY: tl.constexpr, HAS_PAD: tl.constexpr):
+    """(slots, in range, source rows, valid) of ``ROWS`` permuted slots from ``blk * BLOCK + r0``:
+    the original row each slot holds and whether that row is a valid (unpadded) token."""
+    slot = blk * BLOCK + r0 + tl.arange(0, ROWS)
+    s_ok = slot < N
+    if IDENTITY:
+        src = slot.to(tl.int64)
+    else:
+        src = tl.load(p_base + slot, mask=s_ok, other=0).to(tl.int64)
+    if HAS_PAD:
+        valid = s_ok & (tl.load(KPM + b64 * N + src, mask=s_ok, other=0) != 0)
+    else:
+        valid = s_ok
+    return slot, s_ok, src, valid
+
+
+@triton.jit
 def _gather_pool_kernel(
     X, Y, PERM, KPM, FIRST, XOUT, YOUT, POOLED, COUNT, KPOS, SINK,
     HP, HX, N, NB,
@@ -101,27 +119,12 @@ def _gather_pool_kernel(
             if HAS_PAD:
                 # a block without a valid position is pooled over all its in-range positions
                 for r0 in tl.static_range(0, BLOCK, ROWS):
-                    slot = blk * BLOCK + r0 + tl.arange(0, ROWS)
-                    s_ok = slot < N
-                    if IDENTITY:
-                        src = slot.to(tl.int64)
-                    else:
-                        src = tl.load(p_base + slot, mask=s_ok, other=0).to(tl.int64)
-                    ok = tl.load(KPM + b64 * N + src, mask=s_ok, other=0) != 0
-                    cnt += tl.sum((ok & s_ok).to(tl.int32), 0)
+                    _, _, _, ok = _slot_rows(p_base, KPM, b64, blk, r0, N, BLOCK, ROWS, IDENTITY, HAS_PAD)
+                    cnt += tl.sum(ok.to(tl.int32), 0)
                 use_all = cnt == 0
                 cnt = cnt * 0
     for r0 in tl.static_range(0, BLOCK, ROWS):
-        slot = blk * BLOCK + r0 + tl.arange(0, ROWS)
-        s_ok = slot < N
-        if IDENTITY:
-            src = slot.to(tl.int64)
-        else:
-            src = tl.load(p_base + slot, mask=s_ok, other=0).to(tl.int64)
-        if HAS_PAD:
-            valid = s_ok & (tl.load(KPM + b64 * N + src, mask=s_ok, other=0) != 0)
-        else:
-            valid = s_ok
+        slot, s_ok, src, valid = _slot_rows(p_base, KPM, b64, blk, r0, N, BLOCK, ROWS, IDENTITY, HAS_PAD)
         m2 = s_ok[:, None] & d_ok[None, :]
         out_rows = (bp64 * N + slot)[:, None] * HEAD_DIM + offs_d[None, :]
         x = tl.load(x_base + src[:, None] * stride_xn + offs_d[None, :], mask=m2, other=0.0)

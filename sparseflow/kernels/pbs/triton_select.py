@@ -358,6 +358,19 @@ def _proxy_pass(
 
 
 @triton.jit
+def _segment_lse_chunk(M, L, base, s0, seg_end, rows, NSEG_MAX, BLOCK_P: tl.constexpr, CHUNK_S: tl.constexpr):
+    """(offsets, ok, log2-sum-exp2) of segments ``s0 .. s0+CHUNK_S`` of one proxy row block from
+    pass 1's running max / sum; segments at or past ``seg_end`` (or without mass) are -inf."""
+    segs = s0 + tl.arange(0, CHUNK_S)
+    ok = segs < NSEG_MAX
+    o = base + segs[:, None] * BLOCK_P + rows[None, :]
+    m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
+    l = tl.load(L + o, mask=ok[:, None], other=0.0)
+    lse = tl.where((l > 0) & (segs < seg_end)[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+    return o, ok, lse
+
+
+@triton.jit
 def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, BLOCK_P: tl.constexpr,
                         CHUNK_S: tl.constexpr, PER_SEGMENT: tl.constexpr, HAS_PAD: tl.constexpr):
     """One program per batch*head: each proxy row's log2-sum-exp2 normaliser from the per-segment
@@ -374,36 +387,21 @@ def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, 
     if PER_SEGMENT:
         s0 = 0
         while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
-            segs = s0 + tl.arange(0, CHUNK_S)
-            ok = segs < NSEG_MAX
-            o = base + segs[:, None] * BLOCK_P + rows[None, :]
-            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
-            l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & (segs < n_seg)[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+            o, ok, lse = _segment_lse_chunk(M, L, base, s0, n_seg, rows, NSEG_MAX, BLOCK_P, CHUNK_S)
             tl.store(LSE + o, lse, mask=ok[:, None])
             s0 += CHUNK_S
     else:
         mx = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
         s0 = 0
         while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
-            segs = s0 + tl.arange(0, CHUNK_S)
-            ok = segs < n_seg
-            o = base + segs[:, None] * BLOCK_P + rows[None, :]
-            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
-            l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+            _, _, lse = _segment_lse_chunk(M, L, base, s0, n_seg, rows, NSEG_MAX, BLOCK_P, CHUNK_S)
             mx = tl.maximum(mx, tl.max(lse, 0))
             s0 += CHUNK_S
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
         tot = tl.zeros([BLOCK_P], dtype=tl.float32)
         s0 = 0
         while s0 < NSEG_MAX:  # (a while loop: the interpreter cannot range() over an argument)
-            segs = s0 + tl.arange(0, CHUNK_S)
-            ok = segs < n_seg
-            o = base + segs[:, None] * BLOCK_P + rows[None, :]
-            m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
-            l = tl.load(L + o, mask=ok[:, None], other=0.0)
-            lse = tl.where((l > 0) & ok[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+            _, _, lse = _segment_lse_chunk(M, L, base, s0, n_seg, rows, NSEG_MAX, BLOCK_P, CHUNK_S)
             tot += tl.sum(tl.exp2(lse - mx_safe[None, :]), 0)
             s0 += CHUNK_S
         tl.store(LSE + bh.to(tl.int64) * BLOCK_P + rows, mx_safe + tl.log2(tot))
