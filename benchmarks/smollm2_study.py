@@ -148,10 +148,15 @@ def _missed_at(points, density):
 
 def calibrate(model, tok, args, base_variant: str, thresholds):
     """{layer: permute?} from the retained attention mass on ``args.calib_text``."""
-    from sparseflow.attention_mass import capture_qkv, pbs_retained_mass
+    from sparseflow.attention_mass import capture_qkv, pbs_retained_mass, spread_positions
     from sparseflow.checkpoints import real_tokens
 
     ids = real_tokens(tok, args.calib_tokens, text=args.calib_text).to(args.device)
+    # "last": the last 512 queries (what the fidelity is scored on); "spread": 8 runs of 64 queries
+    # over the whole sequence (errors at early positions reach the scored ones through later
+    # layers' keys and values)
+    positions = (None if args.calib_positions == "last"
+                 else spread_positions(args.calib_tokens, 8, start=args.calib_tokens // 8))
     layers = capture_qkv(model, ids)
     base = VARIANTS[base_variant]
     choice, table = {}, []
@@ -163,7 +168,7 @@ def calibrate(model, tok, args, base_variant: str, thresholds):
             pts = []
             for thr in thresholds:
                 cfg = PBSConfig(**{**base, "threshold": thr, "permute": perm})
-                r = pbs_retained_mass(q, k, cfg, last=512)
+                r = pbs_retained_mass(q, k, cfg, last=512, positions=positions)
                 pts.append((r["density"], 1.0 - r["mean_retained_mass"]))
             curves[perm] = pts
         # compare at the measured densities both variants reach, within the range the targets
@@ -194,6 +199,7 @@ def run_calib(model, tok, args, writer):
         choice, table = calibrate(model, tok, args, base_variant, args.calib_thresholds)
         writer.data.setdefault("calibration", {})[base_variant] = {
             "text": args.calib_text, "tokens": args.calib_tokens, "thresholds": args.calib_thresholds,
+            "positions": args.calib_positions,
             "permuted_layers": sorted(i for i, p in choice.items() if p), "layers": table}
         writer.flush()
         for text in args.texts:
@@ -207,7 +213,9 @@ def run_calib(model, tok, args, writer):
                     res = evaluate_plans(model, ids, [plan_for(base, nl, per_layer)], eval_positions=keep,
                                          dense=dense)[0]
                     row = result_row(res, text=text, tokens=n, eval_positions=keep,
-                                     variant=f"calibrated_{base_variant}", threshold=thr,
+                                     variant=f"calibrated_{base_variant}"
+                                             + ("" if args.calib_positions == "last" else f"_{args.calib_positions}"),
+                                     threshold=thr,
                                      permuted_layers=sorted(per_layer))
                     writer.add(row)
                     print(f"calib {text:15s} n={n:5d} {base_variant:12s} thr={thr:<5} density {row['density']:.3f} "
@@ -241,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--thresholds", type=floats, default=[0.8, 0.9, 0.95, 0.98, 0.99])
     ap.add_argument("--calib-text", default="pydoc_topics")
     ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--calib-positions", choices=["last", "spread"], default="last",
+                    help="queries whose retained mass calibrates the per-layer choice (default: the last 512)")
     ap.add_argument("--calib-variants", type=names, default=["paper", "antidiag"])
     ap.add_argument("--calib-thresholds", type=floats, default=[0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995])
     ap.add_argument("--recall-tokens", type=int, default=4096)
