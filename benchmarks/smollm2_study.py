@@ -17,6 +17,9 @@ is cut short keeps what it measured):
   several thresholds), each variant's missed mass is interpolated at equal density, and the
   layer permutes when that wins. The calibrated plans (the per-layer flags as ``layer_configs``)
   are then evaluated like ``pbs`` on every text -- the other text is the held-out check.
+* ``calib_kl``: the per-layer choice by the model's own KL instead: from no permutation, each
+  layer permuted alone on the calibration text, kept where its (density, KL) point falls below the
+  no-permutation curve; the plan evaluated like ``pbs``.
 * ``recall``: PISA's Recall@K diagnostic (pyramid vs flat exact-LSE scan vs BSA, plus any
   ``--recall-selectors`` such as beams) per text at ``--recall-tokens``.
 
@@ -222,6 +225,70 @@ def run_calib(model, tok, args, writer):
                           f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
 
 
+def run_calib_kl(model, tok, args, writer):
+    """A per-layer choice by the model's own KL: starting from no permutation, each layer is
+    permuted alone (threshold ``args.calib_kl_threshold``) on the calibration text, and it permutes
+    in the calibrated plan when its (density, KL) point lies below the no-permutation curve
+    (measured at ``args.thresholds``, interpolated log-linearly). The plan is then evaluated on
+    every text and length like ``pbs``."""
+    from sparseflow.checkpoints import real_tokens
+    from sparseflow.evaluate import dense_logits, evaluate_plans
+
+    nl = model.config.num_hidden_layers
+    ids = real_tokens(tok, args.calib_tokens, text=args.calib_text).to(args.device)
+    keep = eval_positions_for(args.calib_tokens)
+    dense = dense_logits(model, ids, keep)
+    for base_variant in args.calib_variants:
+        plain = PBSConfig(**{**VARIANTS[base_variant], "permute": False})
+        curve = []
+        for thr in args.thresholds:
+            res = evaluate_plans(model, ids, [plan_for(plain.replace(threshold=thr), nl)], eval_positions=keep,
+                                 dense=dense)[0]
+            curve.append((res.density, res.fidelity.mean_kl))
+        base = plain.replace(threshold=args.calib_kl_threshold)
+        chosen, table = [], []
+        for i in range(nl):
+            if i in DENSE_LAYERS:
+                continue
+            res = evaluate_plans(model, ids, [plan_for(base, nl, {i: base.replace(permute=True)})],
+                                 eval_positions=keep, dense=dense)[0]
+            d, kl = res.density, res.fidelity.mean_kl
+            ref = _kl_on_curve(curve, d)
+            wins = ref is not None and kl < ref
+            table.append({"layer": i, "density": d, "mean_kl": kl, "no_permute_kl_at_density": ref, "permute": wins})
+            if wins:
+                chosen.append(i)
+            print(f"calib_kl layer {i:2d}: density {d:.4f} KL {kl:.5f} vs curve {ref} -> permute={wins}", flush=True)
+        writer.data.setdefault("calibration", {})[base_variant] = {
+            "text": args.calib_text, "tokens": args.calib_tokens, "threshold": args.calib_kl_threshold,
+            "no_permute_curve": curve, "permuted_layers": chosen, "layers": table}
+        writer.flush()
+        for text in args.texts:
+            for n in args.lengths:
+                ids2 = real_tokens(tok, n, text=text).to(args.device)
+                keep2 = eval_positions_for(n)
+                dense2 = dense_logits(model, ids2, keep2)
+                for thr in args.thresholds:
+                    cfg = plain.replace(threshold=thr)
+                    per_layer = {i: cfg.replace(permute=True) for i in chosen}
+                    res = evaluate_plans(model, ids2, [plan_for(cfg, nl, per_layer)], eval_positions=keep2,
+                                         dense=dense2)[0]
+                    row = result_row(res, text=text, tokens=n, eval_positions=keep2,
+                                     variant=f"calibrated_kl_{base_variant}", threshold=thr, permuted_layers=chosen)
+                    writer.add(row)
+                    print(f"calib_kl {text:15s} n={n:5d} {base_variant:12s} thr={thr:<5} density {row['density']:.3f} "
+                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
+
+
+def _kl_on_curve(curve, density):
+    pts = sorted(curve)
+    for (d0, k0), (d1, k1) in zip(pts, pts[1:]):
+        if d0 <= density <= d1:
+            w = 0.0 if d1 == d0 else (density - d0) / (d1 - d0)
+            return math.exp((1 - w) * math.log(max(k0, 1e-12)) + w * math.log(max(k1, 1e-12)))
+    return None
+
+
 def run_recall(model, tok, args, writer):
     from sparseflow.attention_mass import recall_diagnostic
     from sparseflow.checkpoints import real_tokens
@@ -242,7 +309,7 @@ def main(argv=None):
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, recall (comma list)")
+    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, calib_kl, recall (comma list)")
     ap.add_argument("--texts", type=names, default=["pydoc_topics", "argparse_source"])
     ap.add_argument("--lengths", type=ints, default=[8192])
     ap.add_argument("--variants", type=names, default=list(VARIANTS))
@@ -253,6 +320,8 @@ def main(argv=None):
                     help="queries whose retained mass calibrates the per-layer choice (default: the last 512)")
     ap.add_argument("--calib-variants", type=names, default=["paper", "antidiag"])
     ap.add_argument("--calib-thresholds", type=floats, default=[0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995])
+    ap.add_argument("--calib-kl-threshold", type=float, default=0.95,
+                    help="threshold at which calib_kl permutes one layer at a time (default 0.95)")
     ap.add_argument("--recall-tokens", type=int, default=4096)
     ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -261,9 +330,9 @@ def main(argv=None):
     bad = [v for v in args.variants if v not in VARIANTS] + [v for v in args.calib_variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; known: {sorted(VARIANTS)}")
-    bad = [p for p in args.parts if p not in ("pbs", "calib", "recall")]
+    bad = [p for p in args.parts if p not in ("pbs", "calib", "calib_kl", "recall")]
     if bad:
-        ap.error(f"unknown parts {bad}; known: pbs, calib, recall")
+        ap.error(f"unknown parts {bad}; known: pbs, calib, calib_kl, recall")
     if args.device == "cuda":
         # exact fp32 everywhere: the selections must be the reference's, not TF32 approximations
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -278,7 +347,7 @@ def main(argv=None):
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "env": env_info(args.device),
             "backend": "reference", "dense_layers": list(DENSE_LAYERS), "variants": VARIANTS,
             "args": {k: v for k, v in vars(args).items()}}
-    runners = {"pbs": run_pbs, "calib": run_calib, "recall": run_recall}
+    runners = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recall": run_recall}
     for part in args.parts:
         runners[part](model, tok, args, Writer(args.out, part, meta))
     return 0
