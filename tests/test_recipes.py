@@ -64,7 +64,8 @@ def test_smollm2_recipe_fits_smollm2_and_builds_plans():
         for i in r.dense_layers:
             assert plan.config_for(i).method == "dense"
         sparse_layer = next(i for i in range(30) if i not in r.dense_layers)
-        assert plan.config_for(sparse_layer) == r.config_for(method)
+        expected = r.config_for(method).replace(**r.layer_overrides.get(method, {}).get(sparse_layer, {}))
+        assert plan.config_for(sparse_layer) == expected
         assert Plan.from_dict(plan.to_dict()) == plan
 
 
@@ -137,8 +138,13 @@ def test_smollm2_pbs_setting_is_a_measured_row_that_meets_the_targets():
     recipe's targets (mean KL <= 0.01 nats, top-1 >= 97%) — edits to one without the other fail."""
     r = get_recipe("smollm2")
     cfg = r.config_for("pbs")
+    # a row measured with the per-layer choice says permute="layers"; the recipe then carries the
+    # permuted layers as layer_overrides on an unpermuted base config
+    per_layer = bool(r.layer_overrides.get("pbs"))
+    assert not per_layer or (cfg.permute is False and all(c == {"permute": True} for c in r.layer_overrides["pbs"].values()))
+    permute = "layers" if per_layer else cfg.permute
     rows = [m for m in r.measured["pbs"]
-            if m["threshold"] == cfg.threshold and m["permute"] == cfg.permute and m.get("scoring", "mean") == cfg.scoring]
+            if m["threshold"] == cfg.threshold and m["permute"] == permute and m.get("scoring", "mean") == cfg.scoring]
     assert len(rows) == 1, rows
     assert rows[0]["mean_kl"] <= 0.01 and rows[0]["top1"] >= 0.97, rows[0]
     assert 0.0 < rows[0]["density"] < 1.0
