@@ -17,8 +17,10 @@ Measured on the H200 (reference backend, fp32; SmolLM2-135M-Instruct Q4_1 dequan
   scoring reach KL 0.024 / 0.032 at density 0.35.
 * pydoc prose: 0.9 -> density 0.334, KL 0.249 -- do not use this recipe for prose.
 """
-from ..config import BSAConfig, PBSConfig, PISAConfig
-from . import Recipe
+import dataclasses
+
+from ..config import PBSConfig
+from .smollm2 import RECIPE as _SMOLLM2
 
 PERMUTED_LAYERS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 
@@ -35,18 +37,14 @@ MEASURED = {
     "calibration": "benchmarks/results/smollm2_study_calib_8k_h200.json (base 'antidiag')",
 }
 
-RECIPE = Recipe(
+# the smollm2 recipe with another PBS setting: same model checks, dense layer and PISA/BSA configs
+RECIPE = dataclasses.replace(
+    _SMOLLM2,
     name="smollm2-code",
     description=("SmolLM2 on source code: PBS antidiagonal, threshold 0.9, permutation in the 26 calibrated layers "
                  "(8K argparse: density 0.34, KL 0.013); layer 0 dense. For prose use 'smollm2'"),
-    model_types=("llama",),
-    configs={
-        "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.9, permute=False, scoring="antidiagonal"),
-        "pisa": PISAConfig(block_size=64, top_k=16),
-        "bsa": BSAConfig(block_size=64, top_k=16),
-    },
-    dense_layers=(0,),
-    head_dim=64,
+    configs={**_SMOLLM2.configs,
+             "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.9, permute=False, scoring="antidiagonal")},
     layer_overrides={"pbs": {i: {"permute": True} for i in PERMUTED_LAYERS}},
     measured=MEASURED,
 )
