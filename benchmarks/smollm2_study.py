@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -43,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from sparseflow import PBSConfig  # noqa: E402
+from smollm2_study_plots import kl_at  # noqa: E402  (the log-linear equal-density interpolation)
 
 # name -> PBSConfig changes from the paper's defaults (block 128, segment 256, last-block proxy,
 # permutation per query head, mean-pooled block scoring)
@@ -114,39 +114,60 @@ def result_row(res, **extra) -> dict:
             "config": res.config, "layer_configs": res.plan.get("layer_configs", {})}
 
 
-def run_pbs(model, tok, args, writer):
+def eval_inputs(model, tok, args):
+    """(text, tokens, ids, eval positions, dense logits) for every text and length asked for."""
     from sparseflow.checkpoints import real_tokens
-    from sparseflow.evaluate import dense_logits, evaluate_plans
+    from sparseflow.evaluate import dense_logits
 
-    layers = model.config.num_hidden_layers
     for text in args.texts:
         for n in args.lengths:
             ids = real_tokens(tok, n, text=text).to(args.device)
             keep = eval_positions_for(n)
-            dense = dense_logits(model, ids, keep)
-            for name in args.variants:
-                for thr in args.thresholds:
-                    cfg = PBSConfig(**{"threshold": thr, **VARIANTS[name]})
-                    res = evaluate_plans(model, ids, [plan_for(cfg, layers)], eval_positions=keep, dense=dense)[0]
-                    row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=name, threshold=thr)
-                    writer.add(row)
-                    print(f"pbs {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
-                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+            yield text, n, ids, keep, dense_logits(model, ids, keep)
+
+
+def evaluate_layer_plan(model, tok, args, writer, plain, permuted, variant, tag):
+    """Evaluate ``plain`` (an unpermuted PBSConfig) with permutation in the ``permuted`` layers at
+    every text, length and threshold, writing one row each."""
+    from sparseflow.evaluate import evaluate_plans
+
+    nl = model.config.num_hidden_layers
+    for text, n, ids, keep, dense in eval_inputs(model, tok, args):
+        for thr in args.thresholds:
+            cfg = plain.replace(threshold=thr)
+            per_layer = {i: cfg.replace(permute=True) for i in permuted}
+            res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
+            row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=variant, threshold=thr,
+                             permuted_layers=sorted(per_layer))
+            writer.add(row)
+            print(f"{tag} {text:15s} n={n:5d} {variant:24s} thr={thr:<5} density {row['density']:.3f} "
+                  f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
+
+
+def run_pbs(model, tok, args, writer):
+    from sparseflow.evaluate import evaluate_plans
+
+    layers = model.config.num_hidden_layers
+    for text, n, ids, keep, dense in eval_inputs(model, tok, args):
+        for name in args.variants:
+            for thr in args.thresholds:
+                cfg = PBSConfig(**{"threshold": thr, **VARIANTS[name]})
+                res = evaluate_plans(model, ids, [plan_for(cfg, layers)], eval_positions=keep, dense=dense)[0]
+                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=name, threshold=thr)
+                writer.add(row)
+                print(f"pbs {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
+                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
 
 
 def _missed_at(points, density):
-    """Missed attention mass at ``density`` by log-linear interpolation over (density, missed)
-    points of one layer and variant (clamped to the measured range)."""
+    """Missed attention mass at ``density``, log-linear between the (density, missed) points of one
+    layer and variant, clamped to the measured range."""
     pts = sorted(points)
     if density <= pts[0][0]:
         return pts[0][1]
     if density >= pts[-1][0]:
         return pts[-1][1]
-    for (d0, m0), (d1, m1) in zip(pts, pts[1:]):
-        if d0 <= density <= d1:
-            w = 0.0 if d1 == d0 else (density - d0) / (d1 - d0)
-            return math.exp((1 - w) * math.log(max(m0, 1e-9)) + w * math.log(max(m1, 1e-9)))
-    return pts[-1][1]
+    return kl_at(pts, density, floor=1e-9)
 
 
 def calibrate(model, tok, args, base_variant: str, thresholds):
@@ -194,10 +215,6 @@ def calibrate(model, tok, args, base_variant: str, thresholds):
 
 
 def run_calib(model, tok, args, writer):
-    from sparseflow.checkpoints import real_tokens
-    from sparseflow.evaluate import dense_logits, evaluate_plans
-
-    nl = model.config.num_hidden_layers
     for base_variant in args.calib_variants:
         choice, table = calibrate(model, tok, args, base_variant, args.calib_thresholds)
         writer.data.setdefault("calibration", {})[base_variant] = {
@@ -205,24 +222,9 @@ def run_calib(model, tok, args, writer):
             "positions": args.calib_positions,
             "permuted_layers": sorted(i for i, p in choice.items() if p), "layers": table}
         writer.flush()
-        for text in args.texts:
-            for n in args.lengths:
-                ids = real_tokens(tok, n, text=text).to(args.device)
-                keep = eval_positions_for(n)
-                dense = dense_logits(model, ids, keep)
-                for thr in args.thresholds:
-                    base = PBSConfig(**{**VARIANTS[base_variant], "threshold": thr, "permute": False})
-                    per_layer = {i: base.replace(permute=True) for i, p in choice.items() if p}
-                    res = evaluate_plans(model, ids, [plan_for(base, nl, per_layer)], eval_positions=keep,
-                                         dense=dense)[0]
-                    row = result_row(res, text=text, tokens=n, eval_positions=keep,
-                                     variant=f"calibrated_{base_variant}"
-                                             + ("" if args.calib_positions == "last" else f"_{args.calib_positions}"),
-                                     threshold=thr,
-                                     permuted_layers=sorted(per_layer))
-                    writer.add(row)
-                    print(f"calib {text:15s} n={n:5d} {base_variant:12s} thr={thr:<5} density {row['density']:.3f} "
-                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
+        suffix = "" if args.calib_positions == "last" else f"_{args.calib_positions}"
+        evaluate_layer_plan(model, tok, args, writer, PBSConfig(**{**VARIANTS[base_variant], "permute": False}),
+                            [i for i, p in choice.items() if p], f"calibrated_{base_variant}{suffix}", "calib")
 
 
 def run_calib_kl(model, tok, args, writer):
@@ -253,7 +255,7 @@ def run_calib_kl(model, tok, args, writer):
             res = evaluate_plans(model, ids, [plan_for(base, nl, {i: base.replace(permute=True)})],
                                  eval_positions=keep, dense=dense)[0]
             d, kl = res.density, res.fidelity.mean_kl
-            ref = _kl_on_curve(curve, d)
+            ref = kl_at(curve, d)
             wins = ref is not None and kl < ref
             table.append({"layer": i, "density": d, "mean_kl": kl, "no_permute_kl_at_density": ref, "permute": wins})
             if wins:
@@ -263,30 +265,7 @@ def run_calib_kl(model, tok, args, writer):
             "text": args.calib_text, "tokens": args.calib_tokens, "threshold": args.calib_kl_threshold,
             "no_permute_curve": curve, "permuted_layers": chosen, "layers": table}
         writer.flush()
-        for text in args.texts:
-            for n in args.lengths:
-                ids2 = real_tokens(tok, n, text=text).to(args.device)
-                keep2 = eval_positions_for(n)
-                dense2 = dense_logits(model, ids2, keep2)
-                for thr in args.thresholds:
-                    cfg = plain.replace(threshold=thr)
-                    per_layer = {i: cfg.replace(permute=True) for i in chosen}
-                    res = evaluate_plans(model, ids2, [plan_for(cfg, nl, per_layer)], eval_positions=keep2,
-                                         dense=dense2)[0]
-                    row = result_row(res, text=text, tokens=n, eval_positions=keep2,
-                                     variant=f"calibrated_kl_{base_variant}", threshold=thr, permuted_layers=chosen)
-                    writer.add(row)
-                    print(f"calib_kl {text:15s} n={n:5d} {base_variant:12s} thr={thr:<5} density {row['density']:.3f} "
-                          f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
-
-
-def _kl_on_curve(curve, density):
-    pts = sorted(curve)
-    for (d0, k0), (d1, k1) in zip(pts, pts[1:]):
-        if d0 <= density <= d1:
-            w = 0.0 if d1 == d0 else (density - d0) / (d1 - d0)
-            return math.exp((1 - w) * math.log(max(k0, 1e-12)) + w * math.log(max(k1, 1e-12)))
-    return None
+        evaluate_layer_plan(model, tok, args, writer, plain, chosen, f"calibrated_kl_{base_variant}", "calib_kl")
 
 
 def run_recall(model, tok, args, writer):

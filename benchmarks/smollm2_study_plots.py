@@ -21,13 +21,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 
-def kl_at(points, density):
-    """Mean KL at ``density`` by log-linear interpolation; None outside the measured range."""
+def kl_at(points, density, floor=1e-12):
+    """The value at ``density`` of (density, value) ``points`` (a KL curve, or missed mass) by
+    log-linear interpolation, values floored at ``floor`` for the log; None outside the range."""
     pts = sorted(points)
     for (d0, k0), (d1, k1) in zip(pts, pts[1:]):
         if d0 <= density <= d1:
             w = 0.0 if d1 == d0 else (density - d0) / (d1 - d0)
-            return math.exp((1 - w) * math.log(max(k0, 1e-12)) + w * math.log(max(k1, 1e-12)))
+            return math.exp((1 - w) * math.log(max(k0, floor)) + w * math.log(max(k1, floor)))
     return None
 
 
