@@ -20,6 +20,8 @@ is cut short keeps what it measured):
 * ``calib_kl``: the per-layer choice by the model's own KL instead: from no permutation, each
   layer permuted alone on the calibration text, kept where its (density, KL) point falls below the
   no-permutation curve; the plan evaluated like ``pbs``.
+* ``recipe``: the shipped recipes' PBS plans (``--recipes``; their config and per-layer overrides)
+  at ``--thresholds`` on every text and length, rows like ``pbs`` with the recipe's name.
 * ``recall``: PISA's Recall@K diagnostic (pyramid vs flat exact-LSE scan vs BSA, plus any
   ``--recall-selectors`` such as beams) per text at ``--recall-tokens``.
 
@@ -268,6 +270,28 @@ def run_calib_kl(model, tok, args, writer):
         evaluate_layer_plan(model, tok, args, writer, plain, chosen, f"calibrated_kl_{base_variant}", "calib_kl")
 
 
+def run_recipe(model, tok, args, writer):
+    from sparseflow.evaluate import evaluate_plans
+    from sparseflow.recipes import get_recipe
+
+    nl = model.config.num_hidden_layers
+    for text, n, ids, keep, dense in eval_inputs(model, tok, args):
+        for name in args.recipes:
+            recipe = get_recipe(name)
+            if tuple(recipe.dense_layers) != DENSE_LAYERS:
+                raise SystemExit(f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps "
+                                 f"{DENSE_LAYERS}")
+            for thr in args.thresholds:
+                cfg = recipe.config_for("pbs").replace(threshold=thr)
+                per_layer = recipe.layer_configs_for("pbs", cfg, nl)
+                res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
+                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=f"recipe_{name}",
+                                 threshold=thr, permuted_layers=sorted(i for i, c in per_layer.items() if c.permute))
+                writer.add(row)
+                print(f"recipe {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
+                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+
+
 def run_recall(model, tok, args, writer):
     from sparseflow.attention_mass import recall_diagnostic
     from sparseflow.checkpoints import real_tokens
@@ -288,7 +312,7 @@ def main(argv=None):
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, calib_kl, recall (comma list)")
+    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, calib_kl, recipe, recall (comma list)")
     ap.add_argument("--texts", type=names, default=["pydoc_topics", "argparse_source"])
     ap.add_argument("--lengths", type=ints, default=[8192])
     ap.add_argument("--variants", type=names, default=list(VARIANTS))
@@ -301,6 +325,7 @@ def main(argv=None):
     ap.add_argument("--calib-thresholds", type=floats, default=[0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995])
     ap.add_argument("--calib-kl-threshold", type=float, default=0.95,
                     help="threshold at which calib_kl permutes one layer at a time (default 0.95)")
+    ap.add_argument("--recipes", type=names, default=["smollm2", "smollm2-code"])
     ap.add_argument("--recall-tokens", type=int, default=4096)
     ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -309,9 +334,9 @@ def main(argv=None):
     bad = [v for v in args.variants if v not in VARIANTS] + [v for v in args.calib_variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; known: {sorted(VARIANTS)}")
-    bad = [p for p in args.parts if p not in ("pbs", "calib", "calib_kl", "recall")]
+    bad = [p for p in args.parts if p not in ("pbs", "calib", "calib_kl", "recipe", "recall")]
     if bad:
-        ap.error(f"unknown parts {bad}; known: pbs, calib, calib_kl, recall")
+        ap.error(f"unknown parts {bad}; known: pbs, calib, calib_kl, recipe, recall")
     if args.device == "cuda":
         # exact fp32 everywhere: the selections must be the reference's, not TF32 approximations
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -326,7 +351,8 @@ def main(argv=None):
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "env": env_info(args.device),
             "backend": "reference", "dense_layers": list(DENSE_LAYERS), "variants": VARIANTS,
             "args": {k: v for k, v in vars(args).items()}}
-    runners = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recall": run_recall}
+    runners = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe": run_recipe,
+               "recall": run_recall}
     for part in args.parts:
         runners[part](model, tok, args, Writer(args.out, part, meta))
     return 0
