@@ -559,6 +559,19 @@ def part_stages(args, results):
         row["stages_sum_ms"] = row["score_ms"] + row["permute_ms"] + row["layout_ms"] + row["select_ms"]
         row["pipeline_ms"] = bench(pipeline)  # back to back, launch overheads included
         row["pipeline_frac_of_cudnn"] = row["pipeline_ms"] / t_cudnn
+        # the same pipeline replayed from a CUDA graph: the GPU's own time, without the host's
+        # per-launch cost (what a caller using graphs, e.g. torch.compile's reduce-overhead, pays)
+        try:
+            pipeline()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                pipeline()
+            row["pipeline_graph_ms"] = bench(graph.replay)
+            row["pipeline_graph_frac_of_cudnn"] = row["pipeline_graph_ms"] / t_cudnn
+            del graph
+        except Exception as e:  # noqa: BLE001 -- a host sync inside the pipeline cannot be captured
+            row["pipeline_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["old_layout_ms"] = bench(lambda: (TI.permute_kv_torch(k, perm), TI.permute_kv_torch(v, perm),
                                               TA.key_positions(perm)))
         row["op_ms"] = bench(lambda: TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=thr,
@@ -575,9 +588,21 @@ def part_stages(args, results):
         row["density"] = R.selection_density(bm, perm, block_size=bs).mean().item()
         if not args.no_stage_check:
             row.update(selection_diff(q, k, perm, bm, bs, seg, thr))
+        # the whole op at lower densities: this pipeline, then the attention kernel over random
+        # selections (forced blocks always in) of that density on the same layout
+        sweep = {}
+        for dd in (0.05, 0.1, 0.2):
+            bm2 = random_selection(perm, hq, n, bs, seg, dd)
+            kv2 = TA.block_mask_to_indices(bm2, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
+            d2 = R.selection_density(bm2, perm, block_size=bs).mean().item()
+            t2 = bench(lambda: TA.pbs_block_sparse_attention(q, lay.k, lay.v, lay.kpos, *kv2, block_size=bs))
+            sweep[f"{d2:.3f}"] = dict(attention_ms=t2, total_ms=row["pipeline_ms"] + t2,
+                                      total_speedup_vs_cudnn=t_cudnn / (row["pipeline_ms"] + t2))
+            del bm2, kv2
+        row["op_vs_density"] = sweep
         rows.append(row)
         print("stages " + " ".join(f"{k_}={v_:.4f}" if isinstance(v_, float) else f"{k_}={v_}"
-                                   for k_, v_ in row.items()), flush=True)
+                                   for k_, v_ in row.items() if k_ != "op_vs_density"), flush=True)
         del q, k, v, lay, bm, bm_sort, qbar, sc, perm
         torch.cuda.empty_cache()
     results["stages"] = rows
@@ -595,12 +620,17 @@ def print_table(results):
     if "stages" in results:
         print("\n=== selection pipeline with the kernels (ms), B=1 Hq=32 Hkv=8 D=128 bf16, query-head permutation ===")
         cols = ["cudnn_ms", "score_ms", "permute_ms", "layout_ms", "select_ms", "select_sort_ms", "qpool_ms",
-                "logits_ms", "stages_sum_ms", "pipeline_ms", "pipeline_frac_of_cudnn", "old_layout_ms", "op_ms",
+                "logits_ms", "stages_sum_ms", "pipeline_ms", "pipeline_frac_of_cudnn", "pipeline_graph_ms",
+                "pipeline_graph_frac_of_cudnn", "old_layout_ms", "op_ms",
                 "op_speedup_vs_cudnn", "density", "kern_sel_rows_differing"]
         print(f"{'N':>7} " + " ".join(f"{c.replace('_ms', ''):>12}" for c in cols) + f" {'ties':>5} {'exact':>5}")
         for r in results["stages"]:
             print(f"{r['n']:>7} " + " ".join(f"{r.get(c, float('nan')):>12.4f}" for c in cols) +
                   f" {str(r.get('kern_sel_diff_all_near_ties', '-')):>5} {str(r['layout_exact']):>5}")
+        print("whole op vs density (pipeline + attention over random selections of that density), speedup vs cuDNN:")
+        for r in results["stages"]:
+            print(f"{r['n']:>7} " + "  ".join(f"d={k_}: {v_['total_ms']:.2f} ms x{v_['total_speedup_vs_cudnn']:.2f}"
+                                          for k_, v_ in r.get("op_vs_density", {}).items()))
     if "total" in results:
         print("\n=== whole op at threshold, structured synthetic Q/K ===")
         print("(ms; stages 1-3 with the torch reference, then with the Triton kernels [kern]; 'rows diff': fraction "

@@ -77,7 +77,30 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         ERRORS.append({"kernel": self.__name__, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
         return None
     COMPILED.append(self.__name__)
+    _compile_with_fp64_scalars(self, kernel)
     return kernel
+
+
+def _compile_with_fp64_scalars(fn, kernel) -> None:
+    """Compile the same specialisation again with its float scalars typed fp64: Inductor types a
+    Python float argument of a user-defined Triton kernel as fp64 (Triton's JIT types it fp32), so a
+    kernel behind ``torch.library.triton_op`` must compile both ways under ``torch.compile``."""
+    from triton.compiler import ASTSource
+
+    src = kernel.src
+    floats = [name for name, ty in src.signature.items() if ty == "fp32"]
+    if not floats:
+        return
+    sig = {name: ("fp64" if name in floats else ty) for name, ty in src.signature.items()}
+    md = kernel.metadata
+    try:
+        triton.compile(ASTSource(fn=src.fn, signature=sig, constexprs=src.constants, attrs=src.attrs),
+                       target=TARGET, options={"num_warps": md.num_warps, "num_stages": md.num_stages})
+    except Exception as exc:
+        ERRORS.append({"kernel": f"{fn.__name__} (float scalars {floats} typed fp64, as Inductor types them)",
+                       "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
+        return
+    COMPILED.append(f"{fn.__name__}[fp64 scalars]")
 
 
 def _autotune_all(self, *args, **kwargs):
@@ -192,10 +215,26 @@ def selftest() -> int:
             i += 1
         tl.store(X + tl.arange(0, 16), acc)
 
+    @triton.jit
+    def _float_scalar(X, scale, N):
+        # compiles with scale typed fp32 (Triton's JIT); typed fp64 (Inductor) the loop-carried
+        # fp32 accumulator turns fp64 -- the H200 failure of torch.compile on the PBS attention op
+        acc = tl.zeros([16], dtype=tl.float32)
+        i = 0
+        while i < N:
+            acc = acc * scale + tl.load(X + tl.arange(0, 16))
+            i += 1
+        tl.store(X + tl.arange(0, 16), acc)
+
     _fp64_constant[(1,)](torch.zeros(16), 3)
+    _float_scalar[(1,)](torch.zeros(16), 0.5, 3)
     caught = [e for e in ERRORS if e["kernel"] == "_fp64_constant" and "fp64" in e["error"]]
     print("selftest: the fp64-constant kernel", "failed to compile, as it must" if caught else "COMPILED (checker broken)")
-    return 0 if caught else 1
+    as_jit = "_float_scalar" in COMPILED
+    as_inductor = [e for e in ERRORS if e["kernel"].startswith("_float_scalar (float scalars")]
+    print("selftest: the float-scalar kernel", "compiled with fp32 scalars and failed with fp64 ones, as it must"
+          if as_jit and as_inductor else "was not caught (checker broken)")
+    return 0 if caught and as_jit and as_inductor else 1
 
 
 EXPECTED = {

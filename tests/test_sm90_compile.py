@@ -24,6 +24,7 @@ def test_checker_catches_a_gpu_only_compile_error():
     r = _run("--selftest", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "failed to compile, as it must" in r.stdout
+    assert "compiled with fp32 scalars and failed with fp64 ones, as it must" in r.stdout
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -34,3 +35,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert report["errors"] == [] and report["host_failures"] == [] and report["missing"] == []
     # every variant the entry points asked for was compiled (PBS autotune configs, PISA beams, ...)
     assert report["compiles"] >= 40, report["compiled"]
+    # and again with Python-float arguments typed fp64, as Inductor passes them to a triton_op's
+    # kernel under torch.compile (the attention, selection and backward kernels all take a scale)
+    fp64 = {c.split("[")[0] for c in report["compiled"] if c.endswith("[fp64 scalars]")}
+    assert {"_pbs_fwd_kernel", "_select_rows_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
+            "_pisa_select_kernel", "_bsa_select_kernel"} <= fp64, sorted(fp64)

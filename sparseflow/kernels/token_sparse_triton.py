@@ -117,6 +117,8 @@ def _fwd_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     qt = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -182,6 +184,9 @@ def _bwd_dq_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     qt = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -242,6 +247,9 @@ def _bwd_dkdv_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     kb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV

@@ -50,6 +50,8 @@ def _bsa_select_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    scale = tl.cast(scale, tl.float32)
     qt = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV

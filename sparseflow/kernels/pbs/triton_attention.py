@@ -159,6 +159,8 @@ def _pbs_fwd_kernel(
     IS_CAUSAL: tl.constexpr, MASK_ALL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     IEEE: tl.constexpr, INTERP: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     SUB_M: tl.constexpr = (SPARSE_BLOCK + BLOCK_M - 1) // BLOCK_M
     SUB_N: tl.constexpr = (SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
     EVEN_M: tl.constexpr = SPARSE_BLOCK % BLOCK_M == 0

@@ -55,6 +55,10 @@ def _select_rows_kernel(
     of raw block logits ``q̄·k̄`` (``LOGITS [B, HC, nB, nB]`` fp32), applies the scale, masks the
     non-candidates, takes the softmax, finds the threshold prefix, adds the forced blocks and
     writes the block lists (and the mask)."""
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    scale = tl.cast(scale, tl.float32)
+    thr_pos = threshold > 0.0  # before the cast: the interpreter's cast scalar compares as a float
+    threshold = tl.cast(threshold, tl.float32)
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HC
@@ -117,7 +121,7 @@ def _select_rows_kernel(
                 hi = tl.where(go, mid, hi)
                 lo = tl.where(go, lo, mid)
             # (when even the total mass is below the threshold, hi ends at the lowest key: all kept)
-            keep = cand & (packed >= hi) & (threshold > 0.0)
+            keep = cand & (packed >= hi) & thr_pos
 
     final = keep | forced
     # blocks that need the attention kernel's element mask
@@ -294,6 +298,8 @@ def _proxy_pass(
     """One program per (segment, batch*query head). Pass 1 (SCORE_PASS=False): per proxy row, the
     running max / sum of exp2 over the segment's valid keys. Pass 2: per key, the mean over
     proxy rows of exp2(s - lse_row) (the proxy softmax probability)."""
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     seg = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

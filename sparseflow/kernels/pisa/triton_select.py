@@ -213,6 +213,8 @@ def _pisa_select_kernel(
     TOPK: tl.constexpr, WIDE: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
 ):
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
