@@ -61,6 +61,10 @@ VARIANTS = {
     "no_permute_antidiag": {"permute": False, "scoring": "antidiagonal"},
     "segment512_antidiag": {"segment_size": 512, "scoring": "antidiagonal"},
     "proxy4": {"proxy_blocks": 4},
+    # diagnostics, not selectors one would ship: antidiagonal scoring with stride 1 scores a block by
+    # its queries' exact softmax mass over the candidate keys -- the oracle for the threshold rule
+    "oracle_no_permute": {"permute": False, "scoring": "antidiagonal", "antidiagonal_stride": 1},
+    "oracle": {"scoring": "antidiagonal", "antidiagonal_stride": 1},
 }
 DENSE_LAYERS = (0,)  # as the smollm2 recipe: layer 0 stays dense in every row
 

@@ -57,3 +57,34 @@ def test_study_cli_rejects_unknown_variants_and_parts():
         study.main(["--variants", "paper,nope", "--out", "/tmp/x"])
     with pytest.raises(SystemExit):
         study.main(["--parts", "pbs,everything", "--out", "/tmp/x"])
+
+
+def test_oracle_variant_scores_blocks_by_exact_attention_mass():
+    # the study's "oracle" rows use antidiagonal scoring with stride 1: a block's score must then be
+    # the mean over its query rows of their exact softmax mass (over the candidate keys) in that block
+    import torch
+
+    from sparseflow.kernels.pbs import reference as R
+
+    assert study.VARIANTS["oracle_no_permute"] == {"permute": False, "scoring": "antidiagonal", "antidiagonal_stride": 1}
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, n, d, bs = 1, 2, 1, 90, 8, 16  # ragged last block
+    q, k = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g) * 2
+    perm = torch.arange(n).expand(b, hq, n).clone()
+    cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=bs)
+    probs = R.block_probabilities(q, k, perm, cand, block_size=bs, scoring="antidiagonal", antidiagonal_stride=1)
+    nb = -(-n // bs)
+    checked = 0
+    for h in range(hq):
+        for i in range(nb):
+            keys = torch.cat([torch.arange(j * bs, min(n, (j + 1) * bs)) for j in range(nb) if cand[0, h, i, j]]
+                             or [torch.zeros(0, dtype=torch.long)])
+            if keys.numel() == 0:
+                assert probs[0, h, i].abs().sum() == 0
+                continue
+            rows = q[0, h, i * bs:min(n, (i + 1) * bs)]
+            p = torch.softmax(rows @ k[0, 0, keys].T * d ** -0.5, dim=-1)  # [rows, keys]
+            mass = torch.zeros(rows.shape[0], nb).index_add_(1, keys // bs, p)
+            torch.testing.assert_close(probs[0, h, i], mass.mean(0), rtol=1e-5, atol=1e-6)
+            checked += 1
+    assert checked >= hq * (nb - 1)
