@@ -60,6 +60,9 @@ VARIANTS = {
     "antidiag": {"scoring": "antidiagonal"},
     "no_permute_antidiag": {"permute": False, "scoring": "antidiagonal"},
     "segment512_antidiag": {"segment_size": 512, "scoring": "antidiagonal"},
+    "no_permute_antidiag4": {"permute": False, "scoring": "antidiagonal", "antidiagonal_stride": 4},
+    "sampled_rows": {"scoring": "sampled_rows"},
+    "no_permute_sampled_rows": {"permute": False, "scoring": "sampled_rows"},
     "proxy4": {"proxy_blocks": 4},
     # diagnostics, not selectors one would ship: antidiagonal scoring with stride 1 scores a block by
     # its queries' exact softmax mass over the candidate keys -- the oracle for the threshold rule
@@ -286,10 +289,11 @@ def run_recipe(model, tok, args, writer):
                 raise SystemExit(f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps "
                                  f"{DENSE_LAYERS}")
             for thr in args.thresholds:
-                cfg = recipe.config_for("pbs").replace(threshold=thr)
+                cfg = recipe.config_for("pbs").replace(threshold=thr, **args.recipe_set)
                 per_layer = recipe.layer_configs_for("pbs", cfg, nl)
                 res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
-                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=f"recipe_{name}",
+                tag = name + "".join(f"_{k_}={v_}" for k_, v_ in sorted(args.recipe_set.items()))
+                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=f"recipe_{tag}",
                                  threshold=thr, permuted_layers=sorted(i for i, c in per_layer.items() if c.permute))
                 writer.add(row)
                 print(f"recipe {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
@@ -311,6 +315,16 @@ def run_recall(model, tok, args, writer):
               flush=True)
 
 
+def _field(text: str):
+    key, _, value = text.partition("=")
+    for conv in (int, float):
+        try:
+            return key, conv(value)
+        except ValueError:
+            pass
+    return key, {"True": True, "False": False}.get(value, value)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
@@ -330,6 +344,8 @@ def main(argv=None):
     ap.add_argument("--calib-kl-threshold", type=float, default=0.95,
                     help="threshold at which calib_kl permutes one layer at a time (default 0.95)")
     ap.add_argument("--recipes", type=names, default=["smollm2", "smollm2-code"])
+    ap.add_argument("--recipe-set", type=lambda s_: dict(_field(kv) for kv in s_.split(",") if kv), default={},
+                    help="recipe part: PBSConfig fields replaced in the recipes' config, e.g. scoring=sampled_rows")
     ap.add_argument("--recall-tokens", type=int, default=4096)
     ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

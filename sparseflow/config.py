@@ -95,6 +95,15 @@ class PBSConfig(AttentionConfig):
     score is the mean of the probabilities it gets from the proxies that see it. Combines with
     ``causal_proxy`` (each proxy then normalises per segment). See
     :func:`sparseflow.kernels.pbs.reference.key_scores`.
+    ``scoring``: how a query block's distribution over its candidate key blocks is estimated.
+    ``"mean"`` (the paper's): softmax of the block-mean query against block-mean keys (the
+    Triton selection kernels). ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
+    antidiagonal samples of each tile. ``"sampled_rows"``: every ``antidiagonal_stride``-th query
+    row of the block takes its exact softmax over the candidate keys, and the block's distribution
+    is the mean of those rows' mass per key block -- no averaging before the exponential, so one
+    dominant key keeps its mass (stride 1 is the exact block mass). The two strided scorings cost
+    O(N^2 D / stride) and select with the torch reference on every backend; ``antidiagonal_stride``
+    is the stride of both. ONNX export supports ``"mean"`` and ``"antidiagonal"``.
     """
 
     method: ClassVar[str] = "pbs"
@@ -127,7 +136,7 @@ class PBSConfig(AttentionConfig):
         _check_bool("causal_proxy", self.causal_proxy)
         _check_int("proxy_blocks", self.proxy_blocks, 1)
         _check_choice("gqa_permutation", self.gqa_permutation, ("query_head", "kv_head"))
-        _check_choice("scoring", self.scoring, ("mean", "antidiagonal"))
+        _check_choice("scoring", self.scoring, ("mean", "antidiagonal", "sampled_rows"))
         _check_int("antidiagonal_stride", self.antidiagonal_stride, 1)
         if self.scoring == "antidiagonal" and self.block_size % self.antidiagonal_stride:
             raise ValueError(

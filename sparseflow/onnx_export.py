@@ -364,6 +364,9 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
                     "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"} | (
                         {"proxy_blocks"} if getattr(cfg, "proxy_blocks", 1) == 1 else set())  # body: P = 1 only
+    if method == "pbs" and getattr(cfg, "scoring", "mean") not in ("mean", "antidiagonal"):
+        return (f"pbs at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} implements scoring 'mean' and "
+                f"'antidiagonal', got scoring={cfg.scoring!r}; export with one of those (or method='dense')")
     unknown = sorted({name for name, _ in _config_fields(method)} - known[method])
     if unknown:
         return (f"{method} at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} does not implement "

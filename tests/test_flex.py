@@ -362,7 +362,7 @@ def test_hypothesis_flex_equals_reference(data):
             threshold=data.draw(st.sampled_from([0.3, 0.6, 0.9, 1.0]), label="threshold"),
             force_sink=data.draw(st.booleans(), label="force_sink"),
             permute=data.draw(st.booleans(), label="permute"),
-            scoring=data.draw(st.sampled_from(["mean", "antidiagonal"]), label="scoring"),
+            scoring=data.draw(st.sampled_from(["mean", "antidiagonal", "sampled_rows"]), label="scoring"),
             antidiagonal_stride=4,
             causal_proxy=data.draw(st.booleans(), label="causal_proxy"),
             gqa_permutation=data.draw(st.sampled_from(["query_head", "kv_head"]), label="gqa")

@@ -88,7 +88,7 @@ opts = st.fixed_dictionaries(
     dict(
         is_causal=st.booleans(),
         gqa_permutation=st.sampled_from(["query_head", "kv_head"]),
-        scoring=st.sampled_from(["mean", "antidiagonal"]),
+        scoring=st.sampled_from(["mean", "antidiagonal", "sampled_rows"]),
         causal_proxy=st.booleans(),
         force_sink=st.booleans(),
         permute=st.booleans(),

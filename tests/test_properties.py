@@ -29,7 +29,7 @@ def _small_config(method, data, n):
             segment_size=bs * data.draw(st.sampled_from((1, 2, 3)), label="blocks_per_segment"),
             threshold=data.draw(st.sampled_from((0.5, 0.8, 0.95)), label="threshold"),
             gqa_permutation=data.draw(st.sampled_from(("query_head", "kv_head")), label="gqa_permutation"),
-            scoring=data.draw(st.sampled_from(("mean", "antidiagonal")), label="scoring"),
+            scoring=data.draw(st.sampled_from(("mean", "antidiagonal", "sampled_rows")), label="scoring"),
             antidiagonal_stride=4 if bs % 4 == 0 else 1,
             force_sink=data.draw(st.booleans(), label="force_sink"),
         )

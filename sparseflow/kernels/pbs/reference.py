@@ -497,8 +497,11 @@ def block_probabilities(
                 logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
                 out[b, heads] = _safe_softmax(logits)
         return out
+    if scoring == "sampled_rows":
+        return _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size,
+                                          antidiagonal_stride, chunk_blocks)
     if scoring != "antidiagonal":
-        raise ValueError(f"scoring must be 'mean' or 'antidiagonal', got {scoring!r}")
+        raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
     s = antidiagonal_stride
     if block_size % s:
         raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {s}")
@@ -526,6 +529,41 @@ def block_probabilities(
                     mass = prob.view(i1 - i0, r, nb, r).sum(dim=-1)  # [c, R, nB]
                     rows_ok = col_ok.any(dim=-1).view(i1 - i0, r).sum(dim=-1)  # [c]
                     out[b, h, i0:i1] = mass.sum(dim=1) / rows_ok.clamp_min(1)[:, None].float()
+    return out
+
+
+def _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, stride,
+                               chunk_blocks):
+    """``scoring="sampled_rows"``: every ``stride``-th valid query row of a block takes its exact
+    softmax over the candidate keys (one logit per key: no averaging before the exponential, so a
+    single dominant key keeps its mass), and the block's distribution is the mean over those rows
+    of their mass per key block. Stride 1 is the exact block mass."""
+    bsz, hq, n, d = q.shape
+    hkv, hp = k.shape[1], perm_p.shape[1]
+    nb = out.shape[-1]
+    total = nb * block_size
+    hq_per_hp, g = hq // hp, hq // hkv
+    offs = torch.arange(0, block_size, stride, device=q.device)  # sampled rows inside a block
+    r = offs.numel()
+    for b in range(bsz):
+        rows_idx = (torch.arange(nb, device=q.device)[:, None] * block_size + offs[None, :]).reshape(-1)  # [nB*r]
+        row_ok = qvalid_eff[b][rows_idx].view(nb, r)
+        for p in range(hp):
+            kv_head = (p * hq_per_hp) // g
+            kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total).float()  # [total, D]
+            kvs = kvalid_slot[b, p]
+            for h in range(p * hq_per_hp, (p + 1) * hq_per_hp):
+                qf = torch.nn.functional.pad(q[b, h].float(), (0, 0, 0, total - n))[rows_idx]  # [nB*r, D]
+                for i0 in range(0, nb, chunk_blocks):
+                    i1 = min(nb, i0 + chunk_blocks)
+                    logit = torch.matmul(qf[i0 * r:i1 * r], kp.t()) * sc  # [c*r, total]
+                    col_ok = candidates[b, h, i0:i1].repeat_interleave(block_size, dim=1) & kvs[None, :]
+                    col_ok = col_ok.repeat_interleave(r, dim=0)  # [c*r, total]
+                    prob = _safe_softmax(logit.masked_fill(~col_ok, _NEG_INF))
+                    mass = prob.view(i1 - i0, r, nb, block_size).sum(-1)  # [c, r, nB]
+                    ok = row_ok[i0:i1] & col_ok.view(i1 - i0, r, total).any(-1)  # [c, r]
+                    mass = mass * ok[..., None].float()
+                    out[b, h, i0:i1] = mass.sum(1) / ok.sum(1).clamp_min(1)[:, None].float()
     return out
 
 
