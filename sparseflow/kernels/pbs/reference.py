@@ -64,6 +64,12 @@ Conventions and decisions (where SPEC §3 leaves room):
   of all candidate blocks; a block's mass in that row is the sum over its columns; the block
   probability is the mean of that mass over the strided rows that have at least one column. So
   the probabilities again form a distribution over the candidates.
+* **scoring="sampled_rows"** (stride ``s``): the query rows ``I*bs + t*s`` (``t = 0, 1, ...``) that
+  are valid (with the pooling's fallback: all rows of a block without a valid one) each take the
+  softmax of ``q · k' · scale`` over every valid key of the candidate blocks; a block's mass in
+  that row is the sum over its keys, and the block probability is the mean of that mass over the
+  sampled rows that see a candidate key. Stride 1 is the exact attention mass of each block
+  (restricted to the candidates); the exponential is taken per key, never of an averaged logit.
 * **Threshold**: candidates sorted by probability, descending, ties to the lower block index;
   keep the smallest prefix whose cumulative mass reaches ``threshold`` (a block is kept iff the
   mass of the blocks before it is ``< threshold``; fp32). ``threshold >= 1`` keeps every
