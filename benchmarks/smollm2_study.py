@@ -315,14 +315,15 @@ def run_recall(model, tok, args, writer):
               flush=True)
 
 
-def _field(text: str):
-    key, _, value = text.partition("=")
-    for conv in (int, float):
-        try:
-            return key, conv(value)
-        except ValueError:
-            pass
-    return key, {"True": True, "False": False}.get(value, value)
+def _recipe_set(text: str) -> dict:
+    """``"field=value,..."`` -> PBSConfig changes, each value typed like the field (the parser of
+    ``sparseflow eval --sweep``)."""
+    from sparseflow.sweep import _typed
+
+    try:
+        return {key: _typed("pbs", key, value) for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)}
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None):
@@ -344,7 +345,7 @@ def main(argv=None):
     ap.add_argument("--calib-kl-threshold", type=float, default=0.95,
                     help="threshold at which calib_kl permutes one layer at a time (default 0.95)")
     ap.add_argument("--recipes", type=names, default=["smollm2", "smollm2-code"])
-    ap.add_argument("--recipe-set", type=lambda s_: dict(_field(kv) for kv in s_.split(",") if kv), default={},
+    ap.add_argument("--recipe-set", type=_recipe_set, default={},
                     help="recipe part: PBSConfig fields replaced in the recipes' config, e.g. scoring=sampled_rows")
     ap.add_argument("--recall-tokens", type=int, default=4096)
     ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])

@@ -551,8 +551,8 @@ def _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates
     hq_per_hp, g = hq // hp, hq // hkv
     offs = torch.arange(0, block_size, stride, device=q.device)  # sampled rows inside a block
     r = offs.numel()
+    rows_idx = (torch.arange(nb, device=q.device)[:, None] * block_size + offs[None, :]).reshape(-1)  # [nB*r]
     for b in range(bsz):
-        rows_idx = (torch.arange(nb, device=q.device)[:, None] * block_size + offs[None, :]).reshape(-1)  # [nB*r]
         row_ok = qvalid_eff[b][rows_idx].view(nb, r)
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
