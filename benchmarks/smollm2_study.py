@@ -135,22 +135,32 @@ def eval_inputs(model, tok, args):
             yield text, n, ids, keep, dense_logits(model, ids, keep)
 
 
-def evaluate_layer_plan(model, tok, args, writer, plain, permuted, variant, tag):
-    """Evaluate ``plain`` (an unpermuted PBSConfig) with permutation in the ``permuted`` layers at
-    every text, length and threshold, writing one row each."""
+def evaluate_layer_plans(model, tok, args, writer, plans, tag):
+    """Evaluate per-layer plans -- ``{variant: plan_at}`` with ``plan_at(threshold) -> (config,
+    {layer: config})`` -- at every text, length and threshold, writing one row each (the dense
+    logits of a text and length computed once for all plans)."""
     from sparseflow.evaluate import evaluate_plans
 
     nl = model.config.num_hidden_layers
     for text, n, ids, keep, dense in eval_inputs(model, tok, args):
-        for thr in args.thresholds:
-            cfg = plain.replace(threshold=thr)
-            per_layer = {i: cfg.replace(permute=True) for i in permuted}
-            res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
-            row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=variant, threshold=thr,
-                             permuted_layers=sorted(per_layer))
-            writer.add(row)
-            print(f"{tag} {text:15s} n={n:5d} {variant:24s} thr={thr:<5} density {row['density']:.3f} "
-                  f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f}", flush=True)
+        for variant, plan_at in plans.items():
+            for thr in args.thresholds:
+                cfg, per_layer = plan_at(thr)
+                res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
+                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=variant, threshold=thr,
+                                 permuted_layers=sorted(i for i, c in per_layer.items() if c.permute))
+                writer.add(row)
+                print(f"{tag} {text:15s} n={n:5d} {variant:24s} thr={thr:<5} density {row['density']:.3f} "
+                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+
+
+def permuting(plain, layers):
+    """The plan ``plain`` (an unpermuted PBSConfig) with permutation in ``layers``, per threshold."""
+    def plan_at(thr):
+        cfg = plain.replace(threshold=thr)
+        return cfg, {i: cfg.replace(permute=True) for i in layers}
+
+    return plan_at
 
 
 def run_pbs(model, tok, args, writer):
@@ -232,8 +242,9 @@ def run_calib(model, tok, args, writer):
             "permuted_layers": sorted(i for i, p in choice.items() if p), "layers": table}
         writer.flush()
         suffix = "" if args.calib_positions == "last" else f"_{args.calib_positions}"
-        evaluate_layer_plan(model, tok, args, writer, PBSConfig(**{**VARIANTS[base_variant], "permute": False}),
-                            [i for i, p in choice.items() if p], f"calibrated_{base_variant}{suffix}", "calib")
+        plain = PBSConfig(**{**VARIANTS[base_variant], "permute": False})
+        evaluate_layer_plans(model, tok, args, writer, {
+            f"calibrated_{base_variant}{suffix}": permuting(plain, [i for i, p in choice.items() if p])}, "calib")
 
 
 def run_calib_kl(model, tok, args, writer):
@@ -274,30 +285,28 @@ def run_calib_kl(model, tok, args, writer):
             "text": args.calib_text, "tokens": args.calib_tokens, "threshold": args.calib_kl_threshold,
             "no_permute_curve": curve, "permuted_layers": chosen, "layers": table}
         writer.flush()
-        evaluate_layer_plan(model, tok, args, writer, plain, chosen, f"calibrated_kl_{base_variant}", "calib_kl")
+        evaluate_layer_plans(model, tok, args, writer, {f"calibrated_kl_{base_variant}": permuting(plain, chosen)},
+                             "calib_kl")
 
 
 def run_recipe(model, tok, args, writer):
-    from sparseflow.evaluate import evaluate_plans
     from sparseflow.recipes import get_recipe
 
     nl = model.config.num_hidden_layers
-    for text, n, ids, keep, dense in eval_inputs(model, tok, args):
-        for name in args.recipes:
-            recipe = get_recipe(name)
-            if tuple(recipe.dense_layers) != DENSE_LAYERS:
-                raise SystemExit(f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps "
-                                 f"{DENSE_LAYERS}")
-            for thr in args.thresholds:
-                cfg = recipe.config_for("pbs").replace(threshold=thr, **args.recipe_set)
-                per_layer = recipe.layer_configs_for("pbs", cfg, nl)
-                res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
-                tag = name + "".join(f"_{k_}={v_}" for k_, v_ in sorted(args.recipe_set.items()))
-                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=f"recipe_{tag}",
-                                 threshold=thr, permuted_layers=sorted(i for i, c in per_layer.items() if c.permute))
-                writer.add(row)
-                print(f"recipe {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
-                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+    suffix = "".join(f"_{k_}={v_}" for k_, v_ in sorted(args.recipe_set.items()))
+    plans = {}
+    for name in args.recipes:
+        recipe = get_recipe(name)
+        if tuple(recipe.dense_layers) != DENSE_LAYERS:
+            raise SystemExit(f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps "
+                             f"{DENSE_LAYERS}")
+
+        def plan_at(thr, recipe=recipe):
+            cfg = recipe.config_for("pbs").replace(threshold=thr, **args.recipe_set)
+            return cfg, recipe.layer_configs_for("pbs", cfg, nl)
+
+        plans[f"recipe_{name}{suffix}"] = plan_at
+    evaluate_layer_plans(model, tok, args, writer, plans, "recipe")
 
 
 def run_recall(model, tok, args, writer):
@@ -313,6 +322,9 @@ def run_recall(model, tok, args, writer):
         writer.add(row)
         print(f"recall {text}: " + ", ".join(f"{s} {r['mean'][s]['recall']:.4f}" for s in args.recall_selectors),
               flush=True)
+
+
+RUNNERS = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe": run_recipe, "recall": run_recall}
 
 
 def _recipe_set(text: str) -> dict:
@@ -331,7 +343,7 @@ def main(argv=None):
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--parts", type=names, default=["pbs"], help="pbs, calib, calib_kl, recipe, recall (comma list)")
+    ap.add_argument("--parts", type=names, default=["pbs"], help=f"{', '.join(RUNNERS)} (comma list)")
     ap.add_argument("--texts", type=names, default=["pydoc_topics", "argparse_source"])
     ap.add_argument("--lengths", type=ints, default=[8192])
     ap.add_argument("--variants", type=names, default=list(VARIANTS))
@@ -355,9 +367,9 @@ def main(argv=None):
     bad = [v for v in args.variants if v not in VARIANTS] + [v for v in args.calib_variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variants {bad}; known: {sorted(VARIANTS)}")
-    bad = [p for p in args.parts if p not in ("pbs", "calib", "calib_kl", "recipe", "recall")]
+    bad = [p for p in args.parts if p not in RUNNERS]
     if bad:
-        ap.error(f"unknown parts {bad}; known: pbs, calib, calib_kl, recipe, recall")
+        ap.error(f"unknown parts {bad}; known: {', '.join(RUNNERS)}")
     if args.device == "cuda":
         # exact fp32 everywhere: the selections must be the reference's, not TF32 approximations
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -372,10 +384,8 @@ def main(argv=None):
     meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "env": env_info(args.device),
             "backend": "reference", "dense_layers": list(DENSE_LAYERS), "variants": VARIANTS,
             "args": {k: v for k, v in vars(args).items()}}
-    runners = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe": run_recipe,
-               "recall": run_recall}
     for part in args.parts:
-        runners[part](model, tok, args, Writer(args.out, part, meta))
+        RUNNERS[part](model, tok, args, Writer(args.out, part, meta))
     return 0
 
 
