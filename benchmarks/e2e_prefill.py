@@ -1,0 +1,378 @@
+"""End-to-end prefill on the real checkpoint: SmolLM2-135M-Instruct, real text, the whole model.
+
+    python benchmarks/e2e_prefill.py --ns 8192,32768 --json benchmarks/results/e2e_prefill_h200.json
+    python benchmarks/e2e_prefill.py --plot benchmarks/results/e2e_prefill_h200.json   # PNG from a JSON
+
+For each length N (the text's tokens repeated to N) and RoPE variant (``plain``, and ``yarn``: YaRN
+with factor N/8192 over the model's 8192 trained positions, only where N > 8192), one row per path:
+
+* ``dense``: eager dense SDPA (transformers ``attn_implementation="sdpa"``): the reference time
+  and the reference logits;
+* ``compile_dense``: ``torch.compile`` of the same dense model;
+* ``converted``: a setting applied through transformers' ``AttentionInterface`` (what a folder
+  written by ``sparseflow convert`` runs; eager);
+* ``compile``: ``sparseflow.compile`` on the dense model with the same setting.
+
+A setting is a method at its defaults (``pbs``) or a shipped recipe's method (``smollm2:pbs``).
+Each row: median forward time (``logits_to_keep=1``, no KV cache, CUDA events), speedup over eager
+dense in the same run, first-call seconds, density (mean over layers, dense layers count 1) and
+fidelity against dense on the same RoPE variant over the last ``--eval-positions`` positions
+(mean KL, top-1, perplexity). JSON carries GPU, versions and date.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+import sparseflow
+from sparseflow.checkpoints import load_smollm2, real_text
+from sparseflow.evaluate import _logits
+from sparseflow.fidelity import compare_logits
+
+TRAINED_POSITIONS = 8192
+DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
+
+
+def env_info() -> Dict[str, object]:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        import triton
+
+        info.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version())
+    return info
+
+
+# --------------------------------------------------------------------------- inputs and model
+
+
+def repeated_tokens(tokenizer, text: str, n: int) -> torch.Tensor:
+    """``[1, n]``: the text's tokens, repeated end to end until there are ``n``."""
+    ids = tokenizer(real_text(text), return_tensors="pt").input_ids[0]
+    reps = -(-n // ids.numel())
+    return ids.repeat(reps)[:n][None]
+
+
+def yarn_factor(n: int) -> float:
+    return max(1.0, n / TRAINED_POSITIONS)
+
+
+def set_rope(model, rope: str, n: int) -> Optional[float]:
+    """Rebuild the model's rotary embedding for ``rope`` ("plain" or "yarn" at the factor ``n``
+    needs); returns the YaRN factor (None for plain)."""
+    cfg = model.config
+    base = getattr(model, "_e2e_plain_rope", None)
+    if base is None:
+        base = model._e2e_plain_rope = (dict(cfg.rope_parameters), cfg.max_position_embeddings)
+    params, max_pos = dict(base[0]), base[1]
+    factor = None
+    if rope == "yarn":
+        factor = yarn_factor(n)
+        params.update(rope_type="yarn", factor=factor, original_max_position_embeddings=TRAINED_POSITIONS)
+        max_pos = max(max_pos, int(math.ceil(factor * TRAINED_POSITIONS)))
+    elif rope != "plain":
+        raise ValueError(f"rope must be 'plain' or 'yarn', got {rope!r}")
+    cfg.rope_parameters = params
+    cfg.max_position_embeddings = max_pos
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=cfg).to(next(model.parameters()).device)
+    return factor
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def parse_settings(spec: str) -> List[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        plan_parts(name)  # validate early
+    return names
+
+
+def plan_parts(name: str):
+    """``(method, config, dense_layers, layer_configs, recipe)`` of a setting name: ``pbs``,
+    ``smollm2:pbs``, with optional field changes ``smollm2:pbs@threshold=0.97+scoring=mean`` (applied
+    to the base config; a recipe's per-layer changes are applied on top)."""
+    from sparseflow.config import default_config
+    from sparseflow.recipes import get_recipe
+
+    base, _, changes = name.partition("@")
+    fields = {}
+    for item in filter(None, changes.split("+")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"setting {name!r}: expected field=value after '@', got {item!r}")
+        fields[key] = value
+    if ":" in base:
+        recipe_name, method = base.split(":", 1)
+        recipe = get_recipe(recipe_name)
+        cfg = _replaced(recipe.config_for(method), fields)
+        return method, cfg, tuple(recipe.dense_layers), recipe.layer_configs_for(method, cfg), recipe.name
+    if base not in ("pbs", "pisa", "bsa"):
+        raise ValueError(f"setting must be a method (pbs, pisa, bsa) or recipe:method, got {name!r}")
+    return base, _replaced(default_config(base), fields), (), {}, None
+
+
+def _replaced(cfg, fields: Dict[str, str]):
+    from sparseflow.sweep import _typed
+
+    return cfg.replace(**{k: _typed(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
+
+
+def converted_plan(name: str, backend: str, n_layers: int):
+    from sparseflow.hf import Plan
+
+    method, cfg, dense, per_layer, recipe = plan_parts(name)
+    return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, layer_configs=per_layer,
+                recipe=recipe, num_layers=n_layers)
+
+
+def compile_kwargs(name: str, backend: str) -> Dict[str, object]:
+    method, cfg, dense, per_layer, _ = plan_parts(name)
+    layer_configs = dict(per_layer)
+    layer_configs.update({i: None for i in dense})
+    return dict(method=method, config=cfg, backend=backend, layer_configs=layer_configs or None)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def time_forward(model, ids: torch.Tensor, reps: int, warmup: int) -> Dict[str, float]:
+    """Median / min forward time in ms (CUDA events), and the first call's wall seconds."""
+    def call():
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    t0 = time.perf_counter()
+    call()
+    sync()
+    first = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        call()
+    sync()
+    times = []
+    for _ in range(reps):
+        if ids.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t) * 1e3)
+    return {"ms": statistics.median(times), "ms_min": min(times), "first_call_s": first}
+
+
+def fidelity_row(model, ids, dense_logits, eval_positions: int) -> Dict[str, object]:
+    """Fidelity and density of one forward (logits of the last positions, under capture)."""
+    targets = ids[0, ids.shape[1] - eval_positions:]
+    with sparseflow.capture(keep_selections=False) as cap:
+        logits = _logits(model, ids, eval_positions)
+    fid = compare_logits(dense_logits, logits, targets)
+    n_layers = model.config.num_hidden_layers
+    dens = [c.density if c.density is not None else 1.0 for c in cap.calls]
+    return {
+        "mean_kl": fid.mean_kl, "p99_kl": fid.p99_kl, "top1": fid.top1_agreement,
+        "ppl_dense": fid.ppl_dense, "ppl": fid.ppl_sparse,
+        "density": float(sum(dens) / len(dens)) if dens else 1.0,
+        "op_calls": len(cap.calls), "sparse_calls": sum(c.sparse for c in cap.calls),
+        "fallbacks": sorted({c.reason for c in cap.calls if not c.sparse and c.reason})[:4],
+        "layers": n_layers,
+    }
+
+
+def measure(model, ids, path: str, setting: Optional[str], dense_logits, args) -> Dict[str, object]:
+    row = {"path": path, "setting": setting}
+    try:
+        row.update(time_forward(model, ids, args.reps, args.warmup))
+        if dense_logits is not None:
+            row.update(fidelity_row(model, ids, dense_logits, args.eval_positions))
+    except Exception as exc:  # a failing row is reported, the run goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return row
+
+
+def run_length(model, tok, n: int, rope: str, args) -> List[Dict[str, object]]:
+    factor = set_rope(model, rope, n)
+    ids = repeated_tokens(tok, args.text, n).to(args.device)
+    model.set_attn_implementation("sdpa")
+    dense = _logits(model, ids, args.eval_positions)
+    base = {"n": n, "rope": rope, "yarn_factor": factor, "text": args.text}
+    rows = []
+
+    def emit(row):
+        row = {**base, **row}
+        rows.append(row)
+        print(format_row(row), flush=True)
+
+    emit(measure(model, ids, "dense", None, dense, args))
+    n_layers = model.config.num_hidden_layers
+    if "converted" in args.paths:
+        for name in args.settings:
+            sparseflow.hf.apply_plan(model, converted_plan(name, args.backend, n_layers))
+            emit(measure(model, ids, "converted", name, dense, args))
+            model.set_attn_implementation("sdpa")
+    if n in args.compile_ns:
+        if "compile_dense" in args.paths:
+            m = copy.deepcopy(model)
+            m.compile()
+            emit(measure(m, ids, "compile_dense", None, dense, args))
+            del m
+        if "compile" in args.paths:
+            for name in args.compile_settings:
+                m = copy.deepcopy(model)
+                sparseflow.compile(m, **compile_kwargs(name, args.backend))
+                emit(measure(m, ids, "compile", name, dense, args))
+                del m
+    torch.cuda.empty_cache() if ids.is_cuda else None
+    dense_ms = rows[0].get("ms")
+    for r in rows:
+        if dense_ms and r.get("ms"):
+            r["speedup"] = dense_ms / r["ms"]
+    return rows
+
+
+def format_row(r: Dict[str, object]) -> str:
+    if "error" in r and "ms" not in r:
+        return f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting']):16s} ERROR {r['error']}"
+    kl = f"KL {r['mean_kl']:.4f} top1 {r['top1']:.3f}" if "mean_kl" in r else ""
+    dens = f"dens {r['density']:.3f}" if "density" in r else ""
+    ppl = f"ppl {r['ppl']:.2f}" if "ppl" in r else ""
+    return (f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting'] or '-'):16s} "
+            f"{r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
+            + (f"  ERROR {r['error']}" if "error" in r else ""))
+
+
+def print_table(rows: List[Dict[str, object]]) -> None:
+    print("\n| N | rope | path | setting | ms | speedup | density | mean KL | top-1 | ppl |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "ms" not in r:
+            print(f"| {r['n']} | {r['rope']} | {r['path']} | {r['setting'] or '-'} | error: {r.get('error')} |||||")
+            continue
+        print(f"| {r['n']} | {r['rope']}{'' if not r.get('yarn_factor') else ' x%g' % r['yarn_factor']} | "
+              f"{r['path']} | {r['setting'] or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+              f"{r.get('density', float('nan')):.3f} | {r.get('mean_kl', float('nan')):.4f} | "
+              f"{r.get('top1', float('nan')):.3f} | {r.get('ppl', float('nan')):.2f} |")
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(json_path: str, png_path: Optional[str] = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as fh:
+        data = json.load(fh)
+    rows = [r for r in data["rows"] if "ms" in r]
+    png_path = png_path or os.path.splitext(json_path)[0] + ".png"
+    ropes = sorted({r["rope"] for r in rows})
+    fig, axes = plt.subplots(len(ropes), 2, figsize=(13, 4.8 * len(ropes)), squeeze=False)
+    for i, rope in enumerate(ropes):
+        sub = [r for r in rows if r["rope"] == rope]
+        ax_t, ax_k = axes[i]
+        for key in sorted({(r["path"], r["setting"] or "-") for r in sub}):
+            pts = sorted((r["n"], r["ms"]) for r in sub if (r["path"], r["setting"] or "-") == key)
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}",
+                      lw=2.5 if key[0] == "dense" else 1.2, color="black" if key[0] == "dense" else None)
+        ax_t.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="forward ms (median)",
+                 title=f"SmolLM2-135M whole prefill, {rope} RoPE")
+        ax_t.legend(fontsize=7)
+        for n in sorted({r["n"] for r in sub}):
+            pts = [r for r in sub if r["n"] == n and r["path"] != "dense" and "mean_kl" in r and "speedup" in r]
+            ax_k.scatter([r["speedup"] for r in pts], [max(r["mean_kl"], 1e-5) for r in pts], label=f"N={n}")
+        ax_k.axvline(1.0, color="gray", lw=0.8)
+        ax_k.set(yscale="log", xlabel="end-to-end speedup over eager dense SDPA", ylabel="mean KL vs dense",
+                 title=f"fidelity vs speed per setting ({rope} RoPE)")
+        ax_k.legend(fontsize=7)
+    env = data.get("env", {})
+    fig.suptitle(f"{env.get('gpu', '?')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date', '')[:10]}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    return png_path
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", type=_ints, default=[8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--ropes", default="plain,yarn", help="comma list of plain, yarn")
+    ap.add_argument("--text", default="pydoc_topics")
+    ap.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
+    ap.add_argument("--paths", default="converted,compile,compile_dense")
+    ap.add_argument("--compile-ns", type=_ints, default=[8192, 32768], help="lengths that also run the compile paths")
+    ap.add_argument("--compile-settings", type=parse_settings, default=parse_settings("pbs,smollm2:pbs"))
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--eval-positions", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
+    args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    for name, val in (("--reps", args.reps), ("--warmup", args.warmup), ("--eval-positions", args.eval_positions)):
+        if val < 1:
+            ap.error(f"{name} must be >= 1, got {val}")
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = set(args.paths) - {"converted", "compile", "compile_dense"}
+    if bad:
+        ap.error(f"--paths takes converted, compile, compile_dense; got {sorted(bad)}")
+    ropes = [r.strip() for r in args.ropes.split(",") if r.strip()]
+    if set(ropes) - {"plain", "yarn"}:
+        ap.error(f"--ropes takes plain, yarn; got {ropes}")
+    import sparseflow.hf  # noqa: F401  (registers the attention function on first apply_plan)
+
+    t0 = time.perf_counter()
+    model, tok = load_smollm2(dtype=getattr(torch, args.dtype))
+    model.to(args.device)
+    print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s on {args.device}", flush=True)
+    rows: List[Dict[str, object]] = []
+    out = {"env": env_info(), "args": {k: v for k, v in vars(args).items() if k != "plot"}, "rows": rows}
+    for n in args.ns:
+        for rope in ropes:
+            if rope == "yarn" and n <= TRAINED_POSITIONS:
+                continue
+            rows.extend(run_length(model, tok, n, rope, args))
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=1, default=str)
+    print_table(rows)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
