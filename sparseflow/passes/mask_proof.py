@@ -1,0 +1,319 @@
+"""Prove from an FX graph that an attention mask is causal, key padding, or both.
+
+Hugging Face models build their SDPA mask inside the traced graph under ``torch.compile`` and
+``torch.export`` (``arange`` position vectors compared with ``<=``, the ``[B, N]`` attention mask
+indexed by (batch, key position), combined with ``&`` and expanded to ``[B, 1, Nq, Nk]``). Handing
+that materialised ``[Nq, Nk]`` mask to the sparse op costs a quadratic tensor and a run-time
+check per layer. :func:`prove_mask` reads the nodes that produce the mask instead and, when every
+one of them is understood, returns what the mask *is*: ``kv <= q`` (causal), ``src[b, kv]``
+(key padding from a ``[B, N]`` tensor of the graph), or their conjunction. Anything else (a
+sliding window, a bias, an unknown op, offsets that are not proven zero) gives ``None`` and the
+caller keeps the mask.
+
+The analysis is an abstract interpretation over a small vocabulary: integer position vectors
+(``arange`` plus a constant, placed on one axis of a broadcast shape by indexing with ``None`` or
+``unsqueeze``), and boolean conjunctions of the atoms above. Both graph flavours are understood:
+Dynamo's (torch functions, ``operator`` functions, tensor methods) and export's (``aten`` ops).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, FrozenSet, Optional, Tuple, Union
+
+import torch
+import torch.fx as fx
+
+__all__ = ["MaskProof", "prove_mask"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class MaskProof:
+    """The mask equals ``causal`` (``kv <= q``) AND ``key_padding[b, kv]`` (when not None).
+    ``key_padding`` is a graph node of shape ``[B, Nk]`` (any dtype; nonzero = attend)."""
+
+    causal: bool
+    key_padding: Optional[fx.Node]
+
+
+# --------------------------------------------------------------------------- abstract values
+
+
+@dataclass(frozen=True)
+class _Pos:
+    """An integer tensor equal to ``arange(length) + offset`` along ``axis`` of an ``ndim``-D
+    broadcast shape (size 1 on every other axis)."""
+
+    axis: int
+    ndim: int
+    offset: int
+    length: Any
+
+
+@dataclass(frozen=True)
+class _Causal:
+    """``kv_pos <= q_pos + shift`` (``shift`` 0: SDPA's ``is_causal``)."""
+
+    shift: int
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """``src[b, kv_pos + offset]`` for a ``[B, N]`` node ``src``."""
+
+    src: fx.Node
+    offset: int
+
+
+_Atom = Union[_Causal, _Padding]
+
+
+@dataclass(frozen=True)
+class _Bool:
+    """A boolean tensor equal to the conjunction of ``atoms`` (empty: all True)."""
+
+    atoms: FrozenSet[_Atom]
+
+
+@dataclass(frozen=True)
+class _BoolSource:
+    """A ``[B, N]`` graph tensor seen as booleans (the model's attention mask)."""
+
+    node: fx.Node
+
+
+_Value = Union[_Pos, _Bool, _BoolSource, int, None]
+
+_Q_AXIS, _KV_AXIS, _B_AXIS = 2, 3, 0
+
+
+# --------------------------------------------------------------------------- op vocabulary
+
+
+_ARANGE = {torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step}
+_ADD = {operator.add, torch.add, aten.add.Tensor, aten.add.Scalar}
+_SUB = {operator.sub, torch.sub, aten.sub.Tensor, aten.sub.Scalar}
+_COMPARE = {
+    "le": {operator.le, torch.le, aten.le.Tensor, aten.le.Scalar},
+    "lt": {operator.lt, torch.lt, aten.lt.Tensor, aten.lt.Scalar},
+    "ge": {operator.ge, torch.ge, aten.ge.Tensor, aten.ge.Scalar},
+    "gt": {operator.gt, torch.gt, aten.gt.Tensor, aten.gt.Scalar},
+}
+_AND = {operator.and_, torch.logical_and, torch.bitwise_and, aten.logical_and.default,
+        aten.bitwise_and.Tensor, aten.__and__.Tensor}
+_EXPAND = {aten.expand.default}
+_UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default}
+_TO_COPY = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout}
+_ONES = {aten.new_ones.default, torch.ones, aten.ones.default}
+_INDEX = {aten.index.Tensor}
+_METHOD_IDENTITY = {"expand", "contiguous"}
+
+
+def _is_bool_dtype(kwargs, args=()) -> bool:
+    dt = kwargs.get("dtype")
+    if dt is None:
+        dt = next((a for a in args if isinstance(a, torch.dtype)), None)
+    return dt is torch.bool
+
+
+class _Interpreter:
+    def __init__(self):
+        self.memo = {}
+
+    def value(self, x) -> _Value:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, int):
+            return x
+        if not isinstance(x, fx.Node):
+            return None
+        if x not in self.memo:
+            self.memo[x] = None  # cycles cannot happen in a graph; a failed node stays unknown
+            self.memo[x] = self._eval(x)
+        return self.memo[x]
+
+    # one job per op family ----------------------------------------------------------------
+
+    def _eval(self, n: fx.Node) -> _Value:
+        if n.op == "placeholder" or n.op == "get_attr":
+            return None
+        if n.op == "call_method":
+            return self._method(n)
+        if n.op != "call_function":
+            return None
+        t = n.target
+        if t in _ARANGE:
+            return self._arange(n)
+        if t in _ADD:
+            return self._add(n)
+        if t is operator.getitem:
+            return self._getitem(n)
+        if t in _UNSQUEEZE:
+            return self._unsqueeze(self.value(n.args[0]), n.args[1])
+        for op, targets in _COMPARE.items():
+            if t in targets:
+                return self._compare(self.value(n.args[0]), self.value(n.args[1]), op)
+        if t in _SUB:
+            return self._add(n, sign=-1)
+        if t in _AND:
+            return self._and(self.value(n.args[0]), self.value(n.args[1]))
+        if t in _EXPAND:
+            v = self.value(n.args[0])
+            return v if isinstance(v, _Bool) else None
+        if t in _TO_COPY:
+            return self._to(n, n.args[0], n.kwargs, n.args[1:])
+        if t in _ONES:
+            return _Bool(frozenset()) if _is_bool_dtype(n.kwargs) else None
+        if t in _INDEX:
+            return self._index(self.value(n.args[0]), list(n.args[1]))
+        return None
+
+    def _method(self, n: fx.Node) -> _Value:
+        name = n.target
+        if name in _METHOD_IDENTITY:
+            v = self.value(n.args[0])
+            return v if isinstance(v, _Bool) else None
+        if name == "to":
+            return self._to(n, n.args[0], n.kwargs, n.args[1:])
+        if name == "new_ones":
+            return _Bool(frozenset()) if _is_bool_dtype(n.kwargs, n.args[2:]) else None
+        if name == "unsqueeze":
+            return self._unsqueeze(self.value(n.args[0]), n.args[1])
+        if name == "bool":
+            return self._as_bool(n.args[0])
+        return None
+
+    def _arange(self, n: fx.Node) -> _Value:
+        """``arange(end)`` / ``arange(start, end[, 1])`` with an int start; the end may be a
+        symbolic size (dynamic shapes: the length is then unknown, None)."""
+        args = list(n.args)
+        if not 1 <= len(args) <= 3 or (len(args) == 3 and args[2] != 1):
+            return None
+        start, end = (0, args[0]) if len(args) == 1 else (args[0], args[1])
+        if isinstance(start, bool) or not isinstance(start, int):
+            return None
+        if isinstance(end, int) and not isinstance(end, bool):
+            return _Pos(axis=0, ndim=1, offset=start, length=end - start)
+        return _Pos(axis=0, ndim=1, offset=start, length=None) if isinstance(end, fx.Node) else None
+
+    def _add(self, n: fx.Node, sign: int = 1) -> _Value:
+        """``pos + c`` / ``pos - c`` (``c + pos`` too) for a Python int ``c``."""
+        if n.kwargs.get("alpha", 1) != 1:
+            return None
+        a, b = self.value(n.args[0]), self.value(n.args[1])
+        if sign == 1 and isinstance(a, int) and isinstance(b, _Pos):
+            a, b = b, a
+        if isinstance(a, _Pos) and isinstance(b, int):
+            return _Pos(a.axis, a.ndim, a.offset + sign * b, a.length)
+        return None
+
+    def _getitem(self, n: fx.Node) -> _Value:
+        base, idx = self.value(n.args[0]), n.args[1]
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        if isinstance(base, _Pos) and base.ndim == 1:
+            return self._place(base, idx)
+        if isinstance(base, (_BoolSource, _Bool)) or (isinstance(n.args[0], fx.Node) and base is None):
+            return self._index(base, list(idx))
+        return None
+
+    @staticmethod
+    def _place(pos: _Pos, idx: Tuple) -> Optional[_Pos]:
+        """``pos[None, :, None, ...]``: the 1-D position vector on the axis of the one full slice."""
+        full = [i for i, e in enumerate(idx) if isinstance(e, slice) and e == slice(None)]
+        if len(full) != 1 or any(e is not None for i, e in enumerate(idx) if i != full[0]):
+            return None
+        return _Pos(axis=full[0], ndim=len(idx), offset=pos.offset, length=pos.length)
+
+    @staticmethod
+    def _unsqueeze(v: _Value, dim) -> _Value:
+        if not isinstance(v, _Pos) or not isinstance(dim, int):
+            return None
+        ndim = v.ndim + 1
+        d = dim + ndim if dim < 0 else dim
+        if not 0 <= d < ndim:
+            return None
+        return _Pos(v.axis + (1 if d <= v.axis else 0), ndim, v.offset, v.length)
+
+    @staticmethod
+    def _compare(a: _Value, b: _Value, op: str) -> _Value:
+        """``a <op> b`` for position vectors on the key and query axes of a 4-D shape, as a
+        bound on ``d = kv - q``: ``d <= 0`` is causality; a bound that every (q, kv) pair of the
+        static lengths satisfies (a sliding window wider than the sequence) is all True."""
+        if not (isinstance(a, _Pos) and isinstance(b, _Pos) and a.ndim == b.ndim == 4):
+            return None
+        if {a.axis, b.axis} != {_Q_AXIS, _KV_AXIS}:
+            return None
+        if a.axis == _Q_AXIS:  # q <op> kv  ->  kv <flipped op> q
+            a, b, op = b, a, {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[op]
+        kv, q = a, b
+        shift = q.offset - kv.offset  # kv_pos <op> q_pos + shift  <=>  (kv - q) <op> shift
+        upper = {"le": shift, "lt": shift - 1}.get(op)
+        lower = {"ge": shift, "gt": shift + 1}.get(op)
+        if upper == 0:
+            return _Bool(frozenset({_Causal(shift=0)}))
+        lengths = (kv.length, q.length)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in lengths):
+            return None
+        max_d, min_d = (kv.length - 1) - 0, 0 - (q.length - 1)
+        if upper is not None and max_d <= upper:
+            return _Bool(frozenset())
+        if lower is not None and min_d >= lower:
+            return _Bool(frozenset())
+        return None
+
+    @staticmethod
+    def _and(a: _Value, b: _Value) -> _Value:
+        if isinstance(a, _Bool) and isinstance(b, _Bool):
+            return _Bool(a.atoms | b.atoms)
+        return None
+
+    def _to(self, n: fx.Node, src, kwargs, args) -> _Value:
+        """``.to(device)`` keeps a value; ``.to(torch.bool)`` of a graph tensor makes a source."""
+        v = self.value(src)
+        if isinstance(v, _Bool):
+            return v if (kwargs.get("dtype") in (None, torch.bool)
+                         and not any(isinstance(a, torch.dtype) and a is not torch.bool for a in args)) else None
+        if _is_bool_dtype(kwargs, args) and isinstance(src, fx.Node) and v is None:
+            return _BoolSource(src)
+        return None
+
+    def _as_bool(self, src) -> _Value:
+        v = self.value(src)
+        if isinstance(v, _Bool):
+            return v
+        return _BoolSource(src) if isinstance(src, fx.Node) and v is None else None
+
+    def _index(self, base: _Value, idx: list) -> _Value:
+        """``src[batch_pos, kv_pos]``: the key padding of a ``[B, N]`` boolean source."""
+        if not isinstance(base, _BoolSource) or len(idx) != 2:
+            return None
+        b_pos, kv_pos = self.value(idx[0]), self.value(idx[1])
+        if not (isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos)):
+            return None
+        if b_pos.ndim != 4 or kv_pos.ndim != 4 or b_pos.axis != _B_AXIS or kv_pos.axis != _KV_AXIS:
+            return None
+        if b_pos.offset != 0:
+            return None
+        return _Bool(frozenset({_Padding(base.node, kv_pos.offset)}))
+
+
+# --------------------------------------------------------------------------- public
+
+
+def prove_mask(mask: fx.Node) -> Optional[MaskProof]:
+    """What ``mask`` (an SDPA ``attn_mask`` node) provably is, or None when not proven."""
+    if not isinstance(mask, fx.Node):
+        return None
+    v = _Interpreter().value(mask)
+    if not isinstance(v, _Bool):
+        return None
+    causal = [a for a in v.atoms if isinstance(a, _Causal)]
+    padding = [a for a in v.atoms if isinstance(a, _Padding)]
+    if any(a.shift != 0 for a in causal) or len(padding) > 1:
+        return None
+    if padding and padding[0].offset != 0:
+        return None
+    return MaskProof(causal=bool(causal), key_padding=padding[0].src if padding else None)

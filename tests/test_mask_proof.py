@@ -1,0 +1,148 @@
+"""The mask prover reads HF models' in-graph mask construction (Dynamo and export graphs)."""
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from sparseflow.passes.mask_proof import MaskProof, prove_mask
+
+transformers = pytest.importorskip("transformers")
+
+_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, vocab_size=50, attn_implementation="sdpa")
+
+
+def _model(kind: str, **overrides):
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    torch.manual_seed(0)
+    return model_cls(cfg_cls(**{**_TINY, **overrides})).eval()
+
+
+def _sdpa_masks(gm: fx.GraphModule):
+    out = []
+    for n in gm.graph.nodes:
+        if "scaled_dot_product" in str(n.target):
+            mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+            out.append(mask)
+    return out
+
+
+def _dynamo_masks(model, **kwargs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(**kwargs)
+    return [m for gm in graphs for m in _sdpa_masks(gm)]
+
+
+def _export_masks(model, ids, **kwargs):
+    ep = torch.export.export(model, (ids,), {"use_cache": False, **kwargs}).run_decompositions({})
+    return _sdpa_masks(ep.graph_module)
+
+
+def _inputs():
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0
+    return ids, am
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("graph", ["dynamo", "export"])
+def test_padded_causal_mask_is_proven(kind, graph):
+    ids, am = _inputs()
+    model = _model(kind)
+    masks = _dynamo_masks(model, input_ids=ids, attention_mask=am) if graph == "dynamo" else \
+        _export_masks(model, ids, attention_mask=am)
+    assert masks and all(isinstance(m, fx.Node) for m in masks)
+    for m in masks:
+        proof = prove_mask(m)
+        assert isinstance(proof, MaskProof) and proof.causal
+        assert proof.key_padding is not None and proof.key_padding.op == "placeholder"
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_unpadded_mask_is_causal_without_padding(kind):
+    # transformers versions that build the mask under Dynamo without an attention_mask (5.17
+    # does; newer ones pass is_causal instead): when a mask is there it is exactly causal
+    ids, _ = _inputs()
+    for m in _dynamo_masks(_model(kind), input_ids=ids):
+        if m is not None:
+            assert prove_mask(m) == MaskProof(causal=True, key_padding=None)
+
+
+def test_sliding_window_narrower_than_the_sequence_is_not_proven():
+    ids, am = _inputs()
+    masks = _dynamo_masks(_model("mistral", sliding_window=4), input_ids=ids, attention_mask=am)
+    assert masks and all(prove_mask(m) is None for m in masks)
+
+
+def _graph(build):
+    g = fx.Graph()
+    src = g.placeholder("attention_mask")
+    mask = build(g, src)
+    g.output(mask)
+    return mask
+
+
+def _positions(g, n, at, offset=0):
+    idx = [None] * 4
+    idx[at] = slice(None)
+    pos = g.call_function(torch.arange, (n,))
+    if offset:
+        pos = g.call_function(operator.add, (pos, offset))
+    return g.call_function(operator.getitem, (pos, tuple(idx)))
+
+
+@pytest.mark.parametrize("q_off,kv_off,proven", [(0, 0, True), (1, 0, False), (0, 1, False), (2, 2, True)],
+                         ids=lambda x: str(x))
+def test_causal_needs_equal_offsets(q_off, kv_off, proven):
+    def build(g, src):
+        q = _positions(g, 8, 2, q_off)
+        kv = _positions(g, 8, 3, kv_off)
+        return g.call_function(operator.le, (kv, q))
+
+    assert (prove_mask(_graph(build)) is not None) == proven
+
+
+def test_reversed_comparison_and_unknown_ops():
+    def ge(g, src):
+        return g.call_function(operator.ge, (_positions(g, 8, 2), _positions(g, 8, 3)))
+
+    assert prove_mask(_graph(ge)) == MaskProof(causal=True, key_padding=None)
+
+    def swapped_axes(g, src):  # q <= kv: anti-causal
+        return g.call_function(operator.le, (_positions(g, 8, 2), _positions(g, 8, 3)))
+
+    assert prove_mask(_graph(swapped_axes)) is None
+
+    def or_(g, src):
+        c = g.call_function(operator.le, (_positions(g, 8, 3), _positions(g, 8, 2)))
+        return g.call_function(operator.or_, (c, c))
+
+    assert prove_mask(_graph(or_)) is None
+
+    def raw_placeholder(g, src):
+        return src
+
+    assert prove_mask(_graph(raw_placeholder)) is None
+
+
+def test_padding_with_shifted_keys_is_not_proven():
+    def build(g, src):
+        bsrc = g.call_method("to", (src,), {"dtype": torch.bool})
+        b = _positions(g, 2, 0)
+        kv = _positions(g, 8, 3, 1)
+        return g.call_function(operator.getitem, (bsrc, (b, kv)))
+
+    assert prove_mask(_graph(build)) is None
