@@ -22,7 +22,7 @@ from . import decode_state
 from . import recording as _recording
 from .config import BACKENDS, METHODS, AttentionConfig, default_config
 from .ops import IMPLEMENTATIONS
-from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, rewrite_graph
+from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, layer_index, rewrite_graph
 
 __all__ = ["compile", "export", "inspect", "report", "RewriteReport", "InspectionResult", "INNER_BACKENDS"]
 
@@ -68,7 +68,13 @@ class RewriteReport:
     backend: str
     entries: List[RewriteEntry] = field(default_factory=list)
     graphs: int = 0  # graphs the pass has seen
+    source: str = "compile"  # "compile" (a model's lazy compilation) or "export" (a program's graph)
+    # Set when the report no longer describes what its model runs (a copied model lost its
+    # compilation); says so at the top of the text.
+    lost: str = ""
+    runtime: _recording.RunTally = field(default_factory=dict, repr=False)  # what the ops did, per (tag, method)
     _index: Dict[Tuple, RewriteEntry] = field(default_factory=dict, repr=False, compare=False)
+    _warned_no_attention: bool = field(default=False, repr=False, compare=False)
 
     def add_graph(self, entries: Sequence[RewriteEntry]) -> None:
         self.graphs += 1
@@ -80,10 +86,41 @@ class RewriteReport:
                 continue
             self._index[key] = e
             self.entries.append(e)
+            self._link_runtime(e)
             if not e.rewritten:
                 logger.info("sparseflow: %s at %s kept as is: %s", e.target, e.tag or "<root>", e.reason)
             else:
                 logger.debug("sparseflow: %s at %s -> %s", e.target, e.tag or "<root>", e.method)
+
+    def _link_runtime(self, e: RewriteEntry) -> None:
+        # the ops count their calls per (tag, method) into self.runtime; the entry reads them live
+        if e.rewritten:
+            e.runtime = self.runtime.setdefault((e.tag, e.method), e.runtime)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # copy.deepcopy and pickle (torch.save/torch.load of a model) come through here; a model
+        # copied that way has lost the compiled call (Module drops _compiled_call_impl).
+        state = dict(self.__dict__)
+        if self.source == "compile" and not self.lost:
+            state["lost"] = _COPIED_REPORT
+        return state
+
+    def mark_lost(self, why: str) -> None:
+        if self.lost != why:
+            logger.warning("sparseflow: %s", why)
+        self.lost = why
+
+    def check_attention_found(self) -> None:
+        """After a call of the model: warn once when the captured graphs hold no attention call."""
+        if self.graphs == 0 or self.entries or self._warned_no_attention:
+            return
+        self._warned_no_attention = True
+        logger.warning("sparseflow: %s", _NO_ATTENTION)
+
+    @property
+    def runs_dense(self) -> List[RewriteEntry]:
+        """Rewritten entries whose op fell back to dense in every call seen at run time."""
+        return [e for e in self.entries if e.runs_dense]
 
     @property
     def rewritten(self) -> List[RewriteEntry]:
@@ -108,12 +145,16 @@ class RewriteReport:
         return [e.tag for e in self.entries if rewritten is None or e.rewritten == rewritten]
 
     def copy(self) -> "RewriteReport":
-        new = RewriteReport(self.method, dict(self.config), self.backend)
+        """A snapshot (the live report keeps filling up as the model runs)."""
+        new = RewriteReport(self.method, dict(self.config), self.backend, source=self.source, lost=self.lost)
         new.graphs = self.graphs
+        new.runtime = {k: dict(v) for k, v in self.runtime.items()}
+        new._warned_no_attention = self._warned_no_attention
         for e in self.entries:
-            e2 = dataclasses.replace(e, notes=list(e.notes))
+            e2 = dataclasses.replace(e, notes=list(e.notes), runtime=dict(e.runtime))
             new.entries.append(e2)
             new._index[e2.key()] = e2
+            new._link_runtime(e2)
         return new
 
     def to_dict(self) -> Dict[str, Any]:
@@ -122,24 +163,34 @@ class RewriteReport:
             "config": self.config,
             "backend": self.backend,
             "counts": self.counts(),
+            "runs_dense": len(self.runs_dense),
+            "lost": self.lost,
             "entries": [
-                {k: v for k, v in dataclasses.asdict(e).items()} for e in self.entries
+                {**dataclasses.asdict(e), "status": e.status} for e in self.entries
             ],
         }
 
-    def __str__(self) -> str:
+    def _head(self) -> str:
         c = self.counts()
-        head = (
-            f"sparseflow rewrite report: method={self.method} backend={self.backend} - "
-            f"{c['rewritten']} rewritten, {c['skipped']} skipped, {c['graphs']} graph(s)"
-        )
+        n_dense = len(self.runs_dense)
+        dense = f" ({n_dense} of them run dense at run time)" if n_dense else ""
+        counts = f"{c['rewritten']} rewritten{dense}, {c['skipped']} skipped, {c['graphs']} graph(s)"
+        head = f"sparseflow rewrite report: method={self.method} backend={self.backend} - "
+        if self.lost:
+            return f"{head}compilation lost, runs dense SDPA (the compiled original: {counts})\n{self.lost}"
+        return head + counts
+
+    def __str__(self) -> str:
+        head = self._head()
+        if not self.entries and self.graphs:
+            return head + f"\n({_NO_ATTENTION})"
         if not self.entries:
             return head + "\n(no attention calls seen yet: the graph is captured on the first call)"
         rows = [
             (
                 e.tag or "<root>",
                 "-" if e.layer is None else e.layer,
-                e.status,
+                "lost (runs dense)" if self.lost and e.rewritten else _status_cell(e),
                 e.method or "-",
                 e.target,
                 _fmt_shape(e.q_shape),
@@ -147,13 +198,43 @@ class RewriteReport:
                 e.gqa or "-",
                 e.mask,
                 e.graphs,
-                e.reason,
+                e.reason or _runtime_reason(e),
             )
             for e in self.entries
         ]
         return head + "\n" + _table(
             ("module", "layer", "status", "op", "target", "q", "k (to op)", "gqa", "mask", "graphs", "reason"), rows
         )
+
+
+_NO_ATTENTION = (
+    "no scaled_dot_product_attention call found in the captured graph(s): the model computes attention "
+    "some other way, so nothing was rewritten; for a Hugging Face model load it with attn_implementation='sdpa'"
+)
+_COPIED_REPORT = (
+    "this report was copied with its model (copy.deepcopy, pickle, torch.save/torch.load): the copy has lost "
+    "the sparseflow compilation (torch.nn.Module drops the compiled call when copied) and runs dense SDPA, "
+    "so the rewrites listed are not what it runs; call sparseflow.compile on the copy to rewrite it again"
+)
+_LOST_MODEL = (
+    "this model is a copy (copy.deepcopy, pickle, torch.save/torch.load) of a sparseflow-compiled model: "
+    "torch.nn.Module drops the compiled call when copied, so it now runs dense SDPA and the rewrites listed "
+    "no longer apply; call sparseflow.compile on it to rewrite it again"
+)
+
+
+def _status_cell(e: RewriteEntry) -> str:
+    # the table's reason column carries the run-time reasons, so the status stays short
+    if not e.dense_calls:
+        return e.status
+    return "rewritten, runs dense" if e.runs_dense else "rewritten, partly dense"
+
+
+def _runtime_reason(e: RewriteEntry) -> str:
+    dense = e.dense_calls
+    if not dense:
+        return ""
+    return "run time: " + "; ".join(f"{r} ({n} call(s))" for r, n in sorted(dense.items(), key=lambda x: -x[1]))
 
 
 @dataclass
@@ -286,6 +367,33 @@ def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
     }
 
 
+def _layer_indices(model: nn.Module) -> List[int]:
+    """The layer indices the model's module names hold (the first integer of each path, as the
+    pass numbers its call sites)."""
+    found = {layer_index(name) for name, _ in model.named_modules()}
+    return sorted(i for i in found if i is not None)
+
+
+def _describe_layers(layers: Sequence[int]) -> str:
+    if not layers:
+        return "the model has no numbered layers (no module name holds an integer, as in model.layers.3)"
+    if list(layers) == list(range(len(layers))):
+        return f"the model has {len(layers)} layers (0..{len(layers) - 1})"
+    return f"the model's layer indices are {list(layers)}"
+
+
+def _check_layers(model: nn.Module, options: RewriteOptions) -> None:
+    """skip_layers / layer_configs must name layers the model has: a typo would otherwise be a
+    silent no-op (the layer stays sparse, or keeps the default config)."""
+    if not options.skip_layers and not options.layer_configs:
+        return
+    layers = set(_layer_indices(model))
+    for arg, given in (("skip_layers", options.skip_layers), ("layer_configs", options.layer_configs)):
+        bad = sorted(i for i in given if i not in layers)
+        if bad:
+            raise ValueError(f"{arg} names layers {bad} that the model does not have: {_describe_layers(sorted(layers))}")
+
+
 def _check_not_transformed(model: nn.Module) -> None:
     # A marked module whose compiled call is gone (a deepcopy or unpickled copy: Module drops
     # _compiled_call_impl when pickled) runs plain SDPA again and may be compiled afresh.
@@ -392,6 +500,7 @@ def compile(
             "those settings. Pass a model that has not been compiled."
         )
     options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    _check_layers(model, options)
     if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
         raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")
     if dynamic is not None and not isinstance(dynamic, bool):
@@ -407,10 +516,12 @@ def compile(
     state = decode_state.DecodeState()
 
     def sparseflow_forward(*args, **kwargs):
-        # the model's PISA decode state (per-layer pyramids across generate() steps) is active
-        # only while this model runs: no process-global state
-        with decode_state.active(state):
-            return compiled(*args, **kwargs)
+        # the model's PISA decode state (per-layer pyramids across generate() steps) and the
+        # report's run-time tally are active only while this model runs: no process-global state
+        with decode_state.active(state), _recording.tallying(rep.runtime):
+            out = compiled(*args, **kwargs)
+        rep.check_attention_found()
+        return out
 
     model._compiled_call_impl = sparseflow_forward
     setattr(model, DECODE_STATE_ATTR, state)
@@ -455,10 +566,12 @@ def export(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    _check_layers(model, options)
     ep = torch.export.export(model, args, kwargs)
     ep = ep.run_decompositions({})
     gm = ep.graph_module
-    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend)
+    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
+                        source="export")
     entries = rewrite_graph(gm, options, graph_kind="export")
     if not entries and _has_sparseflow_ops(gm):
         raise RuntimeError(
@@ -466,6 +579,7 @@ def export(
             "already transformed; refusing to transform it twice"
         )
     rep.add_graph(entries)
+    rep.check_attention_found()
     setattr(ep, _CONFIG_ATTR, _marker(options))
     setattr(ep, _REPORT_ATTR, rep)
     return ep
@@ -475,13 +589,17 @@ def export(
 
 
 def report(obj) -> RewriteReport:
-    """The live :class:`RewriteReport` of a model from :func:`compile` or a program from :func:`export`."""
+    """The live :class:`RewriteReport` of a model from :func:`compile` or a program from :func:`export`.
+    For a copy of a compiled model (deepcopy, torch.load), which runs dense SDPA again, the report
+    says the compilation was lost (and a warning is logged)."""
     rep = getattr(obj, _REPORT_ATTR, None)
     if rep is None:
         raise TypeError(
             f"{type(obj).__name__} was not transformed by sparseflow: call sparseflow.compile(model, ...) "
             "or sparseflow.export(model, ...) first"
         )
+    if isinstance(obj, nn.Module) and obj._compiled_call_impl is None:
+        rep.mark_lost(_LOST_MODEL)
     return rep
 
 
@@ -504,7 +622,7 @@ def inspect(model, *example_inputs, **example_kwargs) -> InspectionResult:
             f"sparseflow.export), got an untransformed {type(model).__name__}; call "
             "sparseflow.compile(model, method=...) first"
         )
-    with torch.no_grad(), _recording.capture() as cap:
+    with torch.no_grad(), _recording.capture() as cap, _recording.tallying(rep.runtime):
         out = runner(*example_inputs, **example_kwargs)
     if rep.graphs == 0:
         logger.warning(

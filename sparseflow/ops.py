@@ -277,6 +277,8 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     if method == "pisa" and chosen == "triton" and n_q == 1 and n_k > 1 and mask.key_padding_mask is None:
         state = _decode_state.current()
         if state is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            if record:
+                _capture.note_call(method, tag, True)
             return _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel)
     impl = _load(method, chosen)
     result = impl(
@@ -292,6 +294,8 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
         cap.calls.append(
             _capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), sel if (sel is None or want_sel) else _strip(sel))
         )
+    if record:
+        _capture.note_call(method, tag, True)
     return out.contiguous()
 
 

@@ -9,13 +9,13 @@ import contextlib
 import contextvars
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .selection import Selection
 
-__all__ = ["CallRecord", "Capture", "capture", "active_capture", "log_fallback"]
+__all__ = ["CallRecord", "Capture", "capture", "active_capture", "log_fallback", "RunTally", "tallying", "note_call"]
 
 logger = logging.getLogger("sparseflow")
 
@@ -80,11 +80,39 @@ def capture(keep_selections: bool = True) -> Iterator[Capture]:
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Stop recording (used while an op recomputes its forward for the backward pass)."""
-    token = _ACTIVE.set(None)
+    token, tally_token = _ACTIVE.set(None), _TALLY.set(None)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        _TALLY.reset(tally_token)
+
+
+# Per (tag, method): {reason: number of calls}, "" counting the calls that ran sparse. A model's
+# RewriteReport owns one and opens it around every call of the model, so its entries can say
+# which rewritten calls ran dense at run time and why (capture() aside, which records far more).
+RunTally = Dict[Tuple[str, str], Dict[str, int]]
+
+_TALLY: contextvars.ContextVar[Optional[RunTally]] = contextvars.ContextVar("sparseflow_tally", default=None)
+
+
+@contextlib.contextmanager
+def tallying(tally: RunTally) -> Iterator[RunTally]:
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
+
+
+def note_call(method: str, tag: str, sparse: bool, reason: str = "") -> None:
+    """Count one op call in the active tally (no-op outside ``tallying``)."""
+    tally = _TALLY.get()
+    if tally is None:
+        return
+    per_reason = tally.setdefault((tag, method), {})
+    key = "" if sparse else (reason or "dense")
+    per_reason[key] = per_reason.get(key, 0) + 1
 
 
 _LOGGED: set = set()
@@ -97,3 +125,4 @@ def log_fallback(method: str, tag: str, reason: str) -> None:
     level = logging.DEBUG if key in _LOGGED else logging.INFO
     _LOGGED.add(key)
     logger.log(level, "sparseflow: %s attention%s runs dense: %s", method, f" at {tag}" if tag else "", reason)
+    note_call(method, tag, False, reason)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..config import AttentionConfig
 from ..ops import op_for, op_args
+from ..recording import log_fallback
 from .gqa_fold import _same, erase_dead_chain, fake_of, fold_kv
 
 __all__ = [
@@ -158,15 +159,41 @@ class RewriteEntry:
     is_causal: Optional[bool] = None
     notes: List[str] = field(default_factory=list)
     graphs: int = 1  # how many compiled graphs held this call site with this decision
+    # What the op did at run time, {dense reason: calls} with "" counting sparse calls (filled
+    # while the model runs, shared by the entries of one tag and method: the op knows only those)
+    runtime: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dense_calls(self) -> Dict[str, int]:
+        """{reason: calls} of the run-time calls that ran dense."""
+        return {r: n for r, n in self.runtime.items() if r}
+
+    @property
+    def runs_dense(self) -> bool:
+        """Rewritten, but every call seen at run time fell back to dense attention."""
+        return self.rewritten and bool(self.runtime) and not self.runtime.get("", 0)
 
     @property
     def status(self) -> str:
-        return "rewritten" if self.rewritten else "skipped"
+        if not self.rewritten:
+            return "skipped"
+        dense = self.dense_calls
+        if not dense:
+            return "rewritten"
+        n_dense, total = sum(dense.values()), sum(self.runtime.values())
+        how = "runs dense at run time" if n_dense == total else f"ran dense in {n_dense} of {total} calls at run time"
+        return f"rewritten ({how}: {_reasons(dense)})"
 
     def key(self) -> Tuple:
         """Deduplication key across recompiles: the same call site (tag + its index among that
         tag's calls in the graph) with the same decision is one entry."""
         return (self.graph, self.tag, self.site, self.target, self.rewritten, self.reason, self.method)
+
+
+def _reasons(dense: Mapping[str, int], most: int = 2) -> str:
+    ranked = sorted(dense, key=lambda r: -dense[r])
+    text = "; ".join(ranked[:most])
+    return text + (f"; and {len(ranked) - most} other reason(s)" if len(ranked) > most else "")
 
 
 # --------------------------------------------------------------------------- tags
@@ -330,9 +357,21 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         and query.shape[1] % key.shape[1] == 0
     )
     if not ok:
+        if spec is not None:
+            log_fallback(spec[0], spec[3], _mha_dense_reason(query, key, value, dropout_p))
         return _real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     method, cfg_values, backend, tag = spec
     return op_for(method)(query, key, value, attn_mask, bool(is_causal), None if scale is None else float(scale), *cfg_values, backend, tag)
+
+
+def _mha_dense_reason(query, key, value, dropout_p) -> str:
+    if float(dropout_p) != 0.0:
+        return f"dropout_p={float(dropout_p)} (the ops have no dropout)"
+    if query.dim() != 4 or key.dim() != 4:
+        return f"q/k of {query.dim()}-D/{key.dim()}-D (the ops take 4-D)"
+    if query.dtype not in _SUPPORTED_DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"dtypes q={query.dtype}, k={key.dtype}, v={value.dtype}"
+    return f"query heads ({query.shape[1]}) not a multiple of key/value heads ({key.shape[1]})"
 
 
 def _clone_mha_forward() -> Optional[Callable]:
