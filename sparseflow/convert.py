@@ -265,7 +265,37 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
             raise FileExistsError(f"output {str(out)!r} exists and is not a folder")
         if any(out.iterdir()) and not overwrite:
             raise FileExistsError(f"output folder {str(out)!r} exists and is not empty; pass --force (overwrite=True) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConversionError(f"cannot create the folder {str(out.parent)!r} for output {str(out)!r}: "
+                              f"{exc.strerror or exc}; pass an output path in a folder you can write") from None
+
+
+def _make_tmp(out: Path) -> Path:
+    """The temporary sibling the folder is written into (renamed into place at the end); made
+    before the weights load, so an unwritable output fails in seconds, not after the load."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.sparseflow-", dir=str(out.parent)))
+    except OSError as exc:
+        raise ConversionError(f"cannot write into {str(out.parent)!r} (for output {str(out)!r}): "
+                              f"{exc.strerror or exc}; pass an output path in a folder you can write") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
+    return tmp
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=str(out.parent)))
+    old.rmdir()
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:  # interrupted between the two renames: put the old output back
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def convert(
@@ -282,25 +312,26 @@ def convert(
     progress: Optional[Callable[[str], None]] = None,
 ) -> Path:
     """Convert ``src`` (HF folder or GGUF file) into the HF folder ``out`` running ``method``.
-    Returns ``out``. Checks everything it can before loading weights; writes atomically."""
+    Returns ``out``. Checks everything it can before loading weights; writes atomically: the
+    temporary folder is removed on any exception, Ctrl-C, or SIGTERM when the caller turns it into
+    an exception (the ``sparseflow`` command does)."""
     source = resolve_source(src)
     out = Path(out).expanduser()
     _prepare_out(out, overwrite)
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     t0 = time.perf_counter()
-    _say(progress, f"[1/4] reading the configuration of {source} ({source.kind})")
-    model_config = _load_config(source)
-    plan = build_plan(model_config, method, recipe=recipe, config=config, dense_layers=dense_layers,
-                      backend=backend, source=str(source))
-    _say(progress, f"      {model_config.model_type}, {plan.num_layers} layers; method {plan.method}, "
-                   f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}")
-    _say(progress, "[2/4] loading the weights" + (" (dequantising GGUF)" if source.kind == "gguf" else ""))
-    model, tok = load_source(source, dtype=dtype)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.sparseflow-", dir=str(out.parent)))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
+    tmp = _make_tmp(out)
     try:
-        _say(progress, f"[3/4] writing the Hugging Face folder")
+        _say(progress, f"[1/4] reading the configuration of {source} ({source.kind})")
+        model_config = _load_config(source)
+        plan = build_plan(model_config, method, recipe=recipe, config=config, dense_layers=dense_layers,
+                          backend=backend, source=str(source))
+        _say(progress, f"      {model_config.model_type}, {plan.num_layers} layers; method {plan.method}, "
+                       f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}")
+        _say(progress, "[2/4] loading the weights" + (" (dequantising GGUF)" if source.kind == "gguf" else ""))
+        model, tok = load_source(source, dtype=dtype)
+        _say(progress, "[3/4] writing the Hugging Face folder")
         model.save_pretrained(str(tmp))
         if tok is not None:
             tok.save_pretrained(str(tmp))
@@ -316,11 +347,7 @@ def convert(
         Plan.from_dict(json.loads(cfg_path.read_text())["sparseflow"])  # round-trips
         _say(progress, f"[4/4] moving it into place: {out}")
         if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=str(out.parent)))
-            old.rmdir()
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            _swap_into_place(tmp, out)
         else:
             os.replace(tmp, out)
     except BaseException:
