@@ -575,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead of fidelity: PISA Recall@K / retained-mass diagnostic on the model's Q/K (reference: "
                          "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
                          "mean_var, BSA and a flat exact-LSE scan)")
-    ev.add_argument("--recall-k", type=_int_at_least(4), default=8, help="K for --recall, 3 forced blocks included (default 8)")
+    ev.add_argument("--recall-k", type=int, default=8, help="K for --recall, 3 forced blocks included (default 8)")
     ev.add_argument("--recall-selectors",
                     help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
                          "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "

@@ -152,7 +152,6 @@ def test_export_onnx_without_onnx_shows_the_install_hint(folder, tmp_path, monke
         (["bench", "--ns", "0", "--no-scripts"], "--ns"),
         (["eval", "m", "--map-head", "-1"], "--map-head"),
         (["eval", "m", "--map-layer", "-3"], "--map-layer"),
-        (["eval", "m", "--recall", "--recall-k", "2"], "--recall-k"),
         (["eval", "m", "--tokens", "0"], "--tokens"),
         (["demo", "--eval-positions", "-5"], "--eval-positions"),
         (["export-onnx", "m", "--tokens", "1", "--out", "x.onnx"], "--tokens"),
