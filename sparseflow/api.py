@@ -483,8 +483,14 @@ def compile(
     per-model trampoline to ``model._call_impl`` (see ``_trampoline``). The model is marked with
     ``model._sparseflow_config`` (the settings, as a dict) and ``model._sparseflow_report``; a
     marked, still-compiled model (or one with such a submodule) is refused, as is a model that
-    already went through ``torch.compile``. A deep copy of a compiled model is uncompiled again
-    (``Module`` drops the compiled call when copied) and may be compiled afresh.
+    already went through ``torch.compile``. A deep copy (or ``torch.load``) of a compiled model is
+    uncompiled again (``Module`` drops the compiled call when copied): it runs dense SDPA, its report
+    says the compilation was lost, and it may be compiled afresh.
+
+    ``skip_layers`` / ``layer_configs`` must name layers the model has (ValueError otherwise). After
+    the first call, a model whose graphs hold no SDPA call (e.g. ``attn_implementation="eager"``)
+    gets a warning. Each rewritten entry of the report shows the calls whose op fell back to dense
+    at run time, with the reasons.
     """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise TypeError(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
-from .config import METHODS, AttentionConfig, config_from_dict, default_config
+from .config import AttentionConfig, config_from_dict, default_config
 
 __all__ = [
     "ConversionError",

@@ -96,6 +96,10 @@ RunTally = Dict[Tuple[str, str], Dict[str, int]]
 _TALLY: contextvars.ContextVar[Optional[RunTally]] = contextvars.ContextVar("sparseflow_tally", default=None)
 
 
+_MAX_REASONS = 16
+_OTHER_REASONS = f"other reasons (more than {_MAX_REASONS} distinct ones; sparseflow.capture() records each call)"
+
+
 @contextlib.contextmanager
 def tallying(tally: RunTally) -> Iterator[RunTally]:
     token = _TALLY.set(tally)
@@ -112,6 +116,8 @@ def note_call(method: str, tag: str, sparse: bool, reason: str = "") -> None:
         return
     per_reason = tally.setdefault((tag, method), {})
     key = "" if sparse else (reason or "dense")
+    if key not in per_reason and len(per_reason) >= _MAX_REASONS:
+        key = _OTHER_REASONS  # reasons that carry lengths (decode steps) would grow without bound
     per_reason[key] = per_reason.get(key, 0) + 1
 
 

@@ -173,6 +173,20 @@ def test_sliding_window_fallback_is_shown_after_a_run():
     assert rep.to_dict()["runs_dense"] == 1
 
 
+def test_hf_sliding_window_layers_show_their_fallback():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(num_hidden_layers=1, sliding_window=16, hidden_size=96, intermediate_size=128,
+                                     num_attention_heads=6, num_key_value_heads=2, vocab_size=128)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.MistralForCausalLM(cfg).eval()
+    sparseflow.compile(model, method="pisa", config=_PISA, backend="reference", inner_backend="eager")
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 64)), use_cache=False)
+    (entry,) = sparseflow.report(model).entries
+    assert entry.runs_dense and "runs dense at run time" in entry.status, str(sparseflow.report(model))
+
+
 def test_partly_dense_calls_are_counted():
     # a 64-token prefill runs sparse; 8 tokens is below min_seq_len and runs dense
     cfg = _PISA.replace(min_seq_len=32)
