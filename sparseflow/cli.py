@@ -301,8 +301,6 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
         _write_json_atomic(args.json, report)
         print(f"wrote {args.json}")
     if args.plots:
-        import os
-
         from .plots import bar_plot, curve_plot
 
         title = f"{args.text}, {args.tokens} tokens, K={args.recall_k}, C=64"
@@ -324,17 +322,17 @@ def _point_label(result, field) -> str:
 
 
 def _write_json_atomic(path: str, payload) -> None:
-    import os
-
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, indent=2)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(payload, fh, indent=2)
+        os.replace(tmp, path)
+    finally:  # an error or SIGTERM mid-write leaves no partial file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _plots(results, folder: str, field, text: str, tokens: int) -> None:
-    import os
-
     from .plots import block_map_plot, curve_plot, density_heatmap
     from .sweep import curve_points
 

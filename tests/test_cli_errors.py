@@ -220,3 +220,13 @@ def test_sigterm_handler_is_restored(monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
     assert main(["recipes"]) == 0
     assert seen[0] is not before and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_json_write_interrupted_leaves_no_partial_file(tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli._write_json_atomic(str(tmp_path / "r.json"), {"a": 1})
+    assert list(tmp_path.iterdir()) == []
