@@ -1,18 +1,32 @@
-"""Recognise the attention masks models hand to SDPA.
+"""The ops' ``attn_mask``: SDPA's mask, checked, described and folded into what the sparse ops take.
 
-The sparse ops understand two things: causality and key padding. A 4-D boolean mask that is
-exactly ``causal & key_padding`` (what Hugging Face builds under ``torch.export``) or exactly
-``key_padding`` broadcast over queries is folded into ``(is_causal, key_padding_mask)``. Any
-other mask is reported as unsupported so the caller runs dense attention and says why.
+``attn_mask`` means exactly what it means to ``F.scaled_dot_product_attention``: a bool tensor
+(True = attend) or an additive float tensor (float32 or the query's dtype) of 2 to 4 dims that
+broadcasts to ``[B, Hq, Nq, Nk]`` with dims aligned from the right -- ``[Nq, Nk]`` is one mask for
+every batch row and head, never a per-batch key padding. sparseflow's key padding is the SDPA form
+``[B, 1, 1, Nk]`` bool (True = valid key). With ``is_causal=True`` a mask is intersected with
+causality (what SDPA's CPU kernel computes; its math and CUDA kernels refuse the pair), so key
+padding and causality travel together without building an ``[Nq, Nk]`` mask.
+
+The sparse ops understand causality and key padding. :func:`analyse_mask` folds a mask whose
+visibility is exactly key padding, causal, or ``causal & key_padding`` into
+``(is_causal, key_padding_mask [B, Nk])``; any other mask is reported as unsupported, with the
+reason, so the caller runs dense attention and logs why.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["MaskAnalysis", "analyse_mask"]
+__all__ = ["MaskAnalysis", "analyse_mask", "check_mask", "describe_mask", "with_causality", "FORMS"]
+
+FORMS = (
+    "a bool (True = attend) or additive float mask broadcastable to [B, Hq, Nq, Nk] with 2 to 4 dims, "
+    "as SDPA takes it: [Nq, Nk], [Hq or 1, Nq, Nk], [B or 1, Hq or 1, Nq or 1, Nk]; "
+    "key padding is [B, 1, 1, Nk] bool (a [B, Nk] key-padding mask kpm goes in as kpm[:, None, None, :])"
+)
 
 
 @dataclass(frozen=True)
@@ -21,6 +35,65 @@ class MaskAnalysis:
     is_causal: bool = False
     key_padding_mask: Optional[torch.Tensor] = None  # [B, Nk] bool, True = valid; None = all valid
     reason: str = ""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_mask(attn_mask: torch.Tensor, target: Sequence, query_dtype: torch.dtype) -> None:
+    """Raise a ValueError naming ``attn_mask`` and the accepted forms unless SDPA would take this
+    mask for ``target = (B, Hq, Nq, Nk)``. Works on fake tensors (trace-time errors)."""
+    dtype = attn_mask.dtype
+    if dtype != torch.bool and dtype not in (torch.float32, query_dtype):
+        raise ValueError(
+            f"attn_mask must be bool or an additive float mask of float32 or the query's dtype ({query_dtype}), "
+            f"got dtype {dtype}; accepted: {FORMS}"
+        )
+    shape = tuple(attn_mask.shape)
+    want = f"[B, Hq, Nq, Nk] = {list(target)}"
+    if not 2 <= len(shape) <= 4:
+        raise ValueError(f"attn_mask must have 2 to 4 dims broadcastable to {want}, got shape {shape}; accepted: {FORMS}")
+    for size, full in zip(reversed(shape), reversed(tuple(target))):
+        if not (size == 1 or size == full):
+            raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {want}; accepted: {FORMS}")
+
+
+def with_causality(attn_mask: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
+    """``attn_mask`` intersected with SDPA's (top-left aligned) causal mask."""
+    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=attn_mask.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))
+
+
+# --------------------------------------------------------------------------- description
+
+
+def _dim_labels(shape: Sequence) -> Tuple[str, ...]:
+    """SDPA's name of each (right-aligned) dim, or "1" where the size is provably 1."""
+    names = ("B", "H", "Nq", "Nk")[4 - len(shape):]
+    return tuple("1" if size == 1 else name for size, name in zip(shape, names))
+
+
+def describe_mask(shape: Sequence, dtype: torch.dtype) -> str:
+    """What a mask of this (fake) shape and dtype is to the op, for rewrite reports. ``shape``
+    holds ints, or strings for symbolic sizes (never taken to be 1)."""
+    labels = _dim_labels(shape)
+    form = f"SDPA's [{', '.join(labels)}]"
+    if len(shape) < 4 or labels[0] == "1":
+        form += " (one mask for every batch row)"
+    name = str(dtype).replace("torch.", "")
+    values = "" if dtype == torch.bool else "when every entry is 0 or -inf, "
+    padding_form = labels[-2] == "1" and (len(labels) < 3 or labels[-3] == "1")
+    if padding_form:
+        what = f"key padding (broadcast over queries): runtime-recognised {values}else dense"
+    else:
+        what = (f"runtime-recognised by value {values}(causal / key padding / causal + key padding run sparse, "
+                "anything else dense, logged)")
+    return f"{name} {list(shape)} as {form}: {what}"
+
+
+# --------------------------------------------------------------------------- analysis
 
 
 def _as_bool(mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -35,39 +108,40 @@ def _as_bool(mask: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
-def _padding_or_none(kpm: torch.Tensor) -> Optional[torch.Tensor]:
+def _padding_or_none(kpm: torch.Tensor, batch: int, n_k: int) -> Optional[torch.Tensor]:
+    kpm = kpm.expand(batch, n_k)
     return None if bool(kpm.all()) else kpm.contiguous()
+
+
+def _per_batch_rows(mask: torch.Tensor) -> Tuple[Optional[torch.Tensor], str]:
+    """The mask right-aligned to 4-D with its head dim removed: ``[B or 1, Nq or 1, Nk or 1]``."""
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if m.shape[1] != 1 and not bool((m == m[:, :1]).all()):
+        return None, "attn_mask that differs between heads"
+    return m[:, 0], ""
 
 
 def analyse_mask(
     attn_mask: Optional[torch.Tensor], is_causal: bool, batch: int, n_q: int, n_k: int
 ) -> MaskAnalysis:
+    """Fold an SDPA mask (with the call's ``is_causal``) into ``(is_causal, key_padding_mask)``."""
     if attn_mask is None:
         return MaskAnalysis(True, is_causal=is_causal)
-    if attn_mask.dim() == 2 and attn_mask.dtype == torch.bool and attn_mask.shape == (batch, n_k):
-        # [B, Nk] key padding (sparseflow's own form) combines with either causality
-        return MaskAnalysis(True, is_causal=is_causal, key_padding_mask=_padding_or_none(attn_mask))
-    if is_causal:
-        # SDPA itself rejects a 4-D mask together with is_causal; keep the same contract.
-        return MaskAnalysis(False, reason="attn_mask together with is_causal=True")
     mask = _as_bool(attn_mask)
     if mask is None:
         return MaskAnalysis(False, reason=f"attn_mask of dtype {attn_mask.dtype} with values other than 0/-inf")
-    if mask.dim() != 4:
-        return MaskAnalysis(False, reason=f"attn_mask of rank {mask.dim()} (expected a 4-D mask or [B, Nk] key padding)")
-    if mask.shape[-2:] != (n_q, n_k) and not (mask.shape[-2] == 1 and mask.shape[-1] == n_k):
-        return MaskAnalysis(False, reason=f"attn_mask of shape {tuple(mask.shape)}")
-    if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
-        return MaskAnalysis(False, reason="attn_mask that differs between heads")
-    m = mask[:, 0].expand(batch, mask.shape[-2], n_k)  # [B, Nq or 1, Nk]
-    if m.shape[1] == 1:
-        return MaskAnalysis(True, is_causal=False, key_padding_mask=_padding_or_none(m[:, 0]))
-    # Non-causal key padding: every query row equals the first.
-    if bool((m == m[:, :1]).all()):
-        return MaskAnalysis(True, is_causal=False, key_padding_mask=_padding_or_none(m[:, 0]))
+    rows, reason = _per_batch_rows(mask)
+    if rows is None:
+        return MaskAnalysis(False, reason=reason)
+    if rows.shape[1] == 1:  # one row for every query: key padding, with the call's causality
+        return MaskAnalysis(True, is_causal=is_causal, key_padding_mask=_padding_or_none(rows[:, 0], batch, n_k))
+    rows = rows.expand(rows.shape[0], n_q, n_k)
+    if is_causal:
+        rows = with_causality(rows, n_q, n_k)
+    if bool((rows == rows[:, :1]).all()):  # every query row alike: key padding
+        return MaskAnalysis(True, is_causal=False, key_padding_mask=_padding_or_none(rows[:, 0], batch, n_k))
     if n_q == n_k:
-        kpm = m[:, -1]  # the last query sees every earlier key that is valid
-        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=m.device).tril()
-        if bool((m == (causal[None] & kpm[:, None, :])).all()):
-            return MaskAnalysis(True, is_causal=True, key_padding_mask=_padding_or_none(kpm))
-    return MaskAnalysis(False, reason="attn_mask that is neither causal nor key padding")
+        kpm = rows[:, -1]  # the last query sees every key that is valid
+        if bool((rows == with_causality(kpm[:, None, :], n_q, n_k)).all()):
+            return MaskAnalysis(True, is_causal=True, key_padding_mask=_padding_or_none(kpm, batch, n_k))
+    return MaskAnalysis(False, reason=f"attn_mask of shape {tuple(attn_mask.shape)} that is neither causal nor key padding")

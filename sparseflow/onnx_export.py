@@ -338,7 +338,7 @@ class _CallPlan:
     tag: str
     method: str
     is_causal: bool
-    mask_kind: str  # "none", "padding2d", "mask4d"
+    mask_rank: int  # 0: no mask; else the rank of the SDPA mask the call gets (2 to 4)
 
 
 def _static_int(x) -> Optional[int]:
@@ -447,13 +447,8 @@ def _make_translation(method: str, plans: Dict[str, _CallPlan], default_scales: 
             shape_k = op.Shape(k)
             bn = op.Concat(op.Slice(shape_k, [0], [1]), op.Slice(shape_k, [2], [3]), axis=0)
             kpm = op.Expand(op.Constant(value=_bool_scalar(True)), bn)
-        elif plan is not None and plan.mask_kind == "mask4d":
-            # the causal & padding (or padding) mask: its last query row is the key padding
-            row = op.Gather(attn_mask, op.Constant(value_int=0), axis=1)  # [B, Nq', Nk]
-            kpm = op.Gather(row, op.Constant(value_int=-1), axis=1)  # [B, Nk]
-            kpm = op.Cast(kpm, to=9)
         else:
-            kpm = op.Cast(attn_mask, to=9)
+            kpm = _key_padding_of(op, attn_mask, q, k, plan.mask_rank)
         sc = float(scale) if scale is not None else default_scales[tag]
         attrs: Dict[str, Any] = {"is_causal": int(causal), "scale": sc}
         for (name, kind), val in zip(fields, cfg_vals):
@@ -461,6 +456,20 @@ def _make_translation(method: str, plans: Dict[str, _CallPlan], default_scales: 
         return getattr(sf, NODE_TYPES[method])(q, k, v, kpm, **attrs)
 
     return translate
+
+
+def _key_padding_of(op, attn_mask, q, k, rank: int):
+    """The ``[B, Nk]`` key padding of a mask checked (on the example inputs) to be key padding,
+    causal, or causal & key padding: its last query row of head 0, broadcast with SDPA's rule
+    (dims aligned from the right, sizes of 1 expanded), so no size is taken from the examples."""
+    m = attn_mask
+    if rank < 4:
+        m = op.Unsqueeze(m, op.Constant(value_ints=list(range(4 - rank))))  # [B or 1, H or 1, Nq or 1, Nk or 1]
+    row = op.Gather(m, op.Constant(value_int=0), axis=1)  # head 0: [B or 1, Nq or 1, Nk or 1]
+    kpm = op.Gather(row, op.Constant(value_int=-1), axis=1)  # last query row: [B or 1, Nk or 1]
+    shape_q, shape_k = op.Shape(q), op.Shape(k)
+    bn = op.Concat(op.Slice(shape_q, [0], [1]), op.Slice(shape_k, [2], [3]), axis=0)
+    return op.Expand(op.Cast(kpm, to=9), bn)
 
 
 def _bool_scalar(value: bool):
@@ -601,7 +610,7 @@ def export_onnx(
         mask = n.args[3]
         m = _method_of(n.target)
         if mask is None:
-            plans[tag] = _CallPlan(tag, m, bool(n.args[4]), "none")
+            plans[tag] = _CallPlan(tag, m, bool(n.args[4]), 0)
             continue
         mval = mask.meta["val"]
         supported, is_causal, why = analysis.get(tag, (False, False, "not reached on the example inputs"))
@@ -615,8 +624,8 @@ def export_onnx(
                 f"export_onnx: attention at {tag or '<root>'} gets a {mval.dtype} attn_mask; only boolean "
                 "masks are exported"
             )
-        kind = "mask4d" if mval.dim() == 4 else "padding2d"
-        plans[tag] = _CallPlan(tag, m, is_causal if kind == "mask4d" else bool(n.args[4]), kind)
+        # the analysis read the mask with SDPA's broadcasting and folded the call's is_causal in
+        plans[tag] = _CallPlan(tag, m, is_causal, mval.dim())
 
     register_schemas()
     from .ops import op_for

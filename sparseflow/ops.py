@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from . import decode_state as _decode_state
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
-from .masks import analyse_mask
+from .masks import analyse_mask, check_mask, with_causality
 
 __all__ = [
     "attention",
@@ -133,6 +133,7 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
             raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
+        check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
     if backend not in BACKENDS:
@@ -144,14 +145,9 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
     group = q.shape[1] // k.shape[1]
-    if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.dtype == torch.bool:
-        # our [B, Nk] key-padding form -> an SDPA mask (SDPA takes no mask together with is_causal)
-        n_q, n_k = q.shape[2], k.shape[2]
-        attn_mask = attn_mask[:, None, None, :]
-        if is_causal:
-            causal = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
-            attn_mask = attn_mask & causal
-            is_causal = False
+    if attn_mask is not None and is_causal:
+        # the op's mask with is_causal is their intersection; SDPA's math and CUDA kernels refuse the pair
+        attn_mask, is_causal = with_causality(attn_mask, q.shape[2], k.shape[2]), False
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
     )
@@ -410,8 +406,10 @@ def attention(
 ) -> torch.Tensor:
     """Sparse attention with the method of ``config`` (PBSConfig, PISAConfig, BSAConfig or
     DenseConfig). ``q: [B, Hq, Nq, D]``, ``k, v: [B, Hkv, Nk, D]`` with Hq a multiple of Hkv.
-    ``attn_mask``: None, a ``[B, Nk]`` bool key-padding mask (True = valid), or any SDPA mask
-    (causal/padding masks are recognised; others run dense, logged)."""
+    ``attn_mask``: None or any SDPA mask, with SDPA's meaning (a 2-D mask is ``[Nq, Nk]``); key
+    padding is ``kpm[:, None, None, :]`` (``[B, 1, 1, Nk]`` bool, True = valid), and with
+    ``is_causal=True`` a mask is intersected with causality. Causal / key-padding masks run
+    sparse; others run dense, logged (see :mod:`sparseflow.masks`)."""
     if not isinstance(config, (DenseConfig, PBSConfig, PISAConfig, BSAConfig)):
         raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..config import AttentionConfig
+from ..masks import describe_mask
 from ..ops import op_for, op_args
 from ..recording import log_fallback
 from .gqa_fold import _same, erase_dead_chain, fake_of, fold_kv
@@ -316,11 +317,9 @@ def _describe_mask(mask_fake: Optional[torch.Tensor], present: bool) -> Tuple[st
         return "none", ""
     if mask_fake is None:
         return "unknown", "attn_mask without shape metadata"
-    shape = _shape(mask_fake)
-    if mask_fake.dtype == torch.bool:
-        return f"bool {list(shape)}: runtime-recognised", ""
-    if mask_fake.is_floating_point():
-        return f"{str(mask_fake.dtype).replace('torch.', '')} {list(shape)}: runtime-recognised (0/-inf only, else dense)", ""
+    if mask_fake.dtype == torch.bool or mask_fake.is_floating_point():
+        # read from the shape alone, with SDPA's broadcasting: a size is 1 only where provably 1
+        return describe_mask(_shape(mask_fake), mask_fake.dtype), ""
     return "", f"attn_mask of dtype {mask_fake.dtype}"
 
 
@@ -615,7 +614,8 @@ def _rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) ->
             return
     mask_present = a["attn_mask"] is not None or a["key_padding_mask"] is not None
     if mask_present:
-        entry.mask = "merged MHA mask: runtime-recognised (0/-inf only, else dense)"
+        entry.mask = ("merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
+                      "(causal / key padding / both run sparse, anything else dense, logged)")
     spec = (cfg.method, tuple(op_args(cfg)), options.backend, entry.tag)
     node.target = mha_forward_routed
     node.args = (spec,) + tuple(node.args)
