@@ -12,10 +12,11 @@ binds the node by (domain, op_type) and ignores the body. See ``docs/onnx.md``.
 
 Node inputs (all methods): ``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]`` (native GQA, never
 repeated) and ``key_padding_mask [B, N]`` bool (True = valid key; all True when the model has no
-padding). Causality is the ``is_causal`` attribute. The 4-D boolean mask Hugging Face models build
-under ``torch.export`` is folded at export time into ``(is_causal, key_padding_mask)``, after
-checking on the example inputs that it is exactly ``causal & key_padding`` (or key padding only);
-any other mask is refused.
+padding). Causality is the ``is_causal`` attribute. A boolean SDPA mask of any form (``[Nq, Nk]``,
+``[H, Nq, Nk]``, ``[B, H, Nq, Nk]`` with broadcast dims, e.g. the 4-D mask Hugging Face models build
+under ``torch.export``) is folded at export time into ``(is_causal, key_padding_mask)``, after
+checking on the example inputs that it is exactly ``causal & key_padding``, causal, or key padding
+only; any other mask is refused.
 
 What the function bodies compute (checked against the PyTorch reference by tests/test_onnx.py):
 

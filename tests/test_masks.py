@@ -114,8 +114,42 @@ def test_2d_mask_through_export_onnx(tmp_path):
         want = model(x)
     got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    x2 = torch.randn(n, 12, 32)  # another length, B != L: nothing was taken from the example's sizes
+    with torch.no_grad():
+        want2 = model(x2)
+    got2 = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x2.numpy()})[0])
+    torch.testing.assert_close(got2, want2, atol=1e-4, rtol=1e-4)
     node = next(nd for nd in proto.graph.node if nd.domain == "sparseflow")
     assert {a.name: a.i for a in node.attribute}["is_causal"] == 1
+
+
+def test_2d_mask_through_dynamic_compile():
+    model = sparseflow.compile(_MaskedSDPA(), method="pisa", config=EXACT["pisa"], backend="reference",
+                               inner_backend="eager", dynamic=True, fullgraph=True)
+    for b, n in ((3, 12), (12, 12), (2, 20)):
+        q, k, v = _qkv(b, 2, n, seed=b)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        with sparseflow.capture() as cap:
+            out = model(q, k, v, mask)
+        torch.testing.assert_close(out, _sdpa(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        assert [c.sparse for c in cap.calls] == [True], [c.reason for c in cap.calls]
+
+
+@pytest.mark.parametrize("form", ["lxs", "b11s_causal", "float_hls"])
+def test_opcheck_with_sdpa_mask_forms(form):
+    from sparseflow.ops import op_args, op_for
+
+    q, k, v = _qkv(2, 2, 12)
+    causal = form == "b11s_causal"
+    if form == "lxs":
+        mask = torch.ones(12, 12, dtype=torch.bool).tril()
+    elif causal:
+        mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+        mask[1, ..., 9:] = False
+    else:
+        mask = torch.zeros(2, 12, 12).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    cfg = EXACT["bsa"]
+    torch.library.opcheck(op_for("bsa"), (q, k, v, mask, causal, None, *op_args(cfg), "reference", "t"))
 
 
 # --------------------------------------------------------------------------- sparseflow's key padding

@@ -333,7 +333,7 @@ def test_bsa_node_matches_op(is_causal, ties, n):
     kpm[1, n - 5:] = False
     kpm[1, 3] = False
     cfg = sparseflow.BSAConfig(block_size=8, top_k=5)
-    ref = sparseflow.bsa_attention(q, k, v, config=cfg, attn_mask=kpm, is_causal=is_causal, scale=0.3)
+    ref = sparseflow.bsa_attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=is_causal, scale=0.3)
     attrs = dict(is_causal=int(is_causal), scale=0.3, block_size=8, top_k=5, force_sink=1,
                  force_previous=1, min_seq_len=0)
     sess = _single_node_model("bsa", attrs)
@@ -372,7 +372,8 @@ def _node_vs_op(cfg, n, is_causal, ties, seed=0):
     """(max rel error of one node vs the op, the op's density on the same inputs)."""
     q, k, v, kpm = _node_inputs(n, ties, seed)
     with sparseflow.capture() as cap:
-        ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm, is_causal=is_causal, scale=0.3)
+        ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=is_causal,
+                                   scale=0.3)
     (call,) = cap.calls
     assert call.sparse, call.reason
     sess = _single_node_model(cfg.method, _node_attrs(cfg, is_causal, 0.3))

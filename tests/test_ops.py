@@ -259,14 +259,14 @@ def test_causal_mask_is_recognised_as_causal(method):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-def test_key_padding_mask_2d_with_either_causality(method, causal):
-    """A [B, Nk] bool key-padding mask combines with is_causal (SDPA would refuse a mask and
-    is_causal together; the op accepts its own padding form)."""
+def test_key_padding_mask_with_either_causality(method, causal):
+    """Key padding as the SDPA form [B, 1, 1, Nk] bool combines with is_causal (the op intersects
+    a mask with causality, as SDPA's CPU kernel does)."""
     q, k, v = _qkv()
     kpm = torch.ones(2, 45, dtype=torch.bool)
     kpm[1, 30:] = False
     out = sparseflow.attention(q, k, v, config=sparseflow.testing.exact_config(method, 45, SMALL[method]),
-                               attn_mask=kpm, is_causal=causal)
+                               attn_mask=kpm[:, None, None, :], is_causal=causal)
     full = kpm[:, None, None, :] & (torch.ones(45, 45, dtype=torch.bool).tril() if causal else True)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

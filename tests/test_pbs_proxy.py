@@ -271,7 +271,8 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     outs, sels = {}, {}
     for be in ("reference", backend):
         with sparseflow.capture() as cap:
-            outs[be] = sparseflow.attention(q.to(DEV), k.to(DEV), v.to(DEV), config=cfg, attn_mask=kpm.to(DEV),
+            outs[be] = sparseflow.attention(q.to(DEV), k.to(DEV), v.to(DEV), config=cfg,
+                                            attn_mask=kpm[:, None, None, :].to(DEV),
                                             backend=be).cpu()
         (call,) = cap.calls
         assert call.sparse, call.reason
@@ -283,7 +284,8 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     torch.testing.assert_close(outs[backend] * valid, outs["reference"] * valid, rtol=2e-4, atol=2e-5)
     # and the option matters here: P=1 permutes differently
     with sparseflow.capture() as cap:
-        sparseflow.attention(q, k, v, config=cfg.replace(proxy_blocks=1), attn_mask=kpm, backend="reference")
+        sparseflow.attention(q, k, v, config=cfg.replace(proxy_blocks=1), attn_mask=kpm[:, None, None, :],
+                             backend="reference")
     assert not torch.equal(cap.calls[0].selection.permutation, sels["reference"].permutation)
 
 
