@@ -146,3 +146,85 @@ def test_padding_with_shifted_keys_is_not_proven():
         return g.call_function(operator.getitem, (bsrc, (b, kv)))
 
     assert prove_mask(_graph(build)) is None
+
+
+# --------------------------------------------------------------------------- through the rewrite
+
+
+def _rewritten_graph(model, config, **kwargs):
+    """Capture the model's Dynamo graph, rewrite it, and run the rewritten graph eagerly."""
+    from sparseflow.passes.sdpa_rewrite import RewriteOptions, rewrite_graph
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["entries"] = rewrite_graph(gm, RewriteOptions(config=config, backend="reference"))
+        seen["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(**kwargs).logits
+    return seen["gm"], seen["entries"], out
+
+
+def _square_tensors(gm, n):
+    return [node.name for node in gm.graph.nodes
+            for val in [node.meta.get("example_value", node.meta.get("val"))]
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (n, n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_rewritten_graph_builds_no_square_mask_and_equals_dense(kind, padded):
+    from sparseflow import PBSConfig
+
+    n = 40
+    ids = torch.randint(0, 50, (2, n), generator=torch.Generator().manual_seed(2))
+    kwargs = {"input_ids": ids}
+    if padded:
+        am = torch.ones(2, n, dtype=torch.long)
+        am[1, :5] = 0  # left padding
+        am[0, -3:] = 0  # and right padding
+        kwargs["attention_mask"] = am
+    model = _model(kind, num_hidden_layers=2)
+    with torch.no_grad():
+        dense = model(**kwargs).logits
+    exact = PBSConfig(block_size=16, segment_size=32, threshold=1.0)
+    gm, entries, out = _rewritten_graph(model, exact, **kwargs)
+    assert entries and all(e.rewritten for e in entries), [e.reason for e in entries]
+    assert _square_tensors(gm, n) == []
+    if padded:
+        assert all("proven from the graph" in e.mask for e in entries)
+        valid = kwargs["attention_mask"].bool()
+        torch.testing.assert_close(out[valid], dense[valid], atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
+
+
+def test_padding_changes_the_rewritten_result():
+    # the padding travels to the op: the same tokens without the mask give other logits
+    from sparseflow import PBSConfig
+
+    n = 40
+    ids = torch.randint(0, 50, (2, n), generator=torch.Generator().manual_seed(3))
+    am = torch.ones(2, n, dtype=torch.long)
+    am[1, :7] = 0
+    exact = PBSConfig(block_size=16, segment_size=32, threshold=1.0)
+    model = _model("llama", num_hidden_layers=2)
+    _, _, with_pad = _rewritten_graph(model, exact, input_ids=ids, attention_mask=am)
+    _, _, without = _rewritten_graph(model, exact, input_ids=ids)
+    assert (with_pad[1, 7:] - without[1, 7:]).abs().max() > 1e-3
+    torch.testing.assert_close(with_pad[0], without[0], atol=2e-5, rtol=2e-5)
+
+
+def test_sliding_window_mask_is_kept():
+    from sparseflow import PBSConfig
+
+    n = 40
+    ids = torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(4))
+    am = torch.ones(1, n, dtype=torch.long)
+    model = _model("mistral", num_hidden_layers=1, sliding_window=8)
+    gm, entries, _ = _rewritten_graph(model, PBSConfig(block_size=16, segment_size=32, threshold=1.0),
+                                      input_ids=ids, attention_mask=am)
+    assert all("proven" not in e.mask for e in entries)

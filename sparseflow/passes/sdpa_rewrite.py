@@ -38,6 +38,7 @@ from ..masks import describe_mask
 from ..ops import op_for, op_args
 from ..recording import log_fallback
 from .gqa_fold import _same, erase_dead_chain, fake_of, fold_kv
+from .mask_proof import MaskProof, prove_mask
 
 __all__ = [
     "RewriteOptions",
@@ -451,6 +452,63 @@ def _restore_layout(graph: fx.Graph, new: fx.Node, old_out: torch.Tensor, val: t
     return p2
 
 
+def _proven_mask(mask: fx.Node, qf, kf) -> Optional[MaskProof]:
+    """The mask's proof when it can replace the mask: its key padding is ``[B, Nk]`` of these
+    q/k and a causal mask is square (the op's causal is top-left, like SDPA's)."""
+    proof = prove_mask(mask)
+    if proof is None or qf is None or kf is None:
+        return None
+    if proof.causal and not _same(qf.shape[2], kf.shape[2]):
+        return None
+    if proof.key_padding is not None:
+        pf = fake_of(proof.key_padding)
+        if pf is None or pf.dim() != 2 or not (_same(pf.shape[0], qf.shape[0]) and _same(pf.shape[1], kf.shape[2])):
+            return None
+    return proof
+
+
+def _padding_mask_node(graph: fx.Graph, before: fx.Node, proof: MaskProof) -> Tuple[Optional[fx.Node], bool]:
+    """(attn_mask, is_causal) for the op from a proof: the key padding as SDPA's ``[B, 1, 1, Nk]``
+    bool form (the op intersects it with causality), built from the ``[B, Nk]`` graph tensor."""
+    kp = proof.key_padding
+    if kp is None:
+        return None, proof.causal
+    pf = fake_of(kp)
+    with graph.inserting_before(before):
+        x = kp if pf.dtype == torch.bool else graph.call_function(aten.ne.Scalar, (kp, 0))
+        x = graph.call_function(aten.unsqueeze.default, (x, 1))
+        x = graph.call_function(aten.unsqueeze.default, (x, 2))
+    _set_fake(x, pf)
+    return x, proof.causal
+
+
+def _set_fake(node: fx.Node, padding_fake) -> None:
+    # the [B, 1, 1, Nk] bool value, for passes that read node metadata (export's ``val``)
+    try:
+        with padding_fake.fake_mode:
+            val = (padding_fake != 0)[:, None, None, :]
+    except Exception:  # metadata only
+        return
+    node.meta["val"] = node.meta["example_value"] = val
+
+
+def _describe_proof(proof: MaskProof) -> str:
+    parts = (["causal"] if proof.causal else []) + (["key padding [B, Nk]"] if proof.key_padding is not None else [])
+    return " + ".join(parts) + " (proven from the graph; the [Nq, Nk] mask is not built)"
+
+
+def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, recursively, the inputs only it used (the mask construction)."""
+    pending = [node]
+    while pending:
+        n = pending.pop()
+        if n.graph is not graph or n.users or n.op not in ("call_function", "call_method"):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        pending.extend(inputs)
+
+
 def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteEntry, options: RewriteOptions, graph_kind: str) -> None:
     try:
         b = _bind(spec.schema, node.args, node.kwargs)
@@ -511,6 +569,7 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
     if mask is not None and is_causal:
         entry.reason = "attn_mask together with is_causal=True"
         return
+    proven = _proven_mask(mask, qf, kf) if mask is not None else None
     # ---- heads: native GQA, fold a repeat, or broadcast
     hq, hkv = qf.shape[1], kf.shape[1]
     mk = mv = None
@@ -543,6 +602,10 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
 
     # ---- rewrite
     op = op_for(cfg.method)
+    old_mask = None
+    if proven is not None:
+        old_mask, (mask, is_causal) = mask, _padding_mask_node(graph, node, proven)
+        entry.mask = _describe_proof(proven)
     op_call_args = (
         q, k_in, v_in, mask, is_causal, None if scale is None else float(scale),
         *op_args(cfg), options.backend, entry.tag,
@@ -569,6 +632,8 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
     for m in (mk, mv):
         if m is not None:
             erase_dead_chain(graph, m)
+    if old_mask is not None:
+        _erase_if_dead(graph, old_mask)
     entry.rewritten, entry.reason = True, ""
     entry.method, entry.config = cfg.method, cfg.to_dict()
 
