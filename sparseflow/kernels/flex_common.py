@@ -50,6 +50,9 @@ __all__ = [
     "block_lists",
     "kernel_options_for",
     "needs_grad",
+    "cpu_qk_head_dim",
+    "kv_tile_lengths",
+    "pad_head_dim",
     "default_scale",
     "gather_rows",
     "token_block_attention",
@@ -111,13 +114,8 @@ def check_flex_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"backend='flex' runs on cpu and cuda, got device {q.device}")
-    if q.device.type == "cpu" and torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
-    ):
-        raise NotImplementedError(
-            "backend='flex' on CPU is inference-only (compiled FlexAttention has no CPU backward); "
-            "run under torch.no_grad(), detach q/k/v, or use backend='reference' for gradients"
-        )
+    if q.device.type == "cpu" and needs_grad(q, k, v):
+        raise NotImplementedError(_CPU_NO_BACKWARD)
     if q.device.type == "cpu":
         from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
@@ -145,6 +143,10 @@ def flex_attention_compiled(
             f"backend='flex' needs compiled FlexAttention, but {reason}: eager FlexAttention ignores "
             "the block lists and would silently compute the wrong attention; use backend='reference'"
         )
+    q, k, v = _cpu_inference_inputs(q, k, v)
+    if q.device.type == "cpu":
+        qk_dim = cpu_qk_head_dim(q.shape[-1], kv_tile_lengths(k.shape[2], block_mask.BLOCK_SIZE[1]))
+        q, k = pad_head_dim(q, qk_dim), pad_head_dim(k, qk_dim)
     fn = compiled_flex_attention()
     import torch._dynamo as dynamo
 
@@ -154,6 +156,51 @@ def flex_attention_compiled(
         out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                  kernel_options=kernel_options)
     return out
+
+
+def _cpu_inference_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """On the CPU, q/k/v detached (flex refuses any ``requires_grad`` input on the CPU, even under
+    ``no_grad``, where the op's forward runs); a call that would be differentiated raises."""
+    if q.device.type != "cpu" or not any(t.requires_grad for t in (q, k, v)):
+        return q, k, v
+    if needs_grad(q, k, v):
+        raise NotImplementedError(_CPU_NO_BACKWARD)
+    return q.detach(), k.detach(), v.detach()
+
+
+_CPU_NO_BACKWARD = (
+    "backend='flex' on CPU is inference-only (compiled FlexAttention has no CPU backward); "
+    "run under torch.no_grad(), detach q/k/v, or use backend='reference' for gradients"
+)
+
+
+def kv_tile_lengths(kv_len: int, kv_block: int) -> Tuple[int, ...]:
+    """The key counts the CPU flex kernel multiplies per step: full tiles of ``kv_block`` (capped
+    at ``kv_len``) and, when ``kv_len`` is not a multiple, the shorter last tile."""
+    tile = min(kv_block, kv_len)
+    tail = kv_len % tile
+    return (tile, tail) if tail else (tile,)
+
+
+def cpu_qk_head_dim(head_dim: int, kv_tiles: Tuple[int, ...]) -> int:
+    """Head dim at which q/k enter the CPU flex kernel (zero-padded: the scores are unchanged).
+
+    torch 2.13's CPU q @ k^T micro-GEMM handles a key tile in chunks of 16 columns; for a chunk
+    narrower than 16 whose width is a multiple of the vector length it takes a path that still
+    computes and stores 16 columns when ``head_dim`` is a multiple of the vector length below 24.
+    The extra columns read keys past the tile and overwrite the next score row and, on the last
+    row, the running row maxima. That happens when the vector is 8 floats (AVX2, or
+    ``ATEN_CPU_CAPABILITY=default``), never with AVX-512's 16, e.g. for 8-key blocks at head dim
+    16. A head dim of 24 or more always takes the correct path, so small head dims are padded to
+    32 whenever some key tile is not a multiple of 16."""
+    if head_dim >= 24 or all(t % 16 == 0 for t in kv_tiles):
+        return head_dim
+    return 32
+
+
+def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t [..., D]`` zero-padded to ``[..., d]`` (no copy when ``D == d``)."""
+    return t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1]))
 
 
 # --------------------------------------------------------------------------- shapes
