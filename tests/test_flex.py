@@ -563,3 +563,67 @@ def _build_only(monkeypatch, seen, q, k, v, idx, kwargs):
     with torch.no_grad():
         fc.token_block_attention(q, k, v, idx, **kwargs)
     return seen[-1]
+
+
+# --------------------------------------------------------------------------- CUDA kernel choice (decided on the CPU)
+
+# flex backward tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2) of torch 2.13's default table
+SM90_BF16_SMALL_D = ((64, 64, 64, 64),)
+SM90_BF16_D128 = ((64, 128, 128, 64),)
+FP32 = ((16, 16, 16, 16),)
+
+
+def test_cuda_plan_forward_tiles_divide_the_blocks():
+    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=False) == fc.FlexPlan(
+        {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16})
+    assert fc.cuda_flex_plan(48, 96, 64, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 32}
+    assert fc.cuda_flex_plan(64, 64, 256, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32}
+    assert fc.cuda_flex_plan(128, 256, 64, needs_grad=False) == fc.FlexPlan(None)  # defaults divide them
+    for qb, kb in ((16, 16), (48, 96), (64, 64), (32, 128)):
+        opts = fc.cuda_flex_plan(qb, kb, 64, needs_grad=False).kernel_options
+        assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
+        assert min(opts.values()) >= 16
+
+
+def test_cuda_plan_falls_back_where_no_kernel_exists():
+    plan = fc.cuda_flex_plan(8, 8, 16, needs_grad=False)
+    assert plan.kernel_options is None and "multiples of 16" in plan.fallback
+    # bf16, head dim 16, blocks of 16 with gradients: every backward config is filtered out
+    plan = fc.cuda_flex_plan(16, 16, 16, needs_grad=True, bwd_tiles=SM90_BF16_SMALL_D)
+    assert "no flex backward config" in plan.fallback
+    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=True, bwd_tiles=FP32).fallback == ""
+    assert fc.cuda_flex_plan(64, 64, 16, needs_grad=True, bwd_tiles=SM90_BF16_SMALL_D).fallback == ""
+    assert "no flex backward config" in fc.cuda_flex_plan(64, 64, 128, needs_grad=True,
+                                                          bwd_tiles=SM90_BF16_D128).fallback
+    assert fc.cuda_flex_plan(128, 128, 128, needs_grad=True, bwd_tiles=SM90_BF16_D128) == fc.FlexPlan(None)
+
+
+def test_cuda_head_dims_padded_to_16():
+    assert [fc.cuda_head_dim(d) for d in (4, 8, 15, 16, 80)] == [16, 16, 16, 16, 80]
+
+
+def test_cpu_plan_has_no_options():
+    assert fc.flex_plan(torch.device("cpu"), 8, 8, 16, torch.float32, needs_grad=False) == fc.FlexPlan(None)
+
+
+def test_cuda_fallback_is_logged_with_its_reason(caplog):
+    with caplog.at_level("WARNING", logger="sparseflow"):
+        plan = fc.flex_plan(torch.device("cuda"), 8, 8, 16, torch.bfloat16, needs_grad=False)
+    assert plan.fallback and plan.fallback in caplog.text and "reference" in caplog.text
+
+
+def test_pbs_falls_back_to_the_reference_when_the_plan_says_so(monkeypatch):
+    """The fallback path itself (forced here on the CPU): the reference's output and selection."""
+    reason = "no flex backward config (forced by the test)"
+    monkeypatch.setattr(fc, "flex_plan", lambda *a, **kw: fc.FlexPlan(None, reason))
+    monkeypatch.setattr(fc, "flex_attention_compiled", lambda *a, **kw: pytest.fail("flex ran"))
+    c = CASES["odd37"]
+    q, k, v = c.tensors(seed=12)
+    with torch.no_grad():
+        out_r, sel_r = pbs_ref.pbs_attention(q, k, v, is_causal=False, return_selection=True, **_config("pbs"))
+        out_f, sel_f = pbs_flex.pbs_attention(q, k, v, is_causal=False, return_selection=True, **_config("pbs"))
+        out_t = pisa_flex.pisa_attention(q, k, v, is_causal=False, **_config("pisa"))
+    _assert_same_selection(sel_r, sel_f)
+    torch.testing.assert_close(out_f, out_r, rtol=0, atol=0)
+    torch.testing.assert_close(out_t, pisa_ref.pisa_attention(q, k, v, is_causal=False, **_config("pisa")),
+                               rtol=1e-6, atol=1e-6)
