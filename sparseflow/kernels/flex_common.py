@@ -206,10 +206,10 @@ def cpu_qk_head_dim(head_dim: int, kv_tiles: Tuple[int, ...]) -> int:
     narrower than 16 whose width is a multiple of the vector length it takes a path that still
     computes and stores 16 columns when ``head_dim`` is a multiple of the vector length below 24.
     The extra columns read keys past the tile and overwrite the next score row and, on the last
-    row, the running row maxima. That happens when the vector is 8 floats (AVX2, or
-    ``ATEN_CPU_CAPABILITY=default``), never with AVX-512's 16, e.g. for 8-key blocks at head dim
-    16. A head dim of 24 or more always takes the correct path, so small head dims are padded to
-    32 whenever some key tile is not a multiple of 16."""
+    row, the running row maxima. That happens when Inductor's vector is 8 floats (an AVX2-only
+    CPU, or ``ATEN_CPU_CAPABILITY=avx2``), never with AVX-512's 16, e.g. for 8-key blocks at head
+    dim 16. A head dim of 24 or more always takes the correct path whatever the vector length, so
+    small head dims are padded (to 32) whenever some key tile is not a multiple of 16."""
     if head_dim >= 24 or all(t % 16 == 0 for t in kv_tiles):
         return head_dim
     return 32

@@ -19,6 +19,9 @@ The selection is the reference's (:func:`key_scores` -> :func:`segment_permutati
   or ``vis_pos < sentinel`` (non-causal).
 * The sequence is padded to :func:`~sparseflow.kernels.flex_common.bucketed_length` (bounded number
   of compiled shapes); padded query blocks select nothing and are sliced off.
+* On CUDA, where :func:`~sparseflow.kernels.flex_common.flex_plan` finds no Triton kernel Inductor
+  accepts (block sizes not multiples of 16; with gradients, no flex backward config dividing the
+  block size), the reference's attention over the same selection runs instead (logged).
 """
 from __future__ import annotations
 
