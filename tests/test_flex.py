@@ -396,3 +396,258 @@ def test_flex_backward_on_cuda_matches_reference(method):
         grads[backend] = torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))
     for name, a, b in zip("qkv", grads["flex"], grads["reference"]):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4, msg=lambda m: f"d{name}: {m}")
+
+
+# --------------------------------------------------------------------------- CPU vector width
+
+
+def test_cpu_qk_head_dim_decision():
+    """Small head dims are padded exactly when some key tile is not a multiple of 16."""
+    assert fc.kv_tile_lengths(96, 8) == (8,)
+    assert fc.kv_tile_lengths(93, 8) == (8, 5)
+    assert fc.kv_tile_lengths(5, 8) == (5,)
+    assert fc.cpu_qk_head_dim(16, (8,)) == 32
+    assert fc.cpu_qk_head_dim(8, (24,)) == 32
+    assert fc.cpu_qk_head_dim(16, (16, 8)) == 32
+    assert fc.cpu_qk_head_dim(16, (16, 32)) == 16
+    assert fc.cpu_qk_head_dim(24, (8,)) == 24
+    assert fc.cpu_qk_head_dim(64, (8,)) == 64
+
+
+def _avx2_supported() -> bool:
+    from torch._inductor.cpu_vec_isa import VecAVX2, valid_vec_isa_list
+
+    return any(isinstance(isa, VecAVX2) for isa in valid_vec_isa_list())
+
+
+@pytest.mark.skipif(not _avx2_supported(), reason="needs an AVX2 CPU")
+@pytest.mark.parametrize("block", [8, 24])
+def test_flex_with_8_float_vectors_small_head_dim(block, monkeypatch):
+    """Compiled with Inductor's 256-bit vectors (what an AVX2-only CPU gets): key tiles of 8 or 24
+    keys at head dim 16 hit torch's CPU q @ k^T tail path that stores 16 columns; the result must
+    still equal the reference (same selection, same output)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # a callable of its own: its Inductor options differ, so nothing compiled elsewhere is reused
+    avx2 = torch.compile(flex_attention, dynamic=False, fullgraph=True, options={"cpp.simdlen": 256})
+    monkeypatch.setattr(fc, "_compiled", avx2)
+    g = torch.Generator().manual_seed(3)
+    n = 4 * block + 5
+    q = torch.randn(1, 2, n, 16, generator=g)
+    k = torch.randn(1, 2, n, 16, generator=g)
+    v = torch.randn(1, 2, n, 16, generator=g)
+    cfg = dict(block_size=block, segment_size=2 * block, threshold=0.6)
+    with torch.no_grad():
+        out_r, sel_r = pbs_ref.pbs_attention(q, k, v, return_selection=True, **cfg)
+        out_f, sel_f = pbs_flex.pbs_attention(q, k, v, return_selection=True, **cfg)
+    _assert_same_selection(sel_r, sel_f)
+    torch.testing.assert_close(out_f, out_r, rtol=2e-4, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- gradients on the CPU
+
+
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_cpu_inputs_requiring_grad_through_the_op(method):
+    """backend='flex' on the CPU with q/k/v that require grad: the forward runs flex (the op's
+    forward is a no-grad call, so nothing needs a CPU flex backward) and the backward goes
+    through the reference, so both match backend='reference'."""
+    from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
+
+    # a length of whole blocks: no padding copy, so q itself (requiring grad) reaches flex
+    c = Case("whole64", 1, 1, 2, 64, 32, torch.float32, False, False)
+    cfg = {"pbs": PBSConfig, "pisa": PISAConfig, "bsa": BSAConfig}[method](**_config(method))
+    outs, grads = {}, {}
+    for backend in ("flex", "reference"):
+        q, k, v = (t.requires_grad_(True) for t in c.tensors(seed=11))
+        with sparseflow.capture() as cap:
+            out = sparseflow.attention(q, k, v, config=cfg, is_causal=c.is_causal, backend=backend)
+        assert cap.calls[-1].backend == backend and cap.calls[-1].sparse, cap.calls[-1].reason
+        outs[backend] = out.detach()
+        grads[backend] = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.testing.assert_close(outs["flex"], outs["reference"], rtol=2e-4, atol=2e-5)
+    for name, a, b in zip("qkv", grads["flex"], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"d{name}: {m}")
+
+
+# --------------------------------------------------------------------------- index ranges
+
+
+def _grid(bm, q_len: int, kv_len: int):
+    b = torch.arange(bm.kv_num_blocks.shape[0])[:, None, None, None]
+    h = torch.arange(bm.kv_num_blocks.shape[1])[None, :, None, None]
+    return b, h, torch.arange(q_len)[None, None, :, None], torch.arange(kv_len)[None, None, None, :]
+
+
+def _assert_block_mask_in_range(bm, q_len: int, kv_len: int):
+    """Every table entry the kernels may read is a valid index, and mask_mod indexes its captured
+    tensors in range on the whole padded grid (eager indexing raises on an out-of-range index)."""
+    qb, kb = bm.BLOCK_SIZE
+    n_qb, n_kb = -(-q_len // qb), -(-kv_len // kb)
+    assert bm.seq_lengths == (q_len, kv_len)
+    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        assert num.dtype == idx.dtype == torch.int32
+        assert num.shape[2] == n_qb and idx.shape[2] == n_qb and idx.shape[3] == n_kb
+        assert int(num.min()) >= 0 and int(num.max()) <= n_kb, f"block count outside [0, {n_kb}]"
+        # entries past num are never used by flex, but they must still be valid block indices
+        assert int(idx.min()) >= 0 and int(idx.max()) < n_kb, f"block index outside [0, {n_kb})"
+        used = torch.arange(n_kb) < num[..., None].long()
+        listed = torch.zeros(idx.shape, dtype=torch.int32).scatter_add_(-1, idx.long(), used.int())
+        assert int(listed.max()) <= 1, "a block listed twice in one row"
+    both = bm.to_dense().bool()  # partial | full per (q block, kv block)
+    n_listed = bm.kv_num_blocks.long() + bm.full_kv_num_blocks.long()
+    assert torch.equal(both.sum(-1), n_listed), "a block is both partial and full"
+    keep = bm.mask_mod(*_grid(bm, q_len, kv_len))
+    assert keep.dtype == torch.bool and keep.shape[-2:] == (q_len, kv_len)
+
+
+def _spy_block_masks(monkeypatch):
+    seen = []
+    real = fc.flex_attention_compiled
+
+    def spy(q, k, v, block_mask, **kw):
+        seen.append((block_mask, q.shape[2], k.shape[2]))
+        return real(q, k, v, block_mask, **kw)
+
+    monkeypatch.setattr(fc, "flex_attention_compiled", spy)
+    return seen
+
+
+@pytest.mark.parametrize("gqa", ["query_head", "kv_head"])
+def test_pbs_block_mask_indices_in_range_odd_shape(gqa, monkeypatch):
+    """Odd length, key padding (holes, leading, trailing), several proxies, GQA: the tables and the
+    vis_pos reads of mask_mod stay in range."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, h, 93, 16, generator=g) for h in (6, 2, 2))
+    kpm = torch.rand(2, 93, generator=g) > 0.25
+    kpm[0, 62:] = False
+    kpm[1, :5] = False
+    seen = _spy_block_masks(monkeypatch)
+    with torch.no_grad():
+        pbs_flex.pbs_attention(q, k, v, key_padding_mask=kpm, block_size=8, segment_size=16, threshold=0.5,
+                               proxy_blocks=3, gqa_permutation=gqa)
+    (bm, q_len, kv_len), = seen
+    assert q_len == kv_len == 96  # padded past N=93
+    _assert_block_mask_in_range(bm, q_len, kv_len)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_token_block_mask_indices_in_range_odd_shape(method, causal, packed, monkeypatch):
+    """Token-level selections (bool table or packed bitset), odd Nq < Nk, key padding, coarse key
+    tiles: the tables and the table / padding reads of mask_mod stay in range."""
+    if packed:
+        monkeypatch.setattr(fc, "SELECTION_TABLE_BUDGET", 0)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 37, 16, generator=g)
+    k, v = (torch.randn(2, 2, 75, 16, generator=g) for _ in range(2))
+    kpm = torch.ones(2, 75, dtype=torch.bool)
+    kpm[0, 70:] = False
+    kpm[1, :3] = False
+    seen = _spy_block_masks(monkeypatch)
+    select = {"pisa": pisa_ref.pisa_select, "bsa": bsa_ref.bsa_select}[method]
+    idx = select(q, k, key_padding_mask=kpm, is_causal=causal, scale=None, block_size=8, top_k=3)
+    # the selection itself calls no flex; only token_block_attention's BlockMask is inspected
+    fc_kwargs = dict(key_padding_mask=kpm, is_causal=causal, scale=None, block_size=8, q_tile=16, kv_tile=16)
+    bm, q_len, kv_len = _build_only(monkeypatch, seen, q, k, v, idx, fc_kwargs)
+    assert q_len > 37 and kv_len > 75
+    _assert_block_mask_in_range(bm, q_len, kv_len)
+
+
+def _build_only(monkeypatch, seen, q, k, v, idx, kwargs):
+    """token_block_attention's BlockMask and padded lengths, without compiling flex."""
+    monkeypatch.setattr(fc, "flex_attention_compiled",
+                        lambda q, k, v, block_mask, **kw: (seen.append((block_mask, q.shape[2], k.shape[2])),
+                                                           q.new_zeros(q.shape[:-1] + v.shape[-1:]))[1])
+    with torch.no_grad():
+        fc.token_block_attention(q, k, v, idx, **kwargs)
+    return seen[-1]
+
+
+# --------------------------------------------------------------------------- CUDA kernel choice (decided on the CPU)
+
+# flex backward tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2) of torch 2.13's default table
+SM90_BF16_SMALL_D = ((64, 64, 64, 64),)
+SM90_BF16_D128 = ((64, 128, 128, 64),)
+FP32 = ((16, 16, 16, 16),)
+
+
+def test_cuda_plan_forward_tiles_divide_the_blocks():
+    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=False) == fc.FlexPlan(
+        {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16})
+    assert fc.cuda_flex_plan(48, 96, 64, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 32}
+    assert fc.cuda_flex_plan(64, 64, 256, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32}
+    assert fc.cuda_flex_plan(128, 256, 64, needs_grad=False) == fc.FlexPlan(None)  # defaults divide them
+    for qb, kb in ((16, 16), (48, 96), (64, 64), (32, 128)):
+        opts = fc.cuda_flex_plan(qb, kb, 64, needs_grad=False).kernel_options
+        assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
+        assert min(opts.values()) >= 16
+
+
+def test_cuda_plan_falls_back_where_no_kernel_exists():
+    plan = fc.cuda_flex_plan(8, 8, 16, needs_grad=False)
+    assert plan.kernel_options is None and "multiples of 16" in plan.fallback
+    # bf16, head dim 16, blocks of 16 with gradients: every backward config is filtered out
+    plan = fc.cuda_flex_plan(16, 16, 16, needs_grad=True, bwd_tiles=SM90_BF16_SMALL_D)
+    assert "no flex backward config" in plan.fallback
+    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=True, bwd_tiles=FP32).fallback == ""
+    assert fc.cuda_flex_plan(64, 64, 16, needs_grad=True, bwd_tiles=SM90_BF16_SMALL_D).fallback == ""
+    assert "no flex backward config" in fc.cuda_flex_plan(64, 64, 128, needs_grad=True,
+                                                          bwd_tiles=SM90_BF16_D128).fallback
+    assert fc.cuda_flex_plan(128, 128, 128, needs_grad=True, bwd_tiles=SM90_BF16_D128) == fc.FlexPlan(None)
+
+
+def test_cuda_head_dims_padded_to_16():
+    assert [fc.cuda_head_dim(d) for d in (4, 8, 15, 16, 80)] == [16, 16, 16, 16, 80]
+
+
+def test_cpu_plan_has_no_options():
+    assert fc.flex_plan(torch.device("cpu"), 8, 8, 16, torch.float32, needs_grad=False) == fc.FlexPlan(None)
+
+
+def test_cuda_fallback_is_logged_with_its_reason(caplog):
+    with caplog.at_level("WARNING", logger="sparseflow"):
+        plan = fc.flex_plan(torch.device("cuda"), 8, 8, 16, torch.bfloat16, needs_grad=False)
+    assert plan.fallback and plan.fallback in caplog.text and "reference" in caplog.text
+
+
+def test_pbs_falls_back_to_the_reference_when_the_plan_says_so(monkeypatch):
+    """The fallback path itself (forced here on the CPU): the reference's output and selection."""
+    reason = "no flex backward config (forced by the test)"
+    monkeypatch.setattr(fc, "flex_plan", lambda *a, **kw: fc.FlexPlan(None, reason))
+    monkeypatch.setattr(fc, "flex_attention_compiled", lambda *a, **kw: pytest.fail("flex ran"))
+    c = CASES["odd37"]
+    q, k, v = c.tensors(seed=12)
+    with torch.no_grad():
+        out_r, sel_r = pbs_ref.pbs_attention(q, k, v, is_causal=False, return_selection=True, **_config("pbs"))
+        out_f, sel_f = pbs_flex.pbs_attention(q, k, v, is_causal=False, return_selection=True, **_config("pbs"))
+        out_t = pisa_flex.pisa_attention(q, k, v, is_causal=False, **_config("pisa"))
+    _assert_same_selection(sel_r, sel_f)
+    torch.testing.assert_close(out_f, out_r, rtol=0, atol=0)
+    torch.testing.assert_close(out_t, pisa_ref.pisa_attention(q, k, v, is_causal=False, **_config("pisa")),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [8, 16])
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_cuda_small_head_dims_and_blocks_run(method, d, dtype):
+    """Head dims 8/16 with blocks of 16 (PBS) or 8 (PISA/BSA), forward and backward through the
+    op: flex (or its logged reference fallback) matches backend='reference'."""
+    cfgs = {
+        "pbs": sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=0.8),
+        "pisa": sparseflow.PISAConfig(block_size=8, top_k=4),
+        "bsa": sparseflow.BSAConfig(block_size=8, top_k=4),
+    }
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 200, d, generator=g).cuda().to(dtype) for h in (4, 2, 2))
+    tol = dict(atol=2e-5, rtol=2e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    res = {}
+    for backend in ("flex", "reference"):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = sparseflow.attention(qq, kk, vv, config=cfgs[method], backend=backend)
+        res[backend] = (out.detach(),) + torch.autograd.grad(out, (qq, kk, vv), torch.ones_like(out))
+    for name, a, b in zip(["out", "dq", "dk", "dv"], res["flex"], res["reference"]):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}: {m}")

@@ -266,6 +266,12 @@ def test_triton_scores_match_reference(gqa, pad, causal_proxy):
 def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     if backend == "triton":
         pytest.importorskip("triton")
+    if backend == "flex" and DEV == "cpu":
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+        if not check_cpu_supported():
+            pytest.skip("compiled FlexAttention is not supported on this CPU")
+    # blocks of 8 at head dim 16: the CPU kernel's tile tail that 8-float (AVX2) vectors got wrong
     q, k, v, kpm = _random(2, 6, 2, 93, 16, seed=8, pad=True)
     cfg = PBSConfig(block_size=8, segment_size=16, threshold=0.5, proxy_blocks=3, gqa_permutation=gqa)
     outs, sels = {}, {}

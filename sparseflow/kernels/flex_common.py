@@ -17,8 +17,12 @@ Facts measured on torch 2.13 CPU (see ``tests/test_flex.py``):
 * compiled CPU flex takes fp32, bf16 and fp16 (fp64 is rejected with a ``ValueError`` naming the
   dtype), any head dim tried (16..256, including 80 and 96), any (Q, KV) block size pair, and
   lengths that are not a multiple of the block size (partial last blocks are exact);
-* it is inference only (no backward, no lse): a CPU call with ``requires_grad`` inputs raises
-  (through the op: the forward runs, the backward raises);
+* it is inference only (no backward, no lse), and rejects any ``requires_grad`` input even under
+  ``no_grad``: a direct CPU call that would be differentiated raises; otherwise q/k/v are detached
+  first (through the op the forward runs flex, the backward goes through the reference);
+* with Inductor's 8-float vectors (AVX2-only CPUs) the q @ k^T micro-GEMM is wrong for key tiles
+  that are not a multiple of 16 at head dims below 24, so those head dims are zero-padded (see
+  :func:`cpu_qk_head_dim`); AVX-512 never takes that path;
 * the CPU kernel tiles by the BlockMask's block sizes and applies ``mask_mod`` to partial blocks
   only; on CUDA the Triton kernel indexes the block lists by ``h % H_mask``, so the lists are
   always expanded to ``Hq`` heads (never broadcast from ``Hkv``);
@@ -29,12 +33,17 @@ Facts measured on torch 2.13 CPU (see ``tests/test_flex.py``):
   :func:`bucketed_length`), and the Dynamo recompile limit is raised for these calls only;
 * rows that see no key come back as 0 (never NaN), on CPU and (by the flex kernel's
   ``l_i == 0`` rule) on CUDA.
+
+On CUDA (reasoned from torch's flex lowering, not measured here): :func:`flex_plan` picks forward
+tiles that divide the block sizes, pads head dims below 16, and falls back to the reference
+(logged) where Inductor would have no valid kernel.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,8 +57,14 @@ __all__ = [
     "bucketed_length",
     "pad_seq",
     "block_lists",
-    "kernel_options_for",
+    "FlexPlan",
+    "cuda_flex_plan",
+    "cuda_head_dim",
+    "flex_plan",
     "needs_grad",
+    "cpu_qk_head_dim",
+    "kv_tile_lengths",
+    "pad_head_dim",
     "default_scale",
     "gather_rows",
     "token_block_attention",
@@ -67,6 +82,7 @@ SELECTION_TABLE_BUDGET = 1 << 28
 # every distinct (shape, dtype, block size, mask kind) needs one).
 RECOMPILE_LIMIT = 256
 
+_log = logging.getLogger("sparseflow")
 _lock = threading.Lock()
 _compiled: Optional[Callable] = None
 
@@ -111,13 +127,8 @@ def check_flex_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
         )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"backend='flex' runs on cpu and cuda, got device {q.device}")
-    if q.device.type == "cpu" and torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
-    ):
-        raise NotImplementedError(
-            "backend='flex' on CPU is inference-only (compiled FlexAttention has no CPU backward); "
-            "run under torch.no_grad(), detach q/k/v, or use backend='reference' for gradients"
-        )
+    if q.device.type == "cpu" and needs_grad(q, k, v):
+        raise NotImplementedError(_CPU_NO_BACKWARD)
     if q.device.type == "cpu":
         from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
 
@@ -145,6 +156,14 @@ def flex_attention_compiled(
             f"backend='flex' needs compiled FlexAttention, but {reason}: eager FlexAttention ignores "
             "the block lists and would silently compute the wrong attention; use backend='reference'"
         )
+    q, k, v = _cpu_inference_inputs(q, k, v)
+    dv = v.shape[-1]
+    if q.device.type == "cpu":
+        qk_dim = cpu_qk_head_dim(q.shape[-1], kv_tile_lengths(k.shape[2], block_mask.BLOCK_SIZE[1]))
+    else:
+        qk_dim = cuda_head_dim(q.shape[-1])
+        v = pad_head_dim(v, cuda_head_dim(dv))
+    q, k = pad_head_dim(q, qk_dim), pad_head_dim(k, qk_dim)
     fn = compiled_flex_attention()
     import torch._dynamo as dynamo
 
@@ -153,7 +172,52 @@ def flex_attention_compiled(
     with dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=acc):
         out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                  kernel_options=kernel_options)
-    return out
+    return out if out.shape[-1] == dv else out[..., :dv]
+
+
+def _cpu_inference_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """On the CPU, q/k/v detached (flex refuses any ``requires_grad`` input on the CPU, even under
+    ``no_grad``, where the op's forward runs); a call that would be differentiated raises."""
+    if q.device.type != "cpu" or not any(t.requires_grad for t in (q, k, v)):
+        return q, k, v
+    if needs_grad(q, k, v):
+        raise NotImplementedError(_CPU_NO_BACKWARD)
+    return q.detach(), k.detach(), v.detach()
+
+
+_CPU_NO_BACKWARD = (
+    "backend='flex' on CPU is inference-only (compiled FlexAttention has no CPU backward); "
+    "run under torch.no_grad(), detach q/k/v, or use backend='reference' for gradients"
+)
+
+
+def kv_tile_lengths(kv_len: int, kv_block: int) -> Tuple[int, ...]:
+    """The key counts the CPU flex kernel multiplies per step: full tiles of ``kv_block`` (capped
+    at ``kv_len``) and, when ``kv_len`` is not a multiple, the shorter last tile."""
+    tile = min(kv_block, kv_len)
+    tail = kv_len % tile
+    return (tile, tail) if tail else (tile,)
+
+
+def cpu_qk_head_dim(head_dim: int, kv_tiles: Tuple[int, ...]) -> int:
+    """Head dim at which q/k enter the CPU flex kernel (zero-padded: the scores are unchanged).
+
+    torch 2.13's CPU q @ k^T micro-GEMM handles a key tile in chunks of 16 columns; for a chunk
+    narrower than 16 whose width is a multiple of the vector length it takes a path that still
+    computes and stores 16 columns when ``head_dim`` is a multiple of the vector length below 24.
+    The extra columns read keys past the tile and overwrite the next score row and, on the last
+    row, the running row maxima. That happens when Inductor's vector is 8 floats (an AVX2-only
+    CPU, or ``ATEN_CPU_CAPABILITY=avx2``), never with AVX-512's 16, e.g. for 8-key blocks at head
+    dim 16. A head dim of 24 or more always takes the correct path whatever the vector length, so
+    small head dims are padded (to 32) whenever some key tile is not a multiple of 16."""
+    if head_dim >= 24 or all(t % 16 == 0 for t in kv_tiles):
+        return head_dim
+    return 32
+
+
+def pad_head_dim(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t [..., D]`` zero-padded to ``[..., d]`` (no copy when ``D == d``)."""
+    return t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1]))
 
 
 # --------------------------------------------------------------------------- shapes
@@ -196,30 +260,73 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def kernel_options_for(device: torch.device, q_block: int, kv_block: int, head_dim: int) -> Optional[Dict]:
-    """Triton tile sizes that divide the sparse block sizes (flex requires Q_BLOCK % BLOCK_M == 0
-    and KV_BLOCK % BLOCK_N == 0); None on CPU, where the kernel tiles by the block sizes."""
-    if device.type != "cuda":
-        return None
+class FlexPlan(NamedTuple):
+    """How a flex call runs: Triton ``kernel_options`` (None: flex's defaults), or, when
+    ``fallback`` is non-empty, why the method's reference attention runs instead."""
+
+    kernel_options: Optional[Dict]
+    fallback: str = ""
+
+
+def cuda_head_dim(d: int) -> int:
+    """Head dim the Triton flex kernel runs at: its ``tl.dot`` needs every dimension >= 16, so
+    smaller q/k (and v) head dims are zero-padded to 16 (scores unchanged, output sliced)."""
+    return max(int(d), 16)
+
+
+def cuda_flex_plan(q_block: int, kv_block: int, head_dim: int, *, needs_grad: bool,
+                   bwd_tiles: Sequence[Tuple[int, int, int, int]] = ()) -> FlexPlan:
+    """The decision for the CUDA flex kernel at sparse block sizes ``(q_block, kv_block)`` and the
+    (padded, :func:`cuda_head_dim`) ``head_dim``.
+
+    Forward: flex needs Triton tiles >= 16 that divide the block sizes (``Q_BLOCK % BLOCK_M ==
+    0``, ``KV_BLOCK % BLOCK_N == 0``): powers of two up to 128 x 64 (64 x 32 above head dim 128).
+    Backward (``needs_grad``): Inductor keeps only the backward configs ``(BLOCK_M1, BLOCK_N1,
+    BLOCK_M2, BLOCK_N2)`` -- ``bwd_tiles``, from torch's own table -- whose tiles divide the block
+    sizes, checked before any ``bwd_`` kernel option applies; with none left it raises
+    ``NoValidChoicesError`` (e.g. bf16 at head dim 16 on sm90 wants 64, blocks are 16). Then, and
+    for block sizes that are not multiples of 16, the plan falls back to the reference."""
+    if q_block % 16 or kv_block % 16:
+        return FlexPlan(None, f"the Triton flex kernel needs block sizes that are multiples of 16, got "
+                              f"q_block={q_block}, kv_block={kv_block}")
+    if needs_grad and not any(q_block % m1 == 0 and q_block % m2 == 0 and kv_block % n1 == 0
+                              and kv_block % n2 == 0 for m1, n1, m2, n2 in bwd_tiles):
+        return FlexPlan(None, f"no flex backward config of this torch/GPU (tiles {list(bwd_tiles)}) divides "
+                              f"q_block={q_block}, kv_block={kv_block} at head dim {head_dim}")
+    if q_block % 128 == 0 and kv_block % 128 == 0:
+        return FlexPlan(None)  # every default forward config (tiles <= 128) divides them
+    big = head_dim <= 128
 
     def pow2_divisor(x: int, cap: int) -> int:
-        p = x & -x  # largest power of two dividing x
-        return max(16, min(p, cap))
+        return min(x & -x, cap)  # largest power of two dividing x (>= 16 here), capped
 
-    if q_block % 128 == 0 and kv_block % 128 == 0:
-        return None  # every default flex config (tiles <= 128) divides them
-    big = head_dim <= 128
-    if q_block % 16 or kv_block % 16:
-        raise ValueError(
-            f"backend='flex' on CUDA needs block sizes that are multiples of 16, got "
-            f"q_block={q_block}, kv_block={kv_block}"
-        )
-    # forward tiles only ("fwd_" prefix): the backward autotunes over its own configs and skips
-    # the ones that do not divide the block sizes
-    return {
-        "fwd_BLOCK_M": pow2_divisor(q_block, 128 if big else 64),
-        "fwd_BLOCK_N": pow2_divisor(kv_block, 64 if big else 32),
-    }
+    # forward tiles only ("fwd_" prefix): the backward keeps its own configs (checked above)
+    return FlexPlan({"fwd_BLOCK_M": pow2_divisor(q_block, 128 if big else 64),
+                     "fwd_BLOCK_N": pow2_divisor(kv_block, 64 if big else 32)})
+
+
+def cuda_bwd_tiles(head_dim: int, dtype: torch.dtype) -> Tuple[Tuple[int, int, int, int], ...]:
+    """The flex backward tiles Inductor would try on this GPU (its config table; queried on CUDA)."""
+    try:
+        from torch._inductor.choices import InductorChoices
+
+        confs = InductorChoices().get_flex_attention_bwd_configs(head_dim, dtype, "cuda")
+        return tuple((c.block_m1, c.block_n1, c.block_m2, c.block_n2) for c in confs)
+    except (ImportError, AttributeError):  # the table moved: the largest default tiles
+        return ((128, 128, 128, 128),)
+
+
+def flex_plan(device: torch.device, q_block: int, kv_block: int, head_dim: int, dtype: torch.dtype, *,
+              needs_grad: bool) -> FlexPlan:
+    """:func:`cuda_flex_plan` on CUDA; on the CPU the kernel tiles by the block sizes (no options)."""
+    if device.type != "cuda":
+        return FlexPlan(None)
+    d = cuda_head_dim(head_dim)
+    tiles = cuda_bwd_tiles(d, dtype) if needs_grad else ()
+    plan = cuda_flex_plan(q_block, kv_block, d, needs_grad=needs_grad, bwd_tiles=tiles)
+    if plan.fallback:
+        _log.warning("sparseflow backend='flex' runs the reference attention instead: %s", plan.fallback)
+    return plan
 
 
 def default_scale(d: int, scale: Optional[float]) -> float:
@@ -303,8 +410,10 @@ def token_block_attention(
     (``kv <= q + Nk - Nq``) and key padding. Queries bottom-right aligned as in token_blocks. A
     query with no visible key outputs 0. Returns ``[B, Hq, Nq, Dv]`` in ``q.dtype``.
 
-    On CUDA with gradients, both tiles are rounded up to multiples of 128: the default Triton
-    backward configs of flex (sm80/sm90, D <= 128) need sparse block sizes divisible by 128."""
+    On CUDA both tiles are rounded up to multiples of 16 (the Triton kernel's smallest tile) and,
+    with gradients, of 128 (the largest tile of flex's default backward configs, which must
+    divide the sparse block sizes). Where :func:`flex_plan` still finds no valid kernel the
+    reference (``token_blocks.attend_selected_blocks``, same result) runs, logged."""
     from torch.nn.attention.flex_attention import BlockMask
 
     check_flex_inputs(q, k, v)
@@ -317,12 +426,18 @@ def token_block_attention(
     if kt % c:
         raise ValueError(f"kv_tile must be a multiple of block_size={c}, got kv_tile={kt}")
     dev = q.device
-    if dev.type == "cuda" and needs_grad(q, k, v):
-        qt, kt = math.lcm(qt, 128), math.lcm(kt, 128)
-    m = kt // c  # leaf blocks per key tile
-    offset = n_k - n_q
     # decided before the no_grad block below, inside which needs_grad() is always False
     grad = needs_grad(q, k, v)
+    if dev.type == "cuda":
+        qt, kt = (math.lcm(t, 128 if grad else 16) for t in (qt, kt))
+    plan = flex_plan(dev, qt, kt, d, q.dtype, needs_grad=grad)
+    if plan.fallback:
+        from .token_blocks import attend_selected_blocks
+
+        return attend_selected_blocks(q, k, v, block_indices, key_padding_mask=key_padding_mask,
+                                      is_causal=is_causal, scale=scale, block_size=c)
+    m = kt // c  # leaf blocks per key tile
+    offset = n_k - n_q
     with torch.no_grad():
         nq_pad = bucketed_length(n_q, qt)
         nk_pad = bucketed_length(n_k, kt)
@@ -372,7 +487,7 @@ def token_block_attention(
     vp = pad_seq(v, nk_pad).contiguous()
     out = flex_attention_compiled(
         qp, kp, vp, bm, scale=default_scale(d, scale), enable_gqa=g > 1,
-        kernel_options=kernel_options_for(dev, qt, kt, d),
+        kernel_options=plan.kernel_options,
     )
     return out[:, :, :n_q].to(q.dtype)
 

@@ -19,6 +19,9 @@ The selection is the reference's (:func:`key_scores` -> :func:`segment_permutati
   or ``vis_pos < sentinel`` (non-causal).
 * The sequence is padded to :func:`~sparseflow.kernels.flex_common.bucketed_length` (bounded number
   of compiled shapes); padded query blocks select nothing and are sliced off.
+* On CUDA, where :func:`~sparseflow.kernels.flex_common.flex_plan` finds no Triton kernel Inductor
+  accepts (block sizes not multiples of 16; with gradients, no flex backward config dividing the
+  block size), the reference's attention over the same selection runs instead (logged).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from torch import Tensor
 
 from ...selection import Selection
 from .. import flex_common as fc
-from .reference import key_scores, segment_permutation, select_blocks, selection_density
+from .reference import (key_scores, permuted_block_attention, segment_permutation, select_blocks,
+                        selection_density)
 
 __all__ = ["pbs_attention", "pbs_block_mask"]
 
@@ -164,6 +168,13 @@ def pbs_attention(
             block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
             scoring=scoring, antidiagonal_stride=antidiagonal_stride,
         )
+        plan = fc.flex_plan(q.device, block_size, block_size, d, q.dtype, needs_grad=grad)
+    if plan.fallback:
+        out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
+                                       is_causal=is_causal, scale=scale, block_size=block_size)
+        return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n,
+                               return_selection)
+    with torch.no_grad():
         total = fc.bucketed_length(n, block_size)
         bm, _ = pbs_block_mask(block_mask, perm, n=n, total=total, key_padding_mask=key_padding_mask,
                                is_causal=is_causal, block_size=block_size,
@@ -175,9 +186,13 @@ def pbs_attention(
     qp = fc.pad_seq(q, total)
     out = fc.flex_attention_compiled(
         qp.contiguous(), kp, vp, bm, scale=fc.default_scale(d, scale), enable_gqa=hp != hq,
-        kernel_options=fc.kernel_options_for(q.device, block_size, block_size, d),
+        kernel_options=plan.kernel_options,
     )
     out = out[:, :, :n].to(q.dtype)
+    return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
+
+
+def _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):
     if not return_selection:
         return out
     density = selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
