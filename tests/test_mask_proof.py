@@ -228,3 +228,27 @@ def test_sliding_window_mask_is_kept():
     gm, entries, _ = _rewritten_graph(model, PBSConfig(block_size=16, segment_size=32, threshold=1.0),
                                       input_ids=ids, attention_mask=am)
     assert all("proven" not in e.mask for e in entries)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_exported_program_builds_no_square_mask(padded):
+    import sparseflow
+
+    n = 40
+    ids = torch.randint(0, 50, (2, n), generator=torch.Generator().manual_seed(5))
+    kw = {"use_cache": False}
+    if padded:
+        am = torch.ones(2, n, dtype=torch.long)
+        am[1, :6] = 0
+        kw["attention_mask"] = am
+    model = _model("qwen2", num_hidden_layers=2)
+    with torch.no_grad():
+        want = model(ids, **kw).logits
+    ep = sparseflow.export(model, (ids,), kw, method="pbs",
+                           config=sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=1.0),
+                           backend="reference")
+    assert _square_tensors(ep.graph_module, n) == []
+    with torch.no_grad():
+        got = ep.module()(ids, **kw).logits
+    rows = kw["attention_mask"].bool() if padded else torch.ones(2, n, dtype=torch.bool)
+    torch.testing.assert_close(got[rows], want[rows], atol=2e-5, rtol=2e-5)

@@ -126,13 +126,20 @@ def test_export_llama_folds_gqa_and_passes_mask(tiny, batch):
     assert rep.num_rewritten == 2 and rep.num_skipped == 0, str(rep)
     for e in rep.entries:
         assert e.graph == "export" and e.target == "aten.scaled_dot_product_attention"
-        assert e.gqa == "folded repeat x3" and "runtime-recognised" in e.mask and e.mask.startswith("bool")
+        # the in-graph mask is proven causal (+ padding) and replaced by is_causal (+ [B, 1, 1, Nk])
+        want_mask = "causal + key padding" if batch == 2 else "causal (proven"
+        assert e.gqa == "folded repeat x3" and e.mask.startswith(want_mask) and "proven" in e.mask
     ops = [n for n in ep.graph_module.graph.nodes if n.op == "call_function" and "sparseflow" in str(n.target)]
     assert len(ops) == 2
     for n in ops:
-        q, k, v, mask = (a.meta["val"] for a in n.args[:4])
+        q, k, v = (a.meta["val"] for a in n.args[:3])
         assert q.shape[1] == 6 and k.shape[1] == 2 and v.shape[1] == 2  # the un-repeated K/V
-        assert mask.dtype == torch.bool and mask.dim() == 4
+        assert n.args[4] is True
+        if batch == 2:
+            mask = n.args[3].meta["val"]
+            assert mask.dtype == torch.bool and tuple(mask.shape) == (2, 1, 1, 40)
+        else:
+            assert n.args[3] is None
         assert n.args[-1] in ("model.layers.0.self_attn", "model.layers.1.self_attn")
     assert not [n for n in ep.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
     with torch.no_grad():

@@ -84,7 +84,14 @@ class _BoolSource:
     node: fx.Node
 
 
-_Value = Union[_Pos, _Bool, _BoolSource, int, None]
+@dataclass(frozen=True)
+class _Const:
+    """A tensor whose every element equals ``value`` (an int or a bool)."""
+
+    value: Any
+
+
+_Value = Union[_Pos, _Bool, _BoolSource, _Const, int, None]
 
 _Q_AXIS, _KV_AXIS, _B_AXIS = 2, 3, 0
 
@@ -108,7 +115,12 @@ _UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default}
 _TO_COPY = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout}
 _ONES = {aten.new_ones.default, torch.ones, aten.ones.default}
 _INDEX = {aten.index.Tensor}
-_METHOD_IDENTITY = {"expand", "contiguous"}
+_SLICE = {aten.slice.Tensor}
+_DIFF = {torch.diff, aten.diff.default}
+_CUMSUM = {torch.cumsum, aten.cumsum.default}
+_EQ = {operator.eq, torch.eq, aten.eq.Tensor, aten.eq.Scalar}
+_NE = {operator.ne, torch.ne, aten.ne.Tensor, aten.ne.Scalar}
+_METHOD_IDENTITY = {"contiguous"}
 
 
 def _is_bool_dtype(kwargs, args=()) -> bool:
@@ -160,8 +172,16 @@ class _Interpreter:
         if t in _AND:
             return self._and(self.value(n.args[0]), self.value(n.args[1]))
         if t in _EXPAND:
+            return self._expand(self.value(n.args[0]), n.args[1])
+        if t in _SLICE:
+            return self._slice(self.value(n.args[0]), *n.args[1:])
+        if t in _DIFF:
+            return self._diff(n)
+        if t in _CUMSUM:
             v = self.value(n.args[0])
-            return v if isinstance(v, _Bool) else None
+            return _Const(0) if isinstance(v, _Const) and v.value in (0, False) else None
+        if t in _EQ or t in _NE:
+            return self._equal(self.value(n.args[0]), self.value(n.args[1]), negate=t in _NE)
         if t in _TO_COPY:
             return self._to(n, n.args[0], n.kwargs, n.args[1:])
         if t in _ONES:
@@ -172,9 +192,14 @@ class _Interpreter:
 
     def _method(self, n: fx.Node) -> _Value:
         name = n.target
+        if name == "expand":
+            return self._expand(self.value(n.args[0]), n.args[1:])
         if name in _METHOD_IDENTITY:
             v = self.value(n.args[0])
             return v if isinstance(v, _Bool) else None
+        if name == "cumsum":
+            v = self.value(n.args[0])
+            return _Const(0) if isinstance(v, _Const) and v.value in (0, False) else None
         if name == "to":
             return self._to(n, n.args[0], n.kwargs, n.args[1:])
         if name == "new_ones":
@@ -213,9 +238,15 @@ class _Interpreter:
         base, idx = self.value(n.args[0]), n.args[1]
         if not isinstance(idx, tuple):
             idx = (idx,)
-        if isinstance(base, _Pos) and base.ndim == 1:
+        basic = all(e is None or isinstance(e, slice) for e in idx)
+        if basic and isinstance(base, _Pos) and base.ndim == 1 and None in idx:
             return self._place(base, idx)
-        if isinstance(base, (_BoolSource, _Bool)) or (isinstance(n.args[0], fx.Node) and base is None):
+        if basic and isinstance(base, _Pos) and None not in idx and len(idx) == base.ndim:
+            for d, e in enumerate(idx):  # x[:, a:b]: slices of the position axis
+                if e != slice(None):
+                    base = self._slice(base, d, e.start, e.stop, 1 if e.step is None else e.step)
+            return base
+        if not basic:
             return self._index(base, list(idx))
         return None
 
@@ -236,6 +267,63 @@ class _Interpreter:
         if not 0 <= d < ndim:
             return None
         return _Pos(v.axis + (1 if d <= v.axis else 0), ndim, v.offset, v.length)
+
+    @staticmethod
+    def _expand(v: _Value, sizes) -> _Value:
+        """Broadcasting keeps every value; a position vector keeps its axis when the expand only
+        adds leading dims or widens size-1 dims (``[1, N] -> [B, N]``)."""
+        if isinstance(v, (_Bool, _Const)):
+            return v
+        sizes = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else list(sizes)
+        if isinstance(v, _Pos) and len(sizes) >= v.ndim:
+            extra = len(sizes) - v.ndim
+            own = sizes[extra + v.axis]
+            if own == -1 or (isinstance(own, int) and own == v.length):
+                return _Pos(v.axis + extra, len(sizes), v.offset, v.length)
+        return None
+
+    @staticmethod
+    def _slice(v: _Value, dim=0, start=None, end=None, step=1) -> _Value:
+        """A contiguous piece of a position vector along its own axis."""
+        if not isinstance(v, _Pos) or step != 1 or not isinstance(dim, int):
+            return None
+        d = dim + v.ndim if dim < 0 else dim
+        if d != v.axis:
+            return v if (start in (None, 0) and end is None) else None
+        start = 0 if start is None else start
+        if not isinstance(start, int) or start < 0 or not isinstance(end, int) or not isinstance(v.length, int):
+            return None
+        end = min(end, v.length)
+        return _Pos(v.axis, v.ndim, v.offset + start, max(0, end - start))
+
+    def _diff(self, n: fx.Node) -> _Value:
+        """``diff(pos, n=1, dim=axis, prepend=pos[first] - 1)``: all ones (transformers' check
+        that position ids hold one packed sequence)."""
+        args = list(n.args) + [None] * 4
+        x, order, dim, prepend = self.value(args[0]), args[1], args[2], args[3]
+        order = n.kwargs.get("n", 1 if order is None else order)
+        dim = n.kwargs.get("dim", -1 if dim is None else dim)
+        prepend = self.value(n.kwargs.get("prepend", prepend))
+        if not isinstance(x, _Pos) or order != 1 or not isinstance(dim, int):
+            return None
+        if (dim + x.ndim if dim < 0 else dim) != x.axis:
+            return None
+        if isinstance(prepend, _Pos) and prepend.axis == x.axis and prepend.ndim == x.ndim \
+                and prepend.length == 1 and prepend.offset == x.offset - 1:
+            return _Const(1)
+        return None
+
+    @staticmethod
+    def _equal(a: _Value, b: _Value, negate: bool) -> _Value:
+        """``==`` / ``!=`` of constants (the packed-sequence ids of one sequence are all equal)."""
+        if isinstance(b, int) and not isinstance(b, bool):
+            b = _Const(b)
+        if not (isinstance(a, _Const) and isinstance(b, _Const)):
+            return None
+        same = a.value == b.value
+        if negate:
+            same = not same
+        return _Bool(frozenset()) if same else _Const(False)
 
     @staticmethod
     def _compare(a: _Value, b: _Value, op: str) -> _Value:
@@ -287,10 +375,20 @@ class _Interpreter:
         return _BoolSource(src) if isinstance(src, fx.Node) and v is None else None
 
     def _index(self, base: _Value, idx: list) -> _Value:
-        """``src[batch_pos, kv_pos]``: the key padding of a ``[B, N]`` boolean source."""
-        if not isinstance(base, _BoolSource) or len(idx) != 2:
+        """``src[batch_pos, kv_pos]``: the key padding of a ``[B, N]`` boolean source; a ``[B, N]``
+        position tensor (rows ``arange + c``) or constant indexed the same way stays one."""
+        if len(idx) != 2:
             return None
         b_pos, kv_pos = self.value(idx[0]), self.value(idx[1])
+        if isinstance(base, _Const) and isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos):
+            return base
+        if isinstance(base, _Pos) and base.ndim == 2 and base.axis == 1:
+            if isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos) and b_pos.ndim == kv_pos.ndim == 4 \
+                    and b_pos.axis == _B_AXIS and b_pos.offset == 0 and kv_pos.axis in (_Q_AXIS, _KV_AXIS):
+                return _Pos(kv_pos.axis, 4, base.offset + kv_pos.offset, kv_pos.length)
+            return None
+        if not isinstance(base, _BoolSource):
+            return None
         if not (isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos)):
             return None
         if b_pos.ndim != 4 or kv_pos.ndim != 4 or b_pos.axis != _B_AXIS or kv_pos.axis != _KV_AXIS:

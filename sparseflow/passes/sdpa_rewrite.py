@@ -497,12 +497,20 @@ def _describe_proof(proof: MaskProof) -> str:
     return " + ".join(parts) + " (proven from the graph; the [Nq, Nk] mask is not built)"
 
 
+_ASSERT_METADATA = getattr(getattr(aten, "_assert_tensor_metadata", None), "default", None)
+
+
 def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and, recursively, the inputs only it used (the mask construction)."""
     pending = [node]
     while pending:
         n = pending.pop()
-        if n.graph is not graph or n.users or n.op not in ("call_function", "call_method"):
+        if n.graph is not graph or n.op not in ("call_function", "call_method"):
+            continue
+        for u in list(n.users):  # export's dtype/device asserts on the erased values go with them
+            if u.target is _ASSERT_METADATA and not u.users:
+                graph.erase_node(u)
+        if n.users:
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
