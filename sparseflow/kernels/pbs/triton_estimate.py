@@ -40,7 +40,7 @@ __all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
-_PAD_POS = 2**31 - 1  # triton_attention.PAD_POS: a padded slot in the key positions
+_PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
 
 
 def rows_per_block(scoring: str, block_size: int, stride: int) -> int:
@@ -113,7 +113,7 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
         acc = tl.zeros([BLOCK_M, JB * CPBP], dtype=tl.float32)
         if not EXACT_CNT:
             cnt = tl.zeros([BLOCK_M, JB * CPBP], dtype=tl.float32)
-        for t in tl.static_range(STRIDE):
+        for t in range(STRIDE):  # a K-loop of STRIDE head-dim slices (pipelined, not unrolled)
             qpos = rows.to(tl.int64) * STRIDE + (STRIDE - 1 - t)
             if HAS_PAD:
                 qv = r_ok & (tl.load(qv_base + qpos, mask=r_ok, other=0) != 0)
@@ -162,8 +162,10 @@ def _strided_estimate_kernel(
     ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass and ``LSE [B*HC, NROWS]``."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = NTILES - 1 - tl.program_id(0)  # the longest (latest) tiles first
-    bh = tl.program_id(1)
+    # heads vary fastest (the query heads of a KV group stream the same keys together), tiles
+    # from the longest (latest) down
+    bh = tl.program_id(0)
+    tile = NTILES - 1 - tl.program_id(1)
     b = bh // HC
     h = H0 + bh % HC
     p = h // HP_GROUP
@@ -269,16 +271,26 @@ def _strided_probs_kernel(LBM, LSE, QV, LENS, PROBS, HC, N, NB, NROWS, segment_s
     tl.store(PROBS + (bh.to(tl.int64) * NB + qb) * NB + offs, prob, mask=kb_ok)
 
 
-def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[int] = None) -> dict:
-    """Tile geometry (host-side): rows per block, columns per key block (padded to a power of
-    two), key blocks per loop step, rows per tile."""
+def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[int] = None,
+                  block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                  num_stages: Optional[int] = None) -> dict:
+    """Launch geometry (host-side): rows per block, columns per key block (padded to a power of
+    two), key blocks per loop step (``block_n`` columns, at least one block), rows per tile, warps
+    and pipeline stages. GPU defaults: 128 x 128 tiles, 8 warps (the sampled rows keep their Q
+    tile resident and stream K as flash attention does; the strided rows run a GEMM K-loop over
+    ``s`` head-dim slices, 2 stages of 64 KB); the interpreter uses 64 x 64 (fewer masked lanes
+    on tiny test shapes)."""
     rpb = rows_per_block(scoring, block_size, stride)
     cpb = block_size if scoring == "sampled_rows" else block_size // stride
     cpbp = triton.next_power_of_2(cpb)
-    jb = max(1, 64 // cpbp) if scoring == "antidiagonal" else max(1, 16 // cpbp)
-    if block_m is None:
-        block_m = 64
-    return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m)
+    tile = 64 if _INTERPRET else 128
+    block_m = tile if block_m is None else block_m
+    block_n = tile if block_n is None else block_n
+    jb = max(1, max(16, block_n) // cpbp)
+    anti = scoring == "antidiagonal"
+    return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m,
+                num_warps=(8 if block_m * jb * cpbp >= 128 * 128 else 4) if num_warps is None else num_warps,
+                num_stages=(2 if anti else 3) if num_stages is None else num_stages)
 
 
 def strided_estimate(
@@ -298,16 +310,20 @@ def strided_estimate(
     block_size: int = 128,
     segment_size: int = 256,
     block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
     ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
-    ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without."""
+    ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
+    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`)."""
     _check(scoring, block_size, stride)
     bsz, hq, n, d = q.shape
     hc = hq - h0 if hc is None else hc
     nb = -(-n // block_size)
-    plan = estimate_plan(scoring, block_size, stride, block_m)
+    plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     nrows = nb * plan["RPB"]
     ntiles = -(-nrows // plan["BLOCK_M"])
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -321,13 +337,13 @@ def strided_estimate(
     dummy = lse
     anti = scoring == "antidiagonal"
     block_d = max(16, triton.next_power_of_2(d))
-    _strided_estimate_kernel[(ntiles, bsz * hc)](
+    _strided_estimate_kernel[(bsz * hc, ntiles)](
         q, k_perm, kpos if has_pad else dummy, qvalid if has_pad else dummy, lens if has_pad else dummy, lbm, lse,
         h0, hc, hq // hp, hp, n, nb, nrows, ntiles, sc * _LOG2E, segment_size,
         q.stride(0), q.stride(1), q.stride(2), k_perm.stride(0), k_perm.stride(1), k_perm.stride(2),
         HEAD_DIM=d, BLOCK_D=block_d, BS=block_size, STRIDE=stride, ANTI=anti, IS_CAUSAL=bool(is_causal),
         HAS_PAD=has_pad, EXACT_CNT=(not has_pad) and n % block_size == 0, IEEE=q.dtype == torch.float32,
-        INTERP=_INTERPRET, num_warps=4, num_stages=2 if anti else 3, **plan,
+        INTERP=_INTERPRET, **plan,
     )
     return lbm, lse
 
