@@ -27,6 +27,7 @@ from sparseflow.kernels.pbs import reference as R
 
 BS, SEG = 128, 256
 SCORINGS = ("sampled_rows", "antidiagonal")
+TILE_SWEEP = [(64, 128, 4), (128, 64, 8), (64, 64, 4)]  # (block_m, block_n, num_warps)
 
 
 def _inputs(n, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=0, device="cuda"):
@@ -110,10 +111,10 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
     nrows = nb * E.rows_per_block(scoring, BS, stride)
     hc = max(1, min(hq, (1 << 30) // (nrows * (nb + 1) * 4)))
 
-    def estimate():
+    def estimate(**tiles):
         for h0 in range(0, hq, hc):
             E.strided_estimate(q, lay.k, None, None, None, scoring=scoring, stride=stride, hp=hp, h0=h0,
-                               hc=min(hc, hq - h0), block_size=BS, segment_size=SEG)
+                               hc=min(hc, hq - h0), block_size=BS, segment_size=SEG, **tiles)
 
     g = hq // k.shape[1]
     kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -123,7 +124,15 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
             torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
 
     t_stage, t_est, t_dense = _bench(stage), _bench(estimate), _bench(dense)
+    # other tiles for the estimate alone (the defaults are 128 x 128): what to tune next
+    sweep = {}
+    for bm, bn, warps in TILE_SWEEP:
+        try:
+            sweep[f"m{bm}-n{bn}-w{warps}"] = _bench(lambda: estimate(block_m=bm, block_n=bn, num_warps=warps))
+        except Exception as exc:  # e.g. out of shared memory: report, go on
+            sweep[f"m{bm}-n{bn}-w{warps}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return {"n": n, "scoring": scoring, "stride": stride, "gqa": gqa, "stage_ms": t_stage, "estimate_ms": t_est,
+            "estimate_tile_sweep_ms": sweep,
             "cudnn_causal_ms": t_dense, "stage_over_dense": t_stage / t_dense,
             "target_over_dense": 1.0 / (2 * stride), "meets_target": t_stage <= t_dense / (2 * stride)}
 
@@ -170,6 +179,7 @@ def main(argv=None) -> int:
                 print(f"{n:7d} {scoring:12} {stride:2d} {r['stage_ms']:9.3f} {r['estimate_ms']:8.3f} "
                       f"{r['cudnn_causal_ms']:9.3f} {r['stage_over_dense']:6.3f} {r['target_over_dense']:6.3f}"
                       f"{'' if r['meets_target'] else '  (above target)'}")
+                print("        estimate, other tiles (ms):", r["estimate_tile_sweep_ms"])
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as fh:

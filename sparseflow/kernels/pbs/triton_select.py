@@ -16,7 +16,9 @@ one program per (batch, query head, query block) scores every key block against 
 query block, masks non-candidates, takes the softmax, sorts (descending, ties to the lower block
 index, via a packed 64-bit key), finds the prefix whose mass reaches the threshold, adds the
 forced blocks (own region, sink) and writes ``kv_num``, ``kv_full``, ``kv_idx`` (unmasked blocks
-first, ascending; then the rest, ascending) and, optionally, the bool block mask.
+first, ascending; then the rest, ascending) and, optionally, the bool block mask. With
+``scoring="sampled_rows"|"antidiagonal"`` the same kernel takes its probabilities from
+``triton_estimate``'s one-pass strided estimate instead of the pooled logits.
 
 Pooling (block means over valid tokens) and the small per-row tensors (regions, key-block
 validity, sink block) are vectorised torch ops; the pooled keys come from the permuted K that the
