@@ -302,3 +302,18 @@ def test_short_sequences(n, causal, poisoned):
         kv_num, kv_full, kv_idx, bm = poisoned(_block_lists, q, k, perm, None, **geo)
         assert torch.equal(bm, ref_bm)
         _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, 16, 32, causal, None)
+
+
+@pytest.mark.parametrize("scoring,s", [("sampled_rows", 4), ("antidiagonal", 2), ("antidiagonal", 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_interior_steps_without_masks(scoring, s, causal, poisoned):
+    # small tiles, no padding, N a multiple of the block: most tiles start with key steps that
+    # every row sees whole (the unmasked loop), then the masked steps around the own region
+    n, bs, seg = 256, 16, 32
+    q, k, _ = _qkv(1, 2, 1, n, 32, torch.float32, seed=s)
+    perm = _perm(q, k, None, bs, seg, "query_head")
+    cand = R.candidate_blocks(perm, 2, is_causal=causal, block_size=bs, segment_size=seg)
+    ref = R.block_probabilities(q, k, perm, cand, block_size=bs, scoring=scoring, antidiagonal_stride=s)
+    got = poisoned(E.block_probabilities, q, k, perm, is_causal=causal, block_size=bs, segment_size=seg,
+                   scoring=scoring, antidiagonal_stride=s, block_m=16, block_n=16)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -61,11 +61,14 @@ def _check(scoring: str, block_size: int, stride) -> None:
 
 @triton.jit
 def _column_block(acc_s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok,
-                  BLOCK_M: tl.constexpr, JB: tl.constexpr, CPBP: tl.constexpr):
+                  BLOCK_M: tl.constexpr, JB: tl.constexpr, CPBP: tl.constexpr, MASKED: tl.constexpr):
     """Per row and key block of one loop step: the block's log2-sum-exp2 of the masked logits
     ``acc_s [BLOCK_M, JB*CPBP]`` (log2 units), stored to ``lbm_ptr`` (row pointers) at blocks
     ``j0 .. j0+JB``; returns the rows' running max / sum of exp2 updated with them."""
-    s = tl.where(ok, acc_s, float("-inf"))
+    if MASKED:
+        s = tl.where(ok, acc_s, float("-inf"))
+    else:
+        s = acc_s
     s3 = tl.reshape(s, [BLOCK_M, JB, CPBP])
     m_blk = tl.max(s3, 2)
     m_safe = tl.where(m_blk == float("-inf"), 0.0, m_blk)
@@ -96,8 +99,10 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
                    STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
                    ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
-                   IEEE: tl.constexpr, INTERP: tl.constexpr):
-    """Key blocks ``j0 .. j0+JB`` against the tile's rows (see the module docstring)."""
+                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+    """Key blocks ``j0 .. j0+JB`` against the tile's rows (see the module docstring). Without
+    ``MASKED`` every (row, column) of the step is a valid candidate pair (the caller's interior
+    range): no masks are built."""
     ci = tl.arange(0, JB * CPBP)
     blk = j0 + ci // CPBP
     c = ci % CPBP
@@ -145,7 +150,32 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
             kv = kv & (tl.load(kpos_base + slot, mask=kv, other=_PAD_POS) != _PAD_POS)
         s = _dot(q, kt, IEEE, INTERP) * qk_scale
         ok = cand & kv[None, :] & r_ok[:, None]
-    return _column_block(s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok, BLOCK_M, JB, CPBP)
+    return _column_block(s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok, BLOCK_M, JB, CPBP, MASKED)
+
+
+@triton.jit
+def _estimate_loop(j_lo, j_hi, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run,
+                   l_run, N, NB, qk_scale, segment_size, stride_qn, stride_kn,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
+                   STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
+                   ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
+                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+    """The steps ``j_lo, j_lo+JB, .. < j_hi``; returns the rows' running max / sum."""
+    if INTERP:  # (the interpreter cannot range() over a computed bound)
+        j0 = j_lo
+        while j0 < j_hi:
+            m_run, l_run = _estimate_step(
+                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+            j0 += JB
+    else:
+        for j0 in tl.range(j_lo, j_hi, JB):
+            m_run, l_run = _estimate_step(
+                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+    return m_run, l_run
 
 
 @triton.jit
@@ -196,20 +226,22 @@ def _strided_estimate_kernel(
                     mask=(r_ok & (qpos < N))[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if INTERP:  # (the interpreter cannot range() over a computed bound)
-        j0 = 0
-        while j0 < j_end:
-            m_run, l_run = _estimate_step(
-                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP)
-            j0 += JB
+    # interior steps: every row of the tile sees every column as a valid candidate (no padding,
+    # blocks complete and in range, before the earliest row's own region) -- no masks. (Strided
+    # rows past N would need their zero counts masked: with a partial last block all steps mask.)
+    if HAS_PAD or CPB != CPBP or (ANTI and not EXACT_CNT):
+        j_mid = 0 * tile
     else:
-        for j0 in tl.range(0, j_end, JB):
-            m_run, l_run = _estimate_step(
-                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP)
+        first_own = tl.min(tl.where(r_ok, (region_q * segment_size) // BS, NB), 0)
+        j_mid = tl.minimum(tl.minimum(first_own, (N // BS)), j_end) // JB * JB
+    m_run, l_run = _estimate_loop(
+        0, j_mid, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, False)
+    m_run, l_run = _estimate_loop(
+        j_mid, j_end, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, True)
     lse = tl.where(l_run > 0.0, m_run + tl.log2(tl.maximum(l_run, 1.0e-30)), float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * NROWS + rows, lse, mask=r_ok)
 
@@ -384,9 +416,11 @@ def block_probabilities(
     scoring: str = "sampled_rows",
     antidiagonal_stride: int = 8,
     block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
 ) -> torch.Tensor:
     """fp32 ``[B, Hq, nB, nB]``: the reference's ``block_probabilities`` for its candidates
-    (``candidate_blocks``) with the strided scorings, from the Triton estimate."""
+    (``candidate_blocks``) with the strided scorings, from the Triton estimate (``block_m``,
+    ``block_n``: tile overrides)."""
     from .triton_impl import permute_kv
 
     bsz, hq, n, _ = q.shape
@@ -396,7 +430,8 @@ def block_probabilities(
     kpos, lens, qvalid = padding_inputs(kpm, permutation, block_size)
     lbm, lse = strided_estimate(q, permute_kv(k, permutation), kpos, lens, qvalid, scoring=scoring,
                                 stride=antidiagonal_stride, hp=hp, is_causal=is_causal, scale=scale,
-                                block_size=block_size, segment_size=segment_size, block_m=block_m)
+                                block_size=block_size, segment_size=segment_size, block_m=block_m,
+                                block_n=block_n)
     probs = torch.empty(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
     block_b = max(16, triton.next_power_of_2(nb))
     _strided_probs_kernel[(nb, bsz * hq)](
