@@ -23,6 +23,18 @@ block: ``ceil(bs/s)`` sampled rows or ``bs/s`` strided rows), so a tile may span
 and the short last block of a tile is just masked. Columns of one loop step: ``JB`` key blocks
 of ``CPBP`` columns (``bs`` keys or ``bs/s`` strided columns, padded to a power of two).
 Addresses are 64-bit; fp32 inputs use IEEE fp32 dots (the reference's fp32 matmul).
+
+Per tile the key steps run in two loops: the interior ones (no padding, complete blocks, all
+before the earliest row's own region: every (row, column) is a valid candidate pair) without
+masks, then the rest masked. Cost: one Q·K pass, ``N^2 D / s`` multiply-adds per head for a
+causal row (half of it for either scoring), i.e. ``1/(2s)`` of dense causal attention's FLOPs.
+The sampled rows take one exp2 per (row, key) against a D-deep dot, so on Hopper they are bound by
+the exponential unit about as much as by the tensor cores; the strided rows take one exp2 per
+(row, strided column) against an ``s*D``-deep dot and are tensor-core bound.
+
+Status: identical selections to the reference on the CPU interpreter
+(tests/test_pbs_triton_estimate.py) and compiled for sm_90 (tests/sm90_compile.py); the CUDA
+check and timing are benchmarks/check_pbs_estimate_cuda.py (not yet run on the H200).
 """
 from __future__ import annotations
 
