@@ -91,6 +91,9 @@ PROB_CASES = [
     ("antidiagonal", 8, 128, 4, 2, "kv_head", "none", False, 16, 32, 1),
     ("antidiagonal", 8, 110, 4, 2, "query_head", "holes", True, 32, 64, 2),
     ("antidiagonal", 4, 70, 4, 1, "kv_head", "holes", False, 8, 16, 2),
+    # a block size that is no power of two: columns per block padded to one
+    ("sampled_rows", 5, 100, 2, 1, "kv_head", "none", True, 24, 48, 1),
+    ("antidiagonal", 3, 100, 2, 1, "query_head", "holes", True, 24, 48, 2),
 ]
 
 
