@@ -102,8 +102,8 @@ class PBSConfig(AttentionConfig):
     row of the block takes its exact softmax over the candidate keys, and the block's distribution
     is the mean of those rows' mass per key block -- no averaging before the exponential, so one
     dominant key keeps its mass (stride 1 is the exact block mass). The two strided scorings cost
-    O(N^2 D / stride) and select with the torch reference on every backend; ``antidiagonal_stride``
-    is the stride of both. ONNX export supports ``"mean"`` and ``"antidiagonal"``.
+    O(N^2 D / stride): one fused Triton pass on the triton backend on CUDA, the torch reference
+    elsewhere; ``antidiagonal_stride`` is the stride of both. ONNX export supports ``"mean"`` and ``"antidiagonal"``.
     """
 
     method: ClassVar[str] = "pbs"

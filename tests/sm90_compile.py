@@ -165,6 +165,23 @@ def run_pbs(cases):
     TA._tma_ok = tma_default
 
 
+def run_pbs_strided(cases):
+    """The strided estimates (``scoring="sampled_rows"|"antidiagonal"``) through the op, and the
+    block-probability kernel the tests use."""
+    from sparseflow.kernels.pbs import triton_estimate as TE
+    from sparseflow.kernels.pbs import triton_impl as TI
+
+    TI._use_kernels = lambda t: True
+    for n, d, dtype, gqa, pad, causal, scoring, stride in cases:
+        q, k, v = _qkv(2, 8, 2, n, d, dtype)
+        TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, n) if pad else None, is_causal=causal, block_size=128,
+                         segment_size=256, threshold=0.9, gqa_permutation=gqa, scoring=scoring,
+                         antidiagonal_stride=stride)
+    q, k, _ = _qkv(1, 4, 2, 700, 128, torch.bfloat16)
+    perm = torch.arange(700).expand(1, 2, 700).contiguous()
+    TE.block_probabilities(q, k, perm, block_size=128, segment_size=256, scoring="antidiagonal", antidiagonal_stride=8)
+
+
 def run_pisa_bsa(cases):
     from sparseflow.kernels.bsa import triton_impl as BI
     from sparseflow.kernels.pisa import triton_impl as PI
@@ -240,7 +257,7 @@ def selftest() -> int:
 EXPECTED = {
     "_proxy_pass", "_lse_combine_kernel", "_segment_sort_kernel", "_gather_pool_kernel", "_select_rows_kernel",
     "_pbs_fwd_kernel", "_leaf_kernel", "_node_kernel", "_pisa_select_kernel", "_fwd_kernel", "_bwd_dq_kernel",
-    "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel",
+    "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel", "_strided_estimate_kernel", "_strided_probs_kernel",
 }
 
 
@@ -260,10 +277,18 @@ def main(argv=None) -> int:
     pisa = [(64, bf16, False, 8, 1, "lse"), (128, bf16, True, 32, 1, "lse"), (64, fp16, True, 8, 2, "mean_var"),
             (64, bf16, False, 8, 4, "lse")]
     dec = [(64, bf16, 8, 1), (128, bf16, 8, 2)]
+    # n, d, dtype, gqa, padding, causal, scoring, stride (n = 768: every query and key valid, EXACT_CNT)
+    strided = [(700, 128, bf16, "kv_head", False, True, "sampled_rows", 8),
+               (700, 128, bf16, "query_head", True, True, "antidiagonal", 8),
+               (768, 128, bf16, "kv_head", False, True, "antidiagonal", 4),
+               (700, 64, fp16, "kv_head", True, False, "sampled_rows", 1),
+               (700, 64, torch.float32, "query_head", False, True, "antidiagonal", 2),
+               (700, 128, bf16, "query_head", False, True, "sampled_rows", 3)]
     if args.quick:
-        pbs, pisa, dec = pbs[:1], pisa[:1], dec[:1]
+        pbs, pisa, dec, strided = pbs[:1], pisa[:1], dec[:1], strided[:1]
     failures = []
-    for name, fn in (("pbs", lambda: run_pbs(pbs)), ("pisa_bsa", lambda: run_pisa_bsa(pisa)),
+    for name, fn in (("pbs", lambda: run_pbs(pbs)), ("pbs_strided", lambda: run_pbs_strided(strided)),
+                     ("pisa_bsa", lambda: run_pisa_bsa(pisa)),
                      ("bsa_select", run_bsa_bf16), ("decode", lambda: run_decode(dec))):
         try:
             fn()

@@ -38,9 +38,10 @@ __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks"
 
 def select_impl(device: Optional[torch.device] = None) -> str:
     """``SPARSEFLOW_PBS_SELECT``: ``reference`` (the reference's torch stages 1-3) or ``triton``
-    (``triton_select``: Triton proxy scoring, segment sort and -- for ``scoring="mean"`` -- the
-    one-kernel block selection that writes the attention's block lists). Unset: ``triton`` on
-    CUDA, ``reference`` elsewhere."""
+    (``triton_select``: Triton proxy scoring, segment sort and the block selection that writes
+    the attention's block lists -- for ``scoring="mean"`` one kernel, for ``"sampled_rows"`` and
+    ``"antidiagonal"`` after ``triton_estimate``'s one-pass strided estimate). Unset: ``triton``
+    on CUDA, ``reference`` elsewhere."""
     default = "triton" if device is not None and device.type == "cuda" else "reference"
     impl = os.environ.get("SPARSEFLOW_PBS_SELECT", default)
     if impl not in ("reference", "triton"):
@@ -325,11 +326,12 @@ def pbs_attention(
             perm = perm_fn(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
         else:
             perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
-        if kernels and scoring == "mean":
+        if kernels:
             out, block_mask = _fused_select_attention(
                 q, k, v, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
                 block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
                 mask_segment=segment_size if permute else block_size, want_mask=return_selection,
+                scoring=scoring, antidiagonal_stride=antidiagonal_stride,
             )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
         block_mask = _ref.select_blocks(
@@ -345,19 +347,21 @@ def pbs_attention(
 
 
 def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale, block_size, segment_size,
-                            threshold, force_sink, mask_segment, want_mask):
+                            threshold, force_sink, mask_segment, want_mask, scoring="mean", antidiagonal_stride=8):
     from .triton_select import select_block_lists
 
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
     kpm = key_padding_mask if has_pad else None
     gather = kv_layout() == "gather"
+    # the strided estimates stream the permuted keys: written even when the attention gathers
+    strided = scoring != "mean" and float(threshold) < 1.0
     # one launch: permuted K/V (unless the kernel gathers), pooled key blocks, positions, sink
     lay = permuted_layout(k, None if gather else v, perm, key_padding_mask=kpm, block_size=block_size,
-                          write_kv=not gather, pool=True, positions=True, sink=force_sink)
+                          write_kv=strided or not gather, pool=True, positions=True, sink=force_sink)
     kv_num, kv_full, kv_idx, block_mask = select_block_lists(
         q, lay.k, perm, key_padding_mask=kpm, is_causal=is_causal, scale=scale, block_size=block_size,
         segment_size=segment_size, threshold=threshold, force_sink=force_sink, mask_segment=mask_segment,
-        return_block_mask=want_mask, layout=lay,
+        return_block_mask=want_mask, layout=lay, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
     )
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(

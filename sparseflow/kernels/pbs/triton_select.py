@@ -16,7 +16,9 @@ one program per (batch, query head, query block) scores every key block against 
 query block, masks non-candidates, takes the softmax, sorts (descending, ties to the lower block
 index, via a packed 64-bit key), finds the prefix whose mass reaches the threshold, adds the
 forced blocks (own region, sink) and writes ``kv_num``, ``kv_full``, ``kv_idx`` (unmasked blocks
-first, ascending; then the rest, ascending) and, optionally, the bool block mask.
+first, ascending; then the rest, ascending) and, optionally, the bool block mask. With
+``scoring="sampled_rows"|"antidiagonal"`` the same kernel takes its probabilities from
+``triton_estimate``'s one-pass strided estimate instead of the pooled logits.
 
 Pooling (block means over valid tokens) and the small per-row tensors (regions, key-block
 validity, sink block) are vectorised torch ops; the pooled keys come from the permuted K that the
@@ -38,6 +40,8 @@ import triton
 import triton.language as tl
 
 from . import reference as _ref
+from . import triton_estimate as _est
+from .triton_estimate import _strided_prob_row
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
@@ -46,15 +50,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _select_rows_kernel(
-    LOGITS, LENS, KCNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK,
-    H, H0, HC, NB, HP_GROUP, HP, N, scale, threshold, block_size, segment_size, mask_segment,
+    LOGITS, LENS, KCNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK, LBM, LSE, QV,
+    H, H0, HC, NB, HP_GROUP, HP, N, NROWS, scale, threshold, block_size, segment_size, mask_segment,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, EXACT: tl.constexpr, HAS_PAD: tl.constexpr,
-    WRITE_MASK: tl.constexpr, CUT_SORT: tl.constexpr,
+    WRITE_MASK: tl.constexpr, CUT_SORT: tl.constexpr, STRIDED: tl.constexpr, BS: tl.constexpr,
+    STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr, ROW_QV: tl.constexpr,
 ):
     """One program per (query block, batch * head of the chunk ``[H0, H0 + HC)``): reads its row
     of raw block logits ``q̄·k̄`` (``LOGITS [B, HC, nB, nB]`` fp32), applies the scale, masks the
     non-candidates, takes the softmax, finds the threshold prefix, adds the forced blocks and
-    writes the block lists (and the mask)."""
+    writes the block lists (and the mask). ``STRIDED``: the probabilities come instead from the
+    strided estimate's per-row block masses (``LBM``, ``LSE``, ``QV``: triton_estimate)."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     scale = tl.cast(scale, tl.float32)
     thr_pos = threshold > 0.0  # before the cast: the interpreter's cast scalar compares as a float
@@ -87,13 +93,18 @@ def _select_rows_kernel(
     if EXACT:
         keep = cand
     else:
-        raw = tl.load(LOGITS + ((b64 * HC + hc) * NB + qb) * NB + offs, mask=cand, other=0.0)
-        logit = tl.where(cand, raw * scale, float("-inf"))
-        m = tl.max(logit, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        e = tl.where(cand, tl.exp(logit - m), 0.0)
-        denom = tl.sum(e, 0)
-        prob = e / tl.where(denom > 0.0, denom, 1.0)
+        if STRIDED:
+            prob = _strided_prob_row(LBM, LSE, QV, b64 * HC + hc, b64, qb, offs, cand, N, NB, NROWS, BS, STRIDE,
+                                     RPB, RC, BLOCK_B, ROW_QV, HAS_PAD)
+            prob = tl.where(cand, prob, 0.0)
+        else:
+            raw = tl.load(LOGITS + ((b64 * HC + hc) * NB + qb) * NB + offs, mask=cand, other=0.0)
+            logit = tl.where(cand, raw * scale, float("-inf"))
+            m = tl.max(logit, 0)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            e = tl.where(cand, tl.exp(logit - m), 0.0)
+            denom = tl.sum(e, 0)
+            prob = e / tl.where(denom > 0.0, denom, 1.0)
         # total order: probability bits (>= 0, integer order = float order; -1 for
         # non-candidates) in the high part, (BLOCK_B-1-index) in the low part, so descending
         # order breaks ties to the lower block index
@@ -213,6 +224,8 @@ def select_block_lists(
     layout=None,
     max_logit_bytes: int = 1 << 30,
     cut: str = "bisect",
+    scoring: str = "mean",
+    antidiagonal_stride: int = 8,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
     keys. ``layout``: the :class:`triton_impl.PermutedLayout` of the permutation (its pooled key
@@ -221,7 +234,10 @@ def select_block_lists(
     permutation)``). ``mask_segment`` (default ``segment_size``) decides which blocks take the
     attention kernel's unmasked path. ``max_logit_bytes`` bounds the logits buffer (heads are
     processed in chunks beyond it). ``cut``: ``"bisect"`` or ``"sort"`` (same selection; two
-    ways to find the threshold prefix)."""
+    ways to find the threshold prefix). ``scoring="sampled_rows"|"antidiagonal"`` (stride
+    ``antidiagonal_stride``): the block probabilities come from triton_estimate's one-pass
+    strided estimate over the permuted keys (``layout.k`` or ``k_perm``), the estimate buffer
+    bounded by ``max_logit_bytes`` the same way; the threshold rule is the same."""
     from .triton_impl import pool_query_blocks
 
     bsz, hq, n, d = q.shape
@@ -234,8 +250,14 @@ def select_block_lists(
     exact = float(threshold) >= 1.0
     if cut not in ("bisect", "sort"):
         raise ValueError(f"cut must be 'bisect' or 'sort', got {cut!r}")
+    if scoring not in ("mean", "sampled_rows", "antidiagonal"):
+        raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
+    strided = scoring != "mean" and not exact
+    if strided:
+        _est._check(scoring, block_size, antidiagonal_stride)
+    need_kbar = not exact and not strided
     lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
-    if layout is not None and layout.kcount is not None and (exact or layout.kbar is not None) \
+    if layout is not None and layout.kcount is not None and (not need_kbar or layout.kbar is not None) \
             and (layout.sink is not None or not force_sink):
         kbar, kcnt = layout.kbar, layout.kcount
         sink = layout.sink if force_sink else None
@@ -244,7 +266,7 @@ def select_block_lists(
         slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
         kcnt = torch.nn.functional.pad(slot_valid, (0, nb * block_size - n)).view(
             bsz, hp, nb, block_size).sum(-1, dtype=torch.int32)
-        kbar = None if exact else pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous()
+        kbar = pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous() if need_kbar else None
         sink = None
         if force_sink:
             first = _ref._first_valid(kpm, bsz, n, dev)  # [B], -1 if none
@@ -263,12 +285,31 @@ def select_block_lists(
     meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
                 WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
     common = (kv_num, kv_full, kv_idx, bmask.view(torch.int8) if return_block_mask else kv_num)
-    seg_args = (n, sc, float(threshold), block_size, segment_size,
+    seg_args = (sc, float(threshold), block_size, segment_size,
                 mask_segment if mask_segment is not None else segment_size)
     lens_arg = lens if lens is not None else kv_num
+    meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
+    no_est = (kv_num, kv_num, kv_num)  # LBM, LSE, QV: unused unless STRIDED
     if exact:
-        _select_rows_kernel[(nb, bsz * hq)](kv_num, lens_arg, kcnt, sink, *common, hq, 0, hq, nb, g, hp,
-                                            *seg_args, **meta)
+        _select_rows_kernel[(nb, bsz * hq)](kv_num, lens_arg, kcnt, sink, *common, *no_est, hq, 0, hq, nb, g, hp,
+                                            n, 0, *seg_args, **meta)
+    elif strided:
+        k_src = layout.k if layout is not None and layout.k is not None else k_perm
+        if k_src is None:
+            raise ValueError(f"scoring={scoring!r} needs the permuted keys: pass k_perm or a layout with k")
+        kpos = layout.kpos if layout is not None else None
+        kpos, _, qvalid = _est.padding_inputs(kpm, permutation, block_size, kpos=kpos)
+        meta.update(_est.prob_meta(scoring, block_size, antidiagonal_stride, block_b))
+        nrows = nb * meta["RPB"]
+        hc = max(1, min(hq, max_logit_bytes // max(bsz * nrows * (nb + 1) * 4, 1)))
+        for h0 in range(0, hq, hc):
+            hcc = min(hc, hq - h0)
+            lbm, lse = _est.strided_estimate(q, k_src, kpos, lens, qvalid, scoring=scoring,
+                                             stride=antidiagonal_stride, hp=hp, h0=h0, hc=hcc, is_causal=is_causal,
+                                             scale=scale, block_size=block_size, segment_size=segment_size)
+            est = (lbm, lse, qvalid if qvalid is not None else lse)
+            _select_rows_kernel[(nb, bsz * hcc)](kv_num, lens_arg, kcnt, sink, *common, *est, hq, h0, hcc, nb, g,
+                                                 hp, n, nrows, *seg_args, **meta)
     else:
         qbar = pool_query_blocks(q, kpm, block_size).contiguous()
         kbar = kbar.contiguous()
@@ -278,8 +319,8 @@ def select_block_lists(
             p1 = min(hp, p0 + pc)
             logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
             hc = (p1 - p0) * g
-            _select_rows_kernel[(nb, bsz * hc)](logits, lens_arg, kcnt, sink, *common, hq, p0 * g, hc, nb, g, hp,
-                                                *seg_args, **meta)
+            _select_rows_kernel[(nb, bsz * hc)](logits, lens_arg, kcnt, sink, *common, *no_est, hq, p0 * g, hc, nb,
+                                                g, hp, n, 0, *seg_args, **meta)
     return kv_num, kv_full, kv_idx, bmask
 
 

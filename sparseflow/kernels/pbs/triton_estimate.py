@@ -1,0 +1,454 @@
+"""PBS-Attn strided block estimates in Triton: ``scoring="sampled_rows"`` and
+``scoring="antidiagonal"`` (definitions: reference.py's module docstring).
+
+One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]`` score matrix:
+
+* :func:`strided_estimate` -- one program per (tile of ``BLOCK_M`` consecutive estimate rows,
+  batch * query head). A row is a sampled query row (``I*bs + t*s``) or a strided row
+  (queries ``I*bs + r*s + s-1-t``, ``t < s``, against the strided key columns
+  ``J*bs + c*s + t`` of the permuted keys: ``s`` accumulated dots, the antidiagonal of each
+  ``s x s`` tile, divided by its count of valid pairs). The program streams the permuted key
+  blocks up to the tile's last candidate, masks per row (candidate region, key padding, slots
+  past N) and writes, per row and key block, the block's log2-sum-exp2 of the row's logits
+  (``lbm [B*HC, rows, nB]``, -inf where nothing is seen; ``bs`` times smaller than the scores)
+  and each row's log2-sum-exp2 over every candidate key (``lse [B*HC, rows]``).
+* :func:`_strided_prob_row` -- the block probabilities of one query block from those: the mean
+  over its rows that see a candidate key (and, for sampled rows, are valid query rows: the
+  reference's ``_query_validity``) of ``exp2(lbm - lse)``. Used by ``triton_select``'s
+  selection kernel (which then thresholds exactly as for ``scoring="mean"``) and by
+  :func:`block_probabilities` (the reference's ``block_probabilities`` contract, for tests).
+
+Rows are numbered per batch*head: row ``g`` belongs to query block ``g // RPB`` (RPB rows per
+block: ``ceil(bs/s)`` sampled rows or ``bs/s`` strided rows), so a tile may span query blocks
+and the short last block of a tile is just masked. Columns of one loop step: ``JB`` key blocks
+of ``CPBP`` columns (``bs`` keys or ``bs/s`` strided columns, padded to a power of two).
+Addresses are 64-bit; fp32 inputs use IEEE fp32 dots (the reference's fp32 matmul).
+
+Per tile the key steps run in two loops: the interior ones (no padding, complete blocks, all
+before the earliest row's own region: every (row, column) is a valid candidate pair) without
+masks, then the rest masked. Cost: one Q·K pass, ``N^2 D / s`` multiply-adds per head for a
+causal row (half of it for either scoring), i.e. ``1/(2s)`` of dense causal attention's FLOPs.
+The sampled rows take one exp2 per (row, key) against a D-deep dot, so on Hopper they are bound by
+the exponential unit about as much as by the tensor cores; the strided rows take one exp2 per
+(row, strided column) against an ``s*D``-deep dot and are tensor-core bound.
+
+Status: identical selections to the reference on the CPU interpreter
+(tests/test_pbs_triton_estimate.py) and compiled for sm_90 (tests/sm90_compile.py); the CUDA
+check and timing are benchmarks/check_pbs_estimate_cuda.py (not yet run on the H200).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as _ref
+
+__all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_LOG2E = 1.4426950408889634
+_PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
+
+
+def rows_per_block(scoring: str, block_size: int, stride: int) -> int:
+    """Estimate rows per query block: ``ceil(bs/s)`` sampled rows or ``bs/s`` strided rows."""
+    if scoring == "sampled_rows":
+        return -(-block_size // stride)
+    return block_size // stride
+
+
+def _check(scoring: str, block_size: int, stride) -> None:
+    if scoring not in ("sampled_rows", "antidiagonal"):
+        raise ValueError(f"scoring must be 'sampled_rows' or 'antidiagonal' here, got {scoring!r}")
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"antidiagonal_stride must be an int >= 1, got {stride!r}")
+    if scoring == "antidiagonal" and block_size % stride:
+        raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {stride}")
+
+
+@triton.jit
+def _column_block(acc_s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok,
+                  BLOCK_M: tl.constexpr, JB: tl.constexpr, CPBP: tl.constexpr, MASKED: tl.constexpr):
+    """Per row and key block of one loop step: the block's log2-sum-exp2 of the masked logits
+    ``acc_s [BLOCK_M, JB*CPBP]`` (log2 units), stored to ``lbm_ptr`` (row pointers) at blocks
+    ``j0 .. j0+JB``; returns the rows' running max / sum of exp2 updated with them."""
+    if MASKED:
+        s = tl.where(ok, acc_s, float("-inf"))
+    else:
+        s = acc_s
+    s3 = tl.reshape(s, [BLOCK_M, JB, CPBP])
+    m_blk = tl.max(s3, 2)
+    m_safe = tl.where(m_blk == float("-inf"), 0.0, m_blk)
+    l_blk = tl.sum(tl.exp2(s3 - m_safe[:, :, None]), 2)
+    lbm = tl.where(l_blk > 0.0, m_safe + tl.log2(tl.maximum(l_blk, 1.0e-30)), float("-inf"))
+    jb = j0 + tl.arange(0, JB)
+    tl.store(lbm_ptr[:, None] + jb[None, :], lbm, mask=r_ok[:, None] & (jb < NB)[None, :])
+    m_new = tl.maximum(m_run, tl.max(lbm, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_run = l_run * tl.exp2(m_run - m_use) + tl.sum(tl.exp2(lbm - m_use[:, None]), 1)
+    return m_new, l_run
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    """``a · bᵀ`` fp32: IEEE fp32 for fp32 inputs (no TF32), tensor cores otherwise."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+                   N, NB, qk_scale, segment_size, stride_qn, stride_kn,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
+                   STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
+                   ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
+                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+    """Key blocks ``j0 .. j0+JB`` against the tile's rows (see the module docstring). Without
+    ``MASKED`` every (row, column) of the step is a valid candidate pair (the caller's interior
+    range): no masks are built."""
+    ci = tl.arange(0, JB * CPBP)
+    blk = j0 + ci // CPBP
+    c = ci % CPBP
+    c_in = (c < CPB) & (blk < NB)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    region_k = tl.minimum((blk * BS) // segment_size, n_seg)
+    if IS_CAUSAL:
+        cand = region_k[None, :] < region_q[:, None]
+    else:
+        cand = region_k[None, :] != region_q[:, None]
+    if ANTI:
+        acc = tl.zeros([BLOCK_M, JB * CPBP], dtype=tl.float32)
+        if not EXACT_CNT:
+            cnt = tl.zeros([BLOCK_M, JB * CPBP], dtype=tl.float32)
+        for t in range(STRIDE):  # a K-loop of STRIDE head-dim slices (pipelined, not unrolled)
+            qpos = rows.to(tl.int64) * STRIDE + (STRIDE - 1 - t)
+            if HAS_PAD:
+                qv = r_ok & (tl.load(qv_base + qpos, mask=r_ok, other=0) != 0)
+            else:
+                qv = r_ok & (qpos < N)
+            qt = tl.load(q_base + qpos[:, None] * stride_qn + offs_d[None, :], mask=qv[:, None] & d_ok[None, :],
+                         other=0.0)
+            slot = blk.to(tl.int64) * BS + c * STRIDE + t
+            kv = c_in & (slot < N)
+            if HAS_PAD:
+                kv = kv & (tl.load(kpos_base + slot, mask=kv, other=_PAD_POS) != _PAD_POS)
+            kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :],
+                         other=0.0)
+            acc += _dot(qt, kt, IEEE, INTERP)
+            if not EXACT_CNT:
+                cnt += (qv[:, None] & kv[None, :]).to(tl.float32)
+        if EXACT_CNT:  # every query and key valid: STRIDE pairs per antidiagonal
+            s = acc / STRIDE * qk_scale
+            ok = cand & c_in[None, :] & r_ok[:, None]
+        else:
+            s = acc / tl.maximum(cnt, 1.0) * qk_scale
+            ok = cand & (cnt > 0.0)
+    else:
+        slot = blk.to(tl.int64) * BS + c
+        kv = c_in & (slot < N)
+        kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :],
+                     other=0.0)
+        if HAS_PAD:
+            kv = kv & (tl.load(kpos_base + slot, mask=kv, other=_PAD_POS) != _PAD_POS)
+        s = _dot(q, kt, IEEE, INTERP) * qk_scale
+        ok = cand & kv[None, :] & r_ok[:, None]
+    return _column_block(s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok, BLOCK_M, JB, CPBP, MASKED)
+
+
+@triton.jit
+def _estimate_loop(j_lo, j_hi, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run,
+                   l_run, N, NB, qk_scale, segment_size, stride_qn, stride_kn,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
+                   STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
+                   ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
+                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+    """The steps ``j_lo, j_lo+JB, .. < j_hi``; returns the rows' running max / sum."""
+    if INTERP:  # (the interpreter cannot range() over a computed bound)
+        j0 = j_lo
+        while j0 < j_hi:
+            m_run, l_run = _estimate_step(
+                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+            j0 += JB
+    else:
+        for j0 in tl.range(j_lo, j_hi, JB):
+            m_run, l_run = _estimate_step(
+                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+    return m_run, l_run
+
+
+@triton.jit
+def _strided_estimate_kernel(
+    Q, K, KPOS, QV, LENS, LBM, LSE,
+    H0, HC, HP_GROUP, HP, N, NB, NROWS, NTILES, qk_scale, segment_size,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
+    STRIDE: tl.constexpr, RPB: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
+    ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
+    IEEE: tl.constexpr, INTERP: tl.constexpr,
+):
+    """One program per (tile of BLOCK_M estimate rows, batch * head of the chunk ``[H0, H0+HC)``):
+    ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass and ``LSE [B*HC, NROWS]``."""
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    # heads vary fastest (the query heads of a KV group stream the same keys together), tiles
+    # from the longest (latest) down
+    bh = tl.program_id(0)
+    tile = NTILES - 1 - tl.program_id(1)
+    b = bh // HC
+    h = H0 + bh % HC
+    p = h // HP_GROUP
+    b64 = b.to(tl.int64)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < NROWS
+    qblk = rows // RPB
+    if HAS_PAD:
+        n_seg = tl.load(LENS + b) // segment_size
+    else:
+        n_seg = N // segment_size
+    region_q = tl.minimum((qblk * BS) // segment_size, n_seg)
+    if IS_CAUSAL:  # candidates lie before the region of the tile's last row
+        j_end = tl.minimum((tl.max(tl.where(r_ok, region_q, 0), 0) * segment_size) // BS, NB)
+    else:
+        j_end = NB + 0 * tile
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + p.to(tl.int64) * stride_kh
+    kpos_base = KPOS + (b64 * HP + p) * N
+    qv_base = QV + b64 * NB * BS
+    lbm_ptr = LBM + (bh.to(tl.int64) * NROWS + rows) * NB
+    if ANTI:
+        q = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # (strided rows load q per stride step)
+    else:
+        qpos = qblk.to(tl.int64) * BS + (rows % RPB) * STRIDE
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_base + qpos[:, None] * stride_qn + offs_d[None, :],
+                    mask=(r_ok & (qpos < N))[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # interior steps: every row of the tile sees every column as a valid candidate (no padding,
+    # blocks complete and in range, before the earliest row's own region) -- no masks. (Strided
+    # rows past N would need their zero counts masked: with a partial last block all steps mask.)
+    if HAS_PAD or CPB != CPBP or (ANTI and not EXACT_CNT):
+        j_mid = 0 * tile
+    else:
+        first_own = tl.min(tl.where(r_ok, (region_q * segment_size) // BS, NB), 0)
+        j_mid = tl.minimum(tl.minimum(first_own, (N // BS)), j_end) // JB * JB
+    m_run, l_run = _estimate_loop(
+        0, j_mid, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, False)
+    m_run, l_run = _estimate_loop(
+        j_mid, j_end, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
+        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
+        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, True)
+    lse = tl.where(l_run > 0.0, m_run + tl.log2(tl.maximum(l_run, 1.0e-30)), float("-inf"))
+    tl.store(LSE + bh.to(tl.int64) * NROWS + rows, lse, mask=r_ok)
+
+
+@triton.jit
+def _strided_prob_row(LBM, LSE, QV, bh64, b64, qb, offs, cand, N, NB, NROWS,
+                      BS: tl.constexpr, STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr,
+                      BLOCK_B: tl.constexpr, ROW_QV: tl.constexpr, HAS_PAD: tl.constexpr):
+    """``[BLOCK_B]`` fp32 block probabilities of query block ``qb`` over the key blocks ``offs``:
+    the mean over its rows that see a candidate key (and are valid query rows when ``ROW_QV``)
+    of ``exp2(lbm - lse)``; 0 where ``cand`` is false."""
+    acc = tl.zeros([BLOCK_B], dtype=tl.float32)
+    n_ok = tl.sum(tl.zeros([RC], dtype=tl.int32), 0)
+    for r0 in tl.static_range(0, RPB, RC):
+        r = r0 + tl.arange(0, RC)
+        grow = qb * RPB + r
+        r_in = r < RPB
+        lse = tl.load(LSE + bh64 * NROWS + grow, mask=r_in, other=float("-inf"))
+        ok = r_in & (lse > float("-inf"))
+        if ROW_QV:
+            pos = qb * BS + r * STRIDE
+            if HAS_PAD:
+                ok = ok & (tl.load(QV + b64 * NB * BS + pos, mask=ok, other=0) != 0)
+            else:
+                ok = ok & (pos < N)
+        m2 = ok[:, None] & cand[None, :]
+        lbm = tl.load(LBM + (bh64 * NROWS + grow)[:, None] * NB + offs[None, :], mask=m2, other=float("-inf"))
+        pr = tl.where(m2, tl.exp2(lbm - tl.where(ok, lse, 0.0)[:, None]), 0.0)
+        acc += tl.sum(pr, 0)
+        n_ok += tl.sum(ok.to(tl.int32), 0)
+    return acc / tl.maximum(n_ok, 1).to(tl.float32)
+
+
+@triton.jit
+def _strided_probs_kernel(LBM, LSE, QV, LENS, PROBS, HC, N, NB, NROWS, segment_size,
+                          BS: tl.constexpr, STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr,
+                          BLOCK_B: tl.constexpr, ROW_QV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                          HAS_PAD: tl.constexpr):
+    """One program per (query block, batch * head of the chunk): its row of block probabilities
+    ``PROBS [B*HC, NB, NB]`` (the region rule decides the candidates; a key block without a
+    valid key gets no mass)."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b64 = (bh // HC).to(tl.int64)
+    offs = tl.arange(0, BLOCK_B)
+    kb_ok = offs < NB
+    if HAS_PAD:
+        n_seg = tl.load(LENS + b64) // segment_size
+    else:
+        n_seg = N // segment_size
+    region_k = tl.minimum((offs * BS) // segment_size, n_seg)
+    region_q = tl.minimum((qb * BS) // segment_size, n_seg)
+    if IS_CAUSAL:
+        cand = kb_ok & (region_k < region_q)
+    else:
+        cand = kb_ok & (region_k != region_q)
+    prob = _strided_prob_row(LBM, LSE, QV, bh.to(tl.int64), b64, qb, offs, cand, N, NB, NROWS, BS, STRIDE, RPB,
+                             RC, BLOCK_B, ROW_QV, HAS_PAD)
+    tl.store(PROBS + (bh.to(tl.int64) * NB + qb) * NB + offs, prob, mask=kb_ok)
+
+
+def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[int] = None,
+                  block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                  num_stages: Optional[int] = None) -> dict:
+    """Launch geometry (host-side): rows per block, columns per key block (padded to a power of
+    two), key blocks per loop step (``block_n`` columns, at least one block), rows per tile, warps
+    and pipeline stages. GPU defaults: 128 x 128 tiles, 8 warps (the sampled rows keep their Q
+    tile resident and stream K as flash attention does; the strided rows run a GEMM K-loop over
+    ``s`` head-dim slices, 2 stages of 64 KB); the interpreter uses 64 x 64 (fewer masked lanes
+    on tiny test shapes)."""
+    rpb = rows_per_block(scoring, block_size, stride)
+    cpb = block_size if scoring == "sampled_rows" else block_size // stride
+    cpbp = triton.next_power_of_2(cpb)
+    tile = 64 if _INTERPRET else 128
+    block_m = tile if block_m is None else block_m
+    block_n = tile if block_n is None else block_n
+    jb = max(1, max(16, block_n) // cpbp)
+    anti = scoring == "antidiagonal"
+    return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m,
+                num_warps=(8 if block_m * jb * cpbp >= 128 * 128 else 4) if num_warps is None else num_warps,
+                num_stages=(2 if anti else 3) if num_stages is None else num_stages)
+
+
+def strided_estimate(
+    q: torch.Tensor,
+    k_perm: torch.Tensor,
+    kpos: Optional[torch.Tensor],
+    lens: Optional[torch.Tensor],
+    qvalid: Optional[torch.Tensor],
+    *,
+    scoring: str,
+    stride: int,
+    hp: int,
+    h0: int = 0,
+    hc: Optional[int] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
+    ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
+    ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
+    ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
+    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`)."""
+    _check(scoring, block_size, stride)
+    bsz, hq, n, d = q.shape
+    hc = hq - h0 if hc is None else hc
+    nb = -(-n // block_size)
+    plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
+    nrows = nb * plan["RPB"]
+    ntiles = -(-nrows // plan["BLOCK_M"])
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    has_pad = lens is not None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_perm.stride(-1) != 1:
+        k_perm = k_perm.contiguous()
+    lbm = torch.empty(bsz * hc, nrows, nb, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz * hc, nrows, dtype=torch.float32, device=q.device)
+    dummy = lse
+    anti = scoring == "antidiagonal"
+    block_d = max(16, triton.next_power_of_2(d))
+    _strided_estimate_kernel[(bsz * hc, ntiles)](
+        q, k_perm, kpos if has_pad else dummy, qvalid if has_pad else dummy, lens if has_pad else dummy, lbm, lse,
+        h0, hc, hq // hp, hp, n, nb, nrows, ntiles, sc * _LOG2E, segment_size,
+        q.stride(0), q.stride(1), q.stride(2), k_perm.stride(0), k_perm.stride(1), k_perm.stride(2),
+        HEAD_DIM=d, BLOCK_D=block_d, BS=block_size, STRIDE=stride, ANTI=anti, IS_CAUSAL=bool(is_causal),
+        HAS_PAD=has_pad, EXACT_CNT=(not has_pad) and n % block_size == 0, IEEE=q.dtype == torch.float32,
+        INTERP=_INTERPRET, **plan,
+    )
+    return lbm, lse
+
+
+def padding_inputs(key_padding_mask: Optional[torch.Tensor], permutation: torch.Tensor, block_size: int,
+                   kpos: Optional[torch.Tensor] = None):
+    """``(kpos, lens, qvalid)`` for :func:`strided_estimate` (all None without padding)."""
+    if key_padding_mask is None:
+        return None, None, None
+    from .triton_attention import key_positions
+
+    bsz, n = key_padding_mask.shape
+    kpm = key_padding_mask.to(torch.bool)
+    if kpos is None:
+        kpos = key_positions(permutation, kpm)
+    lens = _ref.effective_lengths(kpm, bsz, n, kpm.device).to(torch.int32).contiguous()
+    qvalid = _ref._query_validity(kpm, block_size).to(torch.int8).contiguous()
+    return kpos.contiguous(), lens, qvalid
+
+
+def prob_meta(scoring: str, block_size: int, stride: int, block_b: int) -> dict:
+    """Constexprs of :func:`_strided_prob_row` for a kernel with ``block_b`` key-block lanes."""
+    rpb = rows_per_block(scoring, block_size, stride)
+    rc = max(1, min(triton.next_power_of_2(rpb), max(1, 8192 // block_b)))
+    return dict(STRIDE=stride, RPB=rpb, RC=rc, ROW_QV=scoring == "sampled_rows")
+
+
+def block_probabilities(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    permutation: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    block_size: int = 128,
+    segment_size: int = 256,
+    scoring: str = "sampled_rows",
+    antidiagonal_stride: int = 8,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+) -> torch.Tensor:
+    """fp32 ``[B, Hq, nB, nB]``: the reference's ``block_probabilities`` for its candidates
+    (``candidate_blocks``) with the strided scorings, from the Triton estimate (``block_m``,
+    ``block_n``: tile overrides)."""
+    from .triton_impl import permute_kv
+
+    bsz, hq, n, _ = q.shape
+    hp = permutation.shape[1]
+    nb = -(-n // block_size)
+    kpm = key_padding_mask if key_padding_mask is not None and not bool(key_padding_mask.all()) else None
+    kpos, lens, qvalid = padding_inputs(kpm, permutation, block_size)
+    lbm, lse = strided_estimate(q, permute_kv(k, permutation), kpos, lens, qvalid, scoring=scoring,
+                                stride=antidiagonal_stride, hp=hp, is_causal=is_causal, scale=scale,
+                                block_size=block_size, segment_size=segment_size, block_m=block_m,
+                                block_n=block_n)
+    probs = torch.empty(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
+    block_b = max(16, triton.next_power_of_2(nb))
+    _strided_probs_kernel[(nb, bsz * hq)](
+        lbm, lse, qvalid if kpm is not None else lse, lens if kpm is not None else lse, probs, hq, n, nb,
+        lbm.shape[1], segment_size, BS=block_size, BLOCK_B=block_b, IS_CAUSAL=bool(is_causal),
+        HAS_PAD=kpm is not None, num_warps=4, **prob_meta(scoring, block_size, antidiagonal_stride, block_b),
+    )
+    return probs
