@@ -124,7 +124,10 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head dims must match, got q={q.shape[-1]}, k={k.shape[-1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        # (SDPA returns an empty tensor here; a headless attention layer is a bug upstream)
+        raise ValueError(f"q and k/v need at least one head, got q={tuple(q.shape)}, k={tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
         )

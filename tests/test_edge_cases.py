@@ -124,3 +124,91 @@ def test_triton_rejects_fp64_with_a_clear_type_error(method, monkeypatch):
 
 def test_auto_never_measures_triton_for_fp64():
     assert "triton" not in ops._fast_backends("pbs", torch.device("cpu"), torch.float64)
+
+
+# --------------------------------------------------------------------------- empty inputs
+
+
+@pytest.mark.parametrize("method", sorted(EXACT))
+@pytest.mark.parametrize("shape", [(0, 2, 16, 4), (1, 2, 0, 4)], ids=["batch0", "nq0"])
+def test_empty_batch_or_sequence_returns_the_empty_result(method, shape):
+    q = torch.randn(shape, requires_grad=True)
+    k = torch.randn(shape[0], 1, shape[2], shape[3], requires_grad=True)
+    v = torch.randn(k.shape, requires_grad=True)
+    cfg = EXACT[method].replace(**({"threshold": 0.9} if method == "pbs" else {"top_k": 3}))
+    with sparseflow.capture() as cap:
+        out = sparseflow.attention(q, k, v, config=cfg, backend="reference")
+    assert out.shape == shape and cap.calls[-1].sparse == (shape[2] > 0 or method != "pbs")
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    plain = [t.detach() for t in (q, k, v)]
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in plain)
+        assert sparseflow.attention(fq, fk, fv, config=cfg, backend="reference").shape == shape
+
+
+@pytest.mark.parametrize("hq, hkv", [(0, 0), (0, 1)])
+def test_zero_heads_is_a_clear_error(hq, hkv):
+    q, k, v = torch.randn(1, hq, 16, 4), torch.randn(1, hkv, 16, 4), torch.randn(1, hkv, 16, 4)
+    with pytest.raises(ValueError, match="at least one head"):
+        sparseflow.attention(q, k, v, config=EXACT["pisa"], backend="reference")
+
+
+# --------------------------------------------------------------------------- huge top_k
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_huge_top_k_costs_no_more_than_exact_mode(method):
+    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=8, dtype=torch.float32)
+    cfg = EXACT[method].replace(block_size=16)
+    t0 = time.perf_counter()
+    huge = sparseflow.attention(q, k, v, config=cfg.replace(top_k=10**6), backend="reference")
+    assert time.perf_counter() - t0 < 1.0
+    exact = sparseflow.attention(q, k, v, config=cfg.replace(top_k=4), backend="reference")
+    torch.testing.assert_close(huge, exact, rtol=0, atol=0)
+    torch.testing.assert_close(huge, _sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_selection_width_is_clamped_to_the_blocks(method):
+    from sparseflow.kernels.bsa.reference import bsa_select
+    from sparseflow.kernels.pisa.reference import pisa_select
+
+    select = pisa_select if method == "pisa" else bsa_select
+    q, k, _ = _qkv(n=64, d=8, dtype=torch.float32)
+    idx = select(q, k, block_size=16, top_k=10**6)
+    assert idx.shape == (1, 1, 64, 4)
+    assert (idx[0, 0, -1] == torch.arange(4)).all()
+
+
+def test_triton_selection_width_is_clamped_to_the_blocks():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    from sparseflow.kernels.bsa import triton_select as bsa_t
+    from sparseflow.kernels.bsa.reference import bsa_select
+    from sparseflow.kernels.pisa import triton_select as pisa_t
+    from sparseflow.kernels.pisa.reference import pisa_select
+
+    q, k, _ = _qkv(n=32, d=16, dtype=torch.float32)
+    for fast, ref in ((pisa_t.pisa_select, pisa_select), (bsa_t.bsa_select, bsa_select)):
+        idx = fast(q, k, block_size=16, top_k=10**6)
+        assert idx.shape == (1, 1, 32, 2)
+        torch.testing.assert_close(idx, ref(q, k, block_size=16, top_k=10**6), rtol=0, atol=0)
+
+
+def test_decode_selection_width_is_clamped_to_the_cached_blocks():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.kernels.pisa.reference import pisa_select
+
+    q, k, v = _qkv(hq=2, hkv=1, n=33, d=16, dtype=torch.float32)
+    cache = PyramidCache(k[:, :, :32], capacity=64, block_size=8)
+    out, idx = cache.decode_step(q[:, :, -1:], k, v, top_k=10**6)
+    assert idx.shape == (1, 1, 1, 5)  # 33 keys in blocks of 8
+    torch.testing.assert_close(idx.long(), pisa_select(q[:, :, -1:], k, block_size=8, top_k=10**6), rtol=0, atol=0)
+    torch.testing.assert_close(out, _sdpa(q, k, v)[:, :, -1:])

@@ -30,6 +30,7 @@ from ..selection import Selection
 
 __all__ = [
     "num_blocks",
+    "selection_width",
     "default_scale",
     "compute_dtype",
     "chunk_rows",
@@ -55,6 +56,12 @@ _CHUNK_BUDGET = 1 << 22
 
 def num_blocks(n: int, block_size: int) -> int:
     return -(-n // block_size)
+
+
+def selection_width(top_k: int, n_k: int, block_size: int) -> int:
+    """Width of a selection ``[.., K]``: ``top_k`` clamped to the leaf blocks that exist (at least
+    1), so a ``top_k`` beyond them (the exact mode) costs what selecting every block costs."""
+    return max(1, min(int(top_k), num_blocks(n_k, block_size)))
 
 
 def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
@@ -294,7 +301,7 @@ def attend_selected_blocks(
     sc = default_scale(q, scale)
     cdt = compute_dtype(q.dtype)
     dev = q.device
-    if n_k == 0 or n_q == 0:
+    if n_k == 0 or n_q == 0 or b == 0:
         return (q.new_zeros(b, hq, n_q, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     qg = group_queries(q, hkv)
     kb = key_blocks(k.to(cdt), c)  # [B, Hkv, nB, C, D]

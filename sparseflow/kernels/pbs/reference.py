@@ -654,6 +654,8 @@ def permuted_block_attention(
     nb = _num_blocks(n, block_size)
     dev = q.device
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 stays fp64 (oracles)
+    if bsz == 0:  # an empty batch: the empty result, still connected to q, k, v for autograd
+        return (q.new_zeros(0, hq, n, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     neg_inf = torch.tensor(_NEG_INF, dtype=acc, device=dev)
     zero_f = torch.tensor(0.0, dtype=acc, device=dev)
     with torch.no_grad():

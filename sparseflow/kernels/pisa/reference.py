@@ -197,7 +197,8 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
-    if n_k == 0:  # nothing to select from
+    top_k = tb.selection_width(top_k, n_k, block_size)
+    if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
         return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
                 torch.zeros(b, n_q, dtype=torch.long, device=dev))
     sc = tb.default_scale(q, scale)
@@ -280,7 +281,8 @@ def pisa_select(
 ) -> torch.Tensor:
     """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
-    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included. ``beam``:
+    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included (width
+    ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost). ``beam``:
     the walk keeps ``beam * top_k`` nodes at every level above the leaves (see the module
     docstring; 1 = the plain walk)."""
     with torch.no_grad():
