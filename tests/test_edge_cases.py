@@ -212,3 +212,87 @@ def test_decode_selection_width_is_clamped_to_the_cached_blocks():
     assert idx.shape == (1, 1, 1, 5)  # 33 keys in blocks of 8
     torch.testing.assert_close(idx.long(), pisa_select(q[:, :, -1:], k, block_size=8, top_k=10**6), rtol=0, atol=0)
     torch.testing.assert_close(out, _sdpa(q, k, v)[:, :, -1:])
+
+
+# --------------------------------------------------------------------------- NaN keys
+
+
+def _impl(method, backend):
+    return ops._load(method, backend)
+
+
+_NAN_CFG = {
+    "pbs": dict(block_size=8, segment_size=16, threshold=0.5),
+    "pisa": dict(block_size=8, top_k=3),
+    "bsa": dict(block_size=8, top_k=3),
+}
+_TRITON = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                             reason="needs CUDA or the Triton interpreter")
+
+
+def _backends():
+    return ["reference", pytest.param("triton", marks=_TRITON)]
+
+
+def _selection_tensor(sel):
+    return sel.block_mask if sel.block_mask is not None else sel.block_indices
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("method", sorted(_NAN_CFG))
+def test_padded_nan_keys_and_values_influence_nothing(method, backend):
+    q, k, v = _qkv(b=2, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=3)
+    kpm = torch.ones(2, 64, dtype=torch.bool)
+    kpm[0, 50:] = False  # right padding
+    kpm[1, :5] = False  # left padding, and a hole inside a block of the pyramid
+    kpm[1, 20:23] = False
+    nan_k, nan_v = k.clone(), v.clone()
+    for b, bad in enumerate((float("nan"), float("inf"))):
+        nan_k[b, :, ~kpm[b]] = bad
+        nan_v[b, :, ~kpm[b]] = float("nan")
+    zero_k = torch.where(torch.isfinite(nan_k), nan_k, 0.0)
+    zero_v = torch.where(torch.isfinite(nan_v), nan_v, 0.0)
+    fn = _impl(method, backend)
+    kw = dict(key_padding_mask=kpm, is_causal=True, return_selection=True, **_NAN_CFG[method])
+    q.requires_grad_(method != "pbs" or backend == "reference")  # (PBS's Triton kernel is forward-only)
+    out, sel = fn(q, nan_k, nan_v, **kw)
+    want, want_sel = fn(q, zero_k, zero_v, **kw)
+    assert torch.equal(_selection_tensor(sel), _selection_tensor(want_sel))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    if q.requires_grad:
+        (got_dq,) = torch.autograd.grad(out.sum(), q)
+        (want_dq,) = torch.autograd.grad(want.sum(), q)
+        assert torch.isfinite(got_dq).all()
+        torch.testing.assert_close(got_dq, want_dq, rtol=0, atol=0)
+
+
+@_TRITON
+def test_pbs_triton_blocks_narrower_than_a_kernel_tile_equal_the_reference():
+    # block_size 8 < the kernel's 16-key tiles: a tile must not read the next, unselected block
+    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.kernels.pbs import triton_impl as T
+
+    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4)
+    for kw in (dict(threshold=1.0, permute=False), dict(threshold=0.5)):
+        kw = dict(is_causal=True, block_size=8, segment_size=16, **kw)
+        torch.testing.assert_close(T.pbs_attention(q, k, v, **kw), R.pbs_attention(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_pbs_nan_key_leaves_causally_earlier_queries_of_its_block_alone(backend):
+    # like SDPA: a NaN key at position j affects queries >= j only
+    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4)
+    j = 44  # inside query block 5 (positions 40..47), segment 2
+    bad = k.clone()
+    bad[:, :, j] = float("nan")
+    fn = _impl("pbs", backend)
+    for cfg in (dict(threshold=1.0), dict(threshold=0.5, causal_proxy=True)):
+        kw = dict(is_causal=True, block_size=8, segment_size=16, **cfg)
+        out, want = fn(q, bad, v, **kw), fn(q, k, v, **kw)
+        assert out[:, :, j].isnan().all()
+        # (the permutation may differ, so the summation order: fp32 tolerance)
+        torch.testing.assert_close(out[:, :, :j], want[:, :, :j], rtol=1e-5, atol=1e-6)
+    exact = fn(q, bad, v, is_causal=True, block_size=8, segment_size=16, threshold=1.0)
+    ref = F.scaled_dot_product_attention(q, bad.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1), is_causal=True)
+    torch.testing.assert_close(exact[:, :, :j], ref[:, :, :j])

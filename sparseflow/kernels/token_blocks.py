@@ -119,8 +119,10 @@ def leaf_block_sums(
     nb = num_blocks(n_k, block_size)
     kf = k.to(compute_dtype(k.dtype))
     if key_padding_mask is not None:
-        kf = kf * key_padding_mask.to(device=k.device, dtype=kf.dtype)[:, None, :, None]
-        counts = key_padding_mask.to(device=k.device, dtype=torch.long)
+        valid = key_padding_mask.to(device=k.device, dtype=torch.bool)
+        # where, not a 0/1 product: a padded key holding NaN/inf must not reach any sum
+        kf = torch.where(valid[:, None, :, None], kf, torch.zeros((), dtype=kf.dtype, device=kf.device))
+        counts = valid.to(torch.long)
     else:
         counts = torch.ones(b, n_k, dtype=torch.long, device=k.device)
     pad = nb * block_size - n_k
@@ -320,6 +322,10 @@ def attend_selected_blocks(
             ok = ok & kpm.gather(1, torch.where(ok, pos, 0).flatten(1)).view_as(pos)
         ks = gather_blocks(kb_, safe).view(b, hkv, n, kk * c, d)
         vs = gather_blocks(vb_, safe).view(b, hkv, n, kk * c, dv)
+        # hidden keys and values out of every product, backward's too (0 times NaN is NaN)
+        zero = torch.zeros((), dtype=ks.dtype, device=dev)
+        ks = torch.where(ok[..., None], ks, zero)
+        vs = torch.where(ok[..., None], vs, zero)
         logits = torch.einsum("bhgnd,bhnjd->bhgnj", qc.to(cdt), ks) * sc
         logits = logits.masked_fill(~ok[:, :, None], -math.inf)
         mx = logits.detach().amax(-1, keepdim=True)

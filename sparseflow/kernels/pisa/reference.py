@@ -120,10 +120,11 @@ def _reduce_logits(logits: torch.Tensor, ok: torch.Tensor, score: str) -> torch.
     """``logits [B, Hkv, G, Q, M, J]``, ``ok [B, Hkv, 1, Q, M, J]`` -> per-head score ``[B, Hkv, G, Q, M]``."""
     if score == "lse":
         return torch.logsumexp(logits.masked_fill(~ok, -math.inf), dim=-1)
-    okf = ok.to(logits.dtype)
-    cnt = okf.sum(-1).clamp_min(1.0)
-    mean = (logits * okf).sum(-1) / cnt
-    var = (((logits - mean[..., None]) ** 2) * okf).sum(-1) / cnt
+    # where, not a 0/1 product: the logit of a hidden (padded, future) key may be NaN/inf
+    cnt = ok.sum(-1).clamp_min(1).to(logits.dtype)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    mean = torch.where(ok, logits, zero).sum(-1) / cnt
+    var = torch.where(ok, (logits - mean[..., None]) ** 2, zero).sum(-1) / cnt
     return mean + 0.5 * var
 
 
