@@ -32,6 +32,14 @@ Conventions and decisions (where SPEC §3 leaves room):
   softmax runs over the valid keys of the complete segments, no causal mask inside the proxy.
   ``causal_proxy=True`` normalises per segment. A row with no proxy row or no complete segment
   scores 0 everywhere (identity permutation). Tail keys score 0.
+* **Causality.** With ``causal_proxy=True`` the output is causal in keys and values: the output
+  at query ``i`` depends on no key or value after ``i``: a segment's permutation depends on its own keys and the proxy queries only, a
+  query block's candidates are earlier regions (its own region is forced whole, and the element
+  mask hides its later keys). It still depends on *later queries*: the proxy rows are the last
+  valid positions, and the block mean ``q̄_I`` pools the later rows of ``i``'s block. So the
+  result is not causal at model level (a later token changes earlier outputs), and next-token
+  KL over prompt positions measures prefill, where the proxy has seen each position's future.
+  ``causal_proxy=False`` is not causal in keys either (the proxy softmax spans all segments).
 * **Several proxies** (``proxy_blocks = P > 1``, see :func:`proxy_queries`): with ``m`` valid
   query blocks (blocks holding a valid position) ``V[0] < ... < V[m-1]``, proxy ``j = 1..P`` is
   block ``V[ceil(j*m/P) - 1]`` (the block that ends the first ``j/P`` of them; duplicates
