@@ -4,6 +4,7 @@ empty batches, huge top_k, fp64 on Triton.
 
 Triton pieces run in the CPU interpreter (TRITON_INTERPRET=1, set before Triton is imported).
 """
+import importlib.util
 import math
 import os
 import time
@@ -18,6 +19,11 @@ if not torch.cuda.is_available():
 import sparseflow  # noqa: E402
 from sparseflow import ops  # noqa: E402
 from sparseflow.config import BSAConfig, PBSConfig, PISAConfig  # noqa: E402
+
+_TRITON = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton, and CUDA or the Triton interpreter")
 
 EXACT = {
     "pbs": PBSConfig(block_size=4, segment_size=8, threshold=1.0),
@@ -122,6 +128,18 @@ def test_triton_rejects_fp64_with_a_clear_type_error(method, monkeypatch):
         ops.op_for(method)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
 
 
+@_TRITON
+def test_triton_entry_points_reject_fp64_with_a_type_error():
+    from sparseflow.kernels.bsa.triton_impl import bsa_attention
+    from sparseflow.kernels.pbs.triton_impl import pbs_attention
+    from sparseflow.kernels.pisa.triton_impl import pisa_attention
+
+    q, k, v = _qkv(n=32, d=16)
+    for fn in (pbs_attention, pisa_attention, bsa_attention):
+        with pytest.raises(TypeError, match="float64|torch.float64"):
+            fn(q, k, v, block_size=16, **({"segment_size": 32} if fn is pbs_attention else {}))
+
+
 def test_auto_never_measures_triton_for_fp64():
     assert "triton" not in ops._fast_backends("pbs", torch.device("cpu"), torch.float64)
 
@@ -147,6 +165,17 @@ def test_empty_batch_or_sequence_returns_the_empty_result(method, shape):
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in plain)
         assert sparseflow.attention(fq, fk, fv, config=cfg, backend="reference").shape == shape
+
+
+@_TRITON
+@pytest.mark.parametrize("method", sorted(EXACT))
+def test_empty_batch_on_triton_returns_the_empty_result(method):
+    q = torch.randn(0, 2, 64, 16, requires_grad=True)
+    k = torch.randn(0, 1, 64, 16, requires_grad=True)
+    cfg = EXACT[method].replace(block_size=16, **({"segment_size": 32} if method == "pbs" else {}))
+    out = sparseflow.attention(q, k, k, config=cfg, backend="triton")
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
 @pytest.mark.parametrize("hq, hkv", [(0, 0), (0, 1)])
@@ -183,10 +212,8 @@ def test_selection_width_is_clamped_to_the_blocks(method):
     assert (idx[0, 0, -1] == torch.arange(4)).all()
 
 
+@_TRITON
 def test_triton_selection_width_is_clamped_to_the_blocks():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or the Triton interpreter")
     from sparseflow.kernels.bsa import triton_select as bsa_t
     from sparseflow.kernels.bsa.reference import bsa_select
     from sparseflow.kernels.pisa import triton_select as pisa_t
@@ -199,10 +226,8 @@ def test_triton_selection_width_is_clamped_to_the_blocks():
         torch.testing.assert_close(idx, ref(q, k, block_size=16, top_k=10**6), rtol=0, atol=0)
 
 
+@_TRITON
 def test_decode_selection_width_is_clamped_to_the_cached_blocks():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or the Triton interpreter")
     from sparseflow.kernels.pisa.decode import PyramidCache
     from sparseflow.kernels.pisa.reference import pisa_select
 
@@ -226,8 +251,6 @@ _NAN_CFG = {
     "pisa": dict(block_size=8, top_k=3),
     "bsa": dict(block_size=8, top_k=3),
 }
-_TRITON = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                             reason="needs CUDA or the Triton interpreter")
 
 
 def _backends():

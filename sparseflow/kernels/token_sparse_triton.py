@@ -433,6 +433,8 @@ def token_sparse_attention(
         raise ValueError(f"the Triton token-sparse kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton token-sparse kernel takes fp16, bf16 or fp32, got {q.dtype}")
+    if b == 0 or n_q == 0 or k.shape[2] == 0:  # nothing to attend: the empty / zero result, autograd-connected
+        return q.new_zeros(b, hq, n_q, d) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():
