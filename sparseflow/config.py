@@ -85,8 +85,15 @@ class PBSConfig(AttentionConfig):
     ``min_seq_len``: shorter sequences run dense (logged); 0 means only the structural minimum
     (one complete segment).
     ``causal_proxy``: normalise the proxy softmax per segment instead of over all complete
-    segments, so the permutation of a segment depends on no later key (strict causality of the
-    selection); the paper's scheme (False) lets later keys reorder earlier segments.
+    segments, so the permutation of a segment depends on no key of another segment; the paper's
+    scheme (False) lets later keys reorder earlier segments. True makes the output causal in keys
+    and values: the output at query ``i`` (its block selection included) depends on no key or
+    value after ``i``. It is *not* causal in queries: the selection of ``i``'s query block
+    depends on the proxy queries (the prompt's last positions) and on the block's mean query
+    (later positions of the same block), so a later query (in a model: a later token) changes
+    earlier outputs. So neither setting is causal at model level, and a
+    fidelity measured as next-token KL over prompt positions is a prefill measurement: the proxy
+    has seen the future of every position, which token-by-token decoding would not have.
     ``proxy_blocks``: how many query blocks score the keys for the permutation. 1 (default) is
     the paper's proxy, the last ``block_size`` valid queries, which sees every complete segment.
     With P > 1 the proxies are P query blocks spread evenly over the row's valid query blocks

@@ -124,7 +124,10 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(k.shape)}, v={tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head dims must match, got q={q.shape[-1]}, k={k.shape[-1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        # (SDPA returns an empty tensor here; a headless attention layer is a bug upstream)
+        raise ValueError(f"q and k/v need at least one head, got q={tuple(q.shape)}, k={tuple(k.shape)}")
+    if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
         )
@@ -175,11 +178,11 @@ def _triton_usable(device: torch.device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
+def _resolve_backend(method: str, backend: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
     """The concrete backend for a call; ``auto`` here is the static part of the choice (reference
     off CUDA, else ``"measure"``: _run times the fast backends on the call, see autobackend)."""
     if backend == "auto":
-        if device.type == "cuda" and _fast_backends(method, device):
+        if device.type == "cuda" and _fast_backends(method, device, dtype):
             return "measure"
         return "reference"
     if (method, backend) not in IMPLEMENTATIONS:
@@ -193,9 +196,20 @@ def _resolve_backend(method: str, backend: str, device: torch.device) -> str:
     return backend
 
 
-def _fast_backends(method: str, device: torch.device) -> List[str]:
+# The Triton kernels compute in fp32 from 16/32-bit inputs; fp64 (oracles, gradcheck) runs on the reference.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_backend_dtype(method: str, backend: str, dtype: torch.dtype) -> None:
+    """TypeError when an explicitly chosen backend cannot take ``dtype`` (before any kernel compiles)."""
+    if backend == "triton" and method != "dense" and dtype not in TRITON_DTYPES:
+        raise TypeError(f"backend='triton' ({method}) takes float16, bfloat16 or float32 q/k/v, got {dtype}; "
+                        "use backend='reference' (or 'auto') for float64")
+
+
+def _fast_backends(method: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> List[str]:
     fast = [b for b in ("triton", "flex") if (method, b) in IMPLEMENTATIONS]
-    return [b for b in fast if b != "triton" or _triton_usable(device)]
+    return [b for b in fast if b != "triton" or (_triton_usable(device) and dtype in (None,) + TRITON_DTYPES)]
 
 
 def _device_name(device: torch.device) -> str:
@@ -219,7 +233,7 @@ def _auto_choice(method: str, cfg, q, k, v, attn_mask, is_causal, mask, scale) -
         return _load(method, name)(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal,
                                    scale=scale, return_selection=False, **kw)
 
-    choice = default_chooser.choose(key, _fast_backends(method, q.device) + [DENSE_CHOICE], run)
+    choice = default_chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
     return choice, default_chooser.timings.get(key, {})
 
 
@@ -228,16 +242,18 @@ def _load(method: str, backend: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
-def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False) -> torch.Tensor:
+def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False, twice: bool = False) -> torch.Tensor:
     """The real implementation behind every op: analyse, fall back or dispatch, record.
     ``for_grad``: the backward's recomputation (same choice as the forward, through a
-    differentiable backend)."""
+    differentiable backend); ``twice``: through the reference, whose plain torch ops autograd
+    differentiates twice (double backward; the kernels' backward passes are not differentiable)."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
     cfg_cls = METHODS[method]
     n_cfg = len(_config_fields(cfg_cls))
     cfg = cfg_cls(**{f.name: a for f, a in zip(_config_fields(cfg_cls), args[6 : 6 + n_cfg])})
     backend, tag = args[6 + n_cfg], args[7 + n_cfg]
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
+    check_backend_dtype(method, backend, q.dtype)
     cap = _capture.active_capture() if record else None
 
     def dense(reason: str) -> torch.Tensor:
@@ -260,7 +276,7 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     reason = _dense_reason(method, cfg, q, k, mask.is_causal)
     if reason:
         return dense(reason)
-    chosen = _resolve_backend(method, backend, q.device)
+    chosen = _resolve_backend(method, backend, q.device, q.dtype)
     if chosen == "measure":
         chosen, times = _auto_choice(method, cfg, q, k, v, attn_mask, is_causal, mask, scale)
         if chosen == DENSE_CHOICE:
@@ -268,7 +284,7 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
             return dense(f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
                          f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})")
     if for_grad:
-        chosen = _grad_backend(method, chosen, q.device)
+        chosen = "reference" if twice else _grad_backend(method, chosen, q.device)
     want_sel = cap is not None and cap.keep_selections
     if method == "pisa" and chosen == "triton" and n_q == 1 and n_k > 1 and mask.key_padding_mask is None:
         state = _decode_state.current()
@@ -342,6 +358,7 @@ def _define(method: str) -> None:
     def _fake(*args):
         q, k, v, attn_mask, is_causal, scale = args[:6]
         validate_inputs(method, q, k, v, attn_mask, scale, args[-2], args[-1])
+        check_backend_dtype(method, args[-2], q.dtype)
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
     @torch.library.impl(bwd_name, "CompositeExplicitAutograd")
@@ -374,10 +391,31 @@ def _define(method: str) -> None:
         saved = ctx.saved_tensors
         q, k, v = saved[:3]
         mask = saved[3] if ctx.has_mask else None
-        dq, dk, dv = bwd_op(grad, q, k, v, mask, *ctx.rest)
-        return (dq, dk, dv) + (None,) * (3 + len(ctx.rest))
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradient must itself be differentiable, which the backward
+            # op (an opaque kernel) is not; recompute through a twice-differentiable path instead
+            grads = _differentiable_grads(method, grad, (q, k, v, mask) + tuple(ctx.rest))
+        else:
+            grads = bwd_op(grad, q, k, v, mask, *ctx.rest)
+        return tuple(grads) + (None,) * (3 + len(ctx.rest))
 
     torch.library.register_autograd(name, backward, setup_context=setup_context)
+
+
+def _differentiable_grads(method: str, grad: torch.Tensor, args: Tuple) -> Tuple[Optional[torch.Tensor], ...]:
+    """(dq, dk, dv) as differentiable functions of the inputs and of ``grad`` (double backward):
+    the forward is recomputed with the same choice through plain torch ops (the reference or
+    SDPA; the selection carries no gradient), then differentiated with ``create_graph``."""
+    q, k, v = args[:3]
+    with _capture.suspended():
+        out = _run(method, args, record=False, for_grad=True, twice=True)
+    wanted = [i for i, t in enumerate((q, k, v)) if t.requires_grad]
+    grads: List[Optional[torch.Tensor]] = [None, None, None]
+    if out.requires_grad and wanted:
+        got = torch.autograd.grad(out, [args[i] for i in wanted], grad, create_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got):
+            grads[i] = g
+    return tuple(grads)
 
 
 # Precomputed so op_args stays traceable by Dynamo (it cannot introspect dataclass fields).
@@ -415,6 +453,7 @@ def attention(
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     validate_inputs(config.method, q, k, v, attn_mask, scale, backend, tag)
+    check_backend_dtype(config.method, backend, q.dtype)
     return op_for(config.method)(
         q, k, v, attn_mask, is_causal, None if scale is None else float(scale), *op_args(config), backend, tag
     )
@@ -424,13 +463,24 @@ def dense_attention(q, k, v, *, attn_mask=None, is_causal=True, scale=None, tag:
     return attention(q, k, v, config=DenseConfig(), attn_mask=attn_mask, is_causal=is_causal, scale=scale, tag=tag)
 
 
+def _method_config(config, cls):
+    """``config`` (default ``cls()``) after checking it is a ``cls``: a method's function never
+    runs another method's config."""
+    if config is None:
+        return cls()
+    if not isinstance(config, cls):
+        raise TypeError(f"config must be a {cls.__name__} (or None), got {type(config).__name__}; "
+                        "use sparseflow.ops.attention(config=...) to run any method")
+    return config
+
+
 def pbs_attention(q, k, v, *, config: Optional[PBSConfig] = None, **kw):
-    return attention(q, k, v, config=config or PBSConfig(), **kw)
+    return attention(q, k, v, config=_method_config(config, PBSConfig), **kw)
 
 
 def pisa_attention(q, k, v, *, config: Optional[PISAConfig] = None, **kw):
-    return attention(q, k, v, config=config or PISAConfig(), **kw)
+    return attention(q, k, v, config=_method_config(config, PISAConfig), **kw)
 
 
 def bsa_attention(q, k, v, *, config: Optional[BSAConfig] = None, **kw):
-    return attention(q, k, v, config=config or BSAConfig(), **kw)
+    return attention(q, k, v, config=_method_config(config, BSAConfig), **kw)

@@ -303,8 +303,8 @@ def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
     import sparseflow.ops as ops
     from sparseflow.autobackend import default_chooser
 
-    monkeypatch.setattr(ops, "_resolve_backend", lambda method, backend, device: "measure" if backend == "auto" else backend)
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device: ["reference"])
+    monkeypatch.setattr(ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend)
+    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
     default_chooser.clear()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 300, 16, generator=g, requires_grad=True)

@@ -41,7 +41,7 @@ def _naive_walk(q, k, kpm, *, causal, c, top_k, g, score, beam, force_sink=True,
     while sizes[-1] > 1:
         sizes.append(-(-sizes[-1] // g))
     top = len(sizes) - 1
-    out = torch.full((b_, hkv, n, top_k), -1, dtype=torch.long)
+    out = torch.full((b_, hkv, n, min(top_k, sizes[0])), -1, dtype=torch.long)
     for b in range(b_):
         ok_key = [kpm is None or bool(kpm[b, j]) for j in range(n)]
 

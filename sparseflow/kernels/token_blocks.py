@@ -30,6 +30,7 @@ from ..selection import Selection
 
 __all__ = [
     "num_blocks",
+    "selection_width",
     "default_scale",
     "compute_dtype",
     "chunk_rows",
@@ -55,6 +56,12 @@ _CHUNK_BUDGET = 1 << 22
 
 def num_blocks(n: int, block_size: int) -> int:
     return -(-n // block_size)
+
+
+def selection_width(top_k: int, n_k: int, block_size: int) -> int:
+    """Width of a selection ``[.., K]``: ``top_k`` clamped to the leaf blocks that exist (at least
+    1), so a ``top_k`` beyond them (the exact mode) costs what selecting every block costs."""
+    return max(1, min(int(top_k), num_blocks(n_k, block_size)))
 
 
 def default_scale(q: torch.Tensor, scale: Optional[float]) -> float:
@@ -112,8 +119,10 @@ def leaf_block_sums(
     nb = num_blocks(n_k, block_size)
     kf = k.to(compute_dtype(k.dtype))
     if key_padding_mask is not None:
-        kf = kf * key_padding_mask.to(device=k.device, dtype=kf.dtype)[:, None, :, None]
-        counts = key_padding_mask.to(device=k.device, dtype=torch.long)
+        valid = key_padding_mask.to(device=k.device, dtype=torch.bool)
+        # where, not a 0/1 product: a padded key holding NaN/inf must not reach any sum
+        kf = torch.where(valid[:, None, :, None], kf, torch.zeros((), dtype=kf.dtype, device=kf.device))
+        counts = valid.to(torch.long)
     else:
         counts = torch.ones(b, n_k, dtype=torch.long, device=k.device)
     pad = nb * block_size - n_k
@@ -294,7 +303,7 @@ def attend_selected_blocks(
     sc = default_scale(q, scale)
     cdt = compute_dtype(q.dtype)
     dev = q.device
-    if n_k == 0 or n_q == 0:
+    if n_k == 0 or n_q == 0 or b == 0:
         return (q.new_zeros(b, hq, n_q, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     qg = group_queries(q, hkv)
     kb = key_blocks(k.to(cdt), c)  # [B, Hkv, nB, C, D]
@@ -313,6 +322,10 @@ def attend_selected_blocks(
             ok = ok & kpm.gather(1, torch.where(ok, pos, 0).flatten(1)).view_as(pos)
         ks = gather_blocks(kb_, safe).view(b, hkv, n, kk * c, d)
         vs = gather_blocks(vb_, safe).view(b, hkv, n, kk * c, dv)
+        # hidden keys and values out of every product, backward's too (0 times NaN is NaN)
+        zero = torch.zeros((), dtype=ks.dtype, device=dev)
+        ks = torch.where(ok[..., None], ks, zero)
+        vs = torch.where(ok[..., None], vs, zero)
         logits = torch.einsum("bhgnd,bhnjd->bhgnj", qc.to(cdt), ks) * sc
         logits = logits.masked_fill(~ok[:, :, None], -math.inf)
         mx = logits.detach().amax(-1, keepdim=True)

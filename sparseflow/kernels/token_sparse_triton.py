@@ -105,6 +105,15 @@ def _scores(q, k_t, kb, sel, rows_hz, kpm_ptr, b, Nk, offs_c, qk_scale,
 
 
 @triton.jit
+def _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM: tl.constexpr):
+    """The in-range slots that also hold a valid key: padded keys/values are never loaded, so a
+    NaN there cannot reach a product (probability 0 times NaN is NaN)."""
+    if HAS_KPM:
+        kv_ok = kv_ok & (tl.load(kpm_ptr + b * Nk + kpos, mask=kv_ok, other=0) != 0)
+    return kv_ok
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, num_ptr, list_ptr, kpm_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qn,
@@ -147,7 +156,7 @@ def _fwd_kernel(
     while j < n:
         kb = tl.load(list_ptr + lst * LW + j)
         kpos = kb * C + offs_c
-        kv_ok = (offs_c < C) & (kpos < Nk)
+        kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
         k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
         s = tl.where(ok, s, float("-inf"))
@@ -217,7 +226,7 @@ def _bwd_dq_kernel(
     while j < n:
         kb = tl.load(list_ptr + lst * LW + j)
         kpos = kb * C + offs_c
-        kv_ok = (offs_c < C) & (kpos < Nk)
+        kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
         k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v_t = tl.load(v_base + kpos[None, :] * stride_vn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
@@ -260,11 +269,12 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = offs_d < D
     kpos = kb * C + offs_c
-    kv_ok = (offs_c < C) & (kpos < Nk)
+    kv_ok = (offs_c < C) & (kpos < Nk)  # the stores: padded keys get their zero gradient too
+    kv_load = _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM)
     k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + kpos[None, :] * stride_kn + offs_d[:, None],
-                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+                  mask=kv_load[None, :] & d_ok[:, None], other=0.0)
     v_t = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + kpos[None, :] * stride_vn + offs_d[:, None],
-                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+                  mask=kv_load[None, :] & d_ok[:, None], other=0.0)
     dk = tl.zeros([CP, DP], dtype=tl.float32)
     dv = tl.zeros([CP, DP], dtype=tl.float32)
     csr = (b * HKV + hkv) * (NKB + 1) + kb
@@ -423,6 +433,8 @@ def token_sparse_attention(
         raise ValueError(f"the Triton token-sparse kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton token-sparse kernel takes fp16, bf16 or fp32, got {q.dtype}")
+    if b == 0 or n_q == 0 or k.shape[2] == 0:  # nothing to attend: the empty / zero result, autograd-connected
+        return q.new_zeros(b, hq, n_q, d) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():

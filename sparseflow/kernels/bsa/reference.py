@@ -38,7 +38,8 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
-    if n_k == 0:  # nothing to select from
+    top_k = tb.selection_width(top_k, n_k, block_size)
+    if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
         return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
                 torch.zeros(b, n_q, dtype=torch.long, device=dev))
     sc = tb.default_scale(q, scale)
@@ -88,7 +89,8 @@ def bsa_select(
 ) -> torch.Tensor:
     """BSA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
-    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included."""
+    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included (width
+    ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost)."""
     with torch.no_grad():
         idx, _ = _select(
             q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,

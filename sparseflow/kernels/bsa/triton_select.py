@@ -26,6 +26,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ..block_summaries_triton import leaf_sums
+from ..token_blocks import selection_width
 
 __all__ = ["bsa_select", "PRECISIONS"]
 
@@ -182,7 +183,8 @@ def bsa_select(
         raise TypeError(f"the Triton BSA selector takes fp16, bf16 or fp32 q/k, got {q.dtype}")
     b, hq, n_q, d = q.shape
     n_k = k.shape[2]
-    if n_k == 0:
+    top_k = selection_width(top_k, n_k, block_size)
+    if n_k == 0 or b == 0:
         return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=torch.long, device=q.device)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     with torch.no_grad():

@@ -32,6 +32,14 @@ Conventions and decisions (where SPEC §3 leaves room):
   softmax runs over the valid keys of the complete segments, no causal mask inside the proxy.
   ``causal_proxy=True`` normalises per segment. A row with no proxy row or no complete segment
   scores 0 everywhere (identity permutation). Tail keys score 0.
+* **Causality.** With ``causal_proxy=True`` the output is causal in keys and values: the output
+  at query ``i`` depends on no key or value after ``i``: a segment's permutation depends on its own keys and the proxy queries only, a
+  query block's candidates are earlier regions (its own region is forced whole, and the element
+  mask hides its later keys). It still depends on *later queries*: the proxy rows are the last
+  valid positions, and the block mean ``q̄_I`` pools the later rows of ``i``'s block. So the
+  result is not causal at model level (a later token changes earlier outputs), and next-token
+  KL over prompt positions measures prefill, where the proxy has seen each position's future.
+  ``causal_proxy=False`` is not causal in keys either (the proxy softmax spans all segments).
 * **Several proxies** (``proxy_blocks = P > 1``, see :func:`proxy_queries`): with ``m`` valid
   query blocks (blocks holding a valid position) ``V[0] < ... < V[m-1]``, proxy ``j = 1..P`` is
   block ``V[ceil(j*m/P) - 1]`` (the block that ends the first ``j/P`` of them; duplicates
@@ -443,9 +451,11 @@ def _query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
     bsz, h, n, d = q.shape
     nb = _num_blocks(n, block_size)
     total = nb * block_size
-    w = _query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1).float()
+    use = _query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1)
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
-    return (qf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
+    # where, not a 0/1 weight: a NaN in an excluded (padded) row must not reach the mean
+    total_q = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device)).sum(dim=3)
+    return total_q / use.sum(dim=3).clamp_min(1).float()
 
 
 def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
@@ -496,8 +506,8 @@ def block_probabilities(
             for p in range(hp):
                 kv_head = (p * hq_per_hp) // g
                 kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
-                w = kvalid_slot[b, p].float().view(nb, block_size, 1)
-                kbar = (kp.view(nb, block_size, d) * w).sum(1) / w.sum(1).clamp_min(1.0)  # [nB, D]
+                use = kvalid_slot[b, p].view(nb, block_size, 1)
+                kbar = torch.where(use, kp.view(nb, block_size, d), 0.0).sum(1) / use.sum(1).clamp_min(1)  # [nB, D]
                 heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
                 logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
                 logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
@@ -519,11 +529,11 @@ def block_probabilities(
             kv_head = (p * hq_per_hp) // g
             kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
             kvs = kvalid_slot[b, p]
-            kg = (kp * kvs[:, None].float()).view(nb * r, s * d)  # strided key columns
+            kg = torch.where(kvs[:, None], kp, 0.0).view(nb * r, s * d)  # strided key columns (padded: 0)
             kgv = kvs.view(nb * r, s).float()
             for h in range(p * hq_per_hp, (p + 1) * hq_per_hp):
                 qf = torch.nn.functional.pad(q[b, h].float(), (0, 0, 0, total - n))
-                qg = (qf * qv[:, None].float()).view(nb * r, s, d).flip(1).reshape(nb * r, s * d)
+                qg = torch.where(qv[:, None], qf, 0.0).view(nb * r, s, d).flip(1).reshape(nb * r, s * d)
                 for i0 in range(0, nb, chunk_blocks):
                     i1 = min(nb, i0 + chunk_blocks)
                     rows = slice(i0 * r, i1 * r)
@@ -568,7 +578,7 @@ def _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates
                     prob = _safe_softmax(logit.masked_fill(~col_ok, _NEG_INF))
                     mass = prob.view(i1 - i0, r, nb, block_size).sum(-1)  # [c, r, nB]
                     ok = row_ok[i0:i1] & col_ok.view(i1 - i0, r, total).any(-1)  # [c, r]
-                    mass = mass * ok[..., None].float()
+                    mass = torch.where(ok[..., None], mass, 0.0)  # (a padded NaN row's mass is NaN)
                     out[b, h, i0:i1] = mass.sum(1) / ok.sum(1).clamp_min(1)[:, None].float()
     return out
 
@@ -654,7 +664,8 @@ def permuted_block_attention(
     nb = _num_blocks(n, block_size)
     dev = q.device
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 stays fp64 (oracles)
-    neg_inf = torch.tensor(_NEG_INF, dtype=acc, device=dev)
+    if bsz == 0:  # an empty batch: the empty result, still connected to q, k, v for autograd
+        return (q.new_zeros(0, hq, n, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     zero_f = torch.tensor(0.0, dtype=acc, device=dev)
     with torch.no_grad():
         perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total], -1 past N
@@ -676,8 +687,11 @@ def permuted_block_attention(
                 bm = block_mask[b, heads]  # [G, nB, nB]
             kf = torch.cat([k[b, kvh].to(acc), k.new_zeros(1, d, dtype=acc)], dim=0)
             vf = torch.cat([v[b, kvh].to(acc), v.new_zeros(1, dv, dtype=acc)], dim=0)
-            kp = kf[pidx]  # [P, total, D]: permuted keys, zero rows in the slots past N
-            vp = vf[pidx]
+            # permuted keys/values [P, total, D], zero in the slots past N and the padded ones
+            # (probability 0 times a NaN value, or gradient 0 times a NaN key, is still NaN)
+            zero = torch.zeros((), dtype=acc, device=dev)
+            kp = torch.where(gok[..., None], kf[pidx], zero)
+            vp = torch.where(gok[..., None], vf[pidx], zero)
             qg = q[b, heads].to(acc)  # [G, N, D]
             outs: List[Tensor] = []
             for i in range(nb):
@@ -696,13 +710,13 @@ def permuted_block_attention(
                     cols = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)
                     ncols = cols.numel()
                     col_ok = sel[:, blocks, None].expand(g, nblk, block_size).reshape(g, ncols) & gok[:, cols]
-                    all_ok = bool(col_ok.all())
-                    bias = None if all_ok else torch.where(col_ok, zero_f, neg_inf)[:, None, :]  # [G,1,nc]
+                    hide = None if bool(col_ok.all()) else ~col_ok[:, None, :]  # [G, 1, nc]
                     late = (gkmax[blocks] > q0).nonzero() if is_causal else blocks[:0]
                     p0 = int(late[0]) * block_size if late.numel() else ncols  # element mask on p0..
                     if p0 < ncols:
                         late_vis = gpos[:, cols[p0:]][:, None, :] <= qpos[q0:q1, None]  # [P, bq, nl]
-                        late_bias = torch.where(late_vis, zero_f, neg_inf)
+                        future = torch.cat([late_vis.new_zeros(late_vis.shape[0], bq, p0), ~late_vis], dim=-1)
+                        hide = future if hide is None else hide | future  # [G or 1, bq, nc]
                         seen = (late_vis & col_ok[:, None, p0:]).any(dim=-1)  # [G, bq]
                         if p0:
                             seen |= col_ok[:, :p0].any(dim=-1)[:, None]
@@ -718,10 +732,10 @@ def permuted_block_attention(
                     s = torch.matmul(qs.reshape(g * bq, d), kk[0].t()).view(g, bq, ncols)
                 else:
                     s = torch.bmm(qs, kk.transpose(1, 2))
-                if bias is not None:
-                    s.add_(bias)
-                if p0 < ncols:
-                    s[:, :, p0:].add_(late_bias)
+                if hide is not None:
+                    # masked_fill, not an additive -inf bias: a NaN/inf logit of a hidden key (padded,
+                    # unselected or in the query's future) must not reach the softmax
+                    s = s.masked_fill(hide, _NEG_INF)
                 if empty is not None:
                     s = torch.where(empty[..., None], zero_f, s)  # finite rows; output zeroed below
                 pr = torch.softmax(s, dim=-1)

@@ -126,6 +126,9 @@ def _tile(
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    if MASK:
+        # a padded slot's value out of the product (probability 0 times a NaN value is NaN)
+        v = tl.where((kp != 2147483647)[:, None], v, 0.0)
     if INTERP:
         pr = p
         if v.dtype == tl.bfloat16:
@@ -165,6 +168,9 @@ def _pbs_fwd_kernel(
     SUB_N: tl.constexpr = (SPARSE_BLOCK + BLOCK_N - 1) // BLOCK_N
     EVEN_M: tl.constexpr = SPARSE_BLOCK % BLOCK_M == 0
     EVEN_N: tl.constexpr = SPARSE_BLOCK % BLOCK_N == 0
+    # a tile wider than the rest of its sparse block reaches into the next block, which need not
+    # be selected: then even the "full" tiles take the element mask (slots past the block hide)
+    MASK_FULL: tl.constexpr = MASK_ALL | (SPARSE_BLOCK % BLOCK_N != 0)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -229,7 +235,7 @@ def _pbs_fwd_kernel(
                 k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
                 stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
                 SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                MASK_FULL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
             )
             t += 1
         while t < hi_all:
@@ -249,7 +255,7 @@ def _pbs_fwd_kernel(
                 k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
                 stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
                 SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                MASK_ALL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                MASK_FULL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
             )
         for t in range(hi_full, hi_all):
             kb = tl.load(idx_base + t // SUB_N)

@@ -307,6 +307,9 @@ def pbs_attention(
         raise ValueError(f"PBS needs Nq == Nk, got Nq={n}, Nk={k.shape[2]}")
     if v.shape[-1] != d:
         raise ValueError(f"the Triton PBS kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton PBS kernel takes float16, bfloat16 or float32 q/k/v, got {q.dtype}; "
+                        "float64 runs on backend='reference'")
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     hp = hq if gqa_permutation == "query_head" else hkv

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..token_blocks import selection_width
 from ..token_sparse_triton import token_sparse_attention
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
@@ -121,15 +122,16 @@ class PyramidCache:
     def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = 8, score: str = "lse",
                scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
                beam: int = 1) -> torch.Tensor:
-        """Selection ``[B, Hkv, Nq, top_k]`` for the last ``Nq`` positions (``k`` = all cached keys)."""
+        """Selection ``[B, Hkv, Nq, min(top_k, #blocks)]`` for the last ``Nq`` positions (``k`` = all cached keys)."""
         check_beam(beam)
         if score not in SCORE_CODES:
             raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
         if k.shape[2] != self.length:
             raise ValueError(f"k holds {k.shape[2]} keys but the pyramid {self.length}")
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        top_k = selection_width(top_k, self.length, self.block_size)  # at most the blocks that hold a key
         idx = _pisa_select_fwd(q, k, None, self.summ, self.first_valid, self.lvl_off, self.lvl_span, sc, True,
-                               SCORE_CODES[score], self.block_size, self.branching, int(top_k),
+                               SCORE_CODES[score], self.block_size, self.branching, top_k,
                                bool(force_sink), bool(force_previous), int(beam))
         return idx
 

@@ -120,10 +120,11 @@ def _reduce_logits(logits: torch.Tensor, ok: torch.Tensor, score: str) -> torch.
     """``logits [B, Hkv, G, Q, M, J]``, ``ok [B, Hkv, 1, Q, M, J]`` -> per-head score ``[B, Hkv, G, Q, M]``."""
     if score == "lse":
         return torch.logsumexp(logits.masked_fill(~ok, -math.inf), dim=-1)
-    okf = ok.to(logits.dtype)
-    cnt = okf.sum(-1).clamp_min(1.0)
-    mean = (logits * okf).sum(-1) / cnt
-    var = (((logits - mean[..., None]) ** 2) * okf).sum(-1) / cnt
+    # where, not a 0/1 product: the logit of a hidden (padded, future) key may be NaN/inf
+    cnt = ok.sum(-1).clamp_min(1).to(logits.dtype)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    mean = torch.where(ok, logits, zero).sum(-1) / cnt
+    var = torch.where(ok, (logits - mean[..., None]) ** 2, zero).sum(-1) / cnt
     return mean + 0.5 * var
 
 
@@ -197,7 +198,8 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
-    if n_k == 0:  # nothing to select from
+    top_k = tb.selection_width(top_k, n_k, block_size)
+    if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
         return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
                 torch.zeros(b, n_q, dtype=torch.long, device=dev))
     sc = tb.default_scale(q, scale)
@@ -280,7 +282,8 @@ def pisa_select(
 ) -> torch.Tensor:
     """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
-    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included. ``beam``:
+    ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included (width
+    ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost). ``beam``:
     the walk keeps ``beam * top_k`` nodes at every level above the leaves (see the module
     docstring; 1 = the plain walk)."""
     with torch.no_grad():
