@@ -94,6 +94,25 @@ def set_rope(model, rope: str, n: int) -> Optional[float]:
     return factor
 
 
+class _ByteTokenizer:
+    """Token ids = UTF-8 bytes: enough to feed a randomly initialised model real text."""
+
+    def __call__(self, text, return_tensors=None):
+        ids = torch.tensor([list(text.encode("utf-8"))], dtype=torch.long)
+        return type("Encoding", (), {"input_ids": ids})()
+
+
+def random_smollm2(dtype):
+    """SmolLM2-135M's configuration (30 layers, 9 query / 3 KV heads of 64) with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval(), _ByteTokenizer()
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -242,6 +261,8 @@ def run_length(model, tok, n: int, rope: str, args) -> List[Dict[str, object]]:
                 m = copy.deepcopy(model)
                 sparseflow.compile(m, **compile_kwargs(name, args.backend))
                 emit(measure(m, ids, "compile", name, dense, args))
+                if args.show_report:
+                    print(sparseflow.report(m), flush=True)
                 del m
     torch.cuda.empty_cache() if ids.is_cuda else None
     dense_ms = rows[0].get("ms")
@@ -336,6 +357,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-positions", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--random-init", action="store_true",
+                    help="SmolLM2-135M's architecture with random weights and a byte tokenizer (timing and "
+                         "graph checks without the checkpoint; densities and fidelity are not the model's)")
+    ap.add_argument("--show-report", action="store_true", help="print sparseflow.report after each compile row")
     ap.add_argument("--json")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
     args = ap.parse_args(argv)
@@ -355,7 +380,10 @@ def main(argv=None) -> int:
     import sparseflow.hf  # noqa: F401  (registers the attention function on first apply_plan)
 
     t0 = time.perf_counter()
-    model, tok = load_smollm2(dtype=getattr(torch, args.dtype))
+    if args.random_init:
+        model, tok = random_smollm2(getattr(torch, args.dtype))
+    else:
+        model, tok = load_smollm2(dtype=getattr(torch, args.dtype))
     model.to(args.device)
     print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s on {args.device}", flush=True)
     rows: List[Dict[str, object]] = []
