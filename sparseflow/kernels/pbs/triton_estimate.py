@@ -18,6 +18,11 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   selection kernel (which then thresholds exactly as for ``scoring="mean"``) and by
   :func:`block_probabilities` (the reference's ``block_probabilities`` contract, for tests).
 
+The two launches are ``torch.library.triton_op`` custom ops, so ``torch.compile`` traces and
+compiles them: ``sparseflow::pbs_strided_estimate`` (:func:`strided_estimate`) and
+``sparseflow::pbs_strided_probs`` (:func:`block_probabilities`'s probabilities; the selection
+kernel inlines :func:`_strided_prob_row` instead).
+
 Rows are numbered per batch*head: row ``g`` belongs to query block ``g // RPB`` (RPB rows per
 block: ``ceil(bs/s)`` sampled rows or ``bs/s`` strided rows), so a tile may span query blocks
 and the short last block of a tile is just masked. Columns of one loop step: ``JB`` key blocks
@@ -428,7 +433,7 @@ def pbs_strided_estimate(
         q.stride(0), q.stride(1), q.stride(2), k_perm.stride(0), k_perm.stride(1), k_perm.stride(2),
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BS=block_size, STRIDE=stride,
         ANTI=scoring == "antidiagonal", IS_CAUSAL=is_causal, HAS_PAD=has_pad,
-        EXACT_CNT=(not has_pad) and n % block_size == 0, IEEE=q.dtype == torch.float32,
+        EXACT_CNT=bool((not has_pad) and n % block_size == 0), IEEE=q.dtype == torch.float32,
         INTERP=_INTERPRET, **plan,
     )
     return lbm, lse
