@@ -376,7 +376,9 @@ def test_estimate_fake_impl_shapes(pad):
     probs = torch.ops.sparseflow.pbs_strided_probs(*pargs)
     assert lbm.shape == (2 * 3, 5 * 4, 5) and lse.shape == (2 * 3, 5 * 4)  # B*HC, nB*RPB rows, nB blocks
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        def fake(a):
+            return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
         f_lbm, f_lse = torch.ops.sparseflow.pbs_strided_estimate(*map(fake, args))
         f_probs = torch.ops.sparseflow.pbs_strided_probs(*map(fake, pargs))
     for got, real in ((f_lbm, lbm), (f_lse, lse), (f_probs, probs)):
