@@ -321,3 +321,103 @@ def test_interior_steps_without_masks(scoring, s, causal, poisoned):
     got = poisoned(E.block_probabilities, q, k, perm, is_causal=causal, block_size=bs, segment_size=seg,
                    scoring=scoring, antidiagonal_stride=s, block_m=16, block_n=16)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _est_op_args(scoring, pad, dtype=torch.float32):
+    """Arguments of ``sparseflow::pbs_strided_estimate`` (as ``strided_estimate`` resolves them)
+    for a small GQA problem, heads 1..3 of 4 (a head chunk)."""
+    n, bs, seg, s = 70, 16, 32, 4
+    q, k, _ = _qkv(2, 4, 2, n, 32, dtype, seed=31)
+    kpm = _padding("holes", 2, n) if pad else None
+    perm = _perm(q, k, kpm, bs, seg, "kv_head")
+    kpos, lens, qvalid = E.padding_inputs(kpm, perm, bs)
+    plan = E.estimate_plan(scoring, bs, s, 16, 16)
+    return (q, TI.permute_kv(k, perm), kpos, lens, qvalid, scoring, s, 2, 1, 3, True, 32 ** -0.5, bs, seg,
+            16, 16, plan["num_warps"], plan["num_stages"])
+
+
+def _probs_op_args(est_args):
+    lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(*est_args)
+    q, _, _, lens, qvalid, scoring, s, _, _, hc, causal, _, bs, seg = est_args[:14]
+    return (lbm, lse, qvalid, lens, scoring, s, hc, q.shape[2], causal, bs, seg)
+
+
+def _opcheck(op, args):
+    if INTERPRET:
+        # as for sparseflow::pbs_block_sparse_fwd (tests/test_pbs_triton.py): under the interpreter
+        # wrap_triton hands back the raw kernel, which cannot run on fake or functional tensors, so
+        # the AOT-dispatch checks cannot trace it; all of opcheck runs on CUDA
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    else:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("scoring", ["sampled_rows", "antidiagonal"])
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+def test_opcheck_estimate_ops(scoring, pad):
+    args = _est_op_args(scoring, pad)
+    _opcheck(torch.ops.sparseflow.pbs_strided_estimate.default, args)
+    _opcheck(torch.ops.sparseflow.pbs_strided_probs.default, _probs_op_args(args))
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+def test_estimate_fake_impl_shapes(pad):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _est_op_args("sampled_rows", pad)
+    lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(*args)
+    pargs = _probs_op_args(args)
+    probs = torch.ops.sparseflow.pbs_strided_probs(*pargs)
+    assert lbm.shape == (2 * 3, 5 * 4, 5) and lse.shape == (2 * 3, 5 * 4)  # B*HC, nB*RPB rows, nB blocks
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        def fake(a):
+            return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+
+        f_lbm, f_lse = torch.ops.sparseflow.pbs_strided_estimate(*map(fake, args))
+        f_probs = torch.ops.sparseflow.pbs_strided_probs(*map(fake, pargs))
+    for got, real in ((f_lbm, lbm), (f_lse, lse), (f_probs, probs)):
+        assert got.shape == real.shape and got.dtype == real.dtype == torch.float32
+
+
+def test_selection_launches_through_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, _ = _qkv(1, 2, 1, 64, 32, torch.float32, seed=4)
+    perm = _perm(q, k, None, 16, 32, "query_head")
+    with Record() as rec:
+        _block_lists(q, k, perm, None, block_size=16, segment_size=32, threshold=0.9, scoring="antidiagonal",
+                     antidiagonal_stride=4)
+    assert "sparseflow.pbs_strided_estimate.default" in rec.ops
+
+
+@gpu
+@pytest.mark.parametrize("scoring", ["sampled_rows", "antidiagonal"])
+def test_cuda_compile_fullgraph_estimate(scoring):
+    # Inductor compiles its own copies of the kernels and types the Python-float scale fp64 (cast
+    # to fp32 in the kernel)
+    args = _est_op_args(scoring, True, torch.bfloat16)
+
+    def f(*a):
+        lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(*a)
+        probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, a[4], a[3], a[5], a[6], a[9], a[0].shape[2], a[10],
+                                                       a[12], a[13])
+        return lse * 2, probs
+
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True)(*args)
+    torch.testing.assert_close(compiled, eager)

@@ -18,6 +18,11 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   selection kernel (which then thresholds exactly as for ``scoring="mean"``) and by
   :func:`block_probabilities` (the reference's ``block_probabilities`` contract, for tests).
 
+The two launches are ``torch.library.triton_op`` custom ops, so ``torch.compile`` traces and
+compiles them: ``sparseflow::pbs_strided_estimate`` (:func:`strided_estimate`) and
+``sparseflow::pbs_strided_probs`` (:func:`block_probabilities`'s probabilities; the selection
+kernel inlines :func:`_strided_prob_row` instead).
+
 Rows are numbered per batch*head: row ``g`` belongs to query block ``g // RPB`` (RPB rows per
 block: ``ceil(bs/s)`` sampled rows or ``bs/s`` strided rows), so a tile may span query blocks
 and the short last block of a tile is just masked. Columns of one loop step: ``JB`` key blocks
@@ -33,8 +38,11 @@ the exponential unit about as much as by the tensor cores; the strided rows take
 (row, strided column) against an ``s*D``-deep dot and are tensor-core bound.
 
 Status: identical selections to the reference on the CPU interpreter
-(tests/test_pbs_triton_estimate.py) and compiled for sm_90 (tests/sm90_compile.py); the CUDA
-check and timing are benchmarks/check_pbs_estimate_cuda.py (not yet run on the H200).
+(tests/test_pbs_triton_estimate.py) and on the H200 (benchmarks/check_pbs_estimate_cuda.py:
+benchmarks/results/pbs_estimate_h200.json, N = 4K and 16K, both scorings and GQA permutations,
+stride 8, threshold 0.9); compiled for sm_90 (tests/sm90_compile.py). The estimate alone takes
+0.11-0.17 of cuDNN's dense causal attention at 8K-128K on the H200 (same file, B=1, Hq=32, Hkv=8,
+D=128, bf16, stride 8): above the ``1/(2s)`` FLOP ratio (0.0625).
 """
 from __future__ import annotations
 
@@ -45,13 +53,16 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from . import reference as _ref
 
-__all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block"]
+__all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
+           "pbs_strided_probs"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
+_DEFAULT_TILE = 64 if _INTERPRET else 128  # estimate rows and key columns per tile (estimate_plan)
 _PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
 
 
@@ -327,9 +338,8 @@ def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[
     rpb = rows_per_block(scoring, block_size, stride)
     cpb = block_size if scoring == "sampled_rows" else block_size // stride
     cpbp = triton.next_power_of_2(cpb)
-    tile = 64 if _INTERPRET else 128
-    block_m = tile if block_m is None else block_m
-    block_n = tile if block_n is None else block_n
+    block_m = _DEFAULT_TILE if block_m is None else block_m
+    block_n = _DEFAULT_TILE if block_n is None else block_n
     jb = max(1, max(16, block_n) // cpbp)
     anti = scoring == "antidiagonal"
     return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m,
@@ -362,34 +372,84 @@ def strided_estimate(
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
     ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
     ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
-    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`)."""
+    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`).
+    Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so the op's arguments
+    are the whole launch)."""
     _check(scoring, block_size, stride)
-    bsz, hq, n, d = q.shape
-    hc = hq - h0 if hc is None else hc
-    nb = -(-n // block_size)
+    hc = q.shape[1] - h0 if hc is None else hc
+    block_m = _DEFAULT_TILE if block_m is None else block_m
+    block_n = _DEFAULT_TILE if block_n is None else block_n
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
-    nrows = nb * plan["RPB"]
-    ntiles = -(-nrows // plan["BLOCK_M"])
-    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.sparseflow.pbs_strided_estimate(
+        q, k_perm, kpos, lens, qvalid, scoring, stride, hp, h0, hc, bool(is_causal), sc, block_size, segment_size,
+        block_m, block_n, plan["num_warps"], plan["num_stages"])
+
+
+def _estimate_shapes(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int):
+    """``(lbm, lse)`` shapes of the estimate of ``hc`` query heads of ``q [B, Hq, N, D]``."""
+    nb = -(-q.shape[2] // block_size)
+    nrows = nb * rows_per_block(scoring, block_size, stride)
+    return (q.shape[0] * hc, nrows, nb), (q.shape[0] * hc, nrows)
+
+
+@triton_op("sparseflow::pbs_strided_estimate", mutates_args={})
+def pbs_strided_estimate(
+    q: torch.Tensor,
+    k_perm: torch.Tensor,
+    kpos: Optional[torch.Tensor],
+    lens: Optional[torch.Tensor],
+    qvalid: Optional[torch.Tensor],
+    scoring: str,
+    stride: int,
+    hp: int,
+    h0: int,
+    hc: int,
+    is_causal: bool,
+    scale: float,
+    block_size: int,
+    segment_size: int,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The launch behind :func:`strided_estimate` (every argument resolved; ``scale`` is the
+    softmax scale)."""
+    bsz, hq, n, d = q.shape
+    plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
+    lbm_shape, lse_shape = _estimate_shapes(q, scoring, stride, hc, block_size)
+    nb, nrows = lbm_shape[2], lbm_shape[1]
+    ntiles = -(-nrows // block_m)
     has_pad = lens is not None
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_perm.stride(-1) != 1:
         k_perm = k_perm.contiguous()
-    lbm = torch.empty(bsz * hc, nrows, nb, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz * hc, nrows, dtype=torch.float32, device=q.device)
-    dummy = lse
-    anti = scoring == "antidiagonal"
-    block_d = max(16, triton.next_power_of_2(d))
-    _strided_estimate_kernel[(bsz * hc, ntiles)](
+    lbm = torch.empty(lbm_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    # (a separate placeholder for the unused padding pointers, so no input aliases an output)
+    dummy = torch.empty(1, dtype=torch.int32, device=q.device) if not has_pad else None
+    wrap_triton(_strided_estimate_kernel)[(bsz * hc, ntiles)](
         q, k_perm, kpos if has_pad else dummy, qvalid if has_pad else dummy, lens if has_pad else dummy, lbm, lse,
-        h0, hc, hq // hp, hp, n, nb, nrows, ntiles, sc * _LOG2E, segment_size,
+        h0, hc, hq // hp, hp, n, nb, nrows, ntiles, scale * _LOG2E, segment_size,
         q.stride(0), q.stride(1), q.stride(2), k_perm.stride(0), k_perm.stride(1), k_perm.stride(2),
-        HEAD_DIM=d, BLOCK_D=block_d, BS=block_size, STRIDE=stride, ANTI=anti, IS_CAUSAL=bool(is_causal),
-        HAS_PAD=has_pad, EXACT_CNT=(not has_pad) and n % block_size == 0, IEEE=q.dtype == torch.float32,
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BS=block_size, STRIDE=stride,
+        ANTI=scoring == "antidiagonal", IS_CAUSAL=is_causal, HAS_PAD=has_pad,
+        EXACT_CNT=bool((not has_pad) and n % block_size == 0), IEEE=q.dtype == torch.float32,
         INTERP=_INTERPRET, **plan,
     )
     return lbm, lse
+
+
+@pbs_strided_estimate.register_fake
+def _(q, k_perm, kpos, lens, qvalid, scoring, stride, hp, h0, hc, is_causal, scale, block_size, segment_size,
+      block_m, block_n, num_warps, num_stages):
+    torch._check(q.dim() == 4 and k_perm.dim() == 4, lambda: "q and k_perm must be 4-D")
+    torch._check(lens is None or (kpos is not None and qvalid is not None),
+                 lambda: "with lens, kpos and qvalid are needed too")
+    lbm_shape, lse_shape = _estimate_shapes(q, scoring, stride, hc, block_size)
+    return q.new_empty(lbm_shape, dtype=torch.float32), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def padding_inputs(key_padding_mask: Optional[torch.Tensor], permutation: torch.Tensor, block_size: int,
@@ -444,11 +504,41 @@ def block_probabilities(
                                 stride=antidiagonal_stride, hp=hp, is_causal=is_causal, scale=scale,
                                 block_size=block_size, segment_size=segment_size, block_m=block_m,
                                 block_n=block_n)
-    probs = torch.empty(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
+    probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, qvalid, lens, scoring, antidiagonal_stride, hq, n,
+                                                   bool(is_causal), block_size, segment_size)
+    return probs.view(bsz, hq, nb, nb)
+
+
+@triton_op("sparseflow::pbs_strided_probs", mutates_args={})
+def pbs_strided_probs(
+    lbm: torch.Tensor,
+    lse: torch.Tensor,
+    qvalid: Optional[torch.Tensor],
+    lens: Optional[torch.Tensor],
+    scoring: str,
+    stride: int,
+    hc: int,
+    n: int,
+    is_causal: bool,
+    block_size: int,
+    segment_size: int,
+) -> torch.Tensor:
+    """fp32 ``[B*HC, nB, nB]`` block probabilities from :func:`strided_estimate`'s ``(lbm, lse)``
+    of ``hc`` heads over ``n`` tokens (``qvalid``/``lens``: its padding inputs, None without)."""
+    bhc, nrows, nb = lbm.shape
+    has_pad = lens is not None
+    probs = torch.empty(bhc, nb, nb, dtype=torch.float32, device=lbm.device)
+    dummy = torch.empty(1, dtype=torch.int32, device=lbm.device) if not has_pad else None
     block_b = max(16, triton.next_power_of_2(nb))
-    _strided_probs_kernel[(nb, bsz * hq)](
-        lbm, lse, qvalid if kpm is not None else lse, lens if kpm is not None else lse, probs, hq, n, nb,
-        lbm.shape[1], segment_size, BS=block_size, BLOCK_B=block_b, IS_CAUSAL=bool(is_causal),
-        HAS_PAD=kpm is not None, num_warps=4, **prob_meta(scoring, block_size, antidiagonal_stride, block_b),
+    wrap_triton(_strided_probs_kernel)[(nb, bhc)](
+        lbm, lse, qvalid if has_pad else dummy, lens if has_pad else dummy, probs, hc, n, nb, nrows, segment_size,
+        BS=block_size, BLOCK_B=block_b, IS_CAUSAL=is_causal, HAS_PAD=has_pad, num_warps=4,
+        **prob_meta(scoring, block_size, stride, block_b),
     )
     return probs
+
+
+@pbs_strided_probs.register_fake
+def _(lbm, lse, qvalid, lens, scoring, stride, hc, n, is_causal, block_size, segment_size):
+    torch._check(lbm.dim() == 3 and lse.dim() == 2, lambda: "lbm must be 3-D and lse 2-D")
+    return lbm.new_empty((lbm.shape[0], lbm.shape[2], lbm.shape[2]), dtype=torch.float32)

@@ -18,15 +18,22 @@ index, via a packed 64-bit key), finds the prefix whose mass reaches the thresho
 forced blocks (own region, sink) and writes ``kv_num``, ``kv_full``, ``kv_idx`` (unmasked blocks
 first, ascending; then the rest, ascending) and, optionally, the bool block mask. With
 ``scoring="sampled_rows"|"antidiagonal"`` the same kernel takes its probabilities from
-``triton_estimate``'s one-pass strided estimate instead of the pooled logits.
+``triton_estimate``'s one-pass strided estimate (the ``sparseflow::pbs_strided_estimate`` op)
+instead of the pooled logits.
 
 Pooling (block means over valid tokens) and the small per-row tensors (regions, key-block
 validity, sink block) are vectorised torch ops; the pooled keys come from the permuted K that the
 attention layout needs anyway. Conventions are the reference's (see reference.py's docstring).
 
-Status: checked against the reference on the CPU interpreter (tests/test_pbs_triton.py: scores
-to ~1e-7 relative, identical permutations and selections); not yet compiled or timed on the
-H200 -- ``triton_impl`` uses these only when ``SPARSEFLOW_PBS_SELECT=triton``.
+Status: ``triton_impl`` uses these by default on CUDA (``SPARSEFLOW_PBS_SELECT=reference`` selects
+with the reference's torch stages instead; off CUDA that is the default). Checked against the
+reference on the CPU interpreter (tests/test_pbs_triton.py: scores to ~1e-7 relative, identical
+permutations and selections; tests/test_pbs_triton_estimate.py for the strided scorings) and
+compiled for sm_90 (tests/sm90_compile.py). On the H200 (benchmarks/results/pbs_stages_h200.json:
+B=1, Hq=32, Hkv=8, D=128, bf16, ``scoring="mean"``, threshold 0.9), scores + sort + selection take
+0.26 / 0.73 / 2.82 ms at N = 8K / 32K / 128K (cuDNN dense attention: 0.99 / 14.6 / 251 ms); the
+selection equals the reference's at 8K and 32K and differs at 128K in 6 blocks, all near-ties of
+the threshold rule (``selection_diff`` in benchmarks/pbs.py).
 """
 from __future__ import annotations
 
