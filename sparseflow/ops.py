@@ -584,14 +584,16 @@ def attention(
     method = config.method
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
     check_backend_dtype(method, backend, q.dtype)
-    values, entry = _config_call(config)
-    args = (q, k, v, attn_mask, is_causal, None if scale is None else float(scale)) + values + (backend, tag)
+    scale = None if scale is None else float(scale)
     if not _plain_eager(q, k, v, attn_mask):
-        return op_for(method)(*args)
+        # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
+        return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config), backend, tag)
+    values, entry = _config_call(config)
+    args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
     plan = _plan(method, args, entry)
     if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
         # exactly what the op computes and records for this plan, without the dispatcher's cost
-        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, args[5], _capture.active_capture())
+        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
     token = _PREPARED.set((method, args, plan))
     try:
         return op_for(method)(*args)
