@@ -122,18 +122,19 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes of q, k, v must match, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(k.shape)}, v={tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k head dims must match, got q={q.shape[-1]}, k={k.shape[-1]}")
-    if q.shape[1] == 0 or k.shape[1] == 0:
+    qs, ks, vs = q.shape, k.shape, v.shape  # every call pays for these checks: read each shape once
+    if not (qs[0] == ks[0] == vs[0]):
+        raise ValueError(f"batch sizes of q, k, v must match, got {qs[0]}, {ks[0]}, {vs[0]}")
+    if ks[:3] != vs[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(ks)}, v={tuple(vs)}")
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q and k head dims must match, got q={qs[-1]}, k={ks[-1]}")
+    if qs[1] == 0 or ks[1] == 0:
         # (SDPA returns an empty tensor here; a headless attention layer is a bug upstream)
-        raise ValueError(f"q and k/v need at least one head, got q={tuple(q.shape)}, k={tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q and k/v need at least one head, got q={tuple(qs)}, k={tuple(ks)}")
+    if qs[1] % ks[1]:
         raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+            f"query heads ({qs[1]}) must be a multiple of key/value heads ({ks[1]})"
         )
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):

@@ -132,10 +132,13 @@ def test_attention_validates_once_and_direct_op_calls_still_validate(monkeypatch
     seen = []
     real = ops.validate_inputs
     monkeypatch.setattr(ops, "validate_inputs", lambda *a: seen.append(a[0]) or real(*a))
-    q, k, v = _qkv(64)
-    with sparseflow.capture() as cap:
-        sparseflow.attention(q, k, v, config=BSAConfig(block_size=16, top_k=3), backend="reference")
-    assert cap.calls[-1].sparse and seen == ["bsa"]  # entered the op, validated once
+    for requires_grad in (False, True):  # through the op's autograd layer too
+        seen.clear()
+        q, k, v = _qkv(64, requires_grad=requires_grad)
+        with sparseflow.capture() as cap:
+            sparseflow.attention(q, k, v, config=BSAConfig(block_size=16, top_k=3), backend="reference")
+        assert cap.calls[-1].sparse and seen == ["bsa"]  # entered the op, validated once
+    q, k, v = (t.detach() for t in (q, k, v))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         op_for("bsa")(q, k[:, :1].expand(1, 3, 64, 16), v[:, :1].expand(1, 3, 64, 16), None, True, None,
                       *op_args(BSAConfig(block_size=16, top_k=3)), "reference", "")
