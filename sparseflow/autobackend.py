@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,10 +37,14 @@ class BackendChooser:
         self.reps = int(reps)
         self.choices: Dict[Tuple, str] = {}
         self.timings: Dict[Tuple, Dict[str, float]] = {}
+        # the ops' per-call memo over choose(): (config, shape bucket, device, ...) -> (backend,
+        # dense reason or None), so a decided call neither rebuilds the key below nor its reason
+        self.decisions: Dict[Tuple, Tuple[str, Optional[str]]] = {}
 
     def clear(self) -> None:
         self.choices.clear()
         self.timings.clear()
+        self.decisions.clear()
 
     def _time(self, run: Callable[[str], torch.Tensor], name: str) -> float:
         """Milliseconds per call after one warm-up call (which compiles / autotunes): CUDA events

@@ -13,16 +13,20 @@ take a config object instead of loose arguments.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import importlib
 import importlib.util
+import itertools
 import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import autobackend as _autobackend
 from . import decode_state as _decode_state
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
@@ -118,18 +122,19 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes of q, k, v must match, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(k.shape)}, v={tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k head dims must match, got q={q.shape[-1]}, k={k.shape[-1]}")
-    if q.shape[1] == 0 or k.shape[1] == 0:
+    qs, ks, vs = q.shape, k.shape, v.shape  # every call pays for these checks: read each shape once
+    if not (qs[0] == ks[0] == vs[0]):
+        raise ValueError(f"batch sizes of q, k, v must match, got {qs[0]}, {ks[0]}, {vs[0]}")
+    if ks[:3] != vs[:3]:
+        raise ValueError(f"k and v must agree in batch, heads and length, got k={tuple(ks)}, v={tuple(vs)}")
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"q and k head dims must match, got q={qs[-1]}, k={ks[-1]}")
+    if qs[1] == 0 or ks[1] == 0:
         # (SDPA returns an empty tensor here; a headless attention layer is a bug upstream)
-        raise ValueError(f"q and k/v need at least one head, got q={tuple(q.shape)}, k={tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q and k/v need at least one head, got q={tuple(qs)}, k={tuple(ks)}")
+    if qs[1] % ks[1]:
         raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+            f"query heads ({qs[1]}) must be a multiple of key/value heads ({ks[1]})"
         )
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
@@ -175,6 +180,12 @@ def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> s
 def _triton_usable(device: torch.device) -> bool:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
+    return _triton_installed()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    # an installation does not change within a process; find_spec costs microseconds per call
     return importlib.util.find_spec("triton") is not None
 
 
@@ -219,13 +230,88 @@ def _device_name(device: torch.device) -> str:
 DENSE_CHOICE = "sdpa"  # what the auto chooser calls dense attention among its candidates
 
 
-def _auto_choice(method: str, cfg, q, k, v, attn_mask, is_causal, mask, scale) -> str:
-    """Measure the fast backends and dense SDPA on this call (once per shape bucket) and return
-    the fastest: the op is never slower than dense at a length it has measured."""
-    from .autobackend import default_chooser
+# --------------------------------------------------------------------------- per-call caches
+# A decided call should cost what SDPA costs: everything that depends only on the call's
+# arguments (the config object, its implementation kwargs, the auto choice and its reason) is
+# built once per distinct argument tuple and looked up afterwards.
 
-    kw = _impl_kwargs(cfg)
-    key = default_chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None))
+
+class _ConfigEntry(NamedTuple):
+    cfg: AttentionConfig
+    kwargs: Dict[str, Any]  # the implementation's keyword arguments (all fields but min_seq_len)
+    serial: int  # never reused, so a key holding it can never mean another config
+
+
+_CACHE_LIMIT = 512  # distinct configs per process; past it the caches start over (correct, slower)
+_BY_VALUES: Dict[Tuple, _ConfigEntry] = {}
+_BY_CONFIG: Dict[AttentionConfig, Tuple[Tuple, _ConfigEntry]] = {}
+_SERIALS = itertools.count()
+
+
+def _config_entry(method: str, values: Tuple) -> _ConfigEntry:
+    """The config the op's flattened arguments describe, validated and built once per tuple."""
+    # the types are part of the key: True == 1 and 1 == 1.0, yet a config validates its types
+    key = (method, values, tuple(map(type, values)))
+    entry = _BY_VALUES.get(key)
+    if entry is None:
+        cfg = METHODS[method](**dict(zip(_NAMES[method], values)))
+        entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS))
+        if len(_BY_VALUES) >= _CACHE_LIMIT:
+            _BY_VALUES.clear()
+        _BY_VALUES[key] = entry
+    return entry
+
+
+def _config_call(config: AttentionConfig) -> Tuple[Tuple, _ConfigEntry]:
+    """(op arguments, entry) of a config object, as the op would rebuild it from those arguments."""
+    try:
+        hit = _BY_CONFIG.get(config)
+    except TypeError:  # an unhashable (non-frozen) subclass: no caching
+        hit = None
+    if hit is None:
+        values = tuple(op_args(config))
+        hit = (values, _config_entry(config.method, values))
+        try:
+            if len(_BY_CONFIG) >= _CACHE_LIMIT:
+                _BY_CONFIG.clear()
+            _BY_CONFIG[config] = hit
+        except TypeError:
+            pass
+    return hit
+
+
+def _impl_kwargs(cfg: AttentionConfig) -> Dict[str, Any]:
+    # min_seq_len is the dispatcher's (dense below it); implementations take the method's fields
+    return {name: getattr(cfg, name) for name in _NAMES[cfg.method] if name != "min_seq_len"}
+
+
+def _auto_key(entry: _ConfigEntry, q, k, mask) -> Tuple:
+    # what an auto decision depends on; the chooser's own (coarser) key is built only on a miss
+    return (entry.serial, q.device, q.dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[3],
+            _autobackend._bucket(q.shape[2]), _autobackend._bucket(k.shape[2]),
+            mask.is_causal, mask.key_padding_mask is not None, os.environ.get(_autobackend.ENV_OVERRIDE))
+
+
+def _auto_choice(method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale) -> Tuple[str, Optional[str]]:
+    """``(backend, dense reason)`` for ``backend="auto"``: the reason is None when a sparse
+    backend runs. Decided once per key of the default chooser (its ``clear()`` forgets them)."""
+    chooser = _autobackend.default_chooser
+    key = _auto_key(entry, q, k, mask)
+    decision = chooser.decisions.get(key)
+    if decision is None:
+        decision = _decide(chooser, method, entry, q, k, v, attn_mask, is_causal, mask, scale)
+        chooser.decisions[key] = decision
+    return decision
+
+
+def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale) -> Tuple[str, Optional[str]]:
+    """The static choice (reference off CUDA), else the fastest measured on this call, with the
+    reason to log when that is dense SDPA: the op is never slower than dense at a length it has measured."""
+    chosen = _resolve_backend(method, "auto", q.device, q.dtype)
+    if chosen != "measure":
+        return chosen, None
+    kw = entry.kwargs
+    key = chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None))
 
     def run(name: str):
         if name == DENSE_CHOICE:
@@ -233,13 +319,88 @@ def _auto_choice(method: str, cfg, q, k, v, attn_mask, is_causal, mask, scale) -
         return _load(method, name)(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal,
                                    scale=scale, return_selection=False, **kw)
 
-    choice = default_chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
-    return choice, default_chooser.timings.get(key, {})
+    choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
+    if choice != DENSE_CHOICE:
+        return choice, None
+    times = chooser.timings.get(key, {})
+    others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
+    return choice, (f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
+                    f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})")
 
 
 def _load(method: str, backend: str) -> Callable:
     module, fn = IMPLEMENTATIONS[(method, backend)].split(":")
     return getattr(importlib.import_module(module), fn)
+
+
+# --------------------------------------------------------------------------- the call's plan
+
+
+class _Plan(NamedTuple):
+    entry: _ConfigEntry
+    mask: Any  # the MaskAnalysis (None for the dense method)
+    reason: Optional[str]  # None: runs sparse on ``backend``; else runs dense SDPA, logged when non-empty
+    backend: str
+
+
+def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Plan:
+    """What a (validated) call computes: dense with its reason, or which sparse backend.
+    ``entry``: the config of ``args`` when the caller has it already."""
+    q, k, v, attn_mask, is_causal, scale = args[:6]
+    n_cfg = len(_NAMES[method])
+    if entry is None:
+        entry = _config_entry(method, args[6 : 6 + n_cfg])
+    if method == "dense":
+        return _Plan(entry, None, "", DENSE_CHOICE)
+    mask = analyse_mask(attn_mask, is_causal, q.shape[0], q.shape[2], k.shape[2])
+    if not mask.supported:
+        return _Plan(entry, mask, mask.reason, DENSE_CHOICE)
+    if v.shape[-1] != q.shape[-1]:
+        return _Plan(entry, mask, f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]}", DENSE_CHOICE)
+    reason = _dense_reason(method, entry.cfg, q, k, mask.is_causal)
+    if reason:
+        return _Plan(entry, mask, reason, DENSE_CHOICE)
+    backend = args[6 + n_cfg]
+    if backend == "auto":
+        chosen, reason = _auto_choice(method, entry, q, k, v, attn_mask, is_causal, mask, scale)
+    else:
+        chosen, reason = _resolve_backend(method, backend, q.device, q.dtype), None
+    return _Plan(entry, mask, reason, chosen)
+
+
+def _checked_plan(method: str, args: Tuple) -> _Plan:
+    q, k, v, attn_mask, _, scale = args[:6]
+    backend, tag = args[-2], args[-1]
+    validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
+    check_backend_dtype(method, backend, q.dtype)
+    return _plan(method, args)
+
+
+# attention() validates and plans a call before entering the op; the op's implementation takes
+# that plan instead of redoing it when it receives exactly those arguments (the same tensor
+# objects), and validates and plans itself otherwise (a direct torch.ops.sparseflow call).
+_PREPARED: contextvars.ContextVar[Optional[Tuple[str, Tuple, _Plan]]] = contextvars.ContextVar(
+    "sparseflow_prepared", default=None)
+
+
+def _prepared_plan(method: str, args: Tuple) -> Optional[_Plan]:
+    got = _PREPARED.get()
+    if got is None:
+        return None
+    m, ref, plan = got
+    same = (m == method and len(args) == len(ref) and args[0] is ref[0] and args[1] is ref[1]
+            and args[2] is ref[2] and args[3] is ref[3] and args[4:] == ref[4:])
+    return plan if same else None
+
+
+def _dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap) -> torch.Tensor:
+    """Dense SDPA for a call the plan sends there: logged (and tallied) with its reason, recorded."""
+    if reason:
+        _capture.log_fallback(method, tag, reason)
+    out = _sdpa(q, k, v, attn_mask, is_causal, scale).contiguous()
+    if cap is not None:
+        cap.calls.append(_capture.CallRecord(tag, method, DENSE_CHOICE, False, reason, tuple(q.shape), tuple(k.shape)))
+    return out
 
 
 def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False, twice: bool = False) -> torch.Tensor:
@@ -248,41 +409,13 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     differentiable backend); ``twice``: through the reference, whose plain torch ops autograd
     differentiates twice (double backward; the kernels' backward passes are not differentiable)."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
-    cfg_cls = METHODS[method]
-    n_cfg = len(_config_fields(cfg_cls))
-    cfg = cfg_cls(**{f.name: a for f, a in zip(_config_fields(cfg_cls), args[6 : 6 + n_cfg])})
-    backend, tag = args[6 + n_cfg], args[7 + n_cfg]
-    validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
-    check_backend_dtype(method, backend, q.dtype)
+    tag = args[-1]
+    plan = _prepared_plan(method, args) or _checked_plan(method, args)
     cap = _capture.active_capture() if record else None
-
-    def dense(reason: str) -> torch.Tensor:
-        if reason:
-            _capture.log_fallback(method, tag, reason)
-        out = _sdpa(q, k, v, attn_mask, is_causal, scale).contiguous()
-        if cap is not None:
-            cap.calls.append(_capture.CallRecord(tag, method, "sdpa", False, reason, tuple(q.shape), tuple(k.shape)))
-        return out
-
-    if method == "dense":
-        return dense("")
-    b, _, n_q, _ = q.shape
-    n_k = k.shape[2]
-    mask = analyse_mask(attn_mask, is_causal, b, n_q, n_k)
-    if not mask.supported:
-        return dense(mask.reason)
-    if v.shape[-1] != q.shape[-1]:
-        return dense(f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]}")
-    reason = _dense_reason(method, cfg, q, k, mask.is_causal)
-    if reason:
-        return dense(reason)
-    chosen = _resolve_backend(method, backend, q.device, q.dtype)
-    if chosen == "measure":
-        chosen, times = _auto_choice(method, cfg, q, k, v, attn_mask, is_causal, mask, scale)
-        if chosen == DENSE_CHOICE:
-            others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
-            return dense(f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
-                         f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})")
+    if plan.reason is not None:
+        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap)
+    cfg, mask, chosen = plan.entry.cfg, plan.mask, plan.backend
+    n_q, n_k = q.shape[2], k.shape[2]
     if for_grad:
         chosen = "reference" if twice else _grad_backend(method, chosen, q.device)
     want_sel = cap is not None and cap.keep_selections
@@ -299,7 +432,7 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
         is_causal=mask.is_causal,
         scale=scale,
         return_selection=cap is not None,
-        **_impl_kwargs(cfg),
+        **plan.entry.kwargs,
     )
     out, sel = result if isinstance(result, tuple) else (result, None)
     if cap is not None:
@@ -324,11 +457,6 @@ def _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel) -> torch.T
         cap.calls.append(_capture.CallRecord(tag, "pisa", "triton", True, "", tuple(q.shape), tuple(k.shape),
                                              sel if want_sel else _strip(sel)))
     return out.contiguous()
-
-
-def _impl_kwargs(cfg: AttentionConfig) -> Dict[str, Any]:
-    # min_seq_len is the dispatcher's (dense below it); implementations take the method's fields
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "min_seq_len"}
 
 
 def _strip(sel):
@@ -423,6 +551,8 @@ _FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
     m: tuple((f.name, _field_type(f)) for f in _config_fields(cls)) for m, cls in METHODS.items()
 }
 
+_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in fields) for m, fields in _FIELDS.items()}
+
 for _method in METHODS:
     _define(_method)
 
@@ -448,26 +578,63 @@ def attention(
     padding is ``kpm[:, None, None, :]`` (``[B, 1, 1, Nk]`` bool, True = valid), and with
     ``is_causal=True`` a mask is intersected with causality. Causal / key-padding masks run
     sparse; others run dense, logged (see :mod:`sparseflow.masks`)."""
-    if not isinstance(config, (DenseConfig, PBSConfig, PISAConfig, BSAConfig)):
+    if not isinstance(config, _CONFIG_TYPES):
         raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    validate_inputs(config.method, q, k, v, attn_mask, scale, backend, tag)
-    check_backend_dtype(config.method, backend, q.dtype)
-    return op_for(config.method)(
-        q, k, v, attn_mask, is_causal, None if scale is None else float(scale), *op_args(config), backend, tag
-    )
+    method = config.method
+    validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
+    check_backend_dtype(method, backend, q.dtype)
+    scale = None if scale is None else float(scale)
+    if not _plain_eager(q, k, v, attn_mask):
+        # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
+        return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config), backend, tag)
+    values, entry = _config_call(config)
+    args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
+    plan = _plan(method, args, entry)
+    if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
+        # exactly what the op computes and records for this plan, without the dispatcher's cost
+        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
+    token = _PREPARED.set((method, args, plan))
+    try:
+        return op_for(method)(*args)
+    finally:
+        _PREPARED.reset(token)
+
+
+_CONFIG_TYPES = (DenseConfig, PBSConfig, PISAConfig, BSAConfig)
+
+
+def _plain_eager(q, k, v, attn_mask) -> bool:
+    """True for plain tensors run eagerly: no compiler, fake or proxy tensors, dispatch or
+    function modes, functorch transforms or autocast, all of which must see the op itself."""
+    tensor = torch.Tensor
+    return (type(q) is tensor and type(k) is tensor and type(v) is tensor
+            and (attn_mask is None or type(attn_mask) is tensor)
+            and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._are_functorch_transforms_active()
+            and not torch._C._is_any_autocast_enabled())
+
+
+def _needs_op(q, k, v, attn_mask) -> bool:
+    # the op's autograd backward keeps a mask that requires grad out of the gradient; SDPA would not
+    return attn_mask is not None and attn_mask.requires_grad
 
 
 def dense_attention(q, k, v, *, attn_mask=None, is_causal=True, scale=None, tag: str = ""):
     return attention(q, k, v, config=DenseConfig(), attn_mask=attn_mask, is_causal=is_causal, scale=scale, tag=tag)
 
 
+_DEFAULT_CONFIGS = {cls: cls() for cls in (PBSConfig, PISAConfig, BSAConfig)}  # frozen: safe to share
+
+
 def _method_config(config, cls):
     """``config`` (default ``cls()``) after checking it is a ``cls``: a method's function never
     runs another method's config."""
     if config is None:
-        return cls()
+        return _DEFAULT_CONFIGS[cls]
     if not isinstance(config, cls):
         raise TypeError(f"config must be a {cls.__name__} (or None), got {type(config).__name__}; "
                         "use sparseflow.ops.attention(config=...) to run any method")
