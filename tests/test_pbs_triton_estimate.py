@@ -146,6 +146,25 @@ def test_estimate_writes_every_row(poisoned):
         assert torch.isneginf(lse.view(2, 4, -1)[1]).all()
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+def test_causal_estimate_defines_every_block(poisoned, pad):
+    # causal tiles stream keys only up to their last candidate: the blocks after it must still be
+    # written (-inf, no mass), or the op's output holds uninitialised memory (compile/opcheck
+    # compare it)
+    q, k, _ = _qkv(2, 4, 2, 100, 32, torch.float32, seed=6)
+    kpm = _padding("holes", 2, 100) if pad else None
+    perm = _perm(q, k, kpm, 16, 32, "kv_head")
+    kpos, lens, qvalid = E.padding_inputs(kpm, perm, 16)
+    for scoring in ("sampled_rows", "antidiagonal"):
+        lbm, lse = poisoned(E.strided_estimate, q, TI.permute_kv(k, perm), kpos, lens, qvalid, scoring=scoring,
+                            stride=4, hp=2, block_size=16, segment_size=32, is_causal=True, block_m=16, block_n=16)
+        assert not lbm.isnan().any() and not lse.isnan().any()
+        rows_per_block = E.rows_per_block(scoring, 16, 4)
+        qblock = torch.arange(lbm.shape[1]) // rows_per_block
+        future = torch.arange(lbm.shape[2])[None, :] >= (qblock[:, None] * 16 // 32 * 32) // 16
+        assert torch.isneginf(lbm[:, future]).all()  # no key block at or after a row's own region has mass
+
+
 def _block_lists(q, k, perm, kpm, **kw):
     return S.select_block_lists(q, TI.permute_kv(k, perm), perm, key_padding_mask=kpm, **kw)
 

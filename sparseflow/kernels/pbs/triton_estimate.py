@@ -10,7 +10,8 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   ``s x s`` tile, divided by its count of valid pairs). The program streams the permuted key
   blocks up to the tile's last candidate, masks per row (candidate region, key padding, slots
   past N) and writes, per row and key block, the block's log2-sum-exp2 of the row's logits
-  (``lbm [B*HC, rows, nB]``, -inf where nothing is seen; ``bs`` times smaller than the scores)
+  (``lbm [B*HC, rows, nB]``, -inf where nothing is seen, the blocks past the tile's last
+  candidate included; ``bs`` times smaller than the scores)
   and each row's log2-sum-exp2 over every candidate key (``lse [B*HC, rows]``).
 * :func:`_strided_prob_row` -- the block probabilities of one query block from those: the mean
   over its rows that see a candidate key (and, for sampled rows, are valid query rows: the
@@ -265,8 +266,26 @@ def _strided_estimate_kernel(
         j_mid, j_end, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
         N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
         CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, True)
+    _fill_unseen(lbm_ptr, r_ok, j_end, NB, BLOCK_M, JB, INTERP)
     lse = tl.where(l_run > 0.0, m_run + tl.log2(tl.maximum(l_run, 1.0e-30)), float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * NROWS + rows, lse, mask=r_ok)
+
+
+@triton.jit
+def _fill_unseen(lbm_ptr, r_ok, j_lo, NB, BLOCK_M: tl.constexpr, JB: tl.constexpr, INTERP: tl.constexpr):
+    """-inf (no mass) for the key blocks ``[j_lo, NB)`` the tile never streams (past its last
+    candidate), so every element of ``LBM`` is defined whatever reads it."""
+    none = tl.full([BLOCK_M, JB], float("-inf"), dtype=tl.float32)
+    if INTERP:
+        j0 = j_lo
+        while j0 < NB:
+            jb = j0 + tl.arange(0, JB)
+            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < NB)[None, :])
+            j0 += JB
+    else:
+        for j0 in tl.range(j_lo, NB, JB):
+            jb = j0 + tl.arange(0, JB)
+            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < NB)[None, :])
 
 
 @triton.jit
