@@ -165,7 +165,8 @@ def compile_kwargs(name: str, backend: str) -> Dict[str, object]:
     method, cfg, dense, per_layer, _ = plan_parts(name)
     layer_configs = dict(per_layer)
     layer_configs.update({i: None for i in dense})
-    return dict(method=method, config=cfg, backend=backend, layer_configs=layer_configs or None)
+    return dict(method=method, config=cfg, backend=backend, layer_configs=layer_configs or None,
+                recipe=None)  # the named setting only, not a shipped recipe on top
 
 
 # --------------------------------------------------------------------------- measuring

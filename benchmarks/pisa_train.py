@@ -63,7 +63,7 @@ def train(model, method, args, train_windows, eval_window, device):
     if method != "dense":
         cfg_cls = {"pisa": sparseflow.PISAConfig, "bsa": sparseflow.BSAConfig}[method]
         cfg = cfg_cls(block_size=args.block, top_k=args.top_k, min_seq_len=0)
-        sparseflow.compile(model, method, cfg, backend=args.backend, inner_backend=args.inner_backend)
+        sparseflow.compile(model, method, cfg, backend=args.backend, inner_backend=args.inner_backend, recipe=None)
     model.train()
     import time
 

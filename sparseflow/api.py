@@ -69,6 +69,7 @@ class RewriteReport:
     entries: List[RewriteEntry] = field(default_factory=list)
     graphs: int = 0  # graphs the pass has seen
     source: str = "compile"  # "compile" (a model's lazy compilation) or "export" (a program's graph)
+    recipe: Optional[str] = None  # the recipe applied (its name, or the path of its file)
     # Set when the report no longer describes what its model runs (a copied model lost its
     # compilation); says so at the top of the text.
     lost: str = ""
@@ -146,7 +147,8 @@ class RewriteReport:
 
     def copy(self) -> "RewriteReport":
         """A snapshot (the live report keeps filling up as the model runs)."""
-        new = RewriteReport(self.method, dict(self.config), self.backend, source=self.source, lost=self.lost)
+        new = RewriteReport(self.method, dict(self.config), self.backend, source=self.source, lost=self.lost,
+                            recipe=self.recipe)
         new.graphs = self.graphs
         new.runtime = {k: dict(v) for k, v in self.runtime.items()}
         new._warned_no_attention = self._warned_no_attention
@@ -162,6 +164,7 @@ class RewriteReport:
             "method": self.method,
             "config": self.config,
             "backend": self.backend,
+            "recipe": self.recipe,
             "counts": self.counts(),
             "runs_dense": len(self.runs_dense),
             "lost": self.lost,
@@ -175,7 +178,7 @@ class RewriteReport:
         n_dense = len(self.runs_dense)
         dense = f" ({n_dense} of them run dense at run time)" if n_dense else ""
         counts = f"{c['rewritten']} rewritten{dense}, {c['skipped']} skipped, {c['graphs']} graph(s)"
-        head = f"sparseflow rewrite report: method={self.method} backend={self.backend} - "
+        head = f"sparseflow rewrite report: method={self.method} backend={self.backend} recipe={self.recipe or 'none'} - "
         if self.lost:
             return f"{head}compilation lost, runs dense SDPA (the compiled original: {counts})\n{self.lost}"
         return head + counts
@@ -407,6 +410,89 @@ def _check_not_transformed(model: nn.Module) -> None:
             )
 
 
+# --------------------------------------------------------------------------- recipes
+
+
+_AUTO = "auto"
+
+
+def _model_config(model: nn.Module):
+    """A transformers config (``model.config`` with a ``model_type``), or None."""
+    cfg = getattr(model, "config", None)
+    return cfg if getattr(cfg, "model_type", None) is not None else None
+
+
+def _is_auto(recipe) -> bool:
+    return isinstance(recipe, str) and recipe.strip().lower() == _AUTO
+
+
+def _recipe_for(recipe, model: nn.Module, method: str):
+    """The recipe that applies to ``model`` for ``method``, or None. "auto" skips (logged) a
+    recipe lacking ``method``; an explicit one lacking it, or not fitting the model, raises."""
+    from .recipes import resolve_recipe
+
+    model_config = _model_config(model)
+    rec = resolve_recipe(recipe, model_config)
+    auto = _is_auto(recipe)
+    if rec is None:
+        if auto:
+            why = "no shipped recipe fits this model" if model_config is not None else "the model has no transformers config"
+            logger.info("sparseflow: recipe='auto': %s; using the %s settings given", why, method)
+        return None
+    if method not in rec.configs:
+        if auto:
+            logger.info("sparseflow: recipe='auto': %r fits the model but has no %r settings (it covers %s); "
+                        "not applied", rec.label, method, rec.methods)
+            return None
+        raise ValueError(f"recipe {rec.label!r} has no {method!r} settings; it covers {rec.methods}: pass one of "
+                         "those methods, or recipe=None")
+    if model_config is not None:
+        if not auto:
+            rec.check_model(model_config)
+    else:
+        logger.info("sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped",
+                    rec.label)
+    return rec
+
+
+def _model_layer_count(model: nn.Module) -> Optional[int]:
+    n = getattr(_model_config(model), "num_hidden_layers", None)
+    if isinstance(n, int):
+        return n
+    layers = _layer_indices(model)
+    return layers[-1] + 1 if layers else None
+
+
+def _apply_recipe(rec, model: nn.Module, method: str, config, skip_layers, layer_configs):
+    """``(config, layer_configs)`` with the recipe merged in: its config for ``method`` unless the
+    user gave one, its per-layer overrides on top of that base, its dense layers as None; the
+    layers the user names in ``skip_layers`` / ``layer_configs`` keep the user's setting."""
+    base = config if config is not None else rec.config_for(method)
+    n_layers = _model_layer_count(model)
+    if n_layers is not None:
+        rec.check_layers(n_layers)
+    from_recipe: Dict[int, Optional[AttentionConfig]] = {i: None for i in rec.dense_layers}
+    from_recipe.update(rec.layer_configs_for(method, base, n_layers))
+    user = set(skip_layers) | set(layer_configs)
+    kept = {i: c for i, c in sorted(from_recipe.items()) if i not in user}
+    logger.info("sparseflow: recipe %r applied: %s %s%s, dense layers %s, %d per-layer override(s)",
+                rec.label, method, base.to_json(), " (the config given)" if config is not None else "",
+                [i for i, c in kept.items() if c is None], sum(c is not None for c in kept.values()))
+    return base, {**kept, **layer_configs}
+
+
+def _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers, layer_configs):
+    """``(RewriteOptions, recipe label or None)``: the user's arguments are checked first, exactly
+    as without a recipe, then the recipe (if one applies) is merged in."""
+    options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    rec = _recipe_for(recipe, model, method)
+    if rec is None:
+        return options, None
+    skip = sorted(options.skip_layers)  # the checked copy: skip_layers may be a one-shot iterator
+    base, merged = _apply_recipe(rec, model, method, config, skip, dict(options.layer_configs))
+    return _make_options(method, base, backend, filter_fn, skip, merged), rec.label
+
+
 # --------------------------------------------------------------------------- compile
 
 
@@ -466,6 +552,7 @@ def compile(
     inner_backend: str = "inductor",
     dynamic: Optional[bool] = None,
     fullgraph: bool = False,
+    recipe: Any = "auto",
 ) -> nn.Module:
     """Compile ``model`` in place with a ``torch.compile`` backend that rewrites every SDPA call
     into the ``method`` op, and return the same model.
@@ -487,6 +574,14 @@ def compile(
     uncompiled again (``Module`` drops the compiled call when copied): it runs dense SDPA, its report
     says the compilation was lost, and it may be compiled afresh.
 
+    ``recipe``: a shipped recipe name (``sparseflow recipes``), the path of a recipe ``.json`` file,
+    ``"auto"`` (default: the shipped recipe whose model checks accept ``model.config``, if any) or
+    None (no recipe). A recipe that applies gives its config for ``method`` (unless ``config`` is
+    passed, which then is the base its per-layer overrides apply to), its dense layers and its
+    per-layer overrides; ``skip_layers`` / ``layer_configs`` win for the layers they name. An
+    explicit recipe that lacks ``method`` or does not fit the model raises ValueError; "auto"
+    skips such a recipe with an INFO log. The report's ``recipe`` says which one applied.
+
     ``skip_layers`` / ``layer_configs`` must name layers the model has (ValueError otherwise). After
     the first call, a model whose graphs hold no SDPA call (e.g. ``attn_implementation="eager"``)
     gets a warning. Each rewritten entry of the report shows the calls whose op fell back to dense
@@ -505,7 +600,8 @@ def compile(
             "model already has torch.compile applied (Module.compile); sparseflow.compile would replace "
             "those settings. Pass a model that has not been compiled."
         )
-    options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
+                                                 layer_configs)
     _check_layers(model, options)
     if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
         raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")
@@ -514,7 +610,8 @@ def compile(
     if not isinstance(fullgraph, bool):
         raise TypeError(f"fullgraph must be a bool, got {fullgraph!r}")
 
-    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend)
+    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
+                        recipe=recipe_label)
     be = _Backend(options, inner_backend, rep)
     # What Module.compile(backend=be, dynamic=..., fullgraph=...) does, with a per-model
     # trampoline in place of self._call_impl (see _trampoline for why).
@@ -531,7 +628,8 @@ def compile(
 
     model._compiled_call_impl = sparseflow_forward
     setattr(model, DECODE_STATE_ATTR, state)
-    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph))
+    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph,
+                                         recipe=recipe_label))
     setattr(model, _REPORT_ATTR, rep)
     return model
 
@@ -557,12 +655,13 @@ def export(
     filter_fn: Optional[Callable[[str], bool]] = None,
     skip_layers: Iterable[int] = (),
     layer_configs: Optional[Mapping[int, Optional[AttentionConfig]]] = None,
+    recipe: Any = "auto",
 ) -> "torch.export.ExportedProgram":
     """``torch.export.export(model, args, kwargs)``, SDPA kept (``run_decompositions({})``), every
     SDPA node rewritten into the ``method`` op (K/V repeated for GQA folded back to native GQA,
     masks passed through for the op to recognise at run time). Returns the ExportedProgram; its
     report is ``sparseflow.report(program)``. Hugging Face models need ``use_cache=False`` in
-    ``kwargs`` (DynamicCache is not a pytree type)."""
+    ``kwargs`` (DynamicCache is not a pytree type). ``recipe`` works as in :func:`compile`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -571,13 +670,14 @@ def export(
         raise TypeError(f"args must be a tuple of positional inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
-    options = _make_options(method, config, backend, filter_fn, skip_layers, layer_configs)
+    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
+                                                 layer_configs)
     _check_layers(model, options)
     ep = torch.export.export(model, args, kwargs)
     ep = ep.run_decompositions({})
     gm = ep.graph_module
     rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
-                        source="export")
+                        source="export", recipe=recipe_label)
     entries = rewrite_graph(gm, options, graph_kind="export")
     if not entries and _has_sparseflow_ops(gm):
         raise RuntimeError(
@@ -586,7 +686,7 @@ def export(
         )
     rep.add_graph(entries)
     rep.check_attention_found()
-    setattr(ep, _CONFIG_ATTR, _marker(options))
+    setattr(ep, _CONFIG_ATTR, _marker(options, recipe=recipe_label))
     setattr(ep, _REPORT_ATTR, rep)
     return ep
 

@@ -1,16 +1,19 @@
 """Command line (``sparseflow`` console script and ``python -m sparseflow``):
 
 * ``sparseflow demo``: rewrite SmolLM2-135M with each method, print rewrites and fidelity;
-* ``sparseflow convert SRC --method pbs|pisa|bsa [--recipe NAME] --out DIR``: HF folder or GGUF
+* ``sparseflow convert SRC --method pbs|pisa|bsa [--recipe NAME_OR_FILE] --out DIR``: HF folder or GGUF
   file -> HF folder that reloads with the sparse attention (see :mod:`sparseflow.convert`);
 * ``sparseflow eval MODEL --method ... --tokens N [--json F] [--plots DIR] [--sweep F=V1,V2]
   [--no-permute]``: fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density
   per layer and head), parameter sweeps as KL/top-1-vs-density curves, PNG plots;
-* ``sparseflow export-onnx MODEL --method ... [--recipe NAME] --out FILE``: ONNX file with one
+* ``sparseflow export-onnx MODEL --method ... [--recipe NAME_OR_FILE] --out FILE``: ONNX file with one
   ``sparseflow``-domain node per attention layer (see :mod:`sparseflow.onnx_export`);
 * ``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on
   CUDA) the repository's ``benchmarks/*.py`` scripts (see :mod:`sparseflow.bench`);
 * ``sparseflow recipes``: list the shipped recipes.
+
+``--recipe`` takes a shipped recipe name, the path of a recipe ``.json`` file (written by
+:meth:`sparseflow.recipes.Recipe.save`) or ``auto`` (the shipped recipe that fits the model, if any).
 """
 from __future__ import annotations
 
@@ -68,6 +71,12 @@ def _check_out_dir(path: Optional[str], arg: str) -> None:
 def _check_in_dir(path: Optional[str], arg: str) -> None:
     if path is not None and not Path(path).expanduser().is_dir():
         raise UsageError(f"{arg} {path!r} is not a folder")
+
+
+def _check_recipe_has_method(args: argparse.Namespace) -> None:
+    # without --method a converted folder's recorded plan runs: a --recipe would be ignored
+    if args.recipe and not args.method:
+        raise UsageError(f"--recipe {args.recipe!r} applies to --method: pass --method too (pbs, pisa or bsa)")
 
 
 def _error(command: str, exc: object) -> int:
@@ -154,6 +163,7 @@ def _eval(args: argparse.Namespace) -> int:
         model_config = _load_config(source)
         check_architecture(model_config)
         recorded = getattr(model_config, PLAN_KEY, None)
+        _check_recipe_has_method(args)
         if args.method:
             plans = [
                 build_plan(model_config, m, recipe=args.recipe, config=args.config if len(args.method) == 1 else None,
@@ -386,6 +396,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
         source = resolve_source(args.model)
         model_config = _load_config(source)
         recorded = getattr(model_config, PLAN_KEY, None)
+        _check_recipe_has_method(args)
         if args.method:
             plan = build_plan(model_config, args.method, recipe=args.recipe, config=args.config,
                               dense_layers=args.dense_layers, source=str(source))
@@ -536,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="Hugging Face model folder (config.json + safetensors/bin) or a .gguf file")
     conv.add_argument("--method", required=True, choices=["pbs", "pisa", "bsa"])
     conv.add_argument("--out", required=True, help="output folder (written atomically)")
-    conv.add_argument("--recipe", help="named recipe (see `sparseflow recipes`)")
+    conv.add_argument("--recipe", help="shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto")
     conv.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
     conv.add_argument("--dense-layers", help="comma list of layer indices kept dense (overrides the recipe's)")
     conv.add_argument("--backend", default="auto", choices=["auto", "reference", "triton", "flex"])
@@ -549,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("model", help="converted folder, Hugging Face model folder or .gguf file")
     ev.add_argument("--method", type=_sparse_methods, default=None,
                     help="pbs, pisa, bsa or a comma list (default: the plan recorded by `sparseflow convert`)")
-    ev.add_argument("--recipe", help="named recipe for --method")
+    ev.add_argument("--recipe", help="shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto (for --method)")
     ev.add_argument("--config", help="method config as JSON (single --method only)")
     ev.add_argument("--dense-layers", help="comma list of layer indices kept dense")
     ev.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens (default 2048)")
@@ -584,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "sparseflow-domain attention nodes (see docs/onnx.md)")
     onx.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder")
     onx.add_argument("--method", choices=["pbs", "pisa", "bsa"], help="required unless MODEL is a converted folder")
-    onx.add_argument("--recipe", help="named recipe for --method (see `sparseflow recipes`)")
+    onx.add_argument("--recipe", help="shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto (for --method)")
     onx.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
     onx.add_argument("--dense-layers", help="comma list of layer indices kept dense")
     onx.add_argument("--tokens", type=_positive, default=256,

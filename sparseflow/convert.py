@@ -160,6 +160,23 @@ def _parse_config(method: str, config) -> Optional[AttentionConfig]:
     return cfg
 
 
+def _plan_recipe(spec, model_config, method: str):
+    """The recipe ``spec`` names (a shipped name, a .json file, "auto" or None), checked against
+    the model and ``method``; "auto" gives None when no shipped recipe fits or covers ``method``."""
+    from .recipes import RecipeError, resolve_recipe
+
+    rec = resolve_recipe(spec, model_config)
+    if rec is None:
+        return None
+    auto = isinstance(spec, str) and spec.strip().lower() == "auto"
+    if auto and method not in rec.configs:
+        return None
+    rec.check_model(model_config)
+    if method not in rec.configs:
+        raise RecipeError(f"recipe {rec.label!r} has no {method!r} settings; it covers {rec.methods}")
+    return rec
+
+
 def build_plan(
     model_config,
     method: str,
@@ -170,10 +187,11 @@ def build_plan(
     backend: str = "auto",
     source: Optional[str] = None,
 ):
-    """The :class:`sparseflow.hf.Plan` for a model: the recipe's (checked against the model) or the
-    method's defaults, with ``config`` (a config, dict or JSON) and ``dense_layers`` overriding."""
+    """The :class:`sparseflow.hf.Plan` for a model: the recipe's (a shipped name, a recipe .json
+    file or "auto"; checked against the model) or the method's defaults, with ``config`` (a config,
+    dict or JSON) and ``dense_layers`` overriding."""
     from .hf import Plan
-    from .recipes import RecipeError, get_recipe
+    from .recipes import RecipeError
 
     if method not in SPARSE_METHODS:
         raise ConversionError(f"method must be one of {list(SPARSE_METHODS)}, got {method!r}")
@@ -183,16 +201,12 @@ def build_plan(
     n_layers = getattr(model_config, "num_hidden_layers", None)
     cfg = _parse_config(method, config)
     dense = _parse_layers(dense_layers)
-    name = None
-    if recipe is not None:
-        try:
-            rec = get_recipe(recipe)
-            rec.check_model(model_config)
-            rec_cfg = rec.config_for(method)
-        except RecipeError as exc:
-            raise ConversionError(f"bad recipe: {exc}") from exc
-        name = rec.name
-        cfg = cfg or rec_cfg
+    try:
+        rec = _plan_recipe(recipe, model_config, method)
+    except RecipeError as exc:
+        raise ConversionError(f"bad recipe: {exc}") from exc
+    if rec is not None:
+        cfg = cfg or rec.config_for(method)
         dense = rec.dense_layers if dense is None else dense
     cfg = cfg or default_config(method)
     dense = tuple(sorted(set(dense or ())))
@@ -201,7 +215,7 @@ def build_plan(
         if bad:
             raise ConversionError(f"dense layers {bad} out of range: the model has {n_layers} layers (0..{n_layers - 1})")
     per_layer = {}
-    if recipe is not None:
+    if rec is not None:
         # the recipe's per-layer changes apply on top of whichever config is used; a layer the
         # caller made dense stays dense
         try:
@@ -210,7 +224,7 @@ def build_plan(
             raise ConversionError(f"bad recipe: {exc}") from exc
     try:
         return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, layer_configs=per_layer,
-                    recipe=name, num_layers=n_layers, source=source)
+                    recipe=None if rec is None else rec.label, num_layers=n_layers, source=source)
     except (TypeError, ValueError) as exc:
         raise ConversionError(f"bad plan: {exc}") from exc
 

@@ -184,7 +184,7 @@ def assert_rewrite_equivalent(
     if config is None:
         seq = _longest_seq(example_inputs, kwargs)
         config = exact_config(method, seq) if method != "dense" else DenseConfig()
-    sf_compile(twin, method=method, config=config, inner_backend="eager")
+    sf_compile(twin, method=method, config=config, inner_backend="eager", recipe=None)  # exact mode everywhere
     with torch.no_grad():
         got = pick(twin(*example_inputs, **kwargs))
     rep = sf_report(twin)
