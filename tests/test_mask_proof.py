@@ -252,3 +252,27 @@ def test_exported_program_builds_no_square_mask(padded):
         got = ep.module()(ids, **kw).logits
     rows = kw["attention_mask"].bool() if padded else torch.ones(2, n, dtype=torch.bool)
     torch.testing.assert_close(got[rows], want[rows], atol=2e-5, rtol=2e-5)
+
+
+def test_offsets_read_from_a_position_tensor():
+    # q/kv offsets as cache_position[0] (a 0-d tensor, as some Dynamo versions keep it) still prove causality
+    def build(g, src):
+        cache = g.call_function(torch.arange, (0, 8))
+        off = g.call_function(operator.getitem, (cache, 0))
+        q = g.call_function(operator.add, (g.call_function(torch.arange, (8,)), off))
+        kv = g.call_function(operator.add, (g.call_function(torch.arange, (8,)), off))
+        qi = g.call_function(operator.getitem, (q, (None, None, slice(None), None)))
+        ki = g.call_function(operator.getitem, (kv, (None, None, None, slice(None))))
+        return g.call_function(operator.le, (ki, qi))
+
+    assert prove_mask(_graph(build)) == MaskProof(causal=True, key_padding=None)
+
+    def shifted(g, src):  # cache_position[1] on the queries only: not causal
+        cache = g.call_function(torch.arange, (0, 8))
+        q = g.call_function(operator.add, (g.call_function(torch.arange, (8,)),
+                                           g.call_function(operator.getitem, (cache, 1))))
+        qi = g.call_function(operator.getitem, (q, (None, None, slice(None), None)))
+        ki = g.call_function(operator.getitem, (g.call_function(torch.arange, (8,)), (None, None, None, slice(None))))
+        return g.call_function(operator.le, (ki, qi))
+
+    assert prove_mask(_graph(shifted)) is None

@@ -93,6 +93,13 @@ class _Const:
 
 _Value = Union[_Pos, _Bool, _BoolSource, _Const, int, None]
 
+
+def _as_int(v: _Value) -> _Value:
+    """An integer constant tensor counts as its int (``arange + cache_position[0]``)."""
+    if isinstance(v, _Const) and isinstance(v.value, int) and not isinstance(v.value, bool):
+        return v.value
+    return v
+
 _Q_AXIS, _KV_AXIS, _B_AXIS = 2, 3, 0
 
 
@@ -227,7 +234,7 @@ class _Interpreter:
         """``pos + c`` / ``pos - c`` (``c + pos`` too) for a Python int ``c``."""
         if n.kwargs.get("alpha", 1) != 1:
             return None
-        a, b = self.value(n.args[0]), self.value(n.args[1])
+        a, b = _as_int(self.value(n.args[0])), _as_int(self.value(n.args[1]))
         if sign == 1 and isinstance(a, int) and isinstance(b, _Pos):
             a, b = b, a
         if isinstance(a, _Pos) and isinstance(b, int):
@@ -238,6 +245,10 @@ class _Interpreter:
         base, idx = self.value(n.args[0]), n.args[1]
         if not isinstance(idx, tuple):
             idx = (idx,)
+        if len(idx) == 1 and isinstance(idx[0], int) and not isinstance(idx[0], bool) \
+                and isinstance(base, _Pos) and base.ndim == 1 and idx[0] >= 0:
+            # positions[i] (a 0-d tensor, e.g. cache_position[0] as a mask offset)
+            return _Const(base.offset + idx[0])
         basic = all(e is None or isinstance(e, slice) for e in idx)
         if basic and isinstance(base, _Pos) and base.ndim == 1 and None in idx:
             return self._place(base, idx)
