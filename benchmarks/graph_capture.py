@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         if args.model:
             from e2e_prefill import converted_plan, random_smollm2
 
-            import sparseflow.hf
+            from sparseflow import hf as sparseflow_hf
 
             model, _ = random_smollm2(torch.bfloat16)
             model.cuda()
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
                 for setting in ("dense", "pbs"):
                     model.set_attn_implementation("sdpa")
                     if setting != "dense":
-                        sparseflow.hf.apply_plan(model, converted_plan(setting, "triton", 30))
+                        sparseflow_hf.apply_plan(model, converted_plan(setting, "triton", 30))
                     row = {"n": n, "case": f"model {setting}"}
                     try:
                         row.update(check(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)))
