@@ -25,7 +25,6 @@ import argparse
 import copy
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ import sparseflow
 from sparseflow.checkpoints import load_smollm2, real_text
 from sparseflow.evaluate import _logits
 from sparseflow.fidelity import compare_logits
+from sparseflow.rope import set_rope_scaling
 
 TRAINED_POSITIONS = 8192
 DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
@@ -74,24 +74,10 @@ def yarn_factor(n: int) -> float:
 
 def set_rope(model, rope: str, n: int) -> Optional[float]:
     """Rebuild the model's rotary embedding for ``rope`` ("plain" or "yarn" at the factor ``n``
-    needs); returns the YaRN factor (None for plain)."""
-    cfg = model.config
-    base = getattr(model, "_e2e_plain_rope", None)
-    if base is None:
-        base = model._e2e_plain_rope = (dict(cfg.rope_parameters), cfg.max_position_embeddings)
-    params, max_pos = dict(base[0]), base[1]
-    factor = None
-    if rope == "yarn":
-        factor = yarn_factor(n)
-        params.update(rope_type="yarn", factor=factor, original_max_position_embeddings=TRAINED_POSITIONS)
-        max_pos = max(max_pos, int(math.ceil(factor * TRAINED_POSITIONS)))
-    elif rope != "plain":
+    needs over the trained length); returns the YaRN factor (None for plain)."""
+    if rope not in ("plain", "yarn"):
         raise ValueError(f"rope must be 'plain' or 'yarn', got {rope!r}")
-    cfg.rope_parameters = params
-    cfg.max_position_embeddings = max_pos
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=cfg).to(next(model.parameters()).device)
-    return factor
+    return set_rope_scaling(model, "none" if rope == "plain" else f"yarn:auto:{n}")["factor"]
 
 
 class _ByteTokenizer:
