@@ -6,6 +6,9 @@
 * ``sparseflow eval MODEL --method ... --tokens N [--json F] [--plots DIR] [--sweep F=V1,V2]
   [--no-permute]``: fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density
   per layer and head), parameter sweeps as KL/top-1-vs-density curves, PNG plots;
+  ``--task niah [--depths D1,D2] [--samples S] [--keys K]``: passkey retrieval accuracy dense vs
+  each method per depth (see :mod:`sparseflow.niah`); ``--rope-scaling yarn:F|yarn:auto:N|linear:F|
+  dynamic:F`` extends the context after loading (see :mod:`sparseflow.rope`);
 * ``sparseflow export-onnx MODEL --method ... [--recipe NAME_OR_FILE] --out FILE``: ONNX file with one
   ``sparseflow``-domain node per attention layer (see :mod:`sparseflow.onnx_export`);
 * ``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on
@@ -148,6 +151,7 @@ def _eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_plans, format_density, format_results
     from .hf import PLAN_KEY, Plan
     from .recipes import RecipeError
+    from .rope import parse_rope_scaling, set_rope_scaling
     from .sweep import parse_sweep, sweep_plans
 
     try:
@@ -159,6 +163,11 @@ def _eval(args: argparse.Namespace) -> int:
             from .plots import require_matplotlib
 
             require_matplotlib()  # fail now, not after a long run
+        task = _check_task(args)
+        try:
+            rope_scaling = parse_rope_scaling(args.rope_scaling)
+        except ValueError as exc:
+            raise UsageError(f"--rope-scaling: {exc}") from None
         source = resolve_source(args.model)
         model_config = _load_config(source)
         check_architecture(model_config)
@@ -200,6 +209,8 @@ def _eval(args: argparse.Namespace) -> int:
             plans = swept
         if args.no_permute and not any(p.method == "pbs" for p in plans):
             raise ValueError("--no-permute compares PBS with and without permutation: include pbs in --method")
+        if task == "niah" and (args.recall or field or args.plots or args.cache):
+            raise ValueError("--task niah takes no --recall/--sweep/--no-permute/--plots/--cache")
         if args.recall:
             return _recall(args, source, model_config)
         map_at = None
@@ -219,6 +230,9 @@ def _eval(args: argparse.Namespace) -> int:
             tok = AutoTokenizer.from_pretrained(args.tokenizer)
         if tok is None:
             raise ConversionError(f"{args.model} has no tokenizer; pass --tokenizer PATH")
+        rope_info = None if rope_scaling is None else set_rope_scaling(model, args.rope_scaling)
+        if task == "niah":
+            return _niah(args, model, tok, plans, source, rope_info)
         ids = real_tokens(tok, args.tokens, text=args.text)
     except (ConversionError, RecipeError, FileNotFoundError, ValueError, ImportError) as exc:
         return _error("eval", exc)
@@ -237,8 +251,11 @@ def _eval(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "rope_scaling": rope_info,
         "results": [],
     }
+    if rope_info is not None:
+        stderr_progress(f"RoPE scaling {_rope_label(rope_info)}")
     if field:
         payload["sweep"] = {"field": field, "no_permute": bool(args.no_permute), "points": []}
 
@@ -265,6 +282,67 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plots:
         _plots(results, args.plots, field, args.text, args.tokens)
+    return 0
+
+
+TASKS = ("fidelity", "niah")
+
+
+def _check_task(args: argparse.Namespace) -> str:
+    """The eval task, and its own arguments checked before any weights load."""
+    from .niah import parse_depths
+
+    if args.task not in TASKS:
+        raise UsageError(f"--task must be one of {', '.join(TASKS)}, got {args.task!r}")
+    if args.task == "niah":
+        args.depths = parse_depths(args.depths if args.depths is not None else "0.1,0.5,0.9")
+        if not (1 <= args.keys <= 10):
+            raise UsageError(f"--keys must be in [1, 10] (1: one pass key, more: named keys), got {args.keys}")
+    elif args.depths is not None or args.samples is not None or args.keys != 1:
+        raise UsageError("--depths/--samples/--keys are for --task niah")
+    return args.task
+
+
+def _rope_label(info) -> str:
+    if info["factor"] is None:
+        return f"{info['spec']}: plain (trained length {info['original_max_position_embeddings']})"
+    return (f"{info['spec']}: {info['rope_type']} x{info['factor']:g} over {info['original_max_position_embeddings']} "
+            f"trained positions (attention scaling {info['attention_scaling']:.4f})")
+
+
+def _niah(args: argparse.Namespace, model, tok, plans, source, rope_info) -> int:
+    """``eval --task niah``: passkey retrieval accuracy, dense vs each plan, per depth."""
+    import torch
+
+    from .checkpoints import TEXTS
+    from .convert import stderr_progress
+    from .niah import format_niah, run_niah
+
+    samples = args.samples if args.samples is not None else 4
+    payload = {
+        "task": "niah", "model": str(source), "tokens": args.tokens, "depths": args.depths, "samples": samples,
+        "keys": args.keys, "max_new_tokens": args.max_new_tokens, "text": args.text,
+        "text_description": TEXTS[args.text][1], "rope_scaling": rope_info,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "results": [],
+    }
+    if rope_info is not None:
+        stderr_progress(f"RoPE scaling {_rope_label(rope_info)}")
+    stderr_progress(f"needle retrieval: {args.tokens} tokens of {args.text}, {args.keys} key(s), depths {args.depths}, "
+                    f"{samples} sample(s) per depth; dense + {len(plans)} plan(s)")
+
+    def on_result(r) -> None:
+        payload["results"].append(r)
+        stderr_progress(f"  {r['name']}: accuracy {r['accuracy']:.2f}, prefill density {r['density']:.3f}")
+        if args.json:
+            _write_json_atomic(args.json, payload)
+
+    results = run_niah(model, tok, plans, n_tokens=args.tokens, depths=args.depths, samples=samples, keys=args.keys,
+                       text=args.text, max_new_tokens=args.max_new_tokens, on_result=on_result)
+    print(format_niah(results, args.depths))
+    if args.json:
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -589,6 +667,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
                          "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "
                          "pisa_lse,pisa_lse_beam2,pisa_lse_beam4,flat_lse")
+    ev.add_argument("--task", default="fidelity",
+                    help="fidelity (default: KL/top-1/perplexity vs dense) or niah (passkey retrieval accuracy, dense "
+                         "vs each method, per depth)")
+    ev.add_argument("--depths", default=None, help="--task niah: comma list of relative needle depths (default 0.1,0.5,0.9)")
+    ev.add_argument("--samples", type=_count, default=None, help="--task niah: prompts per depth (default 4)")
+    ev.add_argument("--keys", type=int, default=1, help="--task niah: pass keys per prompt (1, or more named keys of "
+                                                        "which the question asks one; default 1)")
+    ev.add_argument("--max-new-tokens", type=_count, default=8, help="--task niah: greedy tokens generated (default 8)")
+    ev.add_argument("--rope-scaling", default=None,
+                    help="RoPE scaling applied after loading: yarn:F, yarn:auto:N (factor N / trained length), "
+                         "linear:F, dynamic:F or none")
     ev.set_defaults(func=_eval)
 
     onx = sub.add_parser("export-onnx", help="export a HF folder, GGUF file or converted folder to ONNX with "

@@ -77,6 +77,9 @@ def dense_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int, cac
     key.update(_weights_fingerprint(model).encode())
     key.update(input_ids.to(torch.int64).cpu().numpy().tobytes())
     key.update(f"keep={keep}:impl={getattr(model.config, '_attn_implementation', '')}".encode())
+    rope = getattr(model.config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":  # a scaled RoPE has other logits
+        key.update(f":rope={sorted((k, str(v)) for k, v in rope.items())}".encode())
     path = os.path.join(os.fspath(cache_dir), f"dense_logits_{key.hexdigest()[:24]}.pt")
     if os.path.isfile(path):
         return torch.load(path, map_location="cpu", weights_only=True)
