@@ -76,3 +76,15 @@ def test_bad_specs_raise_one_line(spec):
 def test_none_forms():
     assert parse_rope_scaling(None) is None and parse_rope_scaling("none") is None and parse_rope_scaling("None") is None
     assert parse_rope_scaling("yarn:auto:32768").target == 32768
+
+
+def test_dense_logits_cache_keys_on_the_rope(tmp_path):
+    from sparseflow.evaluate import dense_logits
+
+    model = _model()
+    ids = torch.arange(48)[None] % 64
+    plain = dense_logits(model, ids, 8, cache_dir=tmp_path)
+    set_rope_scaling(model, "yarn:4")
+    scaled = dense_logits(model, ids, 8, cache_dir=tmp_path)
+    assert not torch.allclose(plain, scaled)  # not the plain-RoPE entry
+    torch.testing.assert_close(scaled, dense_logits(model, ids, 8), rtol=0, atol=0)
