@@ -180,7 +180,8 @@ def generate_greedy(model, ids: torch.Tensor, max_new_tokens: int = 8) -> List[i
             out_ids.append(int(nxt))
             if step + 1 == max_new_tokens:
                 break
-            cache = getattr(out, "cache", None) or out.past_key_values
+            cache = getattr(out, "cache", None)
+            cache = out.past_key_values if cache is None else cache
             out = model(input_ids=nxt, use_cache=True, **{kw: cache})
     return out_ids
 

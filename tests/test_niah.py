@@ -164,3 +164,10 @@ def test_cli_bad_arguments_one_line_before_loading(folder, capsys, monkeypatch, 
 def test_is_correct():
     assert niah.is_correct(" 73915. Remember", "73915") and niah.is_correct("7 3 9 1 5", "73915")
     assert not niah.is_correct(" 73914", "73915") and not niah.is_correct("", "73915")
+
+
+def test_generate_greedy_matches_transformers_generate(tiny):
+    model = tiny("llama", layers=1)
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)[0, 50:].tolist()
+    assert niah.generate_greedy(model, ids, 5) == ref
