@@ -339,7 +339,8 @@ def _niah(args: argparse.Namespace, model, tok, plans, source, rope_info) -> int
             _write_json_atomic(args.json, payload)
 
     results = run_niah(model, tok, plans, n_tokens=args.tokens, depths=args.depths, samples=samples, keys=args.keys,
-                       text=args.text, max_new_tokens=args.max_new_tokens, on_result=on_result)
+                       text=args.text, max_new_tokens=args.max_new_tokens, on_result=on_result,
+                       progress=stderr_progress)
     print(format_niah(results, args.depths))
     if args.json:
         print(f"wrote {args.json}")

@@ -222,9 +222,11 @@ def _summary(name: str, plan, rows: List[Dict[str, object]], depths: Sequence[fl
 
 def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float], samples: int = 4, keys: int = 1,
              text: str = "pydoc_topics", max_new_tokens: int = 8, generate: Callable = generate_greedy,
-             on_result: Optional[Callable] = None) -> List[Dict[str, object]]:
+             on_result: Optional[Callable] = None, progress: Optional[Callable[[str], None]] = None,
+             ) -> List[Dict[str, object]]:
     """Accuracy of dense (SDPA) and of each :class:`sparseflow.hf.Plan` in ``plans`` on the same
-    prompts (``samples`` per depth). Returns one summary per run, dense first; the model is left on SDPA."""
+    prompts (``samples`` per depth). Returns one summary per run, dense first; the model is left on SDPA.
+    ``progress`` gets one line per sample."""
     from .hf import apply_plan
 
     if samples < 1:
@@ -238,7 +240,13 @@ def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float],
         else:
             apply_plan(model, plan)
         try:
-            rows = [_run_one(model, tokenizer, s, max_new_tokens, generate) for s in prompts]
+            rows = []
+            for i, sample in enumerate(prompts):
+                rows.append(_run_one(model, tokenizer, sample, max_new_tokens, generate))
+                if progress is not None:
+                    r = rows[-1]
+                    progress(f"    {name} {i + 1}/{len(prompts)} depth {r['depth']:g}: {r['generated']!r} "
+                             f"({'correct' if r['correct'] else 'wrong'}, key {r['answer']}, {r['seconds']:.0f} s)")
         finally:
             model.set_attn_implementation("sdpa")
         out.append(_summary(name, plan, rows, depths))
