@@ -276,3 +276,28 @@ def test_offsets_read_from_a_position_tensor():
         return g.call_function(operator.le, (ki, qi))
 
     assert prove_mask(_graph(shifted)) is None
+
+
+def _packed_sequence_mask(g, n, compare_method):
+    """transformers' one-packed-sequence check as Dynamo on torch 2.11 records it on CUDA: the
+    ids of ``cumsum(diff(position_ids) != 1)`` compared between query and key as a tensor method."""
+    pos = g.call_method("unsqueeze", (g.call_function(operator.add, (g.call_function(torch.arange, (n,)), 0)), 0))
+    first = g.call_function(operator.sub, (g.call_function(operator.getitem, (pos, (slice(None), slice(None, 1)))), 1))
+    diff = g.call_function(torch.diff, (pos,), {"prepend": first, "dim": -1})
+    ids = g.call_method("cumsum", (g.call_function(operator.ne, (diff, 1)), -1))
+    b = _positions(g, 1, 0)
+    q_ids = g.call_function(operator.getitem, (ids, (b, _positions(g, n, 2))))
+    kv_ids = g.call_function(operator.getitem, (ids, (b, _positions(g, n, 3))))
+    return g.call_method(compare_method, (q_ids, kv_ids))
+
+
+@pytest.mark.parametrize("method,proven", [("__eq__", True), ("eq", True), ("__ne__", False), ("ne", False)])
+def test_packed_sequence_check_as_tensor_methods(method, proven):
+    def build(g, src):
+        causal = g.call_function(operator.le, (_positions(g, 8, 3), _positions(g, 8, 2)))
+        ones = g.call_method("new_ones", (causal, ()), {"dtype": torch.bool})
+        both = g.call_method("__and__", (ones, causal))
+        return g.call_function(operator.and_, (both, _packed_sequence_mask(g, 8, method)))
+
+    expected = MaskProof(causal=True, key_padding=None) if proven else None
+    assert prove_mask(_graph(build)) == expected

@@ -128,6 +128,11 @@ _CUMSUM = {torch.cumsum, aten.cumsum.default}
 _EQ = {operator.eq, torch.eq, aten.eq.Tensor, aten.eq.Scalar}
 _NE = {operator.ne, torch.ne, aten.ne.Tensor, aten.ne.Scalar}
 _METHOD_IDENTITY = {"contiguous"}
+# tensor methods that are the functions above with ``self`` first
+_OPERATORS = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq,
+              "ne": operator.ne, "add": operator.add, "sub": operator.sub}
+_METHOD_AS_FUNCTION = {**_OPERATORS, **{f"__{k}__": f for k, f in _OPERATORS.items()},
+                       "__and__": operator.and_, "logical_and": operator.and_, "bitwise_and": operator.and_}
 
 
 def _is_bool_dtype(kwargs, args=()) -> bool:
@@ -162,7 +167,11 @@ class _Interpreter:
             return self._method(n)
         if n.op != "call_function":
             return None
-        t = n.target
+        return self._eval_call(n.target, n)
+
+    def _eval_call(self, t, n: fx.Node) -> _Value:
+        """The value of ``t(*n.args, **n.kwargs)`` (``n`` a function call, or a method call with
+        the tensor as its first argument)."""
         if t in _ARANGE:
             return self._arange(n)
         if t in _ADD:
@@ -199,6 +208,10 @@ class _Interpreter:
 
     def _method(self, n: fx.Node) -> _Value:
         name = n.target
+        if name in _METHOD_AS_FUNCTION:
+            # Dynamo records ``a == b`` either as ``operator.eq`` or as the method ``a.__eq__(b)``
+            # (torch 2.11 on CUDA does the latter); both mean the same op
+            return self._eval_call(_METHOD_AS_FUNCTION[name], n)
         if name == "expand":
             return self._expand(self.value(n.args[0]), n.args[1:])
         if name in _METHOD_IDENTITY:
