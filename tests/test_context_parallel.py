@@ -1,0 +1,148 @@
+"""Context-parallel prefill on gloo (CPU), 2 and 3 processes: every rank's output rows (and
+gradients) equal the single-process op's, and shardings it cannot do fail with a clear error.
+
+One group of processes per world size runs every case (spawning costs seconds); each case's
+outcome comes back through a file and is asserted by its own test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sparseflow
+from sparseflow import context_parallel as cpm
+from sparseflow import BSAConfig, ContextParallel, DenseConfig, PBSConfig, PISAConfig
+
+_PBS = dict(block_size=16, segment_size=32, min_seq_len=0)
+_TOKEN = dict(block_size=8, min_seq_len=0)
+
+# name -> (config, sharding, sequence length, is_causal, check gradients)
+CASES = {
+    "pbs-sparse-zigzag": (PBSConfig(threshold=0.3, **_PBS), "zigzag", 168, True, True),
+    "pbs-sparse-contiguous-odd": (PBSConfig(threshold=0.3, **_PBS), "contiguous", 169, True, False),
+    "pbs-exact-zigzag": (PBSConfig(threshold=1.0, **_PBS), "zigzag", 168, True, False),
+    "pbs-proxies-antidiagonal": (PBSConfig(threshold=0.3, proxy_blocks=3, scoring="antidiagonal",
+                                           antidiagonal_stride=4, **_PBS), "zigzag", 168, True, False),
+    "pbs-kv-head-noncausal": (PBSConfig(threshold=0.3, gqa_permutation="kv_head", **_PBS), "contiguous", 170,
+                              False, False),
+    "pisa-sparse-zigzag": (PISAConfig(top_k=3, **_TOKEN), "zigzag", 108, True, True),
+    "pisa-sparse-contiguous-odd": (PISAConfig(top_k=3, **_TOKEN), "contiguous", 101, True, False),
+    "pisa-exact-zigzag": (PISAConfig(top_k=64, **_TOKEN), "zigzag", 108, True, False),
+    "pisa-noncausal": (PISAConfig(top_k=3, **_TOKEN), "contiguous", 100, False, False),
+    "bsa-sparse-zigzag": (BSAConfig(top_k=3, **_TOKEN), "zigzag", 108, True, True),
+    "bsa-sparse-contiguous-odd": (BSAConfig(top_k=3, **_TOKEN), "contiguous", 101, True, False),
+    "bsa-noncausal": (BSAConfig(top_k=3, **_TOKEN), "contiguous", 100, False, False),
+    "dense-zigzag": (DenseConfig(), "zigzag", 108, True, True),
+    "pbs-short-runs-dense": (PBSConfig(min_seq_len=4096), "zigzag", 108, True, False),
+}
+
+# name -> (what the call does wrong, the words its ValueError must contain)
+ERRORS = {
+    "zigzag-odd-length": ("odd", "divisible by 2 * world size"),
+    "zigzag-noncausal": ("noncausal", "sharding='contiguous'"),
+    "heads-disagree": ("heads", "disagree on query heads"),
+    "attn-mask": ("mask", "attn_mask is not supported"),
+}
+
+HQ, HKV, D = 4, 2, 16
+
+
+def _inputs(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, n, D, generator=g) for h in (HQ, HKV, HKV))
+    w = torch.randn(2, HQ, n, D, generator=g)
+    return q, k, v, w
+
+
+def _grads(out, w, tensors):
+    return torch.autograd.grad((out * w).sum(), tensors)
+
+
+def _run_case(config, sharding, n, is_causal, check_grad, group) -> str:
+    """'' when the rank's rows and gradients match the single-process op, else what differs."""
+    cp = ContextParallel(group, sharding=sharding)
+    q, k, v, w = _inputs(n)
+    full = [t.clone().requires_grad_(check_grad) for t in (q, k, v)]
+    want = sparseflow.attention(*full, config=config, is_causal=is_causal, backend="reference")
+    local = [cpm.shard(t, cp).requires_grad_(check_grad) for t in (q, k, v)]
+    got = sparseflow.attention(*local, config=config, is_causal=is_causal, backend="reference",
+                               context_parallel=cp)
+    errors = []
+    whole = cpm.unshard(got.detach(), cp)
+    if whole.shape != want.shape or not torch.allclose(whole, want, atol=1e-5, rtol=1e-5):
+        errors.append(f"output differs by {(whole - want).abs().max():.3g}")
+    if check_grad:
+        for name, g_full, g_local in zip("qkv", _grads(want, w, full), _grads(got, cpm.shard(w, cp), local)):
+            if not torch.allclose(g_local, cpm.shard(g_full, cp), atol=1e-5, rtol=1e-5):
+                errors.append(f"d{name} differs by {(g_local - cpm.shard(g_full, cp)).abs().max():.3g}")
+    return "; ".join(errors)
+
+
+def _run_error(kind, group) -> str:
+    """The ValueError's message ('' when none was raised)."""
+    rank = dist.get_rank()
+    n = 97 if kind == "odd" else 96
+    q, k, v, _ = _inputs(n)
+    cp = ContextParallel(group, sharding="contiguous" if kind == "odd" else "zigzag")
+    q, k, v = (cpm.shard(t, cp) for t in (q, k, v))
+    if kind == "odd":
+        cp = ContextParallel(group, sharding="zigzag")
+    if kind == "heads" and rank == 1:
+        q, k, v = q[:, :2], k[:, :1], v[:, :1]
+    mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool) if kind == "mask" else None
+    try:
+        sparseflow.attention(q, k, v, config=PISAConfig(top_k=3, **_TOKEN), is_causal=kind != "noncausal",
+                             attn_mask=mask, backend="reference", context_parallel=cp)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        group = dist.group.WORLD
+        for name, case in CASES.items():
+            try:
+                results[name] = _run_case(*case, group)
+            except Exception:  # reported by the case's test, not lost in the child
+                results[name] = traceback.format_exc()
+        for name, (kind, _) in ERRORS.items():
+            results["error:" + name] = _run_error(kind, group)
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def outcomes(request, tmp_path_factory):
+    world = request.param
+    tmp = str(tmp_path_factory.mktemp(f"cp{world}"))
+    mp.spawn(_worker, args=(world, tmp), nprocs=world, join=True)
+    per_rank = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f))
+    return per_rank
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(outcomes, name):
+    for rank, res in enumerate(outcomes):
+        assert res[name] == "", f"rank {rank}: {res[name]}"
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_clear_error(outcomes, name):
+    words = ERRORS[name][1]
+    for rank, res in enumerate(outcomes):
+        assert words in res["error:" + name], f"rank {rank}: {res['error:' + name]!r}"
