@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
 def outcomes(request, tmp_path_factory):
     world = request.param
     tmp = str(tmp_path_factory.mktemp(f"cp{world}"))
@@ -135,6 +135,11 @@ def outcomes(request, tmp_path_factory):
     return per_rank
 
 
+def _needs_two_ranks(outcomes, name):
+    if name == "heads-disagree" and len(outcomes) == 1:
+        pytest.skip("one rank cannot disagree with another")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(outcomes, name):
     for rank, res in enumerate(outcomes):
@@ -143,6 +148,24 @@ def test_matches_single_process(outcomes, name):
 
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_clear_error(outcomes, name):
+    _needs_two_ranks(outcomes, name)
     words = ERRORS[name][1]
     for rank, res in enumerate(outcomes):
         assert words in res["error:" + name], f"rank {rank}: {res['error:' + name]!r}"
+
+
+def test_context_parallel_argument_types():
+    with pytest.raises(TypeError, match="context_parallel must be a DeviceMesh"):
+        cpm.as_context_parallel(3)
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        ContextParallel(None, sharding="ring")
+
+
+def test_layout_zigzag_chunks():
+    # rank r holds chunks r and 2W-1-r of 2W equal chunks (torch's head-tail load balancing)
+    layout = cpm.Layout("zigzag", (4, 4, 4), rank=1)
+    assert layout.chunks() == [(2, 4), (8, 10)]
+    assert layout.positions().tolist() == [2, 3, 8, 9]
+    assert cpm.split_lengths(7, 3, "contiguous") == (3, 2, 2)
+    with pytest.raises(ValueError, match="divisible by 2 \\* world size = 6"):
+        cpm.split_lengths(8, 3, "zigzag")
