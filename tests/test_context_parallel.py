@@ -169,3 +169,18 @@ def test_layout_zigzag_chunks():
     assert cpm.split_lengths(7, 3, "contiguous") == (3, 2, 2)
     with pytest.raises(ValueError, match="divisible by 2 \\* world size = 6"):
         cpm.split_lengths(8, 3, "zigzag")
+
+
+def test_benchmark_smoke_mode(tmp_path):
+    # the 2-GPU benchmark's CPU smoke mode: argument parsing, gloo processes, its JSON and --check
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "context_parallel.py")
+    out = tmp_path / "cp.json"
+    subprocess.run([sys.executable, path, "--device", "cpu", "--tiny", "--ns", "128", "--methods", "bsa,sdpa",
+                    "--iters", "1", "--warmup", "0", "--check", "--json", str(out)], check=True, timeout=300)
+    got = json.loads(out.read_text())
+    assert got["env"]["world_size"] == 2 and got["env"]["torch"] == torch.__version__
+    bsa = next(r for r in got["rows"] if r["method"] == "bsa")
+    assert bsa["max_abs_diff_vs_1gpu"] == 0.0 and bsa["t_cp_s"] > 0 and bsa["t_comm_s"] > 0
