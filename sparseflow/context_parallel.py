@@ -435,9 +435,10 @@ def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool
 
 
 def _pbs_kernels(q: Tensor) -> bool:
+    """The Triton selection and attention (CUDA, or the interpreter with SPARSEFLOW_PBS_SELECT=triton)."""
     from .kernels.pbs import triton_impl
 
-    return q.is_cuda and triton_impl.select_impl(q.device) == "triton"
+    return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device) == "triton"
 
 
 def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_mask, is_causal, scale, block_size):

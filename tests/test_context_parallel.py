@@ -184,3 +184,37 @@ def test_benchmark_smoke_mode(tmp_path):
     assert got["env"]["world_size"] == 2 and got["env"]["torch"] == torch.__version__
     bsa = next(r for r in got["rows"] if r["method"] == "bsa")
     assert bsa["max_abs_diff_vs_1gpu"] == 0.0 and bsa["t_cp_s"] > 0 and bsa["t_comm_s"] > 0
+
+
+def _gpu_worker(rank: int, world: int, tmp: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    results = {}
+    try:
+        cp = ContextParallel(dist.group.WORLD, sharding="zigzag")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, h, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+        for cfg in (PBSConfig(), PISAConfig(top_k=16), BSAConfig(top_k=16)):
+            with torch.no_grad():
+                want = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+                local = [cpm.shard(t, cp) for t in (q, k, v)]
+                got = cpm.unshard(sparseflow.attention(*local, config=cfg, backend="triton", context_parallel=cp), cp)
+            results[cfg.method] = float((got.float() - want.float()).abs().max())
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_on_gpus(tmp_path):
+    # the Triton selection and attention under context parallelism (NCCL; 1 or 2 GPUs) equal the
+    # single-device Triton op
+    world = min(2, torch.cuda.device_count())
+    mp.spawn(_gpu_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
+    for r in range(world):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(got) == {"pbs", "pisa", "bsa"}
+        for method, diff in got.items():
+            assert diff <= 1e-2, f"rank {r} {method}: max abs diff {diff}"
