@@ -52,6 +52,8 @@ def parse_args(argv=None):
                     help="any of pbs, pisa, bsa, sdpa")
     ap.add_argument("--sharding", choices=cpm.SHARDINGS, default="zigzag")
     ap.add_argument("--top-k", type=int, default=16, help="PISA / BSA top_k")
+    ap.add_argument("--backend", choices=["triton", "reference"], default=None,
+                    help="the sparse ops' backend, 1 GPU and CP alike (default: triton on CUDA, reference on CPU)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -148,7 +150,8 @@ def torch_cp_sdpa(mesh, q, k, v, args, device):
 def bench_method(method, cfg, q, k, v, cp, layout, args, device):
     pg = cpm.process_group(cp.group)
     local = [cpm.shard(t, cp) for t in (q, k, v)]
-    backend = "reference" if device.type == "cpu" else "auto"
+    # one explicit backend for both sides: "auto" might time dense SDPA on one and not the other
+    backend = args.backend or ("reference" if device.type == "cpu" else "triton")
     with torch.no_grad():
         one = on_rank0(lambda: timed(lambda: sparseflow.attention(q, k, v, config=cfg, backend=backend), args, device),
                        device, pg)

@@ -61,6 +61,9 @@ class ContextParallel:
     def __post_init__(self):
         if self.sharding not in SHARDINGS:
             raise ValueError(f"context_parallel sharding must be one of {list(SHARDINGS)}, got {self.sharding!r}")
+        if not (_is_mesh(self.group) or isinstance(self.group, dist.ProcessGroup)):
+            raise TypeError("ContextParallel group must be a 1-D DeviceMesh or a ProcessGroup, "
+                            f"got {type(self.group).__name__}")
 
 
 def as_context_parallel(obj: Any) -> ContextParallel:

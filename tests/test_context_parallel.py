@@ -159,6 +159,8 @@ def test_context_parallel_argument_types():
         cpm.as_context_parallel(3)
     with pytest.raises(ValueError, match="sharding must be one of"):
         ContextParallel(None, sharding="ring")
+    with pytest.raises(TypeError, match="group must be a 1-D DeviceMesh or a ProcessGroup"):
+        ContextParallel("world")
 
 
 def test_layout_zigzag_chunks():
