@@ -29,7 +29,12 @@ single-device op selects:
 Communication per rank and call: the all-gather of K and V, ``2 (W-1)/W N Hkv D`` elements
 received; for PBS also the shared query rows, ``(proxy_blocks + boundary blocks) * block_size *
 Hq * D`` elements; and a small metadata all-gather that checks the ranks agree. The backward pass
-all-reduces dK and dV (``2 N Hkv D`` per rank). No ring variant: see the README.
+all-reduces dK and dV (``2 N Hkv D`` per rank; gloo has no reduce-scatter). There is no ring
+variant (K/V passed around the ranks, partial outputs merged by log-sum-exp): every method's
+selection reads keys of the whole prefix, which the all-gather gives in one step.
+
+A call is recorded in :func:`sparseflow.capture` with the global shapes and without its
+selection; key padding and other masks are refused (``attn_mask`` must be None).
 """
 from __future__ import annotations
 
@@ -295,14 +300,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, config: AttentionConfig, conte
     chosen = _cp_backend(method, backend, q.device, q.dtype)
     k_all, v_all = gather_sequence(k, layout, pg), gather_sequence(v, layout, pg)
     reason = _dense_reason(method, config, q, k_all, v_all, is_causal)
+    _record(method, tag, chosen, reason, q, k_all)
     if reason is not None:
-        if reason:
-            _capture.log_fallback(method, tag, reason)
         return _dense_local(q, k_all, v_all, layout, is_causal, scale)
     kwargs = _ops._impl_kwargs(config)
     if method == "pbs":
         return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen)
     return _token_local(_ops._load(method, chosen), q, k_all, v_all, layout, kwargs, is_causal, scale)
+
+
+def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tensor, k_all: Tensor) -> None:
+    """The call in the run's tally and the active capture (global shapes, no selection); a dense
+    fallback logged with its reason."""
+    sparse = reason is None
+    if reason:
+        _capture.log_fallback(method, tag, reason)
+    elif sparse:
+        _capture.note_call(method, tag, True)
+    cap = _capture.active_capture()
+    if cap is not None:
+        q_shape = (q.shape[0], q.shape[1], k_all.shape[2], q.shape[3])
+        cap.calls.append(_capture.CallRecord(tag, method, backend if sparse else _ops.DENSE_CHOICE, sparse,
+                                             reason or "", q_shape, tuple(k_all.shape)))
 
 
 def _dense_reason(method: str, config: AttentionConfig, q, k_all, v_all, is_causal: bool) -> Optional[str]:

@@ -104,6 +104,32 @@ def _run_error(kind, group) -> str:
     return ""
 
 
+def _run_recorded(group) -> str:
+    """What a capture records and the log says of a call that runs dense (min_seq_len above the
+    global length 108, which no rank's shard shows)."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("sparseflow")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    cp = ContextParallel(group)
+    try:
+        q, k, v = (cpm.shard(t, cp) for t in _inputs(108)[:3])
+        with sparseflow.capture() as cap:
+            sparseflow.attention(q, k, v, config=PBSConfig(min_seq_len=4096), backend="reference", context_parallel=cp)
+            sparseflow.attention(q, k, v, config=BSAConfig(top_k=3, **_TOKEN), backend="reference",
+                                 context_parallel=cp)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    calls = [(c.method, c.backend, c.sparse, c.reason, list(c.q_shape)) for c in cap.calls]
+    return json.dumps({"log": records, "calls": calls})
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -115,6 +141,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                 results[name] = _run_case(*case, group)
             except Exception:  # reported by the case's test, not lost in the child
                 results[name] = traceback.format_exc()
+        results["recorded"] = _run_recorded(group)
         for name, (kind, _) in ERRORS.items():
             results["error:" + name] = _run_error(kind, group)
     finally:
@@ -133,6 +160,15 @@ def outcomes(request, tmp_path_factory):
         with open(os.path.join(tmp, f"rank{r}.json")) as f:
             per_rank.append(json.load(f))
     return per_rank
+
+
+def test_fallback_logged_and_calls_recorded(outcomes):
+    for rank, res in enumerate(outcomes):
+        got = json.loads(res["recorded"])
+        reason = "sequence length 108 < min_seq_len=4096"
+        assert any(reason in line for line in got["log"]), (rank, got["log"])
+        assert got["calls"] == [["pbs", "sdpa", False, reason, [2, HQ, 108, D]],
+                                ["bsa", "reference", True, "", [2, HQ, 108, D]]], (rank, got["calls"])
 
 
 def _needs_two_ranks(outcomes, name):
