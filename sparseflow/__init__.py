@@ -5,6 +5,7 @@ imported lazily by the backends and tools that need them.
 """
 from . import ops, passes
 from .api import InspectionResult, RewriteReport, compile, export, inspect, report
+from .context_parallel import ContextParallel
 from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, config_from_dict, default_config
 from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
 from .recording import CallRecord, Capture, capture

@@ -571,13 +571,17 @@ def attention(
     scale: Optional[float] = None,
     backend: str = "auto",
     tag: str = "",
+    context_parallel: Any = None,
 ) -> torch.Tensor:
     """Sparse attention with the method of ``config`` (PBSConfig, PISAConfig, BSAConfig or
     DenseConfig). ``q: [B, Hq, Nq, D]``, ``k, v: [B, Hkv, Nk, D]`` with Hq a multiple of Hkv.
     ``attn_mask``: None or any SDPA mask, with SDPA's meaning (a 2-D mask is ``[Nq, Nk]``); key
     padding is ``kpm[:, None, None, :]`` (``[B, 1, 1, Nk]`` bool, True = valid), and with
     ``is_causal=True`` a mask is intersected with causality. Causal / key-padding masks run
-    sparse; others run dense, logged (see :mod:`sparseflow.masks`)."""
+    sparse; others run dense, logged (see :mod:`sparseflow.masks`).
+    ``context_parallel``: a 1-D DeviceMesh, a ProcessGroup or a :class:`sparseflow.ContextParallel`
+    (its ``sharding``): q, k, v are then this rank's sequence shards and the result is the output
+    of this rank's queries (see :mod:`sparseflow.context_parallel`)."""
     if not isinstance(config, _CONFIG_TYPES):
         raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
@@ -586,6 +590,11 @@ def attention(
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
     check_backend_dtype(method, backend, q.dtype)
     scale = None if scale is None else float(scale)
+    if context_parallel is not None:
+        from . import context_parallel as _cp
+
+        return _cp.attention(q, k, v, config=config, context_parallel=context_parallel, attn_mask=attn_mask,
+                             is_causal=is_causal, scale=scale, backend=backend, tag=tag)
     if not _plain_eager(q, k, v, attn_mask):
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config), backend, tag)

@@ -1,0 +1,277 @@
+"""Context-parallel sparse prefill: 2 GPUs against 1, and against dense SDPA under torch's
+context parallelism (issue 18).
+
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py \\
+        --json benchmarks/results/context_parallel_h200x2.json
+
+For every length (default 128K, 256K, 512K; B=1, Hq=32, Hkv=8, D=128, bf16, the SPEC §8
+structured inputs) and method (pbs, pisa, bsa) it times:
+
+* ``1gpu``: ``sparseflow.attention`` on rank 0 alone (the other ranks wait);
+* ``cp``: ``sparseflow.attention(..., context_parallel=ContextParallel(mesh, "zigzag"))`` on every
+  rank, the slowest rank's time;
+* ``comm``: the K/V all-gather alone (what ``cp`` spends communicating, plus PBS's small
+  all-reduce of shared query rows, not timed separately);
+* ``sdpa``: dense causal SDPA on one GPU and under ``torch.distributed.tensor.experimental.
+  context_parallel`` (ring attention, head-tail load balance) on all ranks, K/V heads repeated.
+
+``--check`` also compares the gathered context-parallel output with the 1-GPU output.
+Smoke mode on the CPU (gloo, spawns its own processes): ``python benchmarks/context_parallel.py
+--device cpu --tiny`` (``--nproc`` processes, default 2).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import sparseflow  # noqa: E402
+from sparseflow import context_parallel as cpm  # noqa: E402
+
+K = 1024
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[128 * K, 256 * K, 512 * K],
+                    help="sequence lengths, comma separated")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["pbs", "pisa", "bsa", "sdpa"],
+                    help="any of pbs, pisa, bsa, sdpa")
+    ap.add_argument("--sharding", choices=cpm.SHARDINGS, default="zigzag")
+    ap.add_argument("--top-k", type=int, default=16, help="PISA / BSA top_k")
+    ap.add_argument("--backend", choices=["triton", "reference"], default=None,
+                    help="the sparse ops' backend, 1 GPU and CP alike (default: triton on CUDA, reference on CPU)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small shapes and configs (smoke test)")
+    ap.add_argument("--nproc", type=int, default=2, help="processes to spawn when not run under torchrun")
+    ap.add_argument("--check", action="store_true", help="compare the CP output with the 1-GPU output")
+    ap.add_argument("--json", default=None, help="where to write the results (rank 0)")
+    args = ap.parse_args(argv)
+    unknown = set(args.methods) - {"pbs", "pisa", "bsa", "sdpa"}
+    if unknown:
+        ap.error(f"--methods: unknown {sorted(unknown)}; choose from pbs, pisa, bsa, sdpa")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a GPU; use --device cpu --tiny for the smoke test")
+    return args
+
+
+def shapes(args):
+    """(B, Hq, Hkv, D, dtype, lengths)."""
+    if args.tiny:
+        return 1, 4, 2, 16, torch.float32, [n for n in args.ns if n <= 4096] or [512]
+    return 1, 32, 8, 128, torch.bfloat16, args.ns
+
+
+def configs(args):
+    if args.tiny:
+        return {"pbs": sparseflow.PBSConfig(block_size=32, segment_size=64, threshold=0.5),
+                "pisa": sparseflow.PISAConfig(block_size=16, top_k=4),
+                "bsa": sparseflow.BSAConfig(block_size=16, top_k=4)}
+    return {"pbs": sparseflow.PBSConfig(), "pisa": sparseflow.PISAConfig(top_k=args.top_k),
+            "bsa": sparseflow.BSAConfig(top_k=args.top_k)}
+
+
+def inputs(b, hq, hkv, n, d, dtype, device):
+    """The structured inputs of benchmarks/pbs.py, the same on every rank (seeded by ``n``)."""
+    import pbs as _pbs
+
+    _pbs.DEV = device
+    g = torch.Generator(device=device).manual_seed(n)
+    return _pbs.structured_qkv(b, hq, hkv, n, d, dtype, g)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, args, device, group=None):
+    """Mean seconds per call; with ``group`` every rank runs it and the slowest rank counts."""
+    for _ in range(args.warmup):
+        fn()
+    sync(device)
+    if group is not None:
+        dist.barrier(group)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        fn()
+    sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed)
+
+
+def on_rank0(fn, device, group):
+    """``fn()`` on rank 0 while the others wait; its value broadcast to all."""
+    value = torch.zeros(1, dtype=torch.float64, device=device)
+    if dist.get_rank(group) == 0:
+        value += fn()
+    dist.broadcast(value, 0, group=group)
+    return float(value)
+
+
+def dense_sdpa(q, k, v):
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+
+
+def torch_cp_sdpa(mesh, q, k, v, args, device):
+    """Dense causal SDPA under torch's context parallelism (None where it does not run)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    g = q.shape[1] // k.shape[1]
+    qq, kk, vv = q.clone(), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    try:
+        with context_parallel(mesh, buffers=[qq, kk, vv], buffer_seq_dims=[2, 2, 2]):
+            return timed(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), args, device,
+                         mesh.get_group())
+    except (RuntimeError, NotImplementedError) as e:  # e.g. no ring kernel for the CPU's SDPA
+        if dist.get_rank() == 0:
+            print(f"torch context_parallel SDPA did not run here: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
+def bench_method(method, cfg, q, k, v, cp, layout, args, device):
+    pg = cpm.process_group(cp.group)
+    local = [cpm.shard(t, cp) for t in (q, k, v)]
+    # one explicit backend for both sides: "auto" might time dense SDPA on one and not the other
+    backend = args.backend or ("reference" if device.type == "cpu" else "triton")
+    with torch.no_grad():
+        one = on_rank0(lambda: timed(lambda: sparseflow.attention(q, k, v, config=cfg, backend=backend), args, device),
+                       device, pg)
+        par = timed(lambda: sparseflow.attention(*local, config=cfg, backend=backend, context_parallel=cp),
+                    args, device, pg)
+        comm = timed(lambda: (cpm.gather_sequence(local[1], layout, pg), cpm.gather_sequence(local[2], layout, pg)),
+                     args, device, pg)
+        row = dict(method=method, t_1gpu_s=one, t_cp_s=par, t_comm_s=comm)
+        if args.check:
+            got = cpm.unshard(sparseflow.attention(*local, config=cfg, backend=backend, context_parallel=cp), cp)
+            want = sparseflow.attention(q, k, v, config=cfg, backend=backend)
+            row["max_abs_diff_vs_1gpu"] = float((got.float() - want.float()).abs().max())
+    return row
+
+
+def bench_sdpa(q, k, v, mesh, layout, cp, args, device):
+    pg = mesh.get_group()
+    with torch.no_grad():
+        one = on_rank0(lambda: timed(lambda: dense_sdpa(q, k, v), args, device), device, pg)
+        par = torch_cp_sdpa(mesh, q, k, v, args, device)
+    return dict(method="sdpa", t_1gpu_s=one, t_cp_s=par, t_comm_s=None)
+
+
+def run(args):
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world = dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    cp = sparseflow.ContextParallel(mesh, sharding=args.sharding)
+    b, hq, hkv, d, dtype, ns = shapes(args)
+    cfgs = configs(args)
+    rows = []
+    for n in ns:
+        q, k, v = inputs(b, hq, hkv, n, d, dtype, device)
+        layout = cpm.Layout(args.sharding, cpm.split_lengths(n, world, args.sharding), dist.get_rank())
+        for method in args.methods:
+            if method == "sdpa":
+                row = bench_sdpa(q, k, v, mesh, layout, cp, args, device)
+            else:
+                row = bench_method(method, cfgs[method], q, k, v, cp, layout, args, device)
+            row.update(n=n, world=world)
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(format_row(row), flush=True)
+        del q, k, v
+    return rows
+
+
+def format_row(r):
+    def ms(t):
+        return "      n/a" if t is None else f"{t * 1e3:9.2f}"
+
+    speed = "  n/a" if r["t_cp_s"] is None else f"{r['t_1gpu_s'] / r['t_cp_s']:5.2f}"
+    extra = f"  diff {r['max_abs_diff_vs_1gpu']:.2e}" if "max_abs_diff_vs_1gpu" in r else ""
+    return (f"{r['method']:5s} n={r['n']:7d}  1 GPU {ms(r['t_1gpu_s'])} ms  {r['world']} GPUs {ms(r['t_cp_s'])} ms"
+            f"  comm {ms(r['t_comm_s'])} ms  speedup {speed}x{extra}")
+
+
+def summary(rows):
+    """Per length: each method's CP time against dense CP SDPA's."""
+    lines = []
+    for n in sorted({r["n"] for r in rows}):
+        dense = next((r["t_cp_s"] for r in rows if r["n"] == n and r["method"] == "sdpa"), None)
+        for r in rows:
+            if r["n"] == n and r["method"] != "sdpa" and dense and r["t_cp_s"]:
+                lines.append(f"n={n:7d} {r['method']:5s} CP vs dense CP SDPA: {dense / r['t_cp_s']:.2f}x faster")
+    return lines
+
+
+def env_info(device, world):
+    info = {"torch": torch.__version__, "python": platform.python_version(), "world_size": world,
+            "device": str(device.type),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return info
+
+
+def worker(rank, world, init, args):
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if init is None:
+        dist.init_process_group(backend)
+    else:
+        os.environ["LOCAL_RANK"] = str(rank)  # the GPU of a spawned process
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        rows = run(args)
+        if dist.get_rank() == 0:
+            for line in summary(rows):
+                print(line)
+            if args.json:
+                device = torch.device(args.device)
+                with open(args.json, "w") as fh:
+                    json.dump({"env": env_info(device, dist.get_world_size()), "rows": rows}, fh, indent=2)
+                print(f"wrote {args.json}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
+        return 0
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.nproc, f"file://{tmp}/store", args), nprocs=args.nproc, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
