@@ -217,7 +217,9 @@ def measure(model, ids, path: str, setting: Optional[str], dense_logits, args) -
     return row
 
 
-def run_length(model, tok, n: int, rope: str, args) -> List[Dict[str, object]]:
+def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> List[Dict[str, object]]:
+    """Every row at one length; ``on_row`` sees each as it is measured (a long run that is cut
+    short keeps what it measured)."""
     factor = set_rope(model, rope, n)
     ids = repeated_tokens(tok, args.text, n).to(args.device)
     model.set_attn_implementation("sdpa")
@@ -229,6 +231,7 @@ def run_length(model, tok, n: int, rope: str, args) -> List[Dict[str, object]]:
         row = {**base, **row}
         rows.append(row)
         print(format_row(row), flush=True)
+        on_row(row)
 
     emit(measure(model, ids, "dense", None, dense, args))
     n_layers = model.config.num_hidden_layers
@@ -375,14 +378,17 @@ def main(argv=None) -> int:
     print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s on {args.device}", flush=True)
     rows: List[Dict[str, object]] = []
     out = {"env": env_info(), "args": {k: v for k, v in vars(args).items() if k != "plot"}, "rows": rows}
+
+    def save(_=None):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1, default=str)
     for n in args.ns:
         for rope in ropes:
             if rope == "yarn" and n <= TRAINED_POSITIONS:
                 continue
-            rows.extend(run_length(model, tok, n, rope, args))
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(out, fh, indent=1, default=str)
+            run_length(model, tok, n, rope, args, on_row=lambda row: save(rows.append(row)))
+            save()
     print_table(rows)
     if args.json:
         print(f"wrote {args.json}")

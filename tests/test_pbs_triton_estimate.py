@@ -424,19 +424,32 @@ def test_selection_launches_through_the_op():
     assert "sparseflow.pbs_strided_estimate.default" in rec.ops
 
 
-@gpu
-@pytest.mark.parametrize("scoring", ["sampled_rows", "antidiagonal"])
-def test_cuda_compile_fullgraph_estimate(scoring):
-    # Inductor compiles its own copies of the kernels and types the Python-float scale fp64 (cast
-    # to fp32 in the kernel)
-    args = _est_op_args(scoring, True, torch.bfloat16)
+def _estimate_then_probs(static):
+    """The two estimate ops as a model's graph holds them: tensors flow in, the launch settings are
+    constants of the graph (a config's fields), not inputs Dynamo could turn into symbols."""
+    scoring, s, hp, h0, hc, causal, scale, bs, seg, bm, bn, warps, stages = static
 
-    def f(*a):
-        lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(*a)
-        probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, a[4], a[3], a[5], a[6], a[9], a[0].shape[2], a[10],
-                                                       a[12], a[13])
+    def f(q, k_perm):
+        lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(q, k_perm, None, None, None, scoring, s, hp, h0, hc,
+                                                             causal, scale, bs, seg, bm, bn, warps, stages)
+        probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, None, None, scoring, s, hc, q.shape[2], causal,
+                                                       bs, seg)
         return lse * 2, probs
 
-    eager = f(*args)
-    compiled = torch.compile(f, fullgraph=True)(*args)
-    torch.testing.assert_close(compiled, eager)
+    return f
+
+
+@gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("scoring", ["sampled_rows", "antidiagonal"])
+def test_cuda_compile_fullgraph_estimate(scoring, dynamic):
+    # Inductor compiles its own copies of the kernels and types the Python-float scale fp64 (cast
+    # to fp32 in the kernel); with dynamic=True the sequence length is a symbol (a second length
+    # reuses the graph)
+    torch._dynamo.reset()
+    args = _est_op_args(scoring, False, torch.bfloat16)
+    f = _estimate_then_probs(args[5:])
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for n in (70, 96):
+        q, k_perm = args[0][:, :, :n].contiguous(), args[1][:, :, :n].contiguous()
+        torch.testing.assert_close(compiled(q, k_perm), f(q, k_perm))
