@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+from ..launch_sizes import pow2_at_least
 
 __all__ = [
     "PAD_POS",
@@ -391,7 +392,7 @@ def pbs_block_sparse_fwd(
         _ensure_allocator()
     mask_all = bool(has_padding)
     ieee = q.dtype == torch.float32
-    n_bucket = triton.next_power_of_2(max(n, 1))
+    n_bucket = pow2_at_least(n)
     args = (
         q, k, v, kpos, kv_num, kv_full, kv_idx, out,
         q.stride(0), q.stride(1), q.stride(2),

@@ -57,6 +57,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from . import reference as _ref
+from ..launch_sizes import pow2_at_least
 
 __all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
            "pbs_strided_probs"]
@@ -548,7 +549,7 @@ def pbs_strided_probs(
     has_pad = lens is not None
     probs = torch.empty(bhc, nb, nb, dtype=torch.float32, device=lbm.device)
     dummy = torch.empty(1, dtype=torch.int32, device=lbm.device) if not has_pad else None
-    block_b = max(16, triton.next_power_of_2(nb))
+    block_b = pow2_at_least(nb, 16)
     wrap_triton(_strided_probs_kernel)[(nb, bhc)](
         lbm, lse, qvalid if has_pad else dummy, lens if has_pad else dummy, probs, hc, n, nb, nrows, segment_size,
         BS=block_size, BLOCK_B=block_b, IS_CAUSAL=is_causal, HAS_PAD=has_pad, num_warps=4,

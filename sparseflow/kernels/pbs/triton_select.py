@@ -49,6 +49,7 @@ import triton.language as tl
 from . import reference as _ref
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
+from ..launch_sizes import pow2_at_least
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
@@ -287,7 +288,7 @@ def select_block_lists(
     kv_full = torch.empty_like(kv_num)
     kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
     bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if return_block_mask else None
-    block_b = max(16, triton.next_power_of_2(nb))
+    block_b = pow2_at_least(nb, 16)
     g = hq // hp
     meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
                 WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
@@ -567,7 +568,7 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     grid = (nseg_max, bsz * hq)
     _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
     _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
-                                     CHUNK_S=max(1, min(16, triton.next_power_of_2(nseg_max))),
+                                     CHUNK_S=min(16, pow2_at_least(nseg_max)),
                                      PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
     _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
 
