@@ -225,3 +225,30 @@ def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
         else:
             assert state.rebuilt == 0 and state.appended == 0  # the reference rebuilds per call
     assert torch.equal(outs["triton"], outs["reference"])
+
+
+@pytest.mark.parametrize("n_leaves", [1, 2, 7, 64, 100, 4097])
+@pytest.mark.parametrize("branching", [2, 3, 8])
+def test_pyramid_tables_on_device_match_level_sizes(n_leaves, branching):
+    from sparseflow.kernels.pisa import triton_select as ts
+
+    sizes, offs, dev_offs, dev_spans = ts.pyramid_tables(n_leaves, branching, "cpu")
+    assert sizes == ts.level_sizes(n_leaves, branching)
+    assert dev_offs.dtype == dev_spans.dtype == torch.int32
+    assert dev_offs.tolist() == offs
+    assert dev_spans.tolist() == [min(branching ** i, 2**30) for i in range(len(sizes))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_cuda_selection_has_no_host_sync(method):
+    # a host sync stalls the launch queue and forbids CUDA-graph capture
+    q, k, v = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    run = getattr(sparseflow, f"{method}_attention")
+    run(q, k, v, is_causal=True, backend="triton")  # compile and autotune outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(q, k, v, is_causal=True, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -436,6 +436,10 @@ def pbs_strided_estimate(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch behind :func:`strided_estimate` (every argument resolved; ``scale`` is the
     softmax scale)."""
+    # the settings that shape the kernel are compile-time constants: a symbolic one (Dynamo makes
+    # Python ints of a closure symbols under dynamic=True) is specialised here, with a guard
+    stride, block_size, block_m, block_n, num_warps, num_stages = map(
+        int, (stride, block_size, block_m, block_n, num_warps, num_stages))
     bsz, hq, n, d = q.shape
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     lbm_shape, lse_shape = _estimate_shapes(q, scoring, stride, hc, block_size)
@@ -545,6 +549,7 @@ def pbs_strided_probs(
 ) -> torch.Tensor:
     """fp32 ``[B*HC, nB, nB]`` block probabilities from :func:`strided_estimate`'s ``(lbm, lse)``
     of ``hc`` heads over ``n`` tokens (``qvalid``/``lens``: its padding inputs, None without)."""
+    stride, block_size = int(stride), int(block_size)  # kernel constants (see pbs_strided_estimate)
     bhc, nrows, nb = lbm.shape
     has_pad = lens is not None
     probs = torch.empty(bhc, nb, nb, dtype=torch.float32, device=lbm.device)

@@ -126,10 +126,18 @@ def pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], Li
     offs = [0]
     for s in sizes:
         offs.append(offs[-1] + s)
-    # spans of the top levels can exceed int32 for tiny leaves counts only in theory; clamp
-    spans = [min(branching ** i, 2**30) for i in range(len(sizes))]
-    return (sizes, offs, torch.tensor(offs, dtype=torch.int32, device=device),
-            torch.tensor(spans, dtype=torch.int32, device=device))
+    return sizes, offs, *_device_tables(max(1, n_leaves), branching, len(sizes), device)
+
+
+def _device_tables(n_leaves: int, branching: int, levels: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The level offsets and leaf spans computed on ``device`` (a host list copied there would be
+    a pageable copy: a host sync, and no CUDA-graph capture). Level ``i`` has
+    ``ceil(n_leaves / g**i)`` nodes (repeated ceil-division), the same as :func:`level_sizes`."""
+    span = torch.pow(branching, torch.arange(levels, device=device, dtype=torch.int64))
+    counts = torch.div(n_leaves + span - 1, span, rounding_mode="floor").clamp_min(1)
+    offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    # spans of the top levels exceed int32 only for absurd lengths; clamp
+    return offs.to(torch.int32), span.clamp_max(2**30).to(torch.int32)
 
 
 @triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})
