@@ -30,6 +30,7 @@ from . import autobackend as _autobackend
 from . import decode_state as _decode_state
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
+from .kernels._triton_env import interpreting
 from .masks import analyse_mask, check_mask, with_causality
 
 __all__ = [
@@ -178,7 +179,7 @@ def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> s
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not interpreting():
         return False
     return _triton_installed()
 

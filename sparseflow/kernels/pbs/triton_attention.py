@@ -37,6 +37,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from ..launch_sizes import pow2_at_least
 
+from .._triton_env import interpreting
+
 __all__ = [
     "PAD_POS",
     "block_mask_to_indices",
@@ -45,7 +47,6 @@ __all__ = [
 ]
 
 PAD_POS = 2**31 - 1
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------- kernel
@@ -280,7 +281,7 @@ def _pbs_fwd_kernel(
 
 
 def _configs():
-    if _INTERPRET:
+    if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # (BLOCK_M, BLOCK_N, num_warps, num_stages): the candidates measured on the H200
     # (H200, bf16, D=128, Hq=32/Hkv=8, 100% density; benchmarks/results/pbs_h200.json): 128x64, 4 warps,
@@ -348,7 +349,7 @@ def _ensure_allocator():
 
 
 def _tma_ok(q, k, v, gather: bool) -> bool:
-    if gather or _INTERPRET or not q.is_cuda or os.environ.get("SPARSEFLOW_PBS_TMA", "1") == "0":
+    if gather or interpreting() or not q.is_cuda or os.environ.get("SPARSEFLOW_PBS_TMA", "1") == "0":
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
@@ -407,7 +408,7 @@ def pbs_block_sparse_fwd(
     meta = dict(
         KV_GROUP=hq // hkv, P_GROUP=hq // hp, HEAD_DIM=d, BLOCK_D=block_d,
         SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=mask_all, GATHER=gather,
-        USE_TMA=use_tma, IEEE=ieee, INTERP=_INTERPRET,
+        USE_TMA=use_tma, IEEE=ieee, INTERP=interpreting(),
     )
     fixed = _FIXED_CONFIG
     if fixed is not None:

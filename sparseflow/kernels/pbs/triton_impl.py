@@ -20,7 +20,6 @@ K/V layout for the kernel (``SPARSEFLOW_PBS_KV`` = ``permuted`` | ``gather``):
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import NamedTuple, Optional, Tuple, Union
 
@@ -30,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...selection import Selection
+from .._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 
@@ -58,7 +58,7 @@ def kv_layout() -> str:
 
 def _use_kernels(t: Tensor) -> bool:
     """Triton kernels for tensors on CUDA, or anywhere under the CPU interpreter."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return t.is_cuda or interpreting()
 
 
 @triton.jit

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -49,11 +48,11 @@ import triton.language as tl
 from . import reference as _ref
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
+from .._triton_env import interpreting
 from ..launch_sizes import pow2_at_least
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -554,7 +553,7 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     block_d = max(16, triton.next_power_of_2(d))
     block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
-                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
+                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=interpreting(),
                 num_warps=4 if block_p * block_n <= 128 * 32 else 8)
     # softmax normaliser per proxy row: over all complete segments, or per segment
     if causal_proxy:

@@ -35,10 +35,10 @@ from torch.library import triton_op, wrap_triton
 from ..block_summaries_triton import leaf_sums
 from ..token_blocks import selection_width
 from .reference import check_beam
+from .._triton_env import interpreting
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Launch settings of the walk. Measured on the H200 (benchmarks/results/pisa_h200_select_variants.json,
 # 64K tokens, K=8): 1 warp with 16 KB leaf chunks 17.0 ms, 4 warps 30.7-31.4 ms, 8 warps 43-49 ms;
 # with K=32 (64 candidates) 1 warp was 2x slower than 4 (pisa_h200_k8_warps1.json vs pisa_h200.json).
@@ -376,7 +376,7 @@ def _pisa_select_fwd(
     warps, leaf_bytes = _launch(cw)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
-    ieee = q.dtype == torch.float32 or _INTERPRET
+    ieee = q.dtype == torch.float32 or interpreting()
     kpm_arg = kpm if kpm is not None else nfv
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out,
