@@ -207,11 +207,9 @@ def part_check(args, results):
                                          is_causal=causal, block_size=bs)
         outs = []
         for trial in range(2):
-            os.environ["SPARSEFLOW_PBS_KV"] = layout
             out = TI.attention_from_selection(q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal,
-                                              block_size=bs, segment_size=seg)
+                                              block_size=bs, segment_size=seg, layout=layout)
             outs.append(out)
-        os.environ.pop("SPARSEFLOW_PBS_KV", None)
         torch.cuda.synchronize()
         err = ((outs[0].double() - ref).norm() / ref.norm()).item()
         deterministic = bool(torch.equal(outs[0], outs[1]))
@@ -281,12 +279,12 @@ def _kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, densit
                 kv_idx=kv_idx, density=dens, gather=layout == "gather")
 
 
-def _run_kernel(inp, bs=128):
+def _run_kernel(inp, bs=128, tma=True):
     from sparseflow.kernels.pbs import triton_attention as TA
 
     return lambda: TA.pbs_block_sparse_attention(
         inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],
-        block_size=bs, is_causal=True, gather=inp["gather"])
+        block_size=bs, is_causal=True, gather=inp["gather"], tma=tma)
 
 
 def part_variants(args, results):
@@ -310,13 +308,12 @@ def part_variants(args, results):
         ref_out = cud()
         del q, k, v
         for gqa, layout, tma in args.variant_layouts:
-            os.environ["SPARSEFLOW_PBS_TMA"] = tma
             inp = _kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, gqa, layout)
             # exact mode with identity-free permutation: compare with dense attention over the same keys
             for cfg in configs + [None]:
                 TA.set_fixed_config(cfg)
                 try:
-                    fn = _run_kernel(inp)
+                    fn = _run_kernel(inp, tma=tma == "1")  # Tuning.pbs_tma
                     out = fn()
                     torch.cuda.synchronize()
                     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
@@ -333,7 +330,6 @@ def part_variants(args, results):
             TA.set_fixed_config(None)
             del inp
             torch.cuda.empty_cache()
-        os.environ.pop("SPARSEFLOW_PBS_TMA", None)
     results["variants"] = rows
 
 

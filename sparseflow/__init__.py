@@ -10,6 +10,7 @@ from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConf
 from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
 from .recording import CallRecord, Capture, capture
 from .selection import Selection
+from .tuning import Tuning
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ Pooling (block means over valid tokens) and the small per-row tensors (regions, 
 validity, sink block) are vectorised torch ops; the pooled keys come from the permuted K that the
 attention layout needs anyway. Conventions are the reference's (see reference.py's docstring).
 
-Status: ``triton_impl`` uses these by default on CUDA (``SPARSEFLOW_PBS_SELECT=reference`` selects
+Status: ``triton_impl`` uses these by default on CUDA (``Tuning(pbs_select="reference")`` selects
 with the reference's torch stages instead; off CUDA that is the default). Checked against the
 reference on the CPU interpreter (tests/test_pbs_triton.py: scores to ~1e-7 relative, identical
 permutations and selections; tests/test_pbs_triton_estimate.py for the strided scorings) and
