@@ -134,7 +134,7 @@ def part_select(args, results):
         beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
         print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
               f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f}){beams}", flush=True)
-        del q, k
+        q = k = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     big = [r for r in rows if r["n"] >= 65536]
     if len(big) >= 2:
@@ -235,7 +235,7 @@ def part_attn(args, results):
         print(f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
               f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
               f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}", flush=True)
-        del q, k, v, qq, kk, vv
+        q = k = v = qq = kk = vv = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     results["attn"] = rows
 

@@ -419,8 +419,8 @@ def _segment_lse_chunk(M, L, base, s0, seg_end, rows, NSEG_MAX, BLOCK_P: tl.cons
     ok = segs < NSEG_MAX
     o = base + segs[:, None] * BLOCK_P + rows[None, :]
     m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
-    l = tl.load(L + o, mask=ok[:, None], other=0.0)
-    lse = tl.where((l > 0) & (segs < seg_end)[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+    total = tl.load(L + o, mask=ok[:, None], other=0.0)
+    lse = tl.where((total > 0) & (segs < seg_end)[:, None], m + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
     return o, ok, lse
 
 
@@ -549,7 +549,7 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     hkv = k.shape[1]
     dev = q.device
     m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
+    total = torch.empty_like(m)  # running sum of exp2 per proxy row and segment
     block_d = max(16, triton.next_power_of_2(d))
     block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
@@ -565,11 +565,11 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     grid = (nseg_max, bsz * hq)
-    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
-    _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, m, out, *common, SCORE_PASS=False, **meta)
+    _lse_combine_kernel[(bsz * hq,)](m, total, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
                                      CHUNK_S=min(16, pow2_at_least(nseg_max)),
                                      PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
-    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, lse, out, *common, SCORE_PASS=True, **meta)
 
 
 # --------------------------------------------------------------------------- 2. segment sort
