@@ -622,7 +622,7 @@ def attention(
         from . import context_parallel as _cp
 
         return _cp.attention(q, k, v, config=config, context_parallel=context_parallel, attn_mask=attn_mask,
-                             is_causal=is_causal, scale=scale, backend=backend, tag=tag)
+                             is_causal=is_causal, scale=scale, backend=backend, tag=tag, tuning=tuning)
     if not _plain_eager(q, k, v, attn_mask):
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)

@@ -218,3 +218,27 @@ def test_no_tuning_environment_variable_is_read():
     hits = [str(p.relative_to(ROOT)) for p in files if p.name != "test_tuning.py" and pattern.search(p.read_text())]
     assert hits == []
     assert len(files) > 50  # the search looked at the code base
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def test_context_parallel_receives_the_tuning(monkeypatch):
+    from sparseflow import context_parallel as cpm
+
+    got = {}
+    monkeypatch.setattr(cpm, "attention", lambda *a, **kw: got.update(kw) or a[0])
+    q, k, v = _qkv()
+    t = Tuning(pbs_kv_layout="gather")
+    sparseflow.attention(q, k, v, config=PBS_SMALL, context_parallel="group", tuning=t)
+    assert got["tuning"] is t
+
+
+@needs_triton
+def test_context_parallel_pbs_selection_follows_the_tuning():
+    from sparseflow import context_parallel as cpm
+
+    q = _qkv()[0]
+    assert cpm._pbs_kernels(q, Tuning(pbs_select="triton"))
+    assert not cpm._pbs_kernels(q, Tuning(pbs_select="reference"))
+    assert cpm._pbs_kernels(q) == (DEV == "cuda")  # the default: Triton on CUDA only
