@@ -14,7 +14,6 @@ import traceback
 
 import torch
 
-import sparseflow
 from sparseflow import BSAConfig, PBSConfig, PISAConfig
 from sparseflow.ops import IMPLEMENTATIONS
 from sparseflow.testing import check_exact_mode, check_matches_own_selection

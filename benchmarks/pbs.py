@@ -116,7 +116,6 @@ def exact_selection(b, hq, hp, n, bs, seg, seed=0):
 
 def random_selection(perm, hq, n, bs, seg, density, seed=0):
     """Forced blocks (own region, sink) plus a random fraction of the candidates."""
-    b = perm.shape[0]
     cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
     forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -198,7 +197,6 @@ def part_check(args, results):
             kpm = torch.ones(b, n, dtype=torch.bool, device=DEV)
             kpm[0, n - n // 3:] = False
             kpm[1, :7] = False
-        hp = hq if gqa == "query_head" else hkv
         sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
         perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
         bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs,
@@ -207,11 +205,9 @@ def part_check(args, results):
                                          is_causal=causal, block_size=bs)
         outs = []
         for trial in range(2):
-            os.environ["SPARSEFLOW_PBS_KV"] = layout
             out = TI.attention_from_selection(q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal,
-                                              block_size=bs, segment_size=seg)
+                                              block_size=bs, segment_size=seg, layout=layout)
             outs.append(out)
-        os.environ.pop("SPARSEFLOW_PBS_KV", None)
         torch.cuda.synchronize()
         err = ((outs[0].double() - ref).norm() / ref.norm()).item()
         deterministic = bool(torch.equal(outs[0], outs[1]))
@@ -281,12 +277,12 @@ def _kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, densit
                 kv_idx=kv_idx, density=dens, gather=layout == "gather")
 
 
-def _run_kernel(inp, bs=128):
+def _run_kernel(inp, bs=128, tma=True):
     from sparseflow.kernels.pbs import triton_attention as TA
 
     return lambda: TA.pbs_block_sparse_attention(
         inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],
-        block_size=bs, is_causal=True, gather=inp["gather"])
+        block_size=bs, is_causal=True, gather=inp["gather"], tma=tma)
 
 
 def part_variants(args, results):
@@ -310,13 +306,12 @@ def part_variants(args, results):
         ref_out = cud()
         del q, k, v
         for gqa, layout, tma in args.variant_layouts:
-            os.environ["SPARSEFLOW_PBS_TMA"] = tma
             inp = _kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, gqa, layout)
             # exact mode with identity-free permutation: compare with dense attention over the same keys
             for cfg in configs + [None]:
                 TA.set_fixed_config(cfg)
                 try:
-                    fn = _run_kernel(inp)
+                    fn = _run_kernel(inp, tma=tma == "1")  # Tuning.pbs_tma
                     out = fn()
                     torch.cuda.synchronize()
                     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
@@ -333,7 +328,6 @@ def part_variants(args, results):
             TA.set_fixed_config(None)
             del inp
             torch.cuda.empty_cache()
-        os.environ.pop("SPARSEFLOW_PBS_TMA", None)
     results["variants"] = rows
 
 
@@ -509,7 +503,8 @@ def part_total(args, results):
             f"d={k}: attn {v['attention_ms']:.2f} ms x{v['speedup_vs_cudnn']:.2f}, total x"
             f"{v.get('total_kernel_stages_speedup_vs_cudnn', v['total_ref_stages_speedup_vs_cudnn']):.2f}"
             for k, v in sweep.items()), flush=True)
-        del q, k, v, kk, vv, bm, perm, out
+        del out
+        q = k = v = kk = vv = bm = perm = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     results["total"] = rows
 
@@ -598,12 +593,12 @@ def part_stages(args, results):
             t2 = bench(lambda: TA.pbs_block_sparse_attention(q, lay.k, lay.v, lay.kpos, *kv2, block_size=bs))
             sweep[f"{d2:.3f}"] = dict(attention_ms=t2, total_ms=row["pipeline_ms"] + t2,
                                       total_speedup_vs_cudnn=t_cudnn / (row["pipeline_ms"] + t2))
-            del bm2, kv2
+            bm2 = kv2 = None  # frees them; not del, closures above name them
         row["op_vs_density"] = sweep
         rows.append(row)
         print("stages " + " ".join(f"{k_}={v_:.4f}" if isinstance(v_, float) else f"{k_}={v_}"
                                    for k_, v_ in row.items() if k_ != "op_vs_density"), flush=True)
-        del q, k, v, lay, bm, bm_sort, qbar, sc, perm
+        q = k = v = lay = bm = bm_sort = qbar = sc = perm = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     results["stages"] = rows
 

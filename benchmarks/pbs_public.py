@@ -135,7 +135,7 @@ def main(argv=None):
                                                       / row["public_full_attention_ms"])
         except Exception as e:  # noqa: BLE001
             row["public_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        del kr, vr
+        kr = vr = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
 
         def ours():
@@ -169,7 +169,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
-        del q, k, v, ref_out
+        q = k = v = ref_out = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     nan = float("nan")
     print(f"\n=== PBS: sparseflow vs public PBS-Attn, threshold {thr}, B=1 Hq=32 Hkv=8 D=128 bf16 (ms; x = vs cuDNN) ===")

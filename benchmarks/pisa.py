@@ -134,7 +134,7 @@ def part_select(args, results):
         beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
         print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
               f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f}){beams}", flush=True)
-        del q, k
+        q = k = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     big = [r for r in rows if r["n"] >= 65536]
     if len(big) >= 2:
@@ -149,29 +149,24 @@ def part_select(args, results):
 
 
 def part_select_variants(args, results):
-    """Launch settings of the PISA walk side by side (each in a fresh process: they are read at
-    import), plus the PISA-1 score (no raw keys at the leaves) for scale."""
-    import subprocess
+    """Launch settings of the PISA walk side by side (``sparseflow.Tuning``'s ``pisa_warps`` and
+    ``pisa_leaf_bytes``), plus the PISA-1 score (no raw keys at the leaves) for scale."""
+    from sparseflow import Tuning
+    from sparseflow.kernels.pisa import triton_select as PT
 
     rows = []
-    code = ("import sys,torch; sys.path.insert(0,'.'); sys.path.insert(0,'benchmarks');"
-            "from pisa import pisa_inputs; from pbs import bench;"
-            "from sparseflow.kernels.pisa import triton_select as PT;"
-            "n=int(sys.argv[1]); q,k,_=pisa_inputs(n,32,2,64);"
-            "print(bench(lambda: PT.pisa_select(q,k,block_size=64,top_k=8,score=sys.argv[2])))")
+    q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
     for warps in (1, 2, 4, 8):
         for leaf_bytes in (16384, 65536):
             for score in ("lse", "mean"):
                 if score == "mean" and leaf_bytes != 65536:
                     continue
-                env = dict(os.environ, SPARSEFLOW_PISA_WARPS=str(warps), SPARSEFLOW_PISA_LEAF_BYTES=str(leaf_bytes))
-                res = subprocess.run([sys.executable, "-c", code, str(args.variant_n), score], env=env,
-                                     capture_output=True, text=True, cwd=os.path.join(HERE, ".."))
+                tuning = Tuning(pisa_warps=warps, pisa_leaf_bytes=leaf_bytes)
                 try:
-                    ms = float(res.stdout.strip().splitlines()[-1])
-                except (ValueError, IndexError):
+                    ms = bench(lambda: PT.pisa_select(q, k, block_size=64, top_k=8, score=score, tuning=tuning))
+                except Exception as e:  # noqa: BLE001 -- a setting that cannot launch is a row, not the end of the sweep
                     ms = float("nan")
-                    print(res.stderr[-500:])
+                    print(f"select variant warps={warps} leaf_bytes={leaf_bytes} failed: {type(e).__name__}: {e}")
                 rows.append(dict(n=args.variant_n, warps=warps, leaf_bytes=leaf_bytes, score=score, ms=ms))
                 print(f"select variant n={args.variant_n} warps={warps} leaf_bytes={leaf_bytes} score={score}: {ms:.3f} ms", flush=True)
     results["select_variants"] = rows
@@ -240,7 +235,7 @@ def part_attn(args, results):
         print(f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
               f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
               f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}", flush=True)
-        del q, k, v, qq, kk, vv
+        q = k = v = qq = kk = vv = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     results["attn"] = rows
 

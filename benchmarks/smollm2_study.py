@@ -30,7 +30,6 @@ Every run uses the reference backend (fp32 torch on ``--device``), the evaluatio
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os

@@ -10,8 +10,41 @@ from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConf
 from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_attention
 from .recording import CallRecord, Capture, capture
 from .selection import Selection
+from .tuning import Tuning
 
+# The one version string: pyproject.toml reads it from here ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "BSAConfig",
+    "CallRecord",
+    "Capture",
+    "ContextParallel",
+    "DenseConfig",
+    "InspectionResult",
+    "PBSConfig",
+    "PISAConfig",
+    "RewriteReport",
+    "Selection",
+    "Tuning",
+    "attention",
+    "bsa_attention",
+    "capture",
+    "compile",
+    "config_from_dict",
+    "default_config",
+    "dense_attention",
+    "export",
+    "export_onnx",
+    "inspect",
+    "ops",
+    "passes",
+    "pbs_attention",
+    "pisa_attention",
+    "report",
+    "__version__",
+]
 
 
 def export_onnx(*args, **kwargs):

@@ -23,6 +23,7 @@ from . import recording as _recording
 from .config import BACKENDS, METHODS, AttentionConfig, default_config
 from .ops import IMPLEMENTATIONS
 from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, layer_index, rewrite_graph
+from .tuning import Tuning, check_tuning
 
 __all__ = ["compile", "export", "inspect", "report", "RewriteReport", "InspectionResult", "INNER_BACKENDS"]
 
@@ -366,6 +367,7 @@ def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
         "skip_layers": sorted(options.skip_layers),
         "layer_configs": {i: (None if c is None else c.to_dict()) for i, c in options.layer_configs.items()},
         "filter_fn": None if options.filter_fn is None else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
+        "tuning": options.tuning.to_dict(),
         **extra,
     }
 
@@ -553,6 +555,7 @@ def compile(
     dynamic: Optional[bool] = None,
     fullgraph: bool = False,
     recipe: Any = "auto",
+    tuning: Optional[Tuning] = None,
 ) -> nn.Module:
     """Compile ``model`` in place with a ``torch.compile`` backend that rewrites every SDPA call
     into the ``method`` op, and return the same model.
@@ -582,6 +585,9 @@ def compile(
     explicit recipe that lacks ``method`` or does not fit the model raises ValueError; "auto"
     skips such a recipe with an INFO log. The report's ``recipe`` says which one applied.
 
+    ``tuning``: launch options of the Triton backends (:class:`sparseflow.Tuning`; None: the
+    defaults), carried by every rewritten call.
+
     ``skip_layers`` / ``layer_configs`` must name layers the model has (ValueError otherwise). After
     the first call, a model whose graphs hold no SDPA call (e.g. ``attn_implementation="eager"``)
     gets a warning. Each rewritten entry of the report shows the calls whose op fell back to dense
@@ -602,6 +608,7 @@ def compile(
         )
     options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
                                                  layer_configs)
+    options = dataclasses.replace(options, tuning=check_tuning(tuning))
     _check_layers(model, options)
     if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
         raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")
@@ -656,12 +663,13 @@ def export(
     skip_layers: Iterable[int] = (),
     layer_configs: Optional[Mapping[int, Optional[AttentionConfig]]] = None,
     recipe: Any = "auto",
+    tuning: Optional[Tuning] = None,
 ) -> "torch.export.ExportedProgram":
     """``torch.export.export(model, args, kwargs)``, SDPA kept (``run_decompositions({})``), every
     SDPA node rewritten into the ``method`` op (K/V repeated for GQA folded back to native GQA,
     masks passed through for the op to recognise at run time). Returns the ExportedProgram; its
     report is ``sparseflow.report(program)``. Hugging Face models need ``use_cache=False`` in
-    ``kwargs`` (DynamicCache is not a pytree type). ``recipe`` works as in :func:`compile`."""
+    ``kwargs`` (DynamicCache is not a pytree type). ``recipe`` and ``tuning`` work as in :func:`compile`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -672,6 +680,7 @@ def export(
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
                                                  layer_configs)
+    options = dataclasses.replace(options, tuning=check_tuning(tuning))
     _check_layers(model, options)
     ep = torch.export.export(model, args, kwargs)
     ep = ep.run_decompositions({})

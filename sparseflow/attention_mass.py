@@ -160,7 +160,6 @@ def topk_recall(
     oracle_mass = 0.0
     count = 0
     kf = k[0].float()  # [Hkv, N, D]
-    key_block = torch.arange(n, device=q.device) // block_size
     pad = nb * block_size - n
     for t0 in range(q_start, n, chunk):
         t = torch.arange(t0, min(n, t0 + chunk), device=q.device)

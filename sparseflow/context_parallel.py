@@ -48,6 +48,7 @@ from torch import Tensor
 from . import ops as _ops
 from . import recording as _capture
 from .config import AttentionConfig
+from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["ContextParallel", "SHARDINGS", "shard", "unshard", "attention", "gather_sequence", "Layout"]
 
@@ -287,7 +288,7 @@ def _cp_backend(method: str, backend: str, device: torch.device, dtype: torch.dt
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, config: AttentionConfig, context_parallel: Any,
               attn_mask: Optional[Tensor] = None, is_causal: bool = True, scale: Optional[float] = None,
-              backend: str = "auto", tag: str = "") -> Tensor:
+              backend: str = "auto", tag: str = "", tuning: Tuning = DEFAULT_TUNING) -> Tensor:
     """Context-parallel :func:`sparseflow.attention`: ``q, k, v`` are this rank's shards
     ``[B, H, n_r, D]``; returns the output rows of this rank's queries ``[B, Hq, n_r, Dv]``."""
     cp = as_context_parallel(context_parallel)
@@ -305,8 +306,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, config: AttentionConfig, conte
         return _dense_local(q, k_all, v_all, layout, is_causal, scale)
     kwargs = _ops._impl_kwargs(config)
     if method == "pbs":
-        return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen)
-    return _token_local(_ops._load(method, chosen), q, k_all, v_all, layout, kwargs, is_causal, scale)
+        return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
+    impl = _ops._load(method, chosen)
+    if _ops._takes_tuning(impl):
+        kwargs = {**kwargs, "tuning": tuning}
+    return _token_local(impl, q, k_all, v_all, layout, kwargs, is_causal, scale)
 
 
 def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tensor, k_all: Tensor) -> None:
@@ -430,7 +434,8 @@ def _owned_blocks(own: Tensor, n: int, block_size: int) -> Tensor:
     return owned
 
 
-def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool, scale, backend: str) -> Tensor:
+def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool, scale, backend: str,
+               tuning: Tuning = DEFAULT_TUNING) -> Tensor:
     """PBS for the rank's query blocks: the single-device selection, restricted to them."""
     from .kernels.pbs import reference as ref
 
@@ -438,13 +443,13 @@ def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool
     # the Triton PBS kernel is forward-only: a call that needs gradients runs the reference stages,
     # which select the same blocks (as the single-device op's backward does)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))
-    kernels = backend == "triton" and _pbs_kernels(q) and not needs_grad
+    kernels = backend == "triton" and _pbs_kernels(q, tuning) and not needs_grad
     with torch.no_grad():
         perm = _pbs_permutation(q_full.detach(), k_all.detach(), kwargs, scale, kernels)
     owned = _owned_blocks(own, layout.total, kwargs["block_size"])
     geo = dict(key_padding_mask=None, is_causal=is_causal, scale=scale, block_size=kwargs["block_size"])
     if kernels:
-        out = _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, **geo)
+        out = _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, tuning=tuning, **geo)
     else:
         with torch.no_grad():
             block_mask = ref.select_blocks(
@@ -456,20 +461,21 @@ def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool
     return out.index_select(SEQ_DIM, own).contiguous()
 
 
-def _pbs_kernels(q: Tensor) -> bool:
-    """The Triton selection and attention (CUDA, or the interpreter with SPARSEFLOW_PBS_SELECT=triton)."""
+def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
+    """The Triton selection and attention (CUDA, or the interpreter with ``Tuning(pbs_select="triton")``)."""
     from .kernels.pbs import triton_impl
 
-    return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device) == "triton"
+    return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
 
 
-def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_mask, is_causal, scale, block_size):
+def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_mask, is_causal, scale, block_size,
+                      tuning: Tuning = DEFAULT_TUNING):
     """The Triton selection's block lists with other ranks' query blocks emptied, then the kernel
     (forward only, as the single-device Triton PBS)."""
     from .kernels.pbs import triton_impl as ti
     from .kernels.pbs.triton_select import select_block_lists
 
-    gather = ti.kv_layout() == "gather"
+    gather = ti.kv_layout(tuning) == "gather"
     strided = kwargs["scoring"] != "mean" and float(kwargs["threshold"]) < 1.0
     lay = ti.permuted_layout(k_all, None if gather else v_all, perm, key_padding_mask=None, block_size=block_size,
                              write_kv=strided or not gather, pool=True, positions=True, sink=kwargs["force_sink"])
@@ -483,4 +489,4 @@ def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_
     kk, vv = (k_all, v_all) if gather else (lay.k, lay.v)
     return ti.pbs_block_sparse_attention(q_full, kk, vv, lay.kpos, kv_num, kv_full, kv_idx, scale=scale,
                                          block_size=block_size, is_causal=is_causal, has_padding=False,
-                                         gather=gather)
+                                         gather=gather, tma=tuning.pbs_tma)

@@ -440,7 +440,7 @@ def _make_translation(method: str, plans: Dict[str, _CallPlan], default_scales: 
 
     def translate(q, k, v, attn_mask, is_causal, scale, *rest):
         cfg_vals = rest[: len(fields)]
-        tag = rest[len(fields) + 1] if len(rest) > len(fields) + 1 else ""
+        tag = rest[-1] if len(rest) > len(fields) + 1 else ""  # rest: config, tuning, backend, tag
         plan = plans.get(tag)
         causal = bool(is_causal) if plan is None else plan.is_causal
         if attn_mask is None:

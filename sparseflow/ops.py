@@ -5,7 +5,10 @@ first time they are asked for. One op per method, whose schema is derived from t
 config dataclass, so a config field and an op argument can never drift apart:
 
     sparseflow::<method>_attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask,
-        bool is_causal, float? scale, <config fields...>, str backend, str tag) -> Tensor
+        bool is_causal, float? scale, <config fields...>, <tuning fields...>, str backend, str tag) -> Tensor
+
+The tuning fields are the method's fields of :class:`sparseflow.Tuning` (launch options of the
+Triton backends; none for dense and BSA), carried the same way so they are read per call.
 
 ``tag`` names the module the call came from (the rewrite pass fills it) so reports and logged
 fallbacks say which layer they are about. The Python entry points ``pbs_attention`` etc. below
@@ -18,6 +21,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import itertools
 import math
 import os
@@ -30,7 +34,10 @@ from . import autobackend as _autobackend
 from . import decode_state as _decode_state
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
+from .kernels._triton_env import interpreting
 from .masks import analyse_mask, check_mask, with_causality
+from .tuning import DEFAULT_TUNING, Tuning, check_tuning
+from .tuning import fields_of as _tuning_fields
 
 __all__ = [
     "attention",
@@ -48,7 +55,8 @@ _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 # (method, backend) -> "module:function". Modules are imported on first use, so importing
 # sparseflow never imports Triton. Each function takes (q, k, v, *, key_padding_mask, is_causal,
-# scale, return_selection, **config fields except min_seq_len, which the dispatcher applies).
+# scale, return_selection, **config fields except min_seq_len, which the dispatcher applies); one
+# that also takes ``tuning`` gets the call's Tuning.
 IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
     ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
     ("pbs", "triton"): "sparseflow.kernels.pbs.triton_impl:pbs_attention",
@@ -80,8 +88,9 @@ def _config_fields(cls) -> List[dataclasses.Field]:
 
 
 def _schema(method: str) -> str:
-    fields = ", ".join(f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(METHODS[method]))
-    fields = (fields + ", ") if fields else ""
+    config = [f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(METHODS[method])]
+    tuning = [f"{kind} {name}" for name, kind in _tuning_fields(method)]
+    fields = "".join(f"{a}, " for a in config + tuning)
     return (
         "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, float? scale, "
         f"{fields}str backend, str tag) -> Tensor"
@@ -98,12 +107,15 @@ def op_for(method: str):
     return getattr(torch.ops.sparseflow, f"{method}_attention").default
 
 
-def op_args(config: AttentionConfig) -> List[Any]:
-    """The config's values in schema order (the positional arguments after ``scale``)."""
-    return [
+def op_args(config: AttentionConfig, tuning: Optional[Tuning] = None) -> List[Any]:
+    """The config's values, then the tuning's fields of its method (default: ``Tuning()``), in
+    schema order: the positional arguments between ``scale`` and ``backend``."""
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    values = [
         float(getattr(config, name)) if kind is float else getattr(config, name)
         for name, kind in _FIELDS[config.method]
     ]
+    return values + [getattr(tuning, name) for name in _TUNING_NAMES[config.method]]
 
 
 # --------------------------------------------------------------------------- validation
@@ -178,7 +190,7 @@ def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> s
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not interpreting():
         return False
     return _triton_installed()
 
@@ -240,41 +252,46 @@ class _ConfigEntry(NamedTuple):
     cfg: AttentionConfig
     kwargs: Dict[str, Any]  # the implementation's keyword arguments (all fields but min_seq_len)
     serial: int  # never reused, so a key holding it can never mean another config
+    tuning: Tuning
 
 
 _CACHE_LIMIT = 512  # distinct configs per process; past it the caches start over (correct, slower)
 _BY_VALUES: Dict[Tuple, _ConfigEntry] = {}
-_BY_CONFIG: Dict[AttentionConfig, Tuple[Tuple, _ConfigEntry]] = {}
+_BY_CONFIG: Dict[Tuple[AttentionConfig, Tuning], Tuple[Tuple, _ConfigEntry]] = {}
 _SERIALS = itertools.count()
 
 
 def _config_entry(method: str, values: Tuple) -> _ConfigEntry:
-    """The config the op's flattened arguments describe, validated and built once per tuple."""
+    """The config and tuning the op's flattened arguments (between ``scale`` and ``backend``)
+    describe, validated and built once per tuple."""
     # the types are part of the key: True == 1 and 1 == 1.0, yet a config validates its types
     key = (method, values, tuple(map(type, values)))
     entry = _BY_VALUES.get(key)
     if entry is None:
-        cfg = METHODS[method](**dict(zip(_NAMES[method], values)))
-        entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS))
+        names = _NAMES[method]
+        cfg = METHODS[method](**dict(zip(names, values)))
+        tuning = Tuning(**dict(zip(_TUNING_NAMES[method], values[len(names):])))
+        entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS), tuning)
         if len(_BY_VALUES) >= _CACHE_LIMIT:
             _BY_VALUES.clear()
         _BY_VALUES[key] = entry
     return entry
 
 
-def _config_call(config: AttentionConfig) -> Tuple[Tuple, _ConfigEntry]:
-    """(op arguments, entry) of a config object, as the op would rebuild it from those arguments."""
+def _config_call(config: AttentionConfig, tuning: Tuning = DEFAULT_TUNING) -> Tuple[Tuple, _ConfigEntry]:
+    """(op arguments, entry) of a config and tuning, as the op would rebuild them from those arguments."""
+    key = (config, tuning)
     try:
-        hit = _BY_CONFIG.get(config)
+        hit = _BY_CONFIG.get(key)
     except TypeError:  # an unhashable (non-frozen) subclass: no caching
         hit = None
     if hit is None:
-        values = tuple(op_args(config))
+        values = tuple(op_args(config, tuning))
         hit = (values, _config_entry(config.method, values))
         try:
             if len(_BY_CONFIG) >= _CACHE_LIMIT:
                 _BY_CONFIG.clear()
-            _BY_CONFIG[config] = hit
+            _BY_CONFIG[key] = hit
         except TypeError:
             pass
     return hit
@@ -311,13 +328,13 @@ def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_ca
     if chosen != "measure":
         return chosen, None
     kw = entry.kwargs
-    key = chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None))
+    key = chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None,
+                                     entry.tuning))
 
     def run(name: str):
         if name == DENSE_CHOICE:
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
-        return _load(method, name)(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal,
-                                   scale=scale, return_selection=False, **kw)
+        return _call_impl(method, name, entry, q, k, v, mask, scale, False)
 
     choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
     if choice != DENSE_CHOICE:
@@ -331,6 +348,20 @@ def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_ca
 def _load(method: str, backend: str) -> Callable:
     module, fn = IMPLEMENTATIONS[(method, backend)].split(":")
     return getattr(importlib.import_module(module), fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_tuning(impl: Callable) -> bool:
+    return "tuning" in inspect.signature(impl).parameters
+
+
+def _call_impl(method: str, backend: str, entry: _ConfigEntry, q, k, v, mask, scale, return_selection: bool):
+    """One implementation's call: the mask analysis's form of the mask, the config's keyword
+    arguments, and the tuning for an implementation that takes one."""
+    impl = _load(method, backend)
+    extra = {"tuning": entry.tuning} if _takes_tuning(impl) else {}
+    return impl(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal, scale=scale,
+                return_selection=return_selection, **entry.kwargs, **extra)
 
 
 # --------------------------------------------------------------------------- the call's plan
@@ -347,9 +378,8 @@ def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Pl
     """What a (validated) call computes: dense with its reason, or which sparse backend.
     ``entry``: the config of ``args`` when the caller has it already."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
-    n_cfg = len(_NAMES[method])
     if entry is None:
-        entry = _config_entry(method, args[6 : 6 + n_cfg])
+        entry = _config_entry(method, args[6:-2])
     if method == "dense":
         return _Plan(entry, None, "", DENSE_CHOICE)
     mask = analyse_mask(attn_mask, is_causal, q.shape[0], q.shape[2], k.shape[2])
@@ -360,7 +390,7 @@ def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Pl
     reason = _dense_reason(method, entry.cfg, q, k, mask.is_causal)
     if reason:
         return _Plan(entry, mask, reason, DENSE_CHOICE)
-    backend = args[6 + n_cfg]
+    backend = args[-2]
     if backend == "auto":
         chosen, reason = _auto_choice(method, entry, q, k, v, attn_mask, is_causal, mask, scale)
     else:
@@ -424,16 +454,8 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
         if state is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             if record:
                 _capture.note_call(method, tag, True)
-            return _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel)
-    impl = _load(method, chosen)
-    result = impl(
-        q, k, v,
-        key_padding_mask=mask.key_padding_mask,
-        is_causal=mask.is_causal,
-        scale=scale,
-        return_selection=cap is not None,
-        **plan.entry.kwargs,
-    )
+            return _pisa_decode_step(state, tag, cfg, plan.entry.tuning, q, k, v, scale, cap, want_sel)
+    result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
     out, sel = result if isinstance(result, tuple) else (result, None)
     if cap is not None:
         cap.calls.append(
@@ -444,11 +466,11 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     return out.contiguous()
 
 
-def _pisa_decode_step(state, tag, cfg, q, k, v, scale, cap, want_sel) -> torch.Tensor:
+def _pisa_decode_step(state, tag, cfg, tuning, q, k, v, scale, cap, want_sel) -> torch.Tensor:
     """One generate() step of a PISA layer on the model's cached pyramid (O(log N) append)."""
     cache = state.pyramid(tag, k, block_size=cfg.block_size, branching=cfg.branching)
     out, idx = cache.decode_step(q, k, v, top_k=cfg.top_k, score=cfg.score, scale=scale, force_sink=cfg.force_sink,
-                                 force_previous=cfg.force_previous, append=False, beam=cfg.beam)
+                                 force_previous=cfg.force_previous, append=False, beam=cfg.beam, tuning=tuning)
     if cap is not None:
         from .kernels import token_blocks as tb
 
@@ -553,6 +575,8 @@ _FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
 
 _NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in fields) for m, fields in _FIELDS.items()}
 
+_TUNING_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in _tuning_fields(m)) for m in METHODS}
+
 for _method in METHODS:
     _define(_method)
 
@@ -572,6 +596,7 @@ def attention(
     backend: str = "auto",
     tag: str = "",
     context_parallel: Any = None,
+    tuning: Optional[Tuning] = None,
 ) -> torch.Tensor:
     """Sparse attention with the method of ``config`` (PBSConfig, PISAConfig, BSAConfig or
     DenseConfig). ``q: [B, Hq, Nq, D]``, ``k, v: [B, Hkv, Nk, D]`` with Hq a multiple of Hkv.
@@ -581,7 +606,10 @@ def attention(
     sparse; others run dense, logged (see :mod:`sparseflow.masks`).
     ``context_parallel``: a 1-D DeviceMesh, a ProcessGroup or a :class:`sparseflow.ContextParallel`
     (its ``sharding``): q, k, v are then this rank's sequence shards and the result is the output
-    of this rank's queries (see :mod:`sparseflow.context_parallel`)."""
+    of this rank's queries (see :mod:`sparseflow.context_parallel`).
+    ``tuning``: launch options of the Triton backends (:class:`sparseflow.Tuning`; None: the
+    defaults)."""
+    tuning = check_tuning(tuning)
     if not isinstance(config, _CONFIG_TYPES):
         raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
@@ -594,11 +622,11 @@ def attention(
         from . import context_parallel as _cp
 
         return _cp.attention(q, k, v, config=config, context_parallel=context_parallel, attn_mask=attn_mask,
-                             is_causal=is_causal, scale=scale, backend=backend, tag=tag)
+                             is_causal=is_causal, scale=scale, backend=backend, tag=tag, tuning=tuning)
     if not _plain_eager(q, k, v, attn_mask):
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
-        return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config), backend, tag)
-    values, entry = _config_call(config)
+        return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
+    values, entry = _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
     plan = _plan(method, args, entry)
     if plan.reason is not None and not _needs_op(q, k, v, attn_mask):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 os.environ["TRITON_INTERPRET"] = "0"
-os.environ["SPARSEFLOW_PBS_SELECT"] = "triton"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -151,6 +150,7 @@ def _pad(b, n):
 
 
 def run_pbs(cases):
+    from sparseflow import Tuning
     from sparseflow.kernels.pbs import triton_attention as TA
     from sparseflow.kernels.pbs import triton_impl as TI
 
@@ -161,13 +161,14 @@ def run_pbs(cases):
         q, k, v = _qkv(2, 8, 2, 700, d, dtype)
         TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, 700) if pad else None, is_causal=causal,
                          block_size=128, segment_size=256, threshold=thr, gqa_permutation=gqa,
-                         proxy_blocks=proxies)
+                         proxy_blocks=proxies, tuning=Tuning(pbs_select="triton"))
     TA._tma_ok = tma_default
 
 
 def run_pbs_strided(cases):
     """The strided estimates (``scoring="sampled_rows"|"antidiagonal"``) through the op, and the
     block-probability kernel the tests use."""
+    from sparseflow import Tuning
     from sparseflow.kernels.pbs import triton_estimate as TE
     from sparseflow.kernels.pbs import triton_impl as TI
 
@@ -176,7 +177,7 @@ def run_pbs_strided(cases):
         q, k, v = _qkv(2, 8, 2, n, d, dtype)
         TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, n) if pad else None, is_causal=causal, block_size=128,
                          segment_size=256, threshold=0.9, gqa_permutation=gqa, scoring=scoring,
-                         antidiagonal_stride=stride)
+                         antidiagonal_stride=stride, tuning=Tuning(pbs_select="triton"))
     q, k, _ = _qkv(1, 4, 2, 700, 128, torch.bfloat16)
     perm = torch.arange(700).expand(1, 2, 700).contiguous()
     TE.block_probabilities(q, k, perm, block_size=128, segment_size=256, scoring="antidiagonal", antidiagonal_stride=8)

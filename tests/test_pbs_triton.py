@@ -287,14 +287,15 @@ def test_select_kernel_identical_to_reference(case):
     assert torch.equal(torch.where(width, kv_idx, 0), torch.where(width, r_idx, 0))
 
 
-def test_pipeline_with_select_kernel(monkeypatch):
-    monkeypatch.setenv("SPARSEFLOW_PBS_SELECT", "triton")
+def test_pipeline_with_select_kernel():
+    from sparseflow import Tuning
+
     n, bs, seg = 70, 16, 32
     q, k, v = _qkv(2, 6, 2, n, 32, torch.float32, seed=12)
     kpm = _padding(2, n)
     kw = dict(key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg, threshold=0.8,
               return_selection=True)
-    out, sel = TI.pbs_attention(q, k, v, **kw)
+    out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
     ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
     ref64 = R.permuted_block_attention(q.double(), k.double(), v.double(), sel.permutation, sel.block_mask,

@@ -272,8 +272,7 @@ def test_op_through_triton_backend_uses_the_estimate(monkeypatch, scoring, s, la
     import sparseflow
     from sparseflow import PBSConfig
 
-    monkeypatch.setenv("SPARSEFLOW_PBS_SELECT", "triton")
-    monkeypatch.setenv("SPARSEFLOW_PBS_KV", layout)
+    tuning = sparseflow.Tuning(pbs_select="triton", pbs_kv_layout=layout)
     n = 80
     q, k, v = _qkv(2, 4, 2, n, 32, torch.float32, seed=21)
     kpm = _padding("holes", 2, n)
@@ -284,17 +283,19 @@ def test_op_through_triton_backend_uses_the_estimate(monkeypatch, scoring, s, la
     # the triton backend must not fall back to the torch selection for the strided scorings
     monkeypatch.setattr(R, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
     monkeypatch.setattr(R, "block_probabilities", lambda *a, **kw: pytest.fail("reference estimate called"))
-    out = sparseflow.pbs_attention(q, k, v, config=cfg, backend="triton", attn_mask=mask, is_causal=False)
+    out = sparseflow.pbs_attention(q, k, v, config=cfg, backend="triton", attn_mask=mask, is_causal=False,
+                                   tuning=tuning)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_selection_through_pbs_attention(monkeypatch):
-    monkeypatch.setenv("SPARSEFLOW_PBS_SELECT", "triton")
+def test_selection_through_pbs_attention():
+    from sparseflow import Tuning
+
     q, k, v = _qkv(2, 4, 2, 70, 32, torch.float32, seed=22)
     kpm = _padding("holes", 2, 70)
     kw = dict(key_padding_mask=kpm, block_size=16, segment_size=32, threshold=0.9, scoring="sampled_rows",
               antidiagonal_stride=4, return_selection=True)
-    out, sel = TI.pbs_attention(q, k, v, **kw)
+    out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
     ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
     assert torch.equal(sel.permutation, ref_sel.permutation)

@@ -580,8 +580,10 @@ def test_gqa_scores_are_summed_per_head_not_from_summed_query(score):
     block Y holds keys along e1+e2. Sum of per-head LSE prefers X; the LSE of the summed query
     prefers Y. Only one free slot (K = 3 forced + 1), so the choice is observable."""
     C, nb, d = 8, 6, 4
-    e1 = torch.zeros(d); e1[0] = 1
-    e2 = torch.zeros(d); e2[1] = 1
+    e1 = torch.zeros(d)
+    e1[0] = 1
+    e2 = torch.zeros(d)
+    e2[1] = 1
     k = torch.zeros(nb * C, d)
     X, Y = 1, 3
     k[X * C: X * C + C // 2] = 4 * e1

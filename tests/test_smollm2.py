@@ -1,9 +1,7 @@
 """The real checkpoint (SPEC §7): SmolLM2-135M-Instruct at 2K tokens of real text, every method
 rewritten at its defaults: all 30 attention calls rewritten, really sparse, close to dense."""
 import pytest
-import torch
 
-import sparseflow
 from sparseflow.checkpoints import SMOLLM2_PACKAGE_HINT, smollm2_gguf
 
 pytestmark = [

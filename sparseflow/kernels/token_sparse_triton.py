@@ -19,7 +19,6 @@ and one per (key block, KV head) for dk/dv over the query tiles whose union hold
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -27,11 +26,12 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ._triton_env import interpreting
+
 __all__ = ["tile_block_lists", "transpose_lists", "token_sparse_attention", "BLOCK_M"]
 
 BLOCK_M = 64
 _LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _p2(x: int, lo: int = 16) -> int:
@@ -320,7 +320,7 @@ def _bwd_dkdv_kernel(
 
 def _meta(q, k, block_size, top_k):
     d = q.shape[-1]
-    ieee = q.dtype == torch.float32 or _INTERPRET  # the interpreter's 16-bit dot is unreliable
+    ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is unreliable
     return dict(G=q.shape[1] // k.shape[1], D=d, DP=_p2(d), C=block_size, CP=_p2(block_size),
                 TOPK=top_k, KP=_p2(top_k, 1), BLOCK_M=BLOCK_M, IEEE=ieee)
 

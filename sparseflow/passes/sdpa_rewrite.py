@@ -37,6 +37,7 @@ from ..config import AttentionConfig
 from ..masks import describe_mask
 from ..ops import op_for, op_args
 from ..recording import log_fallback
+from ..tuning import DEFAULT_TUNING, Tuning
 from .gqa_fold import _same, erase_dead_chain, fake_of, fold_kv
 from .mask_proof import MaskProof, prove_mask
 
@@ -124,6 +125,7 @@ class RewriteOptions:
     filter_fn: Optional[Callable[[str], bool]] = None
     skip_layers: frozenset = frozenset()
     layer_configs: Mapping[int, Optional[AttentionConfig]] = field(default_factory=dict)
+    tuning: Tuning = DEFAULT_TUNING  # launch options of the Triton backends, carried by every op call
 
     def resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
         if layer is not None and layer in self.skip_layers:
@@ -616,7 +618,7 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
         entry.mask = _describe_proof(proven)
     op_call_args = (
         q, k_in, v_in, mask, is_causal, None if scale is None else float(scale),
-        *op_args(cfg), options.backend, entry.tag,
+        *op_args(cfg, options.tuning), options.backend, entry.tag,
     )
     with graph.inserting_before(node):
         new = graph.call_function(op, args=op_call_args)
@@ -689,7 +691,7 @@ def _rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) ->
     if mask_present:
         entry.mask = ("merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
                       "(causal / key padding / both run sparse, anything else dense, logged)")
-    spec = (cfg.method, tuple(op_args(cfg)), options.backend, entry.tag)
+    spec = (cfg.method, tuple(op_args(cfg, options.tuning)), options.backend, entry.tag)
     node.target = mha_forward_routed
     node.args = (spec,) + tuple(node.args)
     entry.rewritten, entry.reason = True, ""

@@ -17,7 +17,6 @@ cores, the fastest variant, reported beside it in ``benchmarks/pisa.py``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -27,11 +26,11 @@ from torch.library import triton_op, wrap_triton
 
 from ..block_summaries_triton import leaf_sums
 from ..token_blocks import selection_width
+from .._triton_env import interpreting
 
 __all__ = ["bsa_select", "PRECISIONS"]
 
 PRECISIONS = ("ieee", "bf16")
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BIG_ID = 2**30
 
 
@@ -191,5 +190,5 @@ def bsa_select(
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         sums, cnt, lfv = leaf_sums(k.detach(), kpm, int(block_size))
         idx = _bsa_select_fwd(q.detach(), sums, cnt, lfv, n_k, sc, bool(is_causal), int(block_size), int(top_k),
-                              bool(force_sink), bool(force_previous), precision == "bf16" and not _INTERPRET)
+                              bool(force_sink), bool(force_previous), precision == "bf16" and not interpreting())
     return idx.long()

@@ -28,7 +28,6 @@ kernel), any N, any block size (blocks smaller than 16 run on masked 16-wide til
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -36,6 +35,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from ..launch_sizes import pow2_at_least
+
+from .._triton_env import interpreting
 
 __all__ = [
     "PAD_POS",
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 PAD_POS = 2**31 - 1
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --------------------------------------------------------------------------- kernel
@@ -280,7 +280,7 @@ def _pbs_fwd_kernel(
 
 
 def _configs():
-    if _INTERPRET:
+    if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # (BLOCK_M, BLOCK_N, num_warps, num_stages): the candidates measured on the H200
     # (H200, bf16, D=128, Hq=32/Hkv=8, 100% density; benchmarks/results/pbs_h200.json): 128x64, 4 warps,
@@ -347,8 +347,8 @@ def _ensure_allocator():
     _ALLOCATOR_SET = True
 
 
-def _tma_ok(q, k, v, gather: bool) -> bool:
-    if gather or _INTERPRET or not q.is_cuda or os.environ.get("SPARSEFLOW_PBS_TMA", "1") == "0":
+def _tma_ok(q, k, v, gather: bool, allowed: bool = True) -> bool:
+    if not allowed or gather or interpreting() or not q.is_cuda:
         return False
     if torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
@@ -380,6 +380,7 @@ def pbs_block_sparse_fwd(
     is_causal: bool,
     has_padding: bool,
     gather: bool,
+    allow_tma: bool = True,
 ) -> torch.Tensor:
     b, hq, n, d = (int(x) for x in q.shape)
     hkv = int(k.shape[1])
@@ -387,7 +388,7 @@ def pbs_block_sparse_fwd(
     out = _alloc_out(q)
     nqb = int(kv_num.shape[2])
     block_d = max(16, triton.next_power_of_2(d))
-    use_tma = _tma_ok(q, k, v, gather)
+    use_tma = _tma_ok(q, k, v, gather, allow_tma)
     if use_tma:
         _ensure_allocator()
     mask_all = bool(has_padding)
@@ -407,7 +408,7 @@ def pbs_block_sparse_fwd(
     meta = dict(
         KV_GROUP=hq // hkv, P_GROUP=hq // hp, HEAD_DIM=d, BLOCK_D=block_d,
         SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=mask_all, GATHER=gather,
-        USE_TMA=use_tma, IEEE=ieee, INTERP=_INTERPRET,
+        USE_TMA=use_tma, IEEE=ieee, INTERP=interpreting(),
     )
     fixed = _FIXED_CONFIG
     if fixed is not None:
@@ -430,7 +431,7 @@ def pbs_block_sparse_fwd(
 
 
 @pbs_block_sparse_fwd.register_fake
-def _(q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather):
+def _(q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather, allow_tma=True):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D")
     torch._check(kpos.dtype == torch.int32 and kv_num.dtype == torch.int32 and kv_idx.dtype == torch.int32,
                  lambda: "kpos, kv_num, kv_full, kv_idx must be int32")
@@ -506,8 +507,10 @@ def pbs_block_sparse_attention(
     is_causal: bool = True,
     has_padding: bool = False,
     gather: bool = False,
+    tma: bool = True,
 ) -> torch.Tensor:
-    """Python entry to the op; checks the layout (see module docstring)."""
+    """Python entry to the op; checks the layout (see module docstring). ``tma=False`` keeps the
+    kernel off TMA loads even where they would apply (``Tuning.pbs_tma``)."""
     b, hq, n, d = q.shape
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[2] != n or v.shape[-1] != d or k.shape[-1] != d:
         raise ValueError(f"k/v must be [B, H', N, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -525,5 +528,6 @@ def pbs_block_sparse_attention(
     if n == 0:
         return torch.empty_like(q)
     return pbs_block_sparse_fwd(
-        q, k, v, kpos, kv_num, kv_full, kv_idx, scale, int(block_size), bool(is_causal), bool(has_padding), bool(gather)
+        q, k, v, kpos, kv_num, kv_full, kv_idx, scale, int(block_size), bool(is_causal), bool(has_padding), bool(gather),
+        bool(tma),
     )

@@ -48,7 +48,6 @@ D=128, bf16, stride 8): above the ``1/(2s)`` FLOP ratio (0.0625).
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -57,15 +56,19 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from . import reference as _ref
+from .._triton_env import interpreting
 from ..launch_sizes import pow2_at_least
 
 __all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
            "pbs_strided_probs"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E = 1.4426950408889634
-_DEFAULT_TILE = 64 if _INTERPRET else 128  # estimate rows and key columns per tile (estimate_plan)
 _PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
+
+
+def _default_tile() -> int:
+    # estimate rows and key columns per tile (estimate_plan): smaller under the slow interpreter
+    return 64 if interpreting() else 128
 
 
 def rows_per_block(scoring: str, block_size: int, stride: int) -> int:
@@ -358,8 +361,8 @@ def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[
     rpb = rows_per_block(scoring, block_size, stride)
     cpb = block_size if scoring == "sampled_rows" else block_size // stride
     cpbp = triton.next_power_of_2(cpb)
-    block_m = _DEFAULT_TILE if block_m is None else block_m
-    block_n = _DEFAULT_TILE if block_n is None else block_n
+    block_m = _default_tile() if block_m is None else block_m
+    block_n = _default_tile() if block_n is None else block_n
     jb = max(1, max(16, block_n) // cpbp)
     anti = scoring == "antidiagonal"
     return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m,
@@ -397,8 +400,8 @@ def strided_estimate(
     are the whole launch)."""
     _check(scoring, block_size, stride)
     hc = q.shape[1] - h0 if hc is None else hc
-    block_m = _DEFAULT_TILE if block_m is None else block_m
-    block_n = _DEFAULT_TILE if block_n is None else block_n
+    block_m = _default_tile() if block_m is None else block_m
+    block_n = _default_tile() if block_n is None else block_n
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sparseflow.pbs_strided_estimate(
@@ -461,7 +464,7 @@ def pbs_strided_estimate(
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BS=block_size, STRIDE=stride,
         ANTI=scoring == "antidiagonal", IS_CAUSAL=is_causal, HAS_PAD=has_pad,
         EXACT_CNT=bool((not has_pad) and n % block_size == 0), IEEE=q.dtype == torch.float32,
-        INTERP=_INTERPRET, **plan,
+        INTERP=interpreting(), **plan,
     )
     return lbm, lse
 

@@ -6,10 +6,10 @@ Stages (SPEC §3):
    of ``triton_select`` (identical selections to the reference in the CPU-interpreter tests and
    in ``benchmarks/pbs.py --part check`` on the H200, and 8.6x faster than the torch stages at
    8K: benchmarks/results/pbs_h200_total_2026-11-29.log); elsewhere (the interpreter) the
-   reference's torch stages. ``SPARSEFLOW_PBS_SELECT=reference|triton`` overrides;
+   reference's torch stages. ``Tuning(pbs_select="reference"|"triton")`` overrides;
 4. attention -- the Triton kernel ``sparseflow::pbs_block_sparse_fwd`` (``triton_attention``).
 
-K/V layout for the kernel (``SPARSEFLOW_PBS_KV`` = ``permuted`` | ``gather``):
+K/V layout for the kernel (``Tuning.pbs_kv_layout`` = ``"permuted"`` | ``"gather"``):
 
 * ``permuted``: one gather pass writes K/V in permuted order, one head per permutation head
   (``[B, Hp, N, D]``); under per-KV-head permutation that is Hkv heads, so K/V are never
@@ -20,8 +20,6 @@ K/V layout for the kernel (``SPARSEFLOW_PBS_KV`` = ``permuted`` | ``gather``):
 """
 from __future__ import annotations
 
-import math
-import os
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -30,35 +28,33 @@ import triton.language as tl
 from torch import Tensor
 
 from ...selection import Selection
+from ...tuning import DEFAULT_TUNING, Tuning
+from .._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
 
-def select_impl(device: Optional[torch.device] = None) -> str:
-    """``SPARSEFLOW_PBS_SELECT``: ``reference`` (the reference's torch stages 1-3) or ``triton``
-    (``triton_select``: Triton proxy scoring, segment sort and the block selection that writes
-    the attention's block lists -- for ``scoring="mean"`` one kernel, for ``"sampled_rows"`` and
-    ``"antidiagonal"`` after ``triton_estimate``'s one-pass strided estimate). Unset: ``triton``
-    on CUDA, ``reference`` elsewhere."""
-    default = "triton" if device is not None and device.type == "cuda" else "reference"
-    impl = os.environ.get("SPARSEFLOW_PBS_SELECT", default)
-    if impl not in ("reference", "triton"):
-        raise ValueError(f"SPARSEFLOW_PBS_SELECT must be 'reference' or 'triton', got {impl!r}")
-    return impl
+def select_impl(device: Optional[torch.device] = None, tuning: Tuning = DEFAULT_TUNING) -> str:
+    """``tuning.pbs_select`` resolved for ``device``: ``reference`` (the reference's torch stages
+    1-3) or ``triton`` (``triton_select``: Triton proxy scoring, segment sort and the block
+    selection that writes the attention's block lists -- for ``scoring="mean"`` one kernel, for
+    ``"sampled_rows"`` and ``"antidiagonal"`` after ``triton_estimate``'s one-pass strided
+    estimate). ``"auto"``: ``triton`` on CUDA, ``reference`` elsewhere."""
+    if tuning.pbs_select != "auto":
+        return tuning.pbs_select
+    return "triton" if device is not None and device.type == "cuda" else "reference"
 
 
-def kv_layout() -> str:
-    layout = os.environ.get("SPARSEFLOW_PBS_KV", "permuted")
-    if layout not in ("permuted", "gather"):
-        raise ValueError(f"SPARSEFLOW_PBS_KV must be 'permuted' or 'gather', got {layout!r}")
-    return layout
+def kv_layout(tuning: Tuning = DEFAULT_TUNING) -> str:
+    """The attention kernel's K/V layout, ``"permuted"`` or ``"gather"`` (see the module docstring)."""
+    return tuning.pbs_kv_layout
 
 
 def _use_kernels(t: Tensor) -> bool:
     """Triton kernels for tensors on CUDA, or anywhere under the CPU interpreter."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return t.is_cuda or interpreting()
 
 
 @triton.jit
@@ -296,9 +292,11 @@ def pbs_attention(
     causal_proxy: bool = False,
     proxy_blocks: int = 1,
     return_selection: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with the Triton attention kernel. ``q: [B, Hq, N, D]``,
-    ``k, v: [B, Hkv, N, D]`` (Nq == Nk); output ``[B, Hq, N, D]`` in ``q.dtype``."""
+    ``k, v: [B, Hkv, N, D]`` (Nq == Nk); output ``[B, Hq, N, D]`` in ``q.dtype``. ``tuning``:
+    the selection implementation, K/V layout and TMA use (:class:`sparseflow.Tuning`)."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     if gqa_permutation not in ("query_head", "kv_head"):
@@ -313,7 +311,7 @@ def pbs_attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     hp = hq if gqa_permutation == "query_head" else hkv
-    kernels = select_impl(q.device) == "triton"
+    kernels = select_impl(q.device, tuning) == "triton"
     if kernels:
         from . import triton_select as _sel
 
@@ -334,7 +332,7 @@ def pbs_attention(
                 q, k, v, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
                 block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
                 mask_segment=segment_size if permute else block_size, want_mask=return_selection,
-                scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+                scoring=scoring, antidiagonal_stride=antidiagonal_stride, tuning=tuning,
             )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
         block_mask = _ref.select_blocks(
@@ -345,17 +343,19 @@ def pbs_attention(
         out = attention_from_selection(
             q, k, v, perm, block_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
             block_size=block_size, segment_size=segment_size if permute else block_size,
+            layout=tuning.pbs_kv_layout, tma=tuning.pbs_tma,
         )
     return _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
 
 
 def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale, block_size, segment_size,
-                            threshold, force_sink, mask_segment, want_mask, scoring="mean", antidiagonal_stride=8):
+                            threshold, force_sink, mask_segment, want_mask, scoring="mean", antidiagonal_stride=8,
+                            tuning: Tuning = DEFAULT_TUNING):
     from .triton_select import select_block_lists
 
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
     kpm = key_padding_mask if has_pad else None
-    gather = kv_layout() == "gather"
+    gather = kv_layout(tuning) == "gather"
     # the strided estimates stream the permuted keys: written even when the attention gathers
     strided = scoring != "mean" and float(threshold) < 1.0
     # one launch: permuted K/V (unless the kernel gathers), pooled key blocks, positions, sink
@@ -369,7 +369,7 @@ def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(
         q, kk, vv, lay.kpos, kv_num, kv_full, kv_idx, scale=scale, block_size=block_size,
-        is_causal=is_causal, has_padding=has_pad, gather=gather,
+        is_causal=is_causal, has_padding=has_pad, gather=gather, tma=tuning.pbs_tma,
     )
     return out, block_mask
 
@@ -399,9 +399,11 @@ def attention_from_selection(
     block_size: int = 128,
     segment_size: int = 256,
     layout: Optional[str] = None,
+    tma: bool = True,
 ) -> Tensor:
     """Step 4 alone: the Triton kernel over a given permutation ``[B, Hp, N]`` and block mask
-    ``[B, Hq, nB, nB]`` (the reference's ``permuted_block_attention`` contract; forward only)."""
+    ``[B, Hq, nB, nB]`` (the reference's ``permuted_block_attention`` contract; forward only).
+    ``layout`` (default ``Tuning().pbs_kv_layout``) and ``tma`` as in :class:`sparseflow.Tuning`."""
     layout = kv_layout() if layout is None else layout
     n = q.shape[2]
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
@@ -416,5 +418,5 @@ def attention_from_selection(
         kk, vv, gather = permute_kv(k, permutation), permute_kv(v, permutation), False
     return pbs_block_sparse_attention(
         q, kk, vv, kpos, kv_num, kv_full, kv_idx, scale=scale, block_size=block_size,
-        is_causal=is_causal, has_padding=has_pad, gather=gather,
+        is_causal=is_causal, has_padding=has_pad, gather=gather, tma=tma,
     )

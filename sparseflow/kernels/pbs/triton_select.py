@@ -25,7 +25,7 @@ Pooling (block means over valid tokens) and the small per-row tensors (regions, 
 validity, sink block) are vectorised torch ops; the pooled keys come from the permuted K that the
 attention layout needs anyway. Conventions are the reference's (see reference.py's docstring).
 
-Status: ``triton_impl`` uses these by default on CUDA (``SPARSEFLOW_PBS_SELECT=reference`` selects
+Status: ``triton_impl`` uses these by default on CUDA (``Tuning(pbs_select="reference")`` selects
 with the reference's torch stages instead; off CUDA that is the default). Checked against the
 reference on the CPU interpreter (tests/test_pbs_triton.py: scores to ~1e-7 relative, identical
 permutations and selections; tests/test_pbs_triton_estimate.py for the strided scorings) and
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -49,11 +48,11 @@ import triton.language as tl
 from . import reference as _ref
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
+from .._triton_env import interpreting
 from ..launch_sizes import pow2_at_least
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -420,8 +419,8 @@ def _segment_lse_chunk(M, L, base, s0, seg_end, rows, NSEG_MAX, BLOCK_P: tl.cons
     ok = segs < NSEG_MAX
     o = base + segs[:, None] * BLOCK_P + rows[None, :]
     m = tl.load(M + o, mask=ok[:, None], other=float("-inf"))
-    l = tl.load(L + o, mask=ok[:, None], other=0.0)
-    lse = tl.where((l > 0) & (segs < seg_end)[:, None], m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+    total = tl.load(L + o, mask=ok[:, None], other=0.0)
+    lse = tl.where((total > 0) & (segs < seg_end)[:, None], m + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
     return o, ok, lse
 
 
@@ -550,11 +549,11 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     hkv = k.shape[1]
     dev = q.device
     m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
+    total = torch.empty_like(m)  # running sum of exp2 per proxy row and segment
     block_d = max(16, triton.next_power_of_2(d))
     block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
-                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=_INTERPRET,
+                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=interpreting(),
                 num_warps=4 if block_p * block_n <= 128 * 32 else 8)
     # softmax normaliser per proxy row: over all complete segments, or per segment
     if causal_proxy:
@@ -566,11 +565,11 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
     common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     grid = (nseg_max, bsz * hq)
-    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, m, out, *common, SCORE_PASS=False, **meta)
-    _lse_combine_kernel[(bsz * hq,)](m, l, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, m, out, *common, SCORE_PASS=False, **meta)
+    _lse_combine_kernel[(bsz * hq,)](m, total, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
                                      CHUNK_S=min(16, pow2_at_least(nseg_max)),
                                      PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
-    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, l, lse, out, *common, SCORE_PASS=True, **meta)
+    _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, lse, out, *common, SCORE_PASS=True, **meta)
 
 
 # --------------------------------------------------------------------------- 2. segment sort

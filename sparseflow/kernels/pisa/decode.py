@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import DEFAULT_TUNING, Tuning
 from ..token_blocks import selection_width
 from ..token_sparse_triton import token_sparse_attention
 from .reference import check_beam
@@ -121,8 +122,9 @@ class PyramidCache:
 
     def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = 8, score: str = "lse",
                scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
-               beam: int = 1) -> torch.Tensor:
-        """Selection ``[B, Hkv, Nq, min(top_k, #blocks)]`` for the last ``Nq`` positions (``k`` = all cached keys)."""
+               beam: int = 1, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+        """Selection ``[B, Hkv, Nq, min(top_k, #blocks)]`` for the last ``Nq`` positions (``k`` = all cached
+        keys); ``tuning``: the walk's launch settings."""
         check_beam(beam)
         if score not in SCORE_CODES:
             raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
@@ -132,18 +134,19 @@ class PyramidCache:
         top_k = selection_width(top_k, self.length, self.block_size)  # at most the blocks that hold a key
         idx = _pisa_select_fwd(q, k, None, self.summ, self.first_valid, self.lvl_off, self.lvl_span, sc, True,
                                SCORE_CODES[score], self.block_size, self.branching, top_k,
-                               bool(force_sink), bool(force_previous), int(beam))
+                               bool(force_sink), bool(force_previous), int(beam),
+                               tuning.pisa_warps, tuning.pisa_leaf_bytes)
         return idx
 
     def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = 8, score: str = "lse",
                     scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
-                    append: bool = True, beam: int = 1):
+                    append: bool = True, beam: int = 1, tuning: Tuning = DEFAULT_TUNING):
         """One decoding step: ``k``/``v`` hold every key including the new one (``[B, Hkv, N, D]``);
         appends the new key (unless ``append=False``: already in), selects for ``q [B, Hq, 1, D]``
         and attends. Returns ``(out [B, Hq, 1, D], block indices [B, Hkv, 1, top_k])``."""
         if append:
             self.append(k[:, :, -1:])
         idx = self.select(q, k, top_k=top_k, score=score, scale=scale, force_sink=force_sink,
-                          force_previous=force_previous, beam=beam)
+                          force_previous=force_previous, beam=beam, tuning=tuning)
         out = token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
         return out, idx

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ...tuning import DEFAULT_TUNING, Tuning
 from .. import token_blocks as tb
 from ..token_sparse_triton import token_sparse_attention
 from .triton_select import pisa_select
@@ -33,11 +34,13 @@ def pisa_attention(
     force_previous: bool = True,
     beam: int = 1,
     return_selection: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
 ):
+    """``tuning``: the selection walk's launch settings (:class:`sparseflow.Tuning`)."""
     idx = pisa_select(
         q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
         top_k=top_k, branching=branching, score=score, force_sink=force_sink, force_previous=force_previous,
-        beam=beam,
+        beam=beam, tuning=tuning,
     )
     out = token_sparse_attention(q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal,
                                  scale=scale, block_size=block_size)

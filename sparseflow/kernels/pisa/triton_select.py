@@ -24,7 +24,6 @@ token.
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -34,24 +33,25 @@ from torch.library import triton_op, wrap_triton
 
 from ..block_summaries_triton import leaf_sums
 from ..token_blocks import selection_width
+from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
+from .._triton_env import interpreting
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Launch settings of the walk. Measured on the H200 (benchmarks/results/pisa_h200_select_variants.json,
-# 64K tokens, K=8): 1 warp with 16 KB leaf chunks 17.0 ms, 4 warps 30.7-31.4 ms, 8 warps 43-49 ms;
-# with K=32 (64 candidates) 1 warp was 2x slower than 4 (pisa_h200_k8_warps1.json vs pisa_h200.json).
-# The environment overrides exist for benchmarks/pisa.py's variants.
-_WARPS_ENV = os.environ.get("SPARSEFLOW_PISA_WARPS")
-_LEAF_BYTES_ENV = os.environ.get("SPARSEFLOW_PISA_LEAF_BYTES")
 
 
-def _launch(cw: int):
+def _launch(cw: int, warps: Optional[int] = None, leaf_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """(warps, leaf-chunk bytes) of the walk for ``cw`` candidates; None picks by ``cw``
+    (``Tuning.pisa_warps`` / ``pisa_leaf_bytes``). Measured on the H200
+    (benchmarks/results/pisa_h200_select_variants.json, 64K tokens, K=8): 1 warp with 16 KB leaf
+    chunks 17.0 ms, 4 warps 30.7-31.4 ms, 8 warps 43-49 ms; with K=32 (64 candidates) 1 warp was
+    2x slower than 4 (pisa_h200_k8_warps1.json vs pisa_h200.json)."""
     small = cw <= 16
-    warps = int(_WARPS_ENV) if _WARPS_ENV else (1 if small else 4)
-    leaf_bytes = int(_LEAF_BYTES_ENV) if _LEAF_BYTES_ENV else (16384 if small else 65536)
+    warps = (1 if small else 4) if warps is None else warps
+    leaf_bytes = (16384 if small else 65536) if leaf_bytes is None else leaf_bytes
     return warps, leaf_bytes
+
 SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
 
 
@@ -371,6 +371,7 @@ def _pisa_select_fwd(
     q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
     lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
     block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
+    warps: Optional[int] = None, leaf_bytes: Optional[int] = None,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -381,10 +382,10 @@ def _pisa_select_fwd(
     kp = _p2(beam * top_k)
     cw = max(16, kp * _p2(branching))
     cp = _p2(block_size, 16)
-    warps, leaf_bytes = _launch(cw)
+    warps, leaf_bytes = _launch(cw, warps, leaf_bytes)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
-    ieee = q.dtype == torch.float32 or _INTERPRET
+    ieee = q.dtype == torch.float32 or interpreting()
     kpm_arg = kpm if kpm is not None else nfv
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out,
@@ -405,7 +406,7 @@ def _pisa_select_fwd(
 
 @_pisa_select_fwd.register_fake
 def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
-      force_sink, force_previous, beam):
+      force_sink, force_previous, beam, warps=None, leaf_bytes=None):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
@@ -423,10 +424,12 @@ def pisa_select(
     force_sink: bool = True,
     force_previous: bool = True,
     beam: int = 1,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
-    keeps ``beam * top_k`` nodes above the leaves)."""
+    keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
+    (``pisa_warps``, ``pisa_leaf_bytes``)."""
     check_beam(beam)
     if score not in SCORE_CODES:
         raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
@@ -447,5 +450,6 @@ def pisa_select(
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         idx = _pisa_select_fwd(q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal),
                                SCORE_CODES[score], int(block_size), int(branching), int(top_k),
-                               bool(force_sink), bool(force_previous), int(beam))
+                               bool(force_sink), bool(force_previous), int(beam),
+                               tuning.pisa_warps, tuning.pisa_leaf_bytes)
     return idx.long()

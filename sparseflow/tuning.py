@@ -1,0 +1,101 @@
+"""How the Triton kernels run, as opposed to what they compute (the method configs).
+
+A :class:`Tuning` changes speed, never results: which implementation selects PBS's blocks, how
+the PBS kernel reads K/V, whether it may use Hopper's TMA, and the launch settings of PISA's
+selection walk. It is passed to :func:`sparseflow.compile`, :func:`sparseflow.export` or
+:func:`sparseflow.attention` and travels with every call as op arguments (each op takes the
+fields of its own method, see :func:`fields_of`), so it is read per call and works under
+``torch.compile(fullgraph=True)``. The defaults are the measured best choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WARPS"]
+
+PBS_SELECT = ("auto", "triton", "reference")
+PBS_KV_LAYOUTS = ("permuted", "gather")
+PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
+
+
+def _method(name: str, schema: str) -> Dict[str, str]:
+    # which op takes the field, and its type in that op's schema
+    return {"method": name, "schema": schema}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch options of the Triton backends (``backend="triton"``, or ``"auto"`` choosing it).
+
+    ``pbs_select``: the implementation of PBS's stages 1-3 (proxy scores, permutation, block
+    selection). ``"triton"``: the Triton kernels of ``kernels/pbs/triton_select``; ``"reference"``:
+    the reference's torch stages; ``"auto"``: Triton on CUDA, the reference elsewhere.
+    ``pbs_kv_layout``: ``"permuted"`` writes K/V once in permuted order so the attention kernel
+    streams contiguous tiles; ``"gather"`` reads the original rows through the permutation.
+    ``pbs_tma``: let the PBS attention kernel use TMA loads where the device and layout allow
+    (Hopper or newer, permuted layout, 16-byte aligned rows); False never does.
+    ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
+    memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and
+    16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200).
+    """
+
+    pbs_select: str = field(default="auto", metadata=_method("pbs", "str"))
+    pbs_kv_layout: str = field(default="permuted", metadata=_method("pbs", "str"))
+    pbs_tma: bool = field(default=True, metadata=_method("pbs", "bool"))
+    pisa_warps: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
+    pisa_leaf_bytes: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
+
+    def __post_init__(self):
+        _check_choice("pbs_select", self.pbs_select, PBS_SELECT)
+        _check_choice("pbs_kv_layout", self.pbs_kv_layout, PBS_KV_LAYOUTS)
+        if not isinstance(self.pbs_tma, bool):
+            raise TypeError(f"Tuning.pbs_tma must be a bool, got {type(self.pbs_tma).__name__} ({self.pbs_tma!r})")
+        _check_optional_int("pisa_warps", self.pisa_warps)
+        if self.pisa_warps is not None and self.pisa_warps not in PISA_WARPS:
+            raise ValueError(f"Tuning.pisa_warps must be None or one of {list(PISA_WARPS)}, got {self.pisa_warps}")
+        _check_optional_int("pisa_leaf_bytes", self.pisa_leaf_bytes)
+        if self.pisa_leaf_bytes is not None and self.pisa_leaf_bytes < 1:
+            raise ValueError(f"Tuning.pisa_leaf_bytes must be None or an int >= 1, got {self.pisa_leaf_bytes}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "Tuning":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: Any, choices: Tuple) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"Tuning.{name} must be a str, one of {list(choices)}, got {type(value).__name__} ({value!r})")
+    if value not in choices:
+        raise ValueError(f"Tuning.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_optional_int(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"Tuning.{name} must be None or an int, got {type(value).__name__} ({value!r})")
+
+
+DEFAULT_TUNING = Tuning()
+
+# method -> ((field name, schema type), ...) in declaration order: the op arguments of that method
+_BY_METHOD: Dict[str, Tuple[Tuple[str, str], ...]] = {}
+for _f in dataclasses.fields(Tuning):
+    _BY_METHOD.setdefault(_f.metadata["method"], ())
+    _BY_METHOD[_f.metadata["method"]] += ((_f.name, _f.metadata["schema"]),)
+
+
+def fields_of(method: str) -> Tuple[Tuple[str, str], ...]:
+    """The tuning fields the ``method`` op takes, as ``(name, schema type)`` (empty for none)."""
+    return _BY_METHOD.get(method, ())
+
+
+def check_tuning(tuning: Any, arg: str = "tuning") -> Tuning:
+    """``tuning`` (None: the defaults) after checking it is a :class:`Tuning`."""
+    if tuning is None:
+        return DEFAULT_TUNING
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"{arg} must be a sparseflow.Tuning or None, got {type(tuning).__name__}")
+    return tuning

@@ -1,0 +1,244 @@
+"""sparseflow.Tuning: launch options of the Triton backends, passed per call (no environment switches).
+
+The kernels run in Triton's CPU interpreter here (TRITON_INTERPRET=1, set in conftest.py) on small
+shapes; spies on the launch helpers observe the values that reach the kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+
+import pytest
+import torch
+
+import sparseflow
+from sparseflow import PBSConfig, PISAConfig, Tuning
+from sparseflow import ops
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not ops._triton_usable(torch.device("cpu")),
+    reason="needs triton and TRITON_INTERPRET=1 (or CUDA)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PBS_SMALL = PBSConfig(block_size=16, segment_size=32, threshold=0.8)
+PISA_SMALL = PISAConfig(block_size=16, top_k=3)
+
+
+def _qkv(n=64, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, n, d, generator=g).to(DEV) for h in (hq, hkv, hkv))
+
+
+# --------------------------------------------------------------------------- the dataclass
+
+
+def test_defaults_are_the_former_environment_defaults():
+    t = Tuning()
+    assert (t.pbs_select, t.pbs_kv_layout, t.pbs_tma, t.pisa_warps, t.pisa_leaf_bytes) == (
+        "auto", "permuted", True, None, None)
+    assert t == sparseflow.tuning.DEFAULT_TUNING and hash(t) == hash(Tuning())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.pbs_tma = False
+
+
+@pytest.mark.parametrize("field,value,exc,words", [
+    ("pbs_select", "cuda", ValueError, ["pbs_select", "'auto'", "'triton'", "'reference'"]),
+    ("pbs_select", 1, TypeError, ["pbs_select", "str"]),
+    ("pbs_kv_layout", "copy", ValueError, ["pbs_kv_layout", "'permuted'", "'gather'"]),
+    ("pbs_tma", 0, TypeError, ["pbs_tma", "bool"]),
+    ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
+    ("pisa_warps", 3, ValueError, ["pisa_warps", "[1, 2, 4, 8, 16, 32]"]),
+    ("pisa_warps", 4.0, TypeError, ["pisa_warps", "int"]),
+    ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
+    ("pisa_leaf_bytes", 0, ValueError, ["pisa_leaf_bytes", ">= 1"]),
+    ("pisa_leaf_bytes", "16K", TypeError, ["pisa_leaf_bytes", "int"]),
+])
+def test_validation_names_the_field_and_what_works(field, value, exc, words):
+    with pytest.raises(exc) as info:
+        Tuning(**{field: value})
+    msg = str(info.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_entry_points_refuse_a_non_tuning(plain_attention):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="tuning must be a sparseflow.Tuning"):
+        sparseflow.attention(q, k, v, config=PBS_SMALL, tuning={"pbs_tma": False})
+    with pytest.raises(TypeError, match="tuning must be a sparseflow.Tuning"):
+        sparseflow.compile(plain_attention(), method="dense", inner_backend="eager", tuning="gather")
+
+
+# --------------------------------------------------------------------------- carried by the ops
+
+
+def test_schemas_carry_each_methods_tuning_fields():
+    schema = {m: str(ops.op_for(m)._schema) for m in ("dense", "pbs", "pisa", "bsa")}
+    assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, str backend" in schema["pbs"]
+    assert "int? pisa_warps, int? pisa_leaf_bytes, str backend" in schema["pisa"]
+    for m in ("dense", "bsa"):
+        assert "pbs_" not in schema[m] and "pisa_" not in schema[m]
+    t = Tuning(pbs_kv_layout="gather", pisa_warps=2)
+    assert ops.op_args(PBS_SMALL, t)[-3:] == ["auto", "gather", True]
+    assert ops.op_args(PISA_SMALL, t)[-2:] == [2, None]
+    assert ops.op_args(PBS_SMALL)[-3:] == ["auto", "permuted", True]  # default: Tuning()
+
+
+def test_compiled_graph_holds_the_tuning(plain_attention):
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    q, k, v = _qkv()
+    t = Tuning(pbs_kv_layout="gather", pbs_tma=False)
+    f = torch.compile(lambda q, k, v: sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference", tuning=t),
+                      fullgraph=True, backend=keep)
+    torch.testing.assert_close(f(q, k, v), sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference"))
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.op_for("pbs")]
+    assert len(calls) == 1 and list(calls[0].args[-5:-2]) == ["auto", "gather", False]
+
+
+def test_rewrite_pass_carries_the_tuning(plain_attention):
+    model = plain_attention()
+    t = Tuning(pbs_kv_layout="gather")
+    sparseflow.compile(model, method="pbs", config=PBS_SMALL, backend="reference", inner_backend="eager",
+                       fullgraph=True, tuning=t)
+    model(torch.randn(1, 64, 48))
+    assert model._sparseflow_config["tuning"] == t.to_dict()
+
+
+# --------------------------------------------------------------------------- reaching the kernels
+
+
+def _spy_pbs(monkeypatch):
+    """Records (gather, TMA allowed) per attention launch and which selection ran."""
+    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.kernels.pbs import triton_attention as TA
+    from sparseflow.kernels.pbs import triton_select as S
+
+    seen = {"launch": [], "select": []}
+    real_tma, real_lists, real_blocks = TA._tma_ok, S.select_block_lists, R.select_blocks
+
+    def tma_ok(q, k, v, gather, allowed=True):
+        seen["launch"].append((gather, allowed))
+        return real_tma(q, k, v, gather, allowed)
+
+    def lists(*a, **kw):
+        seen["select"].append("triton")
+        return real_lists(*a, **kw)
+
+    def blocks(*a, **kw):
+        seen["select"].append("reference")
+        return real_blocks(*a, **kw)
+
+    monkeypatch.setattr(TA, "_tma_ok", tma_ok)
+    monkeypatch.setattr(S, "select_block_lists", lists)
+    monkeypatch.setattr(R, "select_blocks", blocks)
+    return seen
+
+
+@needs_triton
+@pytest.mark.parametrize("tuning,select,launch", [
+    (Tuning(), "reference" if DEV == "cpu" else "triton", (False, True)),
+    (Tuning(pbs_select="triton", pbs_kv_layout="gather", pbs_tma=False), "triton", (True, False)),
+    (Tuning(pbs_select="reference", pbs_tma=False), "reference", (False, False)),
+], ids=["defaults", "triton-gather-notma", "reference-permuted-notma"])
+def test_pbs_tuning_reaches_the_kernel(monkeypatch, tuning, select, launch):
+    seen = _spy_pbs(monkeypatch)
+    q, k, v = _qkv()
+    ref = sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference")
+    seen["select"].clear()
+    out = sparseflow.attention(q, k, v, config=PBS_SMALL, backend="triton", tuning=tuning)
+    assert seen["select"] == [select]
+    assert seen["launch"] == [launch]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _spy_pisa(monkeypatch):
+    from sparseflow.kernels.pisa import triton_select as PT
+
+    seen = []
+    real = PT._launch
+
+    def launch(cw, warps=None, leaf_bytes=None):
+        got = real(cw, warps, leaf_bytes)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(PT, "_launch", launch)
+    return seen
+
+
+@needs_triton
+def test_pisa_tuning_reaches_the_launch_per_call(monkeypatch):
+    seen = _spy_pisa(monkeypatch)
+    q, k, v = _qkv()
+    # candidate width 16 (K=3, branching 2): the defaults are 1 warp and 16 KB chunks
+    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton")
+    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=2, pisa_leaf_bytes=4096))
+    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=8))
+    assert seen == [(1, 16384), (2, 4096), (8, 16384)]
+
+
+@needs_triton
+def test_pisa_decode_takes_the_tuning(monkeypatch):
+    from sparseflow.kernels.pisa.decode import PyramidCache
+
+    seen = _spy_pisa(monkeypatch)
+    q, k, v = _qkv(n=50)
+    cache = PyramidCache(k, capacity=64, block_size=16)
+    cache.select(q[:, :, -1:], k, top_k=3, tuning=Tuning(pisa_warps=4, pisa_leaf_bytes=2048))
+    assert seen == [(4, 2048)]
+
+
+def test_default_launch_settings_unchanged():
+    pytest.importorskip("triton")
+    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.kernels.pisa import triton_select as PT
+
+    assert PT._launch(16) == (1, 16384) and PT._launch(32) == (4, 65536)
+    assert TI.select_impl(torch.device("cpu")) == "reference"
+    assert TI.select_impl(torch.device("cuda")) == "triton"
+    assert TI.select_impl(torch.device("cuda"), Tuning(pbs_select="reference")) == "reference"
+    assert TI.kv_layout() == "permuted"
+
+
+# --------------------------------------------------------------------------- no environment switches
+
+
+def test_no_tuning_environment_variable_is_read():
+    pattern = re.compile(r"SPARSEFLOW_(PBS|PISA)_")
+    files = [p for d in ("sparseflow", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")]
+    hits = [str(p.relative_to(ROOT)) for p in files if p.name != "test_tuning.py" and pattern.search(p.read_text())]
+    assert hits == []
+    assert len(files) > 50  # the search looked at the code base
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def test_context_parallel_receives_the_tuning(monkeypatch):
+    from sparseflow import context_parallel as cpm
+
+    got = {}
+    monkeypatch.setattr(cpm, "attention", lambda *a, **kw: got.update(kw) or a[0])
+    q, k, v = _qkv()
+    t = Tuning(pbs_kv_layout="gather")
+    sparseflow.attention(q, k, v, config=PBS_SMALL, context_parallel="group", tuning=t)
+    assert got["tuning"] is t
+
+
+@needs_triton
+def test_context_parallel_pbs_selection_follows_the_tuning():
+    from sparseflow import context_parallel as cpm
+
+    q = _qkv()[0]
+    assert cpm._pbs_kernels(q, Tuning(pbs_select="triton"))
+    assert not cpm._pbs_kernels(q, Tuning(pbs_select="reference"))
+    assert cpm._pbs_kernels(q) == (DEV == "cuda")  # the default: Triton on CUDA only
