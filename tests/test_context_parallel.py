@@ -147,6 +147,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     finally:
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        # no rank tears its connections down while another still talks to it
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -241,6 +243,8 @@ def _gpu_worker(rank: int, world: int, tmp: str) -> None:
     finally:
         with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        # no rank tears its connections down while another still talks to it
+        dist.barrier()
         dist.destroy_process_group()
 
 
