@@ -356,6 +356,21 @@ def _make_options(method, config, backend, filter_fn, skip_layers, layer_configs
     )
 
 
+def _check_model_context_parallel(context_parallel: Any):
+    """The ContextParallel of a model's compile: contiguous shards only, since the model builds its
+    positions and masks from its own rows (a zig-zag shard is two runs of positions)."""
+    if context_parallel is None:
+        return None
+    from .context_parallel import ContextParallel, as_context_parallel
+
+    if not isinstance(context_parallel, ContextParallel):
+        context_parallel = ContextParallel(as_context_parallel(context_parallel).group, sharding="contiguous")
+    if context_parallel.sharding != "contiguous":
+        raise ValueError("context_parallel for a model needs sharding='contiguous' (each rank's rows are one run of "
+                         f"positions), got {context_parallel.sharding!r}; zigzag is for the functional op")
+    return context_parallel
+
+
 def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
     from . import __version__
 
@@ -368,6 +383,7 @@ def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
         "layer_configs": {i: (None if c is None else c.to_dict()) for i, c in options.layer_configs.items()},
         "filter_fn": None if options.filter_fn is None else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
         "tuning": options.tuning.to_dict(),
+        "context_parallel": None if options.context_parallel is None else options.context_parallel.sharding,
         **extra,
     }
 
@@ -556,6 +572,7 @@ def compile(
     fullgraph: bool = False,
     recipe: Any = "auto",
     tuning: Optional[Tuning] = None,
+    context_parallel: Any = None,
 ) -> nn.Module:
     """Compile ``model`` in place with a ``torch.compile`` backend that rewrites every SDPA call
     into the ``method`` op, and return the same model.
@@ -588,6 +605,11 @@ def compile(
     ``tuning``: launch options of the Triton backends (:class:`sparseflow.Tuning`; None: the
     defaults), carried by every rewritten call.
 
+    ``context_parallel``: a 1-D DeviceMesh, a ProcessGroup or a ``sparseflow.ContextParallel`` with
+    ``sharding="contiguous"``. Each rank then calls the model on its contiguous shard of the prompt
+    (its ``input_ids`` rows with the global ``position_ids``) and gets its rows of the output; every
+    attention call is context parallel (see :mod:`sparseflow.context_parallel_op`; inference only).
+
     ``skip_layers`` / ``layer_configs`` must name layers the model has (ValueError otherwise). After
     the first call, a model whose graphs hold no SDPA call (e.g. ``attn_implementation="eager"``)
     gets a warning. Each rewritten entry of the report shows the calls whose op fell back to dense
@@ -608,7 +630,8 @@ def compile(
         )
     options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
                                                  layer_configs)
-    options = dataclasses.replace(options, tuning=check_tuning(tuning))
+    options = dataclasses.replace(options, tuning=check_tuning(tuning),
+                                  context_parallel=_check_model_context_parallel(context_parallel))
     _check_layers(model, options)
     if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
         raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")

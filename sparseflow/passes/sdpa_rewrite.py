@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..config import AttentionConfig
+from ..config import AttentionConfig, DenseConfig
 from ..masks import describe_mask
 from ..ops import op_for, op_args
 from ..recording import log_fallback
@@ -126,8 +126,17 @@ class RewriteOptions:
     skip_layers: frozenset = frozenset()
     layer_configs: Mapping[int, Optional[AttentionConfig]] = field(default_factory=dict)
     tuning: Tuning = DEFAULT_TUNING  # launch options of the Triton backends, carried by every op call
+    # a sparseflow.ContextParallel: every call becomes context parallel, and a call the user keeps
+    # as SDPA runs as the dense op instead (see passes/context_parallel_rewrite.py)
+    context_parallel: Any = None
 
     def resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
+        cfg, why = self._resolve(tag, layer)
+        if cfg is None and self.context_parallel is not None:
+            return DenseConfig(), ""
+        return cfg, why
+
+    def _resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
         if layer is not None and layer in self.skip_layers:
             return None, f"layer {layer} is in skip_layers"
         if layer is not None and layer in self.layer_configs and self.layer_configs[layer] is None:
@@ -740,6 +749,10 @@ def rewrite_graph(gm: fx.GraphModule, options: RewriteOptions, *, graph_kind: st
         if not entry.rewritten and not entry.reason:  # pragma: no cover - defensive
             entry.reason = "not rewritten"
         entries.append(entry)
+    if options.context_parallel is not None:
+        from .context_parallel_rewrite import to_context_parallel
+
+        to_context_parallel(graph, entries, options)
     graph.lint()
     gm.recompile()
     return entries
