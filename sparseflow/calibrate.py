@@ -663,7 +663,12 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     for arg, t in (("--text", text), ("--heldout-text", heldout_text)):
         if t is not None and t not in TEXTS:
             raise ValueError(f"{arg} must be one of {sorted(TEXTS)}, got {t!r}")
-    parse_rope_scaling(rope_scaling)
+    if heldout_text is not None and heldout_text == text:
+        raise ValueError(f"--heldout-text {heldout_text!r} is the calibration text: pick the other text, or none")
+    try:
+        parse_rope_scaling(rope_scaling)
+    except ValueError as exc:
+        raise ValueError(f"--rope-scaling: {exc}") from None
     source = resolve_source(model_path)
     model_config = _load_config(source)
     _check_model_type(model_config)
