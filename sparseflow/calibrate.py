@@ -517,11 +517,26 @@ def _changes_from_base(base: AttentionConfig, cfg: AttentionConfig) -> Dict[str,
     return {k: v for k, v in c.items() if k not in ("method", "version") and b.get(k) != v}
 
 
+def _common_config(s: _Session, chosen: Sequence[Choice]) -> AttentionConfig:
+    """The config most sparse layers run (the base when every layer is dense): the recipe's
+    config for the method, so the per-layer overrides name only the layers that differ."""
+    counts: Dict[str, Tuple[int, AttentionConfig]] = {}
+    for c in chosen:
+        if not c.dense:
+            cfg = c.config(s.base)
+            n, _ = counts.get(cfg.to_json(), (0, cfg))
+            counts[cfg.to_json()] = (n + 1, cfg)
+    if not counts:
+        return s.base
+    return max(counts.values(), key=lambda nc: nc[0])[1]
+
+
 def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: Dict[str, Any]):
     from .recipes import Recipe
 
     mc = s.model.config
-    overrides = {i: _changes_from_base(s.base, c.config(s.base)) for i, c in enumerate(chosen) if not c.dense}
+    common = _common_config(s, chosen)
+    overrides = {i: _changes_from_base(common, c.config(s.base)) for i, c in enumerate(chosen) if not c.dense}
     overrides = {i: ch for i, ch in overrides.items() if ch}
     dense = tuple(i for i, c in enumerate(chosen) if c.dense)
     sparse_n = s.n_layers - len(dense)
@@ -534,7 +549,7 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
             f"{s.n_layers} layers within mean KL {measured['budget']} on {measured['calibration']['tokens']} tokens "
             f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
             f"{measured['calibration']['density']:.3f})")
-    return Recipe(name=name, description=desc, model_types=(str(mc.model_type),), configs={s.method: s.base},
+    return Recipe(name=name, description=desc, model_types=(str(mc.model_type),), configs={s.method: common},
                   dense_layers=dense, num_layers=s.n_layers, num_attention_heads=opt_int("num_attention_heads"),
                   num_key_value_heads=opt_int("num_key_value_heads"), head_dim=opt_int("head_dim"),
                   layer_overrides={s.method: overrides} if overrides else {}, measured=measured)

@@ -111,9 +111,13 @@ def test_calibrated_file_plans_through_build_plan_and_compile(models, calibrated
     res, path, _ = calibrated["llama"]
     plan = build_plan(models["llama"].config, "pbs", recipe=path)
     assert plan.recipe == path and plan.dense_layers == res.recipe.dense_layers
+    sparse = [c.config(BASE) for c in res.choices if not c.dense]
     for i, c in enumerate(res.choices):
         if not c.dense:
             assert plan.config_for(i) == c.config(BASE)
+    # the recipe's config is the one most sparse layers run: overrides only where a layer differs
+    assert res.recipe.configs["pbs"] == max(sparse, key=sparse.count)
+    assert len(res.recipe.layer_overrides.get("pbs", {})) == sum(c != res.recipe.configs["pbs"] for c in sparse)
     import conftest  # GPT-2 is not a `convert` family: its recipe goes through sparseflow.compile
 
     gpt2 = _sharpen(conftest.make_tiny("gpt2", layers=3))
