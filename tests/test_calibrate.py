@@ -252,11 +252,15 @@ def test_topk_methods(models, tmp_path, method, base):
     assert set(res.recipe.configs) == {method}
 
 
-def test_time_cost_model(models, tmp_path):
-    res = _run(models["llama"], 1e-3, tmp_path, cost="time", choices=CHOICES[:1])
+def test_time_cost_model(models, tmp_path, monkeypatch):
+    qkv_runs = []
+    real = cal.layer_qkv
+    monkeypatch.setattr(cal, "layer_qkv", lambda s, layer: qkv_runs.append(layer) or real(s, layer))
+    res = _run(models["llama"], 1e-3, tmp_path, cost="time", choices=CHOICES[:2])
     per_layer = res.recipe.measured["per_layer"]
     assert res.recipe.measured["cost_model"] == "time"
     assert all(r["cost"] > 0 for r in per_layer)
+    assert qkv_runs == [0, 1, 2]  # one q/k/v capture per layer, shared by its choices
 
 
 def test_estimate_overhead_orders_scorings():
