@@ -516,6 +516,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}")
     if args.eval_positions >= args.tokens:
         raise UsageError(f"--eval-positions must be < --tokens={args.tokens}, got {args.eval_positions}")
+    if args.method == "pbs" and args.top_ks is not None:
+        raise UsageError("--top-ks is a PISA/BSA choice; PBS takes --thresholds and --scorings")
+    if args.method != "pbs" and (args.thresholds is not None or args.scorings is not None):
+        raise UsageError(f"--thresholds/--scorings are PBS choices; {args.method} takes --top-ks")
     _check_out_file(args.out, "--out", "recipe.json")
     _check_in_dir(args.tokenizer, "--tokenizer")
     try:
@@ -755,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="text the plan is checked on afterwards (default argparse_source; none to skip)")
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")
-    cal.add_argument("--scorings", help="PBS scorings to try (default sampled_rows,mean; antidiagonal too)")
+    cal.add_argument("--scorings", help="PBS scorings to try (default sampled_rows,mean; antidiagonal is accepted too)")
     cal.add_argument("--top-ks", help="PISA/BSA top_k values to try (default 8,16,32)")
     cal.add_argument("--safety", type=float, default=0.8, help="share of the budget the single-layer KLs may sum to "
                                                                "before the whole plan is measured (default 0.8)")

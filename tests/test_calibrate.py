@@ -222,6 +222,8 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
     (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
     (["--kl-budget", "0.01", "--thresholds", "1.5"], "threshold must be in (0, 1]"),
     (["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"], "is the calibration text"),
+    (["--kl-budget", "0.01", "--top-ks", "8"], "--top-ks is a PISA/BSA choice"),
+    (["--kl-budget", "0.01", "--scorings", "lse"], "not a valid pbs config"),
     (["--kl-budget", "0.01", "--rope-scaling", "yarn:x"], "--rope-scaling:"),
 ])
 def test_cli_errors_are_one_line(llama_dir, tmp_path, capsys, argv, message):
