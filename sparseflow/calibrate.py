@@ -9,8 +9,10 @@ every layer, and a run for layer ``L`` starts there (layers before ``L`` are ski
 A greedy search then walks from the cheapest choice per layer towards dense, each step taking
 the upgrade with the largest KL reduction per unit of predicted cost, until the sum of the
 single-layer KLs fits the allowed sum; the whole-model KL of that plan is measured, and while it
-exceeds the budget the allowed sum shrinks by the measured / predicted ratio. Every plan on the
-walk costs more than the one before, so a larger budget never ends on a costlier plan.
+exceeds the budget the allowed sum shrinks by the measured / predicted ratio (all layers dense at
+worst). Every plan on the walk costs more than the one before and the walk does not depend on the
+budget, so a larger allowed sum stops earlier on it; the tightening rounds make that monotonicity
+in the budget a property of the measurements (tested), not a guarantee.
 
 Cost is in units of one dense attention call of the layer: on CPU (``cost="density"``) the
 measured density plus a per-scoring estimate overhead (:data:`ESTIMATE_OVERHEAD`); with
