@@ -1,0 +1,731 @@
+"""``sparseflow calibrate``: measure a per-layer plan for a checkpoint within a KL budget.
+
+On real text, for each layer and each choice the method offers (PBS: threshold, permutation,
+scoring; PISA/BSA: ``top_k``; and dense), the model runs with only that layer sparse and the mean
+KL of its next-token distributions against the dense model is recorded, with the layer's measured
+selection density. Single-layer runs are cheap: one dense pass stores the hidden state entering
+every layer, and a run for layer ``L`` starts there (layers before ``L`` are skipped).
+
+A greedy search then walks from the cheapest choice per layer towards dense, each step taking
+the upgrade with the largest KL reduction per unit of predicted cost, until the sum of the
+single-layer KLs fits the allowed sum; the whole-model KL of that plan is measured, and while it
+exceeds the budget the allowed sum shrinks by the measured / predicted ratio (all layers dense at
+worst). Every plan on the walk costs more than the one before and the walk does not depend on the
+budget, so a larger allowed sum stops earlier on it; the tightening rounds make that monotonicity
+in the budget a property of the measurements (tested), not a guarantee.
+
+Cost is in units of one dense attention call of the layer: on CPU (``cost="density"``) the
+measured density plus a per-scoring estimate overhead (:data:`ESTIMATE_OVERHEAD`); with
+``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
+q/k/v divided by dense SDPA's.
+
+The result is a :class:`sparseflow.recipes.Recipe` (base config in ``configs``, per-layer
+changes in ``layer_overrides``, ``dense_layers``) with both fidelities in ``measured``; every
+``--recipe`` argument reads the file. Single-layer results are kept in a progress file, so a
+rerun after an interruption measures only what is missing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .config import AttentionConfig, default_config
+
+__all__ = ["Choice", "Measurement", "CalibrationResult", "candidate_choices", "calibrate", "greedy_plan",
+           "ESTIMATE_OVERHEAD", "DEFAULT_THRESHOLDS", "DEFAULT_TOP_KS", "DEFAULT_SCORINGS"]
+
+logger = logging.getLogger("sparseflow")
+
+DEFAULT_THRESHOLDS = (0.9, 0.95, 0.98, 0.99)
+DEFAULT_TOP_KS = (8, 16, 32)
+DEFAULT_SCORINGS = ("sampled_rows", "mean")
+PROGRESS_FORMAT = 1
+
+# Rough cost of the block estimate in units of the layer's dense attention (QK^T and PV over
+# the causal triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples),
+# i.e. about 1 / (2 * stride) of dense; block-mean scoring and PISA's pyramid walk touch
+# O(N^2 / B^2) or O(N K log N) scores; the permutation adds one proxy pass and a sort.
+ESTIMATE_OVERHEAD = {"mean": 0.01, "permute": 0.01, "pisa": 0.02, "bsa": 0.03}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One thing a layer can run: ``changes`` applied to the base config, or dense (None)."""
+
+    changes: Optional[Tuple[Tuple[str, Any], ...]]
+
+    @property
+    def dense(self) -> bool:
+        return self.changes is None
+
+    @property
+    def key(self) -> str:
+        if self.changes is None:
+            return "dense"
+        return ",".join(f"{k}={v}" for k, v in self.changes)
+
+    def config(self, base: AttentionConfig) -> AttentionConfig:
+        return base.replace(**dict(self.changes or ()))
+
+
+DENSE = Choice(None)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    kl: float
+    top1: float
+    density: float
+    cost: float
+
+    def to_dict(self) -> Dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CalibrationResult:
+    recipe: Any  # sparseflow.recipes.Recipe
+    choices: List[Choice]  # per layer
+    calibration: Dict[str, Any]
+    heldout: Optional[Dict[str, Any]]
+    predicted_cost: float
+    steps: List[Dict[str, Any]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- choices
+
+
+def _floats(values) -> Tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def candidate_choices(method: str, base: AttentionConfig, *, thresholds: Optional[Sequence[float]] = None,
+                      top_ks: Optional[Sequence[int]] = None, scorings: Optional[Sequence[str]] = None,
+                      permutes: Sequence[bool] = (True, False)) -> List[Choice]:
+    """The sparse choices a layer is measured with (dense is always available besides), each a
+    valid config of ``method`` on top of ``base``."""
+    if method == "pbs":
+        out = [Choice((("threshold", t), ("permute", bool(p)), ("scoring", s)))
+               for s in (scorings or DEFAULT_SCORINGS) for p in permutes for t in _floats(thresholds or DEFAULT_THRESHOLDS)]
+    elif method in ("pisa", "bsa"):
+        out = [Choice((("top_k", int(k)),)) for k in (top_ks or DEFAULT_TOP_KS)]
+    else:
+        raise ValueError(f"method must be pbs, pisa or bsa, got {method!r}")
+    for c in out:
+        try:
+            c.config(base)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"choice {c.key} is not a valid {method} config on {base.to_dict()}: {exc}") from None
+    return out
+
+
+def estimate_overhead(cfg: AttentionConfig) -> float:
+    """:data:`ESTIMATE_OVERHEAD` of one config (see there)."""
+    if cfg.method == "dense":
+        return 0.0
+    if cfg.method != "pbs":
+        return ESTIMATE_OVERHEAD[cfg.method]
+    strided = cfg.scoring in ("sampled_rows", "antidiagonal")
+    scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else ESTIMATE_OVERHEAD["mean"]
+    return scoring + (ESTIMATE_OVERHEAD["permute"] if cfg.permute else 0.0)
+
+
+# --------------------------------------------------------------------------- model surgery
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's list of decoder blocks (``model.layers``, ``transformer.h``, ...)."""
+    n = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    for _, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and n > 0:
+            return mod
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}: calibrate needs a "
+                     "transformers causal LM with a ModuleList of num_hidden_layers blocks")
+
+
+class _Skip(torch.nn.Module):
+    """Stands in for a skipped decoder layer: passes its hidden-state input through."""
+
+    def __init__(self, original: torch.nn.Module):
+        super().__init__()
+        if hasattr(original, "attention_type"):
+            self.attention_type = original.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _replace_hidden(hidden: torch.Tensor):
+    def hook(module, args, kwargs):
+        if args:
+            return (hidden,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    return hook
+
+
+@contextlib.contextmanager
+def start_at(model, layer: int, hidden: torch.Tensor) -> Iterator[None]:
+    """Run the model from decoder layer ``layer`` on, with ``hidden`` as its input (the dense
+    model's hidden state there): the earlier layers are skipped."""
+    layers = decoder_layers(model)
+    originals = [layers[i] for i in range(layer)]
+    handle = layers[layer].register_forward_pre_hook(_replace_hidden(hidden), with_kwargs=True)
+    try:
+        for i in range(layer):
+            layers[i] = _Skip(originals[i])
+        yield
+    finally:
+        handle.remove()
+        for i, mod in enumerate(originals):
+            layers[i] = mod
+
+
+def layer_inputs(model, input_ids: torch.Tensor) -> List[torch.Tensor]:
+    """The hidden state entering every decoder layer in one dense forward pass."""
+    layers = decoder_layers(model)
+    seen: Dict[int, torch.Tensor] = {}
+
+    def grab(i):
+        def hook(module, args, kwargs):
+            seen[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[i] for i in range(len(layers))]
+
+
+def _layer_density(cap, layer: int) -> float:
+    from .evaluate import _layer_of
+
+    vals = [c.density for c in cap.calls if _layer_of(c.tag) == layer and c.density is not None]
+    return float(sum(vals) / len(vals)) if vals else 1.0
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class _Session:
+    """What every measurement needs: the model, the tokens, the dense reference."""
+
+    model: Any
+    input_ids: torch.Tensor
+    keep: int
+    dense: torch.Tensor  # [keep, V]
+    method: str
+    base: AttentionConfig
+    backend: str = "auto"
+    cost: str = "density"
+    hidden: List[torch.Tensor] = field(default_factory=list)
+    timing: Optional[Tuple[int, Tuple[torch.Tensor, ...], float]] = None  # cost="time": (layer, q/k/v, dense s)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.input_ids[0, -self.keep:]
+
+
+def _plan(s: _Session, configs: Mapping[int, AttentionConfig], dense_layers: Sequence[int]):
+    from .hf import Plan
+
+    return Plan(method=s.method, config=s.base, backend=s.backend, dense_layers=tuple(sorted(dense_layers)),
+                layer_configs=dict(configs), num_layers=s.n_layers)
+
+
+def _single_layer_plan(s: _Session, layer: int, cfg: AttentionConfig):
+    return _plan(s, {layer: cfg}, [i for i in range(s.n_layers) if i != layer])
+
+
+def measure_layer(s: _Session, layer: int, choice: Choice) -> Measurement:
+    """KL vs dense with only ``layer`` running ``choice``, its density and predicted cost."""
+    from .evaluate import _logits
+    from .fidelity import compare_logits
+    from .hf import apply_plan
+    from .recording import capture
+
+    cfg = choice.config(s.base)
+    apply_plan(s.model, _single_layer_plan(s, layer, cfg))
+    try:
+        with start_at(s.model, layer, s.hidden[layer]), capture(keep_selections=False) as cap:
+            logits = _logits(s.model, s.input_ids, s.keep)
+    finally:
+        s.model.set_attn_implementation("sdpa")
+    fid = compare_logits(s.dense, logits, s.targets)
+    density = _layer_density(cap, layer)
+    cost = layer_cost(s, layer, cfg, density)
+    return Measurement(kl=fid.mean_kl, top1=fid.top1_agreement, density=density, cost=cost)
+
+
+def layer_cost(s: _Session, layer: int, cfg: AttentionConfig, density: float) -> float:
+    if s.cost == "density":
+        return density + estimate_overhead(cfg)
+    return timed_cost(s, layer, cfg)
+
+
+def timed_cost(s: _Session, layer: int, cfg: AttentionConfig, reps: int = 3) -> float:
+    """The op's time on the layer's own q/k/v over dense SDPA's (``cost="time"``)."""
+    from .config import DenseConfig
+    from .ops import attention
+
+    if s.timing is None or s.timing[0] != layer:  # the layer's q/k/v and dense time, once per layer
+        q, k, v = layer_qkv(s, layer)
+        dense = _median_time(lambda: attention(q, k, v, config=DenseConfig(), is_causal=True), reps)
+        s.timing = (layer, (q, k, v), max(dense, 1e-9))
+    _, (q, k, v), dense = s.timing
+    return _median_time(lambda: attention(q, k, v, config=cfg, is_causal=True, backend=s.backend), reps) / dense
+
+
+def _median_time(fn: Callable[[], Any], reps: int) -> float:
+    cuda = torch.cuda.is_available()
+    with torch.no_grad():
+        fn()  # warm-up: compilation, autotuning, allocator
+        times = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def layer_qkv(s: _Session, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k/v the layer's attention sees on the calibration text (one partial dense run)."""
+    from transformers import AttentionInterface
+
+    from . import hf
+
+    got: Dict[str, torch.Tensor] = {}
+
+    def record(module, query, key, value, *args, **kwargs):
+        if hf._layer_index(module) == layer:
+            got.update(q=query.detach(), k=key.detach(), v=value.detach())
+        return hf.sparseflow_attention_forward(module, query, key, value, *args, **kwargs)
+
+    apply_plan_dense = _plan(s, {}, range(s.n_layers))
+    hf.apply_plan(s.model, apply_plan_dense)
+    AttentionInterface.register(hf.ATTN_IMPLEMENTATION, record)
+    try:
+        with start_at(s.model, layer, s.hidden[layer]), torch.no_grad():
+            s.model(input_ids=s.input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        AttentionInterface.register(hf.ATTN_IMPLEMENTATION, hf.sparseflow_attention_forward)
+        s.model.set_attn_implementation("sdpa")
+    return got["q"], got["k"], got["v"]
+
+
+# --------------------------------------------------------------------------- progress file
+
+
+class Progress:
+    """Single-layer measurements (and whole-plan ones) kept in a JSON file, rewritten
+    atomically after each one; a file made for other inputs (``key``) is started afresh."""
+
+    def __init__(self, path: Optional[Path], key: str):
+        self.path, self.key = path, key
+        self.layers: Dict[str, Dict[str, float]] = {}
+        self.plans: Dict[str, Dict[str, float]] = {}
+        if path is not None and path.is_file():
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            logger.warning("sparseflow calibrate: ignoring unreadable progress file %s: %s", self.path, exc)
+            return
+        if data.get("format") != PROGRESS_FORMAT or data.get("key") != self.key:
+            logger.warning("sparseflow calibrate: progress file %s is for other inputs; starting afresh", self.path)
+            return
+        self.layers = dict(data.get("layers", {}))
+        self.plans = dict(data.get("plans", {}))
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        write_json_atomic(self.path, {"format": PROGRESS_FORMAT, "key": self.key, "layers": self.layers,
+                                      "plans": self.plans})
+
+
+def write_json_atomic(path: Path, payload) -> None:
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:  # an error mid-write leaves no partial file
+        if tmp.exists():
+            tmp.unlink()
+
+
+def progress_key(s: _Session) -> str:
+    """What the measurements depend on: weights, tokens, base config, backend, cost model. The
+    choice grid is not part of it, so a rerun with more or fewer choices reuses what it shares."""
+    from .evaluate import _weights_fingerprint
+
+    h = hashlib.sha256()
+    h.update(_weights_fingerprint(s.model).encode())
+    h.update(s.input_ids.to(torch.int64).cpu().numpy().tobytes())
+    rope = getattr(s.model.config, "rope_parameters", None)
+    h.update(json.dumps([s.keep, s.method, s.base.to_dict(), s.backend, s.cost, str(rope)],
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
+def measure_all(s: _Session, choices: Sequence[Choice], progress: Progress,
+                say: Callable[[str], None]) -> Dict[int, Dict[Choice, Measurement]]:
+    """Every (layer, choice) single-layer measurement, from the progress file where present."""
+    table: Dict[int, Dict[Choice, Measurement]] = {}
+    total = s.n_layers * len(choices)
+    done = 0
+    for layer in range(s.n_layers):
+        table[layer] = {DENSE: Measurement(kl=0.0, top1=1.0, density=1.0, cost=1.0)}
+        for choice in choices:
+            done += 1
+            key = f"{layer}:{choice.key}"
+            if key in progress.layers:
+                table[layer][choice] = Measurement(**progress.layers[key])
+                continue
+            t0 = time.perf_counter()
+            m = measure_layer(s, layer, choice)
+            progress.layers[key] = m.to_dict()
+            progress.save()
+            table[layer][choice] = m
+            say(f"[{done}/{total}] layer {layer} {choice.key}: KL {m.kl:.5f}, top-1 {m.top1:.3f}, "
+                f"density {m.density:.3f}, cost {m.cost:.3f} ({time.perf_counter() - t0:.1f} s)")
+    return table
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def frontier(options: Mapping[Choice, Measurement]) -> List[Tuple[Choice, Measurement]]:
+    """The layer's options no other beats in both cost and KL, cheapest first (dense last)."""
+    ordered = sorted(options.items(), key=lambda cm: (cm[1].cost, cm[1].kl, cm[0].key))
+    out: List[Tuple[Choice, Measurement]] = []
+    for c, m in ordered:
+        if not out or m.kl < out[-1][1].kl:
+            out.append((c, m))
+    return out
+
+
+def greedy_plan(table: Mapping[int, Mapping[Choice, Measurement]], allowed: float) -> List[int]:
+    """Per layer, the index into its :func:`frontier`: start from the cheapest option everywhere
+    and take the upgrade with the best KL reduction per added cost until the single-layer KLs
+    sum to at most ``allowed``. Deterministic, and the upgrade sequence does not depend on
+    ``allowed``: a larger ``allowed`` stops earlier on the same walk."""
+    fronts = {layer: frontier(opts) for layer, opts in table.items()}
+    pick = {layer: 0 for layer in fronts}
+    total = sum(f[0][1].kl for f in fronts.values())
+    while total > allowed:
+        best = None
+        for layer, f in sorted(fronts.items()):
+            cur = f[pick[layer]][1]
+            for j in range(pick[layer] + 1, len(f)):
+                gain = cur.kl - f[j][1].kl
+                ratio = gain / max(f[j][1].cost - cur.cost, 1e-12)
+                if best is None or ratio > best[0]:
+                    best = (ratio, layer, j, gain)
+        if best is None:
+            break
+        _, layer, j, gain = best
+        pick[layer] = j
+        total -= gain
+    return [pick[layer] for layer in sorted(fronts)]
+
+
+def _chosen(table, picks) -> List[Tuple[Choice, Measurement]]:
+    return [frontier(table[layer])[j] for layer, j in enumerate(picks)]
+
+
+def plan_of_choices(s: _Session, chosen: Sequence[Choice]):
+    configs = {i: c.config(s.base) for i, c in enumerate(chosen) if not c.dense}
+    return _plan(s, configs, [i for i, c in enumerate(chosen) if c.dense])
+
+
+def measure_plan(s: _Session, plan, input_ids: Optional[torch.Tensor] = None,
+                 dense: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+    """Whole-model fidelity and density of ``plan`` (calibration text unless given)."""
+    from .evaluate import evaluate_plans
+
+    ids = s.input_ids if input_ids is None else input_ids
+    r = evaluate_plans(s.model, ids, [plan], eval_positions=s.keep, dense=s.dense if dense is None else dense)[0]
+    return {"mean_kl": r.fidelity.mean_kl, "p99_kl": r.fidelity.p99_kl, "top1": r.fidelity.top1_agreement,
+            "ppl_dense": r.fidelity.ppl_dense, "ppl_sparse": r.fidelity.ppl_sparse, "density": r.density,
+            "density_per_layer": r.density_per_layer, "tokens": int(ids.shape[1]), "positions": s.keep}
+
+
+def search(s: _Session, table, budget: float, *, safety: float, progress: Progress, say: Callable[[str], None],
+           max_rounds: int = 6) -> Tuple[List[Choice], Dict[str, Any], float, List[Dict[str, Any]]]:
+    """The cheapest plan on the greedy walk whose measured whole-model KL is within ``budget``
+    (all-dense at worst). Returns (choices per layer, its calibration fidelity, predicted cost,
+    the steps taken)."""
+    allowed = budget * safety
+    steps: List[Dict[str, Any]] = []
+    for _ in range(max_rounds):
+        picks = greedy_plan(table, allowed)
+        chosen = _chosen(table, picks)
+        predicted = sum(m.kl for _, m in chosen)
+        fid = _measured_plan(s, [c for c, _ in chosen], progress)
+        cost = sum(m.cost for _, m in chosen) / len(chosen)
+        steps.append({"allowed": allowed, "predicted_kl": predicted, "measured_kl": fid["mean_kl"], "cost": cost})
+        say(f"plan at allowed KL sum {allowed:.5f}: predicted {predicted:.5f}, measured {fid['mean_kl']:.5f}, "
+            f"cost {cost:.3f}, {sum(c.dense for c, _ in chosen)} dense layer(s)")
+        if fid["mean_kl"] <= budget:
+            return [c for c, _ in chosen], fid, cost, steps
+        if predicted <= 0.0:
+            break
+        # shrink by the measured/predicted ratio, and at least a little, so each round moves
+        allowed = min(allowed * 0.9, predicted * budget / fid["mean_kl"] * safety)
+    chosen = [DENSE] * s.n_layers
+    say(f"no plan on the walk met KL <= {budget} within {max_rounds} rounds: every layer dense")
+    return chosen, _measured_plan(s, chosen, progress), 1.0, steps
+
+
+def _measured_plan(s: _Session, chosen: Sequence[Choice], progress: Progress) -> Dict[str, Any]:
+    key = "|".join(c.key for c in chosen)
+    if key not in progress.plans:
+        progress.plans[key] = measure_plan(s, plan_of_choices(s, chosen))
+        progress.save()
+    return progress.plans[key]
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+def _changes_from_base(base: AttentionConfig, cfg: AttentionConfig) -> Dict[str, Any]:
+    b, c = base.to_dict(), cfg.to_dict()
+    return {k: v for k, v in c.items() if k not in ("method", "version") and b.get(k) != v}
+
+
+def _common_config(s: _Session, chosen: Sequence[Choice]) -> AttentionConfig:
+    """The config most sparse layers run (the base when every layer is dense): the recipe's
+    config for the method, so the per-layer overrides name only the layers that differ."""
+    counts: Dict[str, Tuple[int, AttentionConfig]] = {}
+    for c in chosen:
+        if not c.dense:
+            cfg = c.config(s.base)
+            n, _ = counts.get(cfg.to_json(), (0, cfg))
+            counts[cfg.to_json()] = (n + 1, cfg)
+    if not counts:
+        return s.base
+    return max(counts.values(), key=lambda nc: nc[0])[1]
+
+
+def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: Dict[str, Any]):
+    from .recipes import Recipe
+
+    mc = s.model.config
+    common = _common_config(s, chosen)
+    overrides = {i: _changes_from_base(common, c.config(s.base)) for i, c in enumerate(chosen) if not c.dense}
+    overrides = {i: ch for i, ch in overrides.items() if ch}
+    dense = tuple(i for i, c in enumerate(chosen) if c.dense)
+    sparse_n = s.n_layers - len(dense)
+
+    def opt_int(attr):
+        v = getattr(mc, attr, None)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    desc = (f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
+            f"{s.n_layers} layers within mean KL {measured['budget']} on {measured['calibration']['tokens']} tokens "
+            f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
+            f"{measured['calibration']['density']:.3f})")
+    return Recipe(name=name, description=desc, model_types=(str(mc.model_type),), configs={s.method: common},
+                  dense_layers=dense, num_layers=s.n_layers, num_attention_heads=opt_int("num_attention_heads"),
+                  num_key_value_heads=opt_int("num_key_value_heads"), head_dim=opt_int("head_dim"),
+                  layer_overrides={s.method: overrides} if overrides else {}, measured=measured)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def check_budget(budget) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (float(budget) > 0.0):
+        raise ValueError(f"kl_budget must be a positive number of nats (e.g. 0.01), got {budget!r}")
+    return float(budget)
+
+
+def _default_cost(cost: str) -> str:
+    if cost == "auto":
+        return "time" if torch.cuda.is_available() else "density"
+    if cost not in ("density", "time"):
+        raise ValueError(f"cost must be auto, density or time, got {cost!r}")
+    return cost
+
+
+def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
+              base: Optional[AttentionConfig] = None, eval_positions: int = 512,
+              heldout_ids: Optional[torch.Tensor] = None, choices: Optional[Sequence[Choice]] = None,
+              safety: float = 0.8, cost: str = "auto", backend: str = "auto", progress_path=None,
+              cache_dir=None, name: Optional[str] = None, text: str = "", heldout_text: str = "",
+              say: Optional[Callable[[str], None]] = None, extra: Optional[Dict[str, Any]] = None) -> CalibrationResult:
+    """Calibrate a per-layer plan of ``method`` for a transformers causal LM (see the module
+    docstring). ``input_ids``: ``[1, N]`` calibration tokens, fidelity over the last
+    ``eval_positions`` predictions; ``heldout_ids``: tokens the plan is checked on afterwards.
+    ``progress_path``: the JSON file single-layer results are kept in (resume)."""
+    from .evaluate import dense_logits
+
+    budget = check_budget(kl_budget)
+    if method not in ("pbs", "pisa", "bsa"):
+        raise ValueError(f"method must be pbs, pisa or bsa, got {method!r}")
+    if not (0.0 < safety <= 1.0):
+        raise ValueError(f"safety must be in (0, 1], got {safety}")
+    n = input_ids.shape[1]
+    if not (1 <= eval_positions < n):
+        raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    say = say or (lambda msg: None)
+    base = base or default_config(method)
+    if base.method != method:
+        raise ValueError(f"base config is for {base.method!r}, not {method!r}")
+    choices = list(choices) if choices is not None else candidate_choices(method, base)
+    model.set_attn_implementation("sdpa")
+    say(f"dense pass: logits of the last {eval_positions} positions and every layer's input ({n} tokens)")
+    s = _Session(model=model, input_ids=input_ids, keep=eval_positions, method=method, base=base, backend=backend,
+                 cost=_default_cost(cost), dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir))
+    s.hidden = layer_inputs(model, input_ids)
+    progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
+    table = measure_all(s, choices, progress, say)
+    chosen, calib, pred_cost, steps = search(s, table, budget, safety=safety, progress=progress, say=say)
+    heldout = None
+    if heldout_ids is not None:
+        say(f"held-out check on {heldout_ids.shape[1]} tokens")
+        ho_dense = dense_logits(model, heldout_ids, eval_positions, cache_dir=cache_dir)
+        heldout = measure_plan(s, plan_of_choices(s, chosen), input_ids=heldout_ids, dense=ho_dense)
+    measured = {"budget": budget, "method": method, "text": text, "heldout_text": heldout_text, "cost_model": s.cost,
+                "safety": safety, "calibration": calib, "heldout": heldout, "predicted_cost": pred_cost,
+                "search": steps, "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()}
+                                               for i, c in enumerate(chosen)], **(extra or {})}
+    rname = name or f"calibrated-{model.config.model_type}-{method}"
+    recipe = build_recipe(s, chosen, name=rname, measured=measured)
+    return CalibrationResult(recipe=recipe, choices=chosen, calibration=calib, heldout=heldout,
+                             predicted_cost=pred_cost, steps=steps)
+
+
+# --------------------------------------------------------------------------- files (the command)
+
+CALIBRATE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+
+
+def side_paths(out) -> Tuple[Path, Path]:
+    """(progress file, dense-logits cache folder) kept next to the recipe file ``out``."""
+    out = Path(out).expanduser()
+    return out.with_name(out.name + ".progress.json"), out.with_name(out.name + ".cache")
+
+
+def parse_values(text: Optional[str], kind, arg: str) -> Optional[Tuple]:
+    """A comma list of ``kind`` values from the command line (None when not given)."""
+    if text is None:
+        return None
+    try:
+        out = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{arg} must be a comma list of {kind.__name__} values, got {text!r}") from None
+    if not out:
+        raise ValueError(f"{arg} must name at least one value, got {text!r}")
+    return out
+
+
+def _check_model_type(model_config) -> None:
+    mt = getattr(model_config, "model_type", None)
+    if mt not in CALIBRATE_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture for calibrate: model_type={mt!r}; it runs on the decoder LMs "
+                         f"{list(CALIBRATE_MODEL_TYPES)}")
+
+
+def _tokens(tok, n: int, text: str, arg: str):
+    from .checkpoints import real_tokens
+
+    try:
+        return real_tokens(tok, n, text=text)
+    except ValueError as exc:
+        raise ValueError(f"{arg}: {exc}") from None
+
+
+def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: int = 2048, eval_positions: int = 512,
+                   text: str = "pydoc_topics", heldout_text: Optional[str] = "argparse_source", config=None,
+                   thresholds=None, top_ks=None, scorings=None, safety: float = 0.8, cost: str = "auto",
+                   backend: str = "auto", dtype: str = "auto", tokenizer=None, rope_scaling=None, cache_dir=None,
+                   name: Optional[str] = None, say: Optional[Callable[[str], None]] = None) -> CalibrationResult:
+    """``sparseflow calibrate``: load ``model_path`` (HF folder, GGUF file or converted folder, run
+    dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
+    recipe to ``out`` atomically. Everything checkable is checked before the weights load."""
+    from .checkpoints import TEXTS
+    from .convert import _load_config, _parse_config, load_source, resolve_source
+    from .rope import parse_rope_scaling, set_rope_scaling
+
+    budget = check_budget(kl_budget)
+    if method not in ("pbs", "pisa", "bsa"):
+        raise ValueError(f"--method must be pbs, pisa or bsa, got {method!r}")
+    for arg, t in (("--text", text), ("--heldout-text", heldout_text)):
+        if t is not None and t not in TEXTS:
+            raise ValueError(f"{arg} must be one of {sorted(TEXTS)}, got {t!r}")
+    if heldout_text is not None and heldout_text == text:
+        raise ValueError(f"--heldout-text {heldout_text!r} is the calibration text: pick the other text, or none")
+    try:
+        parse_rope_scaling(rope_scaling)
+    except ValueError as exc:
+        raise ValueError(f"--rope-scaling: {exc}") from None
+    source = resolve_source(model_path)
+    model_config = _load_config(source)
+    _check_model_type(model_config)
+    base = _parse_config(method, config) or default_config(method)
+    choices = candidate_choices(method, base, thresholds=thresholds, top_ks=top_ks, scorings=scorings)
+    progress_path, default_cache = side_paths(out)
+    say = say or (lambda msg: None)
+    say(f"loading {source} ...")
+    model, tok = load_source(source, dtype=dtype)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    if tok is None:
+        raise ValueError(f"{model_path} has no tokenizer; pass --tokenizer PATH")
+    rope_info = None if rope_scaling is None else set_rope_scaling(model, rope_scaling)
+    ids = _tokens(tok, tokens, text, "--tokens")
+    heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)")
+    say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
+        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}")
+    t0 = time.perf_counter()
+    result = calibrate(model, ids, method, budget, base=base, eval_positions=eval_positions, heldout_ids=heldout,
+                       choices=choices, safety=safety, cost=cost, backend=backend, progress_path=progress_path,
+                       cache_dir=cache_dir if cache_dir is not None else default_cache, name=name, text=text,
+                       heldout_text=heldout_text or "", say=say,
+                       extra={"model": str(source), "rope_scaling": rope_info, "torch": torch.__version__,
+                              "threads": torch.get_num_threads()})
+    seconds = time.perf_counter() - t0
+    recipe = dataclasses.replace(result.recipe, measured={**result.recipe.measured, "seconds": seconds})
+    recipe.save(out)
+    result.recipe = recipe
+    say(_summary(result, out, seconds))
+    return result
+
+
+def _summary(result: CalibrationResult, out, seconds: float) -> str:
+    c, h = result.calibration, result.heldout
+    line = (f"wrote {out} in {seconds:.0f} s: {len(result.recipe.dense_layers)} dense layer(s); calibration KL "
+            f"{c['mean_kl']:.5f}, top-1 {c['top1']:.3f}, density {c['density']:.3f}")
+    if h is not None:
+        line += f"; held-out KL {h['mean_kl']:.5f}, top-1 {h['top1']:.3f}, density {h['density']:.3f}"
+    return line
