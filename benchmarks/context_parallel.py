@@ -61,6 +61,9 @@ def parse_args(argv=None):
     ap.add_argument("--nproc", type=int, default=2, help="processes to spawn when not run under torchrun")
     ap.add_argument("--check", action="store_true", help="compare the CP output with the 1-GPU output")
     ap.add_argument("--json", default=None, help="where to write the results (rank 0)")
+    ap.add_argument("--model", choices=["smollm2", "smollm2-random"], default=None,
+                    help="the whole SmolLM2-135M prefill through sparseflow.compile instead of the op "
+                         "(smollm2-random: its shape with random weights, no checkpoint needed)")
     args = ap.parse_args(argv)
     unknown = set(args.methods) - {"pbs", "pisa", "bsa", "sdpa"}
     if unknown:
@@ -175,6 +178,78 @@ def bench_sdpa(q, k, v, mesh, layout, cp, args, device):
     return dict(method="sdpa", t_1gpu_s=one, t_cp_s=par, t_comm_s=None)
 
 
+def _smollm2(args, device):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from e2e_prefill import random_smollm2, repeated_tokens
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if args.model == "smollm2-random":
+        model, tok = random_smollm2(dtype)
+    else:
+        from sparseflow.checkpoints import load_smollm2
+
+        model, tok = load_smollm2(dtype=dtype)
+    if args.tiny:
+        model.model.layers = model.model.layers[:2]
+        model.config.num_hidden_layers = 2
+    return model.to(device).eval(), lambda n: repeated_tokens(tok, "pydoc_topics", n).to(device)
+
+
+def _compiled(model, method, cfg, backend, cp=None):
+    import copy
+
+    m = copy.deepcopy(model)
+    if method == "sdpa":  # dense: plain SDPA on one GPU, the dense op under context parallelism
+        method, cfg, backend = "dense", None, "auto"
+    sparseflow.compile(m, method=method, config=cfg, backend=backend, recipe=None, inner_backend="eager",
+                       context_parallel=cp)
+    return m
+
+
+def bench_model(method, cfg, model, ids, mesh, args, device):
+    """The whole forward (``logits_to_keep=1``): 1 GPU with the full prompt against every rank
+    with its contiguous shard (global position ids)."""
+    pg = mesh.get_group()
+    backend = args.backend or ("reference" if device.type == "cpu" else "triton")
+    world, rank, n = dist.get_world_size(pg), dist.get_rank(pg), ids.shape[1]
+    lengths = cpm.split_lengths(n, world, "contiguous")
+    s, e = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    cp = sparseflow.ContextParallel(mesh, sharding="contiguous")
+    with torch.no_grad():
+        if rank == 0:
+            single = _compiled(model, method, cfg, backend) if method != "sdpa" else model
+        one = on_rank0(lambda: timed(lambda: single(ids, logits_to_keep=1), args, device), device, pg)
+        par_model = _compiled(model, method, cfg, backend, cp)
+        pos = torch.arange(s, e, device=device)[None]
+        par = timed(lambda: par_model(ids[:, s:e], position_ids=pos, logits_to_keep=1), args, device, pg)
+        row = dict(method=f"model {method}", t_1gpu_s=one, t_cp_s=par, t_comm_s=None)
+        if args.check:  # the last rank holds the prompt's last position
+            got = par_model(ids[:, s:e], position_ids=pos, logits_to_keep=1).logits.float()
+            want = single(ids, logits_to_keep=1).logits.float() if rank == 0 else torch.zeros_like(got)
+            dist.broadcast(want, 0, group=pg)
+            diff = torch.zeros(1, dtype=torch.float64, device=device)
+            if rank == world - 1:
+                diff += (got - want).abs().max().double()
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=pg)
+            row["max_abs_diff_vs_1gpu"] = float(diff)
+    return row
+
+
+def run_model(args, mesh, device):
+    model, ids_of = _smollm2(args, device)
+    cfgs = configs(args)
+    rows = []
+    for n in shapes(args)[-1]:
+        ids = ids_of(n)
+        for method in args.methods:
+            row = bench_model(method, cfgs.get(method), model, ids, mesh, args, device)
+            row.update(n=n, world=dist.get_world_size())
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(format_row(row), flush=True)
+    return rows
+
+
 def run(args):
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
         else torch.device("cpu")
@@ -184,6 +259,8 @@ def run(args):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    if args.model:
+        return run_model(args, mesh, device)
     cp = sparseflow.ContextParallel(mesh, sharding=args.sharding)
     b, hq, hkv, d, dtype, ns = shapes(args)
     cfgs = configs(args)

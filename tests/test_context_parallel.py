@@ -226,6 +226,22 @@ def test_benchmark_smoke_mode(tmp_path):
     assert bsa["max_abs_diff_vs_1gpu"] == 0.0 and bsa["t_cp_s"] > 0 and bsa["t_comm_s"] > 0
 
 
+def test_benchmark_smoke_mode_whole_model(tmp_path):
+    # the end-to-end mode: SmolLM2's shape (2 random-init layers) through sparseflow.compile with
+    # context_parallel; the last rank's last logits must match the 1-process model's
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "context_parallel.py")
+    out = tmp_path / "cpm.json"
+    subprocess.run([sys.executable, path, "--device", "cpu", "--tiny", "--model", "smollm2-random", "--ns", "160",
+                    "--methods", "bsa,sdpa", "--iters", "1", "--warmup", "0", "--check", "--json", str(out)],
+                   check=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["model bsa", "model sdpa"]
+    assert all(r["max_abs_diff_vs_1gpu"] < 1e-4 and r["t_cp_s"] > 0 for r in rows)
+
+
 def _gpu_worker(rank: int, world: int, tmp: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
