@@ -8,7 +8,6 @@ path first. Nothing here is part of the installed package.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -21,6 +20,9 @@ import torch.nn.functional as F
 
 # the repository root, so ``import sparseflow`` finds the source checkout next to this folder
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# the synthetic long-context inputs live in the package: ``sparseflow bench`` uses them too
+from sparseflow.bench import structured_qkv  # noqa: E402
 
 __all__ = [
     "env_info", "structured_qkv", "qkv", "sdpa_dense", "causal_flops", "exact_selection", "random_selection",
@@ -48,30 +50,6 @@ def env_info() -> Dict[str, object]:
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def structured_qkv(b, hq, hkv, n, d, dtype, g, topics=24, run=96, strength=2.0):
-    """Synthetic long-context Q/K: an attention sink at token 0, a local band (topics change in
-    runs of ``run`` tokens) and scattered heavy hitters (every token belongs to one of ``topics``
-    directions; queries find the keys of their topic wherever they are). On ``g``'s device."""
-    dev = g.device
-    f32 = torch.float32
-    dirs = torch.randn(b, hkv, topics, d, device=dev, dtype=f32, generator=g)
-    dirs = dirs / dirs.norm(dim=-1, keepdim=True) * math.sqrt(d)
-    n_runs = -(-n // run)
-    topic = torch.randint(0, topics, (b, n_runs), device=dev, generator=g).repeat_interleave(run, dim=1)[:, :n]
-    # every 7th token is a heavy hitter of a random topic
-    hh = torch.rand(b, n, device=dev, generator=g) < 1 / 7
-    topic = torch.where(hh, torch.randint(0, topics, (b, n), device=dev, generator=g), topic)
-    idx = topic[:, None, :, None].expand(b, hkv, n, d)
-    tk = torch.gather(dirs, 2, idx)  # [B, Hkv, N, D]
-    k = torch.randn(b, hkv, n, d, device=dev, dtype=f32, generator=g) * 0.5 + tk * 0.35
-    g_ = hq // hkv
-    q = torch.randn(b, hq, n, d, device=dev, dtype=f32, generator=g) * 0.5 + \
-        tk.repeat_interleave(g_, dim=1) * (strength / math.sqrt(d)) * 1.5
-    k[:, :, 0] = q.view(b, hkv, g_, n, d).mean(dim=(2, 3)) * 6.0  # sink
-    v = torch.randn(b, hkv, n, d, device=dev, dtype=f32, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def qkv(b, hq, hkv, n, d, dtype, seed=0, structured=False, device="cuda"):
