@@ -50,6 +50,17 @@ def test_sweep_plans_types_values_and_rejects_bad_fields():
         sweep_plans(base, "min_seq_len", ["4"])  # the dispatcher's, not a selection setting
 
 
+def test_parse_config_field_is_public_and_types_like_the_default():
+    from sparseflow import sweep
+
+    assert sweep.parse_config_field("pbs", "threshold", "0.5") == 0.5
+    assert sweep.parse_config_field("pisa", "top_k", "16") == 16 and sweep.parse_config_field("pbs", "permute", "0") is False
+    assert sweep.parse_config_field("pbs", "scoring", "antidiagonal") == "antidiagonal"
+    assert sweep._typed is sweep.parse_config_field
+    with pytest.raises(ValueError, match="'top_k' is not a pbs setting"):
+        sweep.parse_config_field("pbs", "top_k", "4")
+
+
 def test_curve_points_series():
     from sparseflow.evaluate import MethodResult
     from sparseflow.fidelity import Fidelity
