@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import sparseflow  # noqa: E402
-from pbs import env_info, structured_qkv  # noqa: E402
+from common import env_info, structured_qkv  # noqa: E402
 from sparseflow.autobackend import default_chooser  # noqa: E402
 
 

@@ -28,7 +28,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import sparseflow  # noqa: E402
+from common import mean_s_back_to_back, structured_qkv  # noqa: E402
 from sparseflow import context_parallel as cpm  # noqa: E402
 
 K = 1024
@@ -90,12 +90,9 @@ def configs(args):
 
 
 def inputs(b, hq, hkv, n, d, dtype, device):
-    """The structured inputs of benchmarks/pbs.py, the same on every rank (seeded by ``n``)."""
-    import pbs as _pbs
-
-    _pbs.DEV = device
+    """The structured inputs of benchmarks/common.py, the same on every rank (seeded by ``n``)."""
     g = torch.Generator(device=device).manual_seed(n)
-    return _pbs.structured_qkv(b, hq, hkv, n, d, dtype, g)
+    return structured_qkv(b, hq, hkv, n, d, dtype, g)
 
 
 def sync(device):
@@ -105,16 +102,9 @@ def sync(device):
 
 def timed(fn, args, device, group=None):
     """Mean seconds per call; with ``group`` every rank runs it and the slowest rank counts."""
-    for _ in range(args.warmup):
-        fn()
-    sync(device)
-    if group is not None:
-        dist.barrier(group)
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        fn()
-    sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
+    barrier = (lambda: dist.barrier(group)) if group is not None else None
+    mean_s = mean_s_back_to_back(fn, args.iters, args.warmup, lambda: sync(device), before_start=barrier)
+    elapsed = torch.tensor([mean_s], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return float(elapsed)

@@ -13,26 +13,22 @@ import io
 import json
 import platform
 import pstats
+import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-import sparseflow
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sparseflow  # noqa: E402
+from common import mean_s_back_to_back  # noqa: E402
 
 
 def per_call_us(fn, reps: int) -> float:
     """Wall microseconds per call, synchronising once at the end (what a model's layer loop
     sees when the GPU keeps up with the host)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / reps
+    return mean_s_back_to_back(fn, reps, 10, torch.cuda.synchronize) * 1e6
 
 
 def main(argv=None) -> int:

@@ -27,18 +27,20 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
-import sparseflow
-from sparseflow.checkpoints import load_smollm2, real_text
-from sparseflow.evaluate import _logits
-from sparseflow.fidelity import compare_logits
-from sparseflow.rope import set_rope_scaling
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sparseflow  # noqa: E402
+from common import median_ms_per_call  # noqa: E402
+from sparseflow.checkpoints import load_smollm2, real_text  # noqa: E402
+from sparseflow.evaluate import _logits  # noqa: E402
+from sparseflow.fidelity import compare_logits  # noqa: E402
+from sparseflow.rope import set_rope_scaling  # noqa: E402
 
 TRAINED_POSITIONS = 8192
 DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
@@ -134,9 +136,9 @@ def plan_parts(name: str):
 
 
 def _replaced(cfg, fields: Dict[str, str]):
-    from sparseflow.sweep import _typed
+    from sparseflow.sweep import parse_config_field
 
-    return cfg.replace(**{k: _typed(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
+    return cfg.replace(**{k: parse_config_field(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
 
 
 def converted_plan(name: str, backend: str, n_layers: int):
@@ -172,20 +174,7 @@ def time_forward(model, ids: torch.Tensor, reps: int, warmup: int) -> Dict[str, 
     for _ in range(max(0, warmup - 1)):
         call()
     sync()
-    times = []
-    for _ in range(reps):
-        if ids.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t) * 1e3)
-    return {"ms": statistics.median(times), "ms_min": min(times), "first_call_s": first}
+    return {**median_ms_per_call(call, reps, ids.is_cuda), "first_call_s": first}
 
 
 def fidelity_row(model, ids, dense_logits, eval_positions: int) -> Dict[str, object]:

@@ -25,18 +25,7 @@ import sparseflow
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def _ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+from common import mean_ms_cuda_events as _ms  # noqa: E402
 
 
 def _first_line(exc: BaseException) -> str:

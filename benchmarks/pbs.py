@@ -15,126 +15,24 @@ the same block mask as the Triton kernel (``--flex``). Equal-work throughput = c
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
-import platform
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import (  # noqa: E402
+    bench, causal_flops, env_info, pbs_kernel_call, pbs_kernel_inputs, qkv, random_selection, sdpa_dense)
 from sparseflow.kernels.pbs import reference as R  # noqa: E402
 
 DEV = "cuda"
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def bench(fn, rep_ms=200, warmup_ms=100):
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def causal_flops(b, hq, n, d):
-    return 4.0 * b * hq * n * n * d / 2.0
-
-
-def qkv(b, hq, hkv, n, d, dtype, seed=0, structured=False):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    if not structured:
-        q = torch.randn(b, hq, n, d, device=DEV, dtype=dtype, generator=g)
-        k = torch.randn(b, hkv, n, d, device=DEV, dtype=dtype, generator=g)
-        v = torch.randn(b, hkv, n, d, device=DEV, dtype=dtype, generator=g)
-        return q, k, v
-    return structured_qkv(b, hq, hkv, n, d, dtype, g)
-
-
-def structured_qkv(b, hq, hkv, n, d, dtype, g, topics=24, run=96, strength=2.0):
-    """Synthetic long-context Q/K: an attention sink at token 0, a local band (topics change in
-    runs of ``run`` tokens) and scattered heavy hitters (every token belongs to one of ``topics``
-    directions; queries find the keys of their topic wherever they are)."""
-    f32 = torch.float32
-    dirs = torch.randn(b, hkv, topics, d, device=DEV, dtype=f32, generator=g)
-    dirs = dirs / dirs.norm(dim=-1, keepdim=True) * math.sqrt(d)
-    n_runs = -(-n // run)
-    topic = torch.randint(0, topics, (b, n_runs), device=DEV, generator=g).repeat_interleave(run, dim=1)[:, :n]
-    # every 7th token is a heavy hitter of a random topic
-    hh = torch.rand(b, n, device=DEV, generator=g) < 1 / 7
-    topic = torch.where(hh, torch.randint(0, topics, (b, n), device=DEV, generator=g), topic)
-    idx = topic[:, None, :, None].expand(b, hkv, n, d)
-    tk = torch.gather(dirs, 2, idx)  # [B, Hkv, N, D]
-    k = torch.randn(b, hkv, n, d, device=DEV, dtype=f32, generator=g) * 0.5 + tk * 0.35
-    g_ = hq // hkv
-    q = torch.randn(b, hq, n, d, device=DEV, dtype=f32, generator=g) * 0.5 + \
-        tk.repeat_interleave(g_, dim=1) * (strength / math.sqrt(d)) * 1.5
-    k[:, :, 0] = q.view(b, hkv, g_, n, d).mean(dim=(2, 3)) * 6.0  # sink
-    v = torch.randn(b, hkv, n, d, device=DEV, dtype=f32, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def sdpa_dense(q, k, v, backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
-    g = q.shape[1] // k.shape[1]
-    try:
-
-        def run():
-            with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        run()
-        return run, "gqa"
-    except Exception:  # backend without native GQA: give it repeated K/V (costs it nothing at compute-bound)
-        kr, vr = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-
-        def run():
-            with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-
-        run()
-        return run, "repeated-kv"
-
-
-def exact_selection(b, hq, hp, n, bs, seg, seed=0):
-    """Exact-mode (100% density) selection with a random in-segment permutation."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    scores = torch.rand(b, hp, n, device=DEV, generator=g)
-    perm = R.segment_permutation(scores, segment_size=seg)
-    nb = -(-n // bs)
-    region = R.block_regions(None, b, n, block_size=bs, segment_size=seg, device=DEV)  # [B, nB]
-    bm = (region[:, None, :] <= region[:, :, None])[:, None].expand(b, hq, nb, nb).contiguous()
-    return perm, bm
-
-
-def random_selection(perm, hq, n, bs, seg, density, seed=0):
-    """Forced blocks (own region, sink) plus a random fraction of the candidates."""
-    cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
-    forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    keep = torch.rand(cand.shape, device=DEV, generator=g) < density
-    return (cand & keep) | forced
-
-
-def env_info():
-    import triton
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def selection_diff(q, k, perm, bm, bs, seg, thr, tie_tol=1e-4):
@@ -256,35 +154,6 @@ def part_check(args, results):
     results["check"] = rows
 
 
-def _kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, density=1.0):
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_impl as TI
-
-    hp = hq if gqa == "query_head" else hkv
-    q, k, v = qkv(b, hq, hkv, n, d, dtype, seed=n)
-    perm, bm = exact_selection(b, hq, hp, n, bs, seg)
-    if density < 1.0:
-        bm = random_selection(perm, hq, n, bs, seg, density)
-    kpos = TA.key_positions(perm)
-    kv_num, kv_full, kv_idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg,
-                                                       is_causal=True)
-    if layout == "gather":
-        kk, vv = k, v
-    else:
-        kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
-    dens = R.selection_density(bm, perm, block_size=bs).mean().item()
-    return dict(q=q, k=k, v=v, kk=kk, vv=vv, perm=perm, bm=bm, kpos=kpos, kv_num=kv_num, kv_full=kv_full,
-                kv_idx=kv_idx, density=dens, gather=layout == "gather")
-
-
-def _run_kernel(inp, bs=128, tma=True):
-    from sparseflow.kernels.pbs import triton_attention as TA
-
-    return lambda: TA.pbs_block_sparse_attention(
-        inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],
-        block_size=bs, is_causal=True, gather=inp["gather"], tma=tma)
-
-
 def part_variants(args, results):
     """Layouts x TMA x fixed tile configs at 100% density, side by side with cuDNN."""
     from sparseflow.kernels.pbs import triton_attention as TA
@@ -306,12 +175,12 @@ def part_variants(args, results):
         ref_out = cud()
         del q, k, v
         for gqa, layout, tma in args.variant_layouts:
-            inp = _kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, gqa, layout)
+            inp = pbs_kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, gqa, layout)
             # exact mode with identity-free permutation: compare with dense attention over the same keys
             for cfg in configs + [None]:
                 TA.set_fixed_config(cfg)
                 try:
-                    fn = _run_kernel(inp, tma=tma == "1")  # Tuning.pbs_tma
+                    fn = pbs_kernel_call(inp, tma=tma == "1")  # Tuning.pbs_tma
                     out = fn()
                     torch.cuda.synchronize()
                     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
@@ -368,8 +237,8 @@ def part_kernel(args, results):
                    cudnn_tflops=causal_flops(b, hq, n, d) / t_cudnn / 1e9,
                    flash_tflops=causal_flops(b, hq, n, d) / t_flash / 1e9)
         for gqa in args.gqa:
-            inp = _kernel_inputs(b, hq, hkv, n, d, args.dtype, gqa, args.layout, args.block, args.segment)
-            fn = _run_kernel(inp, args.block)
+            inp = pbs_kernel_inputs(b, hq, hkv, n, d, args.dtype, gqa, args.layout, args.block, args.segment)
+            fn = pbs_kernel_call(inp, args.block)
             t = bench(fn)
             row[f"triton_{gqa}_ms"] = t
             row[f"triton_{gqa}_tflops"] = causal_flops(b, hq, n, d) / t / 1e9

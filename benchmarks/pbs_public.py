@@ -4,7 +4,7 @@
 
 ``--public-path`` is a directory holding the public ``pbs_attn`` package (github.com/xinghaow99/pbs-attn,
 fetched into an ignored folder; it is never part of this repository). Shapes as SPEC §8: B=1, Hq=32,
-Hkv=8, D=128, bf16, the structured synthetic Q/K of ``benchmarks/pbs.py``. Per length:
+Hkv=8, D=128, bf16, the structured synthetic Q/K of ``benchmarks/common.py``. Per length:
 
 * cuDNN SDPA causal (native GQA) -- the baseline of every ratio;
 * the public op at ``--threshold``: it needs Hq == Hkv, so K/V are repeated to 32 heads first (as
@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from pbs import _kernel_inputs, _run_kernel, bench, env_info, sdpa_dense, structured_qkv  # noqa: E402
+from common import bench, env_info, pbs_kernel_call, pbs_kernel_inputs, sdpa_dense, structured_qkv  # noqa: E402
 from sparseflow.kernels.pbs import reference as R  # noqa: E402
 
 KERNEL_NAME = "_permuted_block_sparse_attn_fwd"
@@ -159,8 +159,8 @@ def main(argv=None):
 
         row["ours_stages_ms"] = bench(stages)
         row["ours_stages_frac_of_cudnn"] = row["ours_stages_ms"] / t_cudnn
-        inp = _kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, "query_head", "permuted", bs, seg)
-        row["ours_full_attention_ms"] = bench(_run_kernel(inp, bs))
+        inp = pbs_kernel_inputs(b, hq, hkv, n, d, torch.bfloat16, "query_head", "permuted", bs, seg)
+        row["ours_full_attention_ms"] = bench(pbs_kernel_call(inp, bs))
         row["ours_full_attention_vs_cudnn"] = t_cudnn / row["ours_full_attention_ms"]
         del inp
         results["rows"].append(row)

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from pbs import bench, env_info, sdpa_dense, structured_qkv  # noqa: E402
+from common import bench, env_info, sdpa_dense, structured_qkv  # noqa: E402
 
 DEV = "cuda"
 
@@ -41,7 +41,7 @@ def rand(*shape, dtype=torch.bfloat16, seed=0):
 def pisa_inputs(n, hq, hkv, d, dtype=torch.bfloat16, seed=0, structured=False):
     """Random Q/K/V with a little structure: a shared direction per key block makes block means
     informative (pure noise would make every block score alike). ``structured``: the SPEC §8
-    generator of benchmarks/pbs.py (sink, local band, topics in runs: neighbouring queries agree,
+    generator of benchmarks/common.py (sink, local band, topics in runs: neighbouring queries agree,
     as in real models, so a query tile's rows select overlapping blocks)."""
     if structured:
         g = torch.Generator(device=DEV).manual_seed(seed)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from .config import METHODS
 
-__all__ = ["parse_sweep", "sweep_plans", "curve_points", "series_name"]
+__all__ = ["parse_sweep", "parse_config_field", "sweep_plans", "curve_points", "series_name"]
 
 
 def parse_sweep(text: str) -> Tuple[str, List[str]]:
@@ -27,7 +27,8 @@ def parse_sweep(text: str) -> Tuple[str, List[str]]:
     return name, items
 
 
-def _typed(method: str, name: str, raw: str) -> Any:
+def parse_config_field(method: str, name: str, raw: str) -> Any:
+    """``raw`` text as the value of ``method``'s config field ``name``, typed like its default."""
     cls = METHODS[method]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if name not in fields or name == "min_seq_len":
@@ -46,6 +47,9 @@ def _typed(method: str, name: str, raw: str) -> Any:
     except ValueError:
         raise ValueError(f"sweep value {raw!r} for {method}.{name} must be a {type(default).__name__}") from None
     return raw
+
+
+_typed = parse_config_field  # the private name, for existing callers
 
 
 def sweep_plans(base, field: str, values: Sequence[str], *, no_permute: bool = False) -> List:

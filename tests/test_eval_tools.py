@@ -50,6 +50,17 @@ def test_sweep_plans_types_values_and_rejects_bad_fields():
         sweep_plans(base, "min_seq_len", ["4"])  # the dispatcher's, not a selection setting
 
 
+def test_parse_config_field_is_public_and_types_like_the_default():
+    from sparseflow import sweep
+
+    assert sweep.parse_config_field("pbs", "threshold", "0.5") == 0.5
+    assert sweep.parse_config_field("pisa", "top_k", "16") == 16 and sweep.parse_config_field("pbs", "permute", "0") is False
+    assert sweep.parse_config_field("pbs", "scoring", "antidiagonal") == "antidiagonal"
+    assert sweep._typed is sweep.parse_config_field
+    with pytest.raises(ValueError, match="'top_k' is not a pbs setting"):
+        sweep.parse_config_field("pbs", "top_k", "4")
+
+
 def test_curve_points_series():
     from sparseflow.evaluate import MethodResult
     from sparseflow.fidelity import Fidelity
@@ -208,9 +219,47 @@ def test_bench_scripts_found_missing_and_skipped(tmp_path, monkeypatch):
     argv = json.loads(Path(rows["pbs.py"]["json"]).read_text())["argv"]
     assert "--ns" in argv and str(tmp_path / "out") in argv[argv.index("--json") + 1]
     assert rows["pisa.py"]["status"] == "skipped" and "pisa.py not found" in rows["pisa.py"]["reason"]
-    assert bench.run_scripts(None, tmp_path)[0]["reason"].endswith("pass --benchmarks DIR)")
     with pytest.raises(ValueError, match="unknown benchmark script"):
         bench.run_scripts(folder, tmp_path, scripts=["x.py"])
+
+
+def test_bench_cuda_parts_need_no_benchmarks_folder(tmp_path, monkeypatch):
+    """Without ``--benchmarks`` the CUDA parts run from the package (an installed wheel has no
+    benchmarks/ folder); a part whose check fails is reported failed, one that raises too."""
+    from sparseflow import bench
+
+    assert bench.find_benchmarks() is None
+    calls = []
+
+    def fake_part(name, out_json, **kw):
+        calls.append(name)
+        if name == "pisa.py":
+            raise RuntimeError("no kernel")
+        result = {"ok": False, "check": [], "op_timing": []}
+        Path(out_json).write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(bench, "run_part", fake_part)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rows = {r["script"]: r for r in bench.run_scripts(None, tmp_path / "out")}
+    assert calls == ["pbs.py", "pisa.py"]
+    assert rows["pbs.py"]["status"] == "failed" and rows["pbs.py"]["returncode"] == 1
+    assert Path(rows["pbs.py"]["json"]).is_file()
+    assert rows["pisa.py"]["status"] == "failed" and "RuntimeError: no kernel" in rows["pisa.py"]["output_tail"]
+
+
+def test_bench_part_runs_from_the_package_alone(tmp_path):
+    """A CUDA part's checks and op timings, shrunk to the CPU reference backend."""
+    from sparseflow import bench
+
+    out = tmp_path / "pbs.json"
+    result = bench.run_part("pbs.py", out, device="cpu", backend="reference", reps=1, max_n=96)
+    assert result["ok"] and json.loads(out.read_text())["part"] == "pbs.py"
+    assert [(r["method"], r["n"], r["status"]) for r in result["check"]] == [("pbs", 96, "ok")] * 2
+    assert [(r["method"], r["hq"], r["n"]) for r in result["op_timing"]] == [("pbs", 32, 96)]
+    assert "check pbs" in bench._part_text(result) and "op/SDPA" in bench._part_text(result)
+    with pytest.raises(ValueError, match="unknown bench part 'x.py'"):
+        bench.run_part("x.py", out)
 
 
 def test_cli_bench_tiny(tmp_path, capsys):
@@ -235,10 +284,10 @@ def test_bench_small_arguments_parse_with_the_real_scripts(name):
     argument parser runs; measuring needs CUDA and is stopped right after parsing)."""
     import subprocess
 
-    from sparseflow.bench import SCRIPTS, find_benchmarks
+    from sparseflow.bench import SCRIPTS
 
-    folder = find_benchmarks()
-    if folder is None or not (folder / name).is_file():
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if not (folder / name).is_file():
         pytest.skip(f"benchmarks/{name} is not in this checkout")
     args = [a.replace("{json}", "out.json") for a in SCRIPTS[name]]
     code = (

@@ -10,7 +10,7 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   below no permutation. At 8K the paper's permutation in every layer *hurts* this model (0.98: KL
   0.115 vs 0.018 without permutation). The damage comes from a few layers: permuting layer 7 alone
   (at 4K) raises KL 2.5x, most others lower it a little. A per-layer choice by the model's own KL
-  (``smollm2_study.py --parts calib_kl``: each layer permuted alone against the no-permutation
+  (``benchmarks/studies/smollm2_study.py --parts calib_kl``: each layer permuted alone against the no-permutation
   curve, 4K tokens) permutes 22 of 29 layers.
 * Block scoring: with exact block masses (an oracle) the permutation pays on prose (density 0.338,
   KL 0.0102 against about 0.022 unpermuted at that density), so what failed was the estimate.
@@ -32,7 +32,7 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
 from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
 
-# layers that permute: chosen one at a time by the model's KL (benchmarks/smollm2_study.py --parts
+# layers that permute: chosen one at a time by the model's KL (benchmarks/studies/smollm2_study.py --parts
 # calib_kl, 4096 tokens of pydoc_data.topics, threshold 0.95; benchmarks/results/smollm2_study_calib_kl_4k_cpu.json)
 PERMUTED_LAYERS = (1, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 

@@ -1,6 +1,6 @@
-"""Curves and a table from benchmarks/smollm2_study.py's JSON (issue 8).
+"""Curves and a table from benchmarks/studies/smollm2_study.py's JSON (issue 8).
 
-    python benchmarks/smollm2_study_plots.py benchmarks/results/smollm2_study_pbs_8k_h200.json \\
+    python benchmarks/studies/smollm2_study_plots.py benchmarks/results/smollm2_study_pbs_8k_h200.json \\
         benchmarks/results/smollm2_study_calib_8k_h200.json benchmarks/results/smollm2_study_pbs_2k4k_h200.json \\
         --out benchmarks/results
 
@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
 
 def kl_at(points, density, floor=1e-12):

@@ -1,7 +1,7 @@
 """Continued pretraining, dense vs PISA vs BSA at equal K and C (issue 4, SPEC §4): loss curves.
 
-    python benchmarks/pisa_train.py --model smollm2 --tokens 4096 --steps 200      # the GPU run
-    python benchmarks/pisa_train.py --model tiny --tokens 512 --steps 30           # CPU smoke scale
+    python benchmarks/studies/pisa_train.py --model smollm2 --tokens 4096 --steps 200      # the GPU run
+    python benchmarks/studies/pisa_train.py --model tiny --tokens 512 --steps 30           # CPU smoke scale
 
 Each method starts from the same weights and trains on the same consecutive windows of
 ``pydoc_data.topics`` (next-token loss, AdamW); every ``--eval-every`` steps the loss on a
@@ -22,7 +22,7 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
 import sparseflow  # noqa: E402
 from sparseflow.checkpoints import real_text  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--inner-backend", default="aot_eager",
                     help="torch.compile backend around the rewritten model (default aot_eager: no Inductor compile time)")
-    ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_train.json"))
+    ap.add_argument("--json", default=os.path.join(HERE, "..", "results", "pisa_train.json"))
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
     if args.tokens <= args.block * args.top_k:

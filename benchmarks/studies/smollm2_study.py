@@ -2,8 +2,8 @@
 flat scan -- every measurement in one script, so a GPU runs the whole study in minutes (the CPU
 takes ~5 minutes per 8K point).
 
-    python benchmarks/smollm2_study.py --parts pbs --lengths 8192 --out results/   # GPU
-    python benchmarks/smollm2_study.py --parts pbs --lengths 1024 --variants paper,no_permute \\
+    python benchmarks/studies/smollm2_study.py --parts pbs --lengths 8192 --out results/   # GPU
+    python benchmarks/studies/smollm2_study.py --parts pbs --lengths 1024 --variants paper,no_permute \\
         --thresholds 0.9 --texts pydoc_topics --device cpu --out /tmp/s                 # CPU smoke
 
 Parts (each writes ``smollm2_study_<part>.json`` into ``--out`` after every point, so a run that
@@ -40,7 +40,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the repository root
 
 from sparseflow import PBSConfig  # noqa: E402
 from smollm2_study_plots import kl_at  # noqa: E402  (the log-linear equal-density interpolation)
@@ -329,10 +329,10 @@ RUNNERS = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe
 def _recipe_set(text: str) -> dict:
     """``"field=value,..."`` -> PBSConfig changes, each value typed like the field (the parser of
     ``sparseflow eval --sweep``)."""
-    from sparseflow.sweep import _typed
+    from sparseflow.sweep import parse_config_field
 
     try:
-        return {key: _typed("pbs", key, value) for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)}
+        return {key: parse_config_field("pbs", key, value) for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)}
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -1,0 +1,214 @@
+"""Helpers the benchmark scripts share: the environment record, the synthetic inputs, dense SDPA
+baselines, PBS kernel inputs, and the timing loops.
+
+Scripts in this folder import it as ``common`` (their own folder is on ``sys.path`` when run as
+``python benchmarks/<script>.py``); scripts under ``benchmarks/studies/`` put this folder on the
+path first. Nothing here is part of the installed package.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+# the repository root, so ``import sparseflow`` finds the source checkout next to this folder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# the synthetic long-context inputs live in the package: ``sparseflow bench`` uses them too
+from sparseflow.bench import structured_qkv  # noqa: E402
+
+__all__ = [
+    "env_info", "structured_qkv", "qkv", "sdpa_dense", "causal_flops", "exact_selection", "random_selection",
+    "pbs_kernel_inputs", "pbs_kernel_call", "bench", "median_ms_per_call", "mean_s_back_to_back",
+    "mean_ms_cuda_events",
+]
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def env_info() -> Dict[str, object]:
+    """GPU, library versions and the UTC date of a CUDA run (the ``env`` of every result JSON)."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def qkv(b, hq, hkv, n, d, dtype, seed=0, structured=False, device="cuda"):
+    """Seeded Q/K/V: random normal, or :func:`structured_qkv`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if not structured:
+        q = torch.randn(b, hq, n, d, device=device, dtype=dtype, generator=g)
+        k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
+        v = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
+        return q, k, v
+    return structured_qkv(b, hq, hkv, n, d, dtype, g)
+
+
+# --------------------------------------------------------------------------- dense baselines
+
+
+def sdpa_dense(q, k, v, backend):
+    """Causal SDPA pinned to ``backend`` ("cudnn" or "flash"): (a runner, "gqa" or "repeated-kv")."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    g = q.shape[1] // k.shape[1]
+    try:
+
+        def run():
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        run()
+        return run, "gqa"
+    except Exception:  # backend without native GQA: give it repeated K/V (costs it nothing at compute-bound)
+        kr, vr = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+        def run():
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+        run()
+        return run, "repeated-kv"
+
+
+def causal_flops(b, hq, n, d):
+    return 4.0 * b * hq * n * n * d / 2.0
+
+
+# --------------------------------------------------------------------------- PBS selections and kernel inputs
+
+
+def exact_selection(b, hq, hp, n, bs, seg, seed=0, device="cuda"):
+    """Exact-mode (100% density) selection with a random in-segment permutation."""
+    from sparseflow.kernels.pbs import reference as R
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(b, hp, n, device=device, generator=g)
+    perm = R.segment_permutation(scores, segment_size=seg)
+    nb = -(-n // bs)
+    region = R.block_regions(None, b, n, block_size=bs, segment_size=seg, device=device)  # [B, nB]
+    bm = (region[:, None, :] <= region[:, :, None])[:, None].expand(b, hq, nb, nb).contiguous()
+    return perm, bm
+
+
+def random_selection(perm, hq, n, bs, seg, density, seed=0):
+    """Forced blocks (own region, sink) plus a random fraction of the candidates."""
+    from sparseflow.kernels.pbs import reference as R
+
+    cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
+    forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
+    g = torch.Generator(device=perm.device).manual_seed(seed)
+    keep = torch.rand(cand.shape, device=perm.device, generator=g) < density
+    return (cand & keep) | forced
+
+
+def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, density=1.0):
+    """Everything the PBS attention kernel takes, for a random selection of ``density``."""
+    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.kernels.pbs import triton_attention as TA
+    from sparseflow.kernels.pbs import triton_impl as TI
+
+    hp = hq if gqa == "query_head" else hkv
+    q, k, v = qkv(b, hq, hkv, n, d, dtype, seed=n)
+    perm, bm = exact_selection(b, hq, hp, n, bs, seg)
+    if density < 1.0:
+        bm = random_selection(perm, hq, n, bs, seg, density)
+    kpos = TA.key_positions(perm)
+    kv_num, kv_full, kv_idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg,
+                                                       is_causal=True)
+    if layout == "gather":
+        kk, vv = k, v
+    else:
+        kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
+    dens = R.selection_density(bm, perm, block_size=bs).mean().item()
+    return dict(q=q, k=k, v=v, kk=kk, vv=vv, perm=perm, bm=bm, kpos=kpos, kv_num=kv_num, kv_full=kv_full,
+                kv_idx=kv_idx, density=dens, gather=layout == "gather")
+
+
+def pbs_kernel_call(inp, bs=128, tma=True):
+    """A no-argument call of the PBS attention kernel on :func:`pbs_kernel_inputs`' inputs."""
+    from sparseflow.kernels.pbs import triton_attention as TA
+
+    return lambda: TA.pbs_block_sparse_attention(
+        inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],
+        block_size=bs, is_causal=True, gather=inp["gather"], tma=tma)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def bench(fn, rep_ms=200, warmup_ms=100) -> float:
+    """Median ms of ``fn`` by ``triton.testing.do_bench`` (kernel-level timings)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def median_ms_per_call(call: Callable[[], object], reps: int, cuda: bool) -> Dict[str, float]:
+    """Each of ``reps`` calls timed alone (CUDA events on ``cuda``, else wall clock): median and
+    min ms. Warm-up is the caller's."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t) * 1e3)
+    return {"ms": statistics.median(times), "ms_min": min(times)}
+
+
+def mean_s_back_to_back(fn: Callable[[], object], reps: int, warmup: int, sync: Callable[[], object],
+                        before_start: Optional[Callable[[], object]] = None) -> float:
+    """Mean wall seconds per call of ``reps`` calls back to back, synchronising once at the end
+    (what a layer loop sees when the device keeps up with the host). ``before_start`` runs after
+    the warm-up's sync, just before the clock starts (e.g. a barrier of all ranks)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    if before_start is not None:
+        before_start()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def mean_ms_cuda_events(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Mean GPU ms per call of ``reps`` calls back to back, between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
