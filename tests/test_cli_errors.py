@@ -195,28 +195,28 @@ def test_main_shows_user_errors_as_one_line_and_bugs_with_traceback(monkeypatch,
     def user_error(args):
         raise FileNotFoundError("recipe file '/x/y.json' does not exist")
 
-    monkeypatch.setattr(cli, "_recipes", user_error)
+    monkeypatch.setattr(cli.recipes, "run", user_error)
     assert main(["recipes"]) == 2
     _one_line_error(capsys, "recipes", "/x/y.json")
 
     def usage(args):
         raise cli.UsageError("--foo must be positive")
 
-    monkeypatch.setattr(cli, "_recipes", usage)
+    monkeypatch.setattr(cli.recipes, "run", usage)
     assert main(["recipes"]) == 2
     _one_line_error(capsys, "recipes", "--foo must be positive")
 
     def bug(args):
         return {}["missing"]
 
-    monkeypatch.setattr(cli, "_recipes", bug)
+    monkeypatch.setattr(cli.recipes, "run", bug)
     with pytest.raises(KeyError):
         main(["recipes"])
 
 
 def test_sigterm_handler_is_restored(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "_recipes", lambda args: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
+    monkeypatch.setattr(cli.recipes, "run", lambda args: seen.append(signal.getsignal(signal.SIGTERM)) or 0)
     before = signal.getsignal(signal.SIGTERM)
     assert main(["recipes"]) == 0
     assert seen[0] is not before and signal.getsignal(signal.SIGTERM) is before
@@ -226,7 +226,7 @@ def test_json_write_interrupted_leaves_no_partial_file(tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.json, "dump", interrupted)
+    monkeypatch.setattr(cli.common.json, "dump", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cli._write_json_atomic(str(tmp_path / "r.json"), {"a": 1})
     assert list(tmp_path.iterdir()) == []
