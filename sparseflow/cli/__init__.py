@@ -13,7 +13,7 @@
 * ``sparseflow export-onnx MODEL --method ... [--recipe NAME_OR_FILE] --out FILE`` (:mod:`.export_onnx`): ONNX
   file with one ``sparseflow``-domain node per attention layer (see :mod:`sparseflow.onnx_export`);
 * ``sparseflow bench`` (:mod:`.bench`): each method's op vs dense SDPA on this device at a small size, plus (on
-  CUDA) the repository's ``benchmarks/*.py`` scripts (see :mod:`sparseflow.bench`);
+  CUDA) the package's PBS and PISA checks and op timings (see :mod:`sparseflow.bench`);
 * ``sparseflow calibrate MODEL --method ... --kl-budget B --out recipe.json`` (:mod:`.calibrate`): a per-layer
   plan measured within a KL budget, written as a recipe file (see :mod:`sparseflow.calibrate`);
 * ``sparseflow recipes`` (:mod:`.recipes`): list the shipped recipes.

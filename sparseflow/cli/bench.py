@@ -1,5 +1,5 @@
 """``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on CUDA) the
-repository's ``benchmarks/*.py`` scripts (the logic is :mod:`sparseflow.bench`)."""
+package's PBS and PISA parts: correctness checks and op timings (the logic is :mod:`sparseflow.bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from .common import _backends, _check_out_dir, _check_out_file, _count, _error, 
 
 def add_parser(sub) -> None:
     be = sub.add_parser("bench", help="small benchmark on this device: each method's op vs dense SDPA, and "
-                                      "(on CUDA) the repository's benchmarks/*.py scripts at a small size")
+                                      "(on CUDA) PBS/PISA checks and op timings at a small size")
     be.add_argument("--ns", type=_ints, help="sequence lengths (default 1024,2048 on CPU; 8192,16384 on CUDA)")
     be.add_argument("--hq", type=_count, default=8, help="query heads (default 8)")
     be.add_argument("--hkv", type=_count, default=2, help="KV heads (default 2)")
@@ -19,10 +19,10 @@ def add_parser(sub) -> None:
     be.add_argument("--methods", type=_sparse_methods, default=["pbs", "pisa", "bsa"], help="comma list (default all)")
     be.add_argument("--backends", type=_backends, help="comma list (default reference on CPU, auto on CUDA)")
     be.add_argument("--reps", type=_count, default=3, help="timed repetitions per point (median; default 3)")
-    be.add_argument("--benchmarks", help="the benchmarks folder (default: the source checkout's)")
-    be.add_argument("--no-scripts", action="store_true", help="only the op timing")
-    be.add_argument("--out", help="folder for the scripts' JSON (default: a new temporary folder)")
-    be.add_argument("--json", help="write the op timings and script statuses to this JSON file")
+    be.add_argument("--benchmarks", help="run the scripts of this benchmarks folder instead of the package's parts")
+    be.add_argument("--no-scripts", action="store_true", help="only the op timing (no CUDA parts)")
+    be.add_argument("--out", help="folder for the parts' JSON (default: a new temporary folder)")
+    be.add_argument("--json", help="write the op timings and part statuses to this JSON file")
     be.set_defaults(func=run)
 
 
