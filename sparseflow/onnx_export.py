@@ -397,16 +397,15 @@ MaskAnalysisSummary = Tuple[bool, bool, str]
 
 def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
     """Run the rewritten program once on the example inputs and analyse the mask every op call
-    receives: ``{tag: (supported, is_causal, reason)}``. (The op implementations look ``_run`` up
-    at call time; for this one run it is replaced by the analysis plus dense attention, so the
-    model runs at SDPA speed.)"""
+    receives: ``{tag: (supported, is_causal, reason)}``. The op calls are intercepted (context
+    local, see :func:`sparseflow.ops.intercepting`) and answered with dense attention: the masks
+    never depend on attention outputs, so the model runs at SDPA speed."""
     from . import ops as _ops
 
     found: Dict[str, MaskAnalysisSummary] = {}
-    real_run = _ops._run
 
-    def spy(method, a, **kw):
-        q, k, _, mask, is_causal = a[:5]
+    def analyse_call(method, a):
+        q, k, v, mask, is_causal, scale = a[:6]
         res = analyse_mask(mask, bool(is_causal), q.shape[0], q.shape[2], k.shape[2])
         tag = a[-1]
         cur = (res.supported, res.is_causal, res.reason)
@@ -414,16 +413,12 @@ def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
         if prev is not None and prev != cur:
             cur = (False, False, f"calls tagged {tag!r} disagree about their mask")
         found[tag] = cur
-        # the masks never depend on attention outputs: dense attention is enough (and fast)
-        out = torch.empty(q.shape[:-1] + (a[2].shape[-1],), dtype=q.dtype, device=q.device)
-        return out.zero_() if not res.supported else _ops._sdpa(q, k, a[2], mask, is_causal, a[5]).contiguous()
+        if not res.supported:  # SDPA may refuse such a mask; any output of the right shape will do
+            return torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+        return _ops._sdpa(q, k, v, mask, is_causal, scale).contiguous()
 
-    _ops._run = spy
-    try:
-        with torch.no_grad():
-            ep.module()(*args, **(kwargs or {}))
-    finally:
-        _ops._run = real_run
+    with torch.no_grad(), _ops.intercepting(analyse_call):
+        ep.module()(*args, **(kwargs or {}))
     return found
 
 
@@ -541,11 +536,33 @@ def export_onnx(
     Raises :class:`OnnxExportError` (a ``ValueError``) for anything the ONNX bodies cannot
     reproduce exactly, naming the layer and the setting, before any file is written.
     """
-    import onnx
-
     from .api import _make_options
-    from .passes.sdpa_rewrite import rewrite_graph
 
+    model = _checked_export_arguments(model, example_inputs, example_kwargs, path)
+    options = _make_options(method, config, "auto", filter_fn, skip_layers, layer_configs)
+    kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None and dynamic_seq:
+        dynamic_shapes = _dynamic_shapes(model, example_inputs, kwargs)
+
+    t0 = time.perf_counter()
+    ep, nodes = _rewritten_program(model, example_inputs, kwargs, dynamic_shapes, options)
+    default_scales = {n.args[-1]: _checked_call_scale(n) for n in nodes}
+    analysis = _analyse_masks(ep, example_inputs, kwargs)
+    plans = {n.args[-1]: _call_plan(n, analysis) for n in nodes}
+    methods_used = {_method_of(n.target) for n in nodes}
+    proto = _onnx_model(ep, plans, default_scales, methods_used, optimize)
+    _add_sparseflow_metadata(proto, options.config, time.perf_counter() - t0)
+    if check:
+        import onnx
+
+        onnx.checker.check_model(proto)
+    if path is not None:
+        _save_atomically(proto, path)
+    return (proto, ep) if return_program else proto
+
+
+def _checked_export_arguments(model, example_inputs, example_kwargs, path) -> nn.Module:
+    """Type checks of ``export_onnx``'s arguments; the model to export (a compiled model's original)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -556,81 +573,87 @@ def export_onnx(
         raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str, a path or None, got {type(path).__name__}")
-    options = _make_options(method, config, "auto", filter_fn, skip_layers, layer_configs)
-    kwargs = dict(example_kwargs or {})
-    if dynamic_shapes is None and dynamic_seq:
-        dynamic_shapes = _dynamic_shapes(model, example_inputs, kwargs)
+    return model
 
-    t0 = time.perf_counter()
+
+def _rewritten_program(model, example_inputs, kwargs, dynamic_shapes, options):
+    """``torch.export`` the model and rewrite its SDPA calls: ``(program, sparseflow op nodes)``;
+    refuses a model in which no call was rewritten, with the rewrite's reasons."""
+    from .passes.sdpa_rewrite import rewrite_graph
+
     ep = torch.export.export(model, example_inputs, kwargs, dynamic_shapes=dynamic_shapes)
     # no run_decompositions({}) here: the rewrite works on the training IR and the ONNX exporter
     # decomposes the program itself (one decomposition instead of two: half the export time)
     entries = rewrite_graph(ep.graph_module, options, graph_kind="export")
     ep.graph_module.recompile()
-
     nodes = _sparseflow_nodes(ep.graph_module)
     if not nodes:
         raise OnnxExportError(
             "export_onnx: no attention call was rewritten"
             + ("" if not entries else ": " + "; ".join(f"{e.tag or '<root>'}: {e.reason}" for e in entries))
         )
-    # 1. config and shape checks, per call
-    default_scales: Dict[str, float] = {}
-    methods_used = set()
-    for n in nodes:
-        m = _method_of(n.target)
-        methods_used.add(m)
-        cfg = _cfg_of(m, n.args)
-        tag = n.args[-1]
-        q_val, k_val = n.args[0].meta["val"], n.args[1].meta["val"]
-        n_q, n_k = q_val.shape[2], k_val.shape[2]
-        if str(n_q) != str(n_k):
-            raise OnnxExportError(
-                f"export_onnx: attention at {tag or '<root>'} has Nq={n_q} != Nk={n_k}; the ONNX nodes "
-                "cover prefill/self-attention (Nq == Nk) only"
-            )
-        reason = _refusal(m, cfg, n_k, tag)
-        if reason:
-            raise OnnxExportError("export_onnx: " + reason)
-        v_val = n.args[2].meta["val"]
-        if m != "dense" and str(v_val.shape[-1]) != str(q_val.shape[-1]):
-            # the op runs dense attention then (sparseflow.ops._run); the sparse body would not
-            raise OnnxExportError(
-                f"export_onnx: attention at {tag or '<root>'} has value head dim {v_val.shape[-1]} != query "
-                f"head dim {q_val.shape[-1]}, where the {m} op runs dense; export it with method='dense'"
-            )
-        d = _static_int(q_val.shape[-1])
-        if d is None:
-            raise OnnxExportError(f"export_onnx: head dim of {tag or '<root>'} is not static")
-        default_scales[tag] = 1.0 / math.sqrt(d)
-    # 2. masks: what the op will see, checked on the example values
-    analysis = _analyse_masks(ep, example_inputs, kwargs)
-    plans: Dict[str, _CallPlan] = {}
-    for n in nodes:
-        tag = n.args[-1]
-        mask = n.args[3]
-        m = _method_of(n.target)
-        if mask is None:
-            plans[tag] = _CallPlan(tag, m, bool(n.args[4]), 0)
-            continue
-        mval = mask.meta["val"]
-        supported, is_causal, why = analysis.get(tag, (False, False, "not reached on the example inputs"))
-        if not supported:
-            raise OnnxExportError(
-                f"export_onnx: attention at {tag or '<root>'} gets an attn_mask the sparseflow ONNX nodes "
-                f"cannot take ({why}); only causal / key-padding masks are exported"
-            )
-        if mval.dtype != torch.bool:
-            raise OnnxExportError(
-                f"export_onnx: attention at {tag or '<root>'} gets a {mval.dtype} attn_mask; only boolean "
-                "masks are exported"
-            )
-        # the analysis read the mask with SDPA's broadcasting and folded the call's is_causal in
-        plans[tag] = _CallPlan(tag, m, is_causal, mval.dim())
+    return ep, nodes
 
-    register_schemas()
+
+def _checked_call_scale(n: torch.fx.Node) -> float:
+    """Refuse an op call whose shapes or config the ONNX bodies cannot reproduce; else the
+    softmax scale SDPA would use for it (1/sqrt(head dim)), for calls that leave it unset."""
+    m = _method_of(n.target)
+    tag = n.args[-1]
+    q_val, k_val, v_val = (a.meta["val"] for a in n.args[:3])
+    n_q, n_k = q_val.shape[2], k_val.shape[2]
+    if str(n_q) != str(n_k):
+        raise OnnxExportError(
+            f"export_onnx: attention at {tag or '<root>'} has Nq={n_q} != Nk={n_k}; the ONNX nodes "
+            "cover prefill/self-attention (Nq == Nk) only"
+        )
+    reason = _refusal(m, _cfg_of(m, n.args), n_k, tag)
+    if reason:
+        raise OnnxExportError("export_onnx: " + reason)
+    if m != "dense" and str(v_val.shape[-1]) != str(q_val.shape[-1]):
+        # the op runs dense attention then (sparseflow.ops._run); the sparse body would not
+        raise OnnxExportError(
+            f"export_onnx: attention at {tag or '<root>'} has value head dim {v_val.shape[-1]} != query "
+            f"head dim {q_val.shape[-1]}, where the {m} op runs dense; export it with method='dense'"
+        )
+    d = _static_int(q_val.shape[-1])
+    if d is None:
+        raise OnnxExportError(f"export_onnx: head dim of {tag or '<root>'} is not static")
+    return 1.0 / math.sqrt(d)
+
+
+def _call_plan(n: torch.fx.Node, analysis: Dict[str, MaskAnalysisSummary]) -> _CallPlan:
+    """How the node of one op call is written: its causality and mask rank, refusing a mask
+    that the example run did not show to be causal and/or key padding, or that is not boolean."""
+    tag = n.args[-1]
+    mask = n.args[3]
+    m = _method_of(n.target)
+    if mask is None:
+        return _CallPlan(tag, m, bool(n.args[4]), 0)
+    mval = mask.meta["val"]
+    supported, is_causal, why = analysis.get(tag, (False, False, "not reached on the example inputs"))
+    if not supported:
+        raise OnnxExportError(
+            f"export_onnx: attention at {tag or '<root>'} gets an attn_mask the sparseflow ONNX nodes "
+            f"cannot take ({why}); only causal / key-padding masks are exported"
+        )
+    if mval.dtype != torch.bool:
+        raise OnnxExportError(
+            f"export_onnx: attention at {tag or '<root>'} gets a {mval.dtype} attn_mask; only boolean "
+            "masks are exported"
+        )
+    # the analysis read the mask with SDPA's broadcasting and folded the call's is_causal in
+    return _CallPlan(tag, m, is_causal, mval.dim())
+
+
+def _onnx_model(ep, plans: Dict[str, _CallPlan], default_scales: Dict[str, float], methods_used, optimize: bool):
+    """The ONNX model of the rewritten program: one ``sparseflow`` node per op call, the
+    function bodies of the node types used, and both opsets declared."""
+    import onnx
+
     from .ops import op_for
 
+    register_schemas()
     table = {op_for(m): _make_translation(m, plans, default_scales) for m in methods_used}
     onnx_program = torch.onnx.export(
         ep,
@@ -652,18 +675,23 @@ def export_onnx(
         proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     if not any(o.domain == "" for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid("", OPSET))
-    proto.metadata_props.add(key="sparseflow_method", value=options.config.method)
-    proto.metadata_props.add(key="sparseflow_config", value=options.config.to_json())
-    proto.metadata_props.add(key="sparseflow_export_seconds", value=f"{time.perf_counter() - t0:.2f}")
-    if check:
-        onnx.checker.check_model(proto)
-    if path is not None:
-        # write next to the target and rename: an interrupted save never leaves a partial model
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        try:
-            onnx.save_model(proto, tmp)
-            os.replace(tmp, os.fspath(path))
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    return (proto, ep) if return_program else proto
+    return proto
+
+
+def _add_sparseflow_metadata(proto, config: AttentionConfig, seconds: float) -> None:
+    proto.metadata_props.add(key="sparseflow_method", value=config.method)
+    proto.metadata_props.add(key="sparseflow_config", value=config.to_json())
+    proto.metadata_props.add(key="sparseflow_export_seconds", value=f"{seconds:.2f}")
+
+
+def _save_atomically(proto, path) -> None:
+    """Write next to the target and rename: an interrupted save never leaves a partial model."""
+    import onnx
+
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    try:
+        onnx.save_model(proto, tmp)
+        os.replace(tmp, os.fspath(path))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

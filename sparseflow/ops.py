@@ -16,6 +16,7 @@ take a config object instead of loose arguments.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -25,7 +26,7 @@ import inspect
 import itertools
 import math
 import os
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -433,11 +434,34 @@ def _dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causa
     return out
 
 
+# An analysis that needs the arguments of every op call but not the sparse result (the ONNX
+# export reads the mask each call receives) answers the calls itself inside ``intercepting``.
+# A ContextVar, not a swapped module attribute: other threads and contexts keep running the ops.
+OpInterceptor = Callable[[str, Tuple], torch.Tensor]
+
+_INTERCEPTOR: contextvars.ContextVar[Optional[OpInterceptor]] = contextvars.ContextVar(
+    "sparseflow_interceptor", default=None)
+
+
+@contextlib.contextmanager
+def intercepting(fn: OpInterceptor) -> Iterator[None]:
+    """Within the block, every sparseflow op call in this context returns ``fn(method, args)``
+    (``args`` as the op received them, the tag last) instead of running its implementation."""
+    token = _INTERCEPTOR.set(fn)
+    try:
+        yield
+    finally:
+        _INTERCEPTOR.reset(token)
+
+
 def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False, twice: bool = False) -> torch.Tensor:
     """The real implementation behind every op: analyse, fall back or dispatch, record.
     ``for_grad``: the backward's recomputation (same choice as the forward, through a
     differentiable backend); ``twice``: through the reference, whose plain torch ops autograd
     differentiates twice (double backward; the kernels' backward passes are not differentiable)."""
+    interceptor = _INTERCEPTOR.get()
+    if interceptor is not None:
+        return interceptor(method, args)
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
     plan = _prepared_plan(method, args) or _checked_plan(method, args)

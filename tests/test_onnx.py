@@ -280,6 +280,39 @@ def test_pbs_proxy_blocks_above_one_is_refused_at_export_time(tmp_path):
     assert path.exists()
 
 
+def test_mask_analysis_intercepts_only_its_own_context(monkeypatch):
+    """The export's mask analysis answers the op calls of its own run only: an op called from
+    another thread meanwhile runs its real implementation (and is recorded by capture())."""
+    import threading
+
+    import sparseflow.onnx_export as onnx_export
+
+    recorded = []
+
+    def op_call_in_another_thread():
+        q = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))
+        cfg = sparseflow.PBSConfig(block_size=16, segment_size=32, min_seq_len=0)
+        with sparseflow.capture() as cap:
+            sparseflow.attention(q, q, q, config=cfg, backend="reference")
+        recorded.append([(c.method, c.sparse) for c in cap.calls])
+
+    real_analyse = onnx_export.analyse_mask
+    started = []
+
+    def analyse_and_call_elsewhere(*a, **kw):
+        if not started:
+            started.append(True)
+            t = threading.Thread(target=op_call_in_another_thread)
+            t.start()
+            t.join(timeout=60)
+        return real_analyse(*a, **kw)
+
+    monkeypatch.setattr(onnx_export, "analyse_mask", analyse_and_call_elsewhere)
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(0))
+    export_onnx(_OddAttention("causal").eval(), (x,), None, method="dense", check=False)
+    assert recorded == [[("pbs", True)]]
+
+
 def test_bad_arguments_fail_clearly(llama):
     with pytest.raises(TypeError, match="example_inputs must be a tuple"):
         export_onnx(llama, _ids(64), None, method="dense")
