@@ -529,73 +529,122 @@ def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteEntry, options: RewriteOptions, graph_kind: str) -> None:
-    try:
-        b = _bind(spec.schema, node.args, node.kwargs)
-    except TypeError as e:
-        entry.reason = f"cannot read arguments: {e}"
+    """Rewrite one SDPA node into the op of its layer's config, or leave it and say why in ``entry``."""
+    call = _read_sdpa_call(node, spec, entry)
+    if call is None:
         return
-    q, k, v = b.get("query"), b.get("key"), b.get("value")
-    qf, kf, vf = fake_of(q), fake_of(k), fake_of(v)
-    entry.q_shape, entry.k_shape, entry.v_shape = _shape(qf), _shape(kf), _shape(vf)
-    mask = b.get(spec.mask_arg) if spec.mask_arg else None
-    is_causal = b.get("is_causal", False)
-    entry.is_causal = is_causal if isinstance(is_causal, bool) else None
-    dropout = _const_float(b.get("dropout_p", 0.0))
-    scale = b.get("scale")
-    enable_gqa = b.get("enable_gqa", False)
-
     cfg, why = options.resolve(entry.tag, entry.layer)
     if cfg is None:
         entry.reason = why
         return
-    # ---- checks on values known at rewrite time
+    entry.reason = _constant_args_reason(node, spec, call) or _tensor_args_reason(call, entry)
+    if entry.reason:
+        return
+    proven = _proven_mask(call.mask, call.qf, call.kf) if call.mask is not None else None
+    heads = _kv_heads(call, entry)
+    if heads is None:
+        return
+    _replace_with_op(graph, node, spec, cfg, call, heads, proven, entry, options, graph_kind)
+    entry.rewritten, entry.reason = True, ""
+    entry.method, entry.config = cfg.method, cfg.to_dict()
+
+
+@dataclass
+class _SdpaCall:
+    """The arguments of one SDPA node, bound to its schema (``qf, kf, vf``: their fake tensors)."""
+    bound: Dict[str, Any]
+    q: Any
+    k: Any
+    v: Any
+    qf: Any
+    kf: Any
+    vf: Any
+    mask: Any
+    is_causal: Any
+    dropout: Optional[float]
+    scale: Any
+    enable_gqa: Any
+
+
+@dataclass
+class _KVHeads:
+    """The K/V the op receives: the node's, or the un-repeated bases of a folded ``repeat_kv``."""
+    k: Any
+    v: Any
+    folded_k: Any = None  # the repeat chains found on K and V (erased once the op replaced the node)
+    folded_v: Any = None
+
+
+def _read_sdpa_call(node: fx.Node, spec: _Target, entry: RewriteEntry) -> Optional[_SdpaCall]:
+    """Bind the node's arguments and note its shapes and causality in ``entry`` (None: unreadable)."""
+    try:
+        b = _bind(spec.schema, node.args, node.kwargs)
+    except TypeError as e:
+        entry.reason = f"cannot read arguments: {e}"
+        return None
+    q, k, v = b.get("query"), b.get("key"), b.get("value")
+    call = _SdpaCall(
+        bound=b, q=q, k=k, v=v, qf=fake_of(q), kf=fake_of(k), vf=fake_of(v),
+        mask=b.get(spec.mask_arg) if spec.mask_arg else None,
+        is_causal=b.get("is_causal", False),
+        dropout=_const_float(b.get("dropout_p", 0.0)),
+        scale=b.get("scale"),
+        enable_gqa=b.get("enable_gqa", False),
+    )
+    entry.q_shape, entry.k_shape, entry.v_shape = _shape(call.qf), _shape(call.kf), _shape(call.vf)
+    entry.is_causal = call.is_causal if isinstance(call.is_causal, bool) else None
+    return call
+
+
+def _constant_args_reason(node: fx.Node, spec: _Target, call: _SdpaCall) -> str:
+    """Why the non-tensor arguments (and the used outputs) rule the op out ("" if they do not):
+    the op has no dropout, no logsumexp output, and needs constant flags and scale."""
     if spec.returns_tuple:
         users = list(node.users)
         if not users:
-            entry.reason = "output unused"
-            return
+            return "output unused"
         bad = [u for u in users if not (u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0)]
         if bad:
-            entry.reason = f"{spec.name} outputs other than output[0] are used (by {bad[0].name}: backward or logsumexp)"
-            return
+            return f"{spec.name} outputs other than output[0] are used (by {bad[0].name}: backward or logsumexp)"
+    b = call.bound
     if b.get("dropout_mask") is not None:
-        entry.reason = "dropout_mask given"
-        return
-    if dropout is None:
-        entry.reason = f"dropout_p is not a constant ({b.get('dropout_p')!r})"
-        return
-    if dropout != 0.0:
-        entry.reason = f"dropout_p={dropout} (training-time attention dropout; the ops have none)"
-        return
-    if not isinstance(is_causal, bool):
-        entry.reason = f"is_causal is not a constant bool ({is_causal!r})"
-        return
-    if scale is not None and _const_float(scale) is None:
-        entry.reason = f"scale is not a constant ({scale!r})"
-        return
-    if not isinstance(enable_gqa, bool):
-        entry.reason = f"enable_gqa is not a constant bool ({enable_gqa!r})"
-        return
-    reason = _check_qkv(qf, kf, vf)
+        return "dropout_mask given"
+    if call.dropout is None:
+        return f"dropout_p is not a constant ({b.get('dropout_p')!r})"
+    if call.dropout != 0.0:
+        return f"dropout_p={call.dropout} (training-time attention dropout; the ops have none)"
+    if not isinstance(call.is_causal, bool):
+        return f"is_causal is not a constant bool ({call.is_causal!r})"
+    if call.scale is not None and _const_float(call.scale) is None:
+        return f"scale is not a constant ({call.scale!r})"
+    if not isinstance(call.enable_gqa, bool):
+        return f"enable_gqa is not a constant bool ({call.enable_gqa!r})"
+    return ""
+
+
+def _tensor_args_reason(call: _SdpaCall, entry: RewriteEntry) -> str:
+    """Why the q/k/v fakes or the mask rule the op out ("" if they do not); notes the mask in ``entry``."""
+    reason = _check_qkv(call.qf, call.kf, call.vf)
     if reason:
-        entry.reason = reason
-        return
-    mask_desc, reason = _describe_mask(fake_of(mask), mask is not None)
+        return reason
+    mask_desc, reason = _describe_mask(fake_of(call.mask), call.mask is not None)
     entry.mask = mask_desc
     if reason:
-        entry.reason = reason
-        return
-    if mask is not None and is_causal:
-        entry.reason = "attn_mask together with is_causal=True"
-        return
-    proven = _proven_mask(mask, qf, kf) if mask is not None else None
-    # ---- heads: native GQA, fold a repeat, or broadcast
-    hq, hkv = qf.shape[1], kf.shape[1]
+        return reason
+    if call.mask is not None and call.is_causal:
+        return "attn_mask together with is_causal=True"
+    return ""
+
+
+def _kv_heads(call: _SdpaCall, entry: RewriteEntry) -> Optional[_KVHeads]:
+    """How the query heads map onto K/V heads -- native GQA, a folded repeat, or MQA broadcast --
+    noted in ``entry``; None (with the reason) when the op cannot take the head counts."""
+    hq, hkv = call.qf.shape[1], call.kf.shape[1]
     mk = mv = None
-    if enable_gqa and not _same(hq, hkv):
+    if call.enable_gqa and not _same(hq, hkv):
         entry.gqa = "enable_gqa"
     elif _same(hq, hkv):
-        mk, mv, why = fold_kv(k, v, hq)
+        mk, mv, why = fold_kv(call.k, call.v, hq)
         if mk is not None:
             entry.gqa = f"folded repeat x{mk.n_rep}"
         elif why:
@@ -605,9 +654,9 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
         entry.gqa = "broadcast"  # SDPA broadcasts a single K/V head: MQA
     else:
         entry.reason = f"query heads ({hq}) != key/value heads ({hkv}) without enable_gqa"
-        return
-    k_in, v_in = (mk.base, mv.base) if mk is not None else (k, v)
-    kf2 = fake_of(k_in)
+        return None
+    heads = _KVHeads(mk.base, mv.base, mk, mv) if mk is not None else _KVHeads(call.k, call.v)
+    kf2 = fake_of(heads.k)
     hkv2 = kf2.shape[1]
     try:
         divisible = _same(hq % hkv2, 0)
@@ -615,18 +664,24 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
         divisible = False
     if not divisible:
         entry.reason = f"query heads ({hq}) are not a multiple of key/value heads ({hkv2})"
-        return
+        return None
     if mk is not None:
-        entry.k_shape, entry.v_shape = _shape(kf2), _shape(fake_of(v_in))
+        entry.k_shape, entry.v_shape = _shape(kf2), _shape(fake_of(heads.v))
+    return heads
 
-    # ---- rewrite
+
+def _replace_with_op(graph: fx.Graph, node: fx.Node, spec: _Target, cfg: AttentionConfig, call: _SdpaCall,
+                     heads: _KVHeads, proven, entry: RewriteEntry, options: RewriteOptions, graph_kind: str) -> None:
+    """Insert the op call in place of the SDPA node (a proven mask replaced by its key padding),
+    give it the node's meta and fake output, and erase what the node alone used."""
     op = op_for(cfg.method)
+    mask, is_causal, scale = call.mask, call.is_causal, call.scale
     old_mask = None
     if proven is not None:
         old_mask, (mask, is_causal) = mask, _padding_mask_node(graph, node, proven)
         entry.mask = _describe_proof(proven)
     op_call_args = (
-        q, k_in, v_in, mask, is_causal, None if scale is None else float(scale),
+        call.q, heads.k, heads.v, mask, is_causal, None if scale is None else float(scale),
         *op_args(cfg, options.tuning), options.backend, entry.tag,
     )
     with graph.inserting_before(node):
@@ -648,13 +703,11 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
-    for m in (mk, mv):
+    for m in (heads.folded_k, heads.folded_v):
         if m is not None:
             erase_dead_chain(graph, m)
     if old_mask is not None:
         _erase_if_dead(graph, old_mask)
-    entry.rewritten, entry.reason = True, ""
-    entry.method, entry.config = cfg.method, cfg.to_dict()
 
 
 def _rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) -> None:
