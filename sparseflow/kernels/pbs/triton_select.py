@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -245,8 +245,6 @@ def select_block_lists(
     ``antidiagonal_stride``): the block probabilities come from triton_estimate's one-pass
     strided estimate over the permuted keys (``layout.k`` or ``k_perm``), the estimate buffer
     bounded by ``max_logit_bytes`` the same way; the threshold rule is the same."""
-    from .triton_impl import pool_query_blocks
-
     bsz, hq, n, d = q.shape
     hp = permutation.shape[1]
     dev = q.device
@@ -254,6 +252,39 @@ def select_block_lists(
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
     kpm = key_padding_mask.to(torch.bool) if has_pad else None
+    exact, strided = _selection_kind(threshold, cut, scoring, block_size, antidiagonal_stride)
+    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
+    kbar, kcnt, sink = _key_block_stats(layout, k_perm, permutation, kpm, force_sink,
+                                        not exact and not strided, nb, block_size)
+    kv_num = torch.empty(bsz, hq, nb, dtype=torch.int32, device=dev)
+    kv_full = torch.empty_like(kv_num)
+    kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
+    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if return_block_mask else None
+    block_b = pow2_at_least(nb, 16)
+    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
+                WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
+    meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
+    launch = _RowLaunch(
+        head_args=(lens if lens is not None else kv_num, kcnt, sink,
+                   kv_num, kv_full, kv_idx, bmask.view(torch.int8) if return_block_mask else kv_num),
+        shape_args=(hq, nb, hq // hp, hp, n),
+        seg_args=(sc, float(threshold), block_size, segment_size,
+                  mask_segment if mask_segment is not None else segment_size),
+        no_est=(kv_num, kv_num, kv_num),  # LBM, LSE, QV: unused unless STRIDED
+        meta=meta, bsz=bsz, unused=kv_num)
+    if exact:
+        launch.run(kv_num, launch.no_est, 0, hq, 0)
+    elif strided:
+        _select_strided(launch, q, k_perm, permutation, layout, kpm, lens, is_causal, scale, block_size,
+                        segment_size, scoring, antidiagonal_stride, max_logit_bytes)
+    else:
+        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes)
+    return kv_num, kv_full, kv_idx, bmask
+
+
+def _selection_kind(threshold, cut: str, scoring: str, block_size: int, antidiagonal_stride: int) -> Tuple[bool, bool]:
+    """``(exact, strided)``: threshold >= 1 keeps every visible block (no scores needed); strided
+    block probabilities come from triton_estimate, the others from pooled block logits."""
     exact = float(threshold) >= 1.0
     if cut not in ("bisect", "sort"):
         raise ValueError(f"cut must be 'bisect' or 'sort', got {cut!r}")
@@ -262,8 +293,15 @@ def select_block_lists(
     strided = scoring != "mean" and not exact
     if strided:
         _est._check(scoring, block_size, antidiagonal_stride)
-    need_kbar = not exact and not strided
-    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
+    return exact, strided
+
+
+def _key_block_stats(layout, k_perm, permutation, kpm, force_sink: bool, need_kbar: bool, nb: int, block_size: int):
+    """``(kbar, kcount, sink)`` of the permuted key blocks: pooled keys (when ``need_kbar``),
+    valid-key counts ``[B, Hp, nB]`` int32 and the sink's block ``[B, Hp]`` int32 (-1: none).
+    Taken from ``layout`` when it has them (the permuting launch made them), else computed in torch."""
+    bsz, hp, n = permutation.shape
+    dev = permutation.device
     if layout is not None and layout.kcount is not None and (not need_kbar or layout.kbar is not None) \
             and (layout.sink is not None or not force_sink):
         kbar, kcnt = layout.kbar, layout.kcount
@@ -281,54 +319,64 @@ def select_block_lists(
             sink = torch.where(first[:, None] >= 0, slot // block_size, torch.full_like(slot, -1))
     if sink is None:
         sink = torch.full((bsz, hp), -1, device=dev, dtype=torch.int32)
-    sink = sink.to(torch.int32).contiguous()
-    kcnt = kcnt.contiguous()
-    kv_num = torch.empty(bsz, hq, nb, dtype=torch.int32, device=dev)
-    kv_full = torch.empty_like(kv_num)
-    kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
-    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if return_block_mask else None
-    block_b = pow2_at_least(nb, 16)
-    g = hq // hp
-    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
-                WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
-    common = (kv_num, kv_full, kv_idx, bmask.view(torch.int8) if return_block_mask else kv_num)
-    seg_args = (sc, float(threshold), block_size, segment_size,
-                mask_segment if mask_segment is not None else segment_size)
-    lens_arg = lens if lens is not None else kv_num
-    meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
-    no_est = (kv_num, kv_num, kv_num)  # LBM, LSE, QV: unused unless STRIDED
-    if exact:
-        _select_rows_kernel[(nb, bsz * hq)](kv_num, lens_arg, kcnt, sink, *common, *no_est, hq, 0, hq, nb, g, hp,
-                                            n, 0, *seg_args, **meta)
-    elif strided:
-        k_src = layout.k if layout is not None and layout.k is not None else k_perm
-        if k_src is None:
-            raise ValueError(f"scoring={scoring!r} needs the permuted keys: pass k_perm or a layout with k")
-        kpos = layout.kpos if layout is not None else None
-        kpos, _, qvalid = _est.padding_inputs(kpm, permutation, block_size, kpos=kpos)
-        meta.update(_est.prob_meta(scoring, block_size, antidiagonal_stride, block_b))
-        nrows = nb * meta["RPB"]
-        hc = max(1, min(hq, max_logit_bytes // max(bsz * nrows * (nb + 1) * 4, 1)))
-        for h0 in range(0, hq, hc):
-            hcc = min(hc, hq - h0)
-            lbm, lse = _est.strided_estimate(q, k_src, kpos, lens, qvalid, scoring=scoring,
-                                             stride=antidiagonal_stride, hp=hp, h0=h0, hc=hcc, is_causal=is_causal,
-                                             scale=scale, block_size=block_size, segment_size=segment_size)
-            est = (lbm, lse, qvalid if qvalid is not None else lse)
-            _select_rows_kernel[(nb, bsz * hcc)](kv_num, lens_arg, kcnt, sink, *common, *est, hq, h0, hcc, nb, g,
-                                                 hp, n, nrows, *seg_args, **meta)
-    else:
-        qbar = pool_query_blocks(q, kpm, block_size).contiguous()
-        kbar = kbar.contiguous()
-        per_p = bsz * g * nb * nb * 4
-        pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
-        for p0 in range(0, hp, pc):
-            p1 = min(hp, p0 + pc)
-            logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
-            hc = (p1 - p0) * g
-            _select_rows_kernel[(nb, bsz * hc)](logits, lens_arg, kcnt, sink, *common, *no_est, hq, p0 * g, hc, nb,
-                                                g, hp, n, 0, *seg_args, **meta)
-    return kv_num, kv_full, kv_idx, bmask
+    return kbar, kcnt.contiguous(), sink.to(torch.int32).contiguous()
+
+
+class _RowLaunch(NamedTuple):
+    """The arguments every ``_select_rows_kernel`` launch of one call shares; ``run`` launches it
+    for ``hc`` heads from ``h0`` with the block scores ``scores`` (logits, or unused)."""
+    head_args: Tuple  # LENS, KCOUNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK
+    shape_args: Tuple  # Hq, nB, G, Hp, N
+    seg_args: Tuple  # scale, threshold, block size, segment size, mask segment
+    no_est: Tuple
+    meta: dict
+    bsz: int
+    unused: torch.Tensor  # a placeholder for pointer arguments a launch does not read
+
+    def run(self, scores, est: Tuple, h0: int, hc: int, nrows: int) -> None:
+        hq, nb, g, hp, n = self.shape_args
+        lens, kcnt, sink = self.head_args[:3]
+        _select_rows_kernel[(nb, self.bsz * hc)](scores, lens, kcnt, sink, *self.head_args[3:], *est, hq, h0, hc,
+                                                 nb, g, hp, n, nrows, *self.seg_args, **self.meta)
+
+
+def _select_strided(launch: _RowLaunch, q, k_perm, permutation, layout, kpm, lens, is_causal, scale, block_size,
+                    segment_size, scoring, antidiagonal_stride, max_logit_bytes) -> None:
+    """Selection from triton_estimate's strided block probabilities, in head chunks whose
+    estimate buffers fit ``max_logit_bytes``."""
+    hq, nb, _, hp, _ = launch.shape_args
+    bsz = launch.bsz
+    k_src = layout.k if layout is not None and layout.k is not None else k_perm
+    if k_src is None:
+        raise ValueError(f"scoring={scoring!r} needs the permuted keys: pass k_perm or a layout with k")
+    kpos = layout.kpos if layout is not None else None
+    kpos, _, qvalid = _est.padding_inputs(kpm, permutation, block_size, kpos=kpos)
+    launch.meta.update(_est.prob_meta(scoring, block_size, antidiagonal_stride, launch.meta["BLOCK_B"]))
+    nrows = nb * launch.meta["RPB"]
+    hc = max(1, min(hq, max_logit_bytes // max(bsz * nrows * (nb + 1) * 4, 1)))
+    for h0 in range(0, hq, hc):
+        hcc = min(hc, hq - h0)
+        lbm, lse = _est.strided_estimate(q, k_src, kpos, lens, qvalid, scoring=scoring,
+                                         stride=antidiagonal_stride, hp=hp, h0=h0, hc=hcc, is_causal=is_causal,
+                                         scale=scale, block_size=block_size, segment_size=segment_size)
+        est = (lbm, lse, qvalid if qvalid is not None else lse)
+        launch.run(launch.unused, est, h0, hcc, nrows)
+
+
+def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes) -> None:
+    """Selection from the logits of pooled query blocks against pooled key blocks, in chunks of
+    permutation heads whose logits fit ``max_logit_bytes``."""
+    from .triton_impl import pool_query_blocks
+
+    _, nb, g, hp, _ = launch.shape_args
+    qbar = pool_query_blocks(q, kpm, block_size).contiguous()
+    kbar = kbar.contiguous()
+    per_p = launch.bsz * g * nb * nb * 4
+    pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
+    for p0 in range(0, hp, pc):
+        p1 = min(hp, p0 + pc)
+        logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
+        launch.run(logits, launch.no_est, p0 * g, (p1 - p0) * g, 0)
 
 
 # --------------------------------------------------------------------------- 1. proxy key scores
