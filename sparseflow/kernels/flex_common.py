@@ -414,11 +414,9 @@ def token_block_attention(
     with gradients, of 128 (the largest tile of flex's default backward configs, which must
     divide the sparse block sizes). Where :func:`flex_plan` still finds no valid kernel the
     reference (``token_blocks.attend_selected_blocks``, same result) runs, logged."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     check_flex_inputs(q, k, v)
     bsz, hq, n_q, d = q.shape
-    _, hkv, n_k, _ = k.shape
+    hkv = k.shape[1]
     g = hq // hkv
     c = int(block_size)
     qt = c if q_tile is None else int(q_tile)
@@ -436,52 +434,10 @@ def token_block_attention(
 
         return attend_selected_blocks(q, k, v, block_indices, key_padding_mask=key_padding_mask,
                                       is_causal=is_causal, scale=scale, block_size=c)
-    m = kt // c  # leaf blocks per key tile
-    offset = n_k - n_q
     with torch.no_grad():
-        nq_pad = bucketed_length(n_q, qt)
-        nk_pad = bucketed_length(n_k, kt)
-        nkb = nk_pad // c
-        nkt = nk_pad // kt
-        nqt = nq_pad // qt
-        idx = pad_seq(block_indices.to(device=dev, dtype=torch.long), nq_pad, dim=2, value=-1)
-        packed = bsz * hkv * nq_pad * nkb > SELECTION_TABLE_BUDGET
-        if packed:
-            table = _selection_bits(idx, -(-nkb // 32))  # [B, Hkv, Nq_pad, W] int32
-        else:
-            table = _selection_table(idx, nkb)  # [B, Hkv, Nq_pad, nKB] bool
-        counts = _tile_counts(idx, nkb, qt).view(bsz, hkv, nqt, nkt, m)  # rows selecting each leaf
-        # real query rows per tile
-        rows = (n_q - torch.arange(nqt, device=dev) * qt).clamp(0, qt).to(torch.int32)  # [nQT]
-        # key tiles that hold only valid keys
-        key_ok = torch.arange(nk_pad, device=dev) < n_k
-        kpm_ext = None
-        if key_padding_mask is not None or (not is_causal and nk_pad > n_k):
-            # key validity table: padding and (non-causal) the slots past Nk. Causal needs no
-            # table for those slots: only padded query rows (sliced off) can reach them.
-            kpm = key_padding_mask if key_padding_mask is not None else torch.ones(bsz, n_k, dtype=torch.bool, device=dev)
-            kpm_ext = pad_seq(kpm.to(device=dev, dtype=torch.bool), nk_pad, dim=1, value=False)
-            key_ok = key_ok[None, :] & kpm_ext  # [B, Nk_pad]
-        else:
-            key_ok = key_ok[None, :].expand(bsz, nk_pad)
-        tile_all_valid = key_ok.reshape(bsz, nkt, kt).all(-1)  # [B, nKT]
-        r = rows[None, None, :, None]
-        full = ((counts == r[..., None]).all(-1)) & (r > 0) & tile_all_valid[:, None, None, :]
-        if is_causal:
-            last_key = torch.arange(nkt, device=dev) * kt + kt - 1  # [nKT]
-            first_q = torch.arange(nqt, device=dev) * qt + offset  # [nQT] horizon of the tile's first row
-            full = full & (last_key[None, :] <= first_q[:, None])[None, None]
-        partial = (counts > 0).any(-1) & ~full
-        kv_num, kv_idx = block_lists(partial)
-        full_num, full_idx = block_lists(full)
-        head_map = torch.arange(hq, device=dev) // g
-        kv_num, kv_idx, full_num, full_idx = (t[:, head_map].contiguous() for t in (kv_num, kv_idx, full_num, full_idx))
-
-        mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
-        bm = BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qt, kt), mask_mod=mask_mod,
-            seq_lengths=(nq_pad, nk_pad), compute_q_blocks=grad,
-        )
+        bm = _token_block_mask(block_indices, key_padding_mask, q.shape, k.shape, block_size=c, q_tile=qt,
+                               kv_tile=kt, is_causal=is_causal, grad=grad, device=dev)
+    nq_pad, nk_pad = bm.seq_lengths
     qp = pad_seq(q, nq_pad).contiguous()
     kp = pad_seq(k, nk_pad).contiguous()
     vp = pad_seq(v, nk_pad).contiguous()
@@ -490,6 +446,77 @@ def token_block_attention(
         kernel_options=plan.kernel_options,
     )
     return out[:, :, :n_q].to(q.dtype)
+
+
+def _token_block_mask(block_indices, key_padding_mask, q_shape, k_shape, *, block_size: int, q_tile: int,
+                      kv_tile: int, is_causal: bool, grad: bool, device):
+    """The BlockMask of token_block_attention over the padded lengths (``seq_lengths``): per
+    ``(q_tile, kv_tile)`` tile, full where no mask_mod is needed, partial where any row selected
+    a leaf block of it; the mask_mod reads the selection table (or its bitset)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bsz, hq, n_q, _ = q_shape
+    hkv, n_k = k_shape[1], k_shape[2]
+    g, c, qt, kt = hq // hkv, block_size, q_tile, kv_tile
+    offset = n_k - n_q
+    nq_pad = bucketed_length(n_q, qt)
+    nk_pad = bucketed_length(n_k, kt)
+    nkb = nk_pad // c
+    idx = pad_seq(block_indices.to(device=device, dtype=torch.long), nq_pad, dim=2, value=-1)
+    packed = bsz * hkv * nq_pad * nkb > SELECTION_TABLE_BUDGET
+    if packed:
+        table = _selection_bits(idx, -(-nkb // 32))  # [B, Hkv, Nq_pad, W] int32
+    else:
+        table = _selection_table(idx, nkb)  # [B, Hkv, Nq_pad, nKB] bool
+    key_ok, kpm_ext = _key_validity(key_padding_mask, bsz, n_k, nk_pad, is_causal, device)
+    full, partial = _full_and_partial_tiles(idx, key_ok, n_q, offset, c, qt, kt, is_causal)
+    kv_num, kv_idx = block_lists(partial)
+    full_num, full_idx = block_lists(full)
+    head_map = torch.arange(hq, device=device) // g
+    kv_num, kv_idx, full_num, full_idx = (t[:, head_map].contiguous() for t in (kv_num, kv_idx, full_num, full_idx))
+    mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qt, kt), mask_mod=mask_mod,
+        seq_lengths=(nq_pad, nk_pad), compute_q_blocks=grad,
+    )
+
+
+def _key_validity(key_padding_mask, bsz: int, n_k: int, nk_pad: int, is_causal: bool, device):
+    """``(key_ok [B, Nk_pad], kpm_ext)``: which padded key slots hold a valid key, and the key
+    validity table the mask_mod reads (None where it needs none)."""
+    key_ok = torch.arange(nk_pad, device=device) < n_k
+    kpm_ext = None
+    if key_padding_mask is not None or (not is_causal and nk_pad > n_k):
+        # key validity table: padding and (non-causal) the slots past Nk. Causal needs no
+        # table for those slots: only padded query rows (sliced off) can reach them.
+        kpm = key_padding_mask if key_padding_mask is not None else torch.ones(bsz, n_k, dtype=torch.bool, device=device)
+        kpm_ext = pad_seq(kpm.to(device=device, dtype=torch.bool), nk_pad, dim=1, value=False)
+        key_ok = key_ok[None, :] & kpm_ext  # [B, Nk_pad]
+    else:
+        key_ok = key_ok[None, :].expand(bsz, nk_pad)
+    return key_ok, kpm_ext
+
+
+def _full_and_partial_tiles(idx, key_ok, n_q: int, offset: int, c: int, qt: int, kt: int, is_causal: bool):
+    """``(full, partial)`` ``[B, Hkv, nQT, nKT]`` bool: a key tile is full for a query tile when
+    every real row selected all its leaf blocks, all its keys are valid and (causal) visible to
+    the tile's first row; partial when some row selected some leaf of it and it is not full."""
+    bsz, hkv, nq_pad, _ = idx.shape
+    nk_pad = key_ok.shape[1]
+    dev = idx.device
+    nkt, nqt = nk_pad // kt, nq_pad // qt
+    counts = _tile_counts(idx, nk_pad // c, qt).view(bsz, hkv, nqt, nkt, kt // c)  # rows selecting each leaf
+    # real query rows per tile
+    rows = (n_q - torch.arange(nqt, device=dev) * qt).clamp(0, qt).to(torch.int32)  # [nQT]
+    tile_all_valid = key_ok.reshape(bsz, nkt, kt).all(-1)  # [B, nKT]
+    r = rows[None, None, :, None]
+    full = ((counts == r[..., None]).all(-1)) & (r > 0) & tile_all_valid[:, None, None, :]
+    if is_causal:
+        last_key = torch.arange(nkt, device=dev) * kt + kt - 1  # [nKT]
+        first_q = torch.arange(nqt, device=dev) * qt + offset  # [nQT] horizon of the tile's first row
+        full = full & (last_key[None, :] <= first_q[:, None])[None, None]
+    partial = (counts > 0).any(-1) & ~full
+    return full, partial
 
 
 def _token_mask_mod(table, kpm_ext, *, g: int, c: int, offset: int, is_causal: bool, packed: bool):
