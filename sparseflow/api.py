@@ -615,6 +615,25 @@ def compile(
     gets a warning. Each rewritten entry of the report shows the calls whose op fell back to dense
     at run time, with the reasons.
     """
+    _check_compilable(model)
+    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
+                                                 layer_configs)
+    options = dataclasses.replace(options, tuning=check_tuning(tuning),
+                                  context_parallel=_check_model_context_parallel(context_parallel))
+    _check_layers(model, options)
+    _check_compile_flags(inner_backend, dynamic, fullgraph)
+    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
+                        recipe=recipe_label)
+    _install_compiled_call(model, _Backend(options, inner_backend, rep), rep, dynamic, fullgraph)
+    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph,
+                                         recipe=recipe_label))
+    setattr(model, _REPORT_ATTR, rep)
+    return model
+
+
+def _check_compilable(model) -> None:
+    """Refuse what ``compile`` cannot take: a non-module, a torch.compile wrapper, a model already
+    compiled or transformed (its settings would be silently replaced)."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise TypeError(
             "model is a torch.compile wrapper (OptimizedModule); pass the original module "
@@ -628,11 +647,9 @@ def compile(
             "model already has torch.compile applied (Module.compile); sparseflow.compile would replace "
             "those settings. Pass a model that has not been compiled."
         )
-    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
-                                                 layer_configs)
-    options = dataclasses.replace(options, tuning=check_tuning(tuning),
-                                  context_parallel=_check_model_context_parallel(context_parallel))
-    _check_layers(model, options)
+
+
+def _check_compile_flags(inner_backend, dynamic, fullgraph) -> None:
     if not isinstance(inner_backend, str) or inner_backend not in INNER_BACKENDS:
         raise ValueError(f"inner_backend must be one of {list(INNER_BACKENDS)}, got {inner_backend!r}")
     if dynamic is not None and not isinstance(dynamic, bool):
@@ -640,11 +657,11 @@ def compile(
     if not isinstance(fullgraph, bool):
         raise TypeError(f"fullgraph must be a bool, got {fullgraph!r}")
 
-    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
-                        recipe=recipe_label)
-    be = _Backend(options, inner_backend, rep)
-    # What Module.compile(backend=be, dynamic=..., fullgraph=...) does, with a per-model
-    # trampoline in place of self._call_impl (see _trampoline for why).
+
+def _install_compiled_call(model: nn.Module, be: "_Backend", rep: RewriteReport, dynamic, fullgraph) -> None:
+    """Set ``model._compiled_call_impl`` to the rewriting compilation, run with the model's own
+    decode state and the report's run-time tally (what Module.compile(backend=be, dynamic=...,
+    fullgraph=...) does, with a per-model trampoline in place of self._call_impl: see _trampoline)."""
     compiled = torch.compile(_trampoline(model), backend=be, dynamic=dynamic, fullgraph=fullgraph)
     state = decode_state.DecodeState()
 
@@ -658,10 +675,6 @@ def compile(
 
     model._compiled_call_impl = sparseflow_forward
     setattr(model, DECODE_STATE_ATTR, state)
-    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph,
-                                         recipe=recipe_label))
-    setattr(model, _REPORT_ATTR, rep)
-    return model
 
 
 # --------------------------------------------------------------------------- export
