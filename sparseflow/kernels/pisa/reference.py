@@ -40,7 +40,7 @@ forced), so selection is exactly causal.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -202,19 +202,50 @@ def _select(
     if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
         return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
                 torch.zeros(b, n_q, dtype=torch.long, device=dev))
-    sc = tb.default_scale(q, scale)
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
-    qg = tb.group_queries(q, hkv).to(cdt)
     kf = k.to(cdt)
-    g = branching
-
-    pyramid = build_pyramid(kf, block_size=block_size, branching=g, key_padding_mask=kpm)
-    kblocks = tb.key_blocks(kf, block_size)  # [B, Hkv, nB, C, D]
+    pyramid = build_pyramid(kf, block_size=block_size, branching=branching, key_padding_mask=kpm)
     first_valid = tb.leaf_first_valid(kpm, b, n_k, block_size, dev)
-    fvl = _level_first_valid(first_valid, len(pyramid), g, n_k)
-    positions = tb.query_positions(n_q, n_k, dev)
     horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
+    walk = _Walk(
+        qg=tb.group_queries(q, hkv).to(cdt), kblocks=tb.key_blocks(kf, block_size),  # [B, Hkv, nB, C, D]
+        n_k=n_k, pyramid=pyramid, fvl=_level_first_valid(first_valid, len(pyramid), branching, n_k),
+        horizons=horizons, kpm=kpm, sc=tb.default_scale(q, scale), block_size=block_size, g=branching,
+        score=score, cdt=cdt, top_k=top_k, beam=beam,
+        anc_leaf=_ancestor_leaves(first_valid, horizons, n_k, block_size, force_sink, force_previous),
+    )
+    n_visible = tb.count_visible_blocks(first_valid, horizons)
+    kept, ok = _walk_levels(walk)
+    result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
+    return result, n_visible
+
+
+class _Walk(NamedTuple):
+    """What every level of one call's pyramid walk reads."""
+    qg: torch.Tensor  # grouped queries, compute dtype
+    kblocks: torch.Tensor  # [B, Hkv, nB, C, D]
+    n_k: int
+    pyramid: List[torch.Tensor]
+    fvl: List[torch.Tensor]  # first valid key under each node, per level
+    horizons: torch.Tensor  # [Nq] the last key each query may see
+    kpm: Optional[torch.Tensor]
+    sc: float
+    block_size: int
+    g: int  # branching
+    score: str
+    cdt: torch.dtype
+    top_k: int
+    beam: int
+    anc_leaf: torch.Tensor  # [B, Nq, 4] forced leaves and the current leaf (-1: none)
+
+
+def _ancestor_leaves(first_valid, horizons, n_k: int, block_size: int, force_sink: bool,
+                     force_previous: bool) -> torch.Tensor:
+    """``[B, Nq, 4]``: the forced leaf blocks of each query (``[B, Nq, 3]``) and the leaf holding
+    its position regardless of visibility; a node is forced when it is an ancestor of one."""
+    b, n_q = first_valid.shape[0], horizons.shape[0]
+    positions = tb.query_positions(n_q, n_k, horizons.device)
     forced_leaf = tb.forced_leaf_blocks(
         positions, horizons, first_valid, block_size=block_size,
         force_sink=force_sink, force_previous=force_previous,
@@ -224,45 +255,55 @@ def _select(
         torch.div(positions, block_size, rounding_mode="floor"),
         torch.full_like(positions, -1),
     )  # [Nq], the leaf holding p_i regardless of visibility
-    n_visible = tb.count_visible_blocks(first_valid, horizons)
+    return torch.cat([forced_leaf, current.view(1, n_q, 1).expand(b, n_q, 1)], dim=-1)
 
-    # The walk runs level by level over all queries at once (the bookkeeping is [B, Hkv, Nq, g*K]);
-    # only the scoring, which gathers summaries or raw keys, is chunked over queries.
-    top = len(pyramid) - 1
-    anc_leaf = torch.cat([forced_leaf, current.view(1, n_q, 1).expand(b, n_q, 1)], dim=-1)  # [B, Nq, 4]
-    hz = horizons.view(1, 1, n_q, 1)
+
+def _walk_levels(w: _Walk) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(kept, ok)`` ``[B, Hkv, Nq, top_k]``: the leaf blocks the walk from the root keeps.
+    The walk runs level by level over all queries at once (the bookkeeping is
+    ``[B, Hkv, Nq, g*K]``); only the scoring, which gathers summaries or raw keys, is chunked
+    over queries."""
+    b, hkv, n_q = w.kblocks.shape[0], w.kblocks.shape[1], w.horizons.shape[0]
+    dev, g = w.kblocks.device, w.g
+    top = len(w.pyramid) - 1
+    hz = w.horizons.view(1, 1, n_q, 1)
     # root: a single node, kept if it holds a visible key
     kept = torch.zeros(b, hkv, n_q, 1, dtype=torch.long, device=dev)
-    ok = (fvl[top][:, :1] <= horizons.view(1, n_q)).view(b, 1, n_q, 1).expand(b, hkv, n_q, 1)
+    ok = (w.fvl[top][:, :1] <= w.horizons.view(1, n_q)).view(b, 1, n_q, 1).expand(b, hkv, n_q, 1)
     for level in range(top - 1, -1, -1):
-        n_l = fvl[level].shape[-1]
+        n_l = w.fvl[level].shape[-1]
         cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B, Hkv, Nq, w*g]
         valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
         cand = torch.where(valid, cand, torch.zeros_like(cand))
-        valid = valid & (_gather_batch(fvl[level], cand) <= hz)  # holds a visible key
+        valid = valid & (_gather_batch(w.fvl[level], cand) <= hz)  # holds a visible key
         span = g ** level  # leaves under one node of this level
-        anc = torch.where(anc_leaf >= 0, torch.div(anc_leaf, span, rounding_mode="floor"), anc_leaf)
+        anc = torch.where(w.anc_leaf >= 0, torch.div(w.anc_leaf, span, rounding_mode="floor"), w.anc_leaf)
         forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
-        width = top_k if level == 0 else beam * top_k  # nodes kept at this level
+        width = w.top_k if level == 0 else w.beam * w.top_k  # nodes kept at this level
         need = (valid.sum(-1) > width).any(1).any(0)  # [Nq]: some row must be scored
-        scores = None
-        if bool(need.any()):
-            m = cand.shape[-1]
-            per_row = b * hkv * m * (block_size if level == 0 and score != "mean" else g) * max(d, qg.shape[2])
-            step = tb.chunk_rows(n_q, per_row)
-            scores = torch.zeros(cand.shape, dtype=cdt, device=dev)
-            for s in range(0, n_q, step):
-                e = min(n_q, s + step)
-                if not bool(need[s:e].any()):
-                    continue
-                scores[:, :, s:e] = _scores(
-                    level, cand[:, :, s:e], qg[:, :, :, s:e], kblocks, n_k, pyramid, fvl,
-                    horizons[s:e], kpm, scale=sc, block_size=block_size, branching=g, score=score,
-                )
+        scores = _level_scores(w, level, cand, need) if bool(need.any()) else None
         kept, ok = tb.select_top_k(cand, valid, forced, scores, width)
         kept = torch.where(ok, kept, torch.zeros_like(kept))
-    result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
-    return result, n_visible
+    return kept, ok
+
+
+def _level_scores(w: _Walk, level: int, cand: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """Scores of the candidates ``cand`` of one level, computed in query chunks bounded by
+    ``tb.chunk_rows`` and only for the chunks where ``need`` says some row must be scored."""
+    b, hkv, n_q, m = cand.shape
+    d = w.qg.shape[-1]
+    per_row = b * hkv * m * (w.block_size if level == 0 and w.score != "mean" else w.g) * max(d, w.qg.shape[2])
+    step = tb.chunk_rows(n_q, per_row)
+    scores = torch.zeros(cand.shape, dtype=w.cdt, device=cand.device)
+    for s in range(0, n_q, step):
+        e = min(n_q, s + step)
+        if not bool(need[s:e].any()):
+            continue
+        scores[:, :, s:e] = _scores(
+            level, cand[:, :, s:e], w.qg[:, :, :, s:e], w.kblocks, w.n_k, w.pyramid, w.fvl,
+            w.horizons[s:e], w.kpm, scale=w.sc, block_size=w.block_size, branching=w.g, score=w.score,
+        )
+    return scores
 
 
 def pisa_select(
