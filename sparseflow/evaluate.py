@@ -209,9 +209,6 @@ def evaluate_plans(
     ``cache_dir`` when given, see :func:`dense_logits`). ``map_at=(layer, head)`` also records
     that head's selected-block map (:func:`sparseflow.diagnostics.block_map`). ``on_result`` is
     called with each result as soon as it exists (long sweeps write their JSON as they go)."""
-    from .diagnostics import block_map
-    from .hf import apply_plan
-
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
     n = input_ids.shape[1]
@@ -224,7 +221,6 @@ def evaluate_plans(
         if not (0 <= int(layer) < n_layers) or not (0 <= int(head) < n_heads):
             raise ValueError(f"map_at must be (layer in [0, {n_layers - 1}], head in [0, {n_heads - 1}]), got {map_at}")
     model.set_attn_implementation("sdpa")
-    targets = input_ids[0, n - eval_positions :]
     if dense is None:
         dense = dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir)
     elif tuple(dense.shape[:1]) != (eval_positions,):
@@ -232,52 +228,68 @@ def evaluate_plans(
     results: List[PlanResult] = []
     try:
         for plan in plans:
-            apply_plan(model, plan)
-            start = time.perf_counter()
-            with capture(keep_selections=map_at is not None) as cap:
-                logits = _logits(model, input_ids, eval_positions)
-            seconds = time.perf_counter() - start
-            model.set_attn_implementation("sdpa")
-            per_layer: List[Optional[List[float]]] = [None] * n_layers
-            head_map = None
-            for c in cap.calls:
-                layer = _layer_of(c.tag)
-                if layer is None or layer >= n_layers:
-                    continue
-                if map_at is not None and layer == int(map_at[0]) and c.selection is not None:
-                    head_map = block_map(c.selection, int(map_at[1]))
-                if c.selection is not None:
-                    row = c.selection.density.float().mean(0).tolist()
-                else:  # dense call: every visible block
-                    row = [1.0] * (c.q_shape[1] if len(c.q_shape) > 1 else n_heads)
-                per_layer[layer] = [float(x) for x in row]
-            sparse = [c for c in cap.calls if c.sparse]
-            results.append(
-                PlanResult(
-                    method=plan.method,
-                    config=plan.config.to_dict(),
-                    fidelity=compare_logits(dense, logits, targets),
-                    density=cap.mean_density() if cap.calls else 1.0,
-                    sparse_calls=len(sparse),
-                    dense_calls=len(cap.calls) - len(sparse),
-                    fallback_reasons=sorted({c.reason for c in cap.fallbacks() if c.reason}),
-                    rewritten=len(cap.calls),
-                    skipped=0,
-                    seconds=seconds,
-                    plan=plan.to_dict(),
-                    density_per_layer=[None if r is None else float(sum(r) / len(r)) for r in per_layer],
-                    density_per_layer_head=per_layer,
-                    tokens=n,
-                    block_map=head_map,
-                    map_at=None if map_at is None else (int(map_at[0]), int(map_at[1])),
-                )
-            )
-            del cap
+            results.append(_evaluate_plan(model, input_ids, plan, eval_positions, dense, map_at, n_layers, n_heads))
             if on_result is not None:
                 on_result(results[-1])
     finally:
         model.set_attn_implementation("sdpa")
     return results
+
+
+def _evaluate_plan(model, input_ids: torch.Tensor, plan, eval_positions: int, dense: torch.Tensor,
+                   map_at: Optional[tuple], n_layers: int, n_heads: int) -> PlanResult:
+    """Run ``model`` under one plan (leaving it on SDPA) and compare its logits with ``dense``."""
+    from .hf import apply_plan
+
+    n = input_ids.shape[1]
+    targets = input_ids[0, n - eval_positions :]
+    apply_plan(model, plan)
+    start = time.perf_counter()
+    with capture(keep_selections=map_at is not None) as cap:
+        logits = _logits(model, input_ids, eval_positions)
+    seconds = time.perf_counter() - start
+    model.set_attn_implementation("sdpa")
+    per_layer, head_map = _densities_per_layer(cap.calls, n_layers, n_heads, map_at)
+    sparse = [c for c in cap.calls if c.sparse]
+    return PlanResult(
+        method=plan.method,
+        config=plan.config.to_dict(),
+        fidelity=compare_logits(dense, logits, targets),
+        density=cap.mean_density() if cap.calls else 1.0,
+        sparse_calls=len(sparse),
+        dense_calls=len(cap.calls) - len(sparse),
+        fallback_reasons=sorted({c.reason for c in cap.fallbacks() if c.reason}),
+        rewritten=len(cap.calls),
+        skipped=0,
+        seconds=seconds,
+        plan=plan.to_dict(),
+        density_per_layer=[None if r is None else float(sum(r) / len(r)) for r in per_layer],
+        density_per_layer_head=per_layer,
+        tokens=n,
+        block_map=head_map,
+        map_at=None if map_at is None else (int(map_at[0]), int(map_at[1])),
+    )
+
+
+def _densities_per_layer(calls, n_layers: int, n_heads: int, map_at: Optional[tuple]):
+    """``(per_layer, head_map)``: each layer's density per head (None for a layer with no call;
+    1.0 per head for a dense call), and the selected-block map of ``map_at=(layer, head)``."""
+    from .diagnostics import block_map
+
+    per_layer: List[Optional[List[float]]] = [None] * n_layers
+    head_map = None
+    for c in calls:
+        layer = _layer_of(c.tag)
+        if layer is None or layer >= n_layers:
+            continue
+        if map_at is not None and layer == int(map_at[0]) and c.selection is not None:
+            head_map = block_map(c.selection, int(map_at[1]))
+        if c.selection is not None:
+            row = c.selection.density.float().mean(0).tolist()
+        else:  # dense call: every visible block
+            row = [1.0] * (c.q_shape[1] if len(c.q_shape) > 1 else n_heads)
+        per_layer[layer] = [float(x) for x in row]
+    return per_layer, head_map
 
 
 def format_density(result: PlanResult) -> str:

@@ -151,6 +151,32 @@ def test_dense_logits_cache_hits_and_keys_on_weights(tmp_path, monkeypatch):
     assert not torch.allclose(changed, first)
 
 
+def test_evaluate_plans_per_plan_results_densities_and_block_map():
+    """Each plan gives one result, reported through on_result as it comes: the dense plan is
+    exact at density 1, the sparse one drops blocks; per-layer densities cover every layer and
+    the block map of map_at comes from the sparse call; the model is left on SDPA."""
+    pytest.importorskip("transformers")
+    import conftest
+    import sparseflow.evaluate as ev
+    from sparseflow.config import DenseConfig
+    from sparseflow.hf import Plan
+
+    model = conftest.make_tiny("llama", layers=2)
+    ids = torch.randint(3, 128, (1, 160), generator=torch.Generator().manual_seed(0))
+    pbs = PBSConfig(block_size=16, segment_size=32, threshold=0.6)
+    plans = [Plan(method="pbs", config=pbs), Plan(method="dense", config=DenseConfig())]
+    seen = []
+    sparse, dense = ev.evaluate_plans(model, ids, plans, eval_positions=64, map_at=(1, 2), on_result=seen.append)
+    assert seen == [sparse, dense]
+    assert dense.density == 1.0 and dense.fidelity.top1_agreement == 1.0 and dense.block_map is None
+    assert dense.fidelity.mean_kl < 1e-6
+    assert 0.0 < sparse.density < 1.0 and sparse.sparse_calls == 2 and sparse.dense_calls == 0
+    assert len(sparse.density_per_layer) == 2 and all(0.0 < d < 1.0 for d in sparse.density_per_layer)
+    assert [len(row) for row in sparse.density_per_layer_head] == [model.config.num_attention_heads] * 2
+    assert sparse.block_map is not None and sparse.map_at == (1, 2)
+    assert model.config._attn_implementation == "sdpa"
+
+
 # --------------------------------------------------------------------------- plots
 
 
