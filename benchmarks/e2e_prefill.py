@@ -232,13 +232,13 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
     if n in args.compile_ns:
         if "compile_dense" in args.paths:
             m = copy.deepcopy(model)
-            m.compile()
+            m.compile(mode=args.compile_mode)
             emit(measure(m, ids, "compile_dense", None, dense, args))
             del m
         if "compile" in args.paths:
             for name in args.compile_settings:
                 m = copy.deepcopy(model)
-                sparseflow.compile(m, **compile_kwargs(name, args.backend))
+                sparseflow.compile(m, **compile_kwargs(name, args.backend), mode=args.compile_mode)
                 emit(measure(m, ids, "compile", name, dense, args))
                 if args.show_report:
                     print(sparseflow.report(m), flush=True)
@@ -331,6 +331,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-ns", type=_ints, default=[8192, 32768], help="lengths that also run the compile paths")
     ap.add_argument("--compile-settings", type=parse_settings, default=parse_settings("pbs,smollm2:pbs"))
     ap.add_argument("--backend", default="triton")
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
+                    help="torch.compile mode of both compile paths (reduce-overhead: CUDA graphs)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--eval-positions", type=int, default=512)

@@ -517,8 +517,10 @@ def _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip
 class _Backend:
     """The torch.compile backend: rewrite the Dynamo graph, then hand it to the inner backend."""
 
-    def __init__(self, options: RewriteOptions, inner: str, report: RewriteReport):
+    def __init__(self, options: RewriteOptions, inner: str, report: RewriteReport,
+                 inductor_options: Optional[Dict[str, Any]] = None):
         self.options, self.inner, self.report = options, inner, report
+        self.inductor_options = dict(inductor_options or {})
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         entries = rewrite_graph(gm, self.options, graph_kind="dynamo")
@@ -531,7 +533,7 @@ class _Backend:
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=self.inductor_options)
 
 
 _TRAMPOLINES = itertools.count()
@@ -573,6 +575,7 @@ def compile(
     recipe: Any = "auto",
     tuning: Optional[Tuning] = None,
     context_parallel: Any = None,
+    mode: Optional[str] = None,
 ) -> nn.Module:
     """Compile ``model`` in place with a ``torch.compile`` backend that rewrites every SDPA call
     into the ``method`` op, and return the same model.
@@ -584,7 +587,9 @@ def compile(
     ``filter_fn(tag)`` returning False, ``skip_layers`` and ``layer_configs[i] = None`` keep a call
     as SDPA; ``layer_configs[i] = cfg`` uses ``cfg`` (any method) for layer ``i`` (the first integer
     in the module path). ``inner_backend``: "inductor", "aot_eager" or "eager" compiles the
-    rewritten graph. ``dynamic`` and ``fullgraph`` go to ``torch.compile``.
+    rewritten graph. ``dynamic`` and ``fullgraph`` go to ``torch.compile``; ``mode`` is
+    ``torch.compile``'s (``"reduce-overhead"``: the compiled graph replays from CUDA graphs, which
+    the sparse ops allow: they keep their counts on the device), Inductor only.
 
     Like ``Module.compile`` this sets ``model._compiled_call_impl``; the function compiled is a
     per-model trampoline to ``model._call_impl`` (see ``_trampoline``). The model is marked with
@@ -622,10 +627,12 @@ def compile(
                                   context_parallel=_check_model_context_parallel(context_parallel))
     _check_layers(model, options)
     _check_compile_flags(inner_backend, dynamic, fullgraph)
+    inductor_options = _mode_options(mode, inner_backend, dynamic)
     rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
                         recipe=recipe_label)
-    _install_compiled_call(model, _Backend(options, inner_backend, rep), rep, dynamic, fullgraph)
-    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, dynamic=dynamic, fullgraph=fullgraph,
+    _install_compiled_call(model, _Backend(options, inner_backend, rep, inductor_options), rep, dynamic, fullgraph)
+    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, mode=mode, dynamic=dynamic,
+                                         fullgraph=fullgraph,
                                          recipe=recipe_label))
     setattr(model, _REPORT_ATTR, rep)
     return model
@@ -647,6 +654,22 @@ def _check_compilable(model) -> None:
             "model already has torch.compile applied (Module.compile); sparseflow.compile would replace "
             "those settings. Pass a model that has not been compiled."
         )
+
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _mode_options(mode: Optional[str], inner_backend: str, dynamic) -> Dict[str, Any]:
+    """Inductor's settings for a ``torch.compile`` mode (``"reduce-overhead"``: CUDA graphs)."""
+    if mode is None:
+        return {}
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be None or one of {list(MODES)}, got {mode!r}")
+    if inner_backend != "inductor":
+        raise ValueError(f"mode={mode!r} configures Inductor; it needs inner_backend='inductor', got {inner_backend!r}")
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
 
 
 def _check_compile_flags(inner_backend, dynamic, fullgraph) -> None:

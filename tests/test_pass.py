@@ -590,3 +590,31 @@ def test_config_method_pairing_accepted(plain_attention):
     for method, cfg in (("pbs", PBSConfig(block_size=16, segment_size=32)), ("bsa", BSAConfig(block_size=16))):
         model = sparseflow.compile(plain_attention(layers=1), method=method, config=cfg, inner_backend="eager")
         assert model._sparseflow_config["config"] == cfg.to_dict()
+
+
+def test_mode_reaches_inductor(plain_attention, monkeypatch):
+    # torch.compile's mode becomes Inductor's settings for the rewritten graph (CUDA graphs for
+    # "reduce-overhead"); recorded instead of compiled, so the test stays fast
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    model = plain_attention(layers=1)
+    sparseflow.compile(model, method="dense", mode="reduce-overhead")
+    with torch.no_grad():
+        model(torch.randn(1, 10, 48))
+    assert seen and seen[0].get("triton.cudagraphs") is True
+    assert sparseflow.report(model).num_rewritten == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(mode="fast"), "mode must be"),
+                                          (dict(mode="reduce-overhead", inner_backend="eager"), "inner_backend")],
+                         ids=["unknown-mode", "mode-without-inductor"])
+def test_mode_bad_values(plain_attention, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sparseflow.compile(plain_attention(layers=1), method="dense", **kwargs)
