@@ -22,6 +22,7 @@ Smoke mode on the CPU (gloo, spawns its own processes): ``python benchmarks/cont
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -169,8 +170,7 @@ def bench_sdpa(q, k, v, mesh, layout, cp, args, device):
 
 
 def _smollm2(args, device):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from e2e_prefill import random_smollm2, repeated_tokens
+    from e2e_prefill import random_smollm2, repeated_tokens  # (this folder is on sys.path, above)
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if args.model == "smollm2-random":
@@ -186,8 +186,6 @@ def _smollm2(args, device):
 
 
 def _compiled(model, method, cfg, backend, cp=None):
-    import copy
-
     m = copy.deepcopy(model)
     if method == "sdpa":  # dense: plain SDPA on one GPU, the dense op under context parallelism
         method, cfg, backend = "dense", None, "auto"
@@ -202,8 +200,7 @@ def bench_model(method, cfg, model, ids, mesh, args, device):
     pg = mesh.get_group()
     backend = args.backend or ("reference" if device.type == "cpu" else "triton")
     world, rank, n = dist.get_world_size(pg), dist.get_rank(pg), ids.shape[1]
-    lengths = cpm.split_lengths(n, world, "contiguous")
-    s, e = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    (s, e), = cpm.Layout("contiguous", cpm.split_lengths(n, world, "contiguous"), rank).chunks()
     cp = sparseflow.ContextParallel(mesh, sharding="contiguous")
     with torch.no_grad():
         if rank == 0:

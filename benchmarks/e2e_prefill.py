@@ -370,15 +370,19 @@ def main(argv=None) -> int:
     rows: List[Dict[str, object]] = []
     out = {"env": env_info(), "args": {k: v for k, v in vars(args).items() if k != "plot"}, "rows": rows}
 
-    def save(_=None):
+    def save():
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)
+
+    def keep(row):
+        rows.append(row)
+        save()
     for n in args.ns:
         for rope in ropes:
             if rope == "yarn" and n <= TRAINED_POSITIONS:
                 continue
-            run_length(model, tok, n, rope, args, on_row=lambda row: save(rows.append(row)))
+            run_length(model, tok, n, rope, args, on_row=keep)
             save()
     print_table(rows)
     if args.json:

@@ -90,13 +90,19 @@ def _recorded(fn):
     return out, cap.calls, tally
 
 
+def _record_op_entries(monkeypatch):
+    """The methods of every call that enters the op's implementation (``ops._run``), in order."""
+    entered = []
+    real_run = ops._run
+    monkeypatch.setattr(ops, "_run", lambda method, args, **kw: entered.append(method) or real_run(method, args, **kw))
+    return entered
+
+
 def test_decided_dense_is_sdpa_without_the_op_and_records_what_the_op_records(measured, monkeypatch):
     q, k, v = _qkv(300)
     op_out, op_calls, op_tally = _recorded(
         lambda: op_for("pisa")(q, k, v, None, True, None, *op_args(CFG), "auto", "layers.0"))
-    entered = []
-    real_run = ops._run
-    monkeypatch.setattr(ops, "_run", lambda method, args, **kw: entered.append(method) or real_run(method, args, **kw))
+    entered = _record_op_entries(monkeypatch)
     out, calls, tally = _recorded(lambda: sparseflow.attention(q, k, v, config=CFG, backend="auto", tag="layers.0"))
     assert entered == []  # the decided-dense call never entered the op
     assert torch.equal(out, _sdpa(q, k, v)) and torch.equal(out, op_out) and out.is_contiguous()
@@ -120,9 +126,7 @@ def test_structural_fallback_skips_the_op_and_matches_it(monkeypatch):
     cfg = PBSConfig(block_size=16, segment_size=64)
     op_out, op_calls, op_tally = _recorded(
         lambda: op_for("pbs")(q, k, v, None, True, None, *op_args(cfg), "reference", "l"))
-    entered = []
-    real_run = ops._run
-    monkeypatch.setattr(ops, "_run", lambda method, args, **kw: entered.append(method) or real_run(method, args, **kw))
+    entered = _record_op_entries(monkeypatch)
     out, calls, tally = _recorded(lambda: sparseflow.pbs_attention(q, k, v, config=cfg, backend="reference", tag="l"))
     assert entered == [] and torch.equal(out, op_out) and calls == op_calls and tally == op_tally
     assert "segment_size=64" in calls[0].reason

@@ -49,8 +49,8 @@ def _sharded(name, cp):
 
 
 def _rows(rank, world):
-    lengths = cpm.split_lengths(N, world, "contiguous")
-    return sum(lengths[:rank]), sum(lengths[:rank + 1])
+    (start, end), = cpm.Layout("contiguous", cpm.split_lengths(N, world, "contiguous"), rank).chunks()
+    return start, end
 
 
 def _backend(name):

@@ -91,30 +91,27 @@ def _rope_label(info) -> str:
 # --------------------------------------------------------------------------- argument types
 
 
+def _comma_choices(text: str, allowed, message: str) -> List[str]:
+    """The items of a comma list, each one of ``allowed``; ``message`` (formatted with the text)
+    when one is not or the list is empty."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in allowed for x in out):
+        raise argparse.ArgumentTypeError(message.format(text=repr(text)))
+    return out
+
+
 def _methods(text: str) -> List[str]:
     from ..config import METHODS
 
-    out = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in out if m not in METHODS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"--methods must be a comma list of {sorted(METHODS)}, got {text!r}")
-    return out
+    return _comma_choices(text, METHODS, f"--methods must be a comma list of {sorted(METHODS)}, got {{text}}")
 
 
 def _sparse_methods(text: str) -> List[str]:
-    out = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in out if m not in SPARSE_METHODS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"--method must be pbs, pisa, bsa or a comma list of them, got {text!r}")
-    return out
+    return _comma_choices(text, SPARSE_METHODS, "--method must be pbs, pisa, bsa or a comma list of them, got {text}")
 
 
 def _backends(text: str) -> List[str]:
-    out = [b.strip() for b in text.split(",") if b.strip()]
-    bad = [b for b in out if b not in BACKENDS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"--backends must be a comma list of auto, reference, triton, flex, got {text!r}")
-    return out
+    return _comma_choices(text, BACKENDS, "--backends must be a comma list of auto, reference, triton, flex, got {text}")
 
 
 def _ints(text: str) -> List[int]:
