@@ -22,6 +22,7 @@ fidelity against dense on the same RoPE variant over the last ``--eval-positions
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -43,6 +44,7 @@ from sparseflow.fidelity import compare_logits  # noqa: E402
 from sparseflow.rope import set_rope_scaling  # noqa: E402
 
 TRAINED_POSITIONS = 8192
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
 DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
 
 
@@ -177,30 +179,33 @@ def time_forward(model, ids: torch.Tensor, reps: int, warmup: int) -> Dict[str, 
     return {**median_ms_per_call(call, reps, ids.is_cuda), "first_call_s": first}
 
 
-def fidelity_row(model, ids, dense_logits, eval_positions: int) -> Dict[str, object]:
-    """Fidelity and density of one forward (logits of the last positions, under capture)."""
+def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = True) -> Dict[str, object]:
+    """Fidelity of one forward (logits of the last positions) and, with ``record``, the density
+    of its calls under capture (a model replayed from CUDA graphs cannot record: fidelity only)."""
     targets = ids[0, ids.shape[1] - eval_positions:]
-    with sparseflow.capture(keep_selections=False) as cap:
+    with (sparseflow.capture(keep_selections=False) if record else contextlib.nullcontext()) as cap:
         logits = _logits(model, ids, eval_positions)
     fid = compare_logits(dense_logits, logits, targets)
-    n_layers = model.config.num_hidden_layers
+    row = {"mean_kl": fid.mean_kl, "p99_kl": fid.p99_kl, "top1": fid.top1_agreement,
+           "ppl_dense": fid.ppl_dense, "ppl": fid.ppl_sparse, "layers": model.config.num_hidden_layers}
+    if cap is None:
+        return row
     dens = [c.density if c.density is not None else 1.0 for c in cap.calls]
     return {
-        "mean_kl": fid.mean_kl, "p99_kl": fid.p99_kl, "top1": fid.top1_agreement,
-        "ppl_dense": fid.ppl_dense, "ppl": fid.ppl_sparse,
-        "density": float(sum(dens) / len(dens)) if dens else 1.0,
+        **row, "density": float(sum(dens) / len(dens)) if dens else 1.0,
         "op_calls": len(cap.calls), "sparse_calls": sum(c.sparse for c in cap.calls),
         "fallbacks": sorted({c.reason for c in cap.calls if not c.sparse and c.reason})[:4],
-        "layers": n_layers,
     }
 
 
-def measure(model, ids, path: str, setting: Optional[str], dense_logits, args) -> Dict[str, object]:
-    row = {"path": path, "setting": setting}
+def measure(model, ids, path: str, setting: Optional[str], dense_logits, args,
+            backend: Optional[str] = None) -> Dict[str, object]:
+    row = {"path": path, "setting": setting, "backend": backend}
     try:
         row.update(time_forward(model, ids, args.reps, args.warmup))
         if dense_logits is not None:
-            row.update(fidelity_row(model, ids, dense_logits, args.eval_positions))
+            graphs = path == "compile" and args.compile_mode in CUDA_GRAPH_MODES
+            row.update(fidelity_row(model, ids, dense_logits, args.eval_positions, record=not graphs))
     except Exception as exc:  # a failing row is reported, the run goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     return row
@@ -226,9 +231,10 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
     n_layers = model.config.num_hidden_layers
     if "converted" in args.paths:
         for name in args.settings:
-            sparseflow.hf.apply_plan(model, converted_plan(name, args.backend, n_layers))
-            emit(measure(model, ids, "converted", name, dense, args))
-            model.set_attn_implementation("sdpa")
+            for backend in args.backend:
+                sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers))
+                emit(measure(model, ids, "converted", name, dense, args, backend))
+                model.set_attn_implementation("sdpa")
     if n in args.compile_ns:
         if "compile_dense" in args.paths:
             m = copy.deepcopy(model)
@@ -237,12 +243,13 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
             del m
         if "compile" in args.paths:
             for name in args.compile_settings:
-                m = copy.deepcopy(model)
-                sparseflow.compile(m, **compile_kwargs(name, args.backend), mode=args.compile_mode)
-                emit(measure(m, ids, "compile", name, dense, args))
-                if args.show_report:
-                    print(sparseflow.report(m), flush=True)
-                del m
+                for backend in args.backend:
+                    m = copy.deepcopy(model)
+                    sparseflow.compile(m, **compile_kwargs(name, backend), mode=args.compile_mode)
+                    emit(measure(m, ids, "compile", name, dense, args, backend))
+                    if args.show_report:
+                        print(sparseflow.report(m), flush=True)
+                    del m
     torch.cuda.empty_cache() if ids.is_cuda else None
     dense_ms = rows[0].get("ms")
     for r in rows:
@@ -258,24 +265,29 @@ def format_row(r: Dict[str, object]) -> str:
     dens = f"dens {r['density']:.3f}" if "density" in r else ""
     ppl = f"ppl {r['ppl']:.2f}" if "ppl" in r else ""
     return (f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting'] or '-'):16s} "
-            f"{r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
+            f"{r.get('backend') or '-':7s} {r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
             + (f"  ERROR {r['error']}" if "error" in r else ""))
 
 
 def print_table(rows: List[Dict[str, object]]) -> None:
-    print("\n| N | rope | path | setting | ms | speedup | density | mean KL | top-1 | ppl |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| N | rope | path | setting | backend | ms | speedup | density | mean KL | top-1 | ppl |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "ms" not in r:
-            print(f"| {r['n']} | {r['rope']} | {r['path']} | {r['setting'] or '-'} | error: {r.get('error')} |||||")
+            print(f"| {r['n']} | {r['rope']} | {r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | "
+                  f"error: {r.get('error')} |||||")
             continue
         print(f"| {r['n']} | {r['rope']}{'' if not r.get('yarn_factor') else ' x%g' % r['yarn_factor']} | "
-              f"{r['path']} | {r['setting'] or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+              f"{r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
               f"{r.get('density', float('nan')):.3f} | {r.get('mean_kl', float('nan')):.4f} | "
               f"{r.get('top1', float('nan')):.3f} | {r.get('ppl', float('nan')):.2f} |")
 
 
 # --------------------------------------------------------------------------- plot
+
+
+def _series(row: Dict[str, object]) -> tuple:
+    return (row["path"], row["setting"] or "-", row.get("backend") or "-")
 
 
 def plot(json_path: str, png_path: Optional[str] = None) -> str:
@@ -293,9 +305,9 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
     for i, rope in enumerate(ropes):
         sub = [r for r in rows if r["rope"] == rope]
         ax_t, ax_k = axes[i]
-        for key in sorted({(r["path"], r["setting"] or "-") for r in sub}):
-            pts = sorted((r["n"], r["ms"]) for r in sub if (r["path"], r["setting"] or "-") == key)
-            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}",
+        for key in sorted({_series(r) for r in sub}):
+            pts = sorted((r["n"], r["ms"]) for r in sub if _series(r) == key)
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key),
                       lw=2.5 if key[0] == "dense" else 1.2, color="black" if key[0] == "dense" else None)
         ax_t.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="forward ms (median)",
                  title=f"SmolLM2-135M whole prefill, {rope} RoPE")
@@ -317,6 +329,16 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def _backends(s: str) -> List[str]:
+    from sparseflow.config import BACKENDS
+
+    names = [b.strip() for b in s.split(",") if b.strip()]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"backends must be a comma list of {list(BACKENDS)}, got {s!r}")
+    return names
+
+
 def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -330,7 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="converted,compile,compile_dense")
     ap.add_argument("--compile-ns", type=_ints, default=[8192, 32768], help="lengths that also run the compile paths")
     ap.add_argument("--compile-settings", type=parse_settings, default=parse_settings("pbs,smollm2:pbs"))
-    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--backend", type=_backends, default=["triton"],
+                    help="comma list of backends; each sparse row runs once per backend (e.g. auto,triton)")
     ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
                     help="torch.compile mode of both compile paths (reduce-overhead: CUDA graphs)")
     ap.add_argument("--reps", type=int, default=5)

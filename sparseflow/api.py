@@ -630,7 +630,8 @@ def compile(
     inductor_options = _mode_options(mode, inner_backend, dynamic)
     rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
                         recipe=recipe_label)
-    _install_compiled_call(model, _Backend(options, inner_backend, rep, inductor_options), rep, dynamic, fullgraph)
+    _install_compiled_call(model, _Backend(options, inner_backend, rep, inductor_options), rep, dynamic, fullgraph,
+                           cuda_graphs=mode if inductor_options.get("triton.cudagraphs") else None)
     setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, mode=mode, dynamic=dynamic,
                                          fullgraph=fullgraph,
                                          recipe=recipe_label))
@@ -681,14 +682,22 @@ def _check_compile_flags(inner_backend, dynamic, fullgraph) -> None:
         raise TypeError(f"fullgraph must be a bool, got {fullgraph!r}")
 
 
-def _install_compiled_call(model: nn.Module, be: "_Backend", rep: RewriteReport, dynamic, fullgraph) -> None:
+def _install_compiled_call(model: nn.Module, be: "_Backend", rep: RewriteReport, dynamic, fullgraph,
+                           cuda_graphs: Optional[str] = None) -> None:
     """Set ``model._compiled_call_impl`` to the rewriting compilation, run with the model's own
     decode state and the report's run-time tally (what Module.compile(backend=be, dynamic=...,
-    fullgraph=...) does, with a per-model trampoline in place of self._call_impl: see _trampoline)."""
+    fullgraph=...) does, with a per-model trampoline in place of self._call_impl: see _trampoline).
+    ``cuda_graphs``: the mode when Inductor replays the graph from CUDA graphs."""
     compiled = torch.compile(_trampoline(model), backend=be, dynamic=dynamic, fullgraph=fullgraph)
     state = decode_state.DecodeState()
 
     def sparseflow_forward(*args, **kwargs):
+        if cuda_graphs is not None and _recording.active_capture() is not None:
+            # a replayed CUDA graph runs the kernels without the ops' Python, which is what records
+            raise RuntimeError(
+                f"sparseflow.capture() cannot record a model compiled with mode={cuda_graphs!r}: its CUDA graph "
+                "replays skip the code that records each call. Compile with mode=None or 'default' to record, "
+                "or call the model outside capture()")
         # the model's PISA decode state (per-layer pyramids across generate() steps) and the
         # report's run-time tally are active only while this model runs: no process-global state
         with decode_state.active(state), _recording.tallying(rep.runtime):

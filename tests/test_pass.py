@@ -618,3 +618,10 @@ def test_mode_reaches_inductor(plain_attention, monkeypatch):
 def test_mode_bad_values(plain_attention, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sparseflow.compile(plain_attention(layers=1), method="dense", **kwargs)
+
+
+def test_capture_refused_under_cuda_graphs(plain_attention):
+    # replays of a CUDA graph skip the ops' Python: a capture() would come back silently empty
+    model = sparseflow.compile(plain_attention(layers=1), method="dense", mode="reduce-overhead")
+    with sparseflow.capture(), pytest.raises(RuntimeError, match="mode='reduce-overhead'"):
+        model(torch.randn(1, 10, 48))
