@@ -52,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from .config import METHODS, AttentionConfig
+from .methods import spec_for, specs
 from .masks import analyse_mask
 
 __all__ = ["export_onnx", "OnnxExportError", "DOMAIN", "NODE_TYPES", "function_protos", "register_schemas"]
@@ -59,7 +60,7 @@ __all__ = ["export_onnx", "OnnxExportError", "DOMAIN", "NODE_TYPES", "function_p
 DOMAIN = "sparseflow"
 DOMAIN_VERSION = 1
 OPSET = 23
-NODE_TYPES = {"dense": "DenseAttention", "pbs": "PBSAttention", "pisa": "PISAAttention", "bsa": "BSAAttention"}
+NODE_TYPES = {s.name: s.onnx.node_type for s in specs()}  # method -> op type of its node
 
 
 class OnnxExportError(ValueError):
@@ -165,10 +166,7 @@ def function_protos() -> Dict[str, Any]:
     """``{method: onnx.FunctionProto}``: the portable body of every node type."""
     import onnx.parser
 
-    from . import onnx_pbs, onnx_pisa
-
-    bodies = {"dense": _DENSE_MASK, "bsa": _BSA_MASK, "pbs": onnx_pbs.MASK, "pisa": onnx_pisa.MASK}
-    return {m: onnx.parser.parse_function(_function_text(m, body)) for m, body in bodies.items()}
+    return {s.name: onnx.parser.parse_function(_function_text(s.name, s.onnx.mask_text())) for s in specs()}
 
 
 _SCHEMAS_REGISTERED = False
@@ -248,23 +246,12 @@ def _static_int(x) -> Optional[int]:
 
 def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can).
-    Every option of every method has a body today; new config fields must be added here (or to
-    the bodies) before they can be exported."""
+    A config field the method's ONNX body does not list (``MethodSpec.onnx.fields``) is refused
+    until the body implements it."""
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
-    known = {"dense": set(), "bsa": {"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"}}
-    known["pisa"] = known["bsa"] | {"branching", "score", "beam"}
-    known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
-                    "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"} | (
-                        {"proxy_blocks"} if getattr(cfg, "proxy_blocks", 1) == 1 else set())  # body: P = 1 only
-    if method == "pbs" and getattr(cfg, "scoring", "mean") not in ("mean", "antidiagonal"):
-        return (f"pbs at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} implements scoring 'mean' and "
-                f"'antidiagonal', got scoring={cfg.scoring!r}; export with one of those (or method='dense')")
-    unknown = sorted({name for name, _ in _config_fields(method)} - known[method])
-    if unknown:
-        return (f"{method} at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} does not implement "
-                f"the config field(s) {unknown}; export with method='dense' until it does")
-    return ""
+    reason = spec_for(method).onnx.refuse(cfg)
+    return f"{method} at {tag or '<root>'}: {reason}" if reason else ""
 
 
 def _sparseflow_nodes(gm) -> List[torch.fx.Node]:
@@ -502,7 +489,7 @@ def _checked_call_scale(n: torch.fx.Node) -> float:
     reason = _refusal(m, _cfg_of(m, n.args), n_k, tag)
     if reason:
         raise OnnxExportError("export_onnx: " + reason)
-    if m != "dense" and str(v_val.shape[-1]) != str(q_val.shape[-1]):
+    if spec_for(m).sparse and str(v_val.shape[-1]) != str(q_val.shape[-1]):
         # the op runs dense attention then (sparseflow.ops._run); the sparse body would not
         raise OnnxExportError(
             f"export_onnx: attention at {tag or '<root>'} has value head dim {v_val.shape[-1]} != query "

@@ -30,6 +30,8 @@ __all__ = [
     "specs",
     "names",
     "sparse_names",
+    "names_with",
+    "or_list",
     "DIFFERENTIABILITY",
     "CONTEXT_PARALLEL_STRATEGIES",
 ]
@@ -242,3 +244,19 @@ def names() -> Tuple[str, ...]:
 def sparse_names() -> Tuple[str, ...]:
     """The methods that run a sparse kernel (every one but the dense pseudo-method)."""
     return tuple(name for name, spec in _SPECS.items() if spec.sparse)
+
+
+def or_list(items) -> str:
+    """``"a, b or c"``: names for an error message."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def names_with(capability: str) -> Tuple[str, ...]:
+    """The methods whose spec has ``capability`` (a boolean attribute such as ``"has_top_k"``)."""
+    if capability not in _CAPABILITIES:
+        raise ValueError(f"capability must be one of {list(_CAPABILITIES)}, got {capability!r}")
+    return tuple(name for name, spec in _SPECS.items() if getattr(spec, capability))
+
+
+_CAPABILITIES = ("sparse", "has_permute", "has_top_k", "has_threshold", "supports_decode")
