@@ -195,14 +195,12 @@ _BY_TYPE: Dict[type, MethodSpec] = {}
 
 
 def register(spec: MethodSpec) -> MethodSpec:
-    """Add ``spec`` to the registry (ValueError when its name or config type is taken)."""
+    """Add ``spec`` to the registry (ValueError when its name is taken; a spec's name is its config
+    type's ``method``, so a config type is never registered twice either)."""
     if not isinstance(spec, MethodSpec):
         raise TypeError(f"register takes a MethodSpec, got {type(spec).__name__}")
     if spec.name in _SPECS:
         raise ValueError(f"method {spec.name!r} is already registered; unregister it first")
-    if spec.config_type in _BY_TYPE:
-        raise ValueError(f"config type {spec.config_type.__name__} is already registered "
-                         f"(method {_BY_TYPE[spec.config_type].name!r})")
     _SPECS[spec.name] = spec
     _BY_TYPE[spec.config_type] = spec
     return spec
