@@ -60,10 +60,12 @@ class _Implementations(Mapping):
     a backend is added by registering a method's spec, see :mod:`sparseflow.methods`)."""
 
     def __getitem__(self, key: Tuple[str, str]) -> str:
-        method, backend = key
-        if method not in _methods.names() or backend not in _methods.spec_for(method).backends:
+        if not (isinstance(key, tuple) and len(key) == 2) or key[0] not in _methods.names():
             raise KeyError(key)
-        return _methods.spec_for(method).backends[backend].target
+        backend = _methods.spec_for(key[0]).backends.get(key[1])
+        if backend is None:
+            raise KeyError(key)
+        return backend.target
 
     def __iter__(self) -> Iterator[Tuple[str, str]]:
         return iter([(s.name, b) for s in _methods.specs() for b in s.backends])

@@ -117,7 +117,7 @@ def test_onnx_refuses_a_field_its_body_does_not_list():
 
 def test_implementations_view_is_read_only_and_live():
     assert ops.IMPLEMENTATIONS[("bsa", "reference")] == "sparseflow.kernels.bsa.reference:bsa_attention"
-    assert ("dense", "reference") not in ops.IMPLEMENTATIONS
+    assert ("dense", "reference") not in ops.IMPLEMENTATIONS and "pbs" not in ops.IMPLEMENTATIONS
     assert len(ops.IMPLEMENTATIONS) == sum(len(s.backends) for s in specs())
     with pytest.raises(TypeError):
         ops.IMPLEMENTATIONS[("bsa", "reference")] = "x:y"  # type: ignore[index]
