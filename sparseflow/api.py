@@ -21,7 +21,7 @@ import torch.nn as nn
 from . import decode_state
 from . import recording as _recording
 from .config import BACKENDS, METHODS, AttentionConfig, default_config
-from .ops import IMPLEMENTATIONS
+from .methods import spec_for
 from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, layer_index, rewrite_graph
 from .tuning import Tuning, check_tuning
 
@@ -293,10 +293,11 @@ def _check_backend(method: str, backend: str, arg: str = "backend") -> None:
         raise ValueError(f"{arg} must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         return
-    if method == "dense":
-        raise ValueError(f"{arg}={backend!r} with method 'dense': the dense op always runs SDPA; use {arg}='auto'")
-    if (method, backend) not in IMPLEMENTATIONS:
-        available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method) + ["auto"]
+    spec = spec_for(method)
+    if not spec.sparse:
+        raise ValueError(f"{arg}={backend!r} with method {method!r}: the dense op always runs SDPA; use {arg}='auto'")
+    if backend not in spec.backends:
+        available = sorted(spec.backends) + ["auto"]
         raise ValueError(f"{arg}={backend!r} is not available for method {method!r}; available: {available}")
 
 

@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from .config import AttentionConfig, default_config
+from .methods import spec_for, sparse_names
+from .methods.registry import or_list
 
 __all__ = ["Choice", "Measurement", "CalibrationResult", "candidate_choices", "calibrate", "greedy_plan",
            "ESTIMATE_OVERHEAD", "DEFAULT_THRESHOLDS", "DEFAULT_TOP_KS", "DEFAULT_SCORINGS"]
@@ -114,13 +116,15 @@ def candidate_choices(method: str, base: AttentionConfig, *, thresholds: Optiona
                       permutes: Sequence[bool] = (True, False)) -> List[Choice]:
     """The sparse choices a layer is measured with (dense is always available besides), each a
     valid config of ``method`` on top of ``base``."""
-    if method == "pbs":
-        out = [Choice((("threshold", t), ("permute", bool(p)), ("scoring", s)))
-               for s in (scorings or DEFAULT_SCORINGS) for p in permutes for t in _floats(thresholds or DEFAULT_THRESHOLDS)]
-    elif method in ("pisa", "bsa"):
+    spec = _sparse_spec(method, "method")
+    if spec.has_top_k:
         out = [Choice((("top_k", int(k)),)) for k in (top_ks or DEFAULT_TOP_KS)]
+    elif spec.has_threshold:
+        out = [Choice((("threshold", t), ("permute", bool(p)), ("scoring", s)))
+               for s in (scorings or DEFAULT_SCORINGS) for p in permutes
+               for t in _floats(thresholds or DEFAULT_THRESHOLDS)]
     else:
-        raise ValueError(f"method must be pbs, pisa or bsa, got {method!r}")
+        raise ValueError(f"method {method!r} has neither a top_k nor a threshold to calibrate")
     for c in out:
         try:
             c.config(base)
@@ -129,11 +133,19 @@ def candidate_choices(method: str, base: AttentionConfig, *, thresholds: Optiona
     return out
 
 
+def _sparse_spec(method: str, arg: str):
+    """The spec of a sparse method; ValueError naming them for anything else."""
+    if method not in sparse_names():
+        raise ValueError(f"{arg} must be {or_list(sparse_names())}, got {method!r}")
+    return spec_for(method)
+
+
 def estimate_overhead(cfg: AttentionConfig) -> float:
-    """:data:`ESTIMATE_OVERHEAD` of one config (see there)."""
-    if cfg.method == "dense":
+    """:data:`ESTIMATE_OVERHEAD` of one config (see there): a flat share per method where the
+    table has one, else the scoring's share plus the permutation's."""
+    if not spec_for(cfg).sparse:
         return 0.0
-    if cfg.method != "pbs":
+    if cfg.method in ESTIMATE_OVERHEAD:
         return ESTIMATE_OVERHEAD[cfg.method]
     strided = cfg.scoring in ("sampled_rows", "antidiagonal")
     scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else ESTIMATE_OVERHEAD["mean"]
@@ -588,8 +600,7 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
     from .evaluate import dense_logits
 
     budget = check_budget(kl_budget)
-    if method not in ("pbs", "pisa", "bsa"):
-        raise ValueError(f"method must be pbs, pisa or bsa, got {method!r}")
+    _sparse_spec(method, "method")
     if not (0.0 < safety <= 1.0):
         raise ValueError(f"safety must be in (0, 1], got {safety}")
     n = input_ids.shape[1]
@@ -676,8 +687,7 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     from .rope import parse_rope_scaling, set_rope_scaling
 
     budget = check_budget(kl_budget)
-    if method not in ("pbs", "pisa", "bsa"):
-        raise ValueError(f"--method must be pbs, pisa or bsa, got {method!r}")
+    _sparse_spec(method, "--method")
     for arg, t in (("--text", text), ("--heldout-text", heldout_text)):
         if t is not None and t not in TEXTS:
             raise ValueError(f"{arg} must be one of {sorted(TEXTS)}, got {t!r}")

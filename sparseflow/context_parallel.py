@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import methods as _methods
 from . import ops as _ops
 from . import recording as _capture
 from .config import AttentionConfig
@@ -305,8 +306,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, config: AttentionConfig, conte
     if reason is not None:
         return _dense_local(q, k_all, v_all, layout, is_causal, scale)
     kwargs = _ops._impl_kwargs(config)
-    if method == "pbs":
-        return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
+    strategy = _STRATEGIES[_methods.spec_for(method).context_parallel]
+    return strategy(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
+
+
+def _token_chunks(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning) -> Tensor:
+    """The ``"token_chunks"`` strategy: the rank's query chunks as calls of the implementation."""
     impl = _ops._load(method, chosen)
     if _ops._takes_tuning(impl):
         kwargs = {**kwargs, "tuning": tuning}
@@ -331,16 +336,12 @@ def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tenso
 def _dense_reason(method: str, config: AttentionConfig, q, k_all, v_all, is_causal: bool) -> Optional[str]:
     """None: sparse; else why the whole sequence runs dense ("" for the dense method), decided on
     the global length exactly as the single-device op decides."""
-    if method == "dense":
+    if not _methods.spec_for(method).sparse:
         return ""
     if v_all.shape[-1] != q.shape[-1]:
         return f"value head dim {v_all.shape[-1]} != query head dim {q.shape[-1]}"
-    whole = _Shape((q.shape[0], q.shape[1], k_all.shape[2], q.shape[3]))  # q's shape at the global length
-    return _ops._dense_reason(method, config, whole, k_all, is_causal) or None
-
-
-class _Shape(NamedTuple):
-    shape: Tuple[int, ...]
+    n = k_all.shape[2]  # the queries of all ranks together span the global length
+    return _ops._dense_reason(method, config, n, n, is_causal) or None
 
 
 def _dense_local(q, k_all, v_all, layout: Layout, is_causal: bool, scale) -> Tensor:
@@ -459,6 +460,16 @@ def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool
             block_mask[:, :, ~owned] = False  # other ranks' query blocks: no work
         out = ref.permuted_block_attention(q_full, k_all, v_all, perm, block_mask, **geo)
     return out.index_select(SEQ_DIM, own).contiguous()
+
+
+def _shared_rows(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning) -> Tensor:
+    """The ``"shared_rows"`` strategy (PBS): the proxy and boundary query rows shared, the
+    single-device selection restricted to the rank's query blocks."""
+    return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
+
+
+# MethodSpec.context_parallel -> how the ranks run that method
+_STRATEGIES = {"token_chunks": _token_chunks, "shared_rows": _shared_rows}
 
 
 def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:

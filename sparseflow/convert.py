@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from .config import AttentionConfig, config_from_dict, default_config
+from .methods import sparse_names
 
 __all__ = [
     "ConversionError",
@@ -42,7 +43,7 @@ __all__ = [
 # Decoder LMs whose attention goes through transformers' AttentionInterface with the
 # (module, q, k, v, mask) signature and native GQA K/V: what the "sparseflow" attention expects.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SPARSE_METHODS = ("pbs", "pisa", "bsa")
+SPARSE_METHODS = sparse_names()
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
+from .methods import spec_for
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -200,7 +201,7 @@ def sparseflow_attention_forward(
         attn_mask=attention_mask,
         is_causal=causal,
         scale=None if scaling is None else float(scaling),
-        backend=plan.backend if cfg.method != "dense" else "auto",
+        backend=plan.backend if spec_for(cfg).sparse else "auto",  # the dense op takes only 'auto'
         tag=tag,
     )
     return out.transpose(1, 2).contiguous(), None

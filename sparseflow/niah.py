@@ -11,6 +11,7 @@ contains the asked key.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import random
@@ -256,8 +257,8 @@ def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float],
 
 
 def _plan_name(plan, index: int, plans) -> str:
-    same = [p for p in plans if p.method == plan.method]
-    return plan.method if len(same) == 1 else f"{plan.method}#{index}"
+    same_method_runs = collections.Counter(p.method for p in plans)[plan.method]
+    return plan.method if same_method_runs == 1 else f"{plan.method}#{index}"
 
 
 def format_niah(results: List[Dict[str, object]], depths: Sequence[float]) -> str:

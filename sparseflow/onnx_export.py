@@ -52,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from .config import METHODS, AttentionConfig
+from .methods import spec_for, specs
 from .masks import analyse_mask
 
 __all__ = ["export_onnx", "OnnxExportError", "DOMAIN", "NODE_TYPES", "function_protos", "register_schemas"]
@@ -59,7 +60,7 @@ __all__ = ["export_onnx", "OnnxExportError", "DOMAIN", "NODE_TYPES", "function_p
 DOMAIN = "sparseflow"
 DOMAIN_VERSION = 1
 OPSET = 23
-NODE_TYPES = {"dense": "DenseAttention", "pbs": "PBSAttention", "pisa": "PISAAttention", "bsa": "BSAAttention"}
+NODE_TYPES = {s.name: s.onnx.node_type for s in specs()}  # method -> op type of its node
 
 
 class OnnxExportError(ValueError):
@@ -152,114 +153,6 @@ _EPILOGUE = """
   out = CastLike (o4g, q)
 """
 
-# Dense: SDPA semantics (top-left causal alignment, as SDPA) & key padding.
-_DENSE_MASK = """
-  tri = LessOrEqual (jk_row, iq_col)
-  vis = Or (tri, not_causal)
-  allowed = And (vis, kpm4)
-  allowed5 = Unsqueeze (allowed, i2)
-  cfg_ok = Cast <to = 9> (one)
-"""
-
-# BSA selection (sparseflow.kernels.bsa.reference + token_blocks), dense over block scores.
-_BSA_MASK = """
-  C = Constant <value_int: int = @block_size> ()
-  TK = Constant <value_int: int = @top_k> ()
-  fsink_i = Constant <value_int: int = @force_sink> ()
-  fprev_i = Constant <value_int: int = @force_previous> ()
-  minlen = Constant <value_int: int = @min_seq_len> ()
-  fsink = Cast <to = 9> (fsink_i)
-  fprev = Cast <to = 9> (fprev_i)
-  Cm1 = Sub (C, one)
-  Nk_c = Add (Nk, Cm1)
-  nb = Div (Nk_c, C)
-  nbC = Mul (nb, C)
-  padlen = Sub (nbC, Nk)
-  padlen1 = Unsqueeze (padlen, i0)
-  zeros6 = Constant <value_ints = [0, 0, 0, 0, 0, 0]> ()
-  zeros1 = Constant <value_ints = [0]> ()
-  zeros3 = Constant <value_ints = [0, 0, 0]> ()
-  pads_k = Concat <axis = 0> (zeros6, padlen1, zeros1)
-  pads_m = Concat <axis = 0> (zeros3, padlen1)
-  kpmf = Cast <to = 1> (kpm)
-  kpmf4 = Unsqueeze (kpmf, i13)
-  kmasked = Mul (kf, kpmf4)
-  kpad = Pad (kmasked, pads_k)
-  nb1 = Unsqueeze (nb, i0)
-  C1 = Unsqueeze (C, i0)
-  kb_shape = Concat <axis = 0> (B, Hkv, nb1, C1, D)
-  kb = Reshape (kpad, kb_shape)
-  sums = ReduceSum <keepdims = 0> (kb, i3)
-  mpad = Pad (kpmf, pads_m)
-  mb_shape = Concat <axis = 0> (B, nb1, C1)
-  mb = Reshape (mpad, mb_shape)
-  counts = ReduceSum <keepdims = 0> (mb, i2)
-  counts1 = Max (counts, fone)
-  counts4 = Unsqueeze (counts1, i13)
-  means = Div (sums, counts4)
-  means5 = Unsqueeze (means, i2)
-  meanst = Transpose <perm = [0, 1, 2, 4, 3]> (means5)
-  hs = MatMul (qg, meanst)
-  gsum = ReduceSum <keepdims = 0> (hs, i2)
-  scores = Mul (gsum, sc)
-  posk = Range (zero, nbC, one)
-  posk0 = Unsqueeze (posk, i0)
-  inrange = Less (posk0, Nk)
-  mpad_b = Cast <to = 9> (mpad)
-  kvalid = And (inrange, mpad_b)
-  nk_fill = CastLike (Nk, posk)
-  fv_all = Where (kvalid, posk0, nk_fill)
-  fv_b = Reshape (fv_all, mb_shape)
-  first_valid = ReduceMin <keepdims = 0> (fv_b, i2)
-  shift = Sub (Nk, Nq)
-  positions = Add (iq, shift)
-  nk_last = Sub (Nk, one)
-  nk_last_v = Expand (nk_last, Nq1)
-  horizons = Where (causal, positions, nk_last_v)
-  fv3 = Unsqueeze (first_valid, i1)
-  hz3 = Unsqueeze (horizons, i02)
-  visible = LessOrEqual (fv3, hz3)
-  blocks = Range (zero, nb, one)
-  blocks_row = Unsqueeze (blocks, i0)
-  cur = Div (positions, C)
-  cur_col = Unsqueeze (cur, i1)
-  is_cur = Equal (blocks_row, cur_col)
-  prev_col = Sub (cur_col, one)
-  is_prev0 = Equal (blocks_row, prev_col)
-  is_prev = And (is_prev0, fprev)
-  is_sink0 = Equal (blocks_row, zero)
-  is_sink = And (is_sink0, fsink)
-  f01 = Or (is_cur, is_prev)
-  f012 = Or (f01, is_sink)
-  f3 = Unsqueeze (f012, i0)
-  forced = And (f3, visible)
-  forced4 = Unsqueeze (forced, i1)
-  visible4 = Unsqueeze (visible, i1)
-  key0 = Where (forced4, pinf, scores)
-  key = Where (visible4, key0, ninf)
-  kk0 = Min (TK, nb)
-  kk = Unsqueeze (kk0, i0)
-  top_vals, top_idx = TopK <axis = -1, largest = 1, sorted = 1> (key, kk)
-  sel_shape = Shape (key)
-  sel_zero = ConstantOfShape <value = float[1] {0}> (sel_shape)
-  idx_shape = Shape (top_idx)
-  ones_upd = ConstantOfShape <value = float[1] {1}> (idx_shape)
-  sel_f = ScatterElements <axis = -1> (sel_zero, top_idx, ones_upd)
-  sel = Cast <to = 9> (sel_f)
-  member0 = And (sel, visible4)
-  short = Less (Nk, minlen)
-  member = Or (member0, short)
-  kblock = Div (jk, C)
-  member_k = Gather <axis = -1> (member, kblock)
-  hz_col = Unsqueeze (horizons, i1)
-  elem = LessOrEqual (jk_row, hz_col)
-  elem_kpm = And (elem, kpm4)
-  allowed = And (member_k, elem_kpm)
-  allowed5 = Unsqueeze (allowed, i2)
-  cfg_ok = Cast <to = 9> (one)
-"""
-
-
 def _function_text(method: str, mask_body: str) -> str:
     attrs = ", ".join(_attr_names(method))
     return (
@@ -273,10 +166,7 @@ def function_protos() -> Dict[str, Any]:
     """``{method: onnx.FunctionProto}``: the portable body of every node type."""
     import onnx.parser
 
-    from . import onnx_pbs, onnx_pisa
-
-    bodies = {"dense": _DENSE_MASK, "bsa": _BSA_MASK, "pbs": onnx_pbs.MASK, "pisa": onnx_pisa.MASK}
-    return {m: onnx.parser.parse_function(_function_text(m, body)) for m, body in bodies.items()}
+    return {s.name: onnx.parser.parse_function(_function_text(s.name, s.onnx.mask_text())) for s in specs()}
 
 
 _SCHEMAS_REGISTERED = False
@@ -356,23 +246,12 @@ def _static_int(x) -> Optional[int]:
 
 def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     """Why a call of ``method`` with ``cfg`` cannot get a faithful ONNX body ("" if it can).
-    Every option of every method has a body today; new config fields must be added here (or to
-    the bodies) before they can be exported."""
+    A config field the method's ONNX body does not list (``MethodSpec.onnx.fields``) is refused
+    until the body implements it."""
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
-    known = {"dense": set(), "bsa": {"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"}}
-    known["pisa"] = known["bsa"] | {"branching", "score", "beam"}
-    known["pbs"] = {"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
-                    "scoring", "antidiagonal_stride", "causal_proxy", "min_seq_len"} | (
-                        {"proxy_blocks"} if getattr(cfg, "proxy_blocks", 1) == 1 else set())  # body: P = 1 only
-    if method == "pbs" and getattr(cfg, "scoring", "mean") not in ("mean", "antidiagonal"):
-        return (f"pbs at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} implements scoring 'mean' and "
-                f"'antidiagonal', got scoring={cfg.scoring!r}; export with one of those (or method='dense')")
-    unknown = sorted({name for name, _ in _config_fields(method)} - known[method])
-    if unknown:
-        return (f"{method} at {tag or '<root>'}: the ONNX body of {NODE_TYPES[method]} does not implement "
-                f"the config field(s) {unknown}; export with method='dense' until it does")
-    return ""
+    reason = spec_for(method).onnx.refuse(cfg)
+    return f"{method} at {tag or '<root>'}: {reason}" if reason else ""
 
 
 def _sparseflow_nodes(gm) -> List[torch.fx.Node]:
@@ -610,7 +489,7 @@ def _checked_call_scale(n: torch.fx.Node) -> float:
     reason = _refusal(m, _cfg_of(m, n.args), n_k, tag)
     if reason:
         raise OnnxExportError("export_onnx: " + reason)
-    if m != "dense" and str(v_val.shape[-1]) != str(q_val.shape[-1]):
+    if spec_for(m).sparse and str(v_val.shape[-1]) != str(q_val.shape[-1]):
         # the op runs dense attention then (sparseflow.ops._run); the sparse body would not
         raise OnnxExportError(
             f"export_onnx: attention at {tag or '<root>'} has value head dim {v_val.shape[-1]} != query "

@@ -20,12 +20,12 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib
 import importlib.util
 import inspect
 import itertools
 import math
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 from . import autobackend as _autobackend
 from . import decode_state as _decode_state
+from . import methods as _methods
 from . import recording as _capture
-from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, METHODS
+from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig
 from .kernels._triton_env import interpreting
 from .masks import analyse_mask, check_mask, with_causality
 from .tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -54,34 +55,33 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp64: oracles, gradcheck
 _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
-# (method, backend) -> "module:function". Modules are imported on first use, so importing
-# sparseflow never imports Triton. Each function takes (q, k, v, *, key_padding_mask, is_causal,
-# scale, return_selection, **config fields except min_seq_len, which the dispatcher applies); one
-# that also takes ``tuning`` gets the call's Tuning.
-IMPLEMENTATIONS: Dict[Tuple[str, str], str] = {
-    ("pbs", "reference"): "sparseflow.kernels.pbs.reference:pbs_attention",
-    ("pbs", "triton"): "sparseflow.kernels.pbs.triton_impl:pbs_attention",
-    ("pbs", "flex"): "sparseflow.kernels.pbs.flex:pbs_attention",
-    ("pisa", "triton"): "sparseflow.kernels.pisa.triton_impl:pisa_attention",
-    ("pisa", "flex"): "sparseflow.kernels.pisa.flex:pisa_attention",
-    ("bsa", "triton"): "sparseflow.kernels.bsa.triton_impl:bsa_attention",
-    ("bsa", "flex"): "sparseflow.kernels.bsa.flex:bsa_attention",
-    ("pisa", "reference"): "sparseflow.kernels.pisa.reference:pisa_attention",
-    ("bsa", "reference"): "sparseflow.kernels.bsa.reference:bsa_attention",
-}
+class _Implementations(Mapping):
+    """``{(method, backend): "module:function"}`` read live from the method registry (read-only:
+    a backend is added by registering a method's spec, see :mod:`sparseflow.methods`)."""
 
-# Backends whose outputs autograd can differentiate (the selection itself never carries a
-# gradient): the op's backward recomputes through them; every other backend's gradient comes
-# from the reference, which selects the same blocks. PBS's Triton kernel is forward-only;
-# compiled flex differentiates on CUDA only (no CPU backward).
-DIFFERENTIABLE = {("pisa", "triton"), ("bsa", "triton")}
-DIFFERENTIABLE_ON_CUDA = {("pbs", "flex"), ("pisa", "flex"), ("bsa", "flex")}
+    def __getitem__(self, key: Tuple[str, str]) -> str:
+        if not (isinstance(key, tuple) and len(key) == 2) or key[0] not in _methods.names():
+            raise KeyError(key)
+        backend = _methods.spec_for(key[0]).backends.get(key[1])
+        if backend is None:
+            raise KeyError(key)
+        return backend.target
+
+    def __iter__(self) -> Iterator[Tuple[str, str]]:
+        return iter([(s.name, b) for s in _methods.specs() for b in s.backends])
+
+    def __len__(self) -> int:
+        return sum(len(s.backends) for s in _methods.specs())
+
+
+IMPLEMENTATIONS: Mapping[Tuple[str, str], str] = _Implementations()
 
 
 def _grad_backend(method: str, backend: str, device: torch.device) -> str:
-    if (method, backend) in DIFFERENTIABLE or (device.type == "cuda" and (method, backend) in DIFFERENTIABLE_ON_CUDA):
-        return backend
-    return "reference"
+    """The backend the backward recomputes through: the forward's when autograd can
+    differentiate it on ``device``, else the reference (which selects the same blocks)."""
+    impl = _methods.spec_for(method).backends.get(backend)
+    return backend if impl is not None and impl.differentiable_on(device.type) else "reference"
 
 
 def _config_fields(cls) -> List[dataclasses.Field]:
@@ -89,7 +89,7 @@ def _config_fields(cls) -> List[dataclasses.Field]:
 
 
 def _schema(method: str) -> str:
-    config = [f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(METHODS[method])]
+    config = [f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(_methods.spec_for(method).config_type)]
     tuning = [f"{kind} {name}" for name, kind in _tuning_fields(method)]
     fields = "".join(f"{a}, " for a in config + tuning)
     return (
@@ -174,20 +174,15 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
     )
 
 
-def _dense_reason(method: str, cfg: AttentionConfig, q, k, is_causal: bool) -> str:
-    """Why this call cannot run the sparse method ("" when it can)."""
-    n_q, n_k = q.shape[2], k.shape[2]
+def _dense_reason(method: str, cfg: AttentionConfig, n_q: int, n_k: int, is_causal: bool) -> str:
+    """Why this call cannot run the sparse method ("" when it can): the reasons every method
+    shares, then the method's own rule."""
     if is_causal and n_q != n_k:
         # SDPA aligns is_causal to the top-left corner when Nq != Nk; keep its exact semantics.
         return f"is_causal with Nq={n_q} != Nk={n_k}"
     if n_k < cfg.min_seq_len:
         return f"sequence length {n_k} < min_seq_len={cfg.min_seq_len}"
-    if method == "pbs":
-        if n_q != n_k:
-            return f"PBS is a prefill method (Nq={n_q}, Nk={n_k}: decode or chunked step)"
-        if n_k < cfg.segment_size:
-            return f"sequence length {n_k} < segment_size={cfg.segment_size} (no complete segment)"
-    return ""
+    return _methods.spec_for(method).dense_rule(cfg, n_q, n_k)
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -209,9 +204,7 @@ def _resolve_backend(method: str, backend: str, device: torch.device, dtype: Opt
         if device.type == "cuda" and _fast_backends(method, device, dtype):
             return "measure"
         return "reference"
-    if (method, backend) not in IMPLEMENTATIONS:
-        available = sorted(b for (m, b) in IMPLEMENTATIONS if m == method)
-        raise ValueError(f"backend={backend!r} is not available for method {method!r}; available: {available + ['auto']}")
+    _methods.spec_for(method).backend(backend)  # ValueError naming the available ones
     if backend == "triton" and not _triton_usable(device):
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got {device}) and an installed triton; "
@@ -226,13 +219,16 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def check_backend_dtype(method: str, backend: str, dtype: torch.dtype) -> None:
     """TypeError when an explicitly chosen backend cannot take ``dtype`` (before any kernel compiles)."""
-    if backend == "triton" and method != "dense" and dtype not in TRITON_DTYPES:
+    if backend == "triton" and _methods.spec_for(method).sparse and dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' ({method}) takes float16, bfloat16 or float32 q/k/v, got {dtype}; "
                         "use backend='reference' (or 'auto') for float64")
 
 
+_FAST_BACKENDS = ("triton", "flex")  # the candidates backend='auto' measures, in this order
+
+
 def _fast_backends(method: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> List[str]:
-    fast = [b for b in ("triton", "flex") if (method, b) in IMPLEMENTATIONS]
+    fast = [b for b in _FAST_BACKENDS if b in _methods.spec_for(method).backends]
     return [b for b in fast if b != "triton" or (_triton_usable(device) and dtype in (None,) + TRITON_DTYPES)]
 
 
@@ -270,7 +266,7 @@ def _config_entry(method: str, values: Tuple) -> _ConfigEntry:
     entry = _BY_VALUES.get(key)
     if entry is None:
         names = _NAMES[method]
-        cfg = METHODS[method](**dict(zip(names, values)))
+        cfg = _methods.spec_for(method).config_type(**dict(zip(names, values)))
         tuning = Tuning(**dict(zip(_TUNING_NAMES[method], values[len(names):])))
         entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS), tuning)
         if len(_BY_VALUES) >= _CACHE_LIMIT:
@@ -347,8 +343,7 @@ def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_ca
 
 
 def _load(method: str, backend: str) -> Callable:
-    module, fn = IMPLEMENTATIONS[(method, backend)].split(":")
-    return getattr(importlib.import_module(module), fn)
+    return _methods.spec_for(method).backend(backend).load()
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,14 +376,14 @@ def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Pl
     q, k, v, attn_mask, is_causal, scale = args[:6]
     if entry is None:
         entry = _config_entry(method, args[6:-2])
-    if method == "dense":
+    if not _methods.spec_for(method).sparse:
         return _Plan(entry, None, "", DENSE_CHOICE)
     mask = analyse_mask(attn_mask, is_causal, q.shape[0], q.shape[2], k.shape[2])
     if not mask.supported:
         return _Plan(entry, mask, mask.reason, DENSE_CHOICE)
     if v.shape[-1] != q.shape[-1]:
         return _Plan(entry, mask, f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]}", DENSE_CHOICE)
-    reason = _dense_reason(method, entry.cfg, q, k, mask.is_causal)
+    reason = _dense_reason(method, entry.cfg, q.shape[2], k.shape[2], mask.is_causal)
     if reason:
         return _Plan(entry, mask, reason, DENSE_CHOICE)
     backend = args[-2]
@@ -468,41 +463,44 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     cap = _capture.active_capture() if record else None
     if plan.reason is not None:
         return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap)
-    cfg, mask, chosen = plan.entry.cfg, plan.mask, plan.backend
-    n_q, n_k = q.shape[2], k.shape[2]
+    mask, chosen = plan.mask, plan.backend
     if for_grad:
         chosen = "reference" if twice else _grad_backend(method, chosen, q.device)
     want_sel = cap is not None and cap.keep_selections
-    if method == "pisa" and chosen == "triton" and n_q == 1 and n_k > 1 and mask.key_padding_mask is None:
-        state = _decode_state.current()
-        if state is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            if record:
-                _capture.note_call(method, tag, True)
-            return _pisa_decode_step(state, tag, cfg, plan.entry.tuning, q, k, v, scale, cap, want_sel)
+    decode = _decode_of(method, chosen, q, k, v, mask)
+    if decode is not None:
+        state, step = decode
+        if record:
+            _capture.note_call(method, tag, True)
+        out, sel = step(state, tag, plan.entry.cfg, plan.entry.tuning, q, k, v, scale, cap is not None)
+        _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
+        return out.contiguous()
     result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
     out, sel = result if isinstance(result, tuple) else (result, None)
-    if cap is not None:
-        cap.calls.append(
-            _capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), sel if (sel is None or want_sel) else _strip(sel))
-        )
+    _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
     if record:
         _capture.note_call(method, tag, True)
     return out.contiguous()
 
 
-def _pisa_decode_step(state, tag, cfg, tuning, q, k, v, scale, cap, want_sel) -> torch.Tensor:
-    """One generate() step of a PISA layer on the model's cached pyramid (O(log N) append)."""
-    cache = state.pyramid(tag, k, block_size=cfg.block_size, branching=cfg.branching)
-    out, idx = cache.decode_step(q, k, v, top_k=cfg.top_k, score=cfg.score, scale=scale, force_sink=cfg.force_sink,
-                                 force_previous=cfg.force_previous, append=False, beam=cfg.beam, tuning=tuning)
-    if cap is not None:
-        from .kernels import token_blocks as tb
+def _decode_of(method: str, chosen: str, q, k, v, mask) -> Optional[Tuple[Any, Callable]]:
+    """(the model's decode state, the method's decode step) when this call is one generate()
+    step the method's cache serves: one query over cached keys, no padding, no gradient."""
+    decode = _methods.spec_for(method).decode
+    if decode is None or chosen != decode.backend or q.shape[2] != 1 or k.shape[2] <= 1:
+        return None
+    if mask.key_padding_mask is not None:
+        return None
+    state = _decode_state.current()
+    if state is None or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return None
+    return state, decode.load()
 
-        sel = tb.selection_for_indices("pisa", idx.long(), q, k, key_padding_mask=None, is_causal=True,
-                                       block_size=cfg.block_size)
-        cap.calls.append(_capture.CallRecord(tag, "pisa", "triton", True, "", tuple(q.shape), tuple(k.shape),
-                                             sel if want_sel else _strip(sel)))
-    return out.contiguous()
+
+def _record_sparse(cap, tag: str, method: str, chosen: str, q, k, sel, want_sel: bool) -> None:
+    if cap is not None:
+        kept = sel if (sel is None or want_sel) else _strip(sel)
+        cap.calls.append(_capture.CallRecord(tag, method, chosen, True, "", tuple(q.shape), tuple(k.shape), kept))
 
 
 def _strip(sel):
@@ -594,14 +592,14 @@ def _differentiable_grads(method: str, grad: torch.Tensor, args: Tuple) -> Tuple
 
 # Precomputed so op_args stays traceable by Dynamo (it cannot introspect dataclass fields).
 _FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
-    m: tuple((f.name, _field_type(f)) for f in _config_fields(cls)) for m, cls in METHODS.items()
+    s.name: tuple((f.name, _field_type(f)) for f in _config_fields(s.config_type)) for s in _methods.specs()
 }
 
 _NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in fields) for m, fields in _FIELDS.items()}
 
-_TUNING_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in _tuning_fields(m)) for m in METHODS}
+_TUNING_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in _tuning_fields(m)) for m in _methods.names()}
 
-for _method in METHODS:
+for _method in _methods.names():
     _define(_method)
 
 
@@ -635,7 +633,7 @@ def attention(
     defaults)."""
     tuning = check_tuning(tuning)
     if not isinstance(config, _CONFIG_TYPES):
-        raise TypeError(f"config must be one of {[c.__name__ for c in METHODS.values()]}, got {type(config).__name__}")
+        raise TypeError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     method = config.method
@@ -663,7 +661,7 @@ def attention(
         _PREPARED.reset(token)
 
 
-_CONFIG_TYPES = (DenseConfig, PBSConfig, PISAConfig, BSAConfig)
+_CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods that have an op
 
 
 def _plain_eager(q, k, v, attn_mask) -> bool:

@@ -11,8 +11,18 @@ import dataclasses
 from typing import Any, Dict, List, Sequence, Tuple
 
 from .config import METHODS
+from .methods import names_with, spec_for
 
-__all__ = ["parse_sweep", "parse_config_field", "sweep_plans", "curve_points", "series_name"]
+__all__ = ["parse_sweep", "parse_config_field", "sweep_plans", "curve_points", "series_name", "has_permute"]
+
+
+def has_permute(method: str) -> bool:
+    """Whether ``method``'s config has a ``permute`` option (``--no-permute`` doubles its points)."""
+    return spec_for(method).has_permute
+
+
+def _permuting() -> str:
+    return "/".join(n.upper() for n in names_with("has_permute"))
 
 
 def parse_sweep(text: str) -> Tuple[str, List[str]]:
@@ -58,8 +68,8 @@ def sweep_plans(base, field: str, values: Sequence[str], *, no_permute: bool = F
     with ``permute=False``. Raises ValueError naming the field when it does not apply."""
     plans = []
     permutes = [True, False] if no_permute else [None]
-    if no_permute and base.method != "pbs":
-        raise ValueError(f"--no-permute compares PBS with and without permutation; method is {base.method!r}")
+    if no_permute and not has_permute(base.method):
+        raise ValueError(f"--no-permute compares {_permuting()} with and without permutation; method is {base.method!r}")
     for perm in permutes:
         for raw in values:
             changes = {field: _typed(base.method, field, raw)}
@@ -70,9 +80,10 @@ def sweep_plans(base, field: str, values: Sequence[str], *, no_permute: bool = F
 
 
 def series_name(method: str, config: Dict[str, Any], field: str) -> str:
-    """The curve a sweep point belongs to: the method, plus ``no-permute`` for PBS without it."""
-    if method == "pbs" and not config.get("permute", True) and field != "permute":
-        return "pbs (no permute)"
+    """The curve a sweep point belongs to: the method, plus ``no permute`` for a point of a
+    permuting method (PBS) without permutation."""
+    if has_permute(method) and not config.get("permute", True) and field != "permute":
+        return f"{method} (no permute)"
     return method
 
 

@@ -252,3 +252,22 @@ def test_cuda_selection_has_no_host_sync(method):
         run(q, k, v, is_causal=True, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("keep", [False, True])
+def test_generate_records_the_cached_decode_steps(tiny, keep):
+    """Each decode step served by the cached pyramid is recorded as a sparse PISA call on triton,
+    with its selection's density (and its block tensors only under keep_selections)."""
+    cfg = sparseflow.PISAConfig(block_size=16, top_k=3, min_seq_len=0)
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    model = tiny("llama", layers=1, seed=0).to(DEVICE)
+    sparseflow.compile(model, "pisa", cfg, backend="triton", inner_backend="eager")
+    with torch.no_grad(), sparseflow.capture(keep_selections=keep) as cap:
+        model.generate(prompt.to(DEVICE), max_new_tokens=3, do_sample=False, min_new_tokens=3)
+    steps = [c for c in cap.calls if c.q_shape[2] == 1]
+    assert len(steps) == 2  # the first new token comes from the prefill
+    for c in steps:
+        assert (c.method, c.backend, c.sparse, c.reason) == ("pisa", "triton", True, "")
+        assert c.k_shape[2] > 40 and 0 < c.density <= 1
+        assert (c.selection.block_indices is not None) == keep

@@ -63,12 +63,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}")
     if args.eval_positions >= args.tokens:
         raise UsageError(f"--eval-positions must be < --tokens={args.tokens}, got {args.eval_positions}")
-    if args.method == "pbs" and args.top_ks is not None:
-        raise UsageError("--top-ks is a PISA/BSA choice; PBS takes --thresholds and --scorings")
-    if args.method != "pbs" and (args.thresholds is not None or args.scorings is not None):
-        raise UsageError(f"--thresholds/--scorings are PBS choices; {args.method} takes --top-ks")
+    _check_knob_flags(args)
     _check_out_file(args.out, "--out", "recipe.json")
     _check_in_dir(args.tokenizer, "--tokenizer")
+
+
+def _check_knob_flags(args: argparse.Namespace) -> None:
+    """--top-ks only for a method with top_k, --thresholds/--scorings only for one with a threshold."""
+    from ..methods import names_with, spec_for
+
+    spec = spec_for(args.method)
+    top_k, threshold = ("/".join(n.upper() for n in names_with(c)) for c in ("has_top_k", "has_threshold"))
+    if not spec.has_top_k and args.top_ks is not None:
+        raise UsageError(f"--top-ks is a {top_k} choice; {args.method.upper()} takes --thresholds and --scorings")
+    if not spec.has_threshold and (args.thresholds is not None or args.scorings is not None):
+        raise UsageError(f"--thresholds/--scorings are {threshold} choices; {args.method} takes --top-ks")
 
 
 def _choices(args: argparse.Namespace) -> dict:

@@ -1,7 +1,8 @@
 """What the subcommands share: the usage error, checks of paths the command reads or writes, argument
 types (comma lists, bounded integers), the one-line error print and the atomic JSON write.
 
-Only the standard library is imported here, so building the parser stays light."""
+Only the standard library and the method registry (no torch) are imported here, so building the
+parser stays light."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..methods import sparse_names
+
 BACKENDS = ("auto", "reference", "triton", "flex")
-SPARSE_METHODS = ("pbs", "pisa", "bsa")
+SPARSE_METHODS = sparse_names()
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TEXTS_CHOICES = ("pydoc_topics", "argparse_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
 RECIPE_HELP = "shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto"
@@ -107,7 +110,7 @@ def _methods(text: str) -> List[str]:
 
 
 def _sparse_methods(text: str) -> List[str]:
-    return _comma_choices(text, SPARSE_METHODS, "--method must be pbs, pisa, bsa or a comma list of them, got {text}")
+    return _comma_choices(text, SPARSE_METHODS, f"--method must be {', '.join(SPARSE_METHODS)} or a comma list of them, got {{text}}")
 
 
 def _backends(text: str) -> List[str]:

@@ -10,6 +10,8 @@ import os
 import platform
 from typing import NamedTuple
 
+from ..methods import names_with
+from ..sweep import has_permute
 from .common import (BACKENDS, DTYPES, RECIPE_HELP, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_dir,
                      _check_out_file, _check_recipe_has_method, _count, _error, _index, _positive, _rope_label,
                      _sparse_methods, _write_json_atomic)
@@ -137,8 +139,10 @@ def _check(args: argparse.Namespace) -> _Checked:
     field = None
     if args.sweep or args.no_permute:
         plans, field = _swept(args, plans)
-    if args.no_permute and not any(p.method == "pbs" for p in plans):
-        raise ValueError("--no-permute compares PBS with and without permutation: include pbs in --method")
+    if args.no_permute and not any(has_permute(p.method) for p in plans):
+        permuting = names_with("has_permute")
+        raise ValueError(f"--no-permute compares {'/'.join(n.upper() for n in permuting)} with and without "
+                         f"permutation: include {' or '.join(permuting)} in --method")
     if task == "niah" and (args.recall or field or args.plots or args.cache):
         raise ValueError("--task niah takes no --recall/--sweep/--no-permute/--plots/--cache")
     return _Checked(task, rope_scaling, source, model_config, plans, field)
@@ -188,11 +192,11 @@ def _swept(args: argparse.Namespace, plans: list):
         field, values = "threshold", None
     swept = []
     for p in plans:
-        if values is None and p.method != "pbs":
-            swept.append(p)  # --no-permute alone only doubles the PBS plans
+        if values is None and not has_permute(p.method):
+            swept.append(p)  # --no-permute alone only doubles the plans of permuting methods (PBS)
             continue
         vals = values if values is not None else [str(p.config.to_dict().get(field))]
-        swept += sweep_plans(p, field, vals, no_permute=args.no_permute and p.method == "pbs")
+        swept += sweep_plans(p, field, vals, no_permute=args.no_permute and has_permute(p.method))
     return swept, field
 
 
@@ -289,7 +293,7 @@ def _payload(args: argparse.Namespace, source, keep: int, rope_info) -> dict:
 def _point_label(result, field) -> str:
     cfg = result.config
     parts = [f"{field}={cfg.get(field)}"] if field else []
-    if result.method == "pbs" and not cfg.get("permute", True) and field != "permute":
+    if has_permute(result.method) and not cfg.get("permute", True) and field != "permute":
         parts.append("no-permute")
     return " ".join(parts)
 

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..config import METHODS
+from ..methods import spec_for
 from ..ops import _FIELDS, op_for
 
 __all__ = ["to_context_parallel"]
@@ -51,7 +52,7 @@ def to_context_parallel(graph: fx.Graph, entries: List[Any], options) -> None:
         q, k, v, mask, is_causal, scale = node.args[:6]
         config = METHODS[method](**dict(zip(names, node.args[6:6 + len(names)])))
         backend, tag = node.args[-2], node.args[-1]
-        if method == "dense":
+        if not spec_for(method).sparse:
             backend = "auto"  # a layer kept as SDPA: the dense op has no other backend
         with graph.inserting_before(node):
             new = graph.call_function(

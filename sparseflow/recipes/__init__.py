@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..config import METHODS, AttentionConfig, config_from_dict
+from ..methods import sparse_names
+from ..methods.registry import or_list
 
 __all__ = ["Recipe", "RecipeError", "get_recipe", "list_recipes", "load_recipe", "resolve_recipe",
            "auto_recipe", "RECIPE_MODULES", "RECIPE_FORMAT"]
@@ -66,8 +68,8 @@ class Recipe:
         if not self.configs:
             raise RecipeError(f"recipe {self.name!r}: configs must give at least one method")
         for method, cfg in self.configs.items():
-            if method not in METHODS or method == "dense":
-                raise RecipeError(f"recipe {self.name!r}: unknown method {method!r} (expected pbs, pisa or bsa)")
+            if method not in sparse_names():
+                raise RecipeError(f"recipe {self.name!r}: unknown method {method!r} (expected {or_list(sparse_names())})")
             if not isinstance(cfg, AttentionConfig) or cfg.method != method:
                 raise RecipeError(f"recipe {self.name!r}: configs[{method!r}] must be a {METHODS[method].__name__}, got {cfg!r}")
         for i in self.dense_layers:

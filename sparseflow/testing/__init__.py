@@ -18,8 +18,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, default_config
+from ..config import AttentionConfig, default_config
 from ..kernels.dense.reference import dense_attention as _dense64
+from ..methods import spec_for
 from ..ops import attention
 from ..recording import capture
 
@@ -42,11 +43,7 @@ _FLOOR = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 2e-3, torch.
 def exact_config(method: str, seq_len: int, base: Optional[AttentionConfig] = None) -> AttentionConfig:
     """The method's config in exact mode at ``seq_len``: every visible block is kept."""
     cfg = base or default_config(method)
-    if isinstance(cfg, PBSConfig):
-        return cfg.replace(threshold=1.0)
-    if isinstance(cfg, (PISAConfig, BSAConfig)):
-        return cfg.replace(top_k=max(cfg.top_k, -(-seq_len // cfg.block_size)))
-    return cfg
+    return spec_for(cfg).exact_config(cfg, seq_len)
 
 
 def _plain(q, k, v, mask_bhqk: Optional[torch.Tensor], is_causal: bool, scale):
@@ -183,7 +180,7 @@ def assert_rewrite_equivalent(
     twin = copy.deepcopy(model)
     if config is None:
         seq = _longest_seq(example_inputs, kwargs)
-        config = exact_config(method, seq) if method != "dense" else DenseConfig()
+        config = exact_config(method, seq)  # DenseConfig() for the dense method
     sf_compile(twin, method=method, config=config, inner_backend="eager", recipe=None)  # exact mode everywhere
     with torch.no_grad():
         got = pick(twin(*example_inputs, **kwargs))

@@ -1,0 +1,55 @@
+"""PBS-Attn (permuted block-sparse prefill): its spec in the method registry."""
+from ...config import AttentionConfig, PBSConfig
+from ..registry import Backend, MethodSpec, OnnxBody, register
+
+_KERNELS = "sparseflow.kernels.pbs"
+
+# the scorings the ONNX body reproduces ("sampled_rows" has no body)
+ONNX_SCORINGS = ("mean", "antidiagonal")
+
+
+def dense_rule(cfg: PBSConfig, n_q: int, n_k: int) -> str:
+    """PBS permutes whole segments of a prefill: a decode or chunked step, or a sequence without
+    one complete segment, runs dense."""
+    if n_q != n_k:
+        return f"PBS is a prefill method (Nq={n_q}, Nk={n_k}: decode or chunked step)"
+    if n_k < cfg.segment_size:
+        return f"sequence length {n_k} < segment_size={cfg.segment_size} (no complete segment)"
+    return ""
+
+
+def onnx_refusal(cfg: PBSConfig) -> str:
+    if cfg.scoring not in ONNX_SCORINGS:
+        return (f"the ONNX body of PBSAttention implements scoring 'mean' and 'antidiagonal', got "
+                f"scoring={cfg.scoring!r}; export with one of those (or method='dense')")
+    if cfg.proxy_blocks != 1:  # the body computes the single proxy only
+        return ("the ONNX body of PBSAttention does not implement the config field(s) ['proxy_blocks']; "
+                "export with method='dense' until it does")
+    return ""
+
+
+def exact(cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
+    return cfg.replace(threshold=1.0)  # threshold >= 1 keeps every candidate block
+
+
+SPEC = register(MethodSpec(
+    name="pbs",
+    config_type=PBSConfig,
+    backends={
+        "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always"),
+        "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention"),  # forward-only kernel
+        "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda"),
+    },
+    onnx=OnnxBody(
+        node_type="PBSAttention",
+        mask="sparseflow.onnx_pbs:MASK",
+        fields={"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
+                "scoring", "antidiagonal_stride", "causal_proxy", "proxy_blocks", "min_seq_len"},
+        refusal=onnx_refusal,
+    ),
+    dense_rule=dense_rule,
+    has_permute=True,
+    has_threshold=True,
+    exact=exact,
+    context_parallel="shared_rows",
+))

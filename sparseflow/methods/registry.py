@@ -1,0 +1,260 @@
+"""The method registry: everything the core needs to know about one attention method.
+
+The core (ops, the rewrite pass, ONNX export, calibration, the CLI) never tests a method's
+name; it looks the method's :class:`MethodSpec` up here and reads its attributes. Each method
+package (``sparseflow/methods/<name>/``) registers its spec when :mod:`sparseflow.methods` is
+imported, so adding a method is one new package whose ``__init__`` calls :func:`register`.
+
+Implementations are named as ``"module:function"`` strings and imported on first use, so
+importing sparseflow never imports Triton.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Type, Union
+
+from ..config import AttentionConfig
+
+__all__ = [
+    "Backend",
+    "OnnxBody",
+    "Decode",
+    "MethodSpec",
+    "register",
+    "unregister",
+    "spec_for",
+    "specs",
+    "names",
+    "sparse_names",
+    "names_with",
+    "or_list",
+    "DIFFERENTIABILITY",
+    "CONTEXT_PARALLEL_STRATEGIES",
+]
+
+# "always": autograd differentiates the backend's output on every device; "cuda": only on CUDA
+# (compiled flex has no CPU backward); "never": the op's backward recomputes through the reference.
+DIFFERENTIABILITY = ("always", "cuda", "never")
+
+# How context-parallel ranks run the method (see sparseflow.context_parallel):
+# "token_chunks": each rank's query chunks are bottom-right aligned calls of the implementation;
+# "shared_rows": the selection needs query rows of other ranks (PBS's proxy and boundary blocks).
+CONTEXT_PARALLEL_STRATEGIES = ("token_chunks", "shared_rows")
+
+
+@functools.lru_cache(maxsize=None)
+def load_target(target: str) -> Any:
+    """The object named by ``"module:attribute"`` (imported once)."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_target(owner: str, target: Any) -> None:
+    if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
+        raise ValueError(f"{owner} must be a 'module:attribute' string, got {target!r}")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of a method. ``target``: ``"module:function"``, a function taking
+    ``(q, k, v, *, key_padding_mask, is_causal, scale, return_selection, **config fields except
+    min_seq_len)`` and, when its signature has it, ``tuning``."""
+
+    target: str
+    differentiable: str = "never"
+
+    def __post_init__(self):
+        _check_target("Backend.target", self.target)
+        if self.differentiable not in DIFFERENTIABILITY:
+            raise ValueError(f"Backend.differentiable must be one of {list(DIFFERENTIABILITY)}, "
+                             f"got {self.differentiable!r}")
+
+    def load(self) -> Callable:
+        return load_target(self.target)
+
+    def differentiable_on(self, device_type: str) -> bool:
+        return self.differentiable == "always" or (self.differentiable == "cuda" and device_type == "cuda")
+
+
+@dataclass(frozen=True)
+class OnnxBody:
+    """The method's ONNX node: its op type, the opset-23 text computing its attention mask
+    (``mask``: ``"module:ATTRIBUTE"`` of a string, read on first use), the config fields that
+    text implements, and ``refusal(cfg)``: why a config cannot be exported ("" when it can)."""
+
+    node_type: str
+    mask: str
+    fields: FrozenSet[str] = frozenset()
+    refusal: Optional[Callable[[AttentionConfig], str]] = None
+
+    def __post_init__(self):
+        _check_target("OnnxBody.mask", self.mask)
+        object.__setattr__(self, "fields", frozenset(self.fields))
+
+    def mask_text(self) -> str:
+        return load_target(self.mask)
+
+    def refuse(self, cfg: AttentionConfig) -> str:
+        """Why ``cfg`` has no faithful body ("" when it has): a setting the body does not
+        reproduce, or a config field it does not know."""
+        reason = self.refusal(cfg) if self.refusal is not None else ""
+        if reason:
+            return reason
+        unknown = sorted({f.name for f in dataclasses.fields(cfg)} - self.fields)
+        if unknown:
+            return (f"the ONNX body of {self.node_type} does not implement the config field(s) {unknown}; "
+                    "export with method='dense' until it does")
+        return ""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Single-token decode on a cache the model keeps (``sparseflow.decode_state``), taken when
+    the call runs on ``backend``. ``step``: ``"module:function"`` called as
+    ``step(state, tag, cfg, tuning, q, k, v, scale, return_selection)`` -> ``(out, selection or None)``."""
+
+    backend: str
+    step: str
+
+    def __post_init__(self):
+        _check_target("Decode.step", self.step)
+
+    def load(self) -> Callable:
+        return load_target(self.step)
+
+
+def _always_sparse(cfg: AttentionConfig, n_q: int, n_k: int) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the core needs to know about one method.
+
+    ``dense_rule(cfg, n_q, n_k)``: the method's own reason to run a call as dense SDPA ("" when it
+    runs sparse); the reasons every method shares (masks, lengths, ``min_seq_len``) are applied
+    by :mod:`sparseflow.ops`. ``sparse=False`` marks the dense pseudo-method: its op always runs
+    SDPA and it has no backends. ``has_permute`` / ``has_top_k`` / ``has_threshold``: the config
+    has that knob (sweeps, calibration choices and CLI flags that only make sense with it).
+    ``exact(cfg, seq_len)``: the config that keeps every visible block at ``seq_len``.
+    """
+
+    name: str
+    config_type: Type[AttentionConfig]
+    backends: Mapping[str, Backend]
+    onnx: OnnxBody
+    dense_rule: Callable[[AttentionConfig, int, int], str] = _always_sparse
+    sparse: bool = True
+    decode: Optional[Decode] = None
+    has_permute: bool = False
+    has_top_k: bool = False
+    has_threshold: bool = False
+    exact: Optional[Callable[[AttentionConfig, int], AttentionConfig]] = None
+    context_parallel: str = "token_chunks"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"MethodSpec.name must be an identifier (it names the op), got {self.name!r}")
+        if not (isinstance(self.config_type, type) and issubclass(self.config_type, AttentionConfig)):
+            raise TypeError(f"MethodSpec.config_type must be an AttentionConfig subclass, got {self.config_type!r}")
+        if self.config_type.method != self.name:
+            raise ValueError(f"MethodSpec {self.name!r}: config_type {self.config_type.__name__}.method is "
+                             f"{self.config_type.method!r}; they must agree")
+        if not all(isinstance(b, Backend) for b in self.backends.values()):
+            raise TypeError(f"MethodSpec {self.name!r}: backends must map backend names to Backend objects")
+        if not self.sparse and self.backends:
+            raise ValueError(f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA and has no backends")
+        if self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
+            raise ValueError(f"MethodSpec {self.name!r}: context_parallel must be one of "
+                             f"{list(CONTEXT_PARALLEL_STRATEGIES)}, got {self.context_parallel!r}")
+        # read-only, so a frozen spec cannot be changed through its mapping either
+        object.__setattr__(self, "backends", types.MappingProxyType(dict(self.backends)))
+
+    @property
+    def supports_decode(self) -> bool:
+        return self.decode is not None
+
+    def backend(self, name: str) -> Backend:
+        """The ``name`` backend; ValueError naming the available ones."""
+        try:
+            return self.backends[name]
+        except KeyError:
+            raise ValueError(f"backend={name!r} is not available for method {self.name!r}; "
+                             f"available: {sorted(self.backends) + ['auto']}") from None
+
+    def exact_config(self, cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
+        return cfg if self.exact is None else self.exact(cfg, seq_len)
+
+
+_SPECS: Dict[str, MethodSpec] = {}
+_BY_TYPE: Dict[type, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add ``spec`` to the registry (ValueError when its name is taken; a spec's name is its config
+    type's ``method``, so a config type is never registered twice either)."""
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"register takes a MethodSpec, got {type(spec).__name__}")
+    if spec.name in _SPECS:
+        raise ValueError(f"method {spec.name!r} is already registered; unregister it first")
+    _SPECS[spec.name] = spec
+    _BY_TYPE[spec.config_type] = spec
+    return spec
+
+
+def unregister(name: str) -> MethodSpec:
+    """Remove and return the spec of ``name`` (ValueError when it is not registered)."""
+    spec = spec_for(name)
+    del _SPECS[spec.name]
+    del _BY_TYPE[spec.config_type]
+    return spec
+
+
+def spec_for(method_or_config: Union[str, AttentionConfig, Type[AttentionConfig]]) -> MethodSpec:
+    """The spec of a method name, a config object or a config class."""
+    key = method_or_config
+    if isinstance(key, str):
+        if key not in _SPECS:
+            raise ValueError(f"unknown method {key!r}; known methods: {list(_SPECS)}")
+        return _SPECS[key]
+    cls = key if isinstance(key, type) else type(key)
+    if cls in _BY_TYPE:
+        return _BY_TYPE[cls]
+    if issubclass(cls, AttentionConfig):
+        raise ValueError(f"config type {cls.__name__} is not registered; registered: "
+                         f"{[s.config_type.__name__ for s in _SPECS.values()]}")
+    raise TypeError(f"spec_for takes a method name, a config or a config class, got {cls.__name__}")
+
+
+def specs() -> Tuple[MethodSpec, ...]:
+    """Every registered spec, in registration order."""
+    return tuple(_SPECS.values())
+
+
+def names() -> Tuple[str, ...]:
+    return tuple(_SPECS)
+
+
+def sparse_names() -> Tuple[str, ...]:
+    """The methods that run a sparse kernel (every one but the dense pseudo-method)."""
+    return tuple(name for name, spec in _SPECS.items() if spec.sparse)
+
+
+def or_list(items) -> str:
+    """``"a, b or c"``: names for an error message."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def names_with(capability: str) -> Tuple[str, ...]:
+    """The methods whose spec has ``capability`` (a boolean attribute such as ``"has_top_k"``)."""
+    if capability not in _CAPABILITIES:
+        raise ValueError(f"capability must be one of {list(_CAPABILITIES)}, got {capability!r}")
+    return tuple(name for name, spec in _SPECS.items() if getattr(spec, capability))
+
+
+_CAPABILITIES = ("sparse", "has_permute", "has_top_k", "has_threshold", "supports_decode")

@@ -1,0 +1,223 @@
+"""The method registry (sparseflow.methods): lookups, errors, the fields the core reads from every
+spec, and a method registered from outside the package resolving through the core."""
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from sparseflow import api, calibrate, context_parallel, ops
+from sparseflow.config import METHODS, BSAConfig, DenseConfig, PBSConfig, PISAConfig
+from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, names_with, register, spec_for, specs, unregister
+from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, or_list
+
+
+# --------------------------------------------------------------------------- lookups
+
+
+@pytest.mark.parametrize("name, cls", list(METHODS.items()))
+def test_lookup_by_name_config_and_type(name, cls):
+    spec = spec_for(name)
+    assert spec.name == name and spec.config_type is cls
+    assert spec_for(cls()) is spec and spec_for(cls) is spec
+
+
+def test_registry_holds_exactly_the_config_methods():
+    assert names() == tuple(METHODS)
+    assert names_with("sparse") == ("pbs", "pisa", "bsa")
+    assert names_with("has_top_k") == ("pisa", "bsa")
+    assert names_with("has_permute") == names_with("has_threshold") == ("pbs",)
+    assert names_with("supports_decode") == ("pisa",)
+
+
+def test_unknown_method_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; known methods: \['dense', 'pbs', 'pisa', 'bsa'\]"):
+        spec_for("nope")
+
+
+def test_unregistered_config_type_and_wrong_type():
+    @dataclass(frozen=True)
+    class Stray(BSAConfig):
+        method: ClassVar[str] = "stray"
+
+    with pytest.raises(ValueError, match="config type Stray is not registered; registered: .*BSAConfig"):
+        spec_for(Stray())
+    with pytest.raises(TypeError, match="spec_for takes a method name, a config or a config class, got int"):
+        spec_for(3)
+
+
+def test_unknown_backend_names_the_available_ones():
+    with pytest.raises(ValueError, match=r"backend='cuda' is not available for method 'pbs'; available: "
+                                         r"\['flex', 'reference', 'triton', 'auto'\]"):
+        spec_for("pbs").backend("cuda")
+
+
+def test_unknown_capability():
+    with pytest.raises(ValueError, match="capability must be one of"):
+        names_with("has_wings")
+
+
+def test_or_list():
+    assert or_list(["pbs"]) == "pbs" and or_list(["pbs", "pisa", "bsa"]) == "pbs, pisa or bsa"
+
+
+# --------------------------------------------------------------------------- what the core reads
+
+
+@pytest.mark.parametrize("spec", specs(), ids=lambda s: s.name)
+def test_every_spec_has_what_the_core_needs(spec):
+    assert ops.op_for(spec.name) is not None  # an op per registered method
+    assert spec.context_parallel in CONTEXT_PARALLEL_STRATEGIES
+    text = spec.onnx.mask_text()
+    assert isinstance(text, str) and "allowed5" in text and "cfg_ok" in text
+    # every option of the config has an ONNX body: the default config exports
+    assert spec.onnx.refuse(spec.config_type()) == ""
+    assert spec.dense_rule(spec.config_type(), 4096, 4096) == ""
+    assert spec.exact_config(spec.config_type(), 512).exact or spec.has_top_k
+    if not spec.sparse:
+        assert not spec.backends and spec.decode is None
+        return
+    # the backward recomputes through the reference when a backend is not differentiable
+    assert "reference" in spec.backends and spec.backends["reference"].differentiable == "always"
+    for backend in spec.backends.values():
+        module = backend.target.split(":")[0]
+        assert importlib.util.find_spec(module) is not None, backend.target
+    assert callable(spec.backend("reference").load())
+    if spec.decode is not None:
+        assert spec.decode.backend in spec.backends and callable(spec.decode.load())
+
+
+def test_context_parallel_has_every_strategy():
+    assert set(context_parallel._STRATEGIES) == set(CONTEXT_PARALLEL_STRATEGIES)
+
+
+def test_top_k_exact_config_covers_every_block():
+    cfg = spec_for("pisa").exact_config(PISAConfig(block_size=64, top_k=4), 1000)
+    assert cfg.top_k == 16  # ceil(1000 / 64)
+    assert spec_for("pbs").exact_config(PBSConfig(threshold=0.5), 1000).threshold == 1.0
+    assert spec_for("dense").exact_config(DenseConfig(), 1000) == DenseConfig()
+
+
+def test_pbs_dense_rule_and_onnx_refusals():
+    rule = spec_for("pbs").dense_rule
+    assert "prefill method (Nq=1, Nk=512" in rule(PBSConfig(), 1, 512)
+    assert "sequence length 128 < segment_size=256" in rule(PBSConfig(), 128, 128)
+    refuse = spec_for("pbs").onnx.refuse
+    assert "implements scoring 'mean' and 'antidiagonal', got scoring='sampled_rows'" in refuse(
+        PBSConfig(scoring="sampled_rows"))
+    assert "does not implement the config field(s) ['proxy_blocks']" in refuse(PBSConfig(proxy_blocks=2))
+
+
+def test_onnx_refuses_a_field_its_body_does_not_list():
+    body = dataclasses.replace(spec_for("pisa").onnx, fields=spec_for("pisa").onnx.fields - {"beam"})
+    assert "does not implement the config field(s) ['beam']" in body.refuse(PISAConfig())
+
+
+def test_implementations_view_is_read_only_and_live():
+    assert ops.IMPLEMENTATIONS[("bsa", "reference")] == "sparseflow.kernels.bsa.reference:bsa_attention"
+    assert ("dense", "reference") not in ops.IMPLEMENTATIONS and "pbs" not in ops.IMPLEMENTATIONS
+    assert len(ops.IMPLEMENTATIONS) == sum(len(s.backends) for s in specs())
+    with pytest.raises(TypeError):
+        ops.IMPLEMENTATIONS[("bsa", "reference")] = "x:y"  # type: ignore[index]
+
+
+def test_spec_backends_are_read_only():
+    with pytest.raises(TypeError):
+        spec_for("bsa").backends["cuda"] = Backend("a:b")  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- registering
+
+
+@dataclass(frozen=True)
+class _FakeConfig(BSAConfig):
+    method: ClassVar[str] = "fake"
+
+
+def _fake_spec(**changes) -> MethodSpec:
+    fields = dict(
+        name="fake",
+        config_type=_FakeConfig,
+        backends={"reference": Backend("sparseflow.kernels.bsa.reference:bsa_attention", differentiable="always")},
+        onnx=OnnxBody(node_type="FakeAttention", mask="sparseflow.methods.bsa.onnx:MASK"),
+        dense_rule=lambda cfg, n_q, n_k: "fake needs 64 keys" if n_k < 64 else "",
+        has_top_k=True,
+    )
+    return MethodSpec(**{**fields, **changes})
+
+
+@pytest.fixture
+def fake_method():
+    spec = register(_fake_spec())
+    try:
+        yield spec
+    finally:
+        unregister("fake")
+
+
+def test_a_fourth_method_resolves_through_the_core(fake_method):
+    # (its torch op is not defined: ops are defined at import for the methods sparseflow.methods registers)
+    cfg = _FakeConfig(block_size=16, top_k=4)
+    assert spec_for("fake") is fake_method and spec_for(cfg) is fake_method
+    assert spec_for(BSAConfig()).name == "bsa"  # the subclass did not shadow its base
+    assert ops.IMPLEMENTATIONS[("fake", "reference")] == fake_method.backends["reference"].target
+    cpu = torch.device("cpu")
+    assert ops._resolve_backend("fake", "reference", cpu) == "reference"
+    with pytest.raises(ValueError, match=r"not available for method 'fake'; available: \['reference', 'auto'\]"):
+        api._check_backend("fake", "flex")
+    assert ops._dense_reason("fake", cfg, 32, 32, True) == "fake needs 64 keys"
+    assert ops._grad_backend("fake", "reference", cpu) == "reference"
+    # it runs: the implementation the spec names, with the config's keyword arguments
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    impl = ops._load("fake", "reference")
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "min_seq_len"}
+    got = impl(q, k, v, key_padding_mask=None, is_causal=True, scale=None, return_selection=False, **kwargs)
+    want = ops.bsa_attention(q, k, v, config=BSAConfig(block_size=16, top_k=4), backend="reference")
+    torch.testing.assert_close(got, want)
+    assert [c.key for c in calibrate.candidate_choices("fake", cfg, top_ks=(4, 8))] == ["top_k=4", "top_k=8"]
+
+
+def test_unregister_leaves_nothing_behind(fake_method):
+    unregister("fake")
+    try:
+        assert "fake" not in names() and ("fake", "reference") not in ops.IMPLEMENTATIONS
+        with pytest.raises(ValueError, match="unknown method 'fake'"):
+            spec_for("fake")
+        with pytest.raises(ValueError, match="config type _FakeConfig is not registered"):
+            spec_for(_FakeConfig())
+    finally:
+        register(fake_method)  # the fixture unregisters it
+
+
+def test_register_refuses_taken_names_and_types(fake_method):
+    with pytest.raises(ValueError, match="method 'fake' is already registered; unregister it first"):
+        register(_fake_spec())
+    with pytest.raises(ValueError, match="method 'bsa' is already registered"):
+        register(spec_for("bsa"))
+    with pytest.raises(TypeError, match="register takes a MethodSpec, got str"):
+        register("fake")
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(name="fake method"), ValueError, "MethodSpec.name must be an identifier"),
+    (dict(name="other"), ValueError, "config_type _FakeConfig.method is 'fake'; they must agree"),
+    (dict(config_type=dict), TypeError, "config_type must be an AttentionConfig subclass"),
+    (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
+    (dict(sparse=False), ValueError, "a dense .sparse=False. method runs SDPA and has no backends"),
+    (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
+])
+def test_spec_validation(changes, error, message):
+    with pytest.raises(error, match=message):
+        _fake_spec(**changes)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Backend("no_colon"), "Backend.target must be a 'module:attribute' string"),
+    (lambda: Backend("a:b", differentiable="sometimes"), "Backend.differentiable must be one of"),
+    (lambda: OnnxBody(node_type="X", mask=":MASK"), "OnnxBody.mask must be a 'module:attribute' string"),
+])
+def test_part_validation(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
