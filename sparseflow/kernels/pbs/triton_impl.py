@@ -365,6 +365,7 @@ def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale
         q, lay.k, perm, key_padding_mask=kpm, is_causal=is_causal, scale=scale, block_size=block_size,
         segment_size=segment_size, threshold=threshold, force_sink=force_sink, mask_segment=mask_segment,
         return_block_mask=want_mask, layout=lay, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+        padding_checked=True,
     )
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(

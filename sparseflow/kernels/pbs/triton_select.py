@@ -233,6 +233,7 @@ def select_block_lists(
     cut: str = "bisect",
     scoring: str = "mean",
     antidiagonal_stride: int = 8,
+    padding_checked: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
     keys. ``layout``: the :class:`triton_impl.PermutedLayout` of the permutation (its pooled key
@@ -244,13 +245,15 @@ def select_block_lists(
     ways to find the threshold prefix). ``scoring="sampled_rows"|"antidiagonal"`` (stride
     ``antidiagonal_stride``): the block probabilities come from triton_estimate's one-pass
     strided estimate over the permuted keys (``layout.k`` or ``k_perm``), the estimate buffer
-    bounded by ``max_logit_bytes`` the same way; the threshold rule is the same."""
+    bounded by ``max_logit_bytes`` the same way; the threshold rule is the same.
+    ``padding_checked``: the caller passes ``key_padding_mask`` only when it hides a key, so
+    this call need not read it on the host again (each such read waits for the device)."""
     bsz, hq, n, d = q.shape
     hp = permutation.shape[1]
     dev = q.device
     nb = -(-n // block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
+    has_pad = key_padding_mask is not None and (padding_checked or not bool(key_padding_mask.all()))
     kpm = key_padding_mask.to(torch.bool) if has_pad else None
     exact, strided = _selection_kind(threshold, cut, scoring, block_size, antidiagonal_stride)
     lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
