@@ -18,6 +18,10 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   own 16-bit dtype, whose products are exact in fp32).
   No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
 
+``Tuning(pisa_walk="tiled")`` runs the walk by tiles of consecutive queries instead
+(``triton_select_tiled``: the same selection, the scoring shared by the tile); the default
+(``"auto"``) is the per-token walk.
+
 The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
 token.
 """

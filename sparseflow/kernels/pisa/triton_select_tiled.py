@@ -8,15 +8,19 @@ forced blocks kept without scoring, ties to the lower node id), exactly as the p
 does. What the tile shares is the scoring of a level:
 
 1. the *union* of the candidates that some row must score (rows with more candidates than the
-   level's width; forced candidates excluded) is built in registers: one sort of the tile's
-   ``BQ * CW`` candidate ids, duplicates dropped, a second sort packing the distinct ids first;
+   level's width; forced candidates excluded) is built in registers: the tile's ``BQ * CW``
+   candidate ids, flattened, less those the previous row also wants (consecutive queries share
+   most candidates; an id wanted by two rows that are not neighbours is scored twice, which costs
+   work, not correctness), packed by a prefix sum into slots ``0 .. |union| - 1``;
 2. the union is scored in chunks, each with ONE ``tl.dot`` whose rows are all the tile's
    queries times the ``G`` query heads of the group (``M = BQ * next_pow2(G)`` rows) and whose
-   columns are the chunk's child summaries (intermediate ``lse`` / ``mean_var``), node summaries
-   (``mean``) or raw leaf keys (leaf ``lse`` / ``mean_var``); per-head scores are reduced over the
-   children / keys, then summed over the group;
-3. every row picks its candidates' scores out of the union's and keeps its forced nodes plus its
-   best ones (one sort per row, as in the per-token walk).
+   columns are the chunk's child summaries (intermediate ``lse`` / ``mean_var``: ``UN`` nodes x
+   ``g`` children), node summaries (``mean``: ``UN`` nodes) or raw leaf keys (leaf ``lse`` /
+   ``mean_var``: ``UL`` leaves x ``C`` keys); per-head scores are reduced over the children /
+   keys, then summed over the group;
+3. every row takes its candidates' scores from the union's and keeps its forced nodes plus its
+   best ones, ties to the lower node id (a ``[BQ, CW, CW]`` rank compare: at these widths no
+   cheaper than a sort compiled, and much cheaper interpreted).
 
 Work per tile and level: loads of ``|union| * g`` summaries (or ``|union| * C`` keys at the
 leaves) instead of ``BQ * CW * g`` (``BQ * CW * C``), and dots with ``M = BQ * G`` rows instead of
@@ -26,8 +30,10 @@ near ``CW`` there and grows to at most ``BQ * CW`` at the leaves. The per-token 
 ``M = G`` dots (``G = 16`` for Hq 32 / Hkv 2 is a single tensor-core tile row block, and for G <=
 8 most of it is padding) and re-loads each shared key block once per query; here each key block
 is loaded once per tile and the tensor cores see ``BQ`` times taller dots, which is where the
-expected speed-up comes from. It is not free: the union sorts and the per-row matching
-(``[BQ, CW, chunk]`` compares) are CUDA-core work that grows with the tile.
+expected speed-up comes from. It is not free: packing the union (``[chunk, BQ * CW]`` selects per
+chunk), the per-row matching (``[BQ, CW, chunk]`` compares) and the ranking are CUDA-core work
+that grows with the tile, hence the tile bounds (``BQ * CW <= 256``, ``M`` near 128 rows, leaf
+dots of at most 8192 fp32 logits; ``block_q`` of the launcher overrides ``BQ``).
 
 Numerics are the per-token walk's: fp32 summaries in IEEE fp32 dots (a tf32 dot would change the
 scores, hence possibly the selection; for fp32 keys the raw-key dots are IEEE fp32 too, at the
@@ -52,12 +58,14 @@ from torch.library import triton_op, wrap_triton
 
 from .._triton_env import interpreting
 
-__all__ = ["MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width"]
+__all__ = ["MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 
 MAX_CW = 64  # candidates per row: the [BQ, CW, chunk] matching tensors grow with it
 MAX_GROUP = 64  # query heads per KV head: M = BQ * next_pow2(G) dot rows with BQ >= 1
 _TARGET_ROWS = 128  # dot rows (queries x heads) per tile when the group leaves room
-_MAX_BQ = 16  # queries per tile: the union sort and the matching grow with BQ * CW
+_MAX_BQ = 16  # queries per tile
+_TILE_CANDIDATES = 256  # BQ * CW: the union's bookkeeping ([chunk, BQ * CW]) and the ranking ([BQ, CW, CW])
+_LOGITS = 8192  # fp32 logits of one leaf-level dot (BQ * GP rows x UL * CP keys): 64 registers a thread at 4 warps
 
 
 def _p2(x: int, lo: int = 1) -> int:
@@ -79,15 +87,25 @@ def tiled_covers(group: int, beam: int, top_k: int, branching: int) -> Optional[
     return None
 
 
-def tile_rows(group: int, block_q: Optional[int] = None) -> int:
+def tile_rows(group: int, block_q: Optional[int] = None, cw: int = 16) -> int:
     """Queries per tile: ``block_q`` (a power of two) or the most that keep ``BQ * next_pow2(G)``
-    near 128 dot rows, at least 16 rows (tl.dot's minimum) and at most 16 queries."""
+    near 128 dot rows and ``BQ * cw`` (the tile's candidates) within 256, at most 16 queries;
+    either way at least 16 dot rows (tl.dot's minimum)."""
     gp = _p2(group)
     if block_q is not None:
-        if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1 or block_q & (block_q - 1):
-            raise ValueError(f"block_q must be a power of two >= 1, got {block_q!r}")
+        if isinstance(block_q, bool) or not isinstance(block_q, int):
+            raise TypeError(f"block_q must be None or an int (a power of two), got {type(block_q).__name__}")
+        if block_q < 1 or block_q & (block_q - 1):
+            raise ValueError(f"block_q must be None or a power of two >= 1, got {block_q}")
         return max(block_q, _p2(-(-16 // gp)))
-    return max(_p2(-(-16 // gp)), min(_MAX_BQ, max(1, _TARGET_ROWS // gp)))
+    return max(_p2(-(-16 // gp)), min(_MAX_BQ, max(1, _TARGET_ROWS // gp), max(1, _TILE_CANDIDATES // cw)))
+
+
+def leaf_chunk(rows: int, cp: int) -> int:
+    """Leaves per leaf-level dot: the largest power of two whose ``rows x (leaves * cp)`` fp32
+    logits stay within ``_LOGITS`` (at least 1)."""
+    leaves = max(1, _LOGITS // (rows * cp))
+    return 1 << (leaves.bit_length() - 1)
 
 
 # --------------------------------------------------------------------------- per-row bookkeeping
@@ -190,8 +208,10 @@ def _take_matches(score, cand, ids, u_ok, s_u):
     """``score [BQ, CW]`` with the chunk's scores ``s_u [BQ, U]`` taken where a row's candidate
     is one of the chunk's ``ids`` (an id present twice in the union has the same score twice)."""
     match = (cand[:, :, None] == ids[None, None, :]) & u_ok[None, None, :]
-    hit = tl.sum(match.to(tl.int32), axis=2) > 0
-    return tl.where(hit, tl.max(tl.where(match, s_u[:, None, :], float("-inf")), axis=2), score)
+    n = tl.sum(match.to(tl.int32), axis=2)
+    # a mean, not a max: a NaN score stays NaN (ranked as the per-token walk ranks it)
+    got = tl.sum(tl.where(match, s_u[:, None, :], 0.0), axis=2) / tl.maximum(n, 1).to(tl.float32)
+    return tl.where(n > 0, got, score)
 
 
 # --------------------------------------------------------------------------- union scoring
@@ -398,7 +418,8 @@ def pisa_select_tiled_fwd(
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    bq = tile_rows(g, block_q)
+    cw = candidate_width(beam, top_k, branching)
+    bq = tile_rows(g, block_q, cw)
     cp = _p2(block_size, 16)
     # as in the per-token walk: 16-bit products are exact in fp32; the interpreter's 16-bit dot is not
     ieee = q.dtype == torch.float32 or interpreting()
@@ -413,7 +434,7 @@ def pisa_select_tiled_fwd(
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
         BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=_p2(beam * top_k),
-        CW=candidate_width(beam, top_k, branching), BQ=bq, UN=16, UL=max(1, 128 // cp), IEEE_KEYS=ieee,
+        CW=cw, BQ=bq, UN=16, UL=leaf_chunk(bq * _p2(g), cp), IEEE_KEYS=ieee,
         num_warps=4 if warps is None else warps,
     )
     return out
