@@ -96,6 +96,23 @@ def test_queries_before_every_key_select_nothing(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("score", ["lse", "mean_var"])
+def test_ties_go_to_the_lower_block(score, monkeypatch):
+    """Every leaf block holds the same keys: all scores tie, at every level, and each row keeps
+    the lowest ids (the reference's order)."""
+    from sparseflow.kernels.pisa import triton_select
+
+    calls = _spy_walks(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 44, 16, generator=g).to(DEVICE)
+    k = torch.randn(1, 1, 8, 16, generator=g).repeat(1, 1, 12, 1)[:, :, :93].to(DEVICE)  # 12 blocks, the last short
+    kw = dict(is_causal=True, block_size=8, top_k=3, score=score, force_sink=False, force_previous=False)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = triton_select.pisa_select(q, k, tuning=TILED, **kw)
+    assert len(calls) == 1 and (want[..., -1, :2] == torch.tensor([0, 1], device=DEVICE)).all()
+    assert torch.equal(got, want)
+
+
 def test_auto_and_per_token_keep_the_per_token_walk(monkeypatch):
     from sparseflow.kernels.pisa import triton_select
 
