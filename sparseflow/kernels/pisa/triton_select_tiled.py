@@ -35,12 +35,22 @@ chunk), the per-row matching (``[BQ, CW, chunk]`` compares) and the ranking are 
 that grows with the tile, hence the tile bounds (``BQ * CW <= 256``, ``M`` near 128 rows, leaf
 dots of at most 8192 fp32 logits; ``block_q`` of the launcher overrides ``BQ``).
 
-Numerics are the per-token walk's: fp32 summaries in IEEE fp32 dots (a tf32 dot would change the
-scores, hence possibly the selection; for fp32 keys the raw-key dots are IEEE fp32 too, at the
-fp32 CUDA-core rate), 16-bit raw keys in their own dtype with fp32 accumulation (16-bit products
-are exact in fp32). Every scored node lies entirely before the query of every row that reads
-its score (only the node holding the query's position can straddle it, and it is forced), so the
-union's scores need no per-row causal mask: a child / key counts when it holds a valid key.
+Numerics are the per-token walk's: fp32 summaries in IEEE fp32 dots, 16-bit raw keys in their own
+dtype with fp32 accumulation on the tensor cores (16-bit products are exact in fp32); fp32 keys
+in IEEE fp32 dots too. A tf32 (or bf16) dot on the fp32 summaries rounds their mantissas to 10
+(7) bits, which moves scores by far more than the summation order does and can flip a
+selection, so it is not used. What that costs: the summary dots run at the CUDA cores' fp32
+FMA rate, about ``G * D * CW * g`` FMAs per query and scored intermediate level
+(``16 * 64 * 16 * 2 = 32K`` at the benchmark shape; x ~11 levels x 256K queries x 2 KV heads at
+256K tokens: ~2e11 FMAs, ~6 ms at the H200's ~67 TFLOP/s fp32 peak). The per-token walk does
+the same FMAs (the tile does more where its union spills into a second chunk), but here they
+become the bulk of the arithmetic (the leaf dots are tensor-core work), and they leave little
+room within the goal of <= 10 ms at 256K. ``input_precision="tf32x3"`` would move them to the
+tensor cores at near-fp32 accuracy, not bitwise IEEE; that is left for a measured decision.
+
+Every scored node lies entirely before the query of every row that reads its score (only the
+node holding the query's position can straddle it, and it is forced), so the union's scores
+need no per-row causal mask: a child / key counts when it holds a valid key.
 
 Coverage: the tiled walk takes any shape the per-token walk takes as long as a row's candidate
 width ``CW = max(16, next_pow2(beam * top_k) * next_pow2(g))`` is at most :data:`MAX_CW` and the
