@@ -45,7 +45,7 @@ class Tuning:
     ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
     memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and
     16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200); the tiled walk takes
-    ``pisa_warps`` (None: 4, not yet measured) and sizes its chunks by its tile.
+    ``pisa_warps`` (None: 8, chosen by register use, not yet timed) and sizes its chunks by its tile.
     """
 
     pbs_select: str = field(default="auto", metadata=_method("pbs", "str"))

@@ -68,14 +68,17 @@ from torch.library import triton_op, wrap_triton
 
 from .._triton_env import interpreting
 
-__all__ = ["MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
+__all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 
+# sm_90 (ptxas -v on the benchmark shape: G 16, D 64, C 64, K 8, bf16): 8 warps fit the tile in
+# 216 registers a thread without spilling, 4 warps spill ~300 bytes; not yet timed
+DEFAULT_WARPS = 8
 MAX_CW = 64  # candidates per row: the [BQ, CW, chunk] matching tensors grow with it
 MAX_GROUP = 64  # query heads per KV head: M = BQ * next_pow2(G) dot rows with BQ >= 1
 _TARGET_ROWS = 128  # dot rows (queries x heads) per tile when the group leaves room
 _MAX_BQ = 16  # queries per tile
 _TILE_CANDIDATES = 256  # BQ * CW: the union's bookkeeping ([chunk, BQ * CW]) and the ranking ([BQ, CW, CW])
-_LOGITS = 8192  # fp32 logits of one leaf-level dot (BQ * GP rows x UL * CP keys): 64 registers a thread at 4 warps
+_LOGITS = 8192  # fp32 logits of one leaf-level dot (BQ * GP rows x UL * CP keys): 32 registers a thread at 8 warps
 
 
 def _p2(x: int, lo: int = 1) -> int:
@@ -228,7 +231,17 @@ def _take_matches(score, cand, ids, u_ok, s_u):
 
 
 @triton.jit
-def _score_union_means(q32, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok, cand, qk_scale,
+def _q_tile(q_ptrs, q_mask, TO_FP32: tl.constexpr):
+    """The tile's query rows, read again for every dot: held in registers across the walk they
+    made it spill (sm_90, 4 warps: ~2 KB a thread); re-reads hit L1."""
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if TO_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok, cand, qk_scale,
                        BQ: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
                        UN: tl.constexpr):
     """PISA-1 (``mean``) at any level: ``q . summary(node) * scale``, UN union nodes per dot."""
@@ -238,14 +251,14 @@ def _score_union_means(q32, flat, first, slot, n_u, off, summ_base, stride_mt, o
         ids, u_ok = _union_chunk(flat, first, slot, n_u, c0, UN)
         s_t = tl.load(summ_base + (off + ids)[None, :] * stride_mt + offs_d[:, None],
                       mask=u_ok[None, :] & d_ok[:, None], other=0.0)
-        logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN]
+        logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN]
         score = _take_matches(score, cand, ids, u_ok, _group_sum(logit, BQ, GP, G, UN))
         c0 += UN
     return score
 
 
 @triton.jit
-def _score_union_nodes(q32, flat, first, slot, n_u, coff, n_ch, summ_base, nfv_base, stride_mt, offs_d, d_ok,
+def _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, n_ch, summ_base, nfv_base, stride_mt, offs_d, d_ok,
                        cand, qk_scale, Nk, SCORE: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr,
                        G: tl.constexpr, CW: tl.constexpr, UN: tl.constexpr, BR: tl.constexpr,
                        BRP: tl.constexpr):
@@ -263,7 +276,7 @@ def _score_union_nodes(q32, flat, first, slot, n_u, coff, n_ch, summ_base, nfv_b
         c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
         s_t = tl.load(summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
                       mask=c_ok[None, :] & d_ok[:, None], other=0.0)
-        logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN*BRP]
+        logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN*BRP]
         per_head = _reduce(tl.reshape(logit, (BQ * GP, UN, BRP)), tl.reshape(c_ok, (UN, BRP))[None, :, :], SCORE)
         score = _take_matches(score, cand, ids, u_ok, _group_sum(per_head, BQ, GP, G, UN))
         c0 += UN
@@ -271,7 +284,7 @@ def _score_union_nodes(q32, flat, first, slot, n_u, coff, n_ch, summ_base, nfv_b
 
 
 @triton.jit
-def _score_union_leaves(q_dot, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d, d_ok, cand,
+def _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d, d_ok, cand,
                         qk_scale, Nk, SCORE: tl.constexpr, HAS_KPM: tl.constexpr, IEEE_KEYS: tl.constexpr,
                         BQ: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
                         UL: tl.constexpr, C: tl.constexpr, CP: tl.constexpr):
@@ -290,9 +303,9 @@ def _score_union_leaves(q_dot, flat, first, slot, n_u, k_base, stride_kn, kpm_ba
             kok = kok & (tl.load(kpm_base + pos, mask=kok, other=0) != 0)
         k_t = tl.load(k_base + pos[None, :] * stride_kn + offs_d[:, None], mask=kok[None, :] & d_ok[:, None], other=0.0)
         if IEEE_KEYS:
-            logit = tl.dot(q_dot, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+            logit = tl.dot(_q_tile(q_ptrs, q_mask, True), k_t.to(tl.float32), input_precision="ieee") * qk_scale
         else:
-            logit = tl.dot(q_dot, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+            logit = tl.dot(_q_tile(q_ptrs, q_mask, False), k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
         per_head = _reduce(tl.reshape(logit, (BQ * GP, UL, CP)), tl.reshape(kok, (UL, CP))[None, :, :], SCORE)
         score = _take_matches(score, cand, ids, u_ok, _group_sum(per_head, BQ, GP, G, UL))
         c0 += UL
@@ -341,12 +354,8 @@ def _pisa_select_tiled_kernel(
     r_i = tl.program_id(0) * BQ + ar_r // GP
     r_ok = (ar_r % GP < G) & (r_i < Nq)
     q_rows = q_ptr + b * stride_qb + (hkv * G + ar_r % GP)[:, None] * stride_qh + r_i[:, None] * stride_qn
-    q_raw = tl.load(q_rows + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    q32 = q_raw.to(tl.float32)
-    if IEEE_KEYS:
-        q_dot = q32
-    else:
-        q_dot = q_raw
+    q_ptrs = q_rows + offs_d[None, :]
+    q_mask = r_ok[:, None] & d_ok[None, :]
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
     nfv_base = nfv_ptr + b * T
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
@@ -393,15 +402,15 @@ def _pisa_select_tiled_kernel(
         if tl.sum(need.to(tl.int32), axis=0) > 0:
             flat, first, slot, n_u = _union(cand, valid & ~forced & need[:, None], BQ, CW)
             if SCORE == 1:
-                score = _score_union_means(q32, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok,
+                score = _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok,
                                            cand, qk_scale, BQ, GP, G, CW, UN)
             elif lv > 0:
                 coff = tl.load(lvl_off_ptr + lv - 1)
-                score = _score_union_nodes(q32, flat, first, slot, n_u, coff, off - coff, summ_base, nfv_base,
+                score = _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, off - coff, summ_base, nfv_base,
                                            stride_mt, offs_d, d_ok, cand, qk_scale, Nk, SCORE, BQ, GP, G, CW,
                                            UN, BR, BRP)
             else:
-                score = _score_union_leaves(q_dot, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d,
+                score = _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d,
                                             d_ok, cand, qk_scale, Nk, SCORE, HAS_KPM, IEEE_KEYS, BQ, GP, G, CW,
                                             UL, C, CP)
             keep = _rows_top_k_keep(valid, forced, score, ar_cw, width)
@@ -421,7 +430,7 @@ def pisa_select_tiled_fwd(
     warps: Optional[int] = None, block_q: Optional[int] = None,
 ) -> torch.Tensor:
     """The per-token op's contract (``triton_select._pisa_select_fwd``) by query tiles of
-    ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: 4."""
+    ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`."""
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -445,7 +454,7 @@ def pisa_select_tiled_fwd(
         G=g, GP=_p2(g), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
         BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=_p2(beam * top_k),
         CW=cw, BQ=bq, UN=16, UL=leaf_chunk(bq * _p2(g), cp), IEEE_KEYS=ieee,
-        num_warps=4 if warps is None else warps,
+        num_warps=DEFAULT_WARPS if warps is None else warps,
     )
     return out
 
