@@ -9,6 +9,8 @@
         --json benchmarks/results/pisa_h200_walks.json
                                                # ... the per-token and the tiled walk (Tuning.pisa_walk)
                                                # side by side, their selections compared
+    python benchmarks/pisa.py --part select_tiled --variant-n 262144
+                                               # the walk alone: per-token vs tiled over tile sizes / warps
     python benchmarks/pisa.py --part attn      # select + attention, forward and forward+backward, vs cuDNN
     python benchmarks/pisa.py --part flex      # triton vs flex backends on the same selection
     python benchmarks/pisa.py --part decode    # one decoding step at a long context vs dense SDPA decode
@@ -197,6 +199,34 @@ def part_select_variants(args, results):
     results["select_variants"] = rows
 
 
+def part_select_tiled(args, results):
+    """The walk alone (pyramid built once, outside the timing) at ``--variant-n``: the per-token
+    op beside the tiled one over tile sizes and warps; every tiled selection must equal the
+    per-token one (``equal``)."""
+    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.kernels.pisa import triton_select_tiled as TT
+
+    q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
+    summ, nfv, _, off, span = PT.build_pyramid(k, block_size=64, branching=2)
+    # q, k, kpm, pyramid, scale, causal, score (lse), C, g, K, force sink / previous, beam
+    walk = (q, k, None, summ, nfv, off, span, q.shape[-1] ** -0.5, True, 0, 64, 2, 8, True, True, 1)
+    want = PT._pisa_select_fwd(*walk)
+    rows = [dict(n=args.variant_n, walk="per_token", ms=bench(lambda: PT._pisa_select_fwd(*walk)))]
+    print(f"walk only n={args.variant_n} per_token: {rows[0]['ms']:.3f} ms", flush=True)
+    for block_q in (4, 8, 16):
+        for warps in (4, 8):
+            try:
+                equal = bool(torch.equal(TT.pisa_select_tiled_fwd(*walk, warps, block_q), want))
+                ms = bench(lambda: TT.pisa_select_tiled_fwd(*walk, warps, block_q))
+            except Exception as e:  # noqa: BLE001 -- a setting that cannot launch is a row, not the end of the sweep
+                ms, equal = float("nan"), False
+                print(f"walk only tiled block_q={block_q} warps={warps} failed: {type(e).__name__}: {e}")
+            rows.append(dict(n=args.variant_n, walk="tiled", block_q=block_q, warps=warps, ms=ms, equal=equal))
+            print(f"walk only n={args.variant_n} tiled block_q={block_q} warps={warps}: {ms:.3f} ms "
+                  f"(x{rows[0]['ms'] / ms:.2f} vs per_token), selection equal: {equal}", flush=True)
+    results["select_tiled"] = rows
+
+
 def _cudnn_fwd_bwd(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -353,7 +383,8 @@ def _walks(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", action="append", choices=["check", "select", "select_variants", "attn", "flex", "decode"])
+    ap.add_argument("--part", action="append",
+                    choices=["check", "select", "select_variants", "select_tiled", "attn", "flex", "decode"])
     ap.add_argument("--variant-n", type=int, default=65536)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--select-ns", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
