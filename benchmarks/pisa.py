@@ -377,7 +377,8 @@ def _walks(text):
 
     walks = text.split(",")
     if not walks or any(w not in PISA_WALKS for w in walks) or len(set(walks)) != len(walks):
-        raise argparse.ArgumentTypeError(f"--walk must be a comma list of distinct walks from {list(PISA_WALKS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--walk must be a comma list of distinct walks from {list(PISA_WALKS)}, got {text!r}")
     return walks
 
 

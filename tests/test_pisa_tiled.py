@@ -196,7 +196,8 @@ def _union_kernel(cand_ptr, want_ptr, score_ptr, n_ptr, BQ: tl.constexpr, CW: tl
     c0 = 0
     while c0 < n_u:
         ids, ok = tiled._union_chunk(flat, first, slot, n_u, c0, U)
-        score = tiled._take_matches(score, cand, ids, ok, tl.zeros([BQ, U], dtype=tl.float32) + ids[None, :].to(tl.float32))
+        s_u = tl.zeros([BQ, U], dtype=tl.float32) + ids[None, :].to(tl.float32)
+        score = tiled._take_matches(score, cand, ids, ok, s_u)
         c0 += U
     tl.store(score_ptr + at, score)
     tl.store(n_ptr, n_u)

@@ -32,8 +32,9 @@ near ``CW`` there and grows to at most ``BQ * CW`` at the leaves. The per-token 
 is loaded once per tile and the tensor cores see ``BQ`` times taller dots, which is where the
 expected speed-up comes from. It is not free: packing the union (``[chunk, BQ * CW]`` selects per
 chunk), the per-row matching (``[BQ, CW, chunk]`` compares) and the ranking are CUDA-core work
-that grows with the tile, hence the tile bounds (``BQ * CW <= 256``, ``M`` near 128 rows, leaf
-dots of at most 8192 fp32 logits; ``block_q`` of the launcher overrides ``BQ``).
+that grows with the tile, hence the tile bounds (``BQ * CW <= 256`` unless 16 dot rows need
+more, ``M`` near 128 rows, leaf dots of at most 8192 fp32 logits; ``block_q`` of the launcher
+overrides ``BQ``).
 
 Numerics are the per-token walk's: fp32 summaries in IEEE fp32 dots, 16-bit raw keys in their own
 dtype with fp32 accumulation on the tensor cores (16-bit products are exact in fp32); fp32 keys
@@ -305,7 +306,8 @@ def _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_k
         if IEEE_KEYS:
             logit = tl.dot(_q_tile(q_ptrs, q_mask, True), k_t.to(tl.float32), input_precision="ieee") * qk_scale
         else:
-            logit = tl.dot(_q_tile(q_ptrs, q_mask, False), k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+            # exact 16-bit products, fp32 sums
+            logit = tl.dot(_q_tile(q_ptrs, q_mask, False), k_t, out_dtype=tl.float32) * qk_scale
         per_head = _reduce(tl.reshape(logit, (BQ * GP, UL, CP)), tl.reshape(kok, (UL, CP))[None, :, :], SCORE)
         score = _take_matches(score, cand, ids, u_ok, _group_sum(per_head, BQ, GP, G, UL))
         c0 += UL
@@ -402,17 +404,17 @@ def _pisa_select_tiled_kernel(
         if tl.sum(need.to(tl.int32), axis=0) > 0:
             flat, first, slot, n_u = _union(cand, valid & ~forced & need[:, None], BQ, CW)
             if SCORE == 1:
-                score = _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok,
-                                           cand, qk_scale, BQ, GP, G, CW, UN)
+                score = _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d,
+                                           d_ok, cand, qk_scale, BQ, GP, G, CW, UN)
             elif lv > 0:
                 coff = tl.load(lvl_off_ptr + lv - 1)
-                score = _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, off - coff, summ_base, nfv_base,
-                                           stride_mt, offs_d, d_ok, cand, qk_scale, Nk, SCORE, BQ, GP, G, CW,
-                                           UN, BR, BRP)
+                score = _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, off - coff, summ_base,
+                                           nfv_base, stride_mt, offs_d, d_ok, cand, qk_scale, Nk, SCORE, BQ, GP, G,
+                                           CW, UN, BR, BRP)
             else:
-                score = _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d,
-                                            d_ok, cand, qk_scale, Nk, SCORE, HAS_KPM, IEEE_KEYS, BQ, GP, G, CW,
-                                            UL, C, CP)
+                score = _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base,
+                                            offs_d, d_ok, cand, qk_scale, Nk, SCORE, HAS_KPM, IEEE_KEYS, BQ, GP, G,
+                                            CW, UL, C, CP)
             keep = _rows_top_k_keep(valid, forced, score, ar_cw, width)
         else:
             keep = valid
