@@ -5,6 +5,12 @@
     python benchmarks/pisa.py --part select    # selection only: PISA walk vs the fused BSA scan, 4K..256K
     python benchmarks/pisa.py --part select --beams 1,2,4 --select-ns 16384,65536,262144
                                                # ... with the walk's beam (PISAConfig.beam) side by side
+    python benchmarks/pisa.py --part select --walk per_token,tiled --select-ns 16384,65536,262144 \
+        --json benchmarks/results/pisa_h200_walks.json
+                                               # ... the per-token and the tiled walk (Tuning.pisa_walk)
+                                               # side by side, their selections compared
+    python benchmarks/pisa.py --part select_tiled --variant-n 262144
+                                               # the walk alone: per-token vs tiled over tile sizes / warps
     python benchmarks/pisa.py --part attn      # select + attention, forward and forward+backward, vs cuDNN
     python benchmarks/pisa.py --part flex      # triton vs flex backends on the same selection
     python benchmarks/pisa.py --part decode    # one decoding step at a long context vs dense SDPA decode
@@ -115,12 +121,17 @@ def part_select(args, results):
     from sparseflow.kernels.bsa import triton_select as BT
     from sparseflow.kernels.pisa import triton_select as PT
 
+    from sparseflow import Tuning
+
     rows = []
+    tunings = {w: Tuning(pisa_walk=w) for w in args.walks}
     for n in args.select_ns:
         q, k, _ = pisa_inputs(n, 32, 2, 64)
         kw = dict(block_size=64, top_k=8)
-        # the walk per beam (pyramid build included); pisa_ms is beam 1's, as before --beams existed
-        t_beam = {b_: bench(lambda b_=b_: PT.pisa_select(q, k, branching=2, beam=b_, **kw)) for b_ in args.beams}
+        # the walk per --walks entry and beam (pyramid build included); pisa_ms is the first walk's beam 1
+        t_walk = {(w, b_): bench(lambda w=w, b_=b_: PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw))
+                  for w in args.walks for b_ in args.beams}
+        t_beam = {b_: t_walk[(args.walks[0], b_)] for b_ in args.beams}
         t_pisa = t_beam[1] if 1 in t_beam else t_beam[args.beams[0]]
         t_pyr = bench(lambda: PT.build_pyramid(k, block_size=64, branching=2))
         t_bsa = bench(lambda: BT.bsa_select(q, k, **kw))
@@ -130,6 +141,8 @@ def part_select(args, results):
                    speedup_vs_best_bsa=best_bsa / t_pisa, speedup_vs_bsa_ieee=t_bsa / t_pisa)
         row.update({f"pisa_beam{b_}_ms": t for b_, t in t_beam.items()})
         row.update({f"pisa_beam{b_}_speedup_vs_best_bsa": best_bsa / t for b_, t in t_beam.items()})
+        if len(args.walks) > 1:
+            row.update(_walk_rows(q, k, kw, PT, tunings, t_walk, args))
         rows.append(row)
         beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
         print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
@@ -146,6 +159,20 @@ def part_select(args, results):
             results.setdefault("select_slopes_64k_up", {})[key] = slope
             print(f"log-log slope 64K..{big[-1]['n'] // 1024}K {key}: {slope:.3f}")
     results["select"] = rows
+
+
+def _walk_rows(q, k, kw, PT, tunings, t_walk, args):
+    """Each walk's times (``pisa_<walk>_beam<b>_ms``) and whether its selection equals the first
+    walk's (``walks_agree``: they must; a False is a bug to report, not a speed)."""
+    row = {f"pisa_{w}_beam{b_}_ms": t for (w, b_), t in t_walk.items()}
+    first = args.walks[0]
+    agree = all(torch.equal(PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw),
+                            PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[first], **kw))
+                for w in args.walks[1:] for b_ in args.beams)
+    row["walks_agree"] = agree
+    times = "  ".join(f"{w} beam {b_} {t:8.3f} ms" for (w, b_), t in t_walk.items())
+    print(f"select n={q.shape[2]:7d}  walks: {times}  selections equal: {agree}", flush=True)
+    return row
 
 
 def part_select_variants(args, results):
@@ -170,6 +197,34 @@ def part_select_variants(args, results):
                 rows.append(dict(n=args.variant_n, warps=warps, leaf_bytes=leaf_bytes, score=score, ms=ms))
                 print(f"select variant n={args.variant_n} warps={warps} leaf_bytes={leaf_bytes} score={score}: {ms:.3f} ms", flush=True)
     results["select_variants"] = rows
+
+
+def part_select_tiled(args, results):
+    """The walk alone (pyramid built once, outside the timing) at ``--variant-n``: the per-token
+    op beside the tiled one over tile sizes and warps; every tiled selection must equal the
+    per-token one (``equal``)."""
+    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.kernels.pisa import triton_select_tiled as TT
+
+    q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
+    summ, nfv, _, off, span = PT.build_pyramid(k, block_size=64, branching=2)
+    # q, k, kpm, pyramid, scale, causal, score (lse), C, g, K, force sink / previous, beam
+    walk = (q, k, None, summ, nfv, off, span, q.shape[-1] ** -0.5, True, 0, 64, 2, 8, True, True, 1)
+    want = PT._pisa_select_fwd(*walk)
+    rows = [dict(n=args.variant_n, walk="per_token", ms=bench(lambda: PT._pisa_select_fwd(*walk)))]
+    print(f"walk only n={args.variant_n} per_token: {rows[0]['ms']:.3f} ms", flush=True)
+    for block_q in (4, 8, 16):
+        for warps in (4, 8):
+            try:
+                equal = bool(torch.equal(TT.pisa_select_tiled_fwd(*walk, warps, block_q), want))
+                ms = bench(lambda: TT.pisa_select_tiled_fwd(*walk, warps, block_q))
+            except Exception as e:  # noqa: BLE001 -- a setting that cannot launch is a row, not the end of the sweep
+                ms, equal = float("nan"), False
+                print(f"walk only tiled block_q={block_q} warps={warps} failed: {type(e).__name__}: {e}")
+            rows.append(dict(n=args.variant_n, walk="tiled", block_q=block_q, warps=warps, ms=ms, equal=equal))
+            print(f"walk only n={args.variant_n} tiled block_q={block_q} warps={warps}: {ms:.3f} ms "
+                  f"(x{rows[0]['ms'] / ms:.2f} vs per_token), selection equal: {equal}", flush=True)
+    results["select_tiled"] = rows
 
 
 def _cudnn_fwd_bwd(q, k, v):
@@ -317,9 +372,20 @@ def _beams(text):
     return out
 
 
+def _walks(text):
+    from sparseflow.tuning import PISA_WALKS
+
+    walks = text.split(",")
+    if not walks or any(w not in PISA_WALKS for w in walks) or len(set(walks)) != len(walks):
+        raise argparse.ArgumentTypeError(
+            f"--walk must be a comma list of distinct walks from {list(PISA_WALKS)}, got {text!r}")
+    return walks
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", action="append", choices=["check", "select", "select_variants", "attn", "flex", "decode"])
+    ap.add_argument("--part", action="append",
+                    choices=["check", "select", "select_variants", "select_tiled", "attn", "flex", "decode"])
     ap.add_argument("--variant-n", type=int, default=65536)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--select-ns", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
@@ -330,6 +396,9 @@ def main(argv=None):
     ap.add_argument("--beams", type=_beams, default=[1],
                     help="comma list of PISA walk beams (PISAConfig.beam) timed side by side in --part select and "
                          "checked against the reference in --part check, e.g. 1,2,4 (default 1)")
+    ap.add_argument("--walk", dest="walks", type=_walks, default=["per_token"],
+                    help="comma list of PISA selection walks (Tuning.pisa_walk) timed side by side in --part select, "
+                         "their selections compared, e.g. per_token,tiled (default per_token)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_h200.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WARPS"]
+__all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WALKS", "PISA_WARPS"]
 
 PBS_SELECT = ("auto", "triton", "reference")
 PBS_KV_LAYOUTS = ("permuted", "gather")
+PISA_WALKS = ("auto", "per_token", "tiled")
 PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
 
 
@@ -36,14 +37,21 @@ class Tuning:
     streams contiguous tiles; ``"gather"`` reads the original rows through the permutation.
     ``pbs_tma``: let the PBS attention kernel use TMA loads where the device and layout allow
     (Hopper or newer, permuted layout, 16-byte aligned rows); False never does.
+    ``pisa_walk``: how PISA's selection walk is parallelised (the selection is the same):
+    ``"per_token"``, one program per query token (``kernels/pisa/triton_select``); ``"tiled"``, one
+    program per tile of consecutive queries sharing the scoring of each level
+    (``kernels/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
+    ``"auto"``: per token for now.
     ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
     memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and
-    16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200).
+    16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200); the tiled walk takes
+    ``pisa_warps`` (None: 8, chosen by register use, not yet timed) and sizes its chunks by its tile.
     """
 
     pbs_select: str = field(default="auto", metadata=_method("pbs", "str"))
     pbs_kv_layout: str = field(default="permuted", metadata=_method("pbs", "str"))
     pbs_tma: bool = field(default=True, metadata=_method("pbs", "bool"))
+    pisa_walk: str = field(default="auto", metadata=_method("pisa", "str"))
     pisa_warps: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
     pisa_leaf_bytes: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
 
@@ -52,6 +60,7 @@ class Tuning:
         _check_choice("pbs_kv_layout", self.pbs_kv_layout, PBS_KV_LAYOUTS)
         if not isinstance(self.pbs_tma, bool):
             raise TypeError(f"Tuning.pbs_tma must be a bool, got {type(self.pbs_tma).__name__} ({self.pbs_tma!r})")
+        _check_choice("pisa_walk", self.pisa_walk, PISA_WALKS)
         _check_optional_int("pisa_warps", self.pisa_warps)
         if self.pisa_warps is not None and self.pisa_warps not in PISA_WARPS:
             raise ValueError(f"Tuning.pisa_warps must be None or one of {list(PISA_WARPS)}, got {self.pisa_warps}")

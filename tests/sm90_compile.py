@@ -195,6 +195,17 @@ def run_pisa_bsa(cases):
         BI.bsa_attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm, block_size=64, top_k=top_k)
 
 
+def run_pisa_tiled(cases):
+    from sparseflow import Tuning
+    from sparseflow.kernels.pisa import triton_select as PT
+
+    for hq, d, dtype, pad, top_k, beam, score, causal in cases:
+        q, k, _ = _qkv(2, hq, 2, 900, d, dtype)
+        kpm = _pad(2, 900) if pad else None
+        PT.pisa_select(q, k, key_padding_mask=kpm, is_causal=causal, block_size=64, top_k=top_k, beam=beam,
+                       score=score, tuning=Tuning(pisa_walk="tiled"))
+
+
 def run_bsa_bf16():
     from sparseflow.kernels.bsa import triton_select as BS
 
@@ -259,6 +270,7 @@ EXPECTED = {
     "_proxy_pass", "_lse_combine_kernel", "_segment_sort_kernel", "_gather_pool_kernel", "_select_rows_kernel",
     "_pbs_fwd_kernel", "_leaf_kernel", "_node_kernel", "_pisa_select_kernel", "_fwd_kernel", "_bwd_dq_kernel",
     "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel", "_strided_estimate_kernel", "_strided_probs_kernel",
+    "_pisa_select_tiled_kernel",
 }
 
 
@@ -278,6 +290,9 @@ def main(argv=None) -> int:
     pisa = [(64, bf16, False, 8, 1, "lse"), (128, bf16, True, 32, 1, "lse"), (64, fp16, True, 8, 2, "mean_var"),
             (64, bf16, False, 8, 4, "lse")]
     dec = [(64, bf16, 8, 1), (128, bf16, 8, 2)]
+    # the tiled walk: Hq, D, dtype, padding, K, beam, score, causal (Hq 32 / Hkv 2: the benchmark's group of 16)
+    tiled = [(32, 64, bf16, False, 8, 1, "lse", True), (6, 128, fp16, True, 8, 2, "mean_var", True),
+             (4, 64, torch.float32, True, 8, 1, "mean", False), (2, 64, bf16, False, 16, 2, "lse", True)]
     # n, d, dtype, gqa, padding, causal, scoring, stride (n = 768: every query and key valid, EXACT_CNT)
     strided = [(700, 128, bf16, "kv_head", False, True, "sampled_rows", 8),
                (700, 128, bf16, "query_head", True, True, "antidiagonal", 8),
@@ -286,10 +301,10 @@ def main(argv=None) -> int:
                (700, 64, torch.float32, "query_head", False, True, "antidiagonal", 2),
                (700, 128, bf16, "query_head", False, True, "sampled_rows", 3)]
     if args.quick:
-        pbs, pisa, dec, strided = pbs[:1], pisa[:1], dec[:1], strided[:1]
+        pbs, pisa, dec, strided, tiled = pbs[:1], pisa[:1], dec[:1], strided[:1], tiled[:1]
     failures = []
     for name, fn in (("pbs", lambda: run_pbs(pbs)), ("pbs_strided", lambda: run_pbs_strided(strided)),
-                     ("pisa_bsa", lambda: run_pisa_bsa(pisa)),
+                     ("pisa_bsa", lambda: run_pisa_bsa(pisa)), ("pisa_tiled", lambda: run_pisa_tiled(tiled)),
                      ("bsa_select", run_bsa_bf16), ("decode", lambda: run_decode(dec))):
         try:
             fn()

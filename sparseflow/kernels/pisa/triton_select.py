@@ -18,11 +18,16 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   own 16-bit dtype, whose products are exact in fp32).
   No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
 
+``Tuning(pisa_walk="tiled")`` runs the walk by tiles of consecutive queries instead
+(``triton_select_tiled``: the same selection, the scoring shared by the tile); the default
+(``"auto"``) is the per-token walk.
+
 The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
 token.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import List, Optional, Tuple
 
@@ -38,6 +43,8 @@ from .reference import check_beam
 from .._triton_env import interpreting
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
+
+_log = logging.getLogger("sparseflow")
 
 
 
@@ -429,7 +436,7 @@ def pisa_select(
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
-    (``pisa_warps``, ``pisa_leaf_bytes``)."""
+    (``pisa_walk``: per-token or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``)."""
     check_beam(beam)
     if score not in SCORE_CODES:
         raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
@@ -448,8 +455,25 @@ def pisa_select(
         summ, nfv, _, lvl_off, lvl_span = build_pyramid(kc, block_size=block_size, branching=branching,
                                                         key_padding_mask=key_padding_mask)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-        idx = _pisa_select_fwd(q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal),
-                               SCORE_CODES[score], int(block_size), int(branching), int(top_k),
-                               bool(force_sink), bool(force_previous), int(beam),
-                               tuning.pisa_warps, tuning.pisa_leaf_bytes)
+        args = (q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal), SCORE_CODES[score],
+                int(block_size), int(branching), int(top_k), bool(force_sink), bool(force_previous), int(beam))
+        if _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
+            from .triton_select_tiled import pisa_select_tiled_fwd
+
+            idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps)
+        else:
+            idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes)
     return idx.long()
+
+
+def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching: int) -> bool:
+    """Whether ``tuning.pisa_walk`` asks for the tiled walk and it covers the shape ("auto": the
+    per-token walk until the tiled one is timed on the H200); a shape it does not cover is logged."""
+    if tuning.pisa_walk != "tiled":
+        return False
+    from .triton_select_tiled import tiled_covers
+
+    why = tiled_covers(group, beam, top_k, branching)
+    if why is not None:
+        _log.info("PISA selection: pisa_walk='tiled' runs the per-token walk: %s", why)
+    return why is None
