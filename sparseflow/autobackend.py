@@ -40,11 +40,15 @@ class BackendChooser:
         # the ops' per-call memo over choose(): (config, shape bucket, device, ...) -> (backend,
         # dense reason or None), so a decided call neither rebuilds the key below nor its reason
         self.decisions: Dict[Tuple, Tuple[str, Optional[str]]] = {}
+        # sparseflow.attention's memo of eager calls planned to dense SDPA, per call signature
+        # (config and tuning objects, shapes, dtypes, devices, flags): a repeat skips the planning
+        self.dense_calls: Dict[Tuple, Tuple[object, object, str]] = {}
 
     def clear(self) -> None:
         self.choices.clear()
         self.timings.clear()
         self.decisions.clear()
+        self.dense_calls.clear()
 
     def _time(self, run: Callable[[str], torch.Tensor], name: str) -> float:
         """Milliseconds per call after one warm-up call (which compiles / autotunes): CUDA events

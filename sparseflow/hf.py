@@ -91,7 +91,7 @@ class Plan:
     def config_for(self, layer: Optional[int]) -> AttentionConfig:
         if layer is not None:
             if layer in self.dense_layers:
-                return DenseConfig()
+                return _DENSE
             if layer in self.layer_configs:
                 return self.layer_configs[layer]
         return self.config
@@ -133,6 +133,8 @@ class Plan:
 
 
 # --------------------------------------------------------------------------- runtime
+
+_DENSE = DenseConfig()  # one object for every dense layer: the op's per-call memos key on it
 
 _PLAN_CACHE: Dict[int, Tuple[Any, Plan]] = {}
 _LOCK = threading.Lock()

@@ -636,6 +636,13 @@ def attention(
         raise TypeError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    memo = _dense_memo_key(config, tuning, q, k, v, attn_mask, is_causal, scale, backend, tag, context_parallel)
+    if memo is not None:
+        hit = _autobackend.default_chooser.dense_calls.get(memo)
+        if hit is not None and hit[0] is config and hit[1] is tuning:
+            # the same call signature was validated and planned to dense SDPA before
+            return _dense_call(config.method, tag, hit[2], q, k, v, None, is_causal,
+                               None if scale is None else float(scale), _capture.active_capture())
     method = config.method
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
     check_backend_dtype(method, backend, q.dtype)
@@ -652,6 +659,11 @@ def attention(
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
     plan = _plan(method, args, entry)
     if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
+        if memo is not None:
+            dense_calls = _autobackend.default_chooser.dense_calls
+            if len(dense_calls) >= _CACHE_LIMIT:
+                dense_calls.clear()
+            dense_calls[memo] = (config, tuning, plan.reason)
         # exactly what the op computes and records for this plan, without the dispatcher's cost
         return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
     token = _PREPARED.set((method, args, plan))
@@ -662,6 +674,20 @@ def attention(
 
 
 _CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods that have an op
+
+
+def _dense_memo_key(config, tuning, q, k, v, attn_mask, is_causal, scale, backend, tag, context_parallel):
+    """The key under which an eager call's dense plan is remembered, or None for calls that
+    always plan afresh (a mask, context parallelism, anything but plain eager tensors). Every
+    input the validation and the plan read is in it; the config and tuning by identity (the
+    memo keeps them alive and checks them on a hit)."""
+    if (attn_mask is not None or context_parallel is not None or type(is_causal) is not bool
+            or type(tag) is not str or not (scale is None or type(scale) in (int, float))
+            or not _plain_eager(q, k, v, None)):
+        return None
+    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
+    return (id(config), id(tuning), backend, tag, is_causal, scale, override, q.shape, k.shape, v.shape,
+            q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
 
 
 def _plain_eager(q, k, v, attn_mask) -> bool:

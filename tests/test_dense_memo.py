@@ -1,0 +1,87 @@
+"""sparseflow.attention remembers eager calls it planned to dense SDPA (per call signature) so
+that a repeat skips validation and planning; the memo must never change what a call computes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparseflow
+from sparseflow import PBSConfig
+from sparseflow.autobackend import default_chooser
+
+
+def _qkv(n, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(n)
+    return (torch.randn(1, 4, n, d, generator=g, dtype=dtype), torch.randn(1, 2, n, d, generator=g, dtype=dtype),
+            torch.randn(1, 2, n, d, generator=g, dtype=dtype))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    default_chooser.dense_calls.clear()
+    yield
+    default_chooser.dense_calls.clear()
+
+
+CFG = PBSConfig(block_size=16, segment_size=32, min_seq_len=64)
+
+
+def test_repeated_dense_call_is_remembered_and_equals_sdpa():
+    q, k, v = _qkv(32)  # 32 < min_seq_len: dense
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for _ in range(2):
+        with sparseflow.capture() as cap:
+            out = sparseflow.attention(q, k, v, config=CFG, backend="reference", tag="layer")
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        (rec,) = cap.calls
+        assert (rec.sparse, rec.tag) == (False, "layer") and "min_seq_len" in rec.reason
+    assert len(default_chooser.dense_calls) == 1
+
+
+def test_longer_call_after_a_remembered_one_runs_sparse():
+    sparseflow.attention(*_qkv(32), config=CFG, backend="reference")
+    with sparseflow.capture() as cap:
+        sparseflow.attention(*_qkv(128), config=CFG, backend="reference")
+    assert cap.calls[-1].sparse
+
+
+@pytest.mark.parametrize("bad,match", [(dict(scale=-1.0), "scale"), (dict(backend="fast"), "backend")],
+                         ids=["negative-scale", "unknown-backend"])
+def test_bad_input_after_a_remembered_call_still_raises(bad, match):
+    q, k, v = _qkv(32)
+    sparseflow.attention(q, k, v, config=CFG, backend="reference")
+    kw = dict(config=CFG, backend="reference")
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        sparseflow.attention(q, k, v, **kw)
+
+
+def test_mismatched_value_dtype_after_a_remembered_call_still_raises():
+    q, k, v = _qkv(32)
+    sparseflow.attention(q, k, v, config=CFG, backend="reference")
+    with pytest.raises(TypeError, match="share a dtype"):
+        sparseflow.attention(q, k, v.double(), config=CFG, backend="reference")
+
+
+def test_clearing_the_chooser_forgets_the_memo():
+    sparseflow.attention(*_qkv(32), config=CFG, backend="reference")
+    assert default_chooser.dense_calls
+    default_chooser.clear()
+    assert not default_chooser.dense_calls
+
+
+def test_equal_config_objects_do_not_share_an_entry():
+    # keyed by identity and checked on a hit: an equal but distinct config plans afresh
+    q, k, v = _qkv(32)
+    sparseflow.attention(q, k, v, config=CFG, backend="reference")
+    other = PBSConfig(block_size=16, segment_size=32, min_seq_len=64)
+    sparseflow.attention(q, k, v, config=other, backend="reference")
+    assert len(default_chooser.dense_calls) == 2
+
+
+def test_masked_and_traced_calls_are_not_remembered():
+    q, k, v = _qkv(32)
+    mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
+    sparseflow.attention(q, k, v, config=CFG, backend="reference", attn_mask=mask, is_causal=True)
+    torch.compile(lambda a, b, c: sparseflow.attention(a, b, c, config=CFG, backend="reference"),
+                  backend="eager", fullgraph=True)(q, k, v)
+    assert not default_chooser.dense_calls
