@@ -1,0 +1,109 @@
+"""backend="auto" against dense SDPA end to end on the real checkpoint, variants interleaved.
+
+    python benchmarks/auto_vs_dense.py --ns 4096,8192,16384 --json benchmarks/results/e2e_auto_interleaved_h200.json
+
+SmolLM2-135M-Instruct (real weights, ``pydoc_topics`` text, YaRN beyond the trained 8K), the
+converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS with
+``backend="triton"`` for scale, beside transformers' own SDPA. At these lengths the eager
+forward is host-bound and drifts from run to run, so the variants take turns: each round times
+``--calls`` forwards of every variant in a row, and the table gives each variant's median over
+``--rounds`` rounds and its ratio to dense.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import sparseflow  # noqa: E402
+import sparseflow.hf  # noqa: E402
+from e2e_prefill import TRAINED_POSITIONS, env_info, repeated_tokens, set_rope  # noqa: E402
+from sparseflow.checkpoints import load_smollm2  # noqa: E402
+from sparseflow.config import default_config  # noqa: E402
+from sparseflow.hf import Plan  # noqa: E402
+
+VARIANTS = {"dense": None, "pbs auto": ("pbs", "auto"), "pisa auto": ("pisa", "auto"),
+            "bsa auto": ("bsa", "auto"), "pbs triton": ("pbs", "triton")}
+
+
+def use(model, variant) -> None:
+    if variant is None:
+        model.set_attn_implementation("sdpa")
+        return
+    method, backend = variant
+    sparseflow.hf.apply_plan(model, Plan(method=method, config=default_config(method), backend=backend,
+                                         num_layers=model.config.num_hidden_layers))
+
+
+def wall_ms(forward, calls: int, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        forward()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def run_length(model, tok, n: int, args):
+    set_rope(model, "plain" if n <= TRAINED_POSITIONS else "yarn", n)
+    ids = repeated_tokens(tok, args.text, n).to(args.device)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+
+    def forward():
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    for variant in VARIANTS.values():  # auto's decisions and autotuning happen before any timing
+        use(model, variant)
+        forward()
+        forward()
+    times = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, variant in VARIANTS.items():
+            use(model, variant)
+            forward()
+            times[name].append(wall_ms(forward, args.calls, sync))
+    dense = statistics.median(times["dense"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append(dict(n=n, variant=name, ms=med, ratio_vs_dense=dense / med, rounds=ts))
+        print(f"N={n:6d} {name:12s} {med:8.2f} ms  {dense / med:5.3f}x dense  (min {min(ts):.2f} max {max(ts):.2f})",
+              flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=3, help="forwards per variant and round")
+    ap.add_argument("--text", default="pydoc_topics")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    for name in ("rounds", "calls"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    model, tok = load_smollm2(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
+    model.to(args.device)
+    rows = []
+    for n in args.ns:
+        rows += run_length(model, tok, n, args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
