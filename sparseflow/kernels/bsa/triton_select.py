@@ -39,6 +39,46 @@ def _p2(x: int, lo: int = 16) -> int:
 
 
 @triton.jit
+def _forced_leaves(lfv_base, p, hz, row_ok, Nk, NB, C: tl.constexpr, FORCE_SINK: tl.constexpr,
+                   FORCE_PREV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows' forced leaves (token_blocks.forced_leaf_blocks): current / previous / sink, each
+    -1 unless it holds a key the row may see."""
+    cur = tl.where((p >= 0) & (p < NB * C), p // C, -1)
+    prev = tl.full([BLOCK_M], -1, tl.int32)
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = tl.full([BLOCK_M], -1, tl.int32)
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    cur = tl.where((cur >= 0) & (tl.load(lfv_base + tl.maximum(cur, 0), mask=row_ok, other=Nk) <= hz), cur, -1)
+    prev = tl.where((prev >= 0) & (tl.load(lfv_base + tl.maximum(prev, 0), mask=row_ok, other=Nk) <= hz), prev, -1)
+    sink = tl.where((sink >= 0) & (tl.load(lfv_base + tl.maximum(sink, 0), mask=row_ok, other=Nk) <= hz), sink, -1)
+    return cur, prev, sink
+
+
+@triton.jit
+def _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's best ``TOPK`` of its kept ``(top_v, top_i)`` and this chunk's ``key`` over
+    blocks ``blk``: ``TOPK`` rounds of a row max, ties to the lower block id."""
+    new_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
+    new_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
+    for t in range(TOPK):
+        m = tl.maximum(tl.max(top_v, axis=1), tl.max(key, axis=1))
+        id_old = tl.min(tl.where(top_v == m[:, None], top_i, 1073741824), axis=1)
+        id_new = tl.min(tl.where(key == m[:, None], blk[None, :], 1073741824), axis=1)
+        pick = tl.minimum(id_old, id_new)
+        real = m > float("-inf")
+        new_v = tl.where((offs_k[None, :] == t) & real[:, None], m[:, None], new_v)
+        new_i = tl.where((offs_k[None, :] == t) & real[:, None], pick[:, None], new_i)
+        top_v = tl.where(top_i == pick[:, None], float("-inf"), top_v)
+        top_i = tl.where(top_i == pick[:, None], 1073741824, top_i)
+        key = tl.where(blk[None, :] == pick[:, None], float("-inf"), key)
+    return new_v, new_i
+
+
+@triton.jit
 def _bsa_select_kernel(
     q_ptr, sums_ptr, cnt_ptr, lfv_ptr, out_ptr,
     stride_qb, stride_qh, stride_qn,
@@ -70,20 +110,8 @@ def _bsa_select_kernel(
         qs += tl.load(q_ptr + b * stride_qb + (hkv * G + g) * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     qs = qs * scale
-    # forced leaves (token_blocks.forced_leaf_blocks): current / previous / sink when visible
     lfv_base = lfv_ptr + b * NB
-    cur = tl.where((p >= 0) & (p < NB * C), p // C, -1)
-    prev = tl.full([BLOCK_M], -1, tl.int32)
-    if FORCE_PREV:
-        prev = tl.where(cur >= 1, cur - 1, -1)
-    sink = tl.full([BLOCK_M], -1, tl.int32)
-    if FORCE_SINK:
-        sink = tl.where(cur != 0, 0, -1)
-        if FORCE_PREV:
-            sink = tl.where(prev == 0, -1, sink)
-    cur = tl.where((cur >= 0) & (tl.load(lfv_base + tl.maximum(cur, 0), mask=row_ok, other=Nk) <= hz), cur, -1)
-    prev = tl.where((prev >= 0) & (tl.load(lfv_base + tl.maximum(prev, 0), mask=row_ok, other=Nk) <= hz), prev, -1)
-    sink = tl.where((sink >= 0) & (tl.load(lfv_base + tl.maximum(sink, 0), mask=row_ok, other=Nk) <= hz), sink, -1)
+    cur, prev, sink = _forced_leaves(lfv_base, p, hz, row_ok, Nk, NB, C, FORCE_SINK, FORCE_PREV, BLOCK_M)
 
     offs_k = tl.arange(0, KP)
     top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
@@ -111,21 +139,7 @@ def _bsa_select_kernel(
         key = tl.where(vis, key, float("-inf"))
         kth = tl.min(top_v, axis=1)
         if tl.sum(tl.sum((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-            new_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
-            new_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
-            for t in range(TOPK):
-                m = tl.maximum(tl.max(top_v, axis=1), tl.max(key, axis=1))
-                id_old = tl.min(tl.where(top_v == m[:, None], top_i, 1073741824), axis=1)
-                id_new = tl.min(tl.where(key == m[:, None], blk[None, :], 1073741824), axis=1)
-                pick = tl.minimum(id_old, id_new)
-                real = m > float("-inf")
-                new_v = tl.where((offs_k[None, :] == t) & real[:, None], m[:, None], new_v)
-                new_i = tl.where((offs_k[None, :] == t) & real[:, None], pick[:, None], new_i)
-                top_v = tl.where(top_i == pick[:, None], float("-inf"), top_v)
-                top_i = tl.where(top_i == pick[:, None], 1073741824, top_i)
-                key = tl.where(blk[None, :] == pick[:, None], float("-inf"), key)
-            top_v = new_v
-            top_i = new_i
+            top_v, top_i = _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK, KP, BLOCK_M)
         kb0 += BLOCK_N
     ids = tl.sort(top_i, dim=1)
     ids = tl.where(ids == 1073741824, -1, ids)
