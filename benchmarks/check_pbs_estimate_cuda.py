@@ -1,5 +1,5 @@
 """CUDA self-check and timing of PBS's Triton strided block estimates
-(``scoring="sampled_rows"|"antidiagonal"``, sparseflow/kernels/pbs/triton_estimate.py).
+(``scoring="sampled_rows"|"antidiagonal"``, sparseflow/methods/pbs/triton_estimate.py).
 
 1. Selections against the reference (``reference.select_blocks``) on the same bf16 inputs at
    N = 4K and 16K (B 1, Hq 32, Hkv 8, D 128, both GQA permutation modes): identical, or differing
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from sparseflow.kernels.pbs import reference as R
+from sparseflow.methods.pbs import reference as R
 
 BS, SEG = 128, 256
 SCORINGS = ("sampled_rows", "antidiagonal")
@@ -46,7 +46,7 @@ def _inputs(n, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=0, device="cuda")
 
 
 def _permutation(q, k, gqa):
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_select as S
 
     sc = S.key_scores(q, k, block_size=BS, segment_size=SEG, gqa_permutation=gqa)
     return S.segment_permutation(sc, segment_size=SEG)
@@ -69,8 +69,8 @@ def near_tie_mask(probs, cand, thr, tol_mass=1e-4, tol_prob=1e-5):
 
 
 def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
-    from sparseflow.kernels.pbs import triton_impl as TI
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_select as S
 
     q, k, _ = _inputs(n, seed=n + stride, device=device)
     perm = _permutation(q, k, gqa)
@@ -100,9 +100,9 @@ def _bench(fn):
 def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from sparseflow.kernels.pbs import triton_estimate as E
-    from sparseflow.kernels.pbs import triton_impl as TI
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_estimate as E
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_select as S
 
     q, k, v = _inputs(n, device=device)
     perm = _permutation(q, k, gqa)

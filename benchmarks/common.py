@@ -100,7 +100,7 @@ def causal_flops(b, hq, n, d):
 
 def exact_selection(b, hq, hp, n, bs, seg, seed=0, device="cuda"):
     """Exact-mode (100% density) selection with a random in-segment permutation."""
-    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.methods.pbs import reference as R
 
     g = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand(b, hp, n, device=device, generator=g)
@@ -113,7 +113,7 @@ def exact_selection(b, hq, hp, n, bs, seg, seed=0, device="cuda"):
 
 def random_selection(perm, hq, n, bs, seg, density, seed=0):
     """Forced blocks (own region, sink) plus a random fraction of the candidates."""
-    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.methods.pbs import reference as R
 
     cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
     forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
@@ -124,9 +124,9 @@ def random_selection(perm, hq, n, bs, seg, density, seed=0):
 
 def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, density=1.0):
     """Everything the PBS attention kernel takes, for a random selection of ``density``."""
-    from sparseflow.kernels.pbs import reference as R
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_impl as TI
 
     hp = hq if gqa == "query_head" else hkv
     q, k, v = qkv(b, hq, hkv, n, d, dtype, seed=n)
@@ -147,7 +147,7 @@ def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, den
 
 def pbs_kernel_call(inp, bs=128, tma=True):
     """A no-argument call of the PBS attention kernel on :func:`pbs_kernel_inputs`' inputs."""
-    from sparseflow.kernels.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_attention as TA
 
     return lambda: TA.pbs_block_sparse_attention(
         inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],

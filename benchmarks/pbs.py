@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     bench, causal_flops, env_info, pbs_kernel_call, pbs_kernel_inputs, qkv, random_selection, sdpa_dense)
-from sparseflow.kernels.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import reference as R  # noqa: E402
 
 DEV = "cuda"
 
@@ -73,7 +73,7 @@ def selection_diff(q, k, perm, bm, bs, seg, thr, tie_tol=1e-4):
 def part_check(args, results):
     """GPU correctness: Triton attention given the reference's selection vs the reference in fp64,
     and torch SDPA's own error on the same masked problem (the 2x rule)."""
-    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_impl as TI
 
     rows = []
     cases = [
@@ -125,7 +125,7 @@ def part_check(args, results):
                    deterministic=deterministic, ok=ok)
         # stages 1-3 with the Triton kernels against the reference on the same inputs
         try:
-            from sparseflow.kernels.pbs import triton_select as S
+            from sparseflow.methods.pbs import triton_select as S
 
             sc2 = S.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
             perm2 = S.segment_permutation(sc2, segment_size=seg, key_padding_mask=kpm)
@@ -156,7 +156,7 @@ def part_check(args, results):
 
 def part_variants(args, results):
     """Layouts x TMA x fixed tile configs at 100% density, side by side with cuDNN."""
-    from sparseflow.kernels.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_attention as TA
 
     b, hq, hkv, d = 1, args.hq, args.hkv, args.d
     rows = []
@@ -266,8 +266,8 @@ def part_kernel(args, results):
 def part_total(args, results):
     """The whole op (scoring + permutation + selection + attention) at the default threshold on the
     structured generator, per stage, vs cuDNN dense; plus time against density (random masks)."""
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_impl as TI
 
     b, hq, hkv, d = 1, args.hq, args.hkv, args.d
     bs, seg, thr = args.block, args.segment, args.threshold
@@ -325,7 +325,7 @@ def part_total(args, results):
         kern_stage_ms = None
         if args.select_kernels:
             try:
-                from sparseflow.kernels.pbs import triton_select as S
+                from sparseflow.methods.pbs import triton_select as S
 
                 sc2 = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
                 perm2 = S.segment_permutation(sc2, segment_size=seg)
@@ -384,9 +384,9 @@ def part_stages(args, results):
     (query-head permutation), vs cuDNN dense; plus the old layout (two torch gathers + positions),
     the selection's parts (query pooling, logits GEMM, the row kernel with either cut), the whole
     op, and the selection checked against the reference on the same permutation."""
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_impl as TI
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_select as S
 
     b, hq, hkv, d = 1, args.hq, args.hkv, args.d
     bs, seg, thr = args.block, args.segment, args.threshold

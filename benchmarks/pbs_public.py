@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 from common import bench, env_info, pbs_kernel_call, pbs_kernel_inputs, sdpa_dense, structured_qkv  # noqa: E402
-from sparseflow.kernels.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import reference as R  # noqa: E402
 
 KERNEL_NAME = "_permuted_block_sparse_attn_fwd"
 
@@ -85,8 +85,8 @@ def main(argv=None):
         sys.exit(f"--public-path must hold the pbs_attn package, got {args.public_path!r}")
     sys.path.insert(0, args.public_path)
     from pbs_attn.src import pbs as pub  # the public code, run beside ours, never copied
-    from sparseflow.kernels.pbs import triton_impl as TI
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_select as S
 
     torch.backends.cuda.matmul.allow_tf32 = False
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

@@ -65,10 +65,10 @@ def pisa_inputs(n, hq, hkv, d, dtype=torch.bfloat16, seed=0, structured=False):
 
 def part_check(args, results):
     from sparseflow.kernels import token_blocks as tb
-    from sparseflow.kernels.bsa import reference as BR
-    from sparseflow.kernels.bsa import triton_select as BT
-    from sparseflow.kernels.pisa import reference as PR
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.bsa import reference as BR
+    from sparseflow.methods.bsa import triton_select as BT
+    from sparseflow.methods.pisa import reference as PR
+    from sparseflow.methods.pisa import triton_select as PT
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
     rows = []
@@ -118,8 +118,8 @@ def part_check(args, results):
 
 
 def part_select(args, results):
-    from sparseflow.kernels.bsa import triton_select as BT
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.bsa import triton_select as BT
+    from sparseflow.methods.pisa import triton_select as PT
 
     from sparseflow import Tuning
 
@@ -179,7 +179,7 @@ def part_select_variants(args, results):
     """Launch settings of the PISA walk side by side (``sparseflow.Tuning``'s ``pisa_warps`` and
     ``pisa_leaf_bytes``), plus the PISA-1 score (no raw keys at the leaves) for scale."""
     from sparseflow import Tuning
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select as PT
 
     rows = []
     q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
@@ -203,8 +203,8 @@ def part_select_tiled(args, results):
     """The walk alone (pyramid built once, outside the timing) at ``--variant-n``: the per-token
     op beside the tiled one over tile sizes and warps; every tiled selection must equal the
     per-token one (``equal``)."""
-    from sparseflow.kernels.pisa import triton_select as PT
-    from sparseflow.kernels.pisa import triton_select_tiled as TT
+    from sparseflow.methods.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select_tiled as TT
 
     q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
     summ, nfv, _, off, span = PT.build_pyramid(k, block_size=64, branching=2)
@@ -254,7 +254,7 @@ def _cudnn_fwd_bwd(q, k, v):
 
 
 def part_attn(args, results):
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select as PT
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
     rows = []
@@ -297,7 +297,7 @@ def part_attn(args, results):
 
 def part_flex(args, results):
     from sparseflow.kernels import flex_common as fc
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select as PT
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
     rows = []
@@ -336,7 +336,7 @@ def part_flex(args, results):
 
 
 def part_decode(args, results):
-    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     rows = []
     for n in args.decode_ns:

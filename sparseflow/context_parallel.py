@@ -383,7 +383,7 @@ def _token_local(impl, q, k_all, v_all, layout: Layout, kwargs, is_causal: bool,
 def shared_pbs_rows(layout: Layout, block_size: int, segment_size: int, proxy_blocks: int, device) -> Tensor:
     """Sorted global positions every rank needs besides its own: the proxy rows and the rows of
     every query block that straddles a shard boundary."""
-    from .kernels.pbs import reference as ref
+    from .methods.pbs import reference as ref
 
     n = layout.total
     parts = [rows for rows, _ in ref.proxy_queries(None, 1, n, block_size=block_size, segment_size=segment_size,
@@ -411,14 +411,14 @@ def _pbs_queries(q: Tensor, layout: Layout, pg, kwargs) -> Tuple[Tensor, Tensor]
 
 
 def _pbs_permutation(q_full: Tensor, k_all: Tensor, kwargs, scale, kernels: bool) -> Tensor:
-    from .kernels.pbs import reference as ref
+    from .methods.pbs import reference as ref
 
     bsz, hq, n, _ = q_full.shape
     hp = hq if kwargs["gqa_permutation"] == "query_head" else k_all.shape[1]
     if not kwargs["permute"]:
         return torch.arange(n, device=q_full.device).expand(bsz, hp, n).clone()
     if kernels:
-        from .kernels.pbs import triton_select as sel
+        from .methods.pbs import triton_select as sel
 
         score_fn, perm_fn = sel.key_scores, sel.segment_permutation
     else:
@@ -438,7 +438,7 @@ def _owned_blocks(own: Tensor, n: int, block_size: int) -> Tensor:
 def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool, scale, backend: str,
                tuning: Tuning = DEFAULT_TUNING) -> Tensor:
     """PBS for the rank's query blocks: the single-device selection, restricted to them."""
-    from .kernels.pbs import reference as ref
+    from .methods.pbs import reference as ref
 
     q_full, own = _pbs_queries(q, layout, pg, kwargs)
     # the Triton PBS kernel is forward-only: a call that needs gradients runs the reference stages,
@@ -474,7 +474,7 @@ _STRATEGIES = {"token_chunks": _token_chunks, "shared_rows": _shared_rows}
 
 def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """The Triton selection and attention (CUDA, or the interpreter with ``Tuning(pbs_select="triton")``)."""
-    from .kernels.pbs import triton_impl
+    from .methods.pbs import triton_impl
 
     return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
 
@@ -483,8 +483,8 @@ def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_
                       tuning: Tuning = DEFAULT_TUNING):
     """The Triton selection's block lists with other ranks' query blocks emptied, then the kernel
     (forward only, as the single-device Triton PBS)."""
-    from .kernels.pbs import triton_impl as ti
-    from .kernels.pbs.triton_select import select_block_lists
+    from .methods.pbs import triton_impl as ti
+    from .methods.pbs.triton_select import select_block_lists
 
     gather = ti.kv_layout(tuning) == "gather"
     strided = kwargs["scoring"] != "mean" and float(kwargs["threshold"]) < 1.0

@@ -26,7 +26,7 @@ _ACTIVE: contextvars.ContextVar[Optional["DecodeState"]] = contextvars.ContextVa
 
 @dataclass
 class _Entry:
-    cache: object  # kernels.pisa.decode.PyramidCache
+    cache: object  # methods.pisa.pyramid_cache.PyramidCache
     last_key: torch.Tensor  # [B, Hkv, D]: the key at position cache.length - 1
 
 
@@ -41,7 +41,7 @@ class DecodeState:
 
     def pyramid(self, tag: str, k: torch.Tensor, *, block_size: int, branching: int):
         """The layer's pyramid holding all ``Nk`` keys of ``k [B, Hkv, Nk, D]``."""
-        from .kernels.pisa.decode import PyramidCache
+        from .methods.pisa.pyramid_cache import PyramidCache
 
         n = k.shape[2]
         key = (tag, block_size, branching, k.shape[0], k.shape[1], k.shape[3], k.dtype, str(k.device))

@@ -27,11 +27,11 @@ What the function bodies compute (checked against the PyTorch reference by tests
   restricted to the selected blocks with the element-level causal mask. The selection is computed
   densely on the ``[N, N/C]`` block scores and the attention on the ``[N, N]`` scores: a portable
   O(N^2) fallback, not a fast kernel.
-* ``PBSAttention`` (:mod:`sparseflow.onnx_pbs`): proxy key scores from the last query block,
+* ``PBSAttention`` (:mod:`sparseflow.methods.pbs.onnx`): proxy key scores from the last query block,
   per-segment key permutation (``TopK``, stable), block probabilities (``scoring`` "mean" or
   "antidiagonal"), cumulative-mass threshold, forced own-region and sink blocks, then attention
   in the original key order with the block mask gathered per key.
-* ``PISAAttention`` (:mod:`sparseflow.onnx_pisa`): the pyramid walk per query token as an ONNX
+* ``PISAAttention`` (:mod:`sparseflow.methods.pisa.onnx`): the pyramid walk per query token as an ONNX
   ``Loop`` over levels (their number depends on N, so the length stays dynamic), scores "lse",
   "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level.
 

@@ -31,16 +31,16 @@ class Tuning:
     """Launch options of the Triton backends (``backend="triton"``, or ``"auto"`` choosing it).
 
     ``pbs_select``: the implementation of PBS's stages 1-3 (proxy scores, permutation, block
-    selection). ``"triton"``: the Triton kernels of ``kernels/pbs/triton_select``; ``"reference"``:
+    selection). ``"triton"``: the Triton kernels of ``methods/pbs/triton_select``; ``"reference"``:
     the reference's torch stages; ``"auto"``: Triton on CUDA, the reference elsewhere.
     ``pbs_kv_layout``: ``"permuted"`` writes K/V once in permuted order so the attention kernel
     streams contiguous tiles; ``"gather"`` reads the original rows through the permutation.
     ``pbs_tma``: let the PBS attention kernel use TMA loads where the device and layout allow
     (Hopper or newer, permuted layout, 16-byte aligned rows); False never does.
     ``pisa_walk``: how PISA's selection walk is parallelised (the selection is the same):
-    ``"per_token"``, one program per query token (``kernels/pisa/triton_select``); ``"tiled"``, one
+    ``"per_token"``, one program per query token (``methods/pisa/triton_select``); ``"tiled"``, one
     program per tile of consecutive queries sharing the scoring of each level
-    (``kernels/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
+    (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
     ``"auto"``: per token for now.
     ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
     memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and

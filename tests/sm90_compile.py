@@ -151,8 +151,8 @@ def _pad(b, n):
 
 def run_pbs(cases):
     from sparseflow import Tuning
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_impl as TI
 
     TI._use_kernels = lambda t: True
     tma_default = TA._tma_ok
@@ -169,8 +169,8 @@ def run_pbs_strided(cases):
     """The strided estimates (``scoring="sampled_rows"|"antidiagonal"``) through the op, and the
     block-probability kernel the tests use."""
     from sparseflow import Tuning
-    from sparseflow.kernels.pbs import triton_estimate as TE
-    from sparseflow.kernels.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_estimate as TE
+    from sparseflow.methods.pbs import triton_impl as TI
 
     TI._use_kernels = lambda t: True
     for n, d, dtype, gqa, pad, causal, scoring, stride in cases:
@@ -184,8 +184,8 @@ def run_pbs_strided(cases):
 
 
 def run_pisa_bsa(cases):
-    from sparseflow.kernels.bsa import triton_impl as BI
-    from sparseflow.kernels.pisa import triton_impl as PI
+    from sparseflow.methods.bsa import triton_impl as BI
+    from sparseflow.methods.pisa import triton_impl as PI
 
     for d, dtype, pad, top_k, beam, score in cases:
         q, k, v = _qkv(2, 8, 2, 900, d, dtype, grad=True)
@@ -197,7 +197,7 @@ def run_pisa_bsa(cases):
 
 def run_pisa_tiled(cases):
     from sparseflow import Tuning
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select as PT
 
     for hq, d, dtype, pad, top_k, beam, score, causal in cases:
         q, k, _ = _qkv(2, hq, 2, 900, d, dtype)
@@ -207,7 +207,7 @@ def run_pisa_tiled(cases):
 
 
 def run_bsa_bf16():
-    from sparseflow.kernels.bsa import triton_select as BS
+    from sparseflow.methods.bsa import triton_select as BS
 
     q, k, _ = _qkv(1, 8, 2, 900, 64, torch.bfloat16)
     for bf16 in (False, True):
@@ -218,7 +218,7 @@ def run_bsa_bf16():
 
 
 def run_decode(cases):
-    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     for d, dtype, top_k, beam in cases:
         q, k, v = _qkv(1, 8, 2, 600, d, dtype)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseflow.kernels.bsa.reference import bsa_attention, bsa_select
-from sparseflow.kernels.pisa.reference import pisa_select
+from sparseflow.methods.bsa.reference import bsa_attention, bsa_select
+from sparseflow.methods.pisa.reference import pisa_select
 
 SETTINGS = dict(max_examples=25, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

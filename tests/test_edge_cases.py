@@ -130,9 +130,9 @@ def test_triton_rejects_fp64_with_a_clear_type_error(method, monkeypatch):
 
 @_TRITON
 def test_triton_entry_points_reject_fp64_with_a_type_error():
-    from sparseflow.kernels.bsa.triton_impl import bsa_attention
-    from sparseflow.kernels.pbs.triton_impl import pbs_attention
-    from sparseflow.kernels.pisa.triton_impl import pisa_attention
+    from sparseflow.methods.bsa.triton_impl import bsa_attention
+    from sparseflow.methods.pbs.triton_impl import pbs_attention
+    from sparseflow.methods.pisa.triton_impl import pisa_attention
 
     q, k, v = _qkv(n=32, d=16)
     for fn in (pbs_attention, pisa_attention, bsa_attention):
@@ -202,8 +202,8 @@ def test_huge_top_k_costs_no_more_than_exact_mode(method):
 
 @pytest.mark.parametrize("method", ["pisa", "bsa"])
 def test_selection_width_is_clamped_to_the_blocks(method):
-    from sparseflow.kernels.bsa.reference import bsa_select
-    from sparseflow.kernels.pisa.reference import pisa_select
+    from sparseflow.methods.bsa.reference import bsa_select
+    from sparseflow.methods.pisa.reference import pisa_select
 
     select = pisa_select if method == "pisa" else bsa_select
     q, k, _ = _qkv(n=64, d=8, dtype=torch.float32)
@@ -214,10 +214,10 @@ def test_selection_width_is_clamped_to_the_blocks(method):
 
 @_TRITON
 def test_triton_selection_width_is_clamped_to_the_blocks():
-    from sparseflow.kernels.bsa import triton_select as bsa_t
-    from sparseflow.kernels.bsa.reference import bsa_select
-    from sparseflow.kernels.pisa import triton_select as pisa_t
-    from sparseflow.kernels.pisa.reference import pisa_select
+    from sparseflow.methods.bsa import triton_select as bsa_t
+    from sparseflow.methods.bsa.reference import bsa_select
+    from sparseflow.methods.pisa import triton_select as pisa_t
+    from sparseflow.methods.pisa.reference import pisa_select
 
     q, k, _ = _qkv(n=32, d=16, dtype=torch.float32)
     for fast, ref in ((pisa_t.pisa_select, pisa_select), (bsa_t.bsa_select, bsa_select)):
@@ -228,8 +228,8 @@ def test_triton_selection_width_is_clamped_to_the_blocks():
 
 @_TRITON
 def test_decode_selection_width_is_clamped_to_the_cached_blocks():
-    from sparseflow.kernels.pisa.decode import PyramidCache
-    from sparseflow.kernels.pisa.reference import pisa_select
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
+    from sparseflow.methods.pisa.reference import pisa_select
 
     q, k, v = _qkv(hq=2, hkv=1, n=33, d=16, dtype=torch.float32)
     cache = PyramidCache(k[:, :, :32], capacity=64, block_size=8)
@@ -293,8 +293,8 @@ def test_padded_nan_keys_and_values_influence_nothing(method, backend):
 @_TRITON
 def test_pbs_triton_blocks_narrower_than_a_kernel_tile_equal_the_reference():
     # block_size 8 < the kernel's 16-key tiles: a tile must not read the next, unselected block
-    from sparseflow.kernels.pbs import reference as R
-    from sparseflow.kernels.pbs import triton_impl as T
+    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs import triton_impl as T
 
     q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4)
     for kw in (dict(threshold=1.0, permute=False), dict(threshold=0.5)):
@@ -325,7 +325,7 @@ def test_pbs_nan_key_leaves_causally_earlier_queries_of_its_block_alone(backend)
 
 
 def _pbs_ref(q, k, v, **kw):
-    from sparseflow.kernels.pbs.reference import pbs_attention
+    from sparseflow.methods.pbs.reference import pbs_attention
 
     return pbs_attention(q, k, v, is_causal=True, block_size=8, segment_size=16, threshold=0.5, **kw)
 
@@ -367,7 +367,7 @@ def test_paper_proxy_is_not_causal_in_keys():
 def test_docs_state_the_causal_proxy_guarantee_not_strict_causality():
     from pathlib import Path
 
-    from sparseflow.kernels.pbs import reference
+    from sparseflow.methods.pbs import reference
 
     readme = Path(__file__).resolve().parents[1] / "README.md"
     texts = [PBSConfig.__doc__, reference.__doc__] + ([readme.read_text()] if readme.exists() else [])

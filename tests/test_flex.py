@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparseflow.kernels import flex_common as fc
-from sparseflow.kernels.bsa import flex as bsa_flex
-from sparseflow.kernels.bsa import reference as bsa_ref
-from sparseflow.kernels.pbs import flex as pbs_flex
-from sparseflow.kernels.pbs import reference as pbs_ref
-from sparseflow.kernels.pisa import flex as pisa_flex
-from sparseflow.kernels.pisa import reference as pisa_ref
+from sparseflow.methods.bsa import flex as bsa_flex
+from sparseflow.methods.bsa import reference as bsa_ref
+from sparseflow.methods.pbs import flex as pbs_flex
+from sparseflow.methods.pbs import reference as pbs_ref
+from sparseflow.methods.pisa import flex as pisa_flex
+from sparseflow.methods.pisa import reference as pisa_ref
 from sparseflow.testing import error_bound
 
 pytestmark = pytest.mark.skipif(
@@ -327,7 +327,7 @@ def test_through_the_dispatcher(method):
     from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
     from sparseflow.testing import check_exact_mode, check_matches_own_selection
 
-    assert ops.IMPLEMENTATIONS[(method, "flex")] == f"sparseflow.kernels.{method}.flex:{method}_attention"
+    assert ops.IMPLEMENTATIONS[(method, "flex")] == f"sparseflow.methods.{method}.flex:{method}_attention"
     c = CASES["pad130"]
     q, k, v = c.tensors(seed=9)
     cls = {"pbs": PBSConfig, "pisa": PISAConfig, "bsa": BSAConfig}[method]

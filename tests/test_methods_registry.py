@@ -116,7 +116,7 @@ def test_onnx_refuses_a_field_its_body_does_not_list():
 
 
 def test_implementations_view_is_read_only_and_live():
-    assert ops.IMPLEMENTATIONS[("bsa", "reference")] == "sparseflow.kernels.bsa.reference:bsa_attention"
+    assert ops.IMPLEMENTATIONS[("bsa", "reference")] == "sparseflow.methods.bsa.reference:bsa_attention"
     assert ("dense", "reference") not in ops.IMPLEMENTATIONS and "pbs" not in ops.IMPLEMENTATIONS
     assert len(ops.IMPLEMENTATIONS) == sum(len(s.backends) for s in specs())
     with pytest.raises(TypeError):
@@ -140,7 +140,7 @@ def _fake_spec(**changes) -> MethodSpec:
     fields = dict(
         name="fake",
         config_type=_FakeConfig,
-        backends={"reference": Backend("sparseflow.kernels.bsa.reference:bsa_attention", differentiable="always")},
+        backends={"reference": Backend("sparseflow.methods.bsa.reference:bsa_attention", differentiable="always")},
         onnx=OnnxBody(node_type="FakeAttention", mask="sparseflow.methods.bsa.onnx:MASK"),
         dense_rule=lambda cfg, n_q, n_k: "fake needs 64 keys" if n_k < 64 else "",
         has_top_k=True,

@@ -1,6 +1,6 @@
 """PBS proxy_blocks (issue 8): P query blocks spread over the sequence score the keys.
 
-Conventions under test (sparseflow/kernels/pbs/reference.py, module docstring): proxy j = 1..P is
+Conventions under test (sparseflow/methods/pbs/reference.py, module docstring): proxy j = 1..P is
 the valid query block ending the first j/P of the valid query blocks; the last is the paper's
 proxy (last block_size valid queries, every complete segment); an earlier proxy sees only the
 complete segments strictly before its own; a key's score is the mean of the probabilities of
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import sparseflow  # noqa: E402
 from sparseflow import PBSConfig  # noqa: E402
 from sparseflow.config import config_from_dict  # noqa: E402
-from sparseflow.kernels.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import reference as R  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -246,7 +246,7 @@ def test_config_validation_and_serialisation():
                                                   ("query_head", False, True)])
 def test_triton_scores_match_reference(gqa, pad, causal_proxy):
     pytest.importorskip("triton")
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_select as S
 
     q, k, _, kpm = _random(3 if pad else 1, 6, 2, 93, 40, seed=7, pad=pad)
     q, k = q.to(DEV), k.to(DEV)

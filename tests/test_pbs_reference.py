@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseflow.kernels.pbs.reference import (
+from sparseflow.methods.pbs.reference import (
     block_probabilities,
     candidate_blocks,
     key_scores,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import sparseflow
-from sparseflow.kernels.pbs import reference as R
+from sparseflow.methods.pbs import reference as R
 
 
 def _inputs(n=90, hq=4, hkv=2, d=8, seed=0):

@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from sparseflow.kernels.pbs import reference as R  # noqa: E402
-from sparseflow.kernels.pbs import triton_attention as TA  # noqa: E402
-from sparseflow.kernels.pbs import triton_impl as TI  # noqa: E402
+from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
+from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
 from sparseflow.selection import Selection  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -265,7 +265,7 @@ SELECT_CASES = [
 
 @pytest.mark.parametrize("case", SELECT_CASES, ids=[f"sel{i}" for i in range(len(SELECT_CASES))])
 def test_select_kernel_identical_to_reference(case):
-    from sparseflow.kernels.pbs.triton_select import select_block_lists
+    from sparseflow.methods.pbs.triton_select import select_block_lists
 
     n, hq, hkv, gqa, pad, causal, bs, seg, thr, sink = case
     b = 2 if pad else 1
@@ -306,7 +306,7 @@ def test_pipeline_with_select_kernel():
 @pytest.mark.parametrize("gqa,pad,causal_proxy", [("query_head", False, False), ("kv_head", True, False),
                                                   ("query_head", True, True)])
 def test_score_and_sort_kernels_match_reference(gqa, pad, causal_proxy):
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_select as S
 
     n, bs, seg = 100, 16, 32
     b = 2 if pad else 1
@@ -323,7 +323,7 @@ def test_score_and_sort_kernels_match_reference(gqa, pad, causal_proxy):
 
 
 def test_segment_sort_is_stable_with_ties():
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import triton_select as S
 
     scores = torch.tensor([[[0.5, 0.5, 0.1, 0.5, 0.0, 0.0, 0.2, 0.2, 0.9]]], device=DEV)
     perm = S.segment_permutation(scores, segment_size=4)
@@ -337,7 +337,7 @@ def test_dispatch_through_op():
     from sparseflow import PBSConfig
     from sparseflow import ops
 
-    assert ops.IMPLEMENTATIONS[("pbs", "triton")] == "sparseflow.kernels.pbs.triton_impl:pbs_attention"
+    assert ops.IMPLEMENTATIONS[("pbs", "triton")] == "sparseflow.methods.pbs.triton_impl:pbs_attention"
     n = 48
     q, k, v = _qkv(2, 3, 1, n, 32, torch.float32, seed=4)
     kpm = torch.ones(2, n, dtype=torch.bool, device=DEV)
@@ -382,7 +382,7 @@ def test_permute_kv_kernel_exact(hp_kind, dtype):
         nb = -(-n // bs)
         cnt = F.pad(slot_valid, (0, nb * bs - n)).view(b, hp, nb, bs).sum(-1)
         assert torch.equal(lay.kcount.long(), cnt)
-        from sparseflow.kernels.pbs.triton_select import pool_blocks
+        from sparseflow.methods.pbs.triton_select import pool_blocks
 
         torch.testing.assert_close(lay.kbar, pool_blocks(TI.permute_kv_torch(k, perm), slot_valid, bs, False),
                                    rtol=1e-6, atol=1e-6)
@@ -415,7 +415,7 @@ NEW_SELECT_CASES = [
 def test_select_from_layout_identical_to_reference(case):
     """Pooled keys from the layout launch, logits from one batched GEMM (in head chunks), rows
     from the threshold kernel: identical selection and block lists to the reference."""
-    from sparseflow.kernels.pbs.triton_select import select_block_lists
+    from sparseflow.methods.pbs.triton_select import select_block_lists
 
     n, hq, hkv, gqa, pad, causal, bs, seg, thr, cut, mlb = case
     b = 2 if pad else 1
@@ -441,7 +441,7 @@ def test_select_from_layout_identical_to_reference(case):
 def test_threshold_ties_go_to_lower_blocks(cut, thr):
     """All key blocks pool to the same mean: uniform probabilities, so the threshold prefix is
     decided by the tie rule alone (lower block index first), as in the reference."""
-    from sparseflow.kernels.pbs.triton_select import select_block_lists
+    from sparseflow.methods.pbs.triton_select import select_block_lists
 
     n, bs, seg = 160, 16, 32
     q, _, _ = _qkv(1, 2, 1, n, 16, torch.float32, seed=2)

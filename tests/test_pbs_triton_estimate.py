@@ -1,5 +1,5 @@
 """PBS strided block estimates in Triton (``scoring="sampled_rows"|"antidiagonal"``,
-sparseflow/kernels/pbs/triton_estimate.py) against the reference.
+sparseflow/methods/pbs/triton_estimate.py) against the reference.
 
 On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set
 before the Triton modules are imported; tiny shapes). fp32: block probabilities to 1e-5 relative
@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from sparseflow.kernels.pbs import reference as R  # noqa: E402
-from sparseflow.kernels.pbs import triton_attention as TA  # noqa: E402
-from sparseflow.kernels.pbs import triton_estimate as E  # noqa: E402
-from sparseflow.kernels.pbs import triton_impl as TI  # noqa: E402
-from sparseflow.kernels.pbs import triton_select as S  # noqa: E402
+from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
+from sparseflow.methods.pbs import triton_estimate as E  # noqa: E402
+from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
+from sparseflow.methods.pbs import triton_select as S  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

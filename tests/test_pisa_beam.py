@@ -14,7 +14,7 @@ import torch
 import sparseflow
 from sparseflow.attention_mass import TOPK_SELECTORS, check_selectors, parse_selector, topk_recall
 from sparseflow.config import PISAConfig, config_from_dict
-from sparseflow.kernels.pisa import reference as R
+from sparseflow.methods.pisa import reference as R
 
 
 def _inputs(b, hq, hkv, n, d, pad, seed, dtype=torch.float64):

@@ -13,8 +13,8 @@ import torch
 
 import sparseflow
 from sparseflow.kernels import token_blocks as tb
-from sparseflow.kernels.bsa import reference as bsa_ref
-from sparseflow.kernels.pisa import reference as pisa_ref
+from sparseflow.methods.bsa import reference as bsa_ref
+from sparseflow.methods.pisa import reference as pisa_ref
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -46,7 +46,7 @@ PISA_CASES = {
 
 @pytest.mark.parametrize("case", PISA_CASES.values(), ids=PISA_CASES.keys())
 def test_pisa_selection_equals_reference(case):
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype = case
     q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
@@ -72,7 +72,7 @@ PISA_BEAM_CASES = {
 @pytest.mark.parametrize("case", PISA_BEAM_CASES.values(), ids=PISA_BEAM_CASES.keys())
 def test_pisa_beam_selection_equals_reference(case):
     """The walk with ``beam``: ``beam * top_k`` kept nodes above the leaves, ``top_k`` leaves."""
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
     q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=beam)
@@ -95,7 +95,7 @@ BSA_CASES = {
 
 @pytest.mark.parametrize("case", BSA_CASES.values(), ids=BSA_CASES.keys())
 def test_bsa_selection_equals_reference(case):
-    from sparseflow.kernels.bsa import triton_select
+    from sparseflow.methods.bsa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
     q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
@@ -107,7 +107,7 @@ def test_bsa_selection_equals_reference(case):
 
 
 def test_bsa_selector_rejects_unknown_precision():
-    from sparseflow.kernels.bsa import triton_select
+    from sparseflow.methods.bsa import triton_select
 
     q, k, _, _ = _inputs(1, 2, 1, 20, 20, 16, torch.float32, False)
     with pytest.raises(ValueError, match="precision"):
@@ -172,7 +172,7 @@ def test_op_triton_backend_matches_reference_and_reports_selection(method):
 
 
 def test_decode_pyramid_cache_matches_reference_selection_and_attention():
-    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     c, kk, n0, steps = 8, 3, 37, 6
     q, k, v, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=5)
@@ -191,7 +191,7 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
 
 
 def test_decode_pyramid_cache_beam_matches_reference_selection():
-    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     c, kk, n0, steps, beam = 4, 4, 61, 3, 2
     q, k, _, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=6)
@@ -230,7 +230,7 @@ def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
 @pytest.mark.parametrize("n_leaves", [1, 2, 7, 64, 100, 4097])
 @pytest.mark.parametrize("branching", [2, 3, 8])
 def test_pyramid_tables_on_device_match_level_sizes(n_leaves, branching):
-    from sparseflow.kernels.pisa import triton_select as ts
+    from sparseflow.methods.pisa import triton_select as ts
 
     sizes, offs, dev_offs, dev_spans = ts.pyramid_tables(n_leaves, branching, "cpu")
     assert sizes == ts.level_sizes(n_leaves, branching)

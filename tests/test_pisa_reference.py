@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseflow.kernels.pisa.reference import build_pyramid, pisa_attention, pisa_select
+from sparseflow.methods.pisa.reference import build_pyramid, pisa_attention, pisa_select
 from sparseflow.kernels.token_blocks import attend_selected_blocks
 
 SETTINGS = dict(max_examples=25, deadline=None,

@@ -11,11 +11,11 @@ import torch
 
 import sparseflow
 from sparseflow import Tuning
-from sparseflow.kernels.pisa import reference as pisa_ref
+from sparseflow.methods.pisa import reference as pisa_ref
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from sparseflow.kernels.pisa import triton_select_tiled as tiled  # noqa: E402  (imports triton)
+from sparseflow.methods.pisa import triton_select_tiled as tiled  # noqa: E402  (imports triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILED = Tuning(pisa_walk="tiled")
@@ -68,7 +68,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_tiled_selection_equals_reference(case, monkeypatch):
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam, block_q = case
     calls = _spy_walks(monkeypatch, block_q)
@@ -85,7 +85,7 @@ def test_tiled_selection_equals_reference(case, monkeypatch):
 
 def test_queries_before_every_key_select_nothing(monkeypatch):
     """Causal with more queries than keys: the first queries see no key (all -1), the tile spans both."""
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
     q, k, _ = _inputs(1, 2, 1, 90, 40, 16, F32, False)
@@ -100,7 +100,7 @@ def test_queries_before_every_key_select_nothing(monkeypatch):
 def test_ties_go_to_the_lower_block(score, monkeypatch):
     """Every leaf block holds the same keys: all scores tie, at every level, and each row keeps
     the lowest ids (the reference's order)."""
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
     g = torch.Generator().manual_seed(5)
@@ -114,7 +114,7 @@ def test_ties_go_to_the_lower_block(score, monkeypatch):
 
 
 def test_auto_and_per_token_keep_the_per_token_walk(monkeypatch):
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
     q, k, _ = _inputs(1, 2, 1, 20, 70, 16, F32, False)
@@ -126,7 +126,7 @@ def test_auto_and_per_token_keep_the_per_token_walk(monkeypatch):
 
 
 def test_uncovered_shape_runs_per_token_and_says_why(monkeypatch, caplog):
-    from sparseflow.kernels.pisa import triton_select
+    from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
     q, k, _ = _inputs(1, 2, 1, 6, 300, 16, F32, False)

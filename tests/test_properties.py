@@ -90,8 +90,8 @@ def test_p3_pbs_default_proxy_can_see_later_keys_only_through_selection(problem,
     k2[:, :, t + 1 :] += 5.0
     v2[:, :, t + 1 :] -= 5.0
     mask = sel.key_mask(q.shape[1])
-    a = sparseflow.kernels.dense.reference.dense_attention(q, k, v, key_mask=mask)
-    b = sparseflow.kernels.dense.reference.dense_attention(q, k2, v2, key_mask=mask)
+    a = sparseflow.methods.dense.reference.dense_attention(q, k, v, key_mask=mask)
+    b = sparseflow.methods.dense.reference.dense_attention(q, k2, v2, key_mask=mask)
     torch.testing.assert_close(a[:, :, : t + 1], b[:, :, : t + 1], rtol=0, atol=0)
 
 

@@ -64,7 +64,7 @@ def test_oracle_variant_scores_blocks_by_exact_attention_mass():
     # the mean over its query rows of their exact softmax mass (over the candidate keys) in that block
     import torch
 
-    from sparseflow.kernels.pbs import reference as R
+    from sparseflow.methods.pbs import reference as R
 
     assert study.VARIANTS["oracle_no_permute"] == {"permute": False, "scoring": "antidiagonal", "antidiagonal_stride": 1}
     g = torch.Generator().manual_seed(0)

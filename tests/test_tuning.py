@@ -118,9 +118,9 @@ def test_rewrite_pass_carries_the_tuning(plain_attention):
 
 def _spy_pbs(monkeypatch):
     """Records (gather, TMA allowed) per attention launch and which selection ran."""
-    from sparseflow.kernels.pbs import reference as R
-    from sparseflow.kernels.pbs import triton_attention as TA
-    from sparseflow.kernels.pbs import triton_select as S
+    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_select as S
 
     seen = {"launch": [], "select": []}
     real_tma, real_lists, real_blocks = TA._tma_ok, S.select_block_lists, R.select_blocks
@@ -161,7 +161,7 @@ def test_pbs_tuning_reaches_the_kernel(monkeypatch, tuning, select, launch):
 
 
 def _spy_pisa(monkeypatch):
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select as PT
 
     seen = []
     real = PT._launch
@@ -188,7 +188,7 @@ def test_pisa_tuning_reaches_the_launch_per_call(monkeypatch):
 
 @needs_triton
 def test_pisa_decode_takes_the_tuning(monkeypatch):
-    from sparseflow.kernels.pisa.decode import PyramidCache
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     seen = _spy_pisa(monkeypatch)
     q, k, v = _qkv(n=50)
@@ -199,8 +199,8 @@ def test_pisa_decode_takes_the_tuning(monkeypatch):
 
 def test_default_launch_settings_unchanged():
     pytest.importorskip("triton")
-    from sparseflow.kernels.pbs import triton_impl as TI
-    from sparseflow.kernels.pisa import triton_select as PT
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pisa import triton_select as PT
 
     assert PT._launch(16) == (1, 16384) and PT._launch(32) == (4, 65536)
     assert TI.select_impl(torch.device("cpu")) == "reference"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import AttentionConfig, default_config
-from ..kernels.dense.reference import dense_attention as _dense64
+from ..methods.dense.reference import dense_attention as _dense64
 from ..methods import spec_for
 from ..ops import attention
 from ..recording import capture

@@ -3,7 +3,7 @@ from ...config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
-_KERNELS = "sparseflow.kernels.bsa"
+_KERNELS = __name__  # the backends are modules of this package
 
 SPEC = register(MethodSpec(
     name="bsa",

@@ -2,7 +2,7 @@
 epilogue of :mod:`sparseflow.onnx_export`, defining ``allowed5`` (which keys each query attends)
 and ``cfg_ok``."""
 
-# BSA selection (sparseflow.kernels.bsa.reference + token_blocks), dense over block scores.
+# BSA selection (sparseflow.methods.bsa.reference + token_blocks), dense over block scores.
 MASK = """
   C = Constant <value_int: int = @block_size> ()
   TK = Constant <value_int: int = @top_k> ()

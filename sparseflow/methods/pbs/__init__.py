@@ -2,7 +2,7 @@
 from ...config import AttentionConfig, PBSConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 
-_KERNELS = "sparseflow.kernels.pbs"
+_KERNELS = __name__  # the backends are modules of this package
 
 # the scorings the ONNX body reproduces ("sampled_rows" has no body)
 ONNX_SCORINGS = ("mean", "antidiagonal")
@@ -42,7 +42,7 @@ SPEC = register(MethodSpec(
     },
     onnx=OnnxBody(
         node_type="PBSAttention",
-        mask="sparseflow.onnx_pbs:MASK",
+        mask="sparseflow.methods.pbs.onnx:MASK",
         fields={"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
                 "scoring", "antidiagonal_stride", "causal_proxy", "proxy_blocks", "min_seq_len"},
         refusal=onnx_refusal,

@@ -3,7 +3,7 @@ from ...config import PISAConfig
 from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
-_KERNELS = "sparseflow.kernels.pisa"
+_KERNELS = __name__  # the backends are modules of this package
 
 SPEC = register(MethodSpec(
     name="pisa",
@@ -13,7 +13,7 @@ SPEC = register(MethodSpec(
         "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always"),
         "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda"),
     },
-    onnx=OnnxBody(node_type="PISAAttention", mask="sparseflow.onnx_pisa:MASK",
+    onnx=OnnxBody(node_type="PISAAttention", mask="sparseflow.methods.pisa.onnx:MASK",
                   fields=TOPK_ONNX_FIELDS | {"branching", "score", "beam"}),
     # generate(): the Triton backend appends each token to the model's cached pyramid
     decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),

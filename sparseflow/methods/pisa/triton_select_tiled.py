@@ -56,7 +56,7 @@ need no per-row causal mask: a child / key counts when it holds a valid key.
 Coverage: the tiled walk takes any shape the per-token walk takes as long as a row's candidate
 width ``CW = max(16, next_pow2(beam * top_k) * next_pow2(g))`` is at most :data:`MAX_CW` and the
 group has at most :data:`MAX_GROUP` query heads; other shapes fall back to the per-token walk
-(logged). Decoding (``sparseflow.kernels.pisa.decode``) keeps the per-token walk.
+(logged). Decoding (``sparseflow.methods.pisa.pyramid_cache``) keeps the per-token walk.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .._triton_env import interpreting
+from ...kernels._triton_env import interpreting
 
 __all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 

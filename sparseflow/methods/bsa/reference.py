@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import token_blocks as tb
+from ...kernels import token_blocks as tb
 
 __all__ = ["bsa_select", "bsa_attention"]
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ...selection import Selection
 from ...tuning import DEFAULT_TUNING, Tuning
-from .._triton_env import interpreting
+from ...kernels._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 

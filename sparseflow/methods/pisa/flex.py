@@ -1,6 +1,6 @@
 """PISA on FlexAttention (``backend="flex"``), SPEC §4.
 
-Selection: the reference's pyramid walk (:func:`sparseflow.kernels.pisa.reference.pisa_select`),
+Selection: the reference's pyramid walk (:func:`sparseflow.methods.pisa.reference.pisa_select`),
 so the selected blocks -- and the reported :class:`~sparseflow.selection.Selection` -- are the
 reference's exactly. Attention: compiled ``flex_attention`` through
 :func:`sparseflow.kernels.flex_common.token_block_attention` -- a query tile's block list is the
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .. import flex_common as fc
+from ...kernels import flex_common as fc
 from .reference import pisa_select
 
 __all__ = ["pisa_attention"]
@@ -40,7 +40,7 @@ def pisa_attention(
     kv_tile: Optional[int] = None,
 ):
     """PISA attention with compiled FlexAttention: same signature, selection and result (to
-    floating-point tolerance) as :func:`sparseflow.kernels.pisa.reference.pisa_attention`.
+    floating-point tolerance) as :func:`sparseflow.methods.pisa.reference.pisa_attention`.
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
     ``block_size``; ``kv_tile`` a multiple of it)."""
     fc.check_flex_inputs(q, k, v)

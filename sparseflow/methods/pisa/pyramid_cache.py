@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ...tuning import DEFAULT_TUNING, Tuning
-from ..token_blocks import selection_width
-from ..token_sparse_triton import token_sparse_attention
+from ...kernels.token_blocks import selection_width
+from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
 

@@ -36,11 +36,11 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..block_summaries_triton import leaf_sums
-from ..token_blocks import selection_width
+from ...kernels.block_summaries_triton import leaf_sums
+from ...kernels.token_blocks import selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
-from .._triton_env import interpreting
+from ...kernels._triton_env import interpreting
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from .. import token_blocks as tb
-from ..token_sparse_triton import token_sparse_attention
+from ...kernels import token_blocks as tb
+from ...kernels.token_sparse_triton import token_sparse_attention
 from .triton_select import bsa_select
 
 __all__ = ["bsa_attention"]

@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from ..block_summaries_triton import leaf_sums
-from ..token_blocks import selection_width
-from .._triton_env import interpreting
+from ...kernels.block_summaries_triton import leaf_sums
+from ...kernels.token_blocks import selection_width
+from ...kernels._triton_env import interpreting
 
 __all__ = ["bsa_select", "PRECISIONS"]
 

@@ -1,6 +1,6 @@
 """BSA (full-scan block-sparse baseline) on FlexAttention (``backend="flex"``).
 
-Selection: the reference's full-scan top-K (:func:`sparseflow.kernels.bsa.reference.bsa_select`),
+Selection: the reference's full-scan top-K (:func:`sparseflow.methods.bsa.reference.bsa_select`),
 so the selected blocks -- and the reported :class:`~sparseflow.selection.Selection` -- are the
 reference's exactly. Attention: compiled ``flex_attention`` through
 :func:`sparseflow.kernels.flex_common.token_block_attention` -- a query tile's block list is the
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .. import flex_common as fc
+from ...kernels import flex_common as fc
 from .reference import bsa_select
 
 __all__ = ["bsa_attention"]
@@ -37,7 +37,7 @@ def bsa_attention(
     kv_tile: Optional[int] = None,
 ):
     """BSA attention with compiled FlexAttention: same signature, selection and result (to
-    floating-point tolerance) as :func:`sparseflow.kernels.bsa.reference.bsa_attention`.
+    floating-point tolerance) as :func:`sparseflow.methods.bsa.reference.bsa_attention`.
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
     ``block_size``; ``kv_tile`` a multiple of it)."""
     fc.check_flex_inputs(q, k, v)

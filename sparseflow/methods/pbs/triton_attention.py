@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
-from ..launch_sizes import pow2_at_least
+from ...kernels.launch_sizes import pow2_at_least
 
-from .._triton_env import interpreting
+from ...kernels._triton_env import interpreting
 
 __all__ = [
     "PAD_POS",

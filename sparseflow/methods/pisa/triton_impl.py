@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 
 from ...tuning import DEFAULT_TUNING, Tuning
-from .. import token_blocks as tb
-from ..token_sparse_triton import token_sparse_attention
+from ...kernels import token_blocks as tb
+from ...kernels.token_sparse_triton import token_sparse_attention
 from .triton_select import pisa_select
 
 __all__ = ["pisa_attention"]

@@ -48,8 +48,8 @@ import triton.language as tl
 from . import reference as _ref
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
-from .._triton_env import interpreting
-from ..launch_sizes import pow2_at_least
+from ...kernels._triton_env import interpreting
+from ...kernels.launch_sizes import pow2_at_least
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 

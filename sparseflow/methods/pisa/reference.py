@@ -44,7 +44,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import token_blocks as tb
+from ...kernels import token_blocks as tb
 
 __all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES", "check_beam"]
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ...selection import Selection
-from .. import flex_common as fc
+from ...kernels import flex_common as fc
 from .reference import (key_scores, permuted_block_attention, segment_permutation, select_blocks,
                         selection_density)
 
@@ -142,7 +142,7 @@ def pbs_attention(
     return_selection: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with compiled FlexAttention. Same signature, selection and result (to
-    floating-point tolerance) as :func:`sparseflow.kernels.pbs.reference.pbs_attention`."""
+    floating-point tolerance) as :func:`sparseflow.methods.pbs.reference.pbs_attention`."""
     fc.check_flex_inputs(q, k, v)
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]

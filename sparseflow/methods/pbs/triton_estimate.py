@@ -56,8 +56,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from . import reference as _ref
-from .._triton_env import interpreting
-from ..launch_sizes import pow2_at_least
+from ...kernels._triton_env import interpreting
+from ...kernels.launch_sizes import pow2_at_least
 
 __all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
            "pbs_strided_probs"]

@@ -1,0 +1,77 @@
+"""Package layout: each method's code sits in its own folder and uses no other method's folder
+(code shared by methods goes through sparseflow/kernels/)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import sparseflow
+from sparseflow import methods
+
+PACKAGE = pathlib.Path(sparseflow.__file__).resolve().parent
+METHOD_NAMES = ("bsa", "dense", "pbs", "pisa")
+
+
+def _imported_modules(source: str, package: str) -> set:
+    """Absolute names of the modules (and ``from`` targets) one source file imports, or names as
+    "module:function" strings. ``package``: the file's package, for its relative imports."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("sparseflow."):
+            found.add(node.value.split(":")[0])
+    return found
+
+
+def _foreign_methods(modules: set, own: str) -> set:
+    prefixes = {f"sparseflow.methods.{m}" for m in METHOD_NAMES if m != own}
+    return {mod for mod in modules if any(mod == p or mod.startswith(p + ".") for p in prefixes)}
+
+
+def test_the_import_scan_sees_relative_absolute_and_string_imports():
+    src = ("from ..pisa import reference\nfrom .. import bsa\nimport sparseflow.methods.dense.reference\n"
+           "X = 'sparseflow.methods.pisa.flex:pisa_attention'\nfrom ...kernels import token_blocks\n"
+           "from . import triton_impl\n")
+    found = _foreign_methods(_imported_modules(src, "sparseflow.methods.pbs"), "pbs")
+    assert found == {"sparseflow.methods.pisa", "sparseflow.methods.pisa.reference", "sparseflow.methods.bsa",
+                     "sparseflow.methods.dense.reference", "sparseflow.methods.pisa.flex"}
+
+
+def test_methods_do_not_import_each_other():
+    offenders = {}
+    for name in METHOD_NAMES:
+        for path in sorted((PACKAGE / "methods" / name).glob("*.py")):
+            modules = _imported_modules(path.read_text(), f"sparseflow.methods.{name}")
+            foreign = _foreign_methods(modules, name)
+            if foreign:
+                offenders[str(path.relative_to(PACKAGE))] = sorted(foreign)
+    assert not offenders, f"method folders importing another method's folder: {offenders}"
+
+
+def test_every_method_folder_is_scanned():
+    assert set(METHOD_NAMES) == set(methods.names())
+    for name in METHOD_NAMES:
+        assert (PACKAGE / "methods" / name / "__init__.py").is_file()
+
+
+def test_backends_and_onnx_bodies_live_in_their_method_folder():
+    for spec in methods.specs():
+        home = f"sparseflow.methods.{spec.name}."
+        targets = [backend.target for backend in spec.backends.values()] + [spec.onnx.mask]
+        if spec.decode is not None:
+            targets.append(spec.decode.step)
+        for target in targets:
+            assert target.startswith(home), f"{spec.name}: {target} is outside {home[:-1]}"
+
+
+def test_kernels_holds_only_shared_code():
+    leftovers = [p.name for p in (PACKAGE / "kernels").iterdir() if p.is_dir() and p.name in METHOD_NAMES]
+    assert not leftovers, f"per-method folders under sparseflow/kernels/: {leftovers}"
