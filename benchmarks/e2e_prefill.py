@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparseflow  # noqa: E402
 from common import median_ms_per_call  # noqa: E402
 from sparseflow.checkpoints import load_smollm2, real_text  # noqa: E402
-from sparseflow.evaluate import _logits  # noqa: E402
-from sparseflow.fidelity import compare_logits  # noqa: E402
+from sparseflow.eval.evaluate import _logits  # noqa: E402
+from sparseflow.eval.fidelity import compare_logits  # noqa: E402
 from sparseflow.rope import set_rope_scaling  # noqa: E402
 
 TRAINED_POSITIONS = 8192
@@ -138,7 +138,7 @@ def plan_parts(name: str):
 
 
 def _replaced(cfg, fields: Dict[str, str]):
-    from sparseflow.sweep import parse_config_field
+    from sparseflow.eval.sweep import parse_config_field
 
     return cfg.replace(**{k: parse_config_field(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
 

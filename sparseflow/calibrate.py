@@ -225,7 +225,7 @@ def layer_inputs(model, input_ids: torch.Tensor) -> List[torch.Tensor]:
 
 
 def _layer_density(cap, layer: int) -> float:
-    from .evaluate import _layer_of
+    from .eval.evaluate import _layer_of
 
     vals = [c.density for c in cap.calls if _layer_of(c.tag) == layer and c.density is not None]
     return float(sum(vals) / len(vals)) if vals else 1.0
@@ -271,8 +271,8 @@ def _single_layer_plan(s: _Session, layer: int, cfg: AttentionConfig):
 
 def measure_layer(s: _Session, layer: int, choice: Choice) -> Measurement:
     """KL vs dense with only ``layer`` running ``choice``, its density and predicted cost."""
-    from .evaluate import _logits
-    from .fidelity import compare_logits
+    from .eval.evaluate import _logits
+    from .eval.fidelity import compare_logits
     from .hf import apply_plan
     from .recording import capture
 
@@ -395,7 +395,7 @@ def write_json_atomic(path: Path, payload) -> None:
 def progress_key(s: _Session) -> str:
     """What the measurements depend on: weights, tokens, base config, backend, cost model. The
     choice grid is not part of it, so a rerun with more or fewer choices reuses what it shares."""
-    from .evaluate import _weights_fingerprint
+    from .eval.evaluate import _weights_fingerprint
 
     h = hashlib.sha256()
     h.update(_weights_fingerprint(s.model).encode())
@@ -480,7 +480,7 @@ def plan_of_choices(s: _Session, chosen: Sequence[Choice]):
 def measure_plan(s: _Session, plan, input_ids: Optional[torch.Tensor] = None,
                  dense: Optional[torch.Tensor] = None) -> Dict[str, Any]:
     """Whole-model fidelity and density of ``plan`` (calibration text unless given)."""
-    from .evaluate import evaluate_plans
+    from .eval.evaluate import evaluate_plans
 
     ids = s.input_ids if input_ids is None else input_ids
     r = evaluate_plans(s.model, ids, [plan], eval_positions=s.keep, dense=s.dense if dense is None else dense)[0]
@@ -597,7 +597,7 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
     docstring). ``input_ids``: ``[1, N]`` calibration tokens, fidelity over the last
     ``eval_positions`` predictions; ``heldout_ids``: tokens the plan is checked on afterwards.
     ``progress_path``: the JSON file single-layer results are kept in (resume)."""
-    from .evaluate import dense_logits
+    from .eval.evaluate import dense_logits
 
     budget = check_budget(kl_budget)
     _sparse_spec(method, "method")

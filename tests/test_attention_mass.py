@@ -1,4 +1,4 @@
-"""sparseflow.attention_mass: Recall@K / retained mass (PISA, BSA, flat LSE) and PBS retained
+"""sparseflow.eval.attention_mass: Recall@K / retained mass (PISA, BSA, flat LSE) and PBS retained
 mass, checked against independent dense computations on small random inputs."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparseflow.attention_mass import TOPK_SELECTORS, pbs_retained_mass, topk_recall
+from sparseflow.eval.attention_mass import TOPK_SELECTORS, pbs_retained_mass, topk_recall
 from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
 from sparseflow.ops import attention
 from sparseflow.recording import capture
@@ -86,7 +86,7 @@ def test_pbs_retained_mass_matches_the_op_and_grows_with_threshold():
 def test_capture_qkv_tiny_llama():
     pytest.importorskip("transformers")
     import conftest
-    from sparseflow.attention_mass import capture_qkv
+    from sparseflow.eval.attention_mass import capture_qkv
 
     model = conftest.make_tiny("llama", layers=2)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -115,7 +115,7 @@ def test_capture_qkv_tiny_llama():
 
 
 def test_pbs_retained_mass_at_spread_positions():
-    from sparseflow.attention_mass import spread_positions
+    from sparseflow.eval.attention_mass import spread_positions
 
     q, k = _qk(6, 2)
     pos = spread_positions(384, 3, start=64, width=16)

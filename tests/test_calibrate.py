@@ -68,7 +68,7 @@ def _run(model, budget, tmp_path, **kw):
 
 
 def _measured_kl(model, recipe, method="pbs"):
-    from sparseflow.evaluate import evaluate_plans
+    from sparseflow.eval.evaluate import evaluate_plans
 
     plan = recipe.plan(method, model.config)
     return evaluate_plans(model, _ascii_ids("pydoc_topics"), [plan], eval_positions=KEEP)[0]

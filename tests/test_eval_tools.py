@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
-from sparseflow.diagnostics import block_map
+from sparseflow.eval.diagnostics import block_map
 from sparseflow.ops import attention
 from sparseflow.recording import capture
-from sparseflow.sweep import curve_points, parse_sweep, sweep_plans
+from sparseflow.eval.sweep import curve_points, parse_sweep, sweep_plans
 
 # --------------------------------------------------------------------------- sweeps
 
@@ -51,7 +51,7 @@ def test_sweep_plans_types_values_and_rejects_bad_fields():
 
 
 def test_parse_config_field_is_public_and_types_like_the_default():
-    from sparseflow import sweep
+    from sparseflow.eval import sweep
 
     assert sweep.parse_config_field("pbs", "threshold", "0.5") == 0.5
     assert sweep.parse_config_field("pisa", "top_k", "16") == 16 and sweep.parse_config_field("pbs", "permute", "0") is False
@@ -62,8 +62,8 @@ def test_parse_config_field_is_public_and_types_like_the_default():
 
 
 def test_curve_points_series():
-    from sparseflow.evaluate import MethodResult
-    from sparseflow.fidelity import Fidelity
+    from sparseflow.eval.evaluate import MethodResult
+    from sparseflow.eval.fidelity import Fidelity
 
     fid = Fidelity(positions=4, mean_kl=0.1, p99_kl=0.2, top1_agreement=0.75, ppl_dense=2.0, ppl_sparse=2.5)
     rs = [MethodResult("pbs", PBSConfig(threshold=t, permute=p).to_dict(), fid, d, 1, 0)
@@ -131,7 +131,7 @@ def test_block_map_errors():
 def test_dense_logits_cache_hits_and_keys_on_weights(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     import conftest
-    import sparseflow.evaluate as ev
+    import sparseflow.eval.evaluate as ev
 
     model = conftest.make_tiny("llama", layers=1)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -157,7 +157,7 @@ def test_evaluate_plans_per_plan_results_densities_and_block_map():
     the block map of map_at comes from the sparse call; the model is left on SDPA."""
     pytest.importorskip("transformers")
     import conftest
-    import sparseflow.evaluate as ev
+    import sparseflow.eval.evaluate as ev
     from sparseflow.config import DenseConfig
     from sparseflow.hf import Plan
 
@@ -182,7 +182,7 @@ def test_evaluate_plans_per_plan_results_densities_and_block_map():
 
 def test_plots_write_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    from sparseflow import plots
+    from sparseflow.eval import plots
 
     paths = [
         plots.density_heatmap([[0.2, 0.5], None, [1.0, 1.0]], "d", str(tmp_path / "a" / "d.png")),
@@ -197,7 +197,7 @@ def test_plots_write_pngs(tmp_path):
 
 
 def test_plots_without_matplotlib(monkeypatch):
-    from sparseflow import plots
+    from sparseflow.eval import plots
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"plots need matplotlib, which is not installed: pip install matplotlib"):

@@ -75,3 +75,28 @@ def test_backends_and_onnx_bodies_live_in_their_method_folder():
 def test_kernels_holds_only_shared_code():
     leftovers = [p.name for p in (PACKAGE / "kernels").iterdir() if p.is_dir() and p.name in METHOD_NAMES]
     assert not leftovers, f"per-method folders under sparseflow/kernels/: {leftovers}"
+
+
+EVAL_MODULES = ("attention_mass", "diagnostics", "evaluate", "fidelity", "niah", "plots", "sweep")
+# the rewrite and attention path: none of it may need the research code
+CORE = ("__init__.py", "api.py", "ops.py", "hf.py", "config.py", "selection.py", "tuning.py", "recording.py",
+        "decode_state.py", "onnx_export.py", "context_parallel.py", "passes/*.py", "methods/*.py", "methods/*/*.py",
+        "kernels/*.py")
+
+
+def _package_of(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1])
+
+
+def test_research_code_is_in_eval_and_off_the_core_path():
+    assert not [m for m in EVAL_MODULES if (PACKAGE / f"{m}.py").exists()]
+    assert all((PACKAGE / "eval" / f"{m}.py").is_file() for m in EVAL_MODULES)
+    offenders = {}
+    for pattern in CORE:
+        for path in sorted(PACKAGE.glob(pattern)):
+            modules = _imported_modules(path.read_text(), _package_of(path))
+            hits = sorted(m for m in modules if m == "sparseflow.eval" or m.startswith("sparseflow.eval."))
+            if hits:
+                offenders[str(path.relative_to(PACKAGE))] = hits
+    assert not offenders, f"core modules importing sparseflow.eval: {offenders}"

@@ -1,4 +1,4 @@
-"""sparseflow.niah and ``sparseflow eval --task niah``: passkey prompts, accuracy, the CLI path."""
+"""sparseflow.eval.niah and ``sparseflow eval --task niah``: passkey prompts, accuracy, the CLI path."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from sparseflow import convert as convert_mod  # noqa: E402
-from sparseflow import niah  # noqa: E402
+from sparseflow.eval import niah  # noqa: E402
 from sparseflow.cli import main  # noqa: E402
 
 

@@ -296,7 +296,7 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
 
 
 def test_retained_mass_uses_the_option():
-    from sparseflow.attention_mass import pbs_retained_mass
+    from sparseflow.eval.attention_mass import pbs_retained_mass
 
     q, k, _, _ = _random(1, 6, 2, 96, 16, seed=9, pad=False)
     cfg = PBSConfig(block_size=8, segment_size=16, threshold=0.6)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sparseflow
-from sparseflow.attention_mass import TOPK_SELECTORS, check_selectors, parse_selector, topk_recall
+from sparseflow.eval.attention_mass import TOPK_SELECTORS, check_selectors, parse_selector, topk_recall
 from sparseflow.config import PISAConfig, config_from_dict
 from sparseflow.methods.pisa import reference as R
 

@@ -79,7 +79,7 @@ def test_none_forms():
 
 
 def test_dense_logits_cache_keys_on_the_rope(tmp_path):
-    from sparseflow.evaluate import dense_logits
+    from sparseflow.eval.evaluate import dense_logits
 
     model = _model()
     ids = torch.arange(48)[None] % 64

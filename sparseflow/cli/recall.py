@@ -1,5 +1,5 @@
 """``sparseflow eval --recall [--recall-k K] [--recall-selectors S1,S2]``: PISA Recall@K / retained-mass diagnostic
-on the model's real Q/K (the logic is :func:`sparseflow.attention_mass.recall_diagnostic`)."""
+on the model's real Q/K (the logic is :func:`sparseflow.eval.attention_mass.recall_diagnostic`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
     """``eval --recall``: PISA Recall@K / retained-mass diagnostic on the model's real Q/K."""
     import torch
 
-    from ..attention_mass import recall_diagnostic
+    from ..eval.attention_mass import recall_diagnostic
     from ..checkpoints import TEXTS, real_tokens
     from ..convert import load_source, stderr_progress
 
@@ -47,7 +47,7 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
 
 def _selectors(args: argparse.Namespace) -> list:
     """--recall-k and --recall-selectors checked; the selectors to compare."""
-    from ..attention_mass import TOPK_SELECTORS, check_selectors
+    from ..eval.attention_mass import TOPK_SELECTORS, check_selectors
 
     if args.recall_k < 4:
         raise ValueError(f"--recall-k must be >= 4 (3 forced blocks + 1), got {args.recall_k}")
@@ -72,7 +72,7 @@ def _print_table(report: dict, selectors: list) -> None:
 
 
 def _plots(report: dict, selectors: list, args: argparse.Namespace) -> None:
-    from ..plots import bar_plot, curve_plot
+    from ..eval.plots import bar_plot, curve_plot
 
     title = f"{args.text}, {args.tokens} tokens, K={args.recall_k}, C=64"
     print("wrote", bar_plot({s: report["mean"][s] for s in selectors}, f"Recall@K / retained mass: {title}",

@@ -1,6 +1,6 @@
 """SmolLM2 (Llama architecture; the 135M model: 30 layers, 9 query / 3 KV heads, head dim 64).
 
-Settings chosen by measurement with ``sparseflow eval`` (:func:`sparseflow.evaluate.evaluate_plans`)
+Settings chosen by measurement with ``sparseflow eval`` (:func:`sparseflow.eval.evaluate.evaluate_plans`)
 on SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32), the model's native length: the first
 8192 tokens of ``pydoc_data.topics``, fidelity over the last 512 next-token predictions, CPU,
 reference backend, layer 0 dense in every row. Density is the mean over all 30 attention calls

@@ -8,9 +8,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .config import AttentionConfig, default_config
+from ..config import AttentionConfig, default_config
 from .fidelity import Fidelity, compare_logits
-from .recording import capture
+from ..recording import capture
 
 __all__ = ["MethodResult", "PlanResult", "evaluate_methods", "evaluate_plans", "dense_logits", "format_results"]
 
@@ -102,7 +102,7 @@ def evaluate_methods(
 ) -> List[MethodResult]:
     """Compare each method with the dense model on the last ``eval_positions`` next-token
     predictions of ``input_ids`` ([1, N]). The model is copied per method; it is not changed."""
-    from .api import compile as sf_compile, report as sf_report
+    from ..api import compile as sf_compile, report as sf_report
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
@@ -207,7 +207,7 @@ def evaluate_plans(
 
     ``dense``: precomputed dense logits ([eval_positions, V]); otherwise computed (and cached in
     ``cache_dir`` when given, see :func:`dense_logits`). ``map_at=(layer, head)`` also records
-    that head's selected-block map (:func:`sparseflow.diagnostics.block_map`). ``on_result`` is
+    that head's selected-block map (:func:`sparseflow.eval.diagnostics.block_map`). ``on_result`` is
     called with each result as soon as it exists (long sweeps write their JSON as they go)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
@@ -239,7 +239,7 @@ def evaluate_plans(
 def _evaluate_plan(model, input_ids: torch.Tensor, plan, eval_positions: int, dense: torch.Tensor,
                    map_at: Optional[tuple], n_layers: int, n_heads: int) -> PlanResult:
     """Run ``model`` under one plan (leaving it on SDPA) and compare its logits with ``dense``."""
-    from .hf import apply_plan
+    from ..hf import apply_plan
 
     n = input_ids.shape[1]
     targets = input_ids[0, n - eval_positions :]

@@ -52,7 +52,7 @@ def parse_depths(text: str) -> List[float]:
 
 @functools.lru_cache(maxsize=4)
 def _sentences(name: str) -> Tuple[str, ...]:
-    from .checkpoints import real_text
+    from ..checkpoints import real_text
 
     flat = " ".join(real_text(name).split())
     return tuple(s for s in _SENTENCE_END.split(flat) if len(s) > 1)
@@ -196,7 +196,7 @@ def _density(calls) -> Tuple[Optional[float], int, int]:
 
 
 def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate: Callable) -> Dict[str, object]:
-    from .recording import capture
+    from ..recording import capture
 
     start = time.perf_counter()
     with capture(keep_selections=True) as cap:
@@ -228,7 +228,7 @@ def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float],
     """Accuracy of dense (SDPA) and of each :class:`sparseflow.hf.Plan` in ``plans`` on the same
     prompts (``samples`` per depth). Returns one summary per run, dense first; the model is left on SDPA.
     ``progress`` gets one line per sample."""
-    from .hf import apply_plan
+    from ..hf import apply_plan
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Sequence, Tuple
 
-from .config import METHODS
-from .methods import names_with, spec_for
+from ..config import METHODS
+from ..methods import names_with, spec_for
 
 __all__ = ["parse_sweep", "parse_config_field", "sweep_plans", "curve_points", "series_name", "has_permute"]
 

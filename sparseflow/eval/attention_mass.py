@@ -117,12 +117,12 @@ def _selector_indices(name: str, q, k, block_size: int, top_k: int, branching: i
     """``[Hkv, N, K]`` block ids of a library selector, or None for ``flat_lse`` (done inline)."""
     kind, score, beam = parse_selector(name)
     if kind == "pisa":
-        from .methods.pisa.reference import pisa_select
+        from ..methods.pisa.reference import pisa_select
 
         return pisa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching,
                            score=score, beam=beam)[0]
     if kind == "bsa":
-        from .methods.bsa.reference import bsa_select
+        from ..methods.bsa.reference import bsa_select
 
         return bsa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k)[0]
     return None  # flat_lse
@@ -231,8 +231,8 @@ def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 5
     ``positions`` given, e.g. :func:`spread_positions`) that falls on the keys PBS (``config``, a
     PBSConfig) selects for them, per query head, plus the density of the whole selection (as
     ``sparseflow eval`` reports it) and of the evaluated queries alone."""
-    from .config import PBSConfig
-    from .methods.pbs import reference as R
+    from ..config import PBSConfig
+    from ..methods.pbs import reference as R
 
     if not isinstance(config, PBSConfig):
         raise TypeError(f"config must be a PBSConfig, got {type(config).__name__}")

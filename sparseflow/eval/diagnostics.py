@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .selection import Selection
+from ..selection import Selection
 
 __all__ = ["block_map"]
 
