@@ -10,7 +10,7 @@ import os
 import torch
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter. Triton reads the switch when it
-# is first imported, and torch's compiler may import it long before tests/test_pbs_triton.py is
+# is first imported, and torch's compiler may import it long before tests/methods/pbs/test_pbs_triton.py is
 # collected, so it is set here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -11,7 +11,7 @@ launch sees defined values).
 
     python tests/sm90_compile.py --json out.json     # exit 1 on any compile error
 
-Used by tests/test_sm90_compile.py; it must run in its own process (TRITON_INTERPRET=0 before
+Used by tests/kernels/test_sm90_compile.py; it must run in its own process (TRITON_INTERPRET=0 before
 any sparseflow kernel module is imported).
 """
 from __future__ import annotations

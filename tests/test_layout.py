@@ -100,3 +100,26 @@ def test_research_code_is_in_eval_and_off_the_core_path():
             if hits:
                 offenders[str(path.relative_to(PACKAGE))] = hits
     assert not offenders, f"core modules importing sparseflow.eval: {offenders}"
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def test_test_folders_mirror_the_package():
+    folders = [p for p in TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__" and "__pycache__" not in p.parts]
+    strays = [str(p.relative_to(TESTS)) for p in folders if not (PACKAGE / p.relative_to(TESTS)).is_dir()]
+    assert folders and not strays, f"test folders with no package folder of that name: {strays}"
+
+
+def _one_method_of(test_file: pathlib.Path) -> str:
+    """The method a test file is about, from its name (``test_pbs_triton.py``: ``"pbs"``), or ""
+    for a file about several (``test_pisa_bsa_triton.py``, which belongs in tests/methods/)."""
+    words = test_file.stem.split("_")[1:]
+    named = [w for w in words[:2] if w in METHOD_NAMES]
+    return named[0] if len(named) == 1 and words[0] == named[0] else ""
+
+
+def test_method_tests_sit_in_their_method_folder():
+    misplaced = [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
+                 if _one_method_of(p) and p.parent != TESTS / "methods" / _one_method_of(p)]
+    assert not misplaced, f"method tests outside tests/methods/<method>/: {misplaced}"

@@ -12,7 +12,7 @@ through the compiler (``TORCHDYNAMO_DISABLE``, ``torch.compiler.set_stance("forc
 is compiled with ``fullgraph=True``, so a failed or over-limit compilation raises instead of
 silently running eagerly.
 
-Facts measured on torch 2.13 CPU (see ``tests/test_flex.py``):
+Facts measured on torch 2.13 CPU (see ``tests/methods/test_flex.py``):
 
 * compiled CPU flex takes fp32, bf16 and fp16 (fp64 is rejected with a ``ValueError`` naming the
   dtype), any head dim tried (16..256, including 80 and 96), any (Q, KV) block size pair, and

@@ -39,7 +39,7 @@ the exponential unit about as much as by the tensor cores; the strided rows take
 (row, strided column) against an ``s*D``-deep dot and are tensor-core bound.
 
 Status: identical selections to the reference on the CPU interpreter
-(tests/test_pbs_triton_estimate.py) and on the H200 (benchmarks/check_pbs_estimate_cuda.py:
+(tests/methods/pbs/test_pbs_triton_estimate.py) and on the H200 (benchmarks/check_pbs_estimate_cuda.py:
 benchmarks/results/pbs_estimate_h200.json, N = 4K and 16K, both scorings and GQA permutations,
 stride 8, threshold 0.9); compiled for sm_90 (tests/sm90_compile.py). The estimate alone takes
 0.11-0.17 of cuDNN's dense causal attention at 8K-128K on the H200 (same file, B=1, Hq=32, Hkv=8,

@@ -27,8 +27,8 @@ attention layout needs anyway. Conventions are the reference's (see reference.py
 
 Status: ``triton_impl`` uses these by default on CUDA (``Tuning(pbs_select="reference")`` selects
 with the reference's torch stages instead; off CUDA that is the default). Checked against the
-reference on the CPU interpreter (tests/test_pbs_triton.py: scores to ~1e-7 relative, identical
-permutations and selections; tests/test_pbs_triton_estimate.py for the strided scorings) and
+reference on the CPU interpreter (tests/methods/pbs/test_pbs_triton.py: scores to ~1e-7 relative, identical
+permutations and selections; tests/methods/pbs/test_pbs_triton_estimate.py for the strided scorings) and
 compiled for sm_90 (tests/sm90_compile.py). On the H200 (benchmarks/results/pbs_stages_h200.json:
 B=1, Hq=32, Hkv=8, D=128, bf16, ``scoring="mean"``, threshold 0.9), scores + sort + selection take
 0.26 / 0.73 / 2.82 ms at N = 8K / 32K / 128K (cuDNN dense attention: 0.99 / 14.6 / 251 ms); the

@@ -12,7 +12,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sm90_compile.py")
 
 
 def _run(*args, timeout=900):

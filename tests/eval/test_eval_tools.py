@@ -312,7 +312,7 @@ def test_bench_small_arguments_parse_with_the_real_scripts(name):
 
     from sparseflow.bench import SCRIPTS
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
     if not (folder / name).is_file():
         pytest.skip(f"benchmarks/{name} is not in this checkout")
     args = [a.replace("{json}", "out.json") for a in SCRIPTS[name]]

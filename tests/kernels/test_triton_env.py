@@ -9,7 +9,7 @@ import torch
 from sparseflow import ops
 from sparseflow.kernels._triton_env import interpreting
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "sparseflow"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "sparseflow"
 HELPER = PACKAGE / "kernels" / "_triton_env.py"
 
 

@@ -74,7 +74,7 @@ def test_stride_one_is_the_exact_block_mass():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_op_runs_sampled_rows_and_matches_masked_dense(backend):
     # off CUDA the triton backend selects with the reference's torch stages (Tuning.pbs_select's
-    # default there; on CUDA triton_estimate's kernels select, tests/test_pbs_triton_estimate.py)
+    # default there; on CUDA triton_estimate's kernels select, tests/methods/pbs/test_pbs_triton_estimate.py)
     # and attends with its kernel (the CPU interpreter here)
     q, k, v = _inputs(n=77, d=16)
     kw = dict(block_size=16, segment_size=32, threshold=0.7, scoring="sampled_rows", antidiagonal_stride=4)

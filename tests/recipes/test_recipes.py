@@ -128,7 +128,7 @@ def test_imports_stay_light():
         "sparseflow.recipes.get_recipe('smollm2');"
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

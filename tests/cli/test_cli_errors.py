@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from sparseflow import cli, convert as convert_mod  # noqa: E402
 from sparseflow.cli import main  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

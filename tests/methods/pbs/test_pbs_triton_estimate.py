@@ -370,7 +370,7 @@ def _probs_op_args(est_args):
 
 def _opcheck(op, args):
     if INTERPRET:
-        # as for sparseflow::pbs_block_sparse_fwd (tests/test_pbs_triton.py): under the interpreter
+        # as for sparseflow::pbs_block_sparse_fwd (tests/methods/pbs/test_pbs_triton.py): under the interpreter
         # wrap_triton hands back the raw kernel, which cannot run on fake or functional tensors, so
         # the AOT-dispatch checks cannot trace it; all of opcheck runs on CUDA
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
