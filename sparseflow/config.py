@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Mapping, Type, Union
+from typing import Any, ClassVar, Dict, Mapping, Optional, Type, Union
 
 __all__ = [
     "AttentionConfig",
@@ -254,3 +254,23 @@ def config_from_dict(data: Union[Mapping[str, Any], str]) -> AttentionConfig:
     if unknown:
         raise ValueError(f"unknown fields for {cls.__name__}: {unknown}; expected a subset of {sorted(known)}")
     return cls(**data)
+
+
+_BACKEND_DEFAULTS: Dict[type, AttentionConfig] = {}
+
+
+def backend_config(cls: type, config: Optional[AttentionConfig], fields: Mapping[str, Any]) -> AttentionConfig:
+    """The config a method's backend runs: ``config`` (default ``cls()``), with ``fields`` (the
+    keyword form of direct calls, e.g. ``block_size=64``) replaced and validated by the config.
+    The defaults live in the config alone."""
+    if config is None:
+        config = _BACKEND_DEFAULTS.get(cls) or _BACKEND_DEFAULTS.setdefault(cls, cls())
+    elif not isinstance(config, cls):
+        raise TypeError(f"config must be a {cls.__name__} or None, got {type(config).__name__}")
+    if not fields:
+        return config
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} field(s) {unknown}; the fields are "
+                        f"{[f.name for f in dataclasses.fields(cls)]}")
+    return config.replace(**fields)

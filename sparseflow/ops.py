@@ -352,12 +352,12 @@ def _takes_tuning(impl: Callable) -> bool:
 
 
 def _call_impl(method: str, backend: str, entry: _ConfigEntry, q, k, v, mask, scale, return_selection: bool):
-    """One implementation's call: the mask analysis's form of the mask, the config's keyword
-    arguments, and the tuning for an implementation that takes one."""
+    """One implementation's call: the config object, the mask analysis's form of the mask, and
+    the tuning for an implementation that takes one."""
     impl = _load(method, backend)
     extra = {"tuning": entry.tuning} if _takes_tuning(impl) else {}
-    return impl(q, k, v, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal, scale=scale,
-                return_selection=return_selection, **entry.kwargs, **extra)
+    return impl(q, k, v, entry.cfg, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal, scale=scale,
+                return_selection=return_selection, **extra)
 
 
 # --------------------------------------------------------------------------- the call's plan

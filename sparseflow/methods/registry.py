@@ -61,8 +61,9 @@ def _check_target(owner: str, target: Any) -> None:
 @dataclass(frozen=True)
 class Backend:
     """One implementation of a method. ``target``: ``"module:function"``, a function taking
-    ``(q, k, v, *, key_padding_mask, is_causal, scale, return_selection, **config fields except
-    min_seq_len)`` and, when its signature has it, ``tuning``."""
+    ``(q, k, v, config=None, *, key_padding_mask, is_causal, scale, return_selection, **fields)``
+    (the op passes the config object; ``fields`` are config fields by keyword, for direct calls)
+    and, when its signature has it, ``tuning``."""
 
     target: str
     differentiable: str = "never"

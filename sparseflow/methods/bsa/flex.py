@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ...config import BSAConfig, backend_config
 from ...kernels import flex_common as fc
 from .reference import bsa_select
 
@@ -24,22 +25,23 @@ def bsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[BSAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    force_sink: bool = True,
-    force_previous: bool = True,
     return_selection: bool = False,
     q_tile: Optional[int] = None,
     kv_tile: Optional[int] = None,
+    **fields,
 ):
     """BSA attention with compiled FlexAttention: same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.methods.bsa.reference.bsa_attention`.
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
     ``block_size``; ``kv_tile`` a multiple of it)."""
+    cfg = backend_config(BSAConfig, config, fields)
+    block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
+    force_previous = cfg.force_previous
     fc.check_flex_inputs(q, k, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)

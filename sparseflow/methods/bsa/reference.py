@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...config import BSAConfig, backend_config
 from ...kernels import token_blocks as tb
 
 __all__ = ["bsa_select", "bsa_attention"]
@@ -103,19 +104,20 @@ def bsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[BSAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    force_sink: bool = True,
-    force_previous: bool = True,
     return_selection: bool = False,
+    **fields,
 ):
     """BSA attention: full-scan top-K selection (no gradient), then attention over the selected
     blocks (differentiable in q, k, v). Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus the :class:`Selection` when
     ``return_selection``."""
+    cfg = backend_config(BSAConfig, config, fields)
+    block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
+    force_previous = cfg.force_previous
     with torch.no_grad():
         idx, n_visible = _select(
             q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ...config import BSAConfig, backend_config
 from ...kernels import token_blocks as tb
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .triton_select import bsa_select
@@ -21,16 +22,17 @@ def bsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[BSAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    force_sink: bool = True,
-    force_previous: bool = True,
     return_selection: bool = False,
+    **fields,
 ):
+    cfg = backend_config(BSAConfig, config, fields)
+    block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
+    force_previous = cfg.force_previous
     idx = bsa_select(
         q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
         top_k=top_k, force_sink=force_sink, force_previous=force_previous,

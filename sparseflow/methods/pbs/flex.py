@@ -30,6 +30,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ...config import PBSConfig, backend_config
 from ...selection import Selection
 from ...kernels import flex_common as fc
 from .reference import (key_scores, permuted_block_attention, segment_permutation, select_blocks,
@@ -125,24 +126,21 @@ def pbs_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    config: Optional[PBSConfig] = None,
     *,
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    threshold: float = 0.9,
-    force_sink: bool = True,
-    permute: bool = True,
-    gqa_permutation: str = "query_head",
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
-    causal_proxy: bool = False,
-    proxy_blocks: int = 1,
     return_selection: bool = False,
+    **fields,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with compiled FlexAttention. Same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.methods.pbs.reference.pbs_attention`."""
+    cfg = backend_config(PBSConfig, config, fields)
+    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
+    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
+    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
+    proxy_blocks = cfg.proxy_blocks
     fc.check_flex_inputs(q, k, v)
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]

@@ -100,6 +100,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ...config import PBSConfig, backend_config
 from ...selection import Selection
 
 __all__ = [
@@ -845,25 +846,22 @@ def pbs_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    config: Optional[PBSConfig] = None,
     *,
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    threshold: float = 0.9,
-    force_sink: bool = True,
-    permute: bool = True,
-    gqa_permutation: str = "query_head",
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
-    causal_proxy: bool = False,
-    proxy_blocks: int = 1,
     return_selection: bool = False,
+    **fields,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill, plain PyTorch. ``q: [B, Hq, N, D]``, ``k, v: [B, Hkv, N, D]``; output
     ``[B, Hq, N, Dv]`` in ``q.dtype``. With ``return_selection`` also returns the
     :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
+    cfg = backend_config(PBSConfig, config, fields)
+    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
+    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
+    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
+    proxy_blocks = cfg.proxy_blocks
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     if gqa_permutation not in ("query_head", "kv_head"):

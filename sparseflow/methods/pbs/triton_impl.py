@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...config import PBSConfig, backend_config
 from ...selection import Selection
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels._triton_env import interpreting
@@ -277,26 +278,23 @@ def pbs_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    config: Optional[PBSConfig] = None,
     *,
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    threshold: float = 0.9,
-    force_sink: bool = True,
-    permute: bool = True,
-    gqa_permutation: str = "query_head",
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
-    causal_proxy: bool = False,
-    proxy_blocks: int = 1,
     return_selection: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
+    **fields,
 ) -> Union[Tensor, Tuple[Tensor, Selection]]:
     """PBS-Attn prefill with the Triton attention kernel. ``q: [B, Hq, N, D]``,
     ``k, v: [B, Hkv, N, D]`` (Nq == Nk); output ``[B, Hq, N, D]`` in ``q.dtype``. ``tuning``:
     the selection implementation, K/V layout and TMA use (:class:`sparseflow.Tuning`)."""
+    cfg = backend_config(PBSConfig, config, fields)
+    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
+    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
+    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
+    proxy_blocks = cfg.proxy_blocks
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     if gqa_permutation not in ("query_head", "kv_head"):

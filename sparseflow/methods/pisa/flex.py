@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ...config import PISAConfig, backend_config
 from ...kernels import flex_common as fc
 from .reference import pisa_select
 
@@ -24,25 +25,24 @@ def pisa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[PISAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    score: str = "lse",
-    force_sink: bool = True,
-    force_previous: bool = True,
-    beam: int = 1,
     return_selection: bool = False,
     q_tile: Optional[int] = None,
     kv_tile: Optional[int] = None,
+    **fields,
 ):
     """PISA attention with compiled FlexAttention: same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.methods.pisa.reference.pisa_attention`.
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
     ``block_size``; ``kv_tile`` a multiple of it)."""
+    cfg = backend_config(PISAConfig, config, fields)
+    block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
+    score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
+    beam = cfg.beam
     fc.check_flex_inputs(q, k, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)

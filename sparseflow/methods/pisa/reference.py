@@ -44,6 +44,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ...config import PISAConfig, backend_config
 from ...kernels import token_blocks as tb
 
 __all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES", "check_beam"]
@@ -340,24 +341,23 @@ def pisa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[PISAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    score: str = "lse",
-    force_sink: bool = True,
-    force_previous: bool = True,
-    beam: int = 1,
     return_selection: bool = False,
+    **fields,
 ):
     """PISA attention: select blocks (no gradient), then attend them (differentiable in q, k, v).
 
     Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus
     the :class:`Selection` when ``return_selection``.
     """
+    cfg = backend_config(PISAConfig, config, fields)
+    block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
+    score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
+    beam = cfg.beam
     with torch.no_grad():
         idx, n_visible = _select(
             q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,

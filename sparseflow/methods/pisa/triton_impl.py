@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ...config import PISAConfig, backend_config
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels import token_blocks as tb
 from ...kernels.token_sparse_triton import token_sparse_attention
@@ -22,21 +23,20 @@ def pisa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    config: Optional[PISAConfig] = None,
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    score: str = "lse",
-    force_sink: bool = True,
-    force_previous: bool = True,
-    beam: int = 1,
     return_selection: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
+    **fields,
 ):
     """``tuning``: the selection walk's launch settings (:class:`sparseflow.Tuning`)."""
+    cfg = backend_config(PISAConfig, config, fields)
+    block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
+    score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
+    beam = cfg.beam
     idx = pisa_select(
         q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
         top_k=top_k, branching=branching, score=score, force_sink=force_sink, force_previous=force_previous,
