@@ -1,6 +1,6 @@
 """``sparseflow bench``: a small benchmark on whatever device is present.
 
-Two parts, both reported side by side in one run (SPEC §8: ratios, never a lone time):
+Two parts, both reported side by side in one run (ratios, never a lone time):
 
 * **op timing** (any device): each method's whole op (selection + attention) at its default
   config against dense causal SDPA on the same Q/K/V, with the density it reached. On the CPU the

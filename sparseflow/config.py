@@ -79,7 +79,7 @@ class DenseConfig(AttentionConfig):
 
 @dataclass(frozen=True)
 class PBSConfig(AttentionConfig):
-    """PBS-Attn (permuted block-sparse prefill), SPEC §3.
+    """PBS-Attn (permuted block-sparse prefill).
 
     threshold >= 1 is the exact mode: every candidate block is kept.
     ``min_seq_len``: shorter sequences run dense (logged); 0 means only the structural minimum
@@ -189,7 +189,7 @@ class _TopKConfig(AttentionConfig):
 
 @dataclass(frozen=True)
 class PISAConfig(_TopKConfig):
-    """PISA (pyramid block selection), SPEC §4. Forced blocks count inside ``top_k``.
+    """PISA (pyramid block selection). Forced blocks count inside ``top_k``.
 
     ``beam``: width of the coarse-to-fine walk. At every level above the leaves the walk keeps
     the best ``beam * top_k`` candidates (forced ones included) instead of ``top_k``; the leaf

@@ -1,4 +1,4 @@
-"""Per-model decoding state for PISA (SPEC §4 "Decode"): the pyramid of each layer's keys kept
+"""Per-model decoding state for PISA: the pyramid of each layer's keys kept
 across ``generate()`` steps, so a step appends one key in O(log N) instead of rebuilding.
 
 A model compiled by :func:`sparseflow.compile` owns one :class:`DecodeState`; its forward runs

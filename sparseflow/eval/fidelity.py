@@ -1,4 +1,4 @@
-"""Fidelity of a sparse model against its dense original on the same tokens (SPEC §7)."""
+"""Fidelity of a sparse model against its dense original on the same tokens."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

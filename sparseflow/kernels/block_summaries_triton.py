@@ -2,7 +2,7 @@
 
 Imported lazily; this module imports Triton. One program per (leaf block, batch x KV head) sums
 the block's valid keys in fp32 and records the valid-key count and the first valid position
-(``Nk`` when the block has none), the inputs of both methods' block summaries (SPEC §4).
+(``Nk`` when the block has none), the inputs of both methods' block summaries.
 """
 from __future__ import annotations
 

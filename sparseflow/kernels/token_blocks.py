@@ -1,6 +1,6 @@
 """Plain-PyTorch helpers shared by the token-level block-sparse references (PISA and BSA).
 
-Conventions (SPEC §2, §4):
+Conventions:
 
 * ``q: [B, Hq, Nq, D]``, ``k, v: [B, Hkv, Nk, D]``, ``G = Hq // Hkv`` query heads per KV head.
   Query heads are grouped with a *view* ``[B, Hkv, G, Nq, D]``; K/V are never repeated.

@@ -1,4 +1,4 @@
-"""BSA full-scan selector in Triton (SPEC §4's baseline, made as fast as we can).
+"""BSA full-scan selector in Triton (PISA's full-scan baseline, made as fast as we can).
 
 Imported lazily; this module imports Triton.
 

@@ -1,4 +1,4 @@
-"""PBS-Attn on FlexAttention (``backend="flex"``), SPEC §3.
+"""PBS-Attn on FlexAttention (``backend="flex"``).
 
 The selection is the reference's (:func:`key_scores` -> :func:`segment_permutation` ->
 :func:`select_blocks`, same Selection); the attention is compiled ``flex_attention`` over the

@@ -1,4 +1,4 @@
-"""ONNX function body of ``PBSAttention`` (sparseflow.methods.pbs.reference, SPEC §3).
+"""ONNX function body of ``PBSAttention`` (the method of sparseflow.methods.pbs.reference).
 
 The text below is spliced between the shared prologue and epilogue of
 :mod:`sparseflow.onnx_export` and defines ``allowed5 [B, Hkv, G, N, N]`` (which original keys

@@ -1,4 +1,4 @@
-"""PBS-Attn in plain PyTorch: the oracle the Triton and Flex backends are checked against (SPEC §3).
+"""PBS-Attn in plain PyTorch: the oracle the Triton and Flex backends are checked against.
 
 Pipeline (every stage is a separately testable function):
 
@@ -12,7 +12,7 @@ Pipeline (every stage is a separately testable function):
    selected permuted blocks, element mask by original position (``orig_pos(k) <= pos(q)`` when
    causal), key padding applied, zeros for a query that sees no key. Differentiable in q, k, v.
 
-Conventions and decisions (where SPEC §3 leaves room):
+Conventions and decisions (where the method leaves room):
 
 * ``N = Nq = Nk``; blocks are ``[i*bs, min((i+1)*bs, N))`` for queries and permuted key slots
   alike, ``nB = ceil(N / bs)``. Because ``segment_size % block_size == 0`` no block straddles a
@@ -23,7 +23,7 @@ Conventions and decisions (where SPEC §3 leaves room):
   ``floor(L_b / S) * S`` on is its tail (the "region" after the last complete segment). Trailing
   padding is therefore never sorted as if it were a complete segment, and a right-padded row
   selects exactly what the unpadded, truncated sequence selects. Without trailing padding
-  ``L_b = N`` (the plain rule of SPEC §3).
+  ``L_b = N`` (the plain rule).
 * **Region** of a block in row ``b``: its segment index if it lies in a complete segment, else
   ``floor(L_b / S)`` (the tail). Causal candidates of query block ``I``: valid key blocks of a
   strictly smaller region; non-causal: valid key blocks of any other region. A key block is valid

@@ -1,4 +1,4 @@
-"""Permuted block-sparse flash-attention forward (PBS-Attn, SPEC §3 step 4) in Triton.
+"""Permuted block-sparse flash-attention forward (PBS-Attn step 4: attention over the selected blocks) in Triton.
 
 Imported lazily (only when ``backend="triton"`` is asked for): this module imports Triton.
 

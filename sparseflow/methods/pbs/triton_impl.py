@@ -1,6 +1,6 @@
 """PBS-Attn, ``backend="triton"``: same signature and result as ``reference.pbs_attention``.
 
-Stages (SPEC §3):
+Stages:
 
 1. proxy key scores, 2. segmented permutation, 3. block selection -- on CUDA the Triton kernels
    of ``triton_select`` (identical selections to the reference in the CPU-interpreter tests and

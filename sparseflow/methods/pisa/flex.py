@@ -1,4 +1,4 @@
-"""PISA on FlexAttention (``backend="flex"``), SPEC §4.
+"""PISA on FlexAttention (``backend="flex"``).
 
 Selection: the reference's pyramid walk (:func:`sparseflow.methods.pisa.reference.pisa_select`),
 so the selected blocks -- and the reported :class:`~sparseflow.selection.Selection` -- are the

@@ -1,4 +1,4 @@
-"""ONNX function body of ``PISAAttention`` (sparseflow.methods.pisa.reference, SPEC §4).
+"""ONNX function body of ``PISAAttention`` (the method of sparseflow.methods.pisa.reference).
 
 Spliced between the shared prologue and epilogue of :mod:`sparseflow.onnx_export`; defines
 ``allowed5 [B, Hkv, 1, N, N]`` and ``cfg_ok`` (False for a ``score`` this body does not know,

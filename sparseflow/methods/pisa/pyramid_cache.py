@@ -1,4 +1,4 @@
-"""PISA decoding with a KV cache (SPEC §4 "Decode"): an incrementally maintained pyramid.
+"""PISA decoding with a KV cache: an incrementally maintained pyramid.
 
 Imported lazily; this module imports Triton.
 

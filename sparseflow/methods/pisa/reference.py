@@ -1,4 +1,4 @@
-"""PISA (pyramid block selection) in plain PyTorch: the oracle for every other backend (SPEC §4).
+"""PISA (pyramid block selection) in plain PyTorch: the oracle for every other backend.
 
 Selection walks a pyramid of mean key summaries from the root down, per query token, keeping at
 most ``beam * top_k`` nodes per level above the leaves and ``top_k`` leaves; the kept leaf
@@ -22,7 +22,7 @@ Walk for query ``i`` (position ``p_i``, horizon ``h_i``; see token_blocks):
 * if the candidates fit in the level's width all are kept; otherwise the forced ones plus the
   best-scoring others, the width in total, ties to the lower index. The width is ``top_k`` at the
   leaf level and ``beam * top_k`` at every level above it (``beam=1``: ``top_k`` everywhere, the
-  walk of SPEC §4; a wider beam keeps more coarse candidates alive until their finer scores are
+  plain walk; a wider beam keeps more coarse candidates alive until their finer scores are
   known, at ``beam`` times the selection cost).
 
 Scores are computed in fp32 (fp64 for fp64 inputs), per query head, and summed over the query

@@ -2,7 +2,7 @@
 
 Selection: ``triton_select`` (pyramid build + fused walk; selections equal the reference's).
 Attention: ``token_sparse_triton`` (forward and dq/dk/dv backward in Triton), so training runs on
-the kernels end to end; the selection itself carries no gradient (SPEC §4).
+the kernels end to end; the selection itself carries no gradient.
 """
 from __future__ import annotations
 

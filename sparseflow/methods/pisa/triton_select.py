@@ -1,4 +1,4 @@
-"""PISA selection in Triton (SPEC §4): the pyramid build and the fused coarse-to-fine walk.
+"""PISA selection in Triton: the pyramid build and the fused coarse-to-fine walk.
 
 Imported lazily (``backend="triton"``); this module imports Triton.
 
