@@ -2,8 +2,7 @@
 
     python benchmarks/auto_backend.py --json benchmarks/results/auto_backend_h200.json
 
-For each method and length it calls ``sparseflow.attention(..., backend="auto")`` on the SPEC §8
-structured inputs (B=1, Hq=32, Hkv=8, D=128, bf16) under ``sparseflow.capture()``, prints the
+For each method and length it calls ``sparseflow.attention(..., backend="auto")`` on the structured inputs (B=1, Hq=32, Hkv=8, D=128, bf16) under ``sparseflow.capture()``, prints the
 backend the report shows and the per-backend times the chooser measured.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run the SPEC §6 op properties (exact mode; sparse == masked dense over the op's own selection)
+"""Run the op properties (exact mode; sparse == masked dense over the op's own selection)
 for every available backend on the current device. Prints a table, writes JSON.
 
     python benchmarks/check_backends_cuda.py --json benchmarks/results/backends_h200.json

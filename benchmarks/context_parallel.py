@@ -4,8 +4,7 @@ context parallelism (issue 18).
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py \\
         --json benchmarks/results/context_parallel_h200x2.json
 
-For every length (default 128K, 256K, 512K; B=1, Hq=32, Hkv=8, D=128, bf16, the SPEC §8
-structured inputs) and method (pbs, pisa, bsa) it times:
+For every length (default 128K, 256K, 512K; B=1, Hq=32, Hkv=8, D=128, bf16, the structured inputs) and method (pbs, pisa, bsa) it times:
 
 * ``1gpu``: ``sparseflow.attention`` on rank 0 alone (the other ranks wait);
 * ``cp``: ``sparseflow.attention(..., context_parallel=ContextParallel(mesh, "zigzag"))`` on every

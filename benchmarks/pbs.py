@@ -1,4 +1,4 @@
-"""PBS-Attn benchmark (SPEC §8, issue 3): one run, ratios side by side, table + JSON.
+"""PBS-Attn benchmark (issue 3): one run, ratios side by side, table + JSON.
 
     python benchmarks/pbs.py                 # everything below, default sizes
     python benchmarks/pbs.py --part check    # GPU correctness vs the reference (fp64) and SDPA's error

@@ -3,7 +3,7 @@
     python benchmarks/pbs_public.py --public-path /path/to/checkout --json results/pbs_public_h200.json
 
 ``--public-path`` is a directory holding the public ``pbs_attn`` package (github.com/xinghaow99/pbs-attn,
-fetched into an ignored folder; it is never part of this repository). Shapes as SPEC §8: B=1, Hq=32,
+fetched into an ignored folder; it is never part of this repository). Shapes as the benchmarks': B=1, Hq=32,
 Hkv=8, D=128, bf16, the structured synthetic Q/K of ``benchmarks/common.py``. Per length:
 
 * cuDNN SDPA causal (native GQA) -- the baseline of every ratio;

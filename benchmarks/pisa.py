@@ -1,4 +1,4 @@
-"""PISA / BSA benchmark (SPEC §8, issues 4 and 5): one run, ratios side by side, table + JSON.
+"""PISA / BSA benchmark (issues 4 and 5): one run, ratios side by side, table + JSON.
 
     python benchmarks/pisa.py                  # every part, default sizes (CUDA)
     python benchmarks/pisa.py --part check     # GPU selections vs the reference, attention errors (2x rule)
@@ -15,7 +15,7 @@
     python benchmarks/pisa.py --part flex      # triton vs flex backends on the same selection
     python benchmarks/pisa.py --part decode    # one decoding step at a long context vs dense SDPA decode
 
-Selection shapes (SPEC §8): B=1, Hq=32, Hkv=2, D=64, C=64, K=8, g=2, bf16. Attention: Hq=32, Hkv=8,
+Selection shapes: B=1, Hq=32, Hkv=2, D=64, C=64, K=8, g=2, bf16. Attention: Hq=32, Hkv=8,
 D=128, C=64, K=32. Dense baseline: SDPA's cuDNN backend (the fastest on the H200; flash beside it
 in the attention part). Writes ``--json`` (default benchmarks/results/pisa_h200.json).
 """
@@ -46,7 +46,7 @@ def rand(*shape, dtype=torch.bfloat16, seed=0):
 
 def pisa_inputs(n, hq, hkv, d, dtype=torch.bfloat16, seed=0, structured=False):
     """Random Q/K/V with a little structure: a shared direction per key block makes block means
-    informative (pure noise would make every block score alike). ``structured``: the SPEC §8
+    informative (pure noise would make every block score alike). ``structured``: the
     generator of benchmarks/common.py (sink, local band, topics in runs: neighbouring queries agree,
     as in real models, so a query tile's rows select overlapping blocks)."""
     if structured:

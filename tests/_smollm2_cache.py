@@ -1,4 +1,4 @@
-"""One dequantised SmolLM2 per test session (SPEC §7; CI pays the ~20 s GGUF load once).
+"""One dequantised SmolLM2 per test session (CI pays the ~20 s GGUF load once).
 
 Importing this module points ``SPARSEFLOW_CACHE_DIR`` at a fresh temporary folder unless it is
 already set (CI or a developer may keep one across runs), so every ``load_smollm2()`` of the

@@ -1,4 +1,4 @@
-"""SPEC §6 properties on the reference backend, random shapes that break kernels (hypothesis).
+"""The op properties on the reference backend, random shapes that break kernels (hypothesis).
 
 The same checks are exported in ``sparseflow.testing`` for users' own CI.
 """

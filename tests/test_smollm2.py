@@ -1,4 +1,4 @@
-"""The real checkpoint (SPEC §7): SmolLM2-135M-Instruct at 2K tokens of real text, every method
+"""The real checkpoint: SmolLM2-135M-Instruct at 2K tokens of real text, every method
 rewritten at its defaults: all 30 attention calls rewritten, really sparse, close to dense."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""A PISA-rewritten model trains (SPEC §4: selection without gradient, gradients through the
+"""A PISA-rewritten model trains (selection without gradient, gradients through the
 attention over the selected blocks), on the CPU with the reference backend."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Continued pretraining, dense vs PISA vs BSA at equal K and C (issue 4, SPEC §4): loss curves.
+"""Continued pretraining, dense vs PISA vs BSA at equal K and C (issue 4): loss curves.
 
     python benchmarks/studies/pisa_train.py --model smollm2 --tokens 4096 --steps 200      # the GPU run
     python benchmarks/studies/pisa_train.py --model tiny --tokens 512 --steps 30           # CPU smoke scale

@@ -1,4 +1,4 @@
-"""Properties of the plain-PyTorch BSA (full-scan block selection) reference (SPEC §4, §6).
+"""Properties of the plain-PyTorch BSA (full-scan block selection) reference.
 
 Oracles: brute-force top-K over per-block mean scores in fp64 (Python loops), and masked dense
 attention in fp64 built from the op's own reported selection (``Selection.key_mask``).

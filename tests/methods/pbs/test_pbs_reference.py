@@ -1,4 +1,4 @@
-"""Properties of the plain-PyTorch PBS-Attn reference (SPEC §3, §6).
+"""Properties of the plain-PyTorch PBS-Attn reference.
 
 Small CPU shapes, odd lengths, GQA group sizes 1-3, head dims 32-256. The oracles here are
 written independently of sparseflow: an fp64 masked softmax over (repeated, test-only) K/V.
@@ -494,7 +494,7 @@ def test_permuted_layout_oracle_agrees(p, o, threshold):
 @SETTINGS
 @given(p=problems(padding=False), o=opts, threshold=st.floats(0.2, 0.97), data=st.data())
 def test_shuffling_a_segment_changes_nothing_after_it(p, o, threshold, data):
-    """SPEC property 4: attention is invariant to the order of the keys of an earlier segment."""
+    """Property 4: attention is invariant to the order of the keys of an earlier segment."""
     o = dict(o, permute=True)  # (without the sort, block contents follow the shuffle)
     q, k, v, seg = p["q"], p["k"], p["v"], p["seg"]
     n = q.shape[2]

@@ -1,6 +1,6 @@
 """PISA's beam option (``PISAConfig.beam``): the walk keeps ``beam * top_k`` nodes at every level
 above the leaves and ``top_k`` leaves. Checked here on the reference (against an independent,
-loop-per-query walk written from the SPEC, and against a flat exact-LSE scan), on the config,
+loop-per-query walk written from the paper, and against a flat exact-LSE scan), on the config,
 on the op, and on the Recall@K selector names. The Triton walk's beam is checked against the
 reference in test_pisa_bsa_triton.py.
 """
@@ -31,7 +31,7 @@ def _inputs(b, hq, hkv, n, d, pad, seed, dtype=torch.float64):
 
 
 def _naive_walk(q, k, kpm, *, causal, c, top_k, g, score, beam, force_sink=True, force_previous=True):
-    """One query at a time, with Python lists: SPEC §4's walk with the level width
+    """One query at a time, with Python lists: the plain walk with the level width
     ``top_k`` at the leaves and ``beam * top_k`` above (fp64 inputs: no near ties)."""
     b_, hq, n, d = q.shape
     hkv = k.shape[1]

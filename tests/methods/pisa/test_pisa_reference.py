@@ -1,4 +1,4 @@
-"""Properties of the plain-PyTorch PISA reference (SPEC §4, §6).
+"""Properties of the plain-PyTorch PISA reference.
 
 Oracles used here are deliberately independent of the implementation: a per-query Python walk
 over the pyramid in fp64, brute-force top-K over per-block scores, and masked dense attention in
@@ -193,7 +193,7 @@ def rows(idx):
 
 
 def check_invariants(idx, q, k, kpm, *, C, K, causal, force_sink, force_previous):
-    """SPEC §6.5: exactly min(K, visible) distinct visible blocks, ascending, -1 padded,
+    """Exactly min(K, visible) distinct visible blocks, ascending, -1 padded,
     forced blocks included."""
     b, hkv, nq, kk = idx.shape
     nk = k.shape[2]
