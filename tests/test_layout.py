@@ -124,3 +124,12 @@ def test_method_tests_sit_in_their_method_folder():
     misplaced = [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
                  if _one_method_of(p) and p.parent != TESTS / "methods" / _one_method_of(p)]
     assert not misplaced, f"method tests outside tests/methods/<method>/: {misplaced}"
+
+
+def test_each_method_config_lives_in_its_folder():
+    from sparseflow import config
+    from sparseflow.methods import specs
+
+    for spec in specs():
+        assert spec.config_type.__module__ == f"sparseflow.methods.{spec.name}.config", spec.name
+        assert config.METHODS[spec.name] is spec.config_type

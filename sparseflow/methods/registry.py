@@ -17,7 +17,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Type, Union
 
-from ..config import AttentionConfig
+from .._config_base import AttentionConfig
 
 __all__ = [
     "Backend",

@@ -1,5 +1,5 @@
 """What the top-k block methods (PISA, BSA) share in their specs."""
-from ..config import AttentionConfig
+from .._config_base import AttentionConfig
 
 # the fields of the shared top-k config that every top-k ONNX body implements
 TOPK_ONNX_FIELDS = frozenset({"block_size", "top_k", "force_sink", "force_previous", "min_seq_len"})

@@ -1,5 +1,5 @@
 """BSA (flat top-k block selection, the baseline): its spec in the method registry."""
-from ...config import BSAConfig
+from .config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 

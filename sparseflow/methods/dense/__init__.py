@@ -1,5 +1,5 @@
 """The dense pseudo-method: the rewrite with an SDPA body (proves the pass itself changes nothing)."""
-from ...config import DenseConfig
+from .config import DenseConfig
 from ..registry import MethodSpec, OnnxBody, register
 
 SPEC = register(MethodSpec(

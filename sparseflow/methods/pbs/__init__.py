@@ -1,5 +1,6 @@
 """PBS-Attn (permuted block-sparse prefill): its spec in the method registry."""
-from ...config import AttentionConfig, PBSConfig
+from ..._config_base import AttentionConfig
+from .config import PBSConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 
 _KERNELS = __name__  # the backends are modules of this package

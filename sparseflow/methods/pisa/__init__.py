@@ -1,5 +1,5 @@
 """PISA (pyramid block selection): its spec in the method registry."""
-from ...config import PISAConfig
+from .config import PISAConfig
 from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 

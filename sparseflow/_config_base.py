@@ -1,0 +1,85 @@
+"""The base of every method's config (serialisation, validation helpers); the method configs
+themselves live in ``sparseflow/methods/<method>/config.py`` and are all named by
+:mod:`sparseflow.config`. Imports nothing else of sparseflow, so the method folders can build on it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict
+
+__all__ = ["AttentionConfig", "TopKConfig", "BACKENDS"]
+
+BACKENDS = ("auto", "reference", "triton", "flex")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def _check_choice(name: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Base class: serialisation shared by all configs."""
+
+    method: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {"method": self.method, "version": self.version, **d}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def replace(self, **changes) -> "AttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def exact(self) -> bool:
+        """True when this config computes dense attention exactly (every visible block)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TopKConfig(AttentionConfig):
+    """Shared base of the methods that keep K blocks per query (PISA, BSA)."""
+
+    block_size: int = 64
+    top_k: int = 8
+    force_sink: bool = True
+    force_previous: bool = True
+    min_seq_len: int = 0
+
+    @property
+    def num_forced(self) -> int:
+        return 1 + int(self.force_sink) + int(self.force_previous)
+
+    def _validate_common(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        _check_int("top_k", self.top_k, 1)
+        _check_bool("force_sink", self.force_sink)
+        _check_bool("force_previous", self.force_previous)
+        if self.top_k < self.num_forced:
+            raise ValueError(
+                f"top_k must be >= the number of forced blocks ({self.num_forced}: current"
+                f"{', sink' if self.force_sink else ''}{', previous' if self.force_previous else ''}),"
+                f" got top_k={self.top_k}"
+            )
+        _check_int("min_seq_len", self.min_seq_len, 0)
+
+    @property
+    def exact(self) -> bool:
+        return False  # exact only when top_k covers every visible block: depends on N
