@@ -56,3 +56,29 @@ def test_field_values_are_validated_by_the_config():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="top_k"):
         _reference("bsa")(q, k, v, top_k=0)
+
+
+def test_config_field_defaults_are_not_redeclared_in_the_method_folders():
+    # a parameter named like a config field takes the config's default from the config class, not
+    # from a copy of the literal (a function whose own default differs, e.g. an estimate that
+    # defaults to the scoring it implements, is not a copy)
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "sparseflow" / "methods"
+    found = []
+    for method, cls in (("pbs", PBSConfig), ("pisa", PISAConfig), ("bsa", BSAConfig)):
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        for path in (root / method).glob("*.py"):
+            if path.name == "config.py":
+                continue
+            for fn in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                a = fn.args
+                pos = a.posonlyargs + a.args
+                pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults)) + list(zip(a.kwonlyargs, a.kw_defaults))
+                found += [f"{path.name}:{fn.name}({arg.arg}={ast.unparse(d)})" for arg, d in pairs
+                          if arg.arg in fields and isinstance(d, ast.Constant) and d.value == fields[arg.arg]]
+    assert not found, found

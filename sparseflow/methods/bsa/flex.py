@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from ...config import BSAConfig, backend_config
+from ...config import backend_config
+from .config import BSAConfig
 from ...kernels import flex_common as fc
 from .reference import bsa_select
 

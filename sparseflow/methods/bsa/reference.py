@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...config import BSAConfig, backend_config
+from ...config import backend_config
 from ...kernels import token_blocks as tb
+from .config import BSAConfig
 
 __all__ = ["bsa_select", "bsa_attention"]
 
@@ -83,10 +84,10 @@ def bsa_select(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    force_sink: bool = True,
-    force_previous: bool = True,
+    block_size: int = BSAConfig.block_size,
+    top_k: int = BSAConfig.top_k,
+    force_sink: bool = BSAConfig.force_sink,
+    force_previous: bool = BSAConfig.force_previous,
 ) -> torch.Tensor:
     """BSA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly

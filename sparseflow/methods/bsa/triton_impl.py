@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ...config import BSAConfig, backend_config
+from ...config import backend_config
+from .config import BSAConfig
 from ...kernels import token_blocks as tb
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .triton_select import bsa_select

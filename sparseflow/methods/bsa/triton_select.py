@@ -27,6 +27,7 @@ from torch.library import triton_op, wrap_triton
 from ...kernels.block_summaries_triton import leaf_sums
 from ...kernels.token_blocks import selection_width
 from ...kernels._triton_env import interpreting
+from .config import BSAConfig
 
 __all__ = ["bsa_select", "PRECISIONS"]
 
@@ -183,10 +184,10 @@ def bsa_select(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    force_sink: bool = True,
-    force_previous: bool = True,
+    block_size: int = BSAConfig.block_size,
+    top_k: int = BSAConfig.top_k,
+    force_sink: bool = BSAConfig.force_sink,
+    force_previous: bool = BSAConfig.force_previous,
     precision: str = "ieee",
 ) -> torch.Tensor:
     """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64."""

@@ -30,7 +30,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ...config import PBSConfig, backend_config
+from ...config import backend_config
+from .config import PBSConfig
 from ...selection import Selection
 from ...kernels import flex_common as fc
 from .reference import (key_scores, permuted_block_attention, segment_permutation, select_blocks,

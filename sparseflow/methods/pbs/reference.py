@@ -100,8 +100,9 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ...config import PBSConfig, backend_config
+from ...config import backend_config
 from ...selection import Selection
+from .config import PBSConfig
 
 __all__ = [
     "pbs_attention",
@@ -180,9 +181,9 @@ def proxy_queries(
     batch: int,
     n: int,
     *,
-    block_size: int = 128,
-    segment_size: int = 256,
-    proxy_blocks: int = 1,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    proxy_blocks: int = PBSConfig.proxy_blocks,
     device=None,
 ) -> List[List[Tuple[Tensor, int]]]:
     """The proxies of every batch row: ``out[b]`` is a list of ``(rows, n_seen)``, ``rows`` the
@@ -240,11 +241,11 @@ def key_scores(
     *,
     key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    causal_proxy: bool = False,
-    gqa_permutation: str = "query_head",
-    proxy_blocks: int = 1,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    causal_proxy: bool = PBSConfig.causal_proxy,
+    gqa_permutation: str = PBSConfig.gqa_permutation,
+    proxy_blocks: int = PBSConfig.proxy_blocks,
 ) -> Tensor:
     """Proxy importance per key, fp32 ``[B, Hp, N]`` (Hp = Hq for ``"query_head"``, Hkv for
     ``"kv_head"``, where the group's query-head scores are averaged).
@@ -318,9 +319,9 @@ def _proxy_probs(qh: Tensor, kc: Tensor, rows: Tensor, key_ok: Optional[Tensor],
 def segment_permutation(
     scores: Tensor,
     *,
-    segment_size: int = 256,
+    segment_size: int = PBSConfig.segment_size,
     key_padding_mask: Optional[Tensor] = None,
-    permute: bool = True,
+    permute: bool = PBSConfig.permute,
 ) -> Tensor:
     """``[B, Hp, N]`` int64 original positions per permuted slot: inside every complete segment
     (of the row's effective length) keys sorted by descending score, stable; segment order kept;
@@ -367,8 +368,8 @@ def candidate_blocks(
     *,
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
-    block_size: int = 128,
-    segment_size: int = 256,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool: key block ``J`` (permuted) is a scored candidate of query block ``I``."""
     bsz, hp, n = permutation.shape
@@ -398,9 +399,9 @@ def forced_blocks(
     hq: int,
     *,
     key_padding_mask: Optional[Tensor] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    force_sink: bool = True,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    force_sink: bool = PBSConfig.force_sink,
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool: own region of every query block, plus the sink block."""
     bsz, hp, n = permutation.shape
@@ -476,9 +477,9 @@ def block_probabilities(
     *,
     key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
+    block_size: int = PBSConfig.block_size,
+    scoring: str = PBSConfig.scoring,
+    antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     chunk_blocks: int = 16,
 ) -> Tensor:
     """fp32 ``[B, Hq, nB, nB]``: each query block's distribution over its candidate key blocks
@@ -593,12 +594,12 @@ def select_blocks(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    threshold: float = 0.9,
-    force_sink: bool = True,
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    threshold: float = PBSConfig.threshold,
+    force_sink: bool = PBSConfig.force_sink,
+    scoring: str = PBSConfig.scoring,
+    antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
     candidates, plus the forced blocks (own region, sink)."""
@@ -640,7 +641,7 @@ def permuted_block_attention(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
+    block_size: int = PBSConfig.block_size,
     gather_below: float = 0.85,
 ) -> Tensor:
     """``[B, Hq, N, Dv]`` in q.dtype: each query attends the keys of its selected permuted blocks
@@ -814,7 +815,7 @@ def selection_density(
     *,
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
-    block_size: int = 128,
+    block_size: int = PBSConfig.block_size,
 ) -> Tensor:
     """``[B, Hq]`` float32: selected block pairs with a visible element / block pairs with one."""
     bsz, hq, nb, _ = block_mask.shape

@@ -58,6 +58,7 @@ from torch.library import triton_op, wrap_triton
 from . import reference as _ref
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least
+from .config import PBSConfig
 
 __all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
            "pbs_strided_probs"]
@@ -384,8 +385,8 @@ def strided_estimate(
     hc: Optional[int] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -510,10 +511,10 @@ def block_probabilities(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
     scoring: str = "sampled_rows",
-    antidiagonal_stride: int = 8,
+    antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
 ) -> torch.Tensor:

@@ -27,12 +27,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...config import PBSConfig, backend_config
+from ...config import backend_config
 from ...selection import Selection
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
+from .config import PBSConfig
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
@@ -216,7 +217,7 @@ def permuted_layout(
     permutation: Tensor,
     *,
     key_padding_mask: Optional[Tensor] = None,
-    block_size: int = 128,
+    block_size: int = PBSConfig.block_size,
     write_kv: bool = True,
     pool: bool = True,
     positions: bool = True,
@@ -347,7 +348,8 @@ def pbs_attention(
 
 
 def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale, block_size, segment_size,
-                            threshold, force_sink, mask_segment, want_mask, scoring="mean", antidiagonal_stride=8,
+                            threshold, force_sink, mask_segment, want_mask, scoring=PBSConfig.scoring,
+                            antidiagonal_stride=PBSConfig.antidiagonal_stride,
                             tuning: Tuning = DEFAULT_TUNING):
     from .triton_select import select_block_lists
 
@@ -395,8 +397,8 @@ def attention_from_selection(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
     layout: Optional[str] = None,
     tma: bool = True,
 ) -> Tensor:

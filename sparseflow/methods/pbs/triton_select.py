@@ -50,6 +50,7 @@ from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least
+from .config import PBSConfig
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
@@ -222,17 +223,17 @@ def select_block_lists(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    threshold: float = 0.9,
-    force_sink: bool = True,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    threshold: float = PBSConfig.threshold,
+    force_sink: bool = PBSConfig.force_sink,
     mask_segment: Optional[int] = None,
     return_block_mask: bool = True,
     layout=None,
     max_logit_bytes: int = 1 << 30,
     cut: str = "bisect",
-    scoring: str = "mean",
-    antidiagonal_stride: int = 8,
+    scoring: str = PBSConfig.scoring,
+    antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     padding_checked: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
@@ -518,11 +519,11 @@ def key_scores(
     *,
     key_padding_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
-    block_size: int = 128,
-    segment_size: int = 256,
-    causal_proxy: bool = False,
-    gqa_permutation: str = "query_head",
-    proxy_blocks: int = 1,
+    block_size: int = PBSConfig.block_size,
+    segment_size: int = PBSConfig.segment_size,
+    causal_proxy: bool = PBSConfig.causal_proxy,
+    gqa_permutation: str = PBSConfig.gqa_permutation,
+    proxy_blocks: int = PBSConfig.proxy_blocks,
 ) -> torch.Tensor:
     """The reference's ``key_scores`` (same definition, fp32 ``[B, Hp, N]``) in two Triton passes:
     per-segment softmax statistics of the proxy rows, then per-key mean probabilities.
@@ -649,9 +650,9 @@ def _segment_sort_kernel(SCORES, LENS, PERM, N, SEGMENT: tl.constexpr, BLOCK_S: 
 def segment_permutation(
     scores: torch.Tensor,
     *,
-    segment_size: int = 256,
+    segment_size: int = PBSConfig.segment_size,
     key_padding_mask: Optional[torch.Tensor] = None,
-    permute: bool = True,
+    permute: bool = PBSConfig.permute,
 ) -> torch.Tensor:
     """The reference's ``segment_permutation`` (``[B, Hp, N]`` int64) with one Triton program per
     (segment, batch*head): a stable descending sort of the segment's scores."""

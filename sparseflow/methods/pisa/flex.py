@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from ...config import PISAConfig, backend_config
+from ...config import backend_config
+from .config import PISAConfig
 from ...kernels import flex_common as fc
 from .reference import pisa_select
 

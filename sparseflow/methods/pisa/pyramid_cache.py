@@ -26,6 +26,7 @@ from ...kernels.token_blocks import selection_width
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
+from .config import PISAConfig
 
 __all__ = ["PyramidCache"]
 
@@ -66,7 +67,8 @@ class PyramidCache:
     ``PyramidCache(k_prompt, capacity=..., block_size=64, branching=2)`` builds it from the
     prompt's keys ``[B, Hkv, N0, D]``; ``append(k_new [B, Hkv, 1, D])`` adds one token."""
 
-    def __init__(self, k: torch.Tensor, *, capacity: int, block_size: int = 64, branching: int = 2):
+    def __init__(self, k: torch.Tensor, *, capacity: int, block_size: int = PISAConfig.block_size,
+                 branching: int = PISAConfig.branching):
         b, hkv, n0, d = k.shape
         if capacity < n0:
             raise ValueError(f"capacity must be >= the prompt length {n0}, got {capacity}")
@@ -120,9 +122,10 @@ class PyramidCache:
         )
         self.length += 1
 
-    def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = 8, score: str = "lse",
-               scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
-               beam: int = 1, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = PISAConfig.top_k,
+               score: str = PISAConfig.score, scale: Optional[float] = None,
+               force_sink: bool = PISAConfig.force_sink, force_previous: bool = PISAConfig.force_previous,
+               beam: int = PISAConfig.beam, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
         """Selection ``[B, Hkv, Nq, min(top_k, #blocks)]`` for the last ``Nq`` positions (``k`` = all cached
         keys); ``tuning``: the walk's launch settings."""
         check_beam(beam)
@@ -138,9 +141,10 @@ class PyramidCache:
                                tuning.pisa_warps, tuning.pisa_leaf_bytes)
         return idx
 
-    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = 8, score: str = "lse",
-                    scale: Optional[float] = None, force_sink: bool = True, force_previous: bool = True,
-                    append: bool = True, beam: int = 1, tuning: Tuning = DEFAULT_TUNING):
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = PISAConfig.top_k,
+                    score: str = PISAConfig.score, scale: Optional[float] = None,
+                    force_sink: bool = PISAConfig.force_sink, force_previous: bool = PISAConfig.force_previous,
+                    append: bool = True, beam: int = PISAConfig.beam, tuning: Tuning = DEFAULT_TUNING):
         """One decoding step: ``k``/``v`` hold every key including the new one (``[B, Hkv, N, D]``);
         appends the new key (unless ``append=False``: already in), selects for ``q [B, Hq, 1, D]``
         and attends. Returns ``(out [B, Hq, 1, D], block indices [B, Hkv, 1, top_k])``."""

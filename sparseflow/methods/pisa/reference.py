@@ -44,8 +44,9 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ...config import PISAConfig, backend_config
+from ...config import backend_config
 from ...kernels import token_blocks as tb
+from .config import PISAConfig
 
 __all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES", "check_beam"]
 
@@ -188,7 +189,7 @@ def _select(
     score: str,
     force_sink: bool,
     force_previous: bool,
-    beam: int = 1,
+    beam: int = PISAConfig.beam,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq])."""
     if score not in SCORES:
@@ -314,13 +315,13 @@ def pisa_select(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    score: str = "lse",
-    force_sink: bool = True,
-    force_previous: bool = True,
-    beam: int = 1,
+    block_size: int = PISAConfig.block_size,
+    top_k: int = PISAConfig.top_k,
+    branching: int = PISAConfig.branching,
+    score: str = PISAConfig.score,
+    force_sink: bool = PISAConfig.force_sink,
+    force_previous: bool = PISAConfig.force_previous,
+    beam: int = PISAConfig.beam,
 ) -> torch.Tensor:
     """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly

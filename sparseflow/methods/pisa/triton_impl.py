@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ...config import PISAConfig, backend_config
+from ...config import backend_config
+from .config import PISAConfig
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels import token_blocks as tb
 from ...kernels.token_sparse_triton import token_sparse_attention

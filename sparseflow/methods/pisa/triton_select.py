@@ -41,6 +41,7 @@ from ...kernels.token_blocks import selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
 from ...kernels._triton_env import interpreting
+from .config import PISAConfig
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
 
@@ -424,13 +425,13 @@ def pisa_select(
     key_padding_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     scale: Optional[float] = None,
-    block_size: int = 64,
-    top_k: int = 8,
-    branching: int = 2,
-    score: str = "lse",
-    force_sink: bool = True,
-    force_previous: bool = True,
-    beam: int = 1,
+    block_size: int = PISAConfig.block_size,
+    top_k: int = PISAConfig.top_k,
+    branching: int = PISAConfig.branching,
+    score: str = PISAConfig.score,
+    force_sink: bool = PISAConfig.force_sink,
+    force_previous: bool = PISAConfig.force_previous,
+    beam: int = PISAConfig.beam,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
