@@ -678,10 +678,12 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
                    text: str = "pydoc_topics", heldout_text: Optional[str] = "argparse_source", config=None,
                    thresholds=None, top_ks=None, scorings=None, safety: float = 0.8, cost: str = "auto",
                    backend: str = "auto", dtype: str = "auto", tokenizer=None, rope_scaling=None, cache_dir=None,
-                   name: Optional[str] = None, say: Optional[Callable[[str], None]] = None) -> CalibrationResult:
+                   name: Optional[str] = None, say: Optional[Callable[[str], None]] = None,
+                   device=None) -> CalibrationResult:
     """``sparseflow calibrate``: load ``model_path`` (HF folder, GGUF file or converted folder, run
     dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
-    recipe to ``out`` atomically. Everything checkable is checked before the weights load."""
+    recipe to ``out`` atomically. Everything checkable is checked before the weights load.
+    ``device``: where the model runs (None: where it loads, the CPU)."""
     from .checkpoints import TEXTS
     from .convert import _load_config, _parse_config, load_source, resolve_source
     from .rope import parse_rope_scaling, set_rope_scaling
@@ -706,6 +708,8 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     say = say or (lambda msg: None)
     say(f"loading {source} ...")
     model, tok = load_source(source, dtype=dtype)
+    if device is not None:
+        model.to(device)
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -713,8 +717,9 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     if tok is None:
         raise ValueError(f"{model_path} has no tokenizer; pass --tokenizer PATH")
     rope_info = None if rope_scaling is None else set_rope_scaling(model, rope_scaling)
-    ids = _tokens(tok, tokens, text, "--tokens")
-    heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)")
+    on = next(model.parameters()).device
+    ids = _tokens(tok, tokens, text, "--tokens").to(on)
+    heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)").to(on)
     say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
         f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}")
     t0 = time.perf_counter()

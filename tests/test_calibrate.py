@@ -225,6 +225,7 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
     (["--kl-budget", "0.01", "--top-ks", "8"], "--top-ks is a PISA/BSA choice"),
     (["--kl-budget", "0.01", "--scorings", "lse"], "not a valid pbs config"),
     (["--kl-budget", "0.01", "--rope-scaling", "yarn:x"], "--rope-scaling:"),
+    (["--kl-budget", "0.01", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
 ])
 def test_cli_errors_are_one_line(llama_dir, tmp_path, capsys, argv, message):
     rc = main(["calibrate", str(llama_dir), "--method", "pbs", "--out", str(tmp_path / "r.json")] + argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import (BACKENDS, DTYPES, SPARSE_METHODS, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_file,
-                     _error, _positive)
+                     _error, _positive, resolve_device)
 
 
 def add_parser(sub) -> None:
@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
                      help="cost model: density (+ estimate overhead) or the op's measured time (auto: time on CUDA)")
     cal.add_argument("--backend", default="auto", choices=BACKENDS)
     cal.add_argument("--dtype", default="auto", choices=DTYPES)
+    cal.add_argument("--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), "
+                                                      "cpu, cuda or cuda:N")
     cal.add_argument("--tokenizer", help="tokenizer folder when MODEL has none")
     cal.add_argument("--cache", help="folder caching the dense logits (default OUT.cache)")
     cal.add_argument("--name", help="the recipe's name (default calibrated-<model type>-<method>)")
@@ -45,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     values = _choices(args)
     try:
+        device = resolve_device(args.device)
         calibrate_file(args.model, args.out, method=args.method, kl_budget=args.kl_budget, tokens=args.tokens,
                        eval_positions=args.eval_positions, text=args.text,
                        heldout_text=None if args.heldout_text == "none" else args.heldout_text, config=args.config,
                        safety=args.safety, cost=args.cost, backend=args.backend, dtype=args.dtype,
                        tokenizer=args.tokenizer, rope_scaling=args.rope_scaling, cache_dir=args.cache,
-                       name=args.name, say=stderr_progress, **values)
+                       name=args.name, say=stderr_progress, device=device, **values)
     except ValueError as exc:  # ConversionError and RecipeError are ValueErrors: all describe the input
         return _error("calibrate", exc)
     return 0

@@ -144,3 +144,23 @@ def _int_at_least(minimum: int):
 _positive = _int_at_least(2)  # token counts: at least one prediction
 _count = _int_at_least(1)
 _index = _int_at_least(0)
+
+
+def resolve_device(text: str):
+    """``--device``: "auto" (the first CUDA device when there is one, else the CPU), "cpu",
+    "cuda" or "cuda:N"; a UsageError naming the option for anything else or an absent GPU."""
+    import torch
+
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text}: no CUDA device is available here; use --device cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device

@@ -14,7 +14,7 @@ from ..methods import names_with
 from ..eval.sweep import has_permute
 from .common import (BACKENDS, DTYPES, RECIPE_HELP, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_dir,
                      _check_out_file, _check_recipe_has_method, _count, _error, _index, _positive, _rope_label,
-                     _sparse_methods, _write_json_atomic)
+                     _sparse_methods, _write_json_atomic, resolve_device)
 from .niah import _check_task, _niah
 from .recall import _recall
 
@@ -43,6 +43,8 @@ def _add_run_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)")
     ev.add_argument("--backend", default="auto", choices=BACKENDS)
     ev.add_argument("--dtype", default="auto", choices=DTYPES)
+    ev.add_argument("--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), "
+                                                     "cpu, cuda or cuda:N")
     ev.add_argument("--tokenizer", help="tokenizer folder when MODEL has none")
     ev.add_argument("--json", help="write the results to this JSON file")
     ev.add_argument("--plots", help="write PNG plots into this folder: density per layer x head, one head's "
@@ -104,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         c = _check(args)
         if args.recall:
+            if args.device not in ("auto", "cpu"):
+                raise UsageError(f"--device {args.device}: --recall runs on the CPU; leave --device out")
             return _recall(args, c.source, c.model_config)
         map_at = _map_at(args, c.model_config) if args.plots else None
         model, tok = _load(args, c.source)
         rope_info = None if c.rope_scaling is None else set_rope_scaling(model, args.rope_scaling)
         if c.task == "niah":
             return _niah(args, model, tok, c.plans, c.source, rope_info)
-        ids = real_tokens(tok, args.tokens, text=args.text)
+        ids = real_tokens(tok, args.tokens, text=args.text).to(next(model.parameters()).device)
     except (ConversionError, RecipeError, FileNotFoundError, ValueError, ImportError) as exc:
         return _error("eval", exc)
     return _fidelity(args, model, ids, c, rope_info, map_at)
@@ -215,8 +219,10 @@ def _load(args: argparse.Namespace, source):
     """The model and its tokenizer (--tokenizer's when given)."""
     from ..convert import ConversionError, load_source, stderr_progress
 
+    device = resolve_device(args.device)
     stderr_progress(f"loading {source} ...")
     model, tok = load_source(source, dtype=args.dtype)
+    model.to(device)
     if args.tokenizer:
         from transformers import AutoTokenizer
 

@@ -46,7 +46,9 @@ class MethodResult:
 def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep + 1)
-    return out.logits[0, :-1].float()  # [keep, V]: predictions for the last `keep` targets
+    # [keep, V]: predictions for the last `keep` targets, on the CPU whatever the model's device,
+    # like the cached dense logits they are compared with
+    return out.logits[0, :-1].float().cpu()
 
 
 def _weights_fingerprint(model: torch.nn.Module) -> str:
@@ -110,7 +112,7 @@ def evaluate_methods(
     if not (1 <= eval_positions < n):
         raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
     configs = dict(configs or {})
-    targets = input_ids[0, n - eval_positions :]
+    targets = input_ids[0, n - eval_positions :].cpu()
     dense = _logits(model, input_ids, eval_positions)
     results = []
     for method in methods:
@@ -242,7 +244,7 @@ def _evaluate_plan(model, input_ids: torch.Tensor, plan, eval_positions: int, de
     from ..hf import apply_plan
 
     n = input_ids.shape[1]
-    targets = input_ids[0, n - eval_positions :]
+    targets = input_ids[0, n - eval_positions :].cpu()
     apply_plan(model, plan)
     start = time.perf_counter()
     with capture(keep_selections=map_at is not None) as cap:

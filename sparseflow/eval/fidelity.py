@@ -31,6 +31,7 @@ def compare_logits(dense: torch.Tensor, sparse: torch.Tensor, targets: torch.Ten
         raise ValueError(f"dense and sparse logits must both be [T, V], got {tuple(dense.shape)} and {tuple(sparse.shape)}")
     if targets.shape != dense.shape[:1]:
         raise ValueError(f"targets must be [T]={dense.shape[0]}, got {tuple(targets.shape)}")
+    sparse, targets = sparse.to(dense.device), targets.to(dense.device)
     lp_d = torch.log_softmax(dense.double(), dim=-1)
     lp_s = torch.log_softmax(sparse.double(), dim=-1)
     kl = (lp_d.exp() * (lp_d - lp_s)).sum(-1).clamp_min(0.0)

@@ -230,3 +230,21 @@ def test_json_write_interrupted_leaves_no_partial_file(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cli._write_json_atomic(str(tmp_path / "r.json"), {"a": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("device,says", [("tpu", "auto, cpu, cuda or cuda:N"), ("cuda:x", "auto, cpu, cuda or cuda:N")]
+                         + ([] if __import__("torch").cuda.is_available() else [("cuda", "no CUDA device")]),
+                         ids=lambda v: str(v).replace(" ", "_"))
+def test_eval_bad_device_fails_before_loading(folder, capsys, no_loading, device, says):
+    assert main(["eval", str(folder), "--method", "pbs", "--tokens", "64", "--device", device]) == 2
+    _one_line_error(capsys, "eval", "--device", says)
+
+
+def test_device_auto_and_cpu_resolve_here():
+    import torch
+
+    from sparseflow.cli.common import resolve_device
+
+    want = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == want
+    assert resolve_device("cpu") == torch.device("cpu")
