@@ -278,6 +278,9 @@ def test_cli_eval_converted_and_plain(converted_pbs, src, tmp_path, capsys):
     data = _check_eval_json(out, ["pbs"], layers=2, heads=6, tokens=256)
     r = data["results"][0]
     assert r["mean_kl"] < 1e-8 and r["top1_agreement"] == 1.0  # exact mode
+    import torch
+
+    assert data["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     folder, _ = src
     out2 = tmp_path / "ev2.json"
     rc = main(["eval", str(folder), "--method", "pbs,bsa", "--tokens", "256", "--eval-positions", "64",

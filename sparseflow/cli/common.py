@@ -164,3 +164,11 @@ def resolve_device(text: str):
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
     return device
+
+
+def device_label(model) -> str:
+    """Where ``model`` ran, for a results file: the GPU's name, or the CPU."""
+    import torch
+
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -14,7 +14,7 @@ from ..methods import names_with
 from ..eval.sweep import has_permute
 from .common import (BACKENDS, DTYPES, RECIPE_HELP, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_dir,
                      _check_out_file, _check_recipe_has_method, _count, _error, _index, _positive, _rope_label,
-                     _sparse_methods, _write_json_atomic, resolve_device)
+                     _sparse_methods, _write_json_atomic, device_label, resolve_device)
 from .niah import _check_task, _niah
 from .recall import _recall
 
@@ -223,6 +223,7 @@ def _load(args: argparse.Namespace, source):
     stderr_progress(f"loading {source} ...")
     model, tok = load_source(source, dtype=args.dtype)
     model.to(device)
+    args.device_label = device_label(model)
     if args.tokenizer:
         from transformers import AutoTokenizer
 
@@ -292,6 +293,7 @@ def _payload(args: argparse.Namespace, source, keep: int, rope_info) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "rope_scaling": rope_info,
+        "device": args.device_label,
         "results": [],
     }
 

@@ -65,5 +65,6 @@ def _payload(args: argparse.Namespace, source, samples: int, rope_info) -> dict:
         "text_description": TEXTS[args.text][1], "rope_scaling": rope_info,
         "python": platform.python_version(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "results": [],
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "device": args.device_label, "results": [],
     }
