@@ -66,7 +66,12 @@ def config_from_dict(data: Union[Mapping[str, Any], str]) -> AttentionConfig:
     return cls(**data)
 
 
-_BACKEND_DEFAULTS: Dict[type, AttentionConfig] = {}
+_DEFAULT_INSTANCES: Dict[type, AttentionConfig] = {}
+
+
+def default_instance(cls: type) -> AttentionConfig:
+    """``cls()``, made once per class and shared (configs are frozen)."""
+    return _DEFAULT_INSTANCES.get(cls) or _DEFAULT_INSTANCES.setdefault(cls, cls())
 
 
 def backend_config(cls: type, config: Optional[AttentionConfig], fields: Mapping[str, Any]) -> AttentionConfig:
@@ -74,7 +79,7 @@ def backend_config(cls: type, config: Optional[AttentionConfig], fields: Mapping
     keyword form of direct calls, e.g. ``block_size=64``) replaced and validated by the config.
     The defaults live in the config alone."""
     if config is None:
-        config = _BACKEND_DEFAULTS.get(cls) or _BACKEND_DEFAULTS.setdefault(cls, cls())
+        config = default_instance(cls)
     elif not isinstance(config, cls):
         raise TypeError(f"config must be a {cls.__name__} or None, got {type(config).__name__}")
     if not fields:

@@ -35,7 +35,7 @@ from . import autobackend as _autobackend
 from . import decode_state as _decode_state
 from . import methods as _methods
 from . import recording as _capture
-from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig
+from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, default_instance
 from .kernels._triton_env import interpreting
 from .masks import analyse_mask, check_mask, with_causality
 from .tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -636,7 +636,9 @@ def attention(
         raise TypeError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    memo = _dense_memo_key(config, tuning, q, k, v, attn_mask, is_causal, scale, backend, tag, context_parallel)
+    eager = _plain_eager(q, k, v, attn_mask)
+    memo = (_dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
+            if eager and attn_mask is None and context_parallel is None else None)
     if memo is not None:
         hit = _autobackend.default_chooser.dense_calls.get(memo)
         if hit is not None and hit[0] is config and hit[1] is tuning:
@@ -652,7 +654,7 @@ def attention(
 
         return _cp.attention(q, k, v, config=config, context_parallel=context_parallel, attn_mask=attn_mask,
                              is_causal=is_causal, scale=scale, backend=backend, tag=tag, tuning=tuning)
-    if not _plain_eager(q, k, v, attn_mask):
+    if not eager:
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
     values, entry = _config_call(config, tuning)
@@ -676,14 +678,12 @@ def attention(
 _CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods that have an op
 
 
-def _dense_memo_key(config, tuning, q, k, v, attn_mask, is_causal, scale, backend, tag, context_parallel):
-    """The key under which an eager call's dense plan is remembered, or None for calls that
-    always plan afresh (a mask, context parallelism, anything but plain eager tensors). Every
-    input the validation and the plan read is in it; the config and tuning by identity (the
-    memo keeps them alive and checks them on a hit)."""
-    if (attn_mask is not None or context_parallel is not None or type(is_causal) is not bool
-            or type(tag) is not str or not (scale is None or type(scale) in (int, float))
-            or not _plain_eager(q, k, v, None)):
+def _dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag):
+    """The key under which a plain eager call without a mask or context parallelism remembers
+    its dense plan, or None when an argument cannot be part of a key (those calls plan afresh).
+    Every input the validation and the plan read is in it; the config and tuning by identity
+    (the memo keeps them alive and checks them on a hit)."""
+    if type(tag) is not str or not (scale is None or type(scale) in (int, float)):
         return None
     override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
     return (id(config), id(tuning), backend, tag, is_causal, scale, override, q.shape, k.shape, v.shape,
@@ -712,14 +712,11 @@ def dense_attention(q, k, v, *, attn_mask=None, is_causal=True, scale=None, tag:
     return attention(q, k, v, config=DenseConfig(), attn_mask=attn_mask, is_causal=is_causal, scale=scale, tag=tag)
 
 
-_DEFAULT_CONFIGS = {cls: cls() for cls in (PBSConfig, PISAConfig, BSAConfig)}  # frozen: safe to share
-
-
 def _method_config(config, cls):
     """``config`` (default ``cls()``) after checking it is a ``cls``: a method's function never
     runs another method's config."""
     if config is None:
-        return _DEFAULT_CONFIGS[cls]
+        return default_instance(cls)
     if not isinstance(config, cls):
         raise TypeError(f"config must be a {cls.__name__} (or None), got {type(config).__name__}; "
                         "use sparseflow.ops.attention(config=...) to run any method")
