@@ -687,6 +687,7 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     from .checkpoints import TEXTS
     from .convert import _load_config, _parse_config, load_source, resolve_source
     from .rope import parse_rope_scaling, set_rope_scaling
+    from .eval.evaluate import model_device
 
     budget = check_budget(kl_budget)
     _sparse_spec(method, "--method")
@@ -717,7 +718,7 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     if tok is None:
         raise ValueError(f"{model_path} has no tokenizer; pass --tokenizer PATH")
     rope_info = None if rope_scaling is None else set_rope_scaling(model, rope_scaling)
-    on = next(model.parameters()).device
+    on = model_device(model)
     ids = _tokens(tok, tokens, text, "--tokens").to(on)
     heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)").to(on)
     say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "

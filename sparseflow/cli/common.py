@@ -170,5 +170,7 @@ def device_label(model) -> str:
     """Where ``model`` ran, for a results file: the GPU's name, or the CPU."""
     import torch
 
-    device = next(model.parameters()).device
+    from ..eval.evaluate import model_device
+
+    device = model_device(model)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -99,6 +99,7 @@ class _Checked(NamedTuple):
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoints import real_tokens
+    from ..eval.evaluate import model_device
     from ..convert import ConversionError
     from ..recipes import RecipeError
     from ..rope import set_rope_scaling
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         rope_info = None if c.rope_scaling is None else set_rope_scaling(model, args.rope_scaling)
         if c.task == "niah":
             return _niah(args, model, tok, c.plans, c.source, rope_info)
-        ids = real_tokens(tok, args.tokens, text=args.text).to(next(model.parameters()).device)
+        ids = real_tokens(tok, args.tokens, text=args.text).to(model_device(model))
     except (ConversionError, RecipeError, FileNotFoundError, ValueError, ImportError) as exc:
         return _error("eval", exc)
     return _fidelity(args, model, ids, c, rope_info, map_at)

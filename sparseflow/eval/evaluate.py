@@ -43,6 +43,11 @@ class MethodResult:
         }
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device ``model``'s weights are on (where its inputs must go)."""
+    return next(model.parameters()).device
+
+
 def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep + 1)

@@ -197,10 +197,11 @@ def _density(calls) -> Tuple[Optional[float], int, int]:
 
 def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate: Callable) -> Dict[str, object]:
     from ..recording import capture
+    from .evaluate import model_device
 
     start = time.perf_counter()
     with capture(keep_selections=True) as cap:
-        new = generate(model, sample.ids.to(next(model.parameters()).device), max_new_tokens)
+        new = generate(model, sample.ids.to(model_device(model)), max_new_tokens)
     text = tokenizer.decode(new, skip_special_tokens=True)
     density, n_sparse, n_dense = _density(cap.calls)
     return {"depth": sample.depth, "answer": sample.answer, "asked": sample.asked, "generated": text,
