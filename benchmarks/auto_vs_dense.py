@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -26,7 +25,8 @@ sys.path.insert(0, HERE)
 
 import sparseflow  # noqa: E402
 import sparseflow.hf  # noqa: E402
-from e2e_prefill import TRAINED_POSITIONS, env_info, repeated_tokens, set_rope  # noqa: E402
+from common import mean_s_back_to_back  # noqa: E402
+from e2e_prefill import TRAINED_POSITIONS, _ints, env_info, repeated_tokens, set_rope  # noqa: E402
 from sparseflow.checkpoints import load_smollm2  # noqa: E402
 from sparseflow.config import default_config  # noqa: E402
 from sparseflow.hf import Plan  # noqa: E402
@@ -42,15 +42,6 @@ def use(model, variant) -> None:
     method, backend = variant
     sparseflow.hf.apply_plan(model, Plan(method=method, config=default_config(method), backend=backend,
                                          num_layers=model.config.num_hidden_layers))
-
-
-def wall_ms(forward, calls: int, sync) -> float:
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        forward()
-    sync()
-    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def run_length(model, tok, n: int, args):
@@ -70,8 +61,7 @@ def run_length(model, tok, n: int, args):
     for _ in range(args.rounds):
         for name, variant in VARIANTS.items():
             use(model, variant)
-            forward()
-            times[name].append(wall_ms(forward, args.calls, sync))
+            times[name].append(mean_s_back_to_back(forward, args.calls, 1, sync) * 1e3)
     dense = statistics.median(times["dense"])
     rows = []
     for name, ts in times.items():
@@ -84,7 +74,7 @@ def run_length(model, tok, n: int, args):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",") if x.strip()], default=[4096, 8192, 16384])
+    ap.add_argument("--ns", type=_ints, default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3, help="forwards per variant and round")
     ap.add_argument("--text", default="pydoc_topics")

@@ -44,7 +44,6 @@ from sparseflow.eval.fidelity import compare_logits  # noqa: E402
 from sparseflow.rope import set_rope_scaling  # noqa: E402
 
 TRAINED_POSITIONS = 8192
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
 DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
 
 
@@ -198,13 +197,20 @@ def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = T
     }
 
 
+def _replays_cuda_graphs(mode: Optional[str]) -> bool:
+    # what sparseflow.compile reads too: Inductor's settings for the mode
+    from torch._inductor import list_mode_options
+
+    return mode is not None and bool(list_mode_options(mode).get("triton.cudagraphs"))
+
+
 def measure(model, ids, path: str, setting: Optional[str], dense_logits, args,
             backend: Optional[str] = None) -> Dict[str, object]:
     row = {"path": path, "setting": setting, "backend": backend}
     try:
         row.update(time_forward(model, ids, args.reps, args.warmup))
         if dense_logits is not None:
-            graphs = path == "compile" and args.compile_mode in CUDA_GRAPH_MODES
+            graphs = path == "compile" and _replays_cuda_graphs(args.compile_mode)
             row.update(fidelity_row(model, ids, dense_logits, args.eval_positions, record=not graphs))
     except Exception as exc:  # a failing row is reported, the run goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
