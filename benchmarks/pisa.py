@@ -136,9 +136,11 @@ def part_select(args, results):
         t_pyr = bench(lambda: PT.build_pyramid(k, block_size=64, branching=2))
         t_bsa = bench(lambda: BT.bsa_select(q, k, **kw))
         t_bsa16 = bench(lambda: BT.bsa_select(q, k, precision="bf16", **kw))
+        t_plain = bench(lambda: plain_torch_scan(q, k, **kw), rep_ms=50, warmup_ms=20)
         best_bsa = min(t_bsa, t_bsa16)
         row = dict(n=n, pisa_ms=t_pisa, pyramid_ms=t_pyr, bsa_ieee_ms=t_bsa, bsa_bf16_ms=t_bsa16,
-                   speedup_vs_best_bsa=best_bsa / t_pisa, speedup_vs_bsa_ieee=t_bsa / t_pisa)
+                   plain_torch_scan_ms=t_plain, speedup_vs_best_bsa=best_bsa / t_pisa,
+                   speedup_vs_bsa_ieee=t_bsa / t_pisa, speedup_vs_plain_torch_scan=t_plain / t_pisa)
         row.update({f"pisa_beam{b_}_ms": t for b_, t in t_beam.items()})
         row.update({f"pisa_beam{b_}_speedup_vs_best_bsa": best_bsa / t for b_, t in t_beam.items()})
         if len(args.walks) > 1:
@@ -146,19 +148,43 @@ def part_select(args, results):
         rows.append(row)
         beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
         print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
-              f"  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f}){beams}", flush=True)
+              f"  plain torch {t_plain:8.3f}  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f},"
+              f" vs plain torch x{t_plain / t_pisa:6.2f}){beams}", flush=True)
         q = k = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     big = [r for r in rows if r["n"] >= 65536]
     if len(big) >= 2:
         xs = [math.log(r["n"]) for r in big]
-        for key in ["pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms"] + [f"pisa_beam{b_}_ms" for b_ in args.beams if b_ != 1]:
+        for key in ["pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms", "plain_torch_scan_ms"] + [f"pisa_beam{b_}_ms" for b_ in args.beams if b_ != 1]:
             ys = [math.log(r[key]) for r in big]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             results.setdefault("select_slopes_64k_up", {})[key] = slope
             print(f"log-log slope 64K..{big[-1]['n'] // 1024}K {key}: {slope:.3f}")
     results["select"] = rows
+
+
+def plain_torch_scan(q, k, *, block_size, top_k, rows_per_chunk=8192):
+    """What a user writes instead of a selection kernel: every query against every causal key
+    block's mean key, scores summed over the query heads of each KV head (einsum + topk), in
+    chunks of query rows so the ``[rows, blocks]`` scores fit in memory at 1M tokens."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    nb = -(-n // block_size)
+    kp = F.pad(k.float(), (0, 0, 0, nb * block_size - n))
+    counts = torch.full((nb,), float(block_size), device=k.device)
+    counts[-1] = n - (nb - 1) * block_size
+    means = kp.view(b, hkv, nb, block_size, d).sum(3) / counts[:, None]
+    q_group = q.float().view(b, hkv, hq // hkv, n, d).sum(2)
+    width = min(top_k, nb)
+    out = torch.empty(b, hkv, n, width, dtype=torch.int64, device=q.device)
+    blocks = torch.arange(nb, device=q.device)
+    for start in range(0, n, rows_per_chunk):
+        rows = torch.arange(start, min(n, start + rows_per_chunk), device=q.device)
+        scores = torch.einsum("bhnd,bhjd->bhnj", q_group[:, :, rows], means)
+        scores.masked_fill_(blocks[None, :] > (rows // block_size)[:, None], float("-inf"))
+        out[:, :, rows] = scores.topk(width, dim=-1).indices
+    return out
 
 
 def _walk_rows(q, k, kw, PT, tunings, t_walk, args):
