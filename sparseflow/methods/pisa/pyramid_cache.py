@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels.token_blocks import selection_width
-from ...kernels.token_sparse_triton import token_sparse_attention
+from ...kernels.token_sparse_triton import token_sparse_attention, token_sparse_fwd
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
 from .config import PISAConfig
@@ -72,7 +72,7 @@ def _append_kernel(
 
 @triton.jit
 def _append_static_kernel(
-    knew_ptr, vnew_ptr, kbuf_ptr, vbuf_ptr, len_ptr, bad_ptr,
+    knew_ptr, vnew_ptr, kbuf_ptr, vbuf_ptr, held_ptr, len_ptr, bad_ptr,
     sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr,
     stride_nb, stride_nh, stride_wb, stride_wh,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -81,8 +81,8 @@ def _append_static_kernel(
     C: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
 ):
     """``_append_kernel`` with the position read on the device (``len_ptr[0] - 1``) that also
-    writes the new key / value into slot ``pos`` of the KV buffers (the level-0 programs). A
-    position outside the buffer writes nothing and raises the ``bad_ptr`` flag instead."""
+    writes the new key / value into slot ``pos`` of the KV buffers and marks it held (the level-0
+    programs). A position outside the buffer writes nothing and raises the ``bad_ptr`` flag instead."""
     lv = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -101,6 +101,8 @@ def _append_static_kernel(
             v_ok = offs_v < DV
             v_raw = tl.load(vnew_ptr + b * stride_wb + h * stride_wh + offs_v, mask=v_ok, other=0.0)
             tl.store(vbuf_ptr + b * stride_vb + h * stride_vh + pos * stride_vn + offs_v, v_raw, mask=v_ok)
+            if h == 0:
+                tl.store(held_ptr + b * CAP + pos, 1)
         _add_key(k_raw.to(tl.float32), sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, lv, b, h,
                  offs_d, d_ok, stride_sb, stride_sh, stride_st, pos, T, C)
 
@@ -126,8 +128,9 @@ class PyramidCache:
         self.summ = torch.zeros_like(self.sums)
         self.count = torch.zeros(b, total, dtype=torch.int32, device=dev)
         self.first_valid = torch.full((b, total), 2**31 - 1, dtype=torch.int32, device=dev)
-        # decode_step_static: the slot ids (its key mask is slot < length) and its out-of-range flag
-        self._slots = torch.arange(capacity, dtype=torch.int32, device=dev)
+        # decode_step_static: the buffer slots that hold a key (its attention's key mask, set by its
+        # append, so a slot never written is never read) and its out-of-range flag
+        self._held = (torch.arange(capacity, device=dev) < n0).to(torch.int8).unsqueeze(0).repeat(b, 1)
         self._bad = torch.zeros(1, dtype=torch.uint8, device=dev)
         self._static = False
         if n0:
@@ -235,16 +238,18 @@ class PyramidCache:
         the caller advances it in place (``length += 1``, inside the graph too) before each step.
         The step writes ``k_new`` / ``v_new [B, Hkv, 1, D]`` into slot ``length - 1`` of ``k_buf`` /
         ``v_buf [B, Hkv, capacity, D]`` and into the pyramid, selects for ``q [B, Hq, 1, D]`` and
-        attends over the first ``length`` keys (slots past them are never read). Returns ``(out,
-        idx [B, Hkv, 1, selection_width(top_k, capacity)])``: the selection of :meth:`decode_step`,
-        padded with ``-1``. A length outside ``[1, capacity]`` cannot raise without a host sync: it
-        leaves the cache unchanged and the output NaN. The cache's host ``length`` stops following:
-        once driven this way, its eager methods refuse it."""
+        attends over the first ``length`` keys (a slot no step or prompt wrote is never read). Returns
+        ``(out, idx [B, Hkv, 1, selection_width(top_k, capacity)])``: the selection of
+        :meth:`decode_step`, padded with ``-1``. The length moves forward one key per step (the
+        pyramid adds each key it is given: a rewound length would count keys twice). A length
+        outside ``[1, capacity]`` cannot raise without a host sync: it leaves the cache unchanged and
+        the output NaN. The cache's host ``length`` stops following: once driven this way, its eager
+        methods refuse it."""
         self._check_static(q, k_new, v_new, k_buf, v_buf, length)
         self._static = True
         hkv = k_buf.shape[1]
         _append_static_kernel[(len(self.sizes), k_buf.shape[0] * hkv)](
-            k_new, v_new, k_buf, v_buf, length, self._bad,
+            k_new, v_new, k_buf, v_buf, self._held, length, self._bad,
             self.sums, self.count, self.summ, self.first_valid, self.lvl_off, self.lvl_span,
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
@@ -255,9 +260,11 @@ class PyramidCache:
         )
         width = selection_width(top_k, self.capacity, self.block_size)  # blocks not yet filled are never selected
         idx = self._walk(q, k_buf, length, width, score, scale, force_sink, force_previous, beam, tuning)
-        held = (self._slots < length).expand(k_buf.shape[0], -1)
-        out = token_sparse_attention(q, k_buf, v_buf, idx, key_padding_mask=held, is_causal=True, scale=scale,
-                                     block_size=self.block_size)
+        # the walk's ids ascend with -1 only at the tail: the one query row's block list as they are
+        # (token_sparse_attention's sort of them would be launches for nothing)
+        num = (idx >= 0).sum(-1, dtype=torch.int32)
+        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        out, _ = token_sparse_fwd(q.contiguous(), k_buf, v_buf, idx, num, idx, self._held, sc, self.block_size, True)
         return out.masked_fill(self._bad.view(torch.bool), float("nan")), idx
 
     def _check_eager(self) -> None:
@@ -269,26 +276,23 @@ class PyramidCache:
         """The shapes, dtypes and devices :meth:`decode_step_static` needs (host metadata only)."""
         b, hkv, _, d = self.sums.shape
         if not isinstance(length, torch.Tensor) or length.dtype != torch.int32 or length.numel() != 1:
-            got = f"{length.dtype} tensor of shape {list(length.shape)}" if isinstance(length, torch.Tensor) else (
-                type(length).__name__)
+            got = f"{length.dtype} {list(length.shape)}" if isinstance(length, torch.Tensor) else type(length).__name__
             raise TypeError(f"length must be an int32 tensor of one element (the keys held, the new one included; "
                             f"see static_buffers), got {got}")
-        for name, t, n, dim in (("k_new", k_new, 1, d), ("v_new", v_new, 1, v_buf.shape[-1]),
-                                ("k_buf", k_buf, self.capacity, d), ("v_buf", v_buf, self.capacity, None)):
-            if t.dim() != 4 or tuple(t.shape[:3]) != (b, hkv, n) or (dim is not None and t.shape[3] != dim):
-                raise ValueError(f"{name} must be [{b}, {hkv}, {n}, {d if dim is None else dim}] "
-                                 f"(batch, KV heads, {'capacity' if n > 1 else 'one token'}, head dim), "
+        one, buf = (b, hkv, 1, d), (b, hkv, self.capacity, d)
+        for name, t, want in (("q", q, (b, "Hq", 1, d)), ("k_new", k_new, one), ("v_new", v_new, one),
+                              ("k_buf", k_buf, buf), ("v_buf", v_buf, buf), ("length", length, None)):
+            if want is not None and (t.dim() != 4 or any(w != g for w, g in zip(want, t.shape) if w != "Hq")):
+                raise ValueError(f"{name} must be [{', '.join(map(str, want))}] (batch, heads, tokens, head dim), "
                                  f"got {list(t.shape)}")
             if t.device != self.sums.device:
                 raise ValueError(f"{name} must be on the cache's device {self.sums.device}, got {t.device}")
+            if want is not None and (t.dtype != k_buf.dtype or t.dtype not in (torch.float16, torch.bfloat16,
+                                                                               torch.float32)):
+                raise TypeError(f"q, k_new, v_new, k_buf and v_buf must share one dtype of fp16 / bf16 / fp32, "
+                                f"got {name} {t.dtype} with k_buf {k_buf.dtype}")
+        if q.shape[1] % hkv:
+            raise ValueError(f"q's heads must be a multiple of the {hkv} KV heads, got {q.shape[1]}")
         if not (k_buf.is_contiguous() and v_buf.is_contiguous()) or k_new.stride(3) != 1 or v_new.stride(3) != 1:
             raise ValueError("k_buf and v_buf must be contiguous, and k_new / v_new contiguous in their last dim "
                              "(a strided buffer would be copied whole at every step)")
-        if k_new.dtype != k_buf.dtype or v_new.dtype != v_buf.dtype:
-            raise TypeError(f"k_new / v_new must have their buffers' dtypes {k_buf.dtype} / {v_buf.dtype}, "
-                            f"got {k_new.dtype} / {v_new.dtype}")
-        if q.dim() != 4 or q.shape[0] != b or q.shape[2] != 1 or q.shape[1] % hkv or q.shape[3] != d:
-            raise ValueError(f"q must be [{b}, a multiple of {hkv} heads, 1, {d}], got {list(q.shape)}")
-        if length.device != q.device or q.device != self.sums.device:
-            raise ValueError(f"q and length must be on the cache's device {self.sums.device}, "
-                             f"got {q.device} and {length.device}")

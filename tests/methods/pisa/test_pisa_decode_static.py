@@ -39,7 +39,7 @@ def _caches(k, v, n0, capacity, c):
 
 @pytest.mark.parametrize("b, n0, steps, c, top_k, beam, dtype", [
     (1, 37, 6, 8, 3, 1, torch.float32),   # crosses a block boundary (40)
-    (2, 3, 14, 8, 3, 1, torch.float32),   # 1 block -> 3: the capacity's width, -1 past the filled blocks
+    (2, 3, 10, 4, 3, 1, torch.float32),   # 1 block -> 4: the capacity's width, -1 past the filled blocks
     (1, 29, 4, 4, 4, 2, torch.float32),   # beam 2
     (1, 21, 4, 8, 3, 1, torch.bfloat16),
 ])
@@ -74,18 +74,21 @@ def test_static_step_out_of_range_length_is_nan_and_writes_nothing():
     n0, cap, c = 10, 16, 8
     q, k, v = _qkv(1, 4, 2, n0 + 1, 16, torch.float32, seed=1)
     _, static, k_buf, v_buf, length = _caches(k, v, n0, cap, c)
-    before = [t.clone() for t in (static.sums, static.summ, static.count, static.first_valid, k_buf, v_buf)]
+
+    def state():  # NaN == NaN here: the poisoned buffer slots compare equal to themselves
+        return [t.nan_to_num(7.0) for t in (static.sums, static.summ, static.count, static.first_valid,
+                                            static._held, k_buf, v_buf)]
+
+    before = state()
     q1, k1, v1 = q[:, :, -1:], k[:, :, -1:], v[:, :, -1:]
     for bad in (cap + 1, 0):
         length.fill_(bad)
         out, _ = static.decode_step_static(q1, k1, v1, k_buf, v_buf, length, top_k=2)
         assert torch.isnan(out).all(), f"length {bad}"
-        after = (static.sums, static.summ, static.count, static.first_valid, k_buf, v_buf)
-        assert all(torch.equal(x, y) for x, y in zip(before[:4], after[:4])), f"length {bad} moved the pyramid"
-        assert torch.equal(k_buf.isnan(), before[4].isnan()) and torch.equal(v_buf.isnan(), before[5].isnan())
+        assert all(torch.equal(x, y) for x, y in zip(before, state())), f"length {bad} wrote into the cache"
     length.fill_(n0 + 1)  # back in range: a finite answer again (the flag is rewritten every step)
     out, _ = static.decode_step_static(q1, k1, v1, k_buf, v_buf, length, top_k=2)
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all() and not all(torch.equal(x, y) for x, y in zip(before, state()))
 
 
 def test_static_step_rejects_bad_arguments():
@@ -102,8 +105,10 @@ def test_static_step_rejects_bad_arguments():
         step(q1, k1, v1, k_buf[:, :, :-1].contiguous(), v_buf, length)
     with pytest.raises(ValueError, match="must be contiguous"):
         step(q1, k1, v1, k_buf.transpose(2, 3).contiguous().transpose(2, 3), v_buf, length)
-    with pytest.raises(TypeError, match="buffers' dtypes"):
+    with pytest.raises(TypeError, match="must share one dtype"):
         step(q1, k1.double(), v1, k_buf, v_buf, length)
+    with pytest.raises(ValueError, match=r"v_new must be \[1, 2, 1, 16\]"):
+        step(q1, k1, v1[..., :8], k_buf, v_buf, length)
     with pytest.raises(ValueError, match="q must be"):
         step(q[:, :, -2:], k1, v1, k_buf, v_buf, length)
     with pytest.raises(ValueError, match="must hold the cache's 10 keys"):
