@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparseflow.kernels import token_blocks as tb
 from sparseflow.methods.pisa import reference as pisa_ref
@@ -126,6 +127,45 @@ def test_eager_calls_after_a_static_step_are_refused():
         static.append(k[:, :, n0 + 1:])
     with pytest.raises(ValueError, match="driven by decode_step_static"):
         static.select(q[:, :, -1:], k)
+
+
+class _Ops(TorchDispatchMode):
+    """Every op dispatched, with the shapes it returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                  if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func), shapes))
+        return out
+
+
+# what reading a device value on the host dispatches (.item(), int() / bool() of a tensor,
+# torch.equal, nonzero / masked_select with their data-dependent shapes)
+_HOST_READS = ("_local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
+               "aten.masked_select")
+
+
+def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_back():
+    """What a CUDA graph needs, checked on the CPU: one recorded op sequence (names and shapes)
+    serves every length, and no op hands a device value to the host."""
+    n0, steps = 13, 4
+    q, k, v = _qkv(1, 4, 2, n0 + steps, 16, torch.float32, seed=5)
+    _, static, k_buf, v_buf, length = _caches(k, v, n0, 40, 8)
+    seen = []
+    for t in range(n0, n0 + steps):
+        length += 1
+        with _Ops() as rec:
+            static.decode_step_static(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], k_buf, v_buf, length)
+        seen.append(rec.ops)
+    names = {name for name, _ in seen[0]}
+    assert "sparseflow.pisa_select_fwd.default" in names and "sparseflow.token_sparse_fwd.default" in names
+    assert not [name for name in names if any(r in name for r in _HOST_READS)], sorted(names)
+    assert all(ops == seen[0] for ops in seen[1:]), "the step's ops or shapes depend on the length"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
