@@ -10,7 +10,12 @@ the leaf and its ``O(log N)`` ancestors (sum, count, mean, first valid position)
 ``select`` runs the fused walk of ``triton_select`` for the new query token(s) against it:
 ``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k`` nodes above
 the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention over the
-selected blocks (``token_sparse_triton``).
+selected blocks (``token_sparse_triton``), on the growing k/v of the caller.
+
+``decode_step_static`` is the same step on preallocated KV buffers of the capacity, its length in
+an int32 device tensor that the kernels read: no host sync and the same launches at every length
+(append + K/V write in one, the walk, the attention, three small torch ops), so a CUDA graph
+captured once replays every step.
 """
 from __future__ import annotations
 

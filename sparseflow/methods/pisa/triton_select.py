@@ -385,9 +385,7 @@ def _pisa_select_fwd(
     block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
     warps: Optional[int] = None, leaf_bytes: Optional[int] = None, length: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``length`` (int32 ``[1]``, no padding mask): ``k`` is a buffer whose first ``length[0]`` keys
-    are the cache (``PyramidCache.decode_step_static``)."""
-    if length is not None and kpm is not None:
+    if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
         raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
