@@ -355,9 +355,22 @@ def _error(exc):
     return f"{type(exc).__name__}: {text.splitlines()[0][:240] if text else ''}"
 
 
+def _graph_time(row, key, fn):
+    """``row[key + "_ms"]``: ``fn`` (stateless) replayed from a CUDA graph; ``row[key + "_error"]``
+    if it cannot be captured."""
+    try:
+        graph, _ = _capture(fn)
+        row[f"{key}_ms"] = bench(graph.replay)
+    except Exception as exc:
+        row[f"{key}_error"] = _error(exc)
+        torch.cuda.synchronize()
+
+
 def _decode_eager(q1, k, v, top_k):
-    """The eager step (PyramidCache.decode_step on the growing k/v): its times, and the output and
+    """The eager step (PyramidCache.decode_step on the growing k/v): its times, its walk and its
+    attention alone replayed from CUDA graphs (the GPU's share of a step), and the output and
     selection of one real step for the captured path's check."""
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     n = k.shape[2]
@@ -370,11 +383,8 @@ def _decode_eager(q1, k, v, top_k):
         return cache.decode_step(q1, k, v, top_k=top_k)[0]
 
     row = dict(pisa_step_ms=bench(step), pisa_select_ms=bench(lambda: cache.select(q1, k, top_k=top_k)))
-    try:  # the walk's own GPU time, without the host's launch cost (the walk changes no state)
-        graph, _ = _capture(lambda: cache.select(q1, k, top_k=top_k))
-        row["pisa_select_graph_ms"] = bench(graph.replay)
-    except Exception as exc:
-        row["pisa_select_graph_error"] = _error(exc)
+    _graph_time(row, "pisa_select_graph", lambda: cache.select(q1, k, top_k=top_k))
+    _graph_time(row, "pisa_attention_graph", lambda: token_sparse_attention(q1, k, v, idx, block_size=64))
     return row, out, idx
 
 
@@ -445,12 +455,7 @@ def _decode_dense(q1, k, v):
         return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
 
     row = dict(dense_sdpa_decode_ms=bench(dense))
-    try:
-        graph, _ = _capture(dense)
-        row["dense_sdpa_graph_ms"] = bench(graph.replay)
-    except Exception as exc:
-        row["dense_sdpa_graph_error"] = _error(exc)
-        torch.cuda.synchronize()
+    _graph_time(row, "dense_sdpa_graph", dense)
     return row
 
 
