@@ -60,7 +60,8 @@ def test_static_step_matches_eager_step_and_reference(b, n0, steps, c, top_k, be
         assert idx.shape[-1] == width and torch.equal(idx[..., :w], want_idx), f"step {t}"
         assert (idx[..., w:] == -1).all(), f"step {t}: unfilled blocks selected"
         assert torch.isfinite(out).all(), f"step {t}: a NaN-poisoned slot leaked"
-        torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+        # the same blocks in the same order through the same kernel: equal up to the compiler's reordering
+        torch.testing.assert_close(out, want_out, **({} if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)))
         assert torch.equal(k_buf[:, :, t], k[:, :, t]) and torch.equal(v_buf[:, :, t], v[:, :, t])
         if dtype == torch.float32:
             ref_idx = pisa_ref.pisa_select(qt, kt, block_size=c, top_k=top_k, beam=beam)
@@ -175,14 +176,21 @@ def test_static_step_replays_in_a_cuda_graph():
     q, k, v = _qkv(b, 8, 2, n, 64, torch.bfloat16, seed=4)
     eager, static, k_buf, v_buf, length = _caches(k, v, n0, n + 5, c)
     q_in, k_in, v_in = q[:, :, n0:n0 + 1].clone(), k[:, :, n0:n0 + 1].clone(), v[:, :, n0:n0 + 1].clone()
-    warm = [t.clone() for t in (static.sums, static.summ, static.count, static.first_valid, k_buf, v_buf, length)]
+    state = (static.sums, static.summ, static.count, static.first_valid, static._held, k_buf, v_buf, length)
+    warm = [t.clone() for t in state]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile the kernels outside the capture, then undo the warm-up step
+    with torch.cuda.stream(side):  # compile the kernels outside the capture, then undo the warm-up steps
         length += 1
         static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a host sync in the step raises here
+        try:
+            static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
-    for t, w in zip((static.sums, static.summ, static.count, static.first_valid, k_buf, v_buf, length), warm):
+    for t, w in zip(state, warm):
         t.copy_(w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -194,5 +202,5 @@ def test_static_step_replays_in_a_cuda_graph():
         graph.replay()
         want_out, want_idx = eager.decode_step(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], top_k=top_k)
         assert torch.equal(idx[..., :want_idx.shape[-1]], want_idx), f"step {t}"
-        torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+        torch.testing.assert_close(out, want_out)
     assert int(length) == n
