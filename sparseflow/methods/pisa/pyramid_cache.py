@@ -83,7 +83,7 @@ def _append_static_kernel(
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_sb, stride_sh, stride_st,
     T, HKV, CAP,
-    C: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+    C: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
     """``_append_kernel`` with the position read on the device (``len_ptr[0] - 1``) that also
     writes the new key / value into slot ``pos`` of the KV buffers and marks it held (the level-0
@@ -102,10 +102,8 @@ def _append_static_kernel(
         k_raw = tl.load(knew_ptr + b * stride_nb + h * stride_nh + offs_d, mask=d_ok, other=0.0)
         if lv == 0:
             tl.store(kbuf_ptr + b * stride_kb + h * stride_kh + pos * stride_kn + offs_d, k_raw, mask=d_ok)
-            offs_v = tl.arange(0, DVP)
-            v_ok = offs_v < DV
-            v_raw = tl.load(vnew_ptr + b * stride_wb + h * stride_wh + offs_v, mask=v_ok, other=0.0)
-            tl.store(vbuf_ptr + b * stride_vb + h * stride_vh + pos * stride_vn + offs_v, v_raw, mask=v_ok)
+            v_raw = tl.load(vnew_ptr + b * stride_wb + h * stride_wh + offs_d, mask=d_ok, other=0.0)
+            tl.store(vbuf_ptr + b * stride_vb + h * stride_vh + pos * stride_vn + offs_d, v_raw, mask=d_ok)
             if h == 0:
                 tl.store(held_ptr + b * CAP + pos, 1)
         _add_key(k_raw.to(tl.float32), sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, lv, b, h,
@@ -252,25 +250,33 @@ class PyramidCache:
         methods refuse it."""
         self._check_static(q, k_new, v_new, k_buf, v_buf, length)
         self._static = True
-        hkv = k_buf.shape[1]
-        _append_static_kernel[(len(self.sizes), k_buf.shape[0] * hkv)](
+        self._append_static(k_new, v_new, k_buf, v_buf, length)
+        width = selection_width(top_k, self.capacity, self.block_size)  # blocks not yet filled are never selected
+        idx = self._walk(q, k_buf, length, width, score, scale, force_sink, force_previous, beam, tuning)
+        return self._attend_static(q, k_buf, v_buf, idx, scale), idx
+
+    def _append_static(self, k_new, v_new, k_buf, v_buf, length) -> None:
+        """One launch: the new key into the pyramid, the new key / value into slot ``length - 1``."""
+        b, hkv, _, d = k_buf.shape
+        _append_static_kernel[(len(self.sizes), b * hkv)](
             k_new, v_new, k_buf, v_buf, self._held, length, self._bad,
             self.sums, self.count, self.summ, self.first_valid, self.lvl_off, self.lvl_span,
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
             self.sums.stride(0), self.sums.stride(1), self.sums.stride(2),
             self.sums.shape[2], hkv, self.capacity,
-            C=self.block_size, D=k_buf.shape[3], DP=max(16, triton.next_power_of_2(k_buf.shape[3])),
-            DV=v_buf.shape[3], DVP=max(16, triton.next_power_of_2(v_buf.shape[3])),
+            C=self.block_size, D=d, DP=max(16, triton.next_power_of_2(d)),
         )
-        width = selection_width(top_k, self.capacity, self.block_size)  # blocks not yet filled are never selected
-        idx = self._walk(q, k_buf, length, width, score, scale, force_sink, force_previous, beam, tuning)
-        # the walk's ids ascend with -1 only at the tail: the one query row's block list as they are
-        # (token_sparse_attention's sort of them would be launches for nothing)
+
+    def _attend_static(self, q, k_buf, v_buf, idx, scale) -> torch.Tensor:
+        """Attention of the one query row over its selected blocks' held slots (NaN after an
+        out-of-range length)."""
+        # the walk's ids ascend with -1 only at the tail: the row's block list as they are
+        # (token_sparse_attention would sort them: launches for nothing)
         num = (idx >= 0).sum(-1, dtype=torch.int32)
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out, _ = token_sparse_fwd(q.contiguous(), k_buf, v_buf, idx, num, idx, self._held, sc, self.block_size, True)
-        return out.masked_fill(self._bad.view(torch.bool), float("nan")), idx
+        return out.masked_fill(self._bad.view(torch.bool), float("nan"))
 
     def _check_eager(self) -> None:
         if self._static:
