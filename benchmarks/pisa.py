@@ -361,30 +361,155 @@ def part_flex(args, results):
     results["flex"] = rows
 
 
-def part_decode(args, results):
+def _capture(fn, warm=None):
+    """``(graph, outputs)``: ``fn`` captured in a CUDA graph after two runs of ``warm`` (default
+    ``fn``) on a side stream, which compile the kernels and settle the allocator."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            (warm or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def _error(exc):
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:240] if text else ''}"
+
+
+def _graph_time(row, key, fn):
+    """``row[key + "_ms"]``: ``fn`` (stateless) replayed from a CUDA graph; ``row[key + "_error"]``
+    if it cannot be captured."""
+    try:
+        graph, _ = _capture(fn)
+        row[f"{key}_ms"] = bench(graph.replay)
+    except Exception as exc:
+        row[f"{key}_error"] = _error(exc)
+        torch.cuda.synchronize()
+
+
+def _decode_eager(q1, k, v, top_k):
+    """The eager step (PyramidCache.decode_step on the growing k/v): its times, its walk and its
+    attention alone replayed from CUDA graphs (the GPU's share of a step), and the output and
+    selection of one real step for the captured path's check."""
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
+    n = k.shape[2]
+    cache = PyramidCache(k[:, :, : n - 1], capacity=n + 1024, block_size=64, branching=2)
+    base = cache.length
+    out, idx = cache.decode_step(q1, k, v, top_k=top_k)
+
+    def step():
+        cache.length = base  # re-append the same token: the cost of one real step
+        return cache.decode_step(q1, k, v, top_k=top_k)[0]
+
+    row = dict(pisa_step_ms=bench(step), pisa_select_ms=bench(lambda: cache.select(q1, k, top_k=top_k)))
+    _graph_time(row, "pisa_select_graph", lambda: cache.select(q1, k, top_k=top_k))
+    _graph_time(row, "pisa_attention_graph", lambda: token_sparse_attention(q1, k, v, idx, block_size=64))
+    return row, out, idx
+
+
+def _static_step(q1, k, v, top_k):
+    """A fresh cache on preallocated buffers and its step ``length += 1; decode_step_static``
+    (the new token's q / k / v in static input tensors), with its length tensor."""
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
+
+    n = k.shape[2]
+    cache = PyramidCache(k[:, :, : n - 1], capacity=n + 1024, block_size=64, branching=2)
+    k_buf, v_buf, length = cache.static_buffers(k[:, :, : n - 1], v[:, :, : n - 1])
+    ins = (q1.clone(), k[:, :, -1:].clone(), v[:, :, -1:].clone())
+
+    def step():
+        length.add_(1)
+        return cache.decode_step_static(*ins, k_buf, v_buf, length, top_k=top_k)
+
+    return step, length
+
+
+def _host_syncs(fn):
+    """Whether one call of ``fn`` synchronises with the host (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError as exc:
+        return _error(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _decode_captured(q1, k, v, top_k, eager_out, eager_idx):
+    """The static step replayed from a CUDA graph: its first replay (the real step) compared with
+    the eager step's, then timed (each timed replay resets the length first: one fill kernel)."""
+    n = k.shape[2]
+    warm, _ = _static_step(q1, k, v, top_k)  # its own cache: the captured one stays at the real step
+    row = {}
+    try:
+        warm()  # compile first: the sync check is of a steady-state step
+        row["pisa_static_host_sync"] = _host_syncs(warm)
+        step, length = _static_step(q1, k, v, top_k)
+        graph, (out, idx) = _capture(step, warm)
+        graph.replay()
+        w = eager_idx.shape[-1]
+        row["pisa_graph_selection_equal"] = bool(torch.equal(idx[..., :w], eager_idx) and (idx[..., w:] == -1).all())
+        row["pisa_graph_vs_eager_max_abs_err"] = float((out.float() - eager_out.float()).abs().max())
+
+        def replay():
+            length.fill_(n - 1)
+            graph.replay()
+
+        row["pisa_graph_step_ms"] = bench(replay)
+        row["pisa_static_eager_step_ms"] = bench(lambda: (length.fill_(n - 1), step()))
+    except Exception as exc:  # a failed capture is a result too: keep the other rows' numbers
+        import traceback
+
+        traceback.print_exc()
+        row["pisa_graph_error"] = _error(exc)
+        torch.cuda.synchronize()
+    return row
+
+
+def _decode_dense(q1, k, v):
+    """Dense SDPA decode, eager and replayed from a CUDA graph."""
+    def dense():
+        return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
+
+    row = dict(dense_sdpa_decode_ms=bench(dense))
+    _graph_time(row, "dense_sdpa_graph", dense)
+    return row
+
+
+def part_decode(args, results):
+    """One decoding step at a long context: the eager PISA step, the static step replayed from a
+    CUDA graph, dense SDPA decode eager and graph-replayed (Hq 32, Hkv 8, D 128, C 64, bf16)."""
     rows = []
     for n in args.decode_ns:
         q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
         q1 = q[:, :, -1:].contiguous()
-        cache = PyramidCache(k[:, :, : n - 1], capacity=n + 1024, block_size=64, branching=2)
-        base = cache.length
-
-        def step():
-            cache.length = base  # re-append the same token: the cost of one real step
-            return cache.decode_step(q1, k, v, top_k=args.attn_k)[0]
-
-        def dense():
-            return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
-
-        t_step, t_dense = bench(step), bench(dense)
-        t_sel = bench(lambda: cache.select(q1, k, top_k=args.attn_k))
-        row = dict(n=n, top_k=args.attn_k, pisa_step_ms=t_step, pisa_select_ms=t_sel, dense_sdpa_decode_ms=t_dense,
-                   speedup_vs_dense=t_dense / t_step)
+        row, eager_out, eager_idx = _decode_eager(q1, k, v, args.attn_k)
+        row = dict(n=n, top_k=args.attn_k, **row, **_decode_dense(q1, k, v))
+        row.update(_decode_captured(q1, k, v, args.attn_k, eager_out, eager_idx))
+        row["speedup_vs_dense"] = row["dense_sdpa_decode_ms"] / row["pisa_step_ms"]
+        if "pisa_graph_step_ms" in row and "dense_sdpa_graph_ms" in row:
+            row["graph_speedup_vs_dense_graph"] = row["dense_sdpa_graph_ms"] / row["pisa_graph_step_ms"]
         rows.append(row)
-        print(f"decode n={n:7d} K={args.attn_k}: pisa step {t_step * 1e3:8.1f} us (select {t_sel * 1e3:7.1f}) dense {t_dense * 1e3:8.1f} us"
-              f"  x{t_dense / t_step:5.2f}", flush=True)
+        us = {key: f"{row[key] * 1e3:8.1f}" if key in row else "  failed"
+              for key in ("pisa_step_ms", "pisa_select_ms", "dense_sdpa_decode_ms", "pisa_graph_step_ms",
+                          "dense_sdpa_graph_ms")}
+        print(f"decode n={n:7d} K={args.attn_k}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
+              f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
+              f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
+              f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
+              f"  selection equal: {row.get('pisa_graph_selection_equal')}", flush=True)
+        for key in ("pisa_graph_error", "dense_sdpa_graph_error"):
+            if key in row:
+                print(f"  {key}: {row[key]}", flush=True)
     results["decode"] = rows
 
 

@@ -227,6 +227,11 @@ def run_decode(cases):
         kk = torch.cat([k, k1], dim=2)  # decode_step appends the new key itself
         vv = torch.cat([v, torch.randn(1, 2, 1, d).to(dtype)], dim=2)
         cache.decode_step(q[:, :, -1:], kk, vv, top_k=top_k, beam=beam)
+        # the graph-capturable step (device length: the append and walk variants that read it)
+        static = PyramidCache(k, capacity=1024, block_size=64)
+        k_buf, v_buf, length = static.static_buffers(k, v)
+        static.decode_step_static(q[:, :, -1:], kk[:, :, -1:], vv[:, :, -1:], k_buf, v_buf, length + 1,
+                                  top_k=top_k, beam=beam)
 
 
 def selftest() -> int:
@@ -270,7 +275,7 @@ EXPECTED = {
     "_proxy_pass", "_lse_combine_kernel", "_segment_sort_kernel", "_gather_pool_kernel", "_select_rows_kernel",
     "_pbs_fwd_kernel", "_leaf_kernel", "_node_kernel", "_pisa_select_kernel", "_fwd_kernel", "_bwd_dq_kernel",
     "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel", "_strided_estimate_kernel", "_strided_probs_kernel",
-    "_pisa_select_tiled_kernel",
+    "_pisa_select_tiled_kernel", "_append_static_kernel",
 }
 
 

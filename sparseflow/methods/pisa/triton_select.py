@@ -217,7 +217,7 @@ def _compact(cand, keep, ar_kp, ar_cw):
 
 @triton.jit
 def _pisa_select_kernel(
-    q_ptr, k_ptr, kpm_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, out_ptr,
+    q_ptr, k_ptr, kpm_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, out_ptr, len_ptr,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_mb, stride_mh, stride_mt,
@@ -228,10 +228,14 @@ def _pisa_select_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
     TOPK: tl.constexpr, WIDE: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr,
-    IEEE_KEYS: tl.constexpr,
+    IEEE_KEYS: tl.constexpr, HAS_LEN: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
+    if HAS_LEN:
+        # a preallocated KV buffer (Nk = its capacity) holding len_ptr[0] keys: the length is read
+        # on the device so that one compiled launch (or a CUDA graph) serves every decoding step
+        Nk = tl.minimum(tl.load(len_ptr), Nk)
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -379,8 +383,10 @@ def _pisa_select_fwd(
     q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
     lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
     block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
-    warps: Optional[int] = None, leaf_bytes: Optional[int] = None,
+    warps: Optional[int] = None, leaf_bytes: Optional[int] = None, length: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
+    if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
+        raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -396,7 +402,7 @@ def _pisa_select_fwd(
     ieee = q.dtype == torch.float32 or interpreting()
     kpm_arg = kpm if kpm is not None else nfv
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
-        q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out,
+        q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out, nfv if length is None else length,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         summ.stride(0), summ.stride(1), summ.stride(2),
@@ -406,7 +412,7 @@ def _pisa_select_fwd(
         FORCE_SINK=force_sink, FORCE_PREV=force_previous,
         G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
         BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=kp, CW=cw,
-        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, leaf_bytes), IEEE_KEYS=ieee,
+        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, leaf_bytes), IEEE_KEYS=ieee, HAS_LEN=length is not None,
         num_warps=warps,
     )
     return out
@@ -414,7 +420,7 @@ def _pisa_select_fwd(
 
 @_pisa_select_fwd.register_fake
 def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
-      force_sink, force_previous, beam, warps=None, leaf_bytes=None):
+      force_sink, force_previous, beam, warps=None, leaf_bytes=None, length=None):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
