@@ -622,22 +622,36 @@ def compile(
     at run time, with the reasons.
     """
     _check_compilable(model)
+    options, recipe_label = _compile_options(model, method, config, backend, filter_fn, skip_layers, layer_configs,
+                                             recipe, tuning, context_parallel)
+    _check_compile_flags(inner_backend, dynamic, fullgraph)
+    inductor_options = _mode_options(mode, inner_backend, dynamic)
+    compile_flags = dict(inner_backend=inner_backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
+    _compile_in_place(model, options, recipe_label, inductor_options, **compile_flags)
+    return model
+
+
+def _compile_options(model, method, config, backend, filter_fn, skip_layers, layer_configs, recipe, tuning,
+                     context_parallel) -> Tuple[RewriteOptions, Optional[str]]:
+    """``compile``'s checked rewrite options and the label of the recipe that applied (None: none)."""
     options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
                                                  layer_configs)
     options = dataclasses.replace(options, tuning=check_tuning(tuning),
                                   context_parallel=_check_model_context_parallel(context_parallel))
     _check_layers(model, options)
-    _check_compile_flags(inner_backend, dynamic, fullgraph)
-    inductor_options = _mode_options(mode, inner_backend, dynamic)
+    return options, recipe_label
+
+
+def _compile_in_place(model, options, recipe_label, inductor_options, *, inner_backend, mode, dynamic,
+                      fullgraph) -> None:
+    """Install the compiled call on ``model`` and mark it with its settings and its (empty) report."""
     rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
                         recipe=recipe_label)
     _install_compiled_call(model, _Backend(options, inner_backend, rep, inductor_options), rep, dynamic, fullgraph,
                            cuda_graphs=mode if inductor_options.get("triton.cudagraphs") else None)
     setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, mode=mode, dynamic=dynamic,
-                                         fullgraph=fullgraph,
-                                         recipe=recipe_label))
+                                         fullgraph=fullgraph, recipe=recipe_label))
     setattr(model, _REPORT_ATTR, rep)
-    return model
 
 
 def _check_compilable(model) -> None:

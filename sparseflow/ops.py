@@ -632,19 +632,15 @@ def attention(
     ``tuning``: launch options of the Triton backends (:class:`sparseflow.Tuning`; None: the
     defaults)."""
     tuning = check_tuning(tuning)
-    if not isinstance(config, _CONFIG_TYPES):
-        raise TypeError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    _check_call_types(config, is_causal)
     eager = _plain_eager(q, k, v, attn_mask)
     memo = (_dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
             if eager and attn_mask is None and context_parallel is None else None)
-    if memo is not None:
-        hit = _autobackend.default_chooser.dense_calls.get(memo)
-        if hit is not None and hit[0] is config and hit[1] is tuning:
-            # the same call signature was validated and planned to dense SDPA before
-            return _dense_call(config.method, tag, hit[2], q, k, v, None, is_causal,
-                               None if scale is None else float(scale), _capture.active_capture())
+    reason = None if memo is None else _memoized_dense_reason(memo, config, tuning)
+    if reason is not None:
+        # the same call signature was validated and planned to dense SDPA before
+        return _dense_call(config.method, tag, reason, q, k, v, None, is_causal,
+                           None if scale is None else float(scale), _capture.active_capture())
     method = config.method
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
     check_backend_dtype(method, backend, q.dtype)
@@ -659,13 +655,34 @@ def attention(
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
     values, entry = _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
+    return _eager_call(config, tuning, memo, args, entry)
+
+
+def _check_call_types(config, is_causal) -> None:
+    if not isinstance(config, _CONFIG_TYPES):
+        raise TypeError(f"config must be one of {[c.__name__ for c in _CONFIG_TYPES]}, got {type(config).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+
+
+def _memoized_dense_reason(memo, config, tuning) -> Optional[str]:
+    """The dense plan's reason remembered under ``memo`` for this very config and tuning, or None."""
+    hit = _autobackend.default_chooser.dense_calls.get(memo)
+    if hit is not None and hit[0] is config and hit[1] is tuning:
+        return hit[2]
+    return None
+
+
+def _eager_call(config, tuning, memo, args, entry) -> torch.Tensor:
+    """A plain eager call with validated ``args`` (the op's arguments): planned here, run dense
+    directly when the plan says so (remembered under ``memo``), else through the op."""
+    method = config.method
+    q, k, v, attn_mask, is_causal, scale = args[:6]
+    tag = args[-1]
     plan = _plan(method, args, entry)
     if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
         if memo is not None:
-            dense_calls = _autobackend.default_chooser.dense_calls
-            if len(dense_calls) >= _CACHE_LIMIT:
-                dense_calls.clear()
-            dense_calls[memo] = (config, tuning, plan.reason)
+            _remember_dense(memo, config, tuning, plan.reason)
         # exactly what the op computes and records for this plan, without the dispatcher's cost
         return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
     token = _PREPARED.set((method, args, plan))
@@ -673,6 +690,13 @@ def attention(
         return op_for(method)(*args)
     finally:
         _PREPARED.reset(token)
+
+
+def _remember_dense(memo, config, tuning, reason: str) -> None:
+    dense_calls = _autobackend.default_chooser.dense_calls
+    if len(dense_calls) >= _CACHE_LIMIT:
+        dense_calls.clear()
+    dense_calls[memo] = (config, tuning, reason)
 
 
 _CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods that have an op

@@ -232,11 +232,25 @@ def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 5
     PBSConfig) selects for them, per query head, plus the density of the whole selection (as
     ``sparseflow eval`` reports it) and of the evaluated queries alone."""
     from ..config import PBSConfig
-    from ..methods.pbs import reference as R
 
     if not isinstance(config, PBSConfig):
         raise TypeError(f"config must be a PBSConfig, got {type(config).__name__}")
-    hq, hkv, n, d = _check_qk(q, k)
+    hq, _, n, _ = _check_qk(q, k)
+    positions = _query_positions(positions, last, n).to(q.device)
+    with torch.no_grad():
+        perm, mask, density = _pbs_selection(q, k, config)
+    kept, sel_keys, vis_keys = _selected_mass(q, k, perm, mask, positions, config.block_size, chunk)
+    count = positions.numel()
+    return {
+        "retained_mass": (kept / count).tolist(),
+        "mean_retained_mass": float(kept.sum() / (count * hq)),
+        "density": float(density.mean()),
+        "density_last": float(sel_keys.sum() / (vis_keys * hq)),
+    }
+
+
+def _query_positions(positions: Optional[torch.Tensor], last: int, n: int) -> torch.Tensor:
+    """The checked 1-D long tensor of query positions: ``positions``, or the last ``last``."""
     if positions is None:
         if not (1 <= last <= n):
             raise ValueError(f"last must be in [1, {n}], got {last}")
@@ -244,22 +258,35 @@ def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 5
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     if positions.numel() == 0 or int(positions.min()) < 0 or int(positions.max()) >= n:
         raise ValueError(f"positions must be a non-empty set of query positions in [0, {n - 1}]")
-    positions = positions.to(q.device)
+    return positions
+
+
+def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
+    """PBS's ``(permutation, block mask, density)`` for causal attention, by the reference."""
+    from ..methods.pbs import reference as R
+
+    hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     bs = config.block_size
-    with torch.no_grad():
-        if config.permute:
-            scores = R.key_scores(q, k, block_size=bs, segment_size=config.segment_size,
-                                  causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation,
-                                  proxy_blocks=config.proxy_blocks)
-            perm = R.segment_permutation(scores, segment_size=config.segment_size)
-        else:
-            hp = hq if config.gqa_permutation == "query_head" else hkv
-            perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
-        mask = R.select_blocks(q, k, perm, is_causal=True, block_size=bs, segment_size=config.segment_size,
-                               threshold=config.threshold, force_sink=config.force_sink, scoring=config.scoring,
-                               antidiagonal_stride=config.antidiagonal_stride)
-        density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
-    g = hq // hkv
+    if config.permute:
+        scores = R.key_scores(q, k, block_size=bs, segment_size=config.segment_size,
+                              causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation,
+                              proxy_blocks=config.proxy_blocks)
+        perm = R.segment_permutation(scores, segment_size=config.segment_size)
+    else:
+        hp = hq if config.gqa_permutation == "query_head" else hkv
+        perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
+    mask = R.select_blocks(q, k, perm, is_causal=True, block_size=bs, segment_size=config.segment_size,
+                           threshold=config.threshold, force_sink=config.force_sink, scoring=config.scoring,
+                           antidiagonal_stride=config.antidiagonal_stride)
+    density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
+    return perm, mask, density
+
+
+def _selected_mass(q, k, perm, mask, positions, bs: int, chunk: int):
+    """Per query head, the true attention mass of the queries ``positions`` on the keys the
+    selection ``(perm, mask)`` keeps, and the selected key count; plus the visible key count."""
+    hq, n, d = q.shape[1], q.shape[2], q.shape[3]
+    g = hq // k.shape[1]
     hp = perm.shape[1]
     slot_block = torch.arange(n, device=q.device) // bs
     scale = 1.0 / math.sqrt(d)
@@ -280,13 +307,7 @@ def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 5
             per_key &= ~future
             kept[h] += float((probs * per_key).sum())
             sel_keys[h] += float(per_key.sum())
-    count = positions.numel()
-    return {
-        "retained_mass": (kept / count).tolist(),
-        "mean_retained_mass": float(kept.sum() / (count * hq)),
-        "density": float(density.mean()),
-        "density_last": float(sel_keys.sum() / (vis_keys * hq)),
-    }
+    return kept, sel_keys, vis_keys
 
 
 def recall_diagnostic(model, input_ids: torch.Tensor, *, selectors: Sequence[str] = TOPK_SELECTORS,

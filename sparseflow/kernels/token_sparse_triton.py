@@ -362,28 +362,23 @@ def token_sparse_bwd(
     sel: torch.Tensor, num: torch.Tensor, lists: torch.Tensor, start: torch.Tensor, tiles: torch.Tensor,
     kpm: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, hq, n_q, d = q.shape
+    b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     do = grad_out.contiguous()
     delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, Hq, Nq]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    meta = _meta(q, k, block_size, sel.shape[-1])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # the arguments both kernels take in the same places
+    ins, sizes, scales = (q, k, v, do, sel), (n_q, n_k, hq, hkv), (scale * _LOG2E, scale)
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *sel.stride()[:3])
+    flags = dict(HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2,
+                 **_meta(q, k, block_size, sel.shape[-1]))
     kpm_arg = kpm if kpm is not None else num
-    nqt = num.shape[2]
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), sel.stride(0), sel.stride(1), sel.stride(2))
-    wrap_triton(_bwd_dq_kernel)[(nqt, b * hq)](
-        q, k, v, do, sel, num, lists, kpm_arg, lse, delta, dq, *common,
-        n_q, n_k, hq, hkv, lists.shape[-1], scale * _LOG2E, scale,
-        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2, **meta,
+    wrap_triton(_bwd_dq_kernel)[(num.shape[2], b * hq)](
+        *ins, num, lists, kpm_arg, lse, delta, dq, *common, *sizes, lists.shape[-1], *scales, **flags
     )
     n_kb = start.shape[-1] - 1
     wrap_triton(_bwd_dkdv_kernel)[(n_kb, b * hkv)](
-        q, k, v, do, sel, start, tiles, kpm_arg, lse, delta, dk, dv, *common,
-        n_q, n_k, hq, hkv, n_kb, tiles.shape[-1], scale * _LOG2E, scale,
-        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2, **meta,
+        *ins, start, tiles, kpm_arg, lse, delta, dk, dv, *common, *sizes, n_kb, tiles.shape[-1], *scales, **flags
     )
     return dq, dk, dv
 

@@ -61,27 +61,56 @@ def pbs_block_mask(
     blocks, ``permutation [B, Hp, N]``."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    bsz, hq, nb, _ = block_mask.shape
-    hp = permutation.shape[1]
-    bs = block_size
-    nbp = total // bs
-    dev = block_mask.device
+    hq, hp, bs = block_mask.shape[1], permutation.shape[1], block_size
+    sentinel = total  # > every query index
+    vis_pos = _visible_positions(permutation, key_padding_mask, n=n, total=total, sentinel=sentinel)
+    full, partial = _full_and_partial_blocks(block_mask, vis_pos, n=n, sentinel=sentinel, is_causal=is_causal,
+                                             block_size=bs)
+    kv_num, kv_idx = fc.block_lists(partial)
+    full_num, full_idx = fc.block_lists(full)
+    bm = BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bs, bs),
+        mask_mod=_mask_mod(vis_pos, hq // hp, is_causal, sentinel),
+        seq_lengths=(total, total), compute_q_blocks=need_backward,
+    )
+    return bm, vis_pos
+
+
+def _visible_positions(permutation: Tensor, key_padding_mask: Optional[Tensor], *, n: int, total: int,
+                       sentinel: int) -> Tensor:
+    """``vis_pos [B, Hp, total]`` int32: each permuted slot's original key position, or
+    ``sentinel`` for padded keys and slots past N."""
+    bsz, hp = permutation.shape[:2]
     perm_p = _padded_perm(permutation, total)  # [B, Hp, total], -1 past N
     valid = perm_p >= 0
     if key_padding_mask is not None:
-        kpm = key_padding_mask.to(device=dev, dtype=torch.bool)
+        kpm = key_padding_mask.to(device=permutation.device, dtype=torch.bool)
         valid = valid & torch.gather(kpm[:, None, :].expand(bsz, hp, n), 2, perm_p.clamp_min(0))
-    sentinel = total  # > every query index
-    vis_pos = torch.where(valid, perm_p, torch.full_like(perm_p, sentinel)).to(torch.int32)  # [B, Hp, total]
+    return torch.where(valid, perm_p, torch.full_like(perm_p, sentinel)).to(torch.int32)
 
-    blocks = vis_pos.view(bsz, hp, nbp, bs)
+
+def _key_block_stats(vis_pos: Tensor, hq: int, bs: int, sentinel: int) -> Tuple[Tensor, ...]:
+    """Per query head and permuted key block ``[B, Hq, nBp]``: whether all / any of its keys are
+    valid, its latest valid key position (-1: none) and its earliest (``sentinel``: none)."""
+    bsz, hp, total = vis_pos.shape
+    blocks = vis_pos.view(bsz, hp, total // bs, bs)
     all_valid = (blocks < sentinel).all(-1)  # [B, Hp, nBp]
     any_valid = (blocks < sentinel).any(-1)
     kmax = torch.where(blocks < sentinel, blocks, torch.full_like(blocks, -1)).amax(-1)  # [B, Hp, nBp]
     kmin = blocks.amin(-1)  # sentinel when the block holds no valid key
-    head_map = torch.arange(hq, device=dev) // (hq // hp)
-    all_valid, any_valid, kmax, kmin = (t[:, head_map] for t in (all_valid, any_valid, kmax, kmin))
+    head_map = torch.arange(hq, device=vis_pos.device) // (hq // hp)
+    return tuple(t[:, head_map] for t in (all_valid, any_valid, kmax, kmin))
 
+
+def _full_and_partial_blocks(block_mask: Tensor, vis_pos: Tensor, *, n: int, sentinel: int, is_causal: bool,
+                             block_size: int) -> Tuple[Tensor, Tensor]:
+    """The selected blocks ``[B, Hq, nBp, nBp]`` split into full ones (no ``mask_mod`` needed)
+    and partial ones (some but not all keys visible); padded query blocks get neither."""
+    bsz, hq, nb, _ = block_mask.shape
+    bs = block_size
+    nbp = vis_pos.shape[2] // bs
+    dev = block_mask.device
+    all_valid, any_valid, kmax, kmin = _key_block_stats(vis_pos, hq, bs, sentinel)
     sel = torch.zeros(bsz, hq, nbp, nbp, dtype=torch.bool, device=dev)
     sel[:, :, :nb, :nb] = block_mask.to(dev)
     if is_causal:
@@ -96,11 +125,12 @@ def pbs_block_mask(
     partial = sel & ~full & useful
     # padded query blocks (past N) attend nothing
     q_real = (torch.arange(nbp, device=dev) * bs < n)[None, None, :, None]
-    full, partial = full & q_real, partial & q_real
-    kv_num, kv_idx = fc.block_lists(partial)
-    full_num, full_idx = fc.block_lists(full)
+    return full & q_real, partial & q_real
 
-    ratio = hq // hp
+
+def _mask_mod(vis_pos: Tensor, ratio: int, is_causal: bool, sentinel: int):
+    """The flex ``mask_mod`` of the partial blocks: a key is kept iff its original position is
+    ``<= q_idx`` (causal) or it is a real key (non-causal); ``ratio`` query heads share a row."""
     if is_causal:
         if ratio == 1:
             def mask_mod(b, h, q_idx, kv_idx):
@@ -115,12 +145,7 @@ def pbs_block_mask(
         else:
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h // ratio, kv_idx] < sentinel
-
-    bm = BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bs, bs), mask_mod=mask_mod,
-        seq_lengths=(total, total), compute_q_blocks=need_backward,
-    )
-    return bm, vis_pos
+    return mask_mod
 
 
 def pbs_attention(
@@ -138,57 +163,64 @@ def pbs_attention(
     """PBS-Attn prefill with compiled FlexAttention. Same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.methods.pbs.reference.pbs_attention`."""
     cfg = backend_config(PBSConfig, config, fields)
-    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
-    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
-    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
-    proxy_blocks = cfg.proxy_blocks
     fc.check_flex_inputs(q, k, v)
-    bsz, hq, n, d = q.shape
-    hkv = k.shape[1]
+    n, d = q.shape[2], q.shape[3]
     if k.shape[2] != n:
         raise ValueError(f"PBS is a prefill method: needs Nq == Nk, got Nq={n}, Nk={k.shape[2]}")
-    if gqa_permutation not in ("query_head", "kv_head"):
-        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
+    if cfg.gqa_permutation not in ("query_head", "kv_head"):
+        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {cfg.gqa_permutation!r}")
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    hp = hq if gqa_permutation == "query_head" else hkv
+    bs = cfg.block_size
     grad = fc.needs_grad(q, k, v)  # before no_grad, inside which it would always be False
     with torch.no_grad():
-        qd, kd = q.detach(), k.detach()
-        if permute:
-            scores = key_scores(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=block_size,
-                                segment_size=segment_size, causal_proxy=causal_proxy,
-                                gqa_permutation=gqa_permutation, proxy_blocks=proxy_blocks)
-            perm = segment_permutation(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
-        else:
-            perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
-        block_mask = select_blocks(
-            qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
-            scoring=scoring, antidiagonal_stride=antidiagonal_stride,
-        )
-        plan = fc.flex_plan(q.device, block_size, block_size, d, q.dtype, needs_grad=grad)
+        perm, block_mask = _select(q.detach(), k.detach(), cfg, key_padding_mask, is_causal, scale)
+        plan = fc.flex_plan(q.device, bs, bs, d, q.dtype, needs_grad=grad)
     if plan.fallback:
         out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
-                                       is_causal=is_causal, scale=scale, block_size=block_size)
-        return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n,
-                               return_selection)
+                                       is_causal=is_causal, scale=scale, block_size=bs)
+    else:
+        out = _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, bs, plan, grad)
+    return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+
+
+def _select(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, is_causal, scale) -> Tuple[Tensor, Tensor]:
+    """The reference's ``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` for ``cfg``."""
+    bsz, hq, n = qd.shape[:3]
+    if cfg.permute:
+        scores = key_scores(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
+                            segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
+                            gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+        perm = segment_permutation(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)
+    else:
+        hp = hq if cfg.gqa_permutation == "query_head" else kd.shape[1]
+        perm = torch.arange(n, device=qd.device).expand(bsz, hp, n).clone()
+    block_mask = select_blocks(
+        qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=cfg.block_size, segment_size=cfg.segment_size, threshold=cfg.threshold,
+        force_sink=cfg.force_sink, scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride,
+    )
+    return perm, block_mask
+
+
+def _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, block_size, plan,
+                         grad) -> Tensor:
+    """Compiled flex attention over the permuted K/V with the selection's BlockMask."""
+    hq, n, d = q.shape[1], q.shape[2], q.shape[3]
     with torch.no_grad():
         total = fc.bucketed_length(n, block_size)
         bm, _ = pbs_block_mask(block_mask, perm, n=n, total=total, key_padding_mask=key_padding_mask,
-                               is_causal=is_causal, block_size=block_size,
-                               need_backward=grad)
+                               is_causal=is_causal, block_size=block_size, need_backward=grad)
         gather_index = _padded_perm(perm, total).clamp_min(0)  # [B, Hp, total]
     # permuted K/V: Hp heads (Hq under per-query-head permutation, Hkv under kv_head)
     kp = fc.gather_rows(k, gather_index)
     vp = fc.gather_rows(v, gather_index)
     qp = fc.pad_seq(q, total)
     out = fc.flex_attention_compiled(
-        qp.contiguous(), kp, vp, bm, scale=fc.default_scale(d, scale), enable_gqa=hp != hq,
+        qp.contiguous(), kp, vp, bm, scale=fc.default_scale(d, scale), enable_gqa=perm.shape[1] != hq,
         kernel_options=plan.kernel_options,
     )
-    out = out[:, :, :n].to(q.dtype)
-    return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
+    return out[:, :, :n].to(q.dtype)
 
 
 def _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):

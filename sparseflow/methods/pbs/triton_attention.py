@@ -384,38 +384,33 @@ def pbs_block_sparse_fwd(
 ) -> torch.Tensor:
     b, hq, n, d = (int(x) for x in q.shape)
     hkv = int(k.shape[1])
-    hp = int(kpos.shape[1])
     out = _alloc_out(q)
     nqb = int(kv_num.shape[2])
-    block_d = max(16, triton.next_power_of_2(d))
     use_tma = _tma_ok(q, k, v, gather, allow_tma)
     if use_tma:
         _ensure_allocator()
-    mask_all = bool(has_padding)
-    ieee = q.dtype == torch.float32
-    n_bucket = pow2_at_least(n)
-    args = (
-        q, k, v, kpos, kv_num, kv_full, kv_idx, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        kpos.stride(0), kpos.stride(1),
-        kv_num.stride(0), kv_num.stride(1),
-        kv_idx.stride(0), kv_idx.stride(1), kv_idx.stride(2),
-        hq, n, nqb, scale * 1.4426950408889634, hkv, n_bucket,
-    )
+    ptrs = (q, k, v, kpos, kv_num, kv_full, kv_idx, out)
+    qkvo_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    index_strides = (*kpos.stride()[:2], *kv_num.stride()[:2], *kv_idx.stride()[:3])
+    args = (*ptrs, *qkvo_strides, *index_strides, hq, n, nqb, scale * 1.4426950408889634, hkv, pow2_at_least(n))
     meta = dict(
-        KV_GROUP=hq // hkv, P_GROUP=hq // hp, HEAD_DIM=d, BLOCK_D=block_d,
-        SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=mask_all, GATHER=gather,
-        USE_TMA=use_tma, IEEE=ieee, INTERP=interpreting(),
+        KV_GROUP=hq // hkv, P_GROUP=hq // int(kpos.shape[1]), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=bool(has_padding), GATHER=gather,
+        USE_TMA=use_tma, IEEE=q.dtype == torch.float32, INTERP=interpreting(),
     )
+    _launch_fwd(args, meta, nqb, block_size, b * hq)
+    return out
+
+
+def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
+    """The forward kernel over ``nqb`` sparse query blocks and ``rows`` (batch, head) pairs: with
+    the fixed config when one is set (``set_fixed_config``), else autotuned."""
     fixed = _FIXED_CONFIG
     if fixed is not None:
         bm = fixed["BLOCK_M"]
 
         def grid(meta_):
-            return (nqb * triton.cdiv(block_size, bm), b * hq)
+            return (nqb * triton.cdiv(block_size, bm), rows)
 
         wrap_triton(_pbs_fwd_kernel)[grid](
             *args, **meta, BLOCK_M=bm, BLOCK_N=fixed["BLOCK_N"],
@@ -424,10 +419,9 @@ def pbs_block_sparse_fwd(
     else:
 
         def grid(meta_):
-            return (nqb * triton.cdiv(block_size, meta_["BLOCK_M"]), b * hq)
+            return (nqb * triton.cdiv(block_size, meta_["BLOCK_M"]), rows)
 
         wrap_triton(_pbs_fwd_autotuned)[grid](*args, **meta)
-    return out
 
 
 @pbs_block_sparse_fwd.register_fake

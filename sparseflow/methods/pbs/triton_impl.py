@@ -163,17 +163,39 @@ class PermutedLayout(NamedTuple):
 
 def _launch_gather(x, y, permutation, *, key_padding_mask, block_size, write_x, write_y, pool, fallback_all,
                    positions, sink, identity=False, hp=None):
+    """One ``_gather_pool_kernel`` launch; returns ``(xo, yo, pooled, count, kpos, sink)``, None
+    for each output not asked for."""
     b, hx, n, d = x.shape
-    dev = x.device
     hp = permutation.shape[1] if hp is None else hp
     nb = -(-n // block_size)
+    x, y, permutation = (None if t is None else _unit_last_stride(t) for t in (x, y, permutation))
+    buffers = _gather_buffers(x, y, key_padding_mask, hp=hp, nb=nb, write_x=write_x, write_y=write_y, pool=pool,
+                              positions=positions, sink=sink)
+    yy = y if y is not None else x
+    pp = permutation if permutation is not None else x
+    perm_strides = pp.stride()[:2] if permutation is not None else (0, 0)
+    block_d = triton.next_power_of_2(d)
+    _gather_pool_kernel[(nb, b * hp)](
+        x, yy, pp, *(t if t is not None else x for t in buffers),  # x stands in for the unused ones
+        hp, hx, n, nb, *x.stride()[:3], *yy.stride()[:3], *perm_strides,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK=block_size, ROWS=_gather_rows(block_size, block_d), IDENTITY=identity,
+        WRITE_X=write_x, WRITE_Y=write_y, POOL=pool, FALLBACK_ALL=fallback_all, WRITE_POS=positions,
+        FIND_SINK=sink, HAS_PAD=key_padding_mask is not None, PAD_VALUE=PAD_POS, num_warps=4,
+    )
+    return buffers[2:]
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    # the kernel reads rows as D contiguous values
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _gather_buffers(x, y, key_padding_mask, *, hp, nb, write_x, write_y, pool, positions, sink):
+    """The gather kernel's pointer arguments after X, Y, PERM, in its order: ``(kpm, first, xo, yo,
+    pooled, count, kpos, sink)``, None for those the launch does not use."""
+    b, _, n, d = x.shape
+    dev = x.device
     has_pad = key_padding_mask is not None
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if y is not None and y.stride(-1) != 1:
-        y = y.contiguous()
-    if permutation is not None and permutation.stride(-1) != 1:
-        permutation = permutation.contiguous()
     xo = torch.empty(b, hp, n, d, dtype=x.dtype, device=dev) if write_x else None
     yo = torch.empty(b, hp, n, y.shape[-1], dtype=y.dtype, device=dev) if write_y else None
     pooled = torch.empty(b, hp, nb, d, dtype=torch.float32, device=dev) if pool else None
@@ -188,27 +210,17 @@ def _launch_gather(x, y, permutation, *, key_padding_mask, block_size, write_x, 
         else:
             sink_out = torch.empty(b, hp, dtype=torch.int32, device=dev)  # every row has token 0
     kpm = key_padding_mask.to(torch.int8).contiguous() if has_pad else None
-    dummy = x
-    yy = y if y is not None else x
-    pp = permutation if permutation is not None else x
-    block_d = triton.next_power_of_2(d)
+    return kpm, first, xo, yo, pooled, count, kpos, sink_out
+
+
+def _gather_rows(block_size: int, block_d: int) -> int:
+    """Rows per step of the gather kernel: a power of two dividing ``block_size``, at most 64 and
+    at most 8192 values of ``block_d`` columns."""
     rows = max(1, min(block_size, 8192 // block_d, 64))
     rows = min(rows, triton.next_power_of_2(block_size))
     if block_size % rows:
         rows = 1 << ((block_size & -block_size).bit_length() - 1)  # largest power of two dividing bs
-    _gather_pool_kernel[(nb, b * hp)](
-        x, yy, pp, kpm if kpm is not None else dummy, first if first is not None else dummy,
-        xo if xo is not None else dummy, yo if yo is not None else dummy,
-        pooled if pooled is not None else dummy, count if count is not None else dummy,
-        kpos if kpos is not None else dummy, sink_out if sink_out is not None else dummy,
-        hp, hx, n, nb,
-        x.stride(0), x.stride(1), x.stride(2), yy.stride(0), yy.stride(1), yy.stride(2),
-        pp.stride(0) if permutation is not None else 0, pp.stride(1) if permutation is not None else 0,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK=block_size, ROWS=rows, IDENTITY=identity,
-        WRITE_X=write_x, WRITE_Y=write_y, POOL=pool, FALLBACK_ALL=fallback_all, WRITE_POS=positions,
-        FIND_SINK=sink, HAS_PAD=has_pad, PAD_VALUE=PAD_POS, num_warps=4,
-    )
-    return xo, yo, pooled, count, kpos, sink_out
+    return rows
 
 
 def permuted_layout(
@@ -292,14 +304,38 @@ def pbs_attention(
     ``k, v: [B, Hkv, N, D]`` (Nq == Nk); output ``[B, Hq, N, D]`` in ``q.dtype``. ``tuning``:
     the selection implementation, K/V layout and TMA use (:class:`sparseflow.Tuning`)."""
     cfg = backend_config(PBSConfig, config, fields)
-    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
-    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
-    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
-    proxy_blocks = cfg.proxy_blocks
-    bsz, hq, n, d = q.shape
-    hkv = k.shape[1]
-    if gqa_permutation not in ("query_head", "kv_head"):
-        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
+    _check_inputs(q, k, v, cfg)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    kernels = select_impl(q.device, tuning) == "triton"
+    bs, n = cfg.block_size, q.shape[2]
+    mask_segment = cfg.segment_size if cfg.permute else bs
+    with torch.no_grad():
+        perm = _permutation(q.detach(), k.detach(), cfg, key_padding_mask, scale, kernels)
+        if kernels:
+            out, block_mask = _fused_select_attention(
+                q, k, v, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+                block_size=bs, segment_size=cfg.segment_size, threshold=cfg.threshold, force_sink=cfg.force_sink,
+                mask_segment=mask_segment, want_mask=return_selection,
+                scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride, tuning=tuning,
+            )
+            return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+        block_mask = _ref.select_blocks(
+            q.detach(), k.detach(), perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+            block_size=bs, segment_size=cfg.segment_size, threshold=cfg.threshold, force_sink=cfg.force_sink,
+            scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride,
+        )
+        out = attention_from_selection(
+            q, k, v, perm, block_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+            block_size=bs, segment_size=mask_segment, layout=tuning.pbs_kv_layout, tma=tuning.pbs_tma,
+        )
+    return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cfg: PBSConfig) -> None:
+    _, _, n, d = q.shape
+    if cfg.gqa_permutation not in ("query_head", "kv_head"):
+        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {cfg.gqa_permutation!r}")
     if k.shape[2] != n:
         raise ValueError(f"PBS needs Nq == Nk, got Nq={n}, Nk={k.shape[2]}")
     if v.shape[-1] != d:
@@ -307,44 +343,25 @@ def pbs_attention(
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton PBS kernel takes float16, bfloat16 or float32 q/k/v, got {q.dtype}; "
                         "float64 runs on backend='reference'")
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(torch.bool)
-    hp = hq if gqa_permutation == "query_head" else hkv
-    kernels = select_impl(q.device, tuning) == "triton"
+
+
+def _permutation(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, scale, kernels: bool) -> Tensor:
+    """The key permutation ``[B, Hp, N]`` (identity without ``cfg.permute``), by the Triton
+    selection kernels (``kernels``) or the reference."""
+    bsz, hq, n = qd.shape[:3]
+    if not cfg.permute:
+        hp = hq if cfg.gqa_permutation == "query_head" else kd.shape[1]
+        return torch.arange(n, device=qd.device).expand(bsz, hp, n).clone()
     if kernels:
         from . import triton_select as _sel
 
         score_fn, perm_fn = _sel.key_scores, _sel.segment_permutation
     else:
         score_fn, perm_fn = _ref.key_scores, _ref.segment_permutation
-    with torch.no_grad():
-        qd, kd = q.detach(), k.detach()
-        if permute:
-            scores = score_fn(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=block_size,
-                              segment_size=segment_size, causal_proxy=causal_proxy, gqa_permutation=gqa_permutation,
-                              proxy_blocks=proxy_blocks)
-            perm = perm_fn(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
-        else:
-            perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
-        if kernels:
-            out, block_mask = _fused_select_attention(
-                q, k, v, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-                block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
-                mask_segment=segment_size if permute else block_size, want_mask=return_selection,
-                scoring=scoring, antidiagonal_stride=antidiagonal_stride, tuning=tuning,
-            )
-            return _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
-        block_mask = _ref.select_blocks(
-            qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
-            scoring=scoring, antidiagonal_stride=antidiagonal_stride,
-        )
-        out = attention_from_selection(
-            q, k, v, perm, block_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, segment_size=segment_size if permute else block_size,
-            layout=tuning.pbs_kv_layout, tma=tuning.pbs_tma,
-        )
-    return _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection)
+    scores = score_fn(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
+                      segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
+                      gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+    return perm_fn(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)
 
 
 def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale, block_size, segment_size,

@@ -250,32 +250,20 @@ def select_block_lists(
     ``padding_checked``: the caller passes ``key_padding_mask`` only when it hides a key, so
     this call need not read it on the host again (each such read waits for the device)."""
     bsz, hq, n, d = q.shape
-    hp = permutation.shape[1]
-    dev = q.device
     nb = -(-n // block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     has_pad = key_padding_mask is not None and (padding_checked or not bool(key_padding_mask.all()))
     kpm = key_padding_mask.to(torch.bool) if has_pad else None
     exact, strided = _selection_kind(threshold, cut, scoring, block_size, antidiagonal_stride)
-    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32) if has_pad else None
+    lens = _ref.effective_lengths(kpm, bsz, n, q.device).to(torch.int32) if has_pad else None
     kbar, kcnt, sink = _key_block_stats(layout, k_perm, permutation, kpm, force_sink,
                                         not exact and not strided, nb, block_size)
-    kv_num = torch.empty(bsz, hq, nb, dtype=torch.int32, device=dev)
-    kv_full = torch.empty_like(kv_num)
-    kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
-    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if return_block_mask else None
-    block_b = pow2_at_least(nb, 16)
-    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
-                WRITE_MASK=return_block_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
-    meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
-    launch = _RowLaunch(
-        head_args=(lens if lens is not None else kv_num, kcnt, sink,
-                   kv_num, kv_full, kv_idx, bmask.view(torch.int8) if return_block_mask else kv_num),
-        shape_args=(hq, nb, hq // hp, hp, n),
-        seg_args=(sc, float(threshold), block_size, segment_size,
-                  mask_segment if mask_segment is not None else segment_size),
-        no_est=(kv_num, kv_num, kv_num),  # LBM, LSE, QV: unused unless STRIDED
-        meta=meta, bsz=bsz, unused=kv_num)
+    kv_num, kv_full, kv_idx, bmask = outputs = _selection_outputs(bsz, hq, nb, q.device, return_block_mask)
+    hp = permutation.shape[1]
+    shape_args = (hq, nb, hq // hp, hp, n)
+    seg_args = (sc, float(threshold), block_size, segment_size, segment_size if mask_segment is None else mask_segment)
+    meta = _row_meta(nb, is_causal, exact, has_pad, return_block_mask, cut, strided, block_size)
+    launch = _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta)
     if exact:
         launch.run(kv_num, launch.no_est, 0, hq, 0)
     elif strided:
@@ -284,6 +272,36 @@ def select_block_lists(
     else:
         _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes)
     return kv_num, kv_full, kv_idx, bmask
+
+
+def _selection_outputs(bsz: int, hq: int, nb: int, dev, with_mask: bool):
+    """``(kv_num, kv_full, kv_idx, block mask or None)``, allocated for the kernel to fill."""
+    kv_num = torch.empty(bsz, hq, nb, dtype=torch.int32, device=dev)
+    kv_full = torch.empty_like(kv_num)
+    kv_idx = torch.empty(bsz, hq, nb, nb, dtype=torch.int32, device=dev)  # fully written (zeros past kv_num)
+    bmask = torch.empty(bsz, hq, nb, nb, dtype=torch.bool, device=dev) if with_mask else None
+    return kv_num, kv_full, kv_idx, bmask
+
+
+def _row_meta(nb: int, is_causal, exact: bool, has_pad: bool, write_mask: bool, cut: str, strided: bool,
+              block_size: int) -> dict:
+    """``_select_rows_kernel``'s compile-time arguments (the strided ones as for no estimate)."""
+    block_b = pow2_at_least(nb, 16)
+    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
+                WRITE_MASK=write_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
+    meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
+    return meta
+
+
+def _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta) -> "_RowLaunch":
+    """The shared launch arguments; kv_num stands in for the pointers a launch does not read."""
+    kv_num, kv_full, kv_idx, bmask = outputs
+    return _RowLaunch(
+        head_args=(lens if lens is not None else kv_num, kcnt, sink,
+                   kv_num, kv_full, kv_idx, bmask.view(torch.int8) if bmask is not None else kv_num),
+        shape_args=shape_args, seg_args=seg_args,
+        no_est=(kv_num, kv_num, kv_num),  # LBM, LSE, QV: unused unless STRIDED
+        meta=meta, bsz=kv_num.shape[0], unused=kv_num)
 
 
 def _selection_kind(threshold, cut: str, scoring: str, block_size: int, antidiagonal_stride: int) -> Tuple[bool, bool]:
@@ -534,58 +552,16 @@ def key_scores(
     per-key probabilities are averaged over the proxies that see the key."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
-    dev = q.device
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kpm = key_padding_mask.to(torch.bool) if key_padding_mask is not None else None
     nseg_max = n // segment_size
-    out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=dev)
+    out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=q.device)
+    geom = _ProxyGeometry(nseg_max, max(16, triton.next_power_of_2(block_size)), block_size, segment_size, sc,
+                          causal_proxy)
     if nseg_max > 0 and n > 0 and proxy_blocks > 1:
-        block_p = max(16, triton.next_power_of_2(block_size))
-        plan = _ref.proxy_queries(kpm, bsz, n, block_size=block_size, segment_size=segment_size,
-                                  proxy_blocks=proxy_blocks, device=dev)
-        n_slots = max((len(p) for p in plan), default=0)
-        kvalid = (kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev))
-        kvalid = kvalid.to(torch.int8).contiguous()
-        seen_by = torch.zeros(bsz, 1, n, dtype=torch.float32, device=dev)
-        for j in range(n_slots):  # slot j: the j-th proxy of every row that has one (the last ones aligned)
-            pidx = torch.zeros(bsz, block_p, dtype=torch.int32, device=dev)
-            pcnt = torch.zeros(bsz, dtype=torch.int32, device=dev)
-            lens = torch.zeros(bsz, dtype=torch.int32, device=dev)
-            for b, proxies in enumerate(plan):
-                slot = j - (n_slots - len(proxies))
-                if slot < 0:
-                    continue
-                rows, seen = proxies[slot]
-                pidx[b, : rows.numel()] = rows.to(torch.int32)
-                pcnt[b] = rows.numel()
-                lens[b] = seen * segment_size
-                seen_by[b, 0, : seen * segment_size] += 1.0
-            part = torch.zeros_like(out)
-            _proxy_scores(q, k, part, kvalid, pidx, pcnt, lens, True, nseg_max, block_p, block_size, segment_size,
-                          sc, causal_proxy)
-            out += part
-        out = torch.where(seen_by > 0, out / seen_by.clamp_min(1.0), out)
+        out = _multi_proxy_scores(q, k, out, kpm, proxy_blocks, geom)
     elif nseg_max > 0 and n > 0:
-        block_p = max(16, triton.next_power_of_2(block_size))
-        has_pad = kpm is not None
-        if has_pad:
-            # proxy rows: the last block_size valid positions of each row
-            lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
-            valid = kpm
-            pos = torch.arange(n, device=dev).expand(bsz, n)
-            rank_from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid position
-            is_proxy = valid & (rank_from_end <= block_size)
-            pcnt = is_proxy.sum(-1).to(torch.int32).contiguous()
-            key = torch.where(is_proxy, pos, pos + n)  # proxies first, ascending
-            pidx = torch.sort(key, dim=-1).values[:, : min(block_p, n)] % n
-            if pidx.shape[1] < block_p:
-                pidx = torch.nn.functional.pad(pidx, (0, block_p - pidx.shape[1]))
-            pidx = pidx.to(torch.int32).contiguous()
-            kvalid = valid.to(torch.int8).contiguous()
-        else:  # no padding: the kernels derive lengths and proxies from N
-            lens = pcnt = pidx = kvalid = out
-        _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_p, block_size, segment_size,
-                      sc, causal_proxy)
+        _last_block_proxy_scores(q, k, out, kpm, geom)
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, hq // hkv, n).mean(dim=2)
     elif gqa_permutation != "query_head":
@@ -593,13 +569,81 @@ def key_scores(
     return out
 
 
-def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_p, block_size, segment_size, sc,
-                  causal_proxy):
+class _ProxyGeometry(NamedTuple):
+    """What the proxy passes of one ``key_scores`` call share."""
+    nseg_max: int  # complete segments
+    block_p: int  # proxy rows per program (a power of two >= block_size)
+    block_size: int
+    segment_size: int
+    sc: float  # the softmax scale
+    causal_proxy: bool
+
+
+def _multi_proxy_scores(q, k, out, kpm, proxy_blocks: int, geom: _ProxyGeometry) -> torch.Tensor:
+    """``proxy_blocks > 1``: the two passes once per proxy slot of the reference's plan, each key's
+    probabilities averaged over the proxies that see it."""
+    bsz, n, dev = q.shape[0], q.shape[2], q.device
+    plan = _ref.proxy_queries(kpm, bsz, n, block_size=geom.block_size, segment_size=geom.segment_size,
+                              proxy_blocks=proxy_blocks, device=dev)
+    n_slots = max((len(p) for p in plan), default=0)
+    kvalid = (kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev))
+    kvalid = kvalid.to(torch.int8).contiguous()
+    seen_by = torch.zeros(bsz, 1, n, dtype=torch.float32, device=dev)
+    for j in range(n_slots):  # slot j: the j-th proxy of every row that has one (the last ones aligned)
+        pidx, pcnt, lens = _proxy_slot(plan, j, n_slots, seen_by, geom)
+        part = torch.zeros_like(out)
+        _proxy_scores(q, k, part, kvalid, pidx, pcnt, lens, True, geom)
+        out += part
+    return torch.where(seen_by > 0, out / seen_by.clamp_min(1.0), out)
+
+
+def _proxy_slot(plan, j: int, n_slots: int, seen_by: torch.Tensor, geom: _ProxyGeometry):
+    """``(pidx, pcnt, lens)`` of proxy slot ``j`` per batch row (zero rows where a row has no such
+    proxy); counts, in ``seen_by``, the keys of the segments each proxy sees."""
+    bsz, dev = seen_by.shape[0], seen_by.device
+    pidx = torch.zeros(bsz, geom.block_p, dtype=torch.int32, device=dev)
+    pcnt = torch.zeros(bsz, dtype=torch.int32, device=dev)
+    lens = torch.zeros(bsz, dtype=torch.int32, device=dev)
+    for b, proxies in enumerate(plan):
+        slot = j - (n_slots - len(proxies))
+        if slot < 0:
+            continue
+        rows, seen = proxies[slot]
+        pidx[b, : rows.numel()] = rows.to(torch.int32)
+        pcnt[b] = rows.numel()
+        lens[b] = seen * geom.segment_size
+        seen_by[b, 0, : seen * geom.segment_size] += 1.0
+    return pidx, pcnt, lens
+
+
+def _last_block_proxy_scores(q, k, out, kpm, geom: _ProxyGeometry) -> None:
+    """One proxy per row, its last ``block_size`` valid positions, into ``out``; without padding
+    the kernels derive lengths and proxies from N."""
+    if kpm is None:
+        _proxy_scores(q, k, out, out, out, out, out, False, geom)
+        return
+    bsz, n, dev = q.shape[0], q.shape[2], q.device
+    block_size, block_p = geom.block_size, geom.block_p
+    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
+    pos = torch.arange(n, device=dev).expand(bsz, n)
+    rank_from_end = kpm.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid position
+    is_proxy = kpm & (rank_from_end <= block_size)
+    pcnt = is_proxy.sum(-1).to(torch.int32).contiguous()
+    key = torch.where(is_proxy, pos, pos + n)  # proxies first, ascending
+    pidx = torch.sort(key, dim=-1).values[:, : min(block_p, n)] % n
+    if pidx.shape[1] < block_p:
+        pidx = torch.nn.functional.pad(pidx, (0, block_p - pidx.shape[1]))
+    pidx = pidx.to(torch.int32).contiguous()
+    _proxy_scores(q, k, out, kpm.to(torch.int8).contiguous(), pidx, pcnt, lens, True, geom)
+
+
+def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, geom: _ProxyGeometry):
     """The two passes (and the normaliser in between) for one proxy per batch row, into ``out``
     ``[B, Hq, N]`` (only the keys of the row's ``lens // segment_size`` segments are written)."""
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     dev = q.device
+    nseg_max, block_p, block_size, segment_size, sc, causal_proxy = geom
     m = torch.empty(bsz, hq, nseg_max, block_p, dtype=torch.float32, device=dev)
     total = torch.empty_like(m)  # running sum of exp2 per proxy row and segment
     block_d = max(16, triton.next_power_of_2(d))
@@ -615,7 +659,7 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, nseg_max, block_
         lse = torch.empty(bsz, hq, block_p, dtype=torch.float32, device=dev)
         lse_sh, lse_ss = block_p, 0
     common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
-              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+              *q.stride()[:3], *k.stride()[:3])
     grid = (nseg_max, bsz * hq)
     _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, m, out, *common, SCORE_PASS=False, **meta)
     _lse_combine_kernel[(bsz * hq,)](m, total, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,

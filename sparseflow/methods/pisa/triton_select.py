@@ -388,34 +388,44 @@ def _pisa_select_fwd(
     if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
         raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
     b, hq, n_q, d = q.shape
-    hkv, n_k = k.shape[1], k.shape[2]
-    g = hq // hkv
+    hkv = k.shape[1]
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    kp = _p2(beam * top_k)
-    cw = max(16, kp * _p2(branching))
-    cp = _p2(block_size, 16)
+    cw = max(16, _p2(beam * top_k) * _p2(branching))
     warps, leaf_bytes = _launch(cw, warps, leaf_bytes)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
     ieee = q.dtype == torch.float32 or interpreting()
-    kpm_arg = kpm if kpm is not None else nfv
+    meta = walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
+                     beam)
+    lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
+    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
-        q, k, kpm_arg, summ, nfv, lvl_off, lvl_span, out, nfv if length is None else length,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        summ.stride(0), summ.stride(1), summ.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_q, n_k, summ.shape[2], hkv, scale,
-        N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
-        FORCE_SINK=force_sink, FORCE_PREV=force_previous,
-        G=g, GP=_p2(g, 16), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
-        BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=kp, CW=cw,
-        LC=_leaf_chunk(cw, cp, _p2(d, 16), 4 if ieee else 2, leaf_bytes), IEEE_KEYS=ieee, HAS_LEN=length is not None,
-        num_warps=warps,
+        *args[:8], nfv if length is None else length, *args[8:], **meta,  # the length pointer follows out_ptr
+        GP=_p2(hq // hkv, 16), CW=cw, LC=lc, IEEE_KEYS=ieee, HAS_LEN=length is not None, num_warps=warps,
     )
     return out
+
+
+def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
+    """The positional arguments of the per-token and the tiled walk kernels (the same in both):
+    pointers (``nfv`` stands in for an absent ``kpm``), strides, sizes and the scale."""
+    ptrs = (q, k, kpm if kpm is not None else nfv, summ, nfv, lvl_off, lvl_span, out)
+    strides = (*q.stride()[:3], *k.stride()[:3], *summ.stride()[:3], *out.stride()[:3])
+    return (*ptrs, *strides, q.shape[2], k.shape[2], summ.shape[2], k.shape[1], scale)
+
+
+def walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
+              beam) -> dict:
+    """The compile-time arguments the two walk kernels share (the walk's shape and rules)."""
+    d = q.shape[-1]
+    return dict(
+        N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
+        FORCE_SINK=force_sink, FORCE_PREV=force_previous,
+        G=q.shape[1] // k.shape[1], D=d, DP=_p2(d, 16), C=block_size, CP=_p2(block_size, 16),
+        BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=_p2(beam * top_k),
+    )
 
 
 @_pisa_select_fwd.register_fake

@@ -68,6 +68,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
+from .triton_select import walk_args, walk_meta
 
 __all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 
@@ -434,28 +435,20 @@ def pisa_select_tiled_fwd(
     """The per-token op's contract (``triton_select._pisa_select_fwd``) by query tiles of
     ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`."""
     b, hq, n_q, d = q.shape
-    hkv, n_k = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
     cw = candidate_width(beam, top_k, branching)
     bq = tile_rows(g, block_q, cw)
-    cp = _p2(block_size, 16)
     # as in the per-token walk: 16-bit products are exact in fp32; the interpreter's 16-bit dot is not
     ieee = q.dtype == torch.float32 or interpreting()
+    meta = walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
+                     beam)
     wrap_triton(_pisa_select_tiled_kernel)[(triton.cdiv(n_q, bq), b * hkv)](
-        q, k, kpm if kpm is not None else nfv, summ, nfv, lvl_off, lvl_span, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        summ.stride(0), summ.stride(1), summ.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_q, n_k, summ.shape[2], hkv, scale,
-        N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
-        FORCE_SINK=force_sink, FORCE_PREV=force_previous,
-        G=g, GP=_p2(g), D=d, DP=_p2(d, 16), C=block_size, CP=cp,
-        BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=_p2(beam * top_k),
-        CW=cw, BQ=bq, UN=16, UL=leaf_chunk(bq * _p2(g), cp), IEEE_KEYS=ieee,
+        *walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale), **meta,
+        GP=_p2(g), CW=cw, BQ=bq, UN=16, UL=leaf_chunk(bq * _p2(g), meta["CP"]), IEEE_KEYS=ieee,
         num_warps=DEFAULT_WARPS if warps is None else warps,
     )
     return out
