@@ -14,6 +14,16 @@ worst). Every plan on the walk costs more than the one before and the walk does 
 budget, so a larger allowed sum stops earlier on it; the tightening rounds make that monotonicity
 in the budget a property of the measurements (tested), not a guarantee.
 
+Not every (layer, choice) needs its KL for that walk. Every choice's cost is known before its KL
+(its selection's density on the layer's q/k/v, without the attention or the rest of the model;
+or its time), and a KL is never below 0, so a choice can only change the walk where it could be
+a layer's cheapest option or where, even at KL 0, its KL reduction per added cost would match the
+upgrade the walk takes. Only such choices are measured, the walk is rerun, until none is left
+(:func:`unsettled`): the plan is the one the whole grid gives, and the skipped choices are listed
+with their reason in the recipe's ``measured["single_layer"]`` (``prune=False`` /
+``--measure-all`` measures the whole grid). A choice costing at least dense's 1 is always skipped:
+dense is as cheap with KL 0.
+
 Cost is in units of one dense attention call of the layer: on CPU (``cost="density"``) the
 measured density plus a per-scoring estimate overhead (:data:`ESTIMATE_OVERHEAD`); with
 ``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
@@ -421,28 +431,35 @@ def choice_cost(s: _Session, layer: int, choice: Choice) -> float:
     """The cost :func:`measure_layer` will give ``choice`` at ``layer``, known before the KL is:
     the op's time (``cost="time"``), or the density of its selection on the layer's q/k/v plus
     the estimate overhead."""
-    cfg = choice.config(s.base)
+    return layer_costs(s, layer, [choice])[choice]
+
+
+def layer_costs(s: _Session, layer: int, choices: Sequence[Choice]) -> Dict[Choice, float]:
+    """:func:`choice_cost` of each of ``choices`` at ``layer``."""
+    cfgs = {c: c.config(s.base) for c in choices}
     if s.cost == "time":
-        return timed_cost(s, layer, cfg)
-    return selection_density(s, layer, cfg) + estimate_overhead(cfg)
+        return {c: timed_cost(s, layer, cfg) for c, cfg in cfgs.items()}
+    densities = selection_densities(s, layer, list(cfgs.values()))
+    return {c: d + estimate_overhead(cfg) for (c, cfg), d in zip(cfgs.items(), densities)}
 
 
-def selection_density(s: _Session, layer: int, cfg: AttentionConfig) -> float:
-    """The op's measured density of ``cfg`` on the layer's q/k/v. PBS on the reference path
-    computes the selection only (no attention); that shortcut is checked against the op once."""
+def selection_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
+    """The op's measured density of each config on the layer's q/k/v. PBS on the reference path
+    computes the selections only (no attention), one estimate for all thresholds of the same
+    other fields; that shortcut is checked against the op once."""
     if not s.qkv:
         all_layer_qkv(s)
-    q, k, v, scale = s.qkv[layer]
-    if s.fast_density is False or cfg.method != "pbs" or q.device.type != "cpu" or s.backend not in ("auto",
-                                                                                                    "reference"):
-        return _op_density(s, layer, cfg)
-    fast = _reference_pbs_density(q, k, cfg, scale)
+    q = s.qkv[layer][0]
+    reference_path = q.device.type == "cpu" and s.backend in ("auto", "reference")
+    if s.fast_density is False or not reference_path or any(cfg.method != "pbs" for cfg in cfgs):
+        return [_op_density(s, layer, cfg) for cfg in cfgs]
+    fast = _reference_pbs_densities(s, layer, cfgs)
     if s.fast_density is None:
-        s.fast_density = fast == _op_density(s, layer, cfg)
+        s.fast_density = fast[0] == _op_density(s, layer, cfgs[0])
         if not s.fast_density:
             logger.info("sparseflow calibrate: the PBS reference selection does not give the op's density here; "
                         "every choice's density comes from the op")
-            return _op_density(s, layer, cfg)
+            return [_op_density(s, layer, cfg) for cfg in cfgs]
     return fast
 
 
@@ -457,12 +474,23 @@ def _op_density(s: _Session, layer: int, cfg: AttentionConfig) -> float:
     return _layer_density(cap, layer)
 
 
-def _reference_pbs_density(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, scale: Optional[float]) -> float:
+def _reference_pbs_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
+    """Selection densities of PBS configs by the reference, configs differing only in threshold
+    sharing one permutation and one block estimate."""
     from .methods.pbs import reference as ref
 
-    perm, mask = ref.pbs_selection(q, k, cfg, is_causal=True, scale=scale)
-    density = ref.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
-    return float(density.float().mean())  # as Selection.mean_density
+    q, k, _, scale = s.qkv[layer]
+    groups: Dict[str, List[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        groups.setdefault(json.dumps({**cfg.to_dict(), "threshold": None}, sort_keys=True, default=str), []).append(i)
+    out: List[float] = [0.0] * len(cfgs)
+    for idx in groups.values():
+        cfg = cfgs[idx[0]]
+        perm, masks = ref.pbs_selections(q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale)
+        for i, mask in zip(idx, masks):
+            density = ref.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
+            out[i] = float(density.float().mean())  # as Selection.mean_density
+    return out
 
 
 # --------------------------------------------------------------------------- progress file
@@ -619,13 +647,11 @@ def choice_costs(s: _Session, choices: Sequence[Choice], progress: Progress,
     out: Dict[int, Dict[Choice, float]] = {}
     t0 = time.perf_counter()
     for layer in range(s.n_layers):
-        out[layer] = {}
-        for choice in choices:
-            key = f"{layer}:{choice.key}"
-            if key not in progress.costs:
-                progress.costs[key] = choice_cost(s, layer, choice)
-            out[layer][choice] = float(progress.costs[key])
-        progress.save()
+        missing = [c for c in choices if f"{layer}:{c.key}" not in progress.costs]
+        if missing:
+            progress.costs.update({f"{layer}:{c.key}": v for c, v in layer_costs(s, layer, missing).items()})
+            progress.save()
+        out[layer] = {c: float(progress.costs[f"{layer}:{c.key}"]) for c in choices}
     s.qkv.clear()  # the q/k/v of every layer are needed for the costs only
     say(f"costs of {s.n_layers * len(choices)} choice(s) from their selections ({time.perf_counter() - t0:.1f} s)")
     return out

@@ -183,9 +183,9 @@ def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkey
     first = list(calls)
     calls.clear()
     costed = []
-    real_cost = cal.choice_cost
+    real_costs = cal.layer_costs
     monkeypatch.setattr(cal, "measure_layer", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
-    monkeypatch.setattr(cal, "choice_cost", lambda *a, **kw: costed.append(a[1:]) or real_cost(*a, **kw))
+    monkeypatch.setattr(cal, "layer_costs", lambda *a, **kw: costed.append(a[1:]) or real_costs(*a, **kw))
     assert main(argv) == 0
     resumed_calls = list(calls)
     assert not set(first) & set(resumed_calls)  # nothing measured twice
@@ -326,8 +326,6 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
 
 def _random_grid(rng, layers: int = 6, per_layer: int = 8):
     """A synthetic table: choices with costs in (0.2, 1.2) and KLs falling with cost (noisily)."""
-    import random
-
     table, costs = {}, {}
     for layer in range(layers):
         table[layer] = {cal.DENSE: cal.DENSE_MEASUREMENT}
@@ -338,7 +336,6 @@ def _random_grid(rng, layers: int = 6, per_layer: int = 8):
             kl = max(0.0, rng.choice([1e-2, 1e-3, 1e-4]) * (1.25 - cost) * rng.uniform(0.2, 2.0))
             table[layer][c] = cal.Measurement(kl, 1.0, cost, cost)
             costs[layer][c] = cost
-    random.shuffle  # (rng drives everything; nothing global)
     return table, costs
 
 
@@ -386,9 +383,11 @@ def test_pruned_calibration_gives_the_same_plan_and_reports_skipped(models, tmp_
     assert pruned.choices == full.choices
     assert pruned.calibration == full.calibration and pruned.steps == full.steps
     single, single_full = pruned.recipe.measured["single_layer"], full.recipe.measured["single_layer"]
-    assert single_full == {**single_full, "grid": 18, "measured": 18, "skipped": [], "pruned": False}
+    assert (single_full["grid"], single_full["measured"], single_full["skipped"], single_full["pruned"]) == (18, 18, [],
+                                                                                                          False)
     assert single["grid"] == 18 and 0 < single["measured"] < 18  # pruning applies here
-    assert len(single["skipped"]) == 18 - single["measured"] and sum(single["skipped_reasons"].values()) == 18 - single["measured"]
+    n_skipped = 18 - single["measured"]
+    assert len(single["skipped"]) == n_skipped and sum(single["skipped_reasons"].values()) == n_skipped
     measured = json.loads((tmp_path / "pruned.json").read_text())["layers"]
     everything = json.loads((tmp_path / "full.json").read_text())["layers"]
     for row in single["skipped"]:
@@ -410,9 +409,10 @@ def test_choice_cost_is_the_measured_cost(models, arch):
     s = cal._Session(model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP))
     s.hidden = cal.layer_inputs(model, ids)
     for layer in (0, 2):
+        costs = cal.layer_costs(s, layer, GRID6)  # one estimate per (permute, scoring)
         for choice in GRID6[:4]:
-            before = cal.choice_cost(s, layer, choice)
-            assert before == pytest.approx(cal.measure_layer(s, layer, choice).cost, abs=1e-7)
+            assert cal.choice_cost(s, layer, choice) == costs[choice]
+            assert costs[choice] == pytest.approx(cal.measure_layer(s, layer, choice).cost, abs=1e-7)
     assert s.fast_density is True  # the selection-only shortcut was checked against the op and used
 
 
@@ -428,3 +428,14 @@ def test_dense_reference_compares_like_compare_logits():
     assert 0 < kl and top1 < 1.0
     with pytest.raises(ValueError, match="sparse logits must be"):
         cal.DenseReference(dense).compare(sparse[:3])
+
+
+def test_cli_measure_all_measures_the_whole_grid(llama_dir, tmp_path):
+    out = tmp_path / "recipe.json"
+    assert main(["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", str(N),
+                 "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5,0.9,0.99",
+                 "--scorings", "mean", "--heldout-text", "none", "--measure-all", "--out", str(out)]) == 0
+    single = load_recipe(str(out)).measured["single_layer"]
+    assert (single["pruned"], single["grid"], single["measured"], single["skipped"]) == (False, 18, 18, [])
+    progress, _ = cal.side_paths(out)
+    assert len(json.loads(progress.read_text())["layers"]) == 18

@@ -95,7 +95,7 @@ Conventions and decisions (where the method leaves room):
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -107,6 +107,7 @@ from .config import PBSConfig
 __all__ = [
     "pbs_attention",
     "pbs_selection",
+    "pbs_selections",
     "effective_lengths",
     "proxy_queries",
     "key_scores",
@@ -621,17 +622,34 @@ def select_blocks(
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
     candidates, plus the forced blocks (own region, sink)."""
+    return _threshold_selections(
+        q, k, permutation, [threshold], key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=block_size, segment_size=segment_size, force_sink=force_sink, scoring=scoring,
+        antidiagonal_stride=antidiagonal_stride,
+    )[0]
+
+
+def _threshold_selections(q, k, permutation, thresholds, *, key_padding_mask, is_causal, scale, block_size,
+                          segment_size, force_sink, scoring, antidiagonal_stride) -> List[Tensor]:
+    """:func:`select_blocks` at each of ``thresholds``; the block probabilities (which do not
+    depend on the threshold) are computed once."""
     hq = q.shape[1]
     geo = dict(key_padding_mask=key_padding_mask, block_size=block_size, segment_size=segment_size)
     cand = candidate_blocks(permutation, hq, is_causal=is_causal, **geo)
     forced = forced_blocks(permutation, hq, force_sink=force_sink, **geo)
-    if float(threshold) >= 1.0:
-        return cand | forced
-    probs = block_probabilities(
-        q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
-        block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
-    )
-    return threshold_blocks(probs, cand, threshold) | forced
+    probs = None
+    out = []
+    for threshold in thresholds:
+        if float(threshold) >= 1.0:
+            out.append(cand | forced)
+            continue
+        if probs is None:
+            probs = block_probabilities(
+                q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
+                block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+            )
+        out.append(threshold_blocks(probs, cand, threshold) | forced)
+    return out
 
 
 # --------------------------------------------------------------------------- 4. attention
@@ -905,18 +923,36 @@ def pbs_selection(
 ) -> Tuple[Tensor, Tensor]:
     """``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` of :func:`pbs_attention`: what it
     selects, without the attention (its density is :func:`selection_density` of the two)."""
+    perm, masks = pbs_selections(q, k, cfg, [cfg.threshold], key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, scale=scale)
+    return perm, masks[0]
+
+
+@torch.no_grad()
+def pbs_selections(
+    q: Tensor,
+    k: Tensor,
+    cfg: PBSConfig,
+    thresholds: Sequence[float],
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, List[Tensor]]:
+    """:func:`pbs_selection` of ``cfg`` at each of ``thresholds`` (``cfg.threshold`` unused): one
+    permutation and one set of block probabilities for all of them."""
     if cfg.gqa_permutation not in ("query_head", "kv_head"):
         raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {cfg.gqa_permutation!r}")
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     qd, kd = q.detach(), k.detach()
     perm = _pbs_permutation(qd, kd, cfg, key_padding_mask, scale)
-    block_mask = select_blocks(
-        qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=cfg.block_size, segment_size=cfg.segment_size, threshold=cfg.threshold, force_sink=cfg.force_sink,
-        scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride,
+    masks = _threshold_selections(
+        qd, kd, perm, thresholds, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=cfg.block_size, segment_size=cfg.segment_size, force_sink=cfg.force_sink, scoring=cfg.scoring,
+        antidiagonal_stride=cfg.antidiagonal_stride,
     )
-    return perm, block_mask
+    return perm, masks
 
 
 def _pbs_permutation(q: Tensor, k: Tensor, cfg: PBSConfig, key_padding_mask: Optional[Tensor],
