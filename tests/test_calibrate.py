@@ -1,7 +1,8 @@
 """``sparseflow calibrate`` on tiny random-init Llama, Qwen2 and GPT-2 models (CPU, seconds): the
 recipe it writes loads and plans, the budget holds on the calibration text, a smaller budget
-never buys a cheaper plan, an interrupted run resumes without re-measuring, and a failure leaves
-no recipe file. The real SmolLM2 checkpoint runs in the slow test."""
+never buys a cheaper plan, an interrupted run resumes without re-measuring, a failure leaves
+no recipe file, and measuring only the choices the search can need gives the whole grid's plan.
+The real SmolLM2 checkpoint runs in the slow test."""
 from __future__ import annotations
 
 import json
