@@ -400,16 +400,21 @@ def layer_qkv(s: _Session, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torc
 
 
 def all_layer_qkv(s: _Session) -> None:
-    """Fill ``s.qkv``: the q/k/v (and scale) every layer's attention sees on the calibration text,
-    each layer fed the dense hidden state ``s.hidden[layer]`` (so its q/k/v are exactly those of
-    a single-layer run there), in one pass."""
+    """Fill ``s.qkv`` with every layer's q/k/v (see :func:`each_layer_qkv`)."""
+    each_layer_qkv(s, s.qkv.__setitem__)
+
+
+def each_layer_qkv(s: _Session, visit: Callable[[int, Tuple], None]) -> None:
+    """``visit(layer, (q, k, v, scale))`` with what every layer's attention sees on the calibration
+    text, each layer fed the dense hidden state ``s.hidden[layer]`` (so its q/k/v are exactly those
+    of a single-layer run there), in one dense pass, layer by layer."""
     from transformers import AttentionInterface
 
     from . import hf
 
     def record(module, query, key, value, *args, scaling=None, **kwargs):
-        s.qkv[hf._layer_index(module)] = (query.detach(), key.detach(), value.detach(),
-                                          None if scaling is None else float(scaling))
+        visit(hf._layer_index(module), (query.detach(), key.detach(), value.detach(),
+                                        None if scaling is None else float(scaling)))
         return hf.sparseflow_attention_forward(module, query, key, value, *args, scaling=scaling, **kwargs)
 
     layers = decoder_layers(s.model)
@@ -447,7 +452,7 @@ def selection_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]
     """The op's measured density of each config on the layer's q/k/v. PBS on the reference path
     computes the selections only (no attention), one estimate for all thresholds of the same
     other fields; that shortcut is checked against the op once."""
-    if not s.qkv:
+    if layer not in s.qkv:
         all_layer_qkv(s)
     q = s.qkv[layer][0]
     reference_path = q.device.type == "cpu" and s.backend in ("auto", "reference")
@@ -644,17 +649,29 @@ def skip_reason(cost: float) -> str:
 def choice_costs(s: _Session, choices: Sequence[Choice], progress: Progress,
                  say: Callable[[str], None]) -> Dict[int, Dict[Choice, float]]:
     """Every (layer, choice) cost (:func:`choice_cost`), from the progress file where present."""
-    out: Dict[int, Dict[Choice, float]] = {}
     t0 = time.perf_counter()
-    for layer in range(s.n_layers):
-        missing = [c for c in choices if f"{layer}:{c.key}" not in progress.costs]
-        if missing:
-            progress.costs.update({f"{layer}:{c.key}": v for c, v in layer_costs(s, layer, missing).items()})
+    missing = {layer: [c for c in choices if f"{layer}:{c.key}" not in progress.costs] for layer in range(s.n_layers)}
+
+    def fill(layer: int) -> None:
+        if missing[layer]:
+            progress.costs.update({f"{layer}:{c.key}": v for c, v in layer_costs(s, layer, missing[layer]).items()})
             progress.save()
-        out[layer] = {c: float(progress.costs[f"{layer}:{c.key}"]) for c in choices}
-    s.qkv.clear()  # the q/k/v of every layer are needed for the costs only
-    say(f"costs of {s.n_layers * len(choices)} choice(s) from their selections ({time.perf_counter() - t0:.1f} s)")
-    return out
+
+    if s.cost == "density" and any(missing.values()):
+        each_layer_qkv(s, lambda layer, qkv: _with_qkv(s, layer, qkv, fill))  # one layer's q/k/v alive at a time
+    else:
+        for layer in range(s.n_layers):
+            fill(layer)
+    say(f"costs of {s.n_layers * len(choices)} choice(s) ({time.perf_counter() - t0:.1f} s)")
+    return {layer: {c: float(progress.costs[f"{layer}:{c.key}"]) for c in choices} for layer in range(s.n_layers)}
+
+
+def _with_qkv(s: _Session, layer: int, qkv: Tuple, fn: Callable[[int], None]) -> None:
+    s.qkv[layer] = qkv
+    try:
+        fn(layer)
+    finally:
+        del s.qkv[layer]
 
 
 def greedy_steps(table: Mapping[int, Mapping[Choice, Measurement]], allowed: float):
