@@ -14,6 +14,16 @@ worst). Every plan on the walk costs more than the one before and the walk does 
 budget, so a larger allowed sum stops earlier on it; the tightening rounds make that monotonicity
 in the budget a property of the measurements (tested), not a guarantee.
 
+Not every (layer, choice) needs its KL for that walk. Every choice's cost is known before its KL
+(its selection's density on the layer's q/k/v, without the attention or the rest of the model;
+or its time), and a KL is never below 0, so a choice can only change the walk where it could be
+a layer's cheapest option or where, even at KL 0, its KL reduction per added cost would match the
+upgrade the walk takes. Only such choices are measured, the walk is rerun, until none is left
+(:func:`unsettled`): the plan is the one the whole grid gives, and the skipped choices are listed
+with their reason in the recipe's ``measured["single_layer"]`` (``prune=False`` /
+``--measure-all`` measures the whole grid). A choice costing at least dense's 1 is always skipped:
+dense is as cheap with KL 0.
+
 Cost is in units of one dense attention call of the layer: on CPU (``cost="density"``) the
 measured density plus a per-scoring estimate overhead (:data:`ESTIMATE_OVERHEAD`); with
 ``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
@@ -248,6 +258,9 @@ class _Session:
     cost: str = "density"
     hidden: List[torch.Tensor] = field(default_factory=list)
     timing: Optional[Tuple[int, Tuple[torch.Tensor, ...], float]] = None  # cost="time": (layer, q/k/v, dense s)
+    reference: Optional["DenseReference"] = None  # the dense side of every KL, computed once
+    qkv: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float]]] = field(default_factory=dict)
+    fast_density: Optional[bool] = None  # the reference selection gives the op's density (checked once)
 
     @property
     def n_layers(self) -> int:
@@ -269,10 +282,10 @@ def _single_layer_plan(s: _Session, layer: int, cfg: AttentionConfig):
     return _plan(s, {layer: cfg}, [i for i in range(s.n_layers) if i != layer])
 
 
-def measure_layer(s: _Session, layer: int, choice: Choice) -> Measurement:
-    """KL vs dense with only ``layer`` running ``choice``, its density and predicted cost."""
+def measure_layer(s: _Session, layer: int, choice: Choice, cost: Optional[float] = None) -> Measurement:
+    """KL vs dense with only ``layer`` running ``choice``, its density and predicted cost
+    (``cost``: the choice's cost when known already, from :func:`choice_cost`)."""
     from .eval.evaluate import _logits
-    from .eval.fidelity import compare_logits
     from .hf import apply_plan
     from .recording import capture
 
@@ -283,10 +296,47 @@ def measure_layer(s: _Session, layer: int, choice: Choice) -> Measurement:
             logits = _logits(s.model, s.input_ids, s.keep)
     finally:
         s.model.set_attn_implementation("sdpa")
-    fid = compare_logits(s.dense, logits, s.targets)
+    kl, top1 = dense_reference(s).compare(logits)
     density = _layer_density(cap, layer)
-    cost = layer_cost(s, layer, cfg, density)
-    return Measurement(kl=fid.mean_kl, top1=fid.top1_agreement, density=density, cost=cost)
+    measured_cost = density + estimate_overhead(cfg) if s.cost == "density" else None
+    if cost is None:
+        cost = measured_cost if measured_cost is not None else layer_cost(s, layer, cfg, density)
+    elif measured_cost is not None and abs(measured_cost - cost) > 1e-6:
+        logger.warning("sparseflow calibrate: layer %d %s: density %.6f measured in the model, %.6f from its "
+                       "selection alone; the model's is kept", layer, choice.key, density, cost - estimate_overhead(cfg))
+        cost = measured_cost
+    return Measurement(kl=kl, top1=top1, density=density, cost=cost)
+
+
+class DenseReference:
+    """The dense side of :func:`sparseflow.eval.fidelity.compare_logits` (fp64 log-probabilities,
+    probabilities, argmax), computed once for all measurements: :meth:`compare` gives the same
+    mean KL and top-1 agreement, row chunk by row chunk so the fp64 work stays in cache."""
+
+    def __init__(self, dense: torch.Tensor, chunk: int = 32):
+        self.log_probs = torch.log_softmax(dense.double(), dim=-1)
+        self.probs = self.log_probs.exp()
+        self.argmax = dense.argmax(-1)
+        self.chunk = chunk
+
+    def compare(self, sparse: torch.Tensor) -> Tuple[float, float]:
+        """``(mean KL(dense || sparse), top-1 agreement)`` of ``sparse`` logits ``[T, V]``."""
+        if sparse.shape != self.log_probs.shape:
+            raise ValueError(f"sparse logits must be {tuple(self.log_probs.shape)}, got {tuple(sparse.shape)}")
+        sparse = sparse.to(self.log_probs.device)
+        kl = torch.empty(sparse.shape[0], dtype=torch.float64, device=sparse.device)
+        for i in range(0, sparse.shape[0], self.chunk):
+            rows = slice(i, i + self.chunk)
+            lp_s = torch.log_softmax(sparse[rows].double(), dim=-1)
+            kl[rows] = (self.probs[rows] * (self.log_probs[rows] - lp_s)).sum(-1)
+        top1 = (self.argmax == sparse.argmax(-1)).double().mean()
+        return float(kl.clamp_min(0.0).mean()), float(top1)
+
+
+def dense_reference(s: _Session) -> DenseReference:
+    if s.reference is None:
+        s.reference = DenseReference(s.dense)
+    return s.reference
 
 
 def layer_cost(s: _Session, layer: int, cfg: AttentionConfig, density: float) -> float:
@@ -349,6 +399,105 @@ def layer_qkv(s: _Session, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torc
     return got["q"], got["k"], got["v"]
 
 
+def all_layer_qkv(s: _Session) -> None:
+    """Fill ``s.qkv`` with every layer's q/k/v (see :func:`each_layer_qkv`)."""
+    each_layer_qkv(s, s.qkv.__setitem__)
+
+
+def each_layer_qkv(s: _Session, visit: Callable[[int, Tuple], None]) -> None:
+    """``visit(layer, (q, k, v, scale))`` with what every layer's attention sees on the calibration
+    text, each layer fed the dense hidden state ``s.hidden[layer]`` (so its q/k/v are exactly those
+    of a single-layer run there), in one dense pass, layer by layer."""
+    from transformers import AttentionInterface
+
+    from . import hf
+
+    def record(module, query, key, value, *args, scaling=None, **kwargs):
+        visit(hf._layer_index(module), (query.detach(), key.detach(), value.detach(),
+                                        None if scaling is None else float(scaling)))
+        return hf.sparseflow_attention_forward(module, query, key, value, *args, scaling=scaling, **kwargs)
+
+    layers = decoder_layers(s.model)
+    handles = [m.register_forward_pre_hook(_replace_hidden(s.hidden[i]), with_kwargs=True)
+               for i, m in enumerate(layers)]
+    hf.apply_plan(s.model, _plan(s, {}, range(s.n_layers)))
+    AttentionInterface.register(hf.ATTN_IMPLEMENTATION, record)
+    try:
+        with torch.no_grad():
+            s.model(input_ids=s.input_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        AttentionInterface.register(hf.ATTN_IMPLEMENTATION, hf.sparseflow_attention_forward)
+        s.model.set_attn_implementation("sdpa")
+        for h in handles:
+            h.remove()
+
+
+def choice_cost(s: _Session, layer: int, choice: Choice) -> float:
+    """The cost :func:`measure_layer` will give ``choice`` at ``layer``, known before the KL is:
+    the op's time (``cost="time"``), or the density of its selection on the layer's q/k/v plus
+    the estimate overhead."""
+    return layer_costs(s, layer, [choice])[choice]
+
+
+def layer_costs(s: _Session, layer: int, choices: Sequence[Choice]) -> Dict[Choice, float]:
+    """:func:`choice_cost` of each of ``choices`` at ``layer``."""
+    cfgs = {c: c.config(s.base) for c in choices}
+    if s.cost == "time":
+        return {c: timed_cost(s, layer, cfg) for c, cfg in cfgs.items()}
+    densities = selection_densities(s, layer, list(cfgs.values()))
+    return {c: d + estimate_overhead(cfg) for (c, cfg), d in zip(cfgs.items(), densities)}
+
+
+def selection_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
+    """The op's measured density of each config on the layer's q/k/v. PBS on the reference path
+    computes the selections only (no attention), one estimate for all thresholds of the same
+    other fields; that shortcut is checked against the op once."""
+    if layer not in s.qkv:
+        all_layer_qkv(s)
+    q = s.qkv[layer][0]
+    reference_path = q.device.type == "cpu" and s.backend in ("auto", "reference")
+    if s.fast_density is False or not reference_path or any(cfg.method != "pbs" for cfg in cfgs):
+        return [_op_density(s, layer, cfg) for cfg in cfgs]
+    fast = _reference_pbs_densities(s, layer, cfgs)
+    if s.fast_density is None:
+        s.fast_density = fast[0] == _op_density(s, layer, cfgs[0])
+        if not s.fast_density:
+            logger.info("sparseflow calibrate: the PBS reference selection does not give the op's density here; "
+                        "every choice's density comes from the op")
+            return [_op_density(s, layer, cfg) for cfg in cfgs]
+    return fast
+
+
+def _op_density(s: _Session, layer: int, cfg: AttentionConfig) -> float:
+    from .ops import attention
+    from .recording import capture
+
+    q, k, v, scale = s.qkv[layer]
+    with capture(keep_selections=False) as cap, torch.no_grad():
+        attention(q, k, v, config=cfg, is_causal=True, scale=scale, backend=s.backend,
+                  tag=f"model.layers.{layer}.self_attn")
+    return _layer_density(cap, layer)
+
+
+def _reference_pbs_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
+    """Selection densities of PBS configs by the reference, configs differing only in threshold
+    sharing one permutation and one block estimate."""
+    from .methods.pbs import reference as ref
+
+    q, k, _, scale = s.qkv[layer]
+    groups: Dict[str, List[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        groups.setdefault(json.dumps({**cfg.to_dict(), "threshold": None}, sort_keys=True, default=str), []).append(i)
+    out: List[float] = [0.0] * len(cfgs)
+    for idx in groups.values():
+        cfg = cfgs[idx[0]]
+        perm, masks = ref.pbs_selections(q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale)
+        for i, mask in zip(idx, masks):
+            density = ref.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
+            out[i] = float(density.float().mean())  # as Selection.mean_density
+    return out
+
+
 # --------------------------------------------------------------------------- progress file
 
 
@@ -360,6 +509,7 @@ class Progress:
         self.path, self.key = path, key
         self.layers: Dict[str, Dict[str, float]] = {}
         self.plans: Dict[str, Dict[str, float]] = {}
+        self.costs: Dict[str, float] = {}  # "layer:choice" -> the choice's cost, known before its KL
         if path is not None and path.is_file():
             self._read()
 
@@ -374,12 +524,13 @@ class Progress:
             return
         self.layers = dict(data.get("layers", {}))
         self.plans = dict(data.get("plans", {}))
+        self.costs = dict(data.get("costs", {}))
 
     def save(self) -> None:
         if self.path is None:
             return
         write_json_atomic(self.path, {"format": PROGRESS_FORMAT, "key": self.key, "layers": self.layers,
-                                      "plans": self.plans})
+                                      "plans": self.plans, "costs": self.costs})
 
 
 def write_json_atomic(path: Path, payload) -> None:
@@ -406,28 +557,173 @@ def progress_key(s: _Session) -> str:
     return h.hexdigest()[:24]
 
 
-def measure_all(s: _Session, choices: Sequence[Choice], progress: Progress,
-                say: Callable[[str], None]) -> Dict[int, Dict[Choice, Measurement]]:
+DENSE_MEASUREMENT = Measurement(kl=0.0, top1=1.0, density=1.0, cost=1.0)
+Table = Dict[int, Dict[Choice, Measurement]]
+
+
+def measure_all(s: _Session, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]) -> Table:
     """Every (layer, choice) single-layer measurement, from the progress file where present."""
-    table: Dict[int, Dict[Choice, Measurement]] = {}
+    table = stored_measurements(s, choices, progress)
     total = s.n_layers * len(choices)
-    done = 0
     for layer in range(s.n_layers):
-        table[layer] = {DENSE: Measurement(kl=0.0, top1=1.0, density=1.0, cost=1.0)}
-        for choice in choices:
-            done += 1
-            key = f"{layer}:{choice.key}"
-            if key in progress.layers:
-                table[layer][choice] = Measurement(**progress.layers[key])
-                continue
-            t0 = time.perf_counter()
-            m = measure_layer(s, layer, choice)
-            progress.layers[key] = m.to_dict()
-            progress.save()
-            table[layer][choice] = m
-            say(f"[{done}/{total}] layer {layer} {choice.key}: KL {m.kl:.5f}, top-1 {m.top1:.3f}, "
-                f"density {m.density:.3f}, cost {m.cost:.3f} ({time.perf_counter() - t0:.1f} s)")
+        for i, choice in enumerate(choices):
+            if choice not in table[layer]:
+                label = f"[{layer * len(choices) + i + 1}/{total}]"
+                table[layer][choice] = measure_entry(s, layer, choice, progress, say, label)
     return table
+
+
+def stored_measurements(s: _Session, choices: Sequence[Choice], progress: Progress) -> Table:
+    """Dense, and the measurements of ``choices`` the progress file holds, per layer."""
+    table: Table = {}
+    for layer in range(s.n_layers):
+        table[layer] = {DENSE: DENSE_MEASUREMENT}
+        for choice in choices:
+            got = progress.layers.get(f"{layer}:{choice.key}")
+            if got is not None:
+                table[layer][choice] = Measurement(**got)
+    return table
+
+
+def measure_entry(s: _Session, layer: int, choice: Choice, progress: Progress, say: Callable[[str], None],
+                  label: str, cost: Optional[float] = None) -> Measurement:
+    """One single-layer measurement, kept in the progress file at once."""
+    t0 = time.perf_counter()
+    m = measure_layer(s, layer, choice, cost=cost)
+    progress.layers[f"{layer}:{choice.key}"] = m.to_dict()
+    progress.save()
+    say(f"{label} layer {layer} {choice.key}: KL {m.kl:.5f}, top-1 {m.top1:.3f}, "
+        f"density {m.density:.3f}, cost {m.cost:.3f} ({time.perf_counter() - t0:.1f} s)")
+    return m
+
+
+# --------------------------------------------------------------------------- measuring only what the search needs
+
+
+@dataclass
+class LazyGrid:
+    """The choice grid measured on demand: every choice's cost is known first (its selection's
+    density, or its time), and :meth:`settle` measures only the choices that could change the
+    greedy walk at an allowed KL sum (see :func:`unsettled`), so the plan is the one the whole
+    grid gives."""
+
+    s: _Session
+    choices: List[Choice]
+    progress: Progress
+    say: Callable[[str], None]
+    table: Table = field(default_factory=dict)
+    costs: Dict[int, Dict[Choice, float]] = field(default_factory=dict)
+    measured: int = 0  # measurements made by this process
+
+    def __post_init__(self):
+        self.table = stored_measurements(self.s, self.choices, self.progress)
+        self.costs = choice_costs(self.s, self.choices, self.progress, self.say)
+
+    def settle(self, allowed: float) -> None:
+        while True:
+            todo = unsettled(self.table, self.costs, allowed)
+            if not todo:
+                return
+            for layer, choice in todo:
+                self.measured += 1
+                self.table[layer][choice] = measure_entry(self.s, layer, choice, self.progress, self.say,
+                                                          f"[measured {self.measured}]", self.costs[layer][choice])
+
+    def skipped(self) -> List[Dict[str, Any]]:
+        """The choices never measured, each with its cost and why the plan cannot need it."""
+        out = []
+        for layer, costs in self.costs.items():
+            for choice, cost in costs.items():
+                if choice not in self.table[layer]:
+                    out.append({"layer": layer, "choice": choice.key, "cost": cost, "reason": skip_reason(cost)})
+        return out
+
+
+def skip_reason(cost: float) -> str:
+    if cost >= DENSE_MEASUREMENT.cost:
+        return "dominated by dense: costs at least as much, and dense has KL 0"
+    return ("cannot change the plan: even at KL 0 its KL reduction per added cost stays below the upgrade "
+            "the greedy walk takes at every step")
+
+
+def choice_costs(s: _Session, choices: Sequence[Choice], progress: Progress,
+                 say: Callable[[str], None]) -> Dict[int, Dict[Choice, float]]:
+    """Every (layer, choice) cost (:func:`choice_cost`), from the progress file where present."""
+    t0 = time.perf_counter()
+    missing = {layer: [c for c in choices if f"{layer}:{c.key}" not in progress.costs] for layer in range(s.n_layers)}
+
+    def fill(layer: int) -> None:
+        if missing[layer]:
+            progress.costs.update({f"{layer}:{c.key}": v for c, v in layer_costs(s, layer, missing[layer]).items()})
+            progress.save()
+
+    if s.cost == "density" and any(missing.values()):
+        each_layer_qkv(s, lambda layer, qkv: _with_qkv(s, layer, qkv, fill))  # one layer's q/k/v alive at a time
+    else:
+        for layer in range(s.n_layers):
+            fill(layer)
+    say(f"costs of {s.n_layers * len(choices)} choice(s) ({time.perf_counter() - t0:.1f} s)")
+    return {layer: {c: float(progress.costs[f"{layer}:{c.key}"]) for c in choices} for layer in range(s.n_layers)}
+
+
+def _with_qkv(s: _Session, layer: int, qkv: Tuple, fn: Callable[[int], None]) -> None:
+    s.qkv[layer] = qkv
+    try:
+        fn(layer)
+    finally:
+        del s.qkv[layer]
+
+
+def greedy_steps(table: Mapping[int, Mapping[Choice, Measurement]], allowed: float):
+    """:func:`greedy_plan`'s walk: ``(picks, steps)``, a step being (every layer's current
+    option before it, the KL reduction per added cost of the upgrade it takes)."""
+    fronts = {layer: frontier(opts) for layer, opts in table.items()}
+    pick = {layer: 0 for layer in fronts}
+    total = sum(f[0][1].kl for f in fronts.values())
+    steps: List[Tuple[Dict[int, Measurement], float]] = []
+    while total > allowed:
+        best = None
+        for layer, f in sorted(fronts.items()):
+            cur = f[pick[layer]][1]
+            for j in range(pick[layer] + 1, len(f)):
+                gain = cur.kl - f[j][1].kl
+                ratio = gain / max(f[j][1].cost - cur.cost, 1e-12)
+                if best is None or ratio > best[0]:
+                    best = (ratio, layer, j, gain)
+        if best is None:
+            break
+        ratio, layer, j, gain = best
+        steps.append(({i: fronts[i][pick[i]][1] for i in fronts}, ratio))
+        pick[layer] = j
+        total -= gain
+    return [pick[layer] for layer in sorted(fronts)], steps
+
+
+def unsettled(table: Mapping[int, Mapping[Choice, Measurement]], costs: Mapping[int, Mapping[Choice, float]],
+              allowed: float) -> List[Tuple[int, Choice]]:
+    """The unmeasured (layer, choice) pairs that could make ``greedy_plan(table, allowed)`` differ
+    from the whole grid's; none: it is the whole grid's plan. A choice can matter only where it
+    could be a layer's cheapest option (the walk's start: its cost is the layer's lowest), or where,
+    at some step of the walk, its best possible upgrade (to KL 0 from the layer's current option,
+    at its known cost) is at least as good per added cost as the upgrade taken there: otherwise
+    every step takes the same upgrade with or without it. Choices costing at least dense's 1.0 never
+    matter (dense is on the frontier with KL 0). Returns those of the earliest step that has any
+    (the later steps may change once they are measured)."""
+    open_ = {layer: [(c, cost) for c, cost in opts.items() if c not in table[layer] and cost < DENSE_MEASUREMENT.cost]
+             for layer, opts in costs.items()}
+    if not any(open_.values()):
+        return []
+    cheapest = {layer: min(min(m.cost for m in table[layer].values()), min((cost for _, cost in opts), default=1.0))
+                for layer, opts in open_.items()}
+    hits = [(layer, c) for layer, opts in open_.items() for c, cost in opts if cost <= cheapest[layer]]
+    if hits:
+        return hits
+    for cur, ratio in greedy_steps(table, allowed)[1]:
+        hits = [(layer, c) for layer, opts in open_.items() for c, cost in opts
+                if cost > cur[layer].cost and cur[layer].kl / max(cost - cur[layer].cost, 1e-12) >= ratio]
+        if hits:
+            return hits
+    return []
 
 
 # --------------------------------------------------------------------------- the search
@@ -448,24 +744,7 @@ def greedy_plan(table: Mapping[int, Mapping[Choice, Measurement]], allowed: floa
     and take the upgrade with the best KL reduction per added cost until the single-layer KLs
     sum to at most ``allowed``. Deterministic, and the upgrade sequence does not depend on
     ``allowed``: a larger ``allowed`` stops earlier on the same walk."""
-    fronts = {layer: frontier(opts) for layer, opts in table.items()}
-    pick = {layer: 0 for layer in fronts}
-    total = sum(f[0][1].kl for f in fronts.values())
-    while total > allowed:
-        best = None
-        for layer, f in sorted(fronts.items()):
-            cur = f[pick[layer]][1]
-            for j in range(pick[layer] + 1, len(f)):
-                gain = cur.kl - f[j][1].kl
-                ratio = gain / max(f[j][1].cost - cur.cost, 1e-12)
-                if best is None or ratio > best[0]:
-                    best = (ratio, layer, j, gain)
-        if best is None:
-            break
-        _, layer, j, gain = best
-        pick[layer] = j
-        total -= gain
-    return [pick[layer] for layer in sorted(fronts)]
+    return greedy_steps(table, allowed)[0]
 
 
 def _chosen(table, picks) -> List[Tuple[Choice, Measurement]]:
@@ -490,13 +769,17 @@ def measure_plan(s: _Session, plan, input_ids: Optional[torch.Tensor] = None,
 
 
 def search(s: _Session, table, budget: float, *, safety: float, progress: Progress, say: Callable[[str], None],
-           max_rounds: int = 6) -> Tuple[List[Choice], Dict[str, Any], float, List[Dict[str, Any]]]:
+           max_rounds: int = 6, settle: Optional[Callable[[float], None]] = None
+           ) -> Tuple[List[Choice], Dict[str, Any], float, List[Dict[str, Any]]]:
     """The cheapest plan on the greedy walk whose measured whole-model KL is within ``budget``
     (all-dense at worst). Returns (choices per layer, its calibration fidelity, predicted cost,
-    the steps taken)."""
+    the steps taken). ``settle(allowed)``: fills ``table`` with what the walk at ``allowed``
+    needs (:meth:`LazyGrid.settle`) before each round."""
     allowed = budget * safety
     steps: List[Dict[str, Any]] = []
     for _ in range(max_rounds):
+        if settle is not None:
+            settle(allowed)
         picks = greedy_plan(table, allowed)
         chosen = _chosen(table, picks)
         predicted = sum(m.kl for _, m in chosen)
@@ -592,24 +875,19 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
               heldout_ids: Optional[torch.Tensor] = None, choices: Optional[Sequence[Choice]] = None,
               safety: float = 0.8, cost: str = "auto", backend: str = "auto", progress_path=None,
               cache_dir=None, name: Optional[str] = None, text: str = "", heldout_text: str = "",
-              say: Optional[Callable[[str], None]] = None, extra: Optional[Dict[str, Any]] = None) -> CalibrationResult:
+              say: Optional[Callable[[str], None]] = None, extra: Optional[Dict[str, Any]] = None,
+              prune: bool = True) -> CalibrationResult:
     """Calibrate a per-layer plan of ``method`` for a transformers causal LM (see the module
     docstring). ``input_ids``: ``[1, N]`` calibration tokens, fidelity over the last
     ``eval_positions`` predictions; ``heldout_ids``: tokens the plan is checked on afterwards.
-    ``progress_path``: the JSON file single-layer results are kept in (resume)."""
+    ``progress_path``: the JSON file single-layer results are kept in (resume). ``prune``:
+    measure only the choices the search can need (:class:`LazyGrid`; the same plan), else all."""
     from .eval.evaluate import dense_logits
 
     budget = check_budget(kl_budget)
-    _sparse_spec(method, "method")
-    if not (0.0 < safety <= 1.0):
-        raise ValueError(f"safety must be in (0, 1], got {safety}")
     n = input_ids.shape[1]
-    if not (1 <= eval_positions < n):
-        raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    base = _checked_base(method, base, safety, eval_positions, n)
     say = say or (lambda msg: None)
-    base = base or default_config(method)
-    if base.method != method:
-        raise ValueError(f"base config is for {base.method!r}, not {method!r}")
     choices = list(choices) if choices is not None else candidate_choices(method, base)
     model.set_attn_implementation("sdpa")
     say(f"dense pass: logits of the last {eval_positions} positions and every layer's input ({n} tokens)")
@@ -617,8 +895,12 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
                  cost=_default_cost(cost), dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir))
     s.hidden = layer_inputs(model, input_ids)
     progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
-    table = measure_all(s, choices, progress, say)
-    chosen, calib, pred_cost, steps = search(s, table, budget, safety=safety, progress=progress, say=say)
+    grid = LazyGrid(s, choices, progress, say) if prune else None
+    table = grid.table if grid is not None else measure_all(s, choices, progress, say)
+    chosen, calib, pred_cost, steps = search(s, table, budget, safety=safety, progress=progress, say=say,
+                                             settle=None if grid is None else grid.settle)
+    single = single_layer_report(s, choices, table, grid)
+    say(single["summary"])
     heldout = None
     if heldout_ids is not None:
         say(f"held-out check on {heldout_ids.shape[1]} tokens")
@@ -627,11 +909,40 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
     measured = {"budget": budget, "method": method, "text": text, "heldout_text": heldout_text, "cost_model": s.cost,
                 "safety": safety, "calibration": calib, "heldout": heldout, "predicted_cost": pred_cost,
                 "search": steps, "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()}
-                                               for i, c in enumerate(chosen)], **(extra or {})}
+                                               for i, c in enumerate(chosen)], "single_layer": single, **(extra or {})}
     rname = name or f"calibrated-{model.config.model_type}-{method}"
     recipe = build_recipe(s, chosen, name=rname, measured=measured)
     return CalibrationResult(recipe=recipe, choices=chosen, calibration=calib, heldout=heldout,
                              predicted_cost=pred_cost, steps=steps)
+
+
+def _checked_base(method: str, base: Optional[AttentionConfig], safety: float, eval_positions: int,
+                  n: int) -> AttentionConfig:
+    """The base config of ``method`` (its default when None), after checking the arguments."""
+    _sparse_spec(method, "method")
+    if not (0.0 < safety <= 1.0):
+        raise ValueError(f"safety must be in (0, 1], got {safety}")
+    if not (1 <= eval_positions < n):
+        raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    base = base or default_config(method)
+    if base.method != method:
+        raise ValueError(f"base config is for {base.method!r}, not {method!r}")
+    return base
+
+
+def single_layer_report(s: _Session, choices: Sequence[Choice], table: Table,
+                        grid: Optional[LazyGrid]) -> Dict[str, Any]:
+    """How many of the grid's single-layer choices were measured, and which were skipped and why."""
+    total = s.n_layers * len(choices)
+    skipped = [] if grid is None else grid.skipped()
+    reasons: Dict[str, int] = {}
+    for row in skipped:
+        reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+    summary = f"measured {total - len(skipped)} of {total} single-layer choice(s)"
+    if skipped:
+        summary += "; skipped " + "; ".join(f"{n} ({why})" for why, n in reasons.items())
+    return {"grid": total, "measured": total - len(skipped), "pruned": grid is not None, "skipped_reasons": reasons,
+            "skipped": skipped, "summary": summary}
 
 
 # --------------------------------------------------------------------------- files (the command)
@@ -679,17 +990,46 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
                    thresholds=None, top_ks=None, scorings=None, safety: float = 0.8, cost: str = "auto",
                    backend: str = "auto", dtype: str = "auto", tokenizer=None, rope_scaling=None, cache_dir=None,
                    name: Optional[str] = None, say: Optional[Callable[[str], None]] = None,
-                   device=None) -> CalibrationResult:
+                   device=None, prune: bool = True) -> CalibrationResult:
     """``sparseflow calibrate``: load ``model_path`` (HF folder, GGUF file or converted folder, run
     dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
     recipe to ``out`` atomically. Everything checkable is checked before the weights load.
-    ``device``: where the model runs (None: where it loads, the CPU)."""
-    from .checkpoints import TEXTS
-    from .convert import _load_config, _parse_config, load_source, resolve_source
-    from .rope import parse_rope_scaling, set_rope_scaling
-    from .eval.evaluate import model_device
+    ``device``: where the model runs (None: where it loads, the CPU). ``prune``: see :func:`calibrate`."""
+    from .convert import _load_config, _parse_config, resolve_source
 
     budget = check_budget(kl_budget)
+    _check_file_args(method, text, heldout_text, rope_scaling)
+    source = resolve_source(model_path)
+    model_config = _load_config(source)
+    _check_model_type(model_config)
+    base = _parse_config(method, config) or default_config(method)
+    choices = candidate_choices(method, base, thresholds=thresholds, top_ks=top_ks, scorings=scorings)
+    progress_path, default_cache = side_paths(out)
+    say = say or (lambda msg: None)
+    model, tok, rope_info = _load_model(source, model_path, dtype, device, tokenizer, rope_scaling, say)
+    ids, heldout = _calibration_tokens(model, tok, tokens, text, heldout_text)
+    say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
+        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}")
+    t0 = time.perf_counter()
+    result = calibrate(model, ids, method, budget, base=base, eval_positions=eval_positions, heldout_ids=heldout,
+                       choices=choices, safety=safety, cost=cost, backend=backend, progress_path=progress_path,
+                       cache_dir=cache_dir if cache_dir is not None else default_cache, name=name, text=text,
+                       heldout_text=heldout_text or "", say=say, prune=prune,
+                       extra={"model": str(source), "rope_scaling": rope_info, "torch": torch.__version__,
+                              "threads": torch.get_num_threads()})
+    seconds = time.perf_counter() - t0
+    recipe = dataclasses.replace(result.recipe, measured={**result.recipe.measured, "seconds": seconds})
+    recipe.save(out)
+    result.recipe = recipe
+    say(_summary(result, out, seconds))
+    return result
+
+
+def _check_file_args(method: str, text: str, heldout_text: Optional[str], rope_scaling) -> None:
+    """The command's checks that need no file: method, texts, RoPE scaling."""
+    from .checkpoints import TEXTS
+    from .rope import parse_rope_scaling
+
     _sparse_spec(method, "--method")
     for arg, t in (("--text", text), ("--heldout-text", heldout_text)):
         if t is not None and t not in TEXTS:
@@ -700,13 +1040,13 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
         parse_rope_scaling(rope_scaling)
     except ValueError as exc:
         raise ValueError(f"--rope-scaling: {exc}") from None
-    source = resolve_source(model_path)
-    model_config = _load_config(source)
-    _check_model_type(model_config)
-    base = _parse_config(method, config) or default_config(method)
-    choices = candidate_choices(method, base, thresholds=thresholds, top_ks=top_ks, scorings=scorings)
-    progress_path, default_cache = side_paths(out)
-    say = say or (lambda msg: None)
+
+
+def _load_model(source, model_path, dtype: str, device, tokenizer, rope_scaling, say: Callable[[str], None]):
+    """``(model, tokenizer, RoPE scaling applied)`` of a resolved source."""
+    from .convert import load_source
+    from .rope import set_rope_scaling
+
     say(f"loading {source} ...")
     model, tok = load_source(source, dtype=dtype)
     if device is not None:
@@ -718,24 +1058,17 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     if tok is None:
         raise ValueError(f"{model_path} has no tokenizer; pass --tokenizer PATH")
     rope_info = None if rope_scaling is None else set_rope_scaling(model, rope_scaling)
+    return model, tok, rope_info
+
+
+def _calibration_tokens(model, tok, tokens: int, text: str, heldout_text: Optional[str]):
+    """``(calibration ids, held-out ids or None)`` on the model's device."""
+    from .eval.evaluate import model_device
+
     on = model_device(model)
     ids = _tokens(tok, tokens, text, "--tokens").to(on)
     heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)").to(on)
-    say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
-        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}")
-    t0 = time.perf_counter()
-    result = calibrate(model, ids, method, budget, base=base, eval_positions=eval_positions, heldout_ids=heldout,
-                       choices=choices, safety=safety, cost=cost, backend=backend, progress_path=progress_path,
-                       cache_dir=cache_dir if cache_dir is not None else default_cache, name=name, text=text,
-                       heldout_text=heldout_text or "", say=say,
-                       extra={"model": str(source), "rope_scaling": rope_info, "torch": torch.__version__,
-                              "threads": torch.get_num_threads()})
-    seconds = time.perf_counter() - t0
-    recipe = dataclasses.replace(result.recipe, measured={**result.recipe.measured, "seconds": seconds})
-    recipe.save(out)
-    result.recipe = recipe
-    say(_summary(result, out, seconds))
-    return result
+    return ids, heldout
 
 
 def _summary(result: CalibrationResult, out, seconds: float) -> str:
@@ -744,4 +1077,7 @@ def _summary(result: CalibrationResult, out, seconds: float) -> str:
             f"{c['mean_kl']:.5f}, top-1 {c['top1']:.3f}, density {c['density']:.3f}")
     if h is not None:
         line += f"; held-out KL {h['mean_kl']:.5f}, top-1 {h['top1']:.3f}, density {h['density']:.3f}"
+    single = result.recipe.measured.get("single_layer")
+    if single:
+        line += f"; {single['summary']}"
     return line

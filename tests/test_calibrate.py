@@ -1,7 +1,8 @@
 """``sparseflow calibrate`` on tiny random-init Llama, Qwen2 and GPT-2 models (CPU, seconds): the
 recipe it writes loads and plans, the budget holds on the calibration text, a smaller budget
-never buys a cheaper plan, an interrupted run resumes without re-measuring, and a failure leaves
-no recipe file. The real SmolLM2 checkpoint runs in the slow test."""
+never buys a cheaper plan, an interrupted run resumes without re-measuring, a failure leaves
+no recipe file, and measuring only the choices the search can need gives the whole grid's plan.
+The real SmolLM2 checkpoint runs in the slow test."""
 from __future__ import annotations
 
 import json
@@ -182,14 +183,21 @@ def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkey
     assert len(json.loads(progress.read_text())["layers"]) == 2
     first = list(calls)
     calls.clear()
+    costed = []
+    real_costs = cal.layer_costs
     monkeypatch.setattr(cal, "measure_layer", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
+    monkeypatch.setattr(cal, "layer_costs", lambda *a, **kw: costed.append(a[1:]) or real_costs(*a, **kw))
     assert main(argv) == 0
-    assert len(calls) == 3 * 2 - 2 and not set(first) & set(calls)  # only what was missing
+    resumed_calls = list(calls)
+    assert not set(first) & set(resumed_calls)  # nothing measured twice
+    assert costed == []  # the choices' costs came from the progress file too
     resumed = load_recipe(str(out)).to_dict()
-    # from scratch, in a fresh folder: the same plan and fidelity
+    # from scratch, in a fresh folder: the same plan and fidelity, and the same measurements
     fresh_out = tmp_path / "fresh" / "recipe.json"
     fresh_out.parent.mkdir()
+    calls.clear()
     assert main(argv[:-1] + [str(fresh_out)]) == 0
+    assert sorted(map(repr, calls)) == sorted(map(repr, first + resumed_calls))  # the resumed run: only the rest
     fresh = load_recipe(str(fresh_out)).to_dict()
     for d in (resumed, fresh):
         d["measured"].pop("seconds")
@@ -312,3 +320,123 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
     assert fid["mean_kl"] <= 0.01 and len(steps) >= 2
     assert fid["mean_kl"] == pytest.approx(2.0 * sum(layer[c].kl for c in chosen))
     assert cost > 0.3 and chosen != [a, a, a]
+
+
+# --------------------------------------------------------------------------- measuring only what the search needs
+
+
+def _random_grid(rng, layers: int = 6, per_layer: int = 8):
+    """A synthetic table: choices with costs in (0.2, 1.2) and KLs falling with cost (noisily)."""
+    table, costs = {}, {}
+    for layer in range(layers):
+        table[layer] = {cal.DENSE: cal.DENSE_MEASUREMENT}
+        costs[layer] = {}
+        for j in range(per_layer):
+            c = cal.Choice((("threshold", round(0.5 + 0.05 * j, 2)), ("layer_tag", layer)))
+            cost = rng.uniform(0.2, 1.2)
+            kl = max(0.0, rng.choice([1e-2, 1e-3, 1e-4]) * (1.25 - cost) * rng.uniform(0.2, 2.0))
+            table[layer][c] = cal.Measurement(kl, 1.0, cost, cost)
+            costs[layer][c] = cost
+    return table, costs
+
+
+def _lazy_picks(table, costs, allowed):
+    """greedy_plan on a table filled only as unsettled() asks: the chosen choices and how many measured."""
+    known = {layer: {cal.DENSE: cal.DENSE_MEASUREMENT} for layer in table}
+    while True:
+        todo = cal.unsettled(known, costs, allowed)
+        if not todo:
+            break
+        for layer, c in todo:
+            assert c not in known[layer]  # never asks twice
+            known[layer][c] = table[layer][c]
+    chosen = [ch for ch, _ in cal._chosen(known, cal.greedy_plan(known, allowed))]
+    return chosen, sum(len(k) - 1 for k in known.values())
+
+
+def test_lazy_grid_gives_the_whole_grids_plan():
+    import random
+
+    rng = random.Random(7)
+    skipped = 0
+    for _ in range(40):
+        table, costs = _random_grid(rng)
+        for allowed in (1e-1, 1e-2, 3e-3, 1e-3, 1e-4, 0.0):
+            full = [ch for ch, _ in cal._chosen(table, cal.greedy_plan(table, allowed))]
+            lazy, measured = _lazy_picks(table, costs, allowed)
+            assert lazy == full, (allowed, lazy, full)
+            skipped += sum(len(t) - 1 for t in table.values()) - measured
+    assert skipped > 0  # the case is one where pruning applies
+
+
+def test_skip_reasons():
+    assert "dominated by dense" in cal.skip_reason(1.0) and "dominated by dense" in cal.skip_reason(1.3)
+    assert "cannot change the plan" in cal.skip_reason(0.4)
+
+
+GRID6 = cal.candidate_choices("pbs", BASE, thresholds=(0.5, 0.9, 0.99), scorings=("mean",))
+
+
+def test_pruned_calibration_gives_the_same_plan_and_reports_skipped(models, tmp_path):
+    model = models["llama"]
+    pruned = _run(model, 1e-3, tmp_path / "pruned", choices=GRID6, progress_path=tmp_path / "pruned.json")
+    full = _run(model, 1e-3, tmp_path / "full", choices=GRID6, progress_path=tmp_path / "full.json", prune=False)
+    assert pruned.choices == full.choices
+    assert pruned.calibration == full.calibration and pruned.steps == full.steps
+    single, single_full = pruned.recipe.measured["single_layer"], full.recipe.measured["single_layer"]
+    assert (single_full["grid"], single_full["measured"], single_full["skipped"], single_full["pruned"]) == (18, 18, [],
+                                                                                                          False)
+    assert single["grid"] == 18 and 0 < single["measured"] < 18  # pruning applies here
+    n_skipped = 18 - single["measured"]
+    assert len(single["skipped"]) == n_skipped and sum(single["skipped_reasons"].values()) == n_skipped
+    measured = json.loads((tmp_path / "pruned.json").read_text())["layers"]
+    everything = json.loads((tmp_path / "full.json").read_text())["layers"]
+    for row in single["skipped"]:
+        key = f"{row['layer']}:{row['choice']}"
+        assert key not in measured and row["reason"] == cal.skip_reason(row["cost"])
+        assert row["cost"] == pytest.approx(everything[key]["cost"], abs=1e-6)  # the cost it would have measured
+    for key, m in measured.items():
+        assert m == everything[key]  # what was measured is what the whole grid measures
+    assert single["summary"].startswith(f"measured {single['measured']} of 18")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_choice_cost_is_the_measured_cost(models, arch):
+    from sparseflow.eval.evaluate import dense_logits
+
+    model = models[arch]
+    ids = _ascii_ids("pydoc_topics")
+    model.set_attn_implementation("sdpa")
+    s = cal._Session(model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP))
+    s.hidden = cal.layer_inputs(model, ids)
+    for layer in (0, 2):
+        costs = cal.layer_costs(s, layer, GRID6)  # one estimate per (permute, scoring)
+        for choice in GRID6[:4]:
+            assert cal.choice_cost(s, layer, choice) == costs[choice]
+            assert costs[choice] == pytest.approx(cal.measure_layer(s, layer, choice).cost, abs=1e-7)
+    assert s.fast_density is True  # the selection-only shortcut was checked against the op and used
+
+
+def test_dense_reference_compares_like_compare_logits():
+    from sparseflow.eval.fidelity import compare_logits
+
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(70, 301, generator=gen) * 3
+    sparse = dense + 0.3 * torch.randn(70, 301, generator=gen)
+    fid = compare_logits(dense, sparse, torch.zeros(70, dtype=torch.long))
+    kl, top1 = cal.DenseReference(dense, chunk=16).compare(sparse)
+    assert kl == pytest.approx(fid.mean_kl, rel=1e-12, abs=0) and top1 == fid.top1_agreement
+    assert 0 < kl and top1 < 1.0
+    with pytest.raises(ValueError, match="sparse logits must be"):
+        cal.DenseReference(dense).compare(sparse[:3])
+
+
+def test_cli_measure_all_measures_the_whole_grid(llama_dir, tmp_path):
+    out = tmp_path / "recipe.json"
+    assert main(["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", str(N),
+                 "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5,0.9,0.99",
+                 "--scorings", "mean", "--heldout-text", "none", "--measure-all", "--out", str(out)]) == 0
+    single = load_recipe(str(out)).measured["single_layer"]
+    assert (single["pruned"], single["grid"], single["measured"], single["skipped"]) == (False, 18, 18, [])
+    progress, _ = cal.side_paths(out)
+    assert len(json.loads(progress.read_text())["layers"]) == 18

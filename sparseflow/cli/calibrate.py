@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     cal.add_argument("--cache", help="folder caching the dense logits (default OUT.cache)")
     cal.add_argument("--name", help="the recipe's name (default calibrated-<model type>-<method>)")
     cal.add_argument("--rope-scaling", default=None, help="RoPE scaling applied after loading (as for eval)")
+    cal.add_argument("--measure-all", action="store_true",
+                     help="measure every single-layer choice of the grid (default: only those that can change the "
+                          "plan, which gives the same plan; the skipped ones are listed in the recipe's measured)")
     cal.set_defaults(func=run)
 
 
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                        heldout_text=None if args.heldout_text == "none" else args.heldout_text, config=args.config,
                        safety=args.safety, cost=args.cost, backend=args.backend, dtype=args.dtype,
                        tokenizer=args.tokenizer, rope_scaling=args.rope_scaling, cache_dir=args.cache,
-                       name=args.name, say=stderr_progress, device=device, **values)
+                       name=args.name, say=stderr_progress, device=device, prune=not args.measure_all, **values)
     except ValueError as exc:  # ConversionError and RecipeError are ValueErrors: all describe the input
         return _error("calibrate", exc)
     return 0

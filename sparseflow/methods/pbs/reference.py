@@ -95,7 +95,7 @@ Conventions and decisions (where the method leaves room):
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -106,6 +106,8 @@ from .config import PBSConfig
 
 __all__ = [
     "pbs_attention",
+    "pbs_selection",
+    "pbs_selections",
     "effective_lengths",
     "proxy_queries",
     "key_scores",
@@ -486,11 +488,9 @@ def block_probabilities(
     (zeros elsewhere; all zeros for a query block without candidates). See the module docstring
     for the exact definition of both scorings."""
     bsz, hq, n, d = q.shape
-    hkv = k.shape[1]
     hp = permutation.shape[1]
     sc = _scale(scale, d)
     nb = _num_blocks(n, block_size)
-    total = nb * block_size
     valid = _valid_positions(key_padding_mask, bsz, n, q.device)
     qvalid_eff = _query_validity(valid, block_size)  # [B, total]
     perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total]
@@ -500,29 +500,48 @@ def block_probabilities(
         2, torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p),
     )  # [B, Hp, total]
     out = torch.zeros(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
-    hq_per_hp = hq // hp
-    g = hq // hkv
     if scoring == "mean":
-        qbar = _query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
-        for b in range(bsz):
-            for p in range(hp):
-                kv_head = (p * hq_per_hp) // g
-                kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
-                use = kvalid_slot[b, p].view(nb, block_size, 1)
-                kbar = torch.where(use, kp.view(nb, block_size, d), 0.0).sum(1) / use.sum(1).clamp_min(1)  # [nB, D]
-                heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
-                logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
-                logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
-                out[b, heads] = _safe_softmax(logits)
-        return out
+        return _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size)
     if scoring == "sampled_rows":
         return _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size,
                                           antidiagonal_stride, chunk_blocks)
     if scoring != "antidiagonal":
         raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
-    s = antidiagonal_stride
-    if block_size % s:
-        raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {s}")
+    if block_size % antidiagonal_stride:
+        raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {antidiagonal_stride}")
+    return _antidiagonal_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size,
+                                       antidiagonal_stride, chunk_blocks)
+
+
+def _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size):
+    """``scoring="mean"``: softmax over the candidates of the block-mean logits ``q̄_I · k̄_J · scale``."""
+    bsz, hq, n, d = q.shape
+    hkv, hp = k.shape[1], perm_p.shape[1]
+    nb = out.shape[-1]
+    total = nb * block_size
+    hq_per_hp, g = hq // hp, hq // hkv
+    qbar = _query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
+    for b in range(bsz):
+        for p in range(hp):
+            kv_head = (p * hq_per_hp) // g
+            kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
+            use = kvalid_slot[b, p].view(nb, block_size, 1)
+            kbar = torch.where(use, kp.view(nb, block_size, d), 0.0).sum(1) / use.sum(1).clamp_min(1)  # [nB, D]
+            heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
+            logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
+            logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
+            out[b, heads] = _safe_softmax(logits)
+    return out
+
+
+def _antidiagonal_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, s,
+                                chunk_blocks):
+    """``scoring="antidiagonal"`` with stride ``s`` (see the module docstring)."""
+    bsz, hq, n, d = q.shape
+    hkv, hp = k.shape[1], perm_p.shape[1]
+    nb = out.shape[-1]
+    total = nb * block_size
+    hq_per_hp, g = hq // hp, hq // hkv
     r = block_size // s
     for b in range(bsz):
         qv = qvalid_eff[b]  # [total]
@@ -603,17 +622,34 @@ def select_blocks(
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
     candidates, plus the forced blocks (own region, sink)."""
+    return _threshold_selections(
+        q, k, permutation, [threshold], key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=block_size, segment_size=segment_size, force_sink=force_sink, scoring=scoring,
+        antidiagonal_stride=antidiagonal_stride,
+    )[0]
+
+
+def _threshold_selections(q, k, permutation, thresholds, *, key_padding_mask, is_causal, scale, block_size,
+                          segment_size, force_sink, scoring, antidiagonal_stride) -> List[Tensor]:
+    """:func:`select_blocks` at each of ``thresholds``; the block probabilities (which do not
+    depend on the threshold) are computed once."""
     hq = q.shape[1]
     geo = dict(key_padding_mask=key_padding_mask, block_size=block_size, segment_size=segment_size)
     cand = candidate_blocks(permutation, hq, is_causal=is_causal, **geo)
     forced = forced_blocks(permutation, hq, force_sink=force_sink, **geo)
-    if float(threshold) >= 1.0:
-        return cand | forced
-    probs = block_probabilities(
-        q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
-        block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
-    )
-    return threshold_blocks(probs, cand, threshold) | forced
+    probs = None
+    out = []
+    for threshold in thresholds:
+        if float(threshold) >= 1.0:
+            out.append(cand | forced)
+            continue
+        if probs is None:
+            probs = block_probabilities(
+                q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
+                block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+            )
+        out.append(threshold_blocks(probs, cand, threshold) | forced)
+    return out
 
 
 # --------------------------------------------------------------------------- 4. attention
@@ -859,39 +895,74 @@ def pbs_attention(
     ``[B, Hq, N, Dv]`` in ``q.dtype``. With ``return_selection`` also returns the
     :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
     cfg = backend_config(PBSConfig, config, fields)
-    block_size, segment_size, threshold = cfg.block_size, cfg.segment_size, cfg.threshold
-    force_sink, permute, gqa_permutation = cfg.force_sink, cfg.permute, cfg.gqa_permutation
-    scoring, antidiagonal_stride, causal_proxy = cfg.scoring, cfg.antidiagonal_stride, cfg.causal_proxy
-    proxy_blocks = cfg.proxy_blocks
-    bsz, hq, n, d = q.shape
-    hkv = k.shape[1]
-    if gqa_permutation not in ("query_head", "kv_head"):
-        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {gqa_permutation!r}")
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
-    hp = hq if gqa_permutation == "query_head" else hkv
-    with torch.no_grad():
-        qd, kd = q.detach(), k.detach()
-        if permute:
-            scores = key_scores(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=block_size,
-                                segment_size=segment_size, causal_proxy=causal_proxy,
-                                gqa_permutation=gqa_permutation, proxy_blocks=proxy_blocks)
-            perm = segment_permutation(scores, segment_size=segment_size, key_padding_mask=key_padding_mask)
-        else:
-            perm = torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
-        block_mask = select_blocks(
-            qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, segment_size=segment_size, threshold=threshold, force_sink=force_sink,
-            scoring=scoring, antidiagonal_stride=antidiagonal_stride,
-        )
+    perm, block_mask = pbs_selection(q, k, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)
     out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
-                                   is_causal=is_causal, scale=scale, block_size=block_size)
+                                   is_causal=is_causal, scale=scale, block_size=cfg.block_size)
     if not return_selection:
         return out
     density = selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                block_size=block_size)
+                                block_size=cfg.block_size)
     sel = Selection(
-        method="pbs", density=density, block_size=block_size, is_causal=is_causal, num_keys=n,
+        method="pbs", density=density, block_size=cfg.block_size, is_causal=is_causal, num_keys=q.shape[2],
         block_mask=block_mask, permutation=perm, key_padding_mask=key_padding_mask,
     )
     return out, sel
+
+
+@torch.no_grad()
+def pbs_selection(
+    q: Tensor,
+    k: Tensor,
+    cfg: PBSConfig,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Tensor]:
+    """``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` of :func:`pbs_attention`: what it
+    selects, without the attention (its density is :func:`selection_density` of the two)."""
+    perm, masks = pbs_selections(q, k, cfg, [cfg.threshold], key_padding_mask=key_padding_mask,
+                                 is_causal=is_causal, scale=scale)
+    return perm, masks[0]
+
+
+@torch.no_grad()
+def pbs_selections(
+    q: Tensor,
+    k: Tensor,
+    cfg: PBSConfig,
+    thresholds: Sequence[float],
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, List[Tensor]]:
+    """:func:`pbs_selection` of ``cfg`` at each of ``thresholds`` (``cfg.threshold`` unused): one
+    permutation and one set of block probabilities for all of them."""
+    if cfg.gqa_permutation not in ("query_head", "kv_head"):
+        raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {cfg.gqa_permutation!r}")
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    qd, kd = q.detach(), k.detach()
+    perm = _pbs_permutation(qd, kd, cfg, key_padding_mask, scale)
+    masks = _threshold_selections(
+        qd, kd, perm, thresholds, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        block_size=cfg.block_size, segment_size=cfg.segment_size, force_sink=cfg.force_sink, scoring=cfg.scoring,
+        antidiagonal_stride=cfg.antidiagonal_stride,
+    )
+    return perm, masks
+
+
+def _pbs_permutation(q: Tensor, k: Tensor, cfg: PBSConfig, key_padding_mask: Optional[Tensor],
+                     scale: Optional[float]) -> Tensor:
+    """The key permutation of ``cfg``: sorted by proxy score per segment, or the identity."""
+    bsz, hq, n, _ = q.shape
+    if not cfg.permute:
+        hp = hq if cfg.gqa_permutation == "query_head" else k.shape[1]
+        return torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
+    scores = key_scores(q, k, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
+                        segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
+                        gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+    return segment_permutation(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)

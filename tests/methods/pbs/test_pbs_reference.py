@@ -541,3 +541,33 @@ def test_gradients_match_masked_dense(p, threshold, causal):
     ref_grads = torch.autograd.grad((ref * w.double()).sum(), (q2, k2, v2))
     for g_, r_ in zip(grads, ref_grads):
         assert float((g_.double() - r_).abs().max()) <= 1e-4
+
+
+def test_pbs_selection_is_the_attentions_selection():
+    """pbs_selection (the selection alone, as calibrate's costs use it) is what pbs_attention selects."""
+    from sparseflow.config import PBSConfig
+    from sparseflow.methods.pbs.reference import pbs_attention, pbs_selection, pbs_selections, selection_density
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 128, 16, generator=gen) * 3 for h in (4, 2, 2))  # peaked: not everything kept
+    kpm = torch.ones(2, 128, dtype=torch.bool)
+    kpm[1, 110:] = False
+    for cfg in (PBSConfig(block_size=16, segment_size=32, threshold=0.3, scoring="sampled_rows"),
+                PBSConfig(block_size=16, segment_size=32, threshold=0.5, permute=False, scoring="mean"),
+                PBSConfig(block_size=16, segment_size=32, threshold=0.4, gqa_permutation="kv_head")):
+        _, sel = pbs_attention(q, k, v, cfg, key_padding_mask=kpm, return_selection=True)
+        perm, mask = pbs_selection(q, k, cfg, key_padding_mask=kpm)
+        assert torch.equal(perm, sel.permutation) and torch.equal(mask, sel.block_mask)
+        density = selection_density(mask, perm, key_padding_mask=kpm, block_size=16)
+        assert torch.equal(density, sel.density) and 0 < float(density.mean()) < 1
+        # several thresholds from one estimate: each the selection of its own config
+        thresholds = (0.2, cfg.threshold, 0.95, 1.0)
+        perm_all, masks = pbs_selections(q, k, cfg, thresholds, key_padding_mask=kpm)
+        assert torch.equal(perm_all, perm) and len(masks) == 4
+        for t, m in zip(thresholds, masks):
+            assert torch.equal(m, pbs_selection(q, k, cfg.replace(threshold=t), key_padding_mask=kpm)[1])
+        assert masks[0].sum() <= masks[2].sum() <= masks[3].sum() and masks[0].sum() < masks[3].sum()  # nested, and differ
+    from types import SimpleNamespace  # a config PBSConfig itself would refuse
+
+    with pytest.raises(ValueError, match="gqa_permutation must be"):
+        pbs_selection(q, k, SimpleNamespace(gqa_permutation="x", threshold=0.5))
