@@ -236,7 +236,7 @@ def run_decode(cases):
 
 # the split-K decode attention: Hq, Hkv, Nq, D, dtype, C, K, padding, splits (None: the default)
 SPLIT_DECODE = [(32, 8, 1, 128, torch.bfloat16, 64, 32, False, None), (8, 2, 2, 64, torch.float16, 64, 7, True, 3),
-                (4, 4, 1, 128, torch.float32, 16, 9, True, 16)]
+                (4, 4, 1, 128, torch.float32, 8, 9, True, 16)]
 
 
 def run_split_decode(cases):

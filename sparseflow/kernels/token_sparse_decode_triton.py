@@ -183,7 +183,7 @@ def _decode_combine_kernel(
 def _split_meta(q, k, block_size, top_k, splits):
     """The split kernel's constexprs: ``PER`` slots per split, ``NB`` blocks per loop step."""
     g, d = q.shape[1] // k.shape[1], q.shape[-1]
-    cp = _p2(block_size)
+    cp = _p2(block_size, 16)  # a dot's N is at least 16 on the GPU (the interpreter takes any)
     per = max(1, -(-top_k // splits))
     nb = 1
     while nb * 2 <= per and nb * 2 * cp <= _KEYS_PER_ITER:
