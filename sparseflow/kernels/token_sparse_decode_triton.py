@@ -54,7 +54,8 @@ def decode_splits(groups: int, n_slots: int, device: Optional[torch.device] = No
         return 1
     target = _DEFAULT_PROGRAMS
     if device is not None and torch.device(device).type == "cuda":
-        target = _sm_count(torch.device(device).index or 0)
+        index = torch.device(device).index
+        target = _sm_count(torch.cuda.current_device() if index is None else index)
     per = -(-n_slots // max(1, -(-target // max(1, groups))))
     return -(-n_slots // per)
 
@@ -232,7 +233,7 @@ def _(q, k, v, sel, kpm, nan_flag, scale, block_size, is_causal, splits):
     return torch.empty_like(q)
 
 
-def _check_inputs(q, k, v, block_indices, block_size, splits) -> None:
+def _check_inputs(q, k, v, block_indices, key_padding_mask, block_size, splits) -> None:
     b, hq, n_q, d = q.shape
     if v.shape[-1] != d:
         raise ValueError(f"the split-K decode kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
@@ -244,6 +245,9 @@ def _check_inputs(q, k, v, block_indices, block_size, splits) -> None:
     if tuple(block_indices.shape[:3]) != (b, k.shape[1], n_q):
         raise ValueError(f"block_indices must be [{b}, {k.shape[1]}, {n_q}, K] (batch, KV heads, query rows, "
                          f"blocks), got {list(block_indices.shape)}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, k.shape[2]):
+        raise ValueError(f"key_padding_mask must be [{b}, {k.shape[2]}] (batch, keys; True = a valid key), got "
+                         f"{list(key_padding_mask.shape)}")
     if int(block_size) < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     if splits is not None and int(splits) < 1:
@@ -269,7 +273,7 @@ def token_sparse_decode(
     """``token_sparse_attention``'s contract and result for a few query rows (forward only), split
     over the selected blocks (``splits``: how many slices of the ``K`` slots; None = one program
     per SM in all)."""
-    _check_inputs(q, k, v, block_indices, block_size, splits)
+    _check_inputs(q, k, v, block_indices, key_padding_mask, block_size, splits)
     b, hq, n_q, d = q.shape
     kk = block_indices.shape[-1]
     if b == 0 or n_q == 0 or k.shape[2] == 0 or kk == 0:  # nothing to attend: 0, as a row seeing no key

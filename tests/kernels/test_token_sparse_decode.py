@@ -158,5 +158,8 @@ def test_split_decode_rejects_bad_arguments():
         token_sparse_decode(q, k, v, idx[:, :1], block_size=8)
     with pytest.raises(ValueError, match="splits must be a positive int"):
         token_sparse_decode(q, k, v, idx, block_size=8, splits=0)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \[1, 32\]"):
+        token_sparse_decode(q, k, v, idx, key_padding_mask=torch.ones(1, 31, dtype=torch.bool, device=DEV),
+                            block_size=8)
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         token_sparse_decode(q, k, v, idx, block_size=0)
