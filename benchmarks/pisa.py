@@ -394,8 +394,10 @@ def _graph_time(row, key, fn):
 
 def _decode_eager(q1, k, v, top_k):
     """The eager step (PyramidCache.decode_step on the growing k/v): its times, its walk and its
-    attention alone replayed from CUDA graphs (the GPU's share of a step), and the output and
-    selection of one real step for the captured path's check."""
+    attention alone replayed from CUDA graphs (the GPU's share of a step: the tiled attention and
+    the split-K one the step uses), and the output and selection of one real step for the
+    captured path's check."""
+    from sparseflow.kernels.token_sparse_decode_triton import token_sparse_decode
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
@@ -411,7 +413,23 @@ def _decode_eager(q1, k, v, top_k):
     row = dict(pisa_step_ms=bench(step), pisa_select_ms=bench(lambda: cache.select(q1, k, top_k=top_k)))
     _graph_time(row, "pisa_select_graph", lambda: cache.select(q1, k, top_k=top_k))
     _graph_time(row, "pisa_attention_graph", lambda: token_sparse_attention(q1, k, v, idx, block_size=64))
+    _graph_time(row, "pisa_split_attention_graph", lambda: token_sparse_decode(q1, k, v, idx, block_size=64))
+    row.update(_split_vs_tiled(q1, k, v, idx))
     return row, out, idx
+
+
+def _split_vs_tiled(q1, k, v, idx):
+    """The split-K attention's largest difference from the tiled kernel on one step's selection
+    (both steps use the split-K one: their comparison alone would not see its error)."""
+    from sparseflow.kernels.token_sparse_decode_triton import token_sparse_decode
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    try:
+        split = token_sparse_decode(q1, k, v, idx, block_size=64).float()
+        tiled = token_sparse_attention(q1, k, v, idx, block_size=64).float()
+        return {"pisa_split_vs_tiled_max_abs_err": float((split - tiled).abs().max())}
+    except Exception as exc:
+        return {"pisa_split_vs_tiled_error": _error(exc)}
 
 
 def _static_step(q1, k, v, top_k):
@@ -507,7 +525,8 @@ def part_decode(args, results):
               f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
               f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
               f"  selection equal: {row.get('pisa_graph_selection_equal')}", flush=True)
-        for key in ("pisa_graph_error", "dense_sdpa_graph_error"):
+        for key in ("pisa_graph_error", "dense_sdpa_graph_error", "pisa_split_attention_graph_error",
+                    "pisa_split_vs_tiled_error"):
             if key in row:
                 print(f"  {key}: {row[key]}", flush=True)
     results["decode"] = rows

@@ -234,6 +234,24 @@ def run_decode(cases):
                                   top_k=top_k, beam=beam)
 
 
+# the split-K decode attention: Hq, Hkv, Nq, D, dtype, C, K, padding, splits (None: the default)
+SPLIT_DECODE = [(32, 8, 1, 128, torch.bfloat16, 64, 32, False, None), (8, 2, 2, 64, torch.float16, 64, 7, True, 3),
+                (4, 4, 1, 128, torch.float32, 8, 9, True, 16)]
+
+
+def run_split_decode(cases):
+    """The split-K decode attention on its own: the benchmark's shape (Hq 32, Hkv 8, C 64, K 32:
+    two blocks per loop step), the dtypes, padding, several rows, more splits than blocks."""
+    from sparseflow.kernels.token_sparse_decode_triton import token_sparse_decode
+
+    for hq, hkv, nq, d, dtype, c, top_k, pad, splits in cases:
+        n = c * top_k + 37  # more blocks than K, the last one partial
+        q = _qkv(1, hq, hkv, nq, d, dtype)[0]
+        _, k, v = _qkv(1, hq, hkv, n, d, dtype)
+        idx = torch.randperm(-(-n // c))[:top_k].expand(1, hkv, nq, top_k).contiguous()
+        token_sparse_decode(q, k, v, idx, key_padding_mask=_pad(1, n) if pad else None, block_size=c, splits=splits)
+
+
 def selftest() -> int:
     """The checker must catch what the interpreter misses: a constant below fp32's smallest
     normal (typed fp64 by Triton) re-typing a loop-carried fp32 value -- this compiled under the
@@ -275,7 +293,7 @@ EXPECTED = {
     "_proxy_pass", "_lse_combine_kernel", "_segment_sort_kernel", "_gather_pool_kernel", "_select_rows_kernel",
     "_pbs_fwd_kernel", "_leaf_kernel", "_node_kernel", "_pisa_select_kernel", "_fwd_kernel", "_bwd_dq_kernel",
     "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel", "_strided_estimate_kernel", "_strided_probs_kernel",
-    "_pisa_select_tiled_kernel", "_append_static_kernel",
+    "_pisa_select_tiled_kernel", "_append_static_kernel", "_decode_split_kernel", "_decode_combine_kernel",
 }
 
 
@@ -310,7 +328,8 @@ def main(argv=None) -> int:
     failures = []
     for name, fn in (("pbs", lambda: run_pbs(pbs)), ("pbs_strided", lambda: run_pbs_strided(strided)),
                      ("pisa_bsa", lambda: run_pisa_bsa(pisa)), ("pisa_tiled", lambda: run_pisa_tiled(tiled)),
-                     ("bsa_select", run_bsa_bf16), ("decode", lambda: run_decode(dec))):
+                     ("bsa_select", run_bsa_bf16), ("decode", lambda: run_decode(dec)),
+                     ("split_decode", lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]))):
         try:
             fn()
         except Exception:  # host-side failure around the launches: report, go on

@@ -39,4 +39,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # kernel under torch.compile (the attention, selection and backward kernels all take a scale)
     fp64 = {c.split("[")[0] for c in report["compiled"] if c.endswith("[fp64 scalars]")}
     assert {"_pbs_fwd_kernel", "_select_rows_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
-            "_pisa_select_kernel", "_bsa_select_kernel"} <= fp64, sorted(fp64)
+            "_pisa_select_kernel", "_bsa_select_kernel", "_decode_split_kernel"} <= fp64, sorted(fp64)

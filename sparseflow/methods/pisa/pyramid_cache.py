@@ -10,11 +10,12 @@ the leaf and its ``O(log N)`` ancestors (sum, count, mean, first valid position)
 ``select`` runs the fused walk of ``triton_select`` for the new query token(s) against it:
 ``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k`` nodes above
 the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention over the
-selected blocks (``token_sparse_triton``), on the growing k/v of the caller.
+selected blocks (the split-K kernel of ``token_sparse_decode_triton`` for a few query rows, else
+``token_sparse_triton``), on the growing k/v of the caller.
 
 ``decode_step_static`` is the same step on preallocated KV buffers of the capacity, its length in
 an int32 device tensor that the kernels read: no host sync and the same launches at every length
-(append + K/V write in one, the walk, the attention, three small torch ops), so a CUDA graph
+(append + K/V write in one, the walk, the split-K attention and its merge), so a CUDA graph
 captured once replays every step.
 """
 from __future__ import annotations
@@ -28,7 +29,9 @@ import triton.language as tl
 
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels.token_blocks import selection_width
-from ...kernels.token_sparse_triton import token_sparse_attention, token_sparse_fwd
+from ...kernels.token_sparse_decode_triton import DECODE_ROWS, decode_splits, token_sparse_decode
+from ...kernels.token_sparse_decode_triton import token_sparse_decode_fwd
+from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
 from .config import PISAConfig
@@ -211,8 +214,15 @@ class PyramidCache:
             self.append(k[:, :, -1:])
         idx = self.select(q, k, top_k=top_k, score=score, scale=scale, force_sink=force_sink,
                           force_previous=force_previous, beam=beam, tuning=tuning)
-        out = token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
-        return out, idx
+        return self._attend(q, k, v, idx, scale), idx
+
+    def _attend(self, q, k, v, idx, scale) -> torch.Tensor:
+        """The attention of :meth:`decode_step`: split over the selected blocks for a few query rows
+        without autograd (the split-K kernel has no backward), else the tiled kernel."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if q.shape[2] <= DECODE_ROWS and not grad:
+            return token_sparse_decode(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        return token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
 
     # ----------------------------------------------------------------- graph-capturable decoding
 
@@ -269,14 +279,13 @@ class PyramidCache:
         )
 
     def _attend_static(self, q, k_buf, v_buf, idx, scale) -> torch.Tensor:
-        """Attention of the one query row over its selected blocks' held slots (NaN after an
-        out-of-range length)."""
-        # the walk's ids ascend with -1 only at the tail: the row's block list as they are
-        # (token_sparse_attention would sort them: launches for nothing)
-        num = (idx >= 0).sum(-1, dtype=torch.int32)
+        """Attention of the one query row over its selected blocks' held slots, split over the
+        blocks (two launches; the merge writes NaN after an out-of-range length)."""
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, _ = token_sparse_fwd(q.contiguous(), k_buf, v_buf, idx, num, idx, self._held, sc, self.block_size, True)
-        return out.masked_fill(self._bad.view(torch.bool), float("nan"))
+        # the splits depend on the shapes only: the same launches at every length
+        splits = decode_splits(idx.shape[0] * idx.shape[1], idx.shape[-1], q.device)
+        return token_sparse_decode_fwd(q.contiguous(), k_buf, v_buf, idx, self._held, self._bad, sc,
+                                       self.block_size, True, splits)
 
     def _check_eager(self) -> None:
         if self._static:

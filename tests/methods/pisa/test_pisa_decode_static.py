@@ -164,7 +164,7 @@ def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_b
             static.decode_step_static(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], k_buf, v_buf, length)
         seen.append(rec.ops)
     names = {name for name, _ in seen[0]}
-    assert "sparseflow.pisa_select_fwd.default" in names and "sparseflow.token_sparse_fwd.default" in names
+    assert "sparseflow.pisa_select_fwd.default" in names and "sparseflow.token_sparse_decode_fwd.default" in names
     assert not [name for name in names if any(r in name for r in _HOST_READS)], sorted(names)
     assert all(ops == seen[0] for ops in seen[1:]), "the step's ops or shapes depend on the length"
 
