@@ -10,8 +10,7 @@ the leaf and its ``O(log N)`` ancestors (sum, count, mean, first valid position)
 ``select`` runs the fused walk of ``triton_select`` for the new query token(s) against it:
 ``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k`` nodes above
 the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention over the
-selected blocks (the split-K kernel of ``token_sparse_decode_triton`` for a few query rows, else
-``token_sparse_triton``), on the growing k/v of the caller.
+selected blocks (``token_sparse_triton``), on the growing k/v of the caller.
 
 ``decode_step_static`` is the same step on preallocated KV buffers of the capacity, its length in
 an int32 device tensor that the kernels read: no host sync and the same launches at every length
@@ -29,8 +28,7 @@ import triton.language as tl
 
 from ...tuning import DEFAULT_TUNING, Tuning
 from ...kernels.token_blocks import selection_width
-from ...kernels.token_sparse_decode_triton import DECODE_ROWS, decode_splits, token_sparse_decode
-from ...kernels.token_sparse_decode_triton import token_sparse_decode_fwd
+from ...kernels.token_sparse_decode_triton import decode_splits, token_sparse_decode_fwd
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
 from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
@@ -217,11 +215,9 @@ class PyramidCache:
         return self._attend(q, k, v, idx, scale), idx
 
     def _attend(self, q, k, v, idx, scale) -> torch.Tensor:
-        """The attention of :meth:`decode_step`: split over the selected blocks for a few query rows
-        without autograd (the split-K kernel has no backward), else the tiled kernel."""
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if q.shape[2] <= DECODE_ROWS and not grad:
-            return token_sparse_decode(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        """The attention of :meth:`decode_step`: the tiled kernel (checked on the H200, with a
+        backward). The split-K kernel of :meth:`decode_step_static` replaces it here once it has
+        been checked on a GPU too."""
         return token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
 
     # ----------------------------------------------------------------- graph-capturable decoding
