@@ -6,7 +6,9 @@ interleaved in one process so shared-core noise hits every variant alike:
 - ``hf sdpa``: transformers' own ``sdpa_attention_forward`` on a tiny Llama's attention module;
 - ``hf sparseflow``: ``sparseflow.hf.sparseflow_attention_forward`` on the same module, converted
   with a ``backend="auto"`` plan whose every layer runs dense at this length (min_seq_len);
-- ``F.sdpa`` / ``ops.attention``: the same pair one level down, on the op's Python entry.
+- ``F.sdpa`` / ``ops.attention``: the same pair one level down, on the op's Python entry;
+- ``model sdpa`` / ``model sparseflow``: the two attention functions timed per call inside a
+  30-layer tiny Llama's forward (the layer loop's cold caches cost more than a tight loop shows).
 
     python benchmarks/hf_overhead.py --json benchmarks/results/hf_overhead_cpu.json
     python benchmarks/hf_overhead.py --profile   # cProfile of the HF path on a memo hit
@@ -82,6 +84,43 @@ def interleaved_us(fns: Dict[str, Callable[[], object]], calls: int, block: int)
     return {name: statistics.median(times) for name, times in per_block.items()}
 
 
+def in_model_us(layers: int, n: int, forwards: int) -> Dict[str, float]:
+    """Median microseconds per attention-function call inside a ``layers``-layer model's forward
+    (``sdpa``, then the converted ``sparseflow`` path, forward by forward in turn): the caches and
+    branch predictors a real layer loop leaves them."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny_llama(layers)
+    ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+    times: Dict[str, List[int]] = {"model sdpa": [], "model sparseflow": []}
+    impls = {"sdpa": sdpa_attention_forward, sfhf.ATTN_IMPLEMENTATION: sfhf.sparseflow_attention_forward}
+    for name, fn in impls.items():
+        AttentionInterface.register(name, _timed(fn, times[f"model {name}"]))
+    try:
+        with torch.no_grad():
+            for i in range(2 * forwards + 10):
+                model.set_attn_implementation(list(impls)[i % 2])
+                model(ids)
+                if i == 9:  # the first forwards warm up
+                    for t in times.values():
+                        t.clear()
+    finally:
+        for name, fn in impls.items():
+            AttentionInterface.register(name, fn)
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
+
+
+def _timed(fn: Callable, into: List[int]) -> Callable:
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        into.append(time.perf_counter_ns() - t0)
+        return out
+
+    return timed
+
+
 def profile_text(fn: Callable[[], object], calls: int = 2000, lines: int = 25) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -107,21 +146,26 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=16, help="sequence length (below the plan's min_seq_len: dense)")
     ap.add_argument("--calls", type=int, default=2000, help="calls per variant")
     ap.add_argument("--block", type=int, default=10, help="back-to-back calls per timed block")
+    ap.add_argument("--layers", type=int, default=30, help="layers of the in-model measurement (SmolLM2-135M: 30)")
+    ap.add_argument("--forwards", type=int, default=100, help="forwards per attention implementation in the model")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the HF sparseflow path")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the kernel is not what is measured; one thread keeps its noise down
     fns = variants(args.n)
     us = interleaved_us(fns, args.calls, args.block)
+    us.update(in_model_us(args.layers, args.n, args.forwards))
     row = dict(us, **{"hf over sdpa": us["hf sparseflow"] - us["hf sdpa"],
-                      "op over sdpa": us["ops.attention"] - us["F.sdpa"]})
+                      "op over sdpa": us["ops.attention"] - us["F.sdpa"],
+                      "model over sdpa": us["model sparseflow"] - us["model sdpa"]})
     print(" ".join(f"{name}={t:.2f}us" for name, t in row.items()), flush=True)
     prof = profile_text(fns["hf sparseflow"]) if args.profile else ""
     if prof:
         print(prof)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"env": env(), "n": args.n, "calls": args.calls, "block": args.block, "us_per_call": row,
+            json.dump({"env": env(), "n": args.n, "calls": args.calls, "block": args.block, "layers": args.layers,
+                       "forwards": args.forwards, "us_per_call": row,
                        "profile_hf_sparseflow": prof}, fh, indent=1)
     return 0
 

@@ -197,7 +197,7 @@ def _layer_of(module) -> _Layer:
     cfg = plan.config_for(layer)
     tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
     entry = _Layer(config, raw, layer, cfg, plan.backend if spec_for(cfg).sparse else "auto", tag)
-    if not torch.compiler.is_compiling():  # a traced forward leaves the module as it found it
+    if not torch.compiler.is_compiling():  # module state written in a trace is a side effect the compiler replays
         module.__dict__[_LAYER_ATTR] = entry
     return entry
 
