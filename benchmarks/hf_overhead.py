@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards", type=int, default=100, help="forwards per attention implementation in the model")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the HF sparseflow path")
     ap.add_argument("--json")
+    ap.add_argument("--note", default="", help="stored in the JSON (e.g. which code was measured)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the kernel is not what is measured; one thread keeps its noise down
     fns = variants(args.n)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         print(prof)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"env": env(), "n": args.n, "calls": args.calls, "block": args.block, "layers": args.layers,
+            json.dump({"env": env(), "note": args.note, "n": args.n, "calls": args.calls, "block": args.block, "layers": args.layers,
                        "forwards": args.forwards, "us_per_call": row,
                        "profile_hf_sparseflow": prof}, fh, indent=1)
     return 0
