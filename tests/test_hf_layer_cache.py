@@ -68,8 +68,12 @@ def test_a_dense_result_keeps_sdpas_layout_so_the_transpose_back_copies_nothing(
 
 def test_a_dense_call_returns_sdpas_own_output_uncopied(attn, monkeypatch):
     sdpa, made = torch.nn.functional.scaled_dot_product_attention, []
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **kw: made.append(sdpa(*a, **kw)) or made[-1])
+
+    def kept_sdpa(*args, **kwargs):
+        made.append(sdpa(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", kept_sdpa)
     q, k, v = _qkv(32)
     for _ in range(2):  # planned, then remembered
         got, _ = sfhf.sparseflow_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
