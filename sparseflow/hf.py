@@ -28,8 +28,11 @@ import logging
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
+import torch
+
+from . import ops as _ops
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
 from .methods import spec_for
 
@@ -167,6 +170,38 @@ def _layer_index(module) -> Optional[int]:
     return None
 
 
+class _Layer(NamedTuple):
+    """What a converted attention module runs, resolved once from its model config's plan."""
+
+    config: Any  # the transformers config it was resolved from
+    raw: Any  # that config's plan entry (a dict or a Plan): a new one means a new plan
+    layer: Optional[int]
+    cfg: AttentionConfig
+    backend: str  # the plan's backend for a sparse config; the dense op takes only 'auto'
+    tag: str
+
+
+_LAYER_ATTR = "_sparseflow_layer"  # where a module keeps its _Layer (in its __dict__, no nn.Module hooks)
+
+
+def _layer_of(module) -> _Layer:
+    """The module's :class:`_Layer`: kept on the module while its config, that config's plan entry
+    (by identity) and its layer index are the ones it was resolved from, resolved afresh otherwise."""
+    config = module.config
+    raw = getattr(config, PLAN_KEY, None)
+    layer = _layer_index(module)
+    kept = module.__dict__.get(_LAYER_ATTR)
+    if kept is not None and kept.config is config and kept.raw is raw and kept.layer == layer:
+        return kept
+    plan = plan_of(config)
+    cfg = plan.config_for(layer)
+    tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
+    entry = _Layer(config, raw, layer, cfg, plan.backend if spec_for(cfg).sparse else "auto", tag)
+    if not torch.compiler.is_compiling():  # module state written in a trace is a side effect the compiler replays
+        module.__dict__[_LAYER_ATTR] = entry
+    return entry
+
+
 def sparseflow_attention_forward(
     module,
     query,
@@ -180,32 +215,26 @@ def sparseflow_attention_forward(
 ):
     """The attention function registered as ``"sparseflow"``: q ``[B, Hq, Nq, D]``, k/v
     ``[B, Hkv, Nk, D]`` (native GQA, no repeat) -> ``([B, Nq, Hq, D], None)``."""
-    from .ops import attention
-
-    plan = plan_of(module.config)
-    layer = _layer_index(module)
-    cfg = plan.config_for(layer)
+    entry = _layer_of(module)
     if dropout and getattr(module, "training", False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        logger.info("sparseflow: dropout=%s in training at layer %s runs transformers' SDPA", dropout, layer)
+        logger.info("sparseflow: dropout=%s in training at layer %s runs transformers' SDPA", dropout, entry.layer)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
-    out = attention(
-        query, key, value,
-        config=cfg,
-        attn_mask=attention_mask,
-        is_causal=causal,
-        scale=None if scaling is None else float(scaling),
-        backend=plan.backend if spec_for(cfg).sparse else "auto",  # the dense op takes only 'auto'
-        tag=tag,
-    )
+    scale = None if scaling is None else float(scaling)
+    if attention_mask is None:
+        causal = bool(query.shape[2] > 1 and causal)
+        # a dense result keeps SDPA's [B, Nq, Hq, D] memory: the transpose below then copies nothing
+        out = _ops.attention_any_layout(query, key, value, config=entry.cfg, is_causal=causal, scale=scale,
+                                        backend=entry.backend, tag=entry.tag)
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask.dim() == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = _ops.attention(query, key, value, config=entry.cfg, attn_mask=attention_mask, is_causal=False, scale=scale,
+                         backend=entry.backend, tag=entry.tag)
     return out.transpose(1, 2).contiguous(), None
 
 

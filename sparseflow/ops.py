@@ -420,10 +420,16 @@ def _prepared_plan(method: str, args: Tuple) -> Optional[_Plan]:
 
 
 def _dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap) -> torch.Tensor:
-    """Dense SDPA for a call the plan sends there: logged (and tallied) with its reason, recorded."""
+    """Dense SDPA for a call the plan sends there, contiguous like every op result (see _dense_sdpa)."""
+    return _dense_sdpa(method, tag, reason, q, k, v, attn_mask, is_causal, scale, cap).contiguous()
+
+
+def _dense_sdpa(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap) -> torch.Tensor:
+    """Dense SDPA for a call the plan sends there: logged (and tallied) with its reason, recorded;
+    the result as SDPA lays it out (a caller that re-lays it out saves a copy)."""
     if reason:
         _capture.log_fallback(method, tag, reason)
-    out = _sdpa(q, k, v, attn_mask, is_causal, scale).contiguous()
+    out = _sdpa(q, k, v, attn_mask, is_causal, scale)
     if cap is not None:
         cap.calls.append(_capture.CallRecord(tag, method, DENSE_CHOICE, False, reason, tuple(q.shape), tuple(k.shape)))
     return out
@@ -633,14 +639,29 @@ def attention(
     defaults)."""
     tuning = check_tuning(tuning)
     _check_call_types(config, is_causal)
+    return _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, True)
+
+
+def attention_any_layout(q, k, v, *, config, is_causal: bool, scale, backend: str, tag: str) -> torch.Tensor:
+    """:func:`attention` without a mask, context parallelism or tuning, for a caller that lays the
+    result out itself (``sparseflow.hf``): a dense call returns SDPA's own layout, which for q/k/v
+    viewed from ``[B, N, H, D]`` memory is that memory, so transposing back to it copies nothing."""
+    _check_call_types(config, is_causal)
+    return _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, DEFAULT_TUNING, False)
+
+
+def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, contiguous):
+    """:func:`attention` after its type checks (``tuning`` a Tuning); ``contiguous``: make a dense
+    result contiguous like the op's (else it keeps SDPA's layout)."""
     eager = _plain_eager(q, k, v, attn_mask)
     memo = (_dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
             if eager and attn_mask is None and context_parallel is None else None)
     reason = None if memo is None else _memoized_dense_reason(memo, config, tuning)
     if reason is not None:
         # the same call signature was validated and planned to dense SDPA before
-        return _dense_call(config.method, tag, reason, q, k, v, None, is_causal,
-                           None if scale is None else float(scale), _capture.active_capture())
+        out = _dense_sdpa(config.method, tag, reason, q, k, v, None, is_causal,
+                          None if scale is None else float(scale), _capture.active_capture())
+        return out.contiguous() if contiguous else out
     method = config.method
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
     check_backend_dtype(method, backend, q.dtype)
@@ -655,7 +676,7 @@ def attention(
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
     values, entry = _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
-    return _eager_call(config, tuning, memo, args, entry)
+    return _eager_call(config, tuning, memo, args, entry, contiguous)
 
 
 def _check_call_types(config, is_causal) -> None:
@@ -673,9 +694,10 @@ def _memoized_dense_reason(memo, config, tuning) -> Optional[str]:
     return None
 
 
-def _eager_call(config, tuning, memo, args, entry) -> torch.Tensor:
+def _eager_call(config, tuning, memo, args, entry, contiguous: bool) -> torch.Tensor:
     """A plain eager call with validated ``args`` (the op's arguments): planned here, run dense
-    directly when the plan says so (remembered under ``memo``), else through the op."""
+    directly when the plan says so (remembered under ``memo``; made contiguous when asked), else
+    through the op."""
     method = config.method
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
@@ -684,7 +706,8 @@ def _eager_call(config, tuning, memo, args, entry) -> torch.Tensor:
         if memo is not None:
             _remember_dense(memo, config, tuning, plan.reason)
         # exactly what the op computes and records for this plan, without the dispatcher's cost
-        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
+        out = _dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
+        return out.contiguous() if contiguous else out
     token = _PREPARED.set((method, args, plan))
     try:
         return op_for(method)(*args)
