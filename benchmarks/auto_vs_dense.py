@@ -9,6 +9,7 @@ forward is host-bound and drifts from run to run, so the variants take turns: ea
 ``--calls`` forwards of every variant in a row, and the table gives each variant's median over
 ``--rounds`` rounds and its ratio to dense.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ from sparseflow.checkpoints import load_smollm2  # noqa: E402
 from sparseflow.config import default_config  # noqa: E402
 from sparseflow.hf import Plan  # noqa: E402
 
-VARIANTS = {"dense": None, "pbs auto": ("pbs", "auto"), "pisa auto": ("pisa", "auto"),
-            "bsa auto": ("bsa", "auto"), "pbs triton": ("pbs", "triton")}
+VARIANTS = {
+    "dense": None,
+    "pbs auto": ("pbs", "auto"),
+    "pisa auto": ("pisa", "auto"),
+    "bsa auto": ("bsa", "auto"),
+    "pbs triton": ("pbs", "triton"),
+}
 
 
 def use(model, variant) -> None:
@@ -40,8 +46,10 @@ def use(model, variant) -> None:
         model.set_attn_implementation("sdpa")
         return
     method, backend = variant
-    sparseflow.hf.apply_plan(model, Plan(method=method, config=default_config(method), backend=backend,
-                                         num_layers=model.config.num_hidden_layers))
+    sparseflow.hf.apply_plan(
+        model,
+        Plan(method=method, config=default_config(method), backend=backend, num_layers=model.config.num_hidden_layers),
+    )
 
 
 def run_length(model, tok, n: int, args):
@@ -67,8 +75,10 @@ def run_length(model, tok, n: int, args):
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append(dict(n=n, variant=name, ms=med, ratio_vs_dense=dense / med, rounds=ts))
-        print(f"N={n:6d} {name:12s} {med:8.2f} ms  {dense / med:5.3f}x dense  (min {min(ts):.2f} max {max(ts):.2f})",
-              flush=True)
+        print(
+            f"N={n:6d} {name:12s} {med:8.2f} ms  {dense / med:5.3f}x dense  (min {min(ts):.2f} max {max(ts):.2f})",
+            flush=True,
+        )
     return rows
 
 

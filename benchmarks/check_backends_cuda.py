@@ -3,6 +3,7 @@ for every available backend on the current device. Prints a table, writes JSON.
 
     python benchmarks/check_backends_cuda.py --json benchmarks/results/backends_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,11 +60,22 @@ def main():
                 except Exception as exc:  # report every failure, keep going
                     status = f"FAIL: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                     traceback.print_exc()
-                rows.append(dict(method=method, backend=backend, shape=f"B{b} Hq{hq} Hkv{hkv} N{n} D{d}",
-                                 dtype=str(dt).replace("torch.", ""), padded=padded, status=status,
-                                 seconds=round(time.perf_counter() - t0, 2)))
+                rows.append(
+                    dict(
+                        method=method,
+                        backend=backend,
+                        shape=f"B{b} Hq{hq} Hkv{hkv} N{n} D{d}",
+                        dtype=str(dt).replace("torch.", ""),
+                        padded=padded,
+                        status=status,
+                        seconds=round(time.perf_counter() - t0, 2),
+                    )
+                )
                 r = rows[-1]
-                print(f"{r['method']:<5} {r['backend']:<10} {r['shape']:<26} {r['dtype']:<9} pad={int(padded)} {r['seconds']:>6.2f}s {r['status']}", flush=True)
+                print(
+                    f"{r['method']:<5} {r['backend']:<10} {r['shape']:<26} {r['dtype']:<9} pad={int(padded)} {r['seconds']:>6.2f}s {r['status']}",
+                    flush=True,
+                )
     meta = dict(
         device=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         torch=torch.__version__,

@@ -13,6 +13,7 @@
 
 Exit status 1 when a selection check fails. Runs in a few minutes on an H200.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def _inputs(n, hq=32, hkv=8, d=128, dtype=torch.bfloat16, seed=0, device="cuda")
     q = torch.randn(1, hq, n, d, generator=g, device=device)
     k = torch.randn(1, hkv, n, d, generator=g, device=device)
     v = torch.randn(1, hkv, n, d, generator=g, device=device)
-    u = 2.0 * torch.randn(d, generator=g, device=device) / d ** 0.25  # block logit boost up to ~4
+    u = 2.0 * torch.randn(d, generator=g, device=device) / d**0.25  # block logit boost up to ~4
     w = 2.0 * torch.rand(-(-n // 128), generator=g, device=device) ** 3
     q += 0.5 * u
     k += w.repeat_interleave(128)[:n, None] * u
@@ -75,10 +76,20 @@ def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
     q, k, _ = _inputs(n, seed=n + stride, device=device)
     perm = _permutation(q, k, gqa)
     lay = TI.permuted_layout(k, None, perm, block_size=BS)
-    _, _, _, bm = S.select_block_lists(q, lay.k, perm, block_size=BS, segment_size=SEG, threshold=thr, layout=lay,
-                                       scoring=scoring, antidiagonal_stride=stride)
-    ref = R.select_blocks(q, k, perm, block_size=BS, segment_size=SEG, threshold=thr, scoring=scoring,
-                          antidiagonal_stride=stride)
+    _, _, _, bm = S.select_block_lists(
+        q,
+        lay.k,
+        perm,
+        block_size=BS,
+        segment_size=SEG,
+        threshold=thr,
+        layout=lay,
+        scoring=scoring,
+        antidiagonal_stride=stride,
+    )
+    ref = R.select_blocks(
+        q, k, perm, block_size=BS, segment_size=SEG, threshold=thr, scoring=scoring, antidiagonal_stride=stride
+    )
     diff = bm != ref
     n_diff = int(diff.sum())
     cand = R.candidate_blocks(perm, q.shape[1], block_size=BS, segment_size=SEG)
@@ -87,8 +98,18 @@ def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
         probs = R.block_probabilities(q, k, perm, cand, block_size=BS, scoring=scoring, antidiagonal_stride=stride)
         n_bad = int((diff & ~near_tie_mask(probs, cand, thr)).sum())
     kept = float((ref & cand).sum()) / max(1.0, float(cand.sum()))  # of the candidates: not all, not none
-    return {"n": n, "scoring": scoring, "stride": stride, "gqa": gqa, "threshold": thr, "blocks": bm.numel(),
-            "candidates_kept": kept, "diff": n_diff, "diff_not_near_tie": n_bad, "ok": n_bad == 0}
+    return {
+        "n": n,
+        "scoring": scoring,
+        "stride": stride,
+        "gqa": gqa,
+        "threshold": thr,
+        "blocks": bm.numel(),
+        "candidates_kept": kept,
+        "diff": n_diff,
+        "diff_not_near_tie": n_bad,
+        "ok": n_bad == 0,
+    }
 
 
 def _bench(fn):
@@ -111,8 +132,18 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
     hq = q.shape[1]
 
     def stage():
-        S.select_block_lists(q, lay.k, perm, block_size=BS, segment_size=SEG, threshold=thr, layout=lay,
-                             return_block_mask=False, scoring=scoring, antidiagonal_stride=stride)
+        S.select_block_lists(
+            q,
+            lay.k,
+            perm,
+            block_size=BS,
+            segment_size=SEG,
+            threshold=thr,
+            layout=lay,
+            return_block_mask=False,
+            scoring=scoring,
+            antidiagonal_stride=stride,
+        )
 
     # the estimate alone, in the head chunks select_block_lists would use
     nb = -(-n // BS)
@@ -121,8 +152,21 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
 
     def estimate(**tiles):
         for h0 in range(0, hq, hc):
-            E.strided_estimate(q, lay.k, None, None, None, scoring=scoring, stride=stride, hp=hp, h0=h0,
-                               hc=min(hc, hq - h0), block_size=BS, segment_size=SEG, **tiles)
+            E.strided_estimate(
+                q,
+                lay.k,
+                None,
+                None,
+                None,
+                scoring=scoring,
+                stride=stride,
+                hp=hp,
+                h0=h0,
+                hc=min(hc, hq - h0),
+                block_size=BS,
+                segment_size=SEG,
+                **tiles,
+            )
 
     g = hq // k.shape[1]
     kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -139,19 +183,32 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
             sweep[f"m{bm}-n{bn}-w{warps}"] = _bench(lambda: estimate(block_m=bm, block_n=bn, num_warps=warps))
         except Exception as exc:  # e.g. out of shared memory: report, go on
             sweep[f"m{bm}-n{bn}-w{warps}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return {"n": n, "scoring": scoring, "stride": stride, "gqa": gqa, "stage_ms": t_stage, "estimate_ms": t_est,
-            "estimate_tile_sweep_ms": sweep,
-            "cudnn_causal_ms": t_dense, "stage_over_dense": t_stage / t_dense,
-            "target_over_dense": 1.0 / (2 * stride), "meets_target": t_stage <= t_dense / (2 * stride)}
+    return {
+        "n": n,
+        "scoring": scoring,
+        "stride": stride,
+        "gqa": gqa,
+        "stage_ms": t_stage,
+        "estimate_ms": t_est,
+        "estimate_tile_sweep_ms": sweep,
+        "cudnn_causal_ms": t_dense,
+        "stage_over_dense": t_stage / t_dense,
+        "target_over_dense": 1.0 / (2 * stride),
+        "meets_target": t_stage <= t_dense / (2 * stride),
+    }
 
 
 def env_info():
     import triton
 
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv=None) -> int:
@@ -174,20 +231,23 @@ def main(argv=None) -> int:
                 for stride in args.strides:
                     r = check_selection(n, scoring, stride, gqa, 0.9)
                     checks.append(r)
-                    print(f"check n={n:6d} {scoring:12s} s={stride} {gqa:10s} thr=0.9 "
-                          f"(kept {r['candidates_kept']:.2f} of the candidates): "
-                          f"{'identical' if r['diff'] == 0 else str(r['diff']) + ' blocks differ'}"
-                          f"{'' if r['ok'] else ' (' + str(r['diff_not_near_tie']) + ' NOT near-ties: FAIL)'}")
-    print(f"{'n':>7} {'scoring':12} {'s':>2} {'stage ms':>9} {'est ms':>8} {'cuDNN ms':>9} {'ratio':>6} "
-          f"{'target':>6}")
+                    print(
+                        f"check n={n:6d} {scoring:12s} s={stride} {gqa:10s} thr=0.9 "
+                        f"(kept {r['candidates_kept']:.2f} of the candidates): "
+                        f"{'identical' if r['diff'] == 0 else str(r['diff']) + ' blocks differ'}"
+                        f"{'' if r['ok'] else ' (' + str(r['diff_not_near_tie']) + ' NOT near-ties: FAIL)'}"
+                    )
+    print(f"{'n':>7} {'scoring':12} {'s':>2} {'stage ms':>9} {'est ms':>8} {'cuDNN ms':>9} {'ratio':>6} {'target':>6}")
     for n in args.time_n:
         for scoring in SCORINGS:
             for stride in args.strides:
                 r = time_stage(n, scoring, stride)
                 timings.append(r)
-                print(f"{n:7d} {scoring:12} {stride:2d} {r['stage_ms']:9.3f} {r['estimate_ms']:8.3f} "
-                      f"{r['cudnn_causal_ms']:9.3f} {r['stage_over_dense']:6.3f} {r['target_over_dense']:6.3f}"
-                      f"{'' if r['meets_target'] else '  (above target)'}")
+                print(
+                    f"{n:7d} {scoring:12} {stride:2d} {r['stage_ms']:9.3f} {r['estimate_ms']:8.3f} "
+                    f"{r['cudnn_causal_ms']:9.3f} {r['stage_over_dense']:6.3f} {r['target_over_dense']:6.3f}"
+                    f"{'' if r['meets_target'] else '  (above target)'}"
+                )
                 print("        estimate, other tiles (ms):", r["estimate_tile_sweep_ms"])
                 torch.cuda.empty_cache()
     if args.json:

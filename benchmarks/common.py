@@ -5,6 +5,7 @@ Scripts in this folder import it as ``common`` (their own folder is on ``sys.pat
 ``python benchmarks/<script>.py``); scripts under ``benchmarks/studies/`` put this folder on the
 path first. Nothing here is part of the installed package.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,8 +26,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from sparseflow.bench import structured_qkv  # noqa: E402
 
 __all__ = [
-    "env_info", "structured_qkv", "qkv", "sdpa_dense", "causal_flops", "exact_selection", "random_selection",
-    "pbs_kernel_inputs", "pbs_kernel_call", "bench", "median_ms_per_call", "mean_s_back_to_back",
+    "env_info",
+    "structured_qkv",
+    "qkv",
+    "sdpa_dense",
+    "causal_flops",
+    "exact_selection",
+    "random_selection",
+    "pbs_kernel_inputs",
+    "pbs_kernel_call",
+    "bench",
+    "median_ms_per_call",
+    "mean_s_back_to_back",
     "mean_ms_cuda_events",
 ]
 
@@ -134,15 +145,27 @@ def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, den
     if density < 1.0:
         bm = random_selection(perm, hq, n, bs, seg, density)
     kpos = TA.key_positions(perm)
-    kv_num, kv_full, kv_idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg,
-                                                       is_causal=True)
+    kv_num, kv_full, kv_idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
     if layout == "gather":
         kk, vv = k, v
     else:
         kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
     dens = R.selection_density(bm, perm, block_size=bs).mean().item()
-    return dict(q=q, k=k, v=v, kk=kk, vv=vv, perm=perm, bm=bm, kpos=kpos, kv_num=kv_num, kv_full=kv_full,
-                kv_idx=kv_idx, density=dens, gather=layout == "gather")
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        kk=kk,
+        vv=vv,
+        perm=perm,
+        bm=bm,
+        kpos=kpos,
+        kv_num=kv_num,
+        kv_full=kv_full,
+        kv_idx=kv_idx,
+        density=dens,
+        gather=layout == "gather",
+    )
 
 
 def pbs_kernel_call(inp, bs=128, tma=True):
@@ -150,8 +173,18 @@ def pbs_kernel_call(inp, bs=128, tma=True):
     from sparseflow.methods.pbs import triton_attention as TA
 
     return lambda: TA.pbs_block_sparse_attention(
-        inp["q"], inp["kk"], inp["vv"], inp["kpos"], inp["kv_num"], inp["kv_full"], inp["kv_idx"],
-        block_size=bs, is_causal=True, gather=inp["gather"], tma=tma)
+        inp["q"],
+        inp["kk"],
+        inp["vv"],
+        inp["kpos"],
+        inp["kv_num"],
+        inp["kv_full"],
+        inp["kv_idx"],
+        block_size=bs,
+        is_causal=True,
+        gather=inp["gather"],
+        tma=tma,
+    )
 
 
 # --------------------------------------------------------------------------- timing
@@ -183,8 +216,13 @@ def median_ms_per_call(call: Callable[[], object], reps: int, cuda: bool) -> Dic
     return {"ms": statistics.median(times), "ms_min": min(times)}
 
 
-def mean_s_back_to_back(fn: Callable[[], object], reps: int, warmup: int, sync: Callable[[], object],
-                        before_start: Optional[Callable[[], object]] = None) -> float:
+def mean_s_back_to_back(
+    fn: Callable[[], object],
+    reps: int,
+    warmup: int,
+    sync: Callable[[], object],
+    before_start: Optional[Callable[[], object]] = None,
+) -> float:
     """Mean wall seconds per call of ``reps`` calls back to back, synchronising once at the end
     (what a layer loop sees when the device keeps up with the host). ``before_start`` runs after
     the warm-up's sync, just before the clock starts (e.g. a barrier of all ranks)."""

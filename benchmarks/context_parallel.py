@@ -18,6 +18,7 @@ For every length (default 128K, 256K, 512K; B=1, Hq=32, Hkv=8, D=128, bf16, the 
 Smoke mode on the CPU (gloo, spawns its own processes): ``python benchmarks/context_parallel.py
 --device cpu --tiny`` (``--nproc`` processes, default 2).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,26 @@ K = 1024
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[128 * K, 256 * K, 512 * K],
-                    help="sequence lengths, comma separated")
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=["pbs", "pisa", "bsa", "sdpa"],
-                    help="any of pbs, pisa, bsa, sdpa")
+    ap.add_argument(
+        "--ns",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[128 * K, 256 * K, 512 * K],
+        help="sequence lengths, comma separated",
+    )
+    ap.add_argument(
+        "--methods",
+        type=lambda s: s.split(","),
+        default=["pbs", "pisa", "bsa", "sdpa"],
+        help="any of pbs, pisa, bsa, sdpa",
+    )
     ap.add_argument("--sharding", choices=cpm.SHARDINGS, default="zigzag")
     ap.add_argument("--top-k", type=int, default=16, help="PISA / BSA top_k")
-    ap.add_argument("--backend", choices=["triton", "reference"], default=None,
-                    help="the sparse ops' backend, 1 GPU and CP alike (default: triton on CUDA, reference on CPU)")
+    ap.add_argument(
+        "--backend",
+        choices=["triton", "reference"],
+        default=None,
+        help="the sparse ops' backend, 1 GPU and CP alike (default: triton on CUDA, reference on CPU)",
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -61,9 +74,13 @@ def parse_args(argv=None):
     ap.add_argument("--nproc", type=int, default=2, help="processes to spawn when not run under torchrun")
     ap.add_argument("--check", action="store_true", help="compare the CP output with the 1-GPU output")
     ap.add_argument("--json", default=None, help="where to write the results (rank 0)")
-    ap.add_argument("--model", choices=["smollm2", "smollm2-random"], default=None,
-                    help="the whole SmolLM2-135M prefill through sparseflow.compile instead of the op "
-                         "(smollm2-random: its shape with random weights, no checkpoint needed)")
+    ap.add_argument(
+        "--model",
+        choices=["smollm2", "smollm2-random"],
+        default=None,
+        help="the whole SmolLM2-135M prefill through sparseflow.compile instead of the op "
+        "(smollm2-random: its shape with random weights, no checkpoint needed)",
+    )
     args = ap.parse_args(argv)
     unknown = set(args.methods) - {"pbs", "pisa", "bsa", "sdpa"}
     if unknown:
@@ -82,11 +99,16 @@ def shapes(args):
 
 def configs(args):
     if args.tiny:
-        return {"pbs": sparseflow.PBSConfig(block_size=32, segment_size=64, threshold=0.5),
-                "pisa": sparseflow.PISAConfig(block_size=16, top_k=4),
-                "bsa": sparseflow.BSAConfig(block_size=16, top_k=4)}
-    return {"pbs": sparseflow.PBSConfig(), "pisa": sparseflow.PISAConfig(top_k=args.top_k),
-            "bsa": sparseflow.BSAConfig(top_k=args.top_k)}
+        return {
+            "pbs": sparseflow.PBSConfig(block_size=32, segment_size=64, threshold=0.5),
+            "pisa": sparseflow.PISAConfig(block_size=16, top_k=4),
+            "bsa": sparseflow.BSAConfig(block_size=16, top_k=4),
+        }
+    return {
+        "pbs": sparseflow.PBSConfig(),
+        "pisa": sparseflow.PISAConfig(top_k=args.top_k),
+        "bsa": sparseflow.BSAConfig(top_k=args.top_k),
+    }
 
 
 def inputs(b, hq, hkv, n, d, dtype, device):
@@ -132,8 +154,9 @@ def torch_cp_sdpa(mesh, q, k, v, args, device):
     qq, kk, vv = q.clone(), k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     try:
         with context_parallel(mesh, buffers=[qq, kk, vv], buffer_seq_dims=[2, 2, 2]):
-            return timed(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), args, device,
-                         mesh.get_group())
+            return timed(
+                lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True), args, device, mesh.get_group()
+            )
     except (RuntimeError, NotImplementedError) as e:  # e.g. no ring kernel for the CPU's SDPA
         if dist.get_rank() == 0:
             print(f"torch context_parallel SDPA did not run here: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -146,12 +169,18 @@ def bench_method(method, cfg, q, k, v, cp, layout, args, device):
     # one explicit backend for both sides: "auto" might time dense SDPA on one and not the other
     backend = args.backend or ("reference" if device.type == "cpu" else "triton")
     with torch.no_grad():
-        one = on_rank0(lambda: timed(lambda: sparseflow.attention(q, k, v, config=cfg, backend=backend), args, device),
-                       device, pg)
-        par = timed(lambda: sparseflow.attention(*local, config=cfg, backend=backend, context_parallel=cp),
-                    args, device, pg)
-        comm = timed(lambda: (cpm.gather_sequence(local[1], layout, pg), cpm.gather_sequence(local[2], layout, pg)),
-                     args, device, pg)
+        one = on_rank0(
+            lambda: timed(lambda: sparseflow.attention(q, k, v, config=cfg, backend=backend), args, device), device, pg
+        )
+        par = timed(
+            lambda: sparseflow.attention(*local, config=cfg, backend=backend, context_parallel=cp), args, device, pg
+        )
+        comm = timed(
+            lambda: (cpm.gather_sequence(local[1], layout, pg), cpm.gather_sequence(local[2], layout, pg)),
+            args,
+            device,
+            pg,
+        )
         row = dict(method=method, t_1gpu_s=one, t_cp_s=par, t_comm_s=comm)
         if args.check:
             got = cpm.unshard(sparseflow.attention(*local, config=cfg, backend=backend, context_parallel=cp), cp)
@@ -188,8 +217,9 @@ def _compiled(model, method, cfg, backend, cp=None):
     m = copy.deepcopy(model)
     if method == "sdpa":  # dense: plain SDPA on one GPU, the dense op under context parallelism
         method, cfg, backend = "dense", None, "auto"
-    sparseflow.compile(m, method=method, config=cfg, backend=backend, recipe=None, inner_backend="eager",
-                       context_parallel=cp)
+    sparseflow.compile(
+        m, method=method, config=cfg, backend=backend, recipe=None, inner_backend="eager", context_parallel=cp
+    )
     return m
 
 
@@ -199,7 +229,7 @@ def bench_model(method, cfg, model, ids, mesh, args, device):
     pg = mesh.get_group()
     backend = args.backend or ("reference" if device.type == "cpu" else "triton")
     world, rank, n = dist.get_world_size(pg), dist.get_rank(pg), ids.shape[1]
-    (s, e), = cpm.Layout("contiguous", cpm.split_lengths(n, world, "contiguous"), rank).chunks()
+    ((s, e),) = cpm.Layout("contiguous", cpm.split_lengths(n, world, "contiguous"), rank).chunks()
     cp = sparseflow.ContextParallel(mesh, sharding="contiguous")
     with torch.no_grad():
         if rank == 0:
@@ -237,8 +267,11 @@ def run_model(args, mesh, device):
 
 
 def run(args):
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+    device = (
+        torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+        if args.device == "cuda"
         else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = dist.get_world_size()
@@ -273,8 +306,10 @@ def format_row(r):
 
     speed = "  n/a" if r["t_cp_s"] is None else f"{r['t_1gpu_s'] / r['t_cp_s']:5.2f}"
     extra = f"  diff {r['max_abs_diff_vs_1gpu']:.2e}" if "max_abs_diff_vs_1gpu" in r else ""
-    return (f"{r['method']:5s} n={r['n']:7d}  1 GPU {ms(r['t_1gpu_s'])} ms  {r['world']} GPUs {ms(r['t_cp_s'])} ms"
-            f"  comm {ms(r['t_comm_s'])} ms  speedup {speed}x{extra}")
+    return (
+        f"{r['method']:5s} n={r['n']:7d}  1 GPU {ms(r['t_1gpu_s'])} ms  {r['world']} GPUs {ms(r['t_cp_s'])} ms"
+        f"  comm {ms(r['t_comm_s'])} ms  speedup {speed}x{extra}"
+    )
 
 
 def summary(rows):
@@ -289,9 +324,13 @@ def summary(rows):
 
 
 def env_info(device, world):
-    info = {"torch": torch.__version__, "python": platform.python_version(), "world_size": world,
-            "device": str(device.type),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "world_size": world,
+        "device": str(device.type),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     try:
         import triton
 

@@ -4,6 +4,7 @@ the auto path's Python work.
 
     python benchmarks/dispatch_overhead.py --json benchmarks/results/dispatch_overhead_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,13 @@ def main(argv=None) -> int:
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             "op dense": lambda: sparseflow.dense_attention(q, k, v),
         }
-        for method, cfg in (("pbs", sparseflow.PBSConfig()), ("pisa", sparseflow.PISAConfig()),
-                            ("bsa", sparseflow.BSAConfig())):
-            variants[f"{method} auto"] = (lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="auto"))
-            variants[f"{method} triton"] = (lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton"))
+        for method, cfg in (
+            ("pbs", sparseflow.PBSConfig()),
+            ("pisa", sparseflow.PISAConfig()),
+            ("bsa", sparseflow.BSAConfig()),
+        ):
+            variants[f"{method} auto"] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="auto")
+            variants[f"{method} triton"] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton")
         row = {"n": n}
         for name, fn in variants.items():
             try:
@@ -78,9 +82,13 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        env = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
         with open(args.json, "w") as fh:
             json.dump({"env": env, "rows": rows, "profile_pbs_auto": profile_text}, fh, indent=1)
     return 0

@@ -19,6 +19,7 @@ dense in the same run, first-call seconds, density (mean over layers, dense laye
 fidelity against dense on the same RoPE variant over the last ``--eval-positions`` positions
 (mean KL, top-1, perplexity). JSON carries GPU, versions and date.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,21 @@ DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-co
 def env_info() -> Dict[str, object]:
     import transformers
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     if torch.cuda.is_available():
         import triton
 
-        info.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, cuda=torch.version.cuda,
-                    cudnn=torch.backends.cudnn.version())
+        info.update(
+            gpu=torch.cuda.get_device_name(),
+            triton=triton.__version__,
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+        )
     return info
 
 
@@ -95,9 +103,19 @@ def random_smollm2(dtype):
     """SmolLM2-135M's configuration (30 layers, 9 query / 3 KV heads of 64) with random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype).eval(), _ByteTokenizer()
 
@@ -146,16 +164,24 @@ def converted_plan(name: str, backend: str, n_layers: int):
     from sparseflow.hf import Plan
 
     method, cfg, dense, per_layer, recipe = plan_parts(name)
-    return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, layer_configs=per_layer,
-                recipe=recipe, num_layers=n_layers)
+    return Plan(
+        method=method,
+        config=cfg,
+        backend=backend,
+        dense_layers=dense,
+        layer_configs=per_layer,
+        recipe=recipe,
+        num_layers=n_layers,
+    )
 
 
 def compile_kwargs(name: str, backend: str) -> Dict[str, object]:
     method, cfg, dense, per_layer, _ = plan_parts(name)
     layer_configs = dict(per_layer)
     layer_configs.update({i: None for i in dense})
-    return dict(method=method, config=cfg, backend=backend, layer_configs=layer_configs or None,
-                recipe=None)  # the named setting only, not a shipped recipe on top
+    return dict(
+        method=method, config=cfg, backend=backend, layer_configs=layer_configs or None, recipe=None
+    )  # the named setting only, not a shipped recipe on top
 
 
 # --------------------------------------------------------------------------- measuring
@@ -163,6 +189,7 @@ def compile_kwargs(name: str, backend: str) -> Dict[str, object]:
 
 def time_forward(model, ids: torch.Tensor, reps: int, warmup: int) -> Dict[str, float]:
     """Median / min forward time in ms (CUDA events), and the first call's wall seconds."""
+
     def call():
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -181,18 +208,26 @@ def time_forward(model, ids: torch.Tensor, reps: int, warmup: int) -> Dict[str, 
 def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = True) -> Dict[str, object]:
     """Fidelity of one forward (logits of the last positions) and, with ``record``, the density
     of its calls under capture (a model replayed from CUDA graphs cannot record: fidelity only)."""
-    targets = ids[0, ids.shape[1] - eval_positions:]
-    with (sparseflow.capture(keep_selections=False) if record else contextlib.nullcontext()) as cap:
+    targets = ids[0, ids.shape[1] - eval_positions :]
+    with sparseflow.capture(keep_selections=False) if record else contextlib.nullcontext() as cap:
         logits = _logits(model, ids, eval_positions)
     fid = compare_logits(dense_logits, logits, targets)
-    row = {"mean_kl": fid.mean_kl, "p99_kl": fid.p99_kl, "top1": fid.top1_agreement,
-           "ppl_dense": fid.ppl_dense, "ppl": fid.ppl_sparse, "layers": model.config.num_hidden_layers}
+    row = {
+        "mean_kl": fid.mean_kl,
+        "p99_kl": fid.p99_kl,
+        "top1": fid.top1_agreement,
+        "ppl_dense": fid.ppl_dense,
+        "ppl": fid.ppl_sparse,
+        "layers": model.config.num_hidden_layers,
+    }
     if cap is None:
         return row
     dens = [c.density if c.density is not None else 1.0 for c in cap.calls]
     return {
-        **row, "density": float(sum(dens) / len(dens)) if dens else 1.0,
-        "op_calls": len(cap.calls), "sparse_calls": sum(c.sparse for c in cap.calls),
+        **row,
+        "density": float(sum(dens) / len(dens)) if dens else 1.0,
+        "op_calls": len(cap.calls),
+        "sparse_calls": sum(c.sparse for c in cap.calls),
         "fallbacks": sorted({c.reason for c in cap.calls if not c.sparse and c.reason})[:4],
     }
 
@@ -204,8 +239,9 @@ def _replays_cuda_graphs(mode: Optional[str]) -> bool:
     return mode is not None and bool(list_mode_options(mode).get("triton.cudagraphs"))
 
 
-def measure(model, ids, path: str, setting: Optional[str], dense_logits, args,
-            backend: Optional[str] = None) -> Dict[str, object]:
+def measure(
+    model, ids, path: str, setting: Optional[str], dense_logits, args, backend: Optional[str] = None
+) -> Dict[str, object]:
     row = {"path": path, "setting": setting, "backend": backend}
     try:
         row.update(time_forward(model, ids, args.reps, args.warmup))
@@ -270,9 +306,11 @@ def format_row(r: Dict[str, object]) -> str:
     kl = f"KL {r['mean_kl']:.4f} top1 {r['top1']:.3f}" if "mean_kl" in r else ""
     dens = f"dens {r['density']:.3f}" if "density" in r else ""
     ppl = f"ppl {r['ppl']:.2f}" if "ppl" in r else ""
-    return (f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting'] or '-'):16s} "
-            f"{r.get('backend') or '-':7s} {r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
-            + (f"  ERROR {r['error']}" if "error" in r else ""))
+    return (
+        f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting'] or '-'):16s} "
+        f"{r.get('backend') or '-':7s} {r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
+        + (f"  ERROR {r['error']}" if "error" in r else "")
+    )
 
 
 def print_table(rows: List[Dict[str, object]]) -> None:
@@ -280,13 +318,17 @@ def print_table(rows: List[Dict[str, object]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "ms" not in r:
-            print(f"| {r['n']} | {r['rope']} | {r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | "
-                  f"error: {r.get('error')} |||||")
+            print(
+                f"| {r['n']} | {r['rope']} | {r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | "
+                f"error: {r.get('error')} |||||"
+            )
             continue
-        print(f"| {r['n']} | {r['rope']}{'' if not r.get('yarn_factor') else ' x%g' % r['yarn_factor']} | "
-              f"{r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
-              f"{r.get('density', float('nan')):.3f} | {r.get('mean_kl', float('nan')):.4f} | "
-              f"{r.get('top1', float('nan')):.3f} | {r.get('ppl', float('nan')):.2f} |")
+        print(
+            f"| {r['n']} | {r['rope']}{'' if not r.get('yarn_factor') else ' x%g' % r['yarn_factor']} | "
+            f"{r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+            f"{r.get('density', float('nan')):.3f} | {r.get('mean_kl', float('nan')):.4f} | "
+            f"{r.get('top1', float('nan')):.3f} | {r.get('ppl', float('nan')):.2f} |"
+        )
 
 
 # --------------------------------------------------------------------------- plot
@@ -313,20 +355,37 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
         ax_t, ax_k = axes[i]
         for key in sorted({_series(r) for r in sub}):
             pts = sorted((r["n"], r["ms"]) for r in sub if _series(r) == key)
-            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key),
-                      lw=2.5 if key[0] == "dense" else 1.2, color="black" if key[0] == "dense" else None)
-        ax_t.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="forward ms (median)",
-                 title=f"SmolLM2-135M whole prefill, {rope} RoPE")
+            ax_t.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=" ".join(key),
+                lw=2.5 if key[0] == "dense" else 1.2,
+                color="black" if key[0] == "dense" else None,
+            )
+        ax_t.set(
+            xscale="log",
+            yscale="log",
+            xlabel="tokens N",
+            ylabel="forward ms (median)",
+            title=f"SmolLM2-135M whole prefill, {rope} RoPE",
+        )
         ax_t.legend(fontsize=7)
         for n in sorted({r["n"] for r in sub}):
             pts = [r for r in sub if r["n"] == n and r["path"] != "dense" and "mean_kl" in r and "speedup" in r]
             ax_k.scatter([r["speedup"] for r in pts], [max(r["mean_kl"], 1e-5) for r in pts], label=f"N={n}")
         ax_k.axvline(1.0, color="gray", lw=0.8)
-        ax_k.set(yscale="log", xlabel="end-to-end speedup over eager dense SDPA", ylabel="mean KL vs dense",
-                 title=f"fidelity vs speed per setting ({rope} RoPE)")
+        ax_k.set(
+            yscale="log",
+            xlabel="end-to-end speedup over eager dense SDPA",
+            ylabel="mean KL vs dense",
+            title=f"fidelity vs speed per setting ({rope} RoPE)",
+        )
         ax_k.legend(fontsize=7)
     env = data.get("env", {})
-    fig.suptitle(f"{env.get('gpu', '?')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date', '')[:10]}")
+    fig.suptitle(
+        f"{env.get('gpu', '?')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date', '')[:10]}"
+    )
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     return png_path
@@ -358,18 +417,29 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="converted,compile,compile_dense")
     ap.add_argument("--compile-ns", type=_ints, default=[8192, 32768], help="lengths that also run the compile paths")
     ap.add_argument("--compile-settings", type=parse_settings, default=parse_settings("pbs,smollm2:pbs"))
-    ap.add_argument("--backend", type=_backends, default=["triton"],
-                    help="comma list of backends; each sparse row runs once per backend (e.g. auto,triton)")
-    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune"],
-                    help="torch.compile mode of both compile paths (reduce-overhead: CUDA graphs)")
+    ap.add_argument(
+        "--backend",
+        type=_backends,
+        default=["triton"],
+        help="comma list of backends; each sparse row runs once per backend (e.g. auto,triton)",
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=["default", "reduce-overhead", "max-autotune"],
+        help="torch.compile mode of both compile paths (reduce-overhead: CUDA graphs)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--eval-positions", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--random-init", action="store_true",
-                    help="SmolLM2-135M's architecture with random weights and a byte tokenizer (timing and "
-                         "graph checks without the checkpoint; densities and fidelity are not the model's)")
+    ap.add_argument(
+        "--random-init",
+        action="store_true",
+        help="SmolLM2-135M's architecture with random weights and a byte tokenizer (timing and "
+        "graph checks without the checkpoint; densities and fidelity are not the model's)",
+    )
     ap.add_argument("--show-report", action="store_true", help="print sparseflow.report after each compile row")
     ap.add_argument("--json")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
@@ -407,6 +477,7 @@ def main(argv=None) -> int:
     def keep(row):
         rows.append(row)
         save()
+
     for n in args.ns:
         for rope in ropes:
             if rope == "yarn" and n <= TRAINED_POSITIONS:

@@ -9,6 +9,7 @@ initialised SmolLM2-135M-shaped model through the converted path (transformers
 
     python benchmarks/graph_capture.py --json benchmarks/results/graph_capture_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,13 @@ def check(fn):
         row["host_sync"] = False
     except RuntimeError as exc:
         row["host_sync"] = True
-        row["sync_where"] = _first_line(exc) + " | " + " < ".join(
-            f"{os.path.basename(f.filename)}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[-4:])
+        row["sync_where"] = (
+            _first_line(exc)
+            + " | "
+            + " < ".join(
+                f"{os.path.basename(f.filename)}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[-4:]
+            )
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     row["eager_ms"] = _ms(fn)
@@ -80,12 +86,18 @@ def main(argv=None) -> int:
             q = torch.randn(1, 9, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
             k = torch.randn(1, 3, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
             v = torch.randn_like(k)
-            cases = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                       enable_gqa=True)}
-            for method, cfg in (("pbs", sparseflow.PBSConfig()),
-                                ("pbs sampled_rows", sparseflow.PBSConfig(scoring="sampled_rows", threshold=0.98)),
-                                ("pisa", sparseflow.PISAConfig()), ("bsa", sparseflow.BSAConfig())):
-                cases[method] = (lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton"))
+            cases = {
+                "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True
+                )
+            }
+            for method, cfg in (
+                ("pbs", sparseflow.PBSConfig()),
+                ("pbs sampled_rows", sparseflow.PBSConfig(scoring="sampled_rows", threshold=0.98)),
+                ("pisa", sparseflow.PISAConfig()),
+                ("bsa", sparseflow.BSAConfig()),
+            ):
+                cases[method] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton")
             for name, fn in cases.items():
                 row = {"n": n, "case": name}
                 try:
@@ -117,9 +129,13 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        env = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
         with open(args.json, "w") as fh:
             json.dump({"env": env, "rows": rows}, fh, indent=1)
     return 0

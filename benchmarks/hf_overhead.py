@@ -13,6 +13,7 @@ interleaved in one process so shared-core noise hits every variant alike:
     python benchmarks/hf_overhead.py --json benchmarks/results/hf_overhead_cpu.json
     python benchmarks/hf_overhead.py --profile   # cProfile of the HF path on a memo hit
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def tiny_llama(layers: int = 2):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=96, intermediate_size=128, num_attention_heads=6,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=1024,
+    )
     cfg._attn_implementation = "sdpa"
     model = tf.LlamaForCausalLM(cfg).eval()
     plan = sfhf.Plan(method="pbs", config=sparseflow.PBSConfig(min_seq_len=1024), backend="auto", num_layers=layers)
@@ -135,10 +143,15 @@ def profile_text(fn: Callable[[], object], calls: int = 2000, lines: int = 25) -
 def env() -> Dict[str, object]:
     import transformers
 
-    return {"device": "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
-            "sparseflow": sparseflow.__version__, "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "device": "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "sparseflow": sparseflow.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv=None) -> int:
@@ -156,18 +169,35 @@ def main(argv=None) -> int:
     fns = variants(args.n)
     us = interleaved_us(fns, args.calls, args.block)
     us.update(in_model_us(args.layers, args.n, args.forwards))
-    row = dict(us, **{"hf over sdpa": us["hf sparseflow"] - us["hf sdpa"],
-                      "op over sdpa": us["ops.attention"] - us["F.sdpa"],
-                      "model over sdpa": us["model sparseflow"] - us["model sdpa"]})
+    row = dict(
+        us,
+        **{
+            "hf over sdpa": us["hf sparseflow"] - us["hf sdpa"],
+            "op over sdpa": us["ops.attention"] - us["F.sdpa"],
+            "model over sdpa": us["model sparseflow"] - us["model sdpa"],
+        },
+    )
     print(" ".join(f"{name}={t:.2f}us" for name, t in row.items()), flush=True)
     prof = profile_text(fns["hf sparseflow"]) if args.profile else ""
     if prof:
         print(prof)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"env": env(), "note": args.note, "n": args.n, "calls": args.calls, "block": args.block, "layers": args.layers,
-                       "forwards": args.forwards, "us_per_call": row,
-                       "profile_hf_sparseflow": prof}, fh, indent=1)
+            json.dump(
+                {
+                    "env": env(),
+                    "note": args.note,
+                    "n": args.n,
+                    "calls": args.calls,
+                    "block": args.block,
+                    "layers": args.layers,
+                    "forwards": args.forwards,
+                    "us_per_call": row,
+                    "profile_hf_sparseflow": prof,
+                },
+                fh,
+                indent=1,
+            )
     return 0
 
 

@@ -18,6 +18,7 @@ Hkv=8, D=128, bf16, the structured synthetic Q/K of ``benchmarks/common.py``. Pe
   pipeline alone, and our attention kernel at 100% density;
 * both selections' densities (selected / causally visible block pairs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,8 +113,9 @@ def main(argv=None):
         kr, vr = repeat()
 
         def public(t):
-            return lambda: pub.permuted_block_sparse_attn_fwd(q, kr, vr, block_size=bs, segment_size=seg,
-                                                             threshold=t, causal=True)
+            return lambda: pub.permuted_block_sparse_attn_fwd(
+                q, kr, vr, block_size=bs, segment_size=seg, threshold=t, causal=True
+            )
 
         try:
             out_pub = public(thr)()
@@ -131,19 +133,22 @@ def main(argv=None):
             # its threshold 1.0 does not keep every block (density ~0.57-0.77 measured), so its kernel's
             # equal-work throughput is cuDNN's time x density / kernel time
             row["public_attention_equal_work_vs_cudnn"] = t_cudnn * row["public_density"] / row["public_attention_ms"]
-            row["public_full_equal_work_vs_cudnn"] = (t_cudnn * row["public_full_density"]
-                                                      / row["public_full_attention_ms"])
+            row["public_full_equal_work_vs_cudnn"] = (
+                t_cudnn * row["public_full_density"] / row["public_full_attention_ms"]
+            )
         except Exception as e:  # noqa: BLE001
             row["public_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         kr = vr = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
 
         def ours():
-            return TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=thr,
-                                    gqa_permutation="query_head")
+            return TI.pbs_attention(
+                q, k, v, block_size=bs, segment_size=seg, threshold=thr, gqa_permutation="query_head"
+            )
 
-        out, sel = TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=thr,
-                                    gqa_permutation="query_head", return_selection=True)
+        out, sel = TI.pbs_attention(
+            q, k, v, block_size=bs, segment_size=seg, threshold=thr, gqa_permutation="query_head", return_selection=True
+        )
         row["ours_err_vs_cudnn"] = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
         row["ours_density"] = R.selection_density(sel.block_mask, sel.permutation, block_size=bs).mean().item()
         del out, sel
@@ -154,8 +159,9 @@ def main(argv=None):
             sc = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation="query_head")
             p = S.segment_permutation(sc, segment_size=seg)
             lay = TI.permuted_layout(k, v, p, block_size=bs)
-            return S.select_block_lists(q, None, p, block_size=bs, segment_size=seg, threshold=thr,
-                                        return_block_mask=False, layout=lay)
+            return S.select_block_lists(
+                q, None, p, block_size=bs, segment_size=seg, threshold=thr, return_block_mask=False, layout=lay
+            )
 
         row["ours_stages_ms"] = bench(stages)
         row["ours_stages_frac_of_cudnn"] = row["ours_stages_ms"] / t_cudnn
@@ -164,23 +170,30 @@ def main(argv=None):
         row["ours_full_attention_vs_cudnn"] = t_cudnn / row["ours_full_attention_ms"]
         del inp
         results["rows"].append(row)
-        print(" ".join(f"{k_}={v_:.4f}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in row.items()),
-              flush=True)
+        print(
+            " ".join(f"{k_}={v_:.4f}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in row.items()), flush=True
+        )
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
         q = k = v = ref_out = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     nan = float("nan")
-    print(f"\n=== PBS: sparseflow vs public PBS-Attn, threshold {thr}, B=1 Hq=32 Hkv=8 D=128 bf16 (ms; x = vs cuDNN) ===")
-    print(f"{'N':>7} {'cudnn':>8} | {'pub op':>8} {'pub dens':>8} {'pub sel/cud':>11} {'pub x':>6} {'pub =work':>9} | "
-          f"{'our op':>8} {'our dens':>8} {'our sel/cud':>11} {'our x':>6} {'our 100%':>8}")
+    print(
+        f"\n=== PBS: sparseflow vs public PBS-Attn, threshold {thr}, B=1 Hq=32 Hkv=8 D=128 bf16 (ms; x = vs cuDNN) ==="
+    )
+    print(
+        f"{'N':>7} {'cudnn':>8} | {'pub op':>8} {'pub dens':>8} {'pub sel/cud':>11} {'pub x':>6} {'pub =work':>9} | "
+        f"{'our op':>8} {'our dens':>8} {'our sel/cud':>11} {'our x':>6} {'our 100%':>8}"
+    )
     for r in results["rows"]:
-        print(f"{r['n']:>7} {r['cudnn_ms']:>8.2f} | {r.get('public_ms', nan):>8.2f} {r.get('public_density', nan):>8.3f} "
-              f"{r.get('public_stages_frac_of_cudnn', nan):>11.3f} {r.get('public_speedup_vs_cudnn', nan):>6.2f} "
-              f"{r.get('public_full_equal_work_vs_cudnn', nan):>9.3f} | {r['ours_ms']:>8.2f} {r['ours_density']:>8.3f} "
-              f"{r['ours_stages_frac_of_cudnn']:>11.3f} {r['ours_speedup_vs_cudnn']:>6.2f} "
-              f"{r['ours_full_attention_vs_cudnn']:>8.3f}")
+        print(
+            f"{r['n']:>7} {r['cudnn_ms']:>8.2f} | {r.get('public_ms', nan):>8.2f} {r.get('public_density', nan):>8.3f} "
+            f"{r.get('public_stages_frac_of_cudnn', nan):>11.3f} {r.get('public_speedup_vs_cudnn', nan):>6.2f} "
+            f"{r.get('public_full_equal_work_vs_cudnn', nan):>9.3f} | {r['ours_ms']:>8.2f} {r['ours_density']:>8.3f} "
+            f"{r['ours_stages_frac_of_cudnn']:>11.3f} {r['ours_speedup_vs_cudnn']:>6.2f} "
+            f"{r['ours_full_attention_vs_cudnn']:>8.3f}"
+        )
     return 0
 
 

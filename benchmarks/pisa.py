@@ -19,6 +19,7 @@ Selection shapes: B=1, Hq=32, Hkv=2, D=64, C=64, K=8, g=2, bf16. Attention: Hq=3
 D=128, C=64, K=32. Dense baseline: SDPA's cuDNN backend (the fastest on the H200; flash beside it
 in the attention part). Writes ``--json`` (default benchmarks/results/pisa_h200.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,11 @@ def part_check(args, results):
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
     rows = []
-    for (n, hq, hkv, d, dt, score) in [(4096, 32, 2, 64, torch.bfloat16, "lse"), (3001, 12, 4, 128, torch.float16, "mean_var"),
-                                      (2500, 8, 8, 64, torch.float32, "mean")]:
+    for n, hq, hkv, d, dt, score in [
+        (4096, 32, 2, 64, torch.bfloat16, "lse"),
+        (3001, 12, 4, 128, torch.float16, "mean_var"),
+        (2500, 8, 8, 64, torch.float32, "mean"),
+    ]:
         q, k, v = pisa_inputs(n, hq, hkv, d, dt, seed=n)
         want = PR.pisa_select(q, k, block_size=64, top_k=8, score=score)
         got = PT.pisa_select(q, k, block_size=64, top_k=8, score=score)
@@ -95,25 +99,44 @@ def part_check(args, results):
         ref = tb.attend_selected_blocks(*o64, want, block_size=64)
         r64 = torch.autograd.grad(ref, o64, go.double())
         # plain PyTorch in the same dtype: SDPA on the same problem as a dense boolean mask
-        km = tb.selection_for_indices("pisa", want, q, k, key_padding_mask=None, is_causal=True,
-                                      block_size=64).key_mask(hq)
+        km = tb.selection_for_indices(
+            "pisa", want, q, k, key_padding_mask=None, is_causal=True, block_size=64
+        ).key_mask(hq)
         plain_in = [t.detach().requires_grad_(True) for t in (q, k, v)]
         g_ = hq // hkv
-        plain = F.scaled_dot_product_attention(plain_in[0], plain_in[1].repeat_interleave(g_, 1),
-                                               plain_in[2].repeat_interleave(g_, 1), attn_mask=km)
+        plain = F.scaled_dot_product_attention(
+            plain_in[0], plain_in[1].repeat_interleave(g_, 1), plain_in[2].repeat_interleave(g_, 1), attn_mask=km
+        )
         pg = torch.autograd.grad(plain, plain_in, go)
         rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-        errs = {nm: (rel(a, r), rel(p, r)) for nm, a, p, r in zip(("out", "dq", "dk", "dv"), (out,) + gq, (plain,) + pg, (ref,) + r64)}
+        errs = {
+            nm: (rel(a, r), rel(p, r))
+            for nm, a, p, r in zip(("out", "dq", "dk", "dv"), (out,) + gq, (plain,) + pg, (ref,) + r64)
+        }
         ok = pisa_same == 1.0 and all(v_ == 1.0 for v_ in beam_same.values())
         ok = ok and all(e <= 2 * pe + 1e-6 for e, pe in errs.values())  # the 2x rule
-        row = dict(n=n, hq=hq, hkv=hkv, d=d, dtype=str(dt).split(".")[-1], score=score, pisa_rows_identical=pisa_same,
-                   pisa_beam_rows_identical={str(b_): v_ for b_, v_ in beam_same.items()},
-                   bsa_rows_identical=bsa_same, errors={k_: dict(triton=e, torch_same_dtype=pe) for k_, (e, pe) in errs.items()},
-                   ok=ok)
+        row = dict(
+            n=n,
+            hq=hq,
+            hkv=hkv,
+            d=d,
+            dtype=str(dt).split(".")[-1],
+            score=score,
+            pisa_rows_identical=pisa_same,
+            pisa_beam_rows_identical={str(b_): v_ for b_, v_ in beam_same.items()},
+            bsa_rows_identical=bsa_same,
+            errors={k_: dict(triton=e, torch_same_dtype=pe) for k_, (e, pe) in errs.items()},
+            ok=ok,
+        )
         rows.append(row)
-        print(f"check n={n} {row['dtype']} {score}: pisa identical rows {pisa_same:.4f}, "
-              + "".join(f"beam {b_} {v_:.4f}, " for b_, v_ in beam_same.items()) + f"bsa {bsa_same:.4f}, "
-              + ", ".join(f"{k_} {e:.1e} (torch {pe:.1e})" for k_, (e, pe) in errs.items()) + f"  ok={ok}", flush=True)
+        print(
+            f"check n={n} {row['dtype']} {score}: pisa identical rows {pisa_same:.4f}, "
+            + "".join(f"beam {b_} {v_:.4f}, " for b_, v_ in beam_same.items())
+            + f"bsa {bsa_same:.4f}, "
+            + ", ".join(f"{k_} {e:.1e} (torch {pe:.1e})" for k_, (e, pe) in errs.items())
+            + f"  ok={ok}",
+            flush=True,
+        )
     results["check"] = rows
 
 
@@ -129,8 +152,11 @@ def part_select(args, results):
         q, k, _ = pisa_inputs(n, 32, 2, 64)
         kw = dict(block_size=64, top_k=8)
         # the walk per --walks entry and beam (pyramid build included); pisa_ms is the first walk's beam 1
-        t_walk = {(w, b_): bench(lambda w=w, b_=b_: PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw))
-                  for w in args.walks for b_ in args.beams}
+        t_walk = {
+            (w, b_): bench(lambda w=w, b_=b_: PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw))
+            for w in args.walks
+            for b_ in args.beams
+        }
         t_beam = {b_: t_walk[(args.walks[0], b_)] for b_ in args.beams}
         t_pisa = t_beam[1] if 1 in t_beam else t_beam[args.beams[0]]
         t_pyr = bench(lambda: PT.build_pyramid(k, block_size=64, branching=2))
@@ -138,24 +164,41 @@ def part_select(args, results):
         t_bsa16 = bench(lambda: BT.bsa_select(q, k, precision="bf16", **kw))
         t_plain = bench(lambda: plain_torch_scan(q, k, **kw), rep_ms=50, warmup_ms=20)
         best_bsa = min(t_bsa, t_bsa16)
-        row = dict(n=n, pisa_ms=t_pisa, pyramid_ms=t_pyr, bsa_ieee_ms=t_bsa, bsa_bf16_ms=t_bsa16,
-                   plain_torch_scan_ms=t_plain, speedup_vs_best_bsa=best_bsa / t_pisa,
-                   speedup_vs_bsa_ieee=t_bsa / t_pisa, speedup_vs_plain_torch_scan=t_plain / t_pisa)
+        row = dict(
+            n=n,
+            pisa_ms=t_pisa,
+            pyramid_ms=t_pyr,
+            bsa_ieee_ms=t_bsa,
+            bsa_bf16_ms=t_bsa16,
+            plain_torch_scan_ms=t_plain,
+            speedup_vs_best_bsa=best_bsa / t_pisa,
+            speedup_vs_bsa_ieee=t_bsa / t_pisa,
+            speedup_vs_plain_torch_scan=t_plain / t_pisa,
+        )
         row.update({f"pisa_beam{b_}_ms": t for b_, t in t_beam.items()})
         row.update({f"pisa_beam{b_}_speedup_vs_best_bsa": best_bsa / t for b_, t in t_beam.items()})
         if len(args.walks) > 1:
             row.update(_walk_rows(q, k, kw, PT, tunings, t_walk, args))
         rows.append(row)
-        beams = "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items()) if args.beams != [1] else ""
-        print(f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
-              f"  plain torch {t_plain:8.3f}  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f},"
-              f" vs plain torch x{t_plain / t_pisa:6.2f}){beams}", flush=True)
+        beams = (
+            "".join(f"  beam {b_} {t:8.3f} (x{t / t_pisa:4.2f})" for b_, t in t_beam.items())
+            if args.beams != [1]
+            else ""
+        )
+        print(
+            f"select n={n:7d}  pisa {t_pisa:8.3f} ms (pyramid {t_pyr:.3f})  bsa ieee {t_bsa:8.3f}  bsa bf16 {t_bsa16:8.3f}"
+            f"  plain torch {t_plain:8.3f}  pisa speedup x{best_bsa / t_pisa:6.2f} (vs ieee x{t_bsa / t_pisa:6.2f},"
+            f" vs plain torch x{t_plain / t_pisa:6.2f}){beams}",
+            flush=True,
+        )
         q = k = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     big = [r for r in rows if r["n"] >= 65536]
     if len(big) >= 2:
         xs = [math.log(r["n"]) for r in big]
-        for key in ["pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms", "plain_torch_scan_ms"] + [f"pisa_beam{b_}_ms" for b_ in args.beams if b_ != 1]:
+        for key in ["pisa_ms", "bsa_ieee_ms", "bsa_bf16_ms", "plain_torch_scan_ms"] + [
+            f"pisa_beam{b_}_ms" for b_ in args.beams if b_ != 1
+        ]:
             ys = [math.log(r[key]) for r in big]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -192,9 +235,14 @@ def _walk_rows(q, k, kw, PT, tunings, t_walk, args):
     walk's (``walks_agree``: they must; a False is a bug to report, not a speed)."""
     row = {f"pisa_{w}_beam{b_}_ms": t for (w, b_), t in t_walk.items()}
     first = args.walks[0]
-    agree = all(torch.equal(PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw),
-                            PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[first], **kw))
-                for w in args.walks[1:] for b_ in args.beams)
+    agree = all(
+        torch.equal(
+            PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[w], **kw),
+            PT.pisa_select(q, k, branching=2, beam=b_, tuning=tunings[first], **kw),
+        )
+        for w in args.walks[1:]
+        for b_ in args.beams
+    )
     row["walks_agree"] = agree
     times = "  ".join(f"{w} beam {b_} {t:8.3f} ms" for (w, b_), t in t_walk.items())
     print(f"select n={q.shape[2]:7d}  walks: {times}  selections equal: {agree}", flush=True)
@@ -221,7 +269,10 @@ def part_select_variants(args, results):
                     ms = float("nan")
                     print(f"select variant warps={warps} leaf_bytes={leaf_bytes} failed: {type(e).__name__}: {e}")
                 rows.append(dict(n=args.variant_n, warps=warps, leaf_bytes=leaf_bytes, score=score, ms=ms))
-                print(f"select variant n={args.variant_n} warps={warps} leaf_bytes={leaf_bytes} score={score}: {ms:.3f} ms", flush=True)
+                print(
+                    f"select variant n={args.variant_n} warps={warps} leaf_bytes={leaf_bytes} score={score}: {ms:.3f} ms",
+                    flush=True,
+                )
     results["select_variants"] = rows
 
 
@@ -248,8 +299,11 @@ def part_select_tiled(args, results):
                 ms, equal = float("nan"), False
                 print(f"walk only tiled block_q={block_q} warps={warps} failed: {type(e).__name__}: {e}")
             rows.append(dict(n=args.variant_n, walk="tiled", block_q=block_q, warps=warps, ms=ms, equal=equal))
-            print(f"walk only n={args.variant_n} tiled block_q={block_q} warps={warps}: {ms:.3f} ms "
-                  f"(x{rows[0]['ms'] / ms:.2f} vs per_token), selection equal: {equal}", flush=True)
+            print(
+                f"walk only n={args.variant_n} tiled block_q={block_q} warps={warps}: {ms:.3f} ms "
+                f"(x{rows[0]['ms'] / ms:.2f} vs per_token), selection equal: {equal}",
+                flush=True,
+            )
     results["select_tiled"] = rows
 
 
@@ -308,14 +362,30 @@ def part_attn(args, results):
 
         t_fb = bench(fb)
         fwd = t_sel + t_att
-        row = dict(n=n, top_k=args.attn_k, tile_union_over_k=union, cudnn_fwd_ms=t_cud, flash_fwd_ms=t_fla, cudnn_fwd_bwd_ms=t_cud_fb,
-                   cudnn_kv=mode, cudnn_fwd_bwd_kv=mode_fb, pisa_select_ms=t_sel, pisa_attention_fwd_ms=t_att,
-                   pisa_fwd_ms=fwd, pisa_fwd_bwd_ms=t_fb, fwd_speedup_vs_cudnn=t_cud / fwd,
-                   attention_only_fwd_speedup_vs_cudnn=t_cud / t_att, fwd_bwd_speedup_vs_cudnn=t_cud_fb / t_fb)
+        row = dict(
+            n=n,
+            top_k=args.attn_k,
+            tile_union_over_k=union,
+            cudnn_fwd_ms=t_cud,
+            flash_fwd_ms=t_fla,
+            cudnn_fwd_bwd_ms=t_cud_fb,
+            cudnn_kv=mode,
+            cudnn_fwd_bwd_kv=mode_fb,
+            pisa_select_ms=t_sel,
+            pisa_attention_fwd_ms=t_att,
+            pisa_fwd_ms=fwd,
+            pisa_fwd_bwd_ms=t_fb,
+            fwd_speedup_vs_cudnn=t_cud / fwd,
+            attention_only_fwd_speedup_vs_cudnn=t_cud / t_att,
+            fwd_bwd_speedup_vs_cudnn=t_cud_fb / t_fb,
+        )
         rows.append(row)
-        print(f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
-              f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
-              f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}", flush=True)
+        print(
+            f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
+            f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
+            f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}",
+            flush=True,
+        )
         q = k = v = qq = kk = vv = None  # frees them; not del, closures above name them
         torch.cuda.empty_cache()
     results["attn"] = rows
@@ -331,8 +401,16 @@ def part_flex(args, results):
         q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
         idx = PT.pisa_select(q, k, block_size=64, top_k=args.attn_k)
         tri = lambda: token_sparse_attention(q, k, v, idx, block_size=64)  # noqa: E731
-        flx = lambda: fc.token_block_attention(q, k, v, idx, key_padding_mask=None, is_causal=True, scale=None,  # noqa: E731
-                                               block_size=64)
+        flx = lambda: fc.token_block_attention(  # noqa: E731
+            q,
+            k,
+            v,
+            idx,
+            key_padding_mask=None,
+            is_causal=True,
+            scale=None,
+            block_size=64,
+        )
         ref = tri()
         err = ((flx().float() - ref.float()).norm() / ref.float().norm()).item()
         t_tri, t_flx = bench(tri), bench(flx)
@@ -343,7 +421,9 @@ def part_flex(args, results):
             o.backward(torch.ones_like(o))
 
         def flx_fb():
-            o = fc.token_block_attention(qq, kk, vv, idx, key_padding_mask=None, is_causal=True, scale=None, block_size=64)
+            o = fc.token_block_attention(
+                qq, kk, vv, idx, key_padding_mask=None, is_causal=True, scale=None, block_size=64
+            )
             o.backward(torch.ones_like(o))
 
         t_tri_fb = bench(tri_fb)
@@ -352,12 +432,23 @@ def part_flex(args, results):
         except Exception as exc:  # report, do not hide
             t_flx_fb = float("nan")
             print(f"flex backward failed at n={n}: {type(exc).__name__}: {exc}")
-        row = dict(n=n, top_k=args.attn_k, triton_fwd_ms=t_tri, flex_fwd_ms=t_flx, triton_fwd_bwd_ms=t_tri_fb,
-                   flex_fwd_bwd_ms=t_flx_fb, flex_over_triton_fwd=t_flx / t_tri, flex_over_triton_fwd_bwd=t_flx_fb / t_tri_fb,
-                   flex_vs_triton_rel_err=err)
+        row = dict(
+            n=n,
+            top_k=args.attn_k,
+            triton_fwd_ms=t_tri,
+            flex_fwd_ms=t_flx,
+            triton_fwd_bwd_ms=t_tri_fb,
+            flex_fwd_bwd_ms=t_flx_fb,
+            flex_over_triton_fwd=t_flx / t_tri,
+            flex_over_triton_fwd_bwd=t_flx_fb / t_tri_fb,
+            flex_vs_triton_rel_err=err,
+        )
         rows.append(row)
-        print(f"flex n={n:7d}: fwd triton {t_tri:7.3f} flex {t_flx:7.3f} (x{t_flx / t_tri:4.2f}) | fwd+bwd triton {t_tri_fb:7.3f} "
-              f"flex {t_flx_fb:7.3f} (x{t_flx_fb / t_tri_fb:4.2f}) | rel err {err:.1e}", flush=True)
+        print(
+            f"flex n={n:7d}: fwd triton {t_tri:7.3f} flex {t_flx:7.3f} (x{t_flx / t_tri:4.2f}) | fwd+bwd triton {t_tri_fb:7.3f} "
+            f"flex {t_flx_fb:7.3f} (x{t_flx_fb / t_tri_fb:4.2f}) | rel err {err:.1e}",
+            flush=True,
+        )
     results["flex"] = rows
 
 
@@ -495,6 +586,7 @@ def _decode_captured(q1, k, v, top_k, eager_out, eager_idx):
 
 def _decode_dense(q1, k, v):
     """Dense SDPA decode, eager and replayed from a CUDA graph."""
+
     def dense():
         return F.scaled_dot_product_attention(q1, k, v, enable_gqa=True)
 
@@ -517,16 +609,30 @@ def part_decode(args, results):
         if "pisa_graph_step_ms" in row and "dense_sdpa_graph_ms" in row:
             row["graph_speedup_vs_dense_graph"] = row["dense_sdpa_graph_ms"] / row["pisa_graph_step_ms"]
         rows.append(row)
-        us = {key: f"{row[key] * 1e3:8.1f}" if key in row else "  failed"
-              for key in ("pisa_step_ms", "pisa_select_ms", "dense_sdpa_decode_ms", "pisa_graph_step_ms",
-                          "dense_sdpa_graph_ms")}
-        print(f"decode n={n:7d} K={args.attn_k}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
-              f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
-              f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
-              f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
-              f"  selection equal: {row.get('pisa_graph_selection_equal')}", flush=True)
-        for key in ("pisa_graph_error", "dense_sdpa_graph_error", "pisa_split_attention_graph_error",
-                    "pisa_split_vs_tiled_error"):
+        us = {
+            key: f"{row[key] * 1e3:8.1f}" if key in row else "  failed"
+            for key in (
+                "pisa_step_ms",
+                "pisa_select_ms",
+                "dense_sdpa_decode_ms",
+                "pisa_graph_step_ms",
+                "dense_sdpa_graph_ms",
+            )
+        }
+        print(
+            f"decode n={n:7d} K={args.attn_k}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
+            f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
+            f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
+            f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
+            f"  selection equal: {row.get('pisa_graph_selection_equal')}",
+            flush=True,
+        )
+        for key in (
+            "pisa_graph_error",
+            "dense_sdpa_graph_error",
+            "pisa_split_attention_graph_error",
+            "pisa_split_vs_tiled_error",
+        ):
             if key in row:
                 print(f"  {key}: {row[key]}", flush=True)
     results["decode"] = rows
@@ -548,14 +654,18 @@ def _walks(text):
     walks = text.split(",")
     if not walks or any(w not in PISA_WALKS for w in walks) or len(set(walks)) != len(walks):
         raise argparse.ArgumentTypeError(
-            f"--walk must be a comma list of distinct walks from {list(PISA_WALKS)}, got {text!r}")
+            f"--walk must be a comma list of distinct walks from {list(PISA_WALKS)}, got {text!r}"
+        )
     return walks
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", action="append",
-                    choices=["check", "select", "select_variants", "select_tiled", "attn", "flex", "decode"])
+    ap.add_argument(
+        "--part",
+        action="append",
+        choices=["check", "select", "select_variants", "select_tiled", "attn", "flex", "decode"],
+    )
     ap.add_argument("--variant-n", type=int, default=65536)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     ap.add_argument("--select-ns", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
@@ -563,12 +673,21 @@ def main(argv=None):
     ap.add_argument("--flex-ns", type=ints, default=[16384, 32768])
     ap.add_argument("--decode-ns", type=ints, default=[32768, 131072])
     ap.add_argument("--attn-k", type=int, default=32)
-    ap.add_argument("--beams", type=_beams, default=[1],
-                    help="comma list of PISA walk beams (PISAConfig.beam) timed side by side in --part select and "
-                         "checked against the reference in --part check, e.g. 1,2,4 (default 1)")
-    ap.add_argument("--walk", dest="walks", type=_walks, default=["per_token"],
-                    help="comma list of PISA selection walks (Tuning.pisa_walk) timed side by side in --part select, "
-                         "their selections compared, e.g. per_token,tiled (default per_token)")
+    ap.add_argument(
+        "--beams",
+        type=_beams,
+        default=[1],
+        help="comma list of PISA walk beams (PISAConfig.beam) timed side by side in --part select and "
+        "checked against the reference in --part check, e.g. 1,2,4 (default 1)",
+    )
+    ap.add_argument(
+        "--walk",
+        dest="walks",
+        type=_walks,
+        default=["per_token"],
+        help="comma list of PISA selection walks (Tuning.pisa_walk) timed side by side in --part select, "
+        "their selections compared, e.g. per_token,tiled (default per_token)",
+    )
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_h200.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

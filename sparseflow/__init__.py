@@ -3,6 +3,7 @@
 Importing registers the ``sparseflow::*`` ops (torch only); Triton, transformers and ONNX are
 imported lazily by the backends and tools that need them.
 """
+
 from . import ops, passes
 from .api import InspectionResult, RewriteReport, compile, export, inspect, report
 from .context_parallel import ContextParallel

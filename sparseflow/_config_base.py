@@ -1,6 +1,7 @@
 """The base of every method's config (serialisation, validation helpers); the method configs
 themselves live in ``sparseflow/methods/<method>/config.py`` and are all named by
 :mod:`sparseflow.config`. Imports nothing else of sparseflow, so the method folders can build on it."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -5,6 +5,7 @@ every recompile, e.g. the decode steps of ``generate()``), and our backend rewri
 before handing it on. The model's :class:`RewriteReport` therefore fills up as the model runs;
 ``inspect`` runs the model once so the report is complete for those inputs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -141,15 +142,21 @@ class RewriteReport:
         return len(self.skipped)
 
     def counts(self) -> Dict[str, int]:
-        return {"calls": len(self.entries), "rewritten": self.num_rewritten, "skipped": self.num_skipped, "graphs": self.graphs}
+        return {
+            "calls": len(self.entries),
+            "rewritten": self.num_rewritten,
+            "skipped": self.num_skipped,
+            "graphs": self.graphs,
+        }
 
     def tags(self, rewritten: Optional[bool] = None) -> List[str]:
         return [e.tag for e in self.entries if rewritten is None or e.rewritten == rewritten]
 
     def copy(self) -> "RewriteReport":
         """A snapshot (the live report keeps filling up as the model runs)."""
-        new = RewriteReport(self.method, dict(self.config), self.backend, source=self.source, lost=self.lost,
-                            recipe=self.recipe)
+        new = RewriteReport(
+            self.method, dict(self.config), self.backend, source=self.source, lost=self.lost, recipe=self.recipe
+        )
         new.graphs = self.graphs
         new.runtime = {k: dict(v) for k, v in self.runtime.items()}
         new._warned_no_attention = self._warned_no_attention
@@ -169,9 +176,7 @@ class RewriteReport:
             "counts": self.counts(),
             "runs_dense": len(self.runs_dense),
             "lost": self.lost,
-            "entries": [
-                {**dataclasses.asdict(e), "status": e.status} for e in self.entries
-            ],
+            "entries": [{**dataclasses.asdict(e), "status": e.status} for e in self.entries],
         }
 
     def _head(self) -> str:
@@ -179,7 +184,9 @@ class RewriteReport:
         n_dense = len(self.runs_dense)
         dense = f" ({n_dense} of them run dense at run time)" if n_dense else ""
         counts = f"{c['rewritten']} rewritten{dense}, {c['skipped']} skipped, {c['graphs']} graph(s)"
-        head = f"sparseflow rewrite report: method={self.method} backend={self.backend} recipe={self.recipe or 'none'} - "
+        head = (
+            f"sparseflow rewrite report: method={self.method} backend={self.backend} recipe={self.recipe or 'none'} - "
+        )
         if self.lost:
             return f"{head}compilation lost, runs dense SDPA (the compiled original: {counts})\n{self.lost}"
         return head + counts
@@ -206,8 +213,12 @@ class RewriteReport:
             )
             for e in self.entries
         ]
-        return head + "\n" + _table(
-            ("module", "layer", "status", "op", "target", "q", "k (to op)", "gqa", "mask", "graphs", "reason"), rows
+        return (
+            head
+            + "\n"
+            + _table(
+                ("module", "layer", "status", "op", "target", "q", "k (to op)", "gqa", "mask", "graphs", "reason"), rows
+            )
         )
 
 
@@ -279,7 +290,11 @@ class InspectionResult:
             f"runtime: {len(self.calls)} op call(s), {len(self.sparse_calls)} sparse, "
             f"{len(self.dense_calls)} dense, mean density {self.mean_density():.3f}"
         )
-        table = _table(("module", "op", "path", "backend", "q", "k", "density", "reason"), rows) if rows else "(no op calls)"
+        table = (
+            _table(("module", "op", "path", "backend", "q", "k", "density", "reason"), rows)
+            if rows
+            else "(no op calls)"
+        )
         return f"{self.report}\n\n{runtime}\n{table}"
 
 
@@ -320,7 +335,9 @@ def _make_options(method, config, backend, filter_fn, skip_layers, layer_configs
         )
     _check_backend(method, backend)
     if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be a callable taking a module name and returning bool, got {type(filter_fn).__name__}")
+        raise TypeError(
+            f"filter_fn must be a callable taking a module name and returning bool, got {type(filter_fn).__name__}"
+        )
     if skip_layers is None:
         skip_layers = ()
     if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable):
@@ -335,7 +352,9 @@ def _make_options(method, config, backend, filter_fn, skip_layers, layer_configs
     per_layer: Dict[int, Optional[AttentionConfig]] = {}
     if layer_configs is not None:
         if not isinstance(layer_configs, Mapping):
-            raise TypeError(f"layer_configs must be a dict {{layer_index: config or None}}, got {type(layer_configs).__name__}")
+            raise TypeError(
+                f"layer_configs must be a dict {{layer_index: config or None}}, got {type(layer_configs).__name__}"
+            )
         for i, cfg in layer_configs.items():
             if isinstance(i, bool) or not isinstance(i, int):
                 raise TypeError(f"layer_configs keys must be int layer indices, got {i!r}")
@@ -367,8 +386,10 @@ def _check_model_context_parallel(context_parallel: Any):
     if not isinstance(context_parallel, ContextParallel):
         context_parallel = ContextParallel(as_context_parallel(context_parallel).group, sharding="contiguous")
     if context_parallel.sharding != "contiguous":
-        raise ValueError("context_parallel for a model needs sharding='contiguous' (each rank's rows are one run of "
-                         f"positions), got {context_parallel.sharding!r}; zigzag is for the functional op")
+        raise ValueError(
+            "context_parallel for a model needs sharding='contiguous' (each rank's rows are one run of "
+            f"positions), got {context_parallel.sharding!r}; zigzag is for the functional op"
+        )
     return context_parallel
 
 
@@ -382,7 +403,9 @@ def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
         "backend": options.backend,
         "skip_layers": sorted(options.skip_layers),
         "layer_configs": {i: (None if c is None else c.to_dict()) for i, c in options.layer_configs.items()},
-        "filter_fn": None if options.filter_fn is None else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
+        "filter_fn": None
+        if options.filter_fn is None
+        else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
         "tuning": options.tuning.to_dict(),
         "context_parallel": None if options.context_parallel is None else options.context_parallel.sharding,
         **extra,
@@ -413,7 +436,9 @@ def _check_layers(model: nn.Module, options: RewriteOptions) -> None:
     for arg, given in (("skip_layers", options.skip_layers), ("layer_configs", options.layer_configs)):
         bad = sorted(i for i in given if i not in layers)
         if bad:
-            raise ValueError(f"{arg} names layers {bad} that the model does not have: {_describe_layers(sorted(layers))}")
+            raise ValueError(
+                f"{arg} names layers {bad} that the model does not have: {_describe_layers(sorted(layers))}"
+            )
 
 
 def _check_not_transformed(model: nn.Module) -> None:
@@ -455,22 +480,33 @@ def _recipe_for(recipe, model: nn.Module, method: str):
     auto = _is_auto(recipe)
     if rec is None:
         if auto:
-            why = "no shipped recipe fits this model" if model_config is not None else "the model has no transformers config"
+            why = (
+                "no shipped recipe fits this model"
+                if model_config is not None
+                else "the model has no transformers config"
+            )
             logger.info("sparseflow: recipe='auto': %s; using the %s settings given", why, method)
         return None
     if method not in rec.configs:
         if auto:
-            logger.info("sparseflow: recipe='auto': %r fits the model but has no %r settings (it covers %s); "
-                        "not applied", rec.label, method, rec.methods)
+            logger.info(
+                "sparseflow: recipe='auto': %r fits the model but has no %r settings (it covers %s); not applied",
+                rec.label,
+                method,
+                rec.methods,
+            )
             return None
-        raise ValueError(f"recipe {rec.label!r} has no {method!r} settings; it covers {rec.methods}: pass one of "
-                         "those methods, or recipe=None")
+        raise ValueError(
+            f"recipe {rec.label!r} has no {method!r} settings; it covers {rec.methods}: pass one of "
+            "those methods, or recipe=None"
+        )
     if model_config is not None:
         if not auto:
             rec.check_model(model_config)
     else:
-        logger.info("sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped",
-                    rec.label)
+        logger.info(
+            "sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped", rec.label
+        )
     return rec
 
 
@@ -494,9 +530,15 @@ def _apply_recipe(rec, model: nn.Module, method: str, config, skip_layers, layer
     from_recipe.update(rec.layer_configs_for(method, base, n_layers))
     user = set(skip_layers) | set(layer_configs)
     kept = {i: c for i, c in sorted(from_recipe.items()) if i not in user}
-    logger.info("sparseflow: recipe %r applied: %s %s%s, dense layers %s, %d per-layer override(s)",
-                rec.label, method, base.to_json(), " (the config given)" if config is not None else "",
-                [i for i, c in kept.items() if c is None], sum(c is not None for c in kept.values()))
+    logger.info(
+        "sparseflow: recipe %r applied: %s %s%s, dense layers %s, %d per-layer override(s)",
+        rec.label,
+        method,
+        base.to_json(),
+        " (the config given)" if config is not None else "",
+        [i for i, c in kept.items() if c is None],
+        sum(c is not None for c in kept.values()),
+    )
     return base, {**kept, **layer_configs}
 
 
@@ -518,8 +560,13 @@ def _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip
 class _Backend:
     """The torch.compile backend: rewrite the Dynamo graph, then hand it to the inner backend."""
 
-    def __init__(self, options: RewriteOptions, inner: str, report: RewriteReport,
-                 inductor_options: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        options: RewriteOptions,
+        inner: str,
+        report: RewriteReport,
+        inductor_options: Optional[Dict[str, Any]] = None,
+    ):
         self.options, self.inner, self.report = options, inner, report
         self.inductor_options = dict(inductor_options or {})
 
@@ -622,8 +669,9 @@ def compile(
     at run time, with the reasons.
     """
     _check_compilable(model)
-    options, recipe_label = _compile_options(model, method, config, backend, filter_fn, skip_layers, layer_configs,
-                                             recipe, tuning, context_parallel)
+    options, recipe_label = _compile_options(
+        model, method, config, backend, filter_fn, skip_layers, layer_configs, recipe, tuning, context_parallel
+    )
     _check_compile_flags(inner_backend, dynamic, fullgraph)
     inductor_options = _mode_options(mode, inner_backend, dynamic)
     compile_flags = dict(inner_backend=inner_backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph)
@@ -631,26 +679,42 @@ def compile(
     return model
 
 
-def _compile_options(model, method, config, backend, filter_fn, skip_layers, layer_configs, recipe, tuning,
-                     context_parallel) -> Tuple[RewriteOptions, Optional[str]]:
+def _compile_options(
+    model, method, config, backend, filter_fn, skip_layers, layer_configs, recipe, tuning, context_parallel
+) -> Tuple[RewriteOptions, Optional[str]]:
     """``compile``'s checked rewrite options and the label of the recipe that applied (None: none)."""
-    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
-                                                 layer_configs)
-    options = dataclasses.replace(options, tuning=check_tuning(tuning),
-                                  context_parallel=_check_model_context_parallel(context_parallel))
+    options, recipe_label = _options_with_recipe(
+        recipe, model, method, config, backend, filter_fn, skip_layers, layer_configs
+    )
+    options = dataclasses.replace(
+        options, tuning=check_tuning(tuning), context_parallel=_check_model_context_parallel(context_parallel)
+    )
     _check_layers(model, options)
     return options, recipe_label
 
 
-def _compile_in_place(model, options, recipe_label, inductor_options, *, inner_backend, mode, dynamic,
-                      fullgraph) -> None:
+def _compile_in_place(
+    model, options, recipe_label, inductor_options, *, inner_backend, mode, dynamic, fullgraph
+) -> None:
     """Install the compiled call on ``model`` and mark it with its settings and its (empty) report."""
-    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
-                        recipe=recipe_label)
-    _install_compiled_call(model, _Backend(options, inner_backend, rep, inductor_options), rep, dynamic, fullgraph,
-                           cuda_graphs=mode if inductor_options.get("triton.cudagraphs") else None)
-    setattr(model, _CONFIG_ATTR, _marker(options, inner_backend=inner_backend, mode=mode, dynamic=dynamic,
-                                         fullgraph=fullgraph, recipe=recipe_label))
+    rep = RewriteReport(
+        method=options.config.method, config=options.config.to_dict(), backend=options.backend, recipe=recipe_label
+    )
+    _install_compiled_call(
+        model,
+        _Backend(options, inner_backend, rep, inductor_options),
+        rep,
+        dynamic,
+        fullgraph,
+        cuda_graphs=mode if inductor_options.get("triton.cudagraphs") else None,
+    )
+    setattr(
+        model,
+        _CONFIG_ATTR,
+        _marker(
+            options, inner_backend=inner_backend, mode=mode, dynamic=dynamic, fullgraph=fullgraph, recipe=recipe_label
+        ),
+    )
     setattr(model, _REPORT_ATTR, rep)
 
 
@@ -697,8 +761,9 @@ def _check_compile_flags(inner_backend, dynamic, fullgraph) -> None:
         raise TypeError(f"fullgraph must be a bool, got {fullgraph!r}")
 
 
-def _install_compiled_call(model: nn.Module, be: "_Backend", rep: RewriteReport, dynamic, fullgraph,
-                           cuda_graphs: Optional[str] = None) -> None:
+def _install_compiled_call(
+    model: nn.Module, be: "_Backend", rep: RewriteReport, dynamic, fullgraph, cuda_graphs: Optional[str] = None
+) -> None:
     """Set ``model._compiled_call_impl`` to the rewriting compilation, run with the model's own
     decode state and the report's run-time tally (what Module.compile(backend=be, dynamic=...,
     fullgraph=...) does, with a per-model trampoline in place of self._call_impl: see _trampoline).
@@ -712,7 +777,8 @@ def _install_compiled_call(model: nn.Module, be: "_Backend", rep: RewriteReport,
             raise RuntimeError(
                 f"sparseflow.capture() cannot record a model compiled with mode={cuda_graphs!r}: its CUDA graph "
                 "replays skip the code that records each call. Compile with mode=None or 'default' to record, "
-                "or call the model outside capture()")
+                "or call the model outside capture()"
+            )
         # the model's PISA decode state (per-layer pyramids across generate() steps) and the
         # report's run-time tally are active only while this model runs: no process-global state
         with decode_state.active(state), _recording.tallying(rep.runtime):
@@ -761,15 +827,21 @@ def export(
         raise TypeError(f"args must be a tuple of positional inputs, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
-    options, recipe_label = _options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_layers,
-                                                 layer_configs)
+    options, recipe_label = _options_with_recipe(
+        recipe, model, method, config, backend, filter_fn, skip_layers, layer_configs
+    )
     options = dataclasses.replace(options, tuning=check_tuning(tuning))
     _check_layers(model, options)
     ep = torch.export.export(model, args, kwargs)
     ep = ep.run_decompositions({})
     gm = ep.graph_module
-    rep = RewriteReport(method=options.config.method, config=options.config.to_dict(), backend=options.backend,
-                        source="export", recipe=recipe_label)
+    rep = RewriteReport(
+        method=options.config.method,
+        config=options.config.to_dict(),
+        backend=options.backend,
+        source="export",
+        recipe=recipe_label,
+    )
     entries = rewrite_graph(gm, options, graph_kind="export")
     if not entries and _has_sparseflow_ops(gm):
         raise RuntimeError(

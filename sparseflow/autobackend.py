@@ -11,6 +11,7 @@ per new shape there, and Triton runs only in its interpreter.
 The choices live in a ``BackendChooser`` that a caller may own; the default one is per process,
 like Triton's autotuning cache, and ``clear()`` empties it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,18 @@ class BackendChooser:
 
     def key(self, method: str, q: torch.Tensor, k: torch.Tensor, config_key: Tuple) -> Tuple:
         # the device index identifies the GPU within a process: no name lookup on every call
-        return (method, str(q.device), q.dtype,
-                q.shape[0], q.shape[1], k.shape[1], q.shape[-1], _bucket(q.shape[2]), _bucket(k.shape[2]), config_key)
+        return (
+            method,
+            str(q.device),
+            q.dtype,
+            q.shape[0],
+            q.shape[1],
+            k.shape[1],
+            q.shape[-1],
+            _bucket(q.shape[2]),
+            _bucket(k.shape[2]),
+            config_key,
+        )
 
     def choose(self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor]) -> str:
         forced = os.environ.get(ENV_OVERRIDE)
@@ -90,15 +101,24 @@ class BackendChooser:
             try:
                 times[name] = self._time(run, name)
             except Exception as exc:  # a backend that cannot run this case is not a candidate
-                _log.warning("sparseflow auto backend: %s failed on %s (%s: %s); not a candidate",
-                             name, key[0], type(exc).__name__, exc)
+                _log.warning(
+                    "sparseflow auto backend: %s failed on %s (%s: %s); not a candidate",
+                    name,
+                    key[0],
+                    type(exc).__name__,
+                    exc,
+                )
         if not times:
             raise RuntimeError(f"backend='auto': no backend among {list(candidates)} could run {key[0]}")
         best = min(times, key=times.get)
         self.choices[key] = best
         self.timings[key] = times
-        _log.info("sparseflow auto backend for %s: %s (measured ms: %s)", key[0], best,
-                  ", ".join(f"{n}={t:.3f}" for n, t in times.items()))
+        _log.info(
+            "sparseflow auto backend for %s: %s (measured ms: %s)",
+            key[0],
+            best,
+            ", ".join(f"{n}={t:.3f}" for n, t in times.items()),
+        )
         return best
 
 

@@ -14,6 +14,7 @@ Two parts, both reported side by side in one run (ratios, never a lone time):
   installed wheel runs them. With ``--benchmarks DIR`` the repository's scripts in ``DIR`` run
   instead at a small size (a missing script is reported as skipped with the reason).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,15 +29,35 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["BenchShape", "op_timings", "find_benchmarks", "run_scripts", "run_part", "structured_qkv", "SCRIPTS",
-           "PARTS"]
+__all__ = [
+    "BenchShape",
+    "op_timings",
+    "find_benchmarks",
+    "run_scripts",
+    "run_part",
+    "structured_qkv",
+    "SCRIPTS",
+    "PARTS",
+]
 
 # script -> arguments for a small CUDA run of the repository's script under ``--benchmarks DIR``
 # (``{json}`` is replaced by the output path)
 SCRIPTS: Dict[str, List[str]] = {
     "pbs.py": ["--part", "check", "--part", "total", "--ns", "8192", "--json", "{json}"],
-    "pisa.py": ["--part", "check", "--part", "select", "--select-ns", "4096,8192", "--part", "attn",
-                "--attn-ns", "16384", "--json", "{json}"],
+    "pisa.py": [
+        "--part",
+        "check",
+        "--part",
+        "select",
+        "--select-ns",
+        "4096,8192",
+        "--part",
+        "attn",
+        "--attn-ns",
+        "16384",
+        "--json",
+        "{json}",
+    ],
 }
 
 
@@ -89,8 +110,10 @@ def structured_qkv(b, hq, hkv, n, d, dtype, g, topics=24, run=96, strength=2.0):
     tk = torch.gather(dirs, 2, idx)  # [B, Hkv, N, D]
     k = torch.randn(b, hkv, n, d, device=dev, dtype=f32, generator=g) * 0.5 + tk * 0.35
     g_ = hq // hkv
-    q = torch.randn(b, hq, n, d, device=dev, dtype=f32, generator=g) * 0.5 + \
-        tk.repeat_interleave(g_, dim=1) * (strength / math.sqrt(d)) * 1.5
+    q = (
+        torch.randn(b, hq, n, d, device=dev, dtype=f32, generator=g) * 0.5
+        + tk.repeat_interleave(g_, dim=1) * (strength / math.sqrt(d)) * 1.5
+    )
     k[:, :, 0] = q.view(b, hkv, g_, n, d).mean(dim=(2, 3)) * 6.0  # sink
     v = torch.randn(b, hkv, n, d, device=dev, dtype=f32, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
@@ -109,9 +132,18 @@ def _inputs(shape: BenchShape, device, dtype, seed: int, structured: bool):
     return q, k, v
 
 
-def op_timings(shapes: Sequence[BenchShape], methods: Sequence[str] = ("pbs", "pisa", "bsa"),
-               backends: Sequence[str] = ("auto",), *, device=None, dtype=None, reps: int = 3,
-               seed: int = 0, configs: Optional[Dict[str, object]] = None, structured: bool = False) -> List[Dict]:
+def op_timings(
+    shapes: Sequence[BenchShape],
+    methods: Sequence[str] = ("pbs", "pisa", "bsa"),
+    backends: Sequence[str] = ("auto",),
+    *,
+    device=None,
+    dtype=None,
+    reps: int = 3,
+    seed: int = 0,
+    configs: Optional[Dict[str, object]] = None,
+    structured: bool = False,
+) -> List[Dict]:
     """One row per (shape, method, backend): median seconds of the op and of dense causal SDPA
     on the same inputs, their ratio, and the density reached. Inputs are random normal Q/K/V
     (density on random data is a property of the selector, not of a model), or with
@@ -136,8 +168,15 @@ def op_timings(shapes: Sequence[BenchShape], methods: Sequence[str] = ("pbs", "p
         for method in methods:
             cfg = (configs or {}).get(method) or default_config(method)
             for backend in backends:
-                row = {**shape.to_dict(), "method": method, "backend": backend, "config": cfg.to_dict(),
-                       "device": device.type, "dtype": str(dtype).replace("torch.", ""), "dense_sdpa_s": dense_s}
+                row = {
+                    **shape.to_dict(),
+                    "method": method,
+                    "backend": backend,
+                    "config": cfg.to_dict(),
+                    "device": device.type,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "dense_sdpa_s": dense_s,
+                }
                 try:
                     with capture(keep_selections=False) as cap:
                         attention(q, k, v, config=cfg, is_causal=True, backend=backend)
@@ -147,8 +186,14 @@ def op_timings(shapes: Sequence[BenchShape], methods: Sequence[str] = ("pbs", "p
                     row.update(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
                     rows.append(row)
                     continue
-                row.update(op_s=s, ratio_vs_dense=s / dense_s, density=call.density, ran=call.backend,
-                           sparse=call.sparse, reason=call.reason)
+                row.update(
+                    op_s=s,
+                    ratio_vs_dense=s / dense_s,
+                    density=call.density,
+                    ran=call.backend,
+                    sparse=call.sparse,
+                    reason=call.reason,
+                )
                 rows.append(row)
     return rows
 
@@ -194,7 +239,7 @@ def _check_row(cfg, shape, backend: str, device, dtype) -> Dict:
     kpm = None
     if padded:
         kpm = torch.ones(b, n, dtype=torch.bool, device=device)
-        kpm[-1, n - n // 3:] = False
+        kpm[-1, n - n // 3 :] = False
     row = dict(method=cfg.method, backend=backend, b=b, hq=hq, hkv=hkv, n=n, d=d, padded=padded, status="ok")
     try:
         check_exact_mode(q, k, v, cfg.method, base=cfg, key_padding_mask=kpm, backend=backend)
@@ -212,8 +257,16 @@ def _capped(shape, max_n: Optional[int]):
     return shape[:3] + (min(shape[3], max_n),) + shape[4:]
 
 
-def run_part(name: str, out_json, *, device=None, dtype=None, backend: str = "triton", reps: int = 10,
-             max_n: Optional[int] = None) -> Dict:
+def run_part(
+    name: str,
+    out_json,
+    *,
+    device=None,
+    dtype=None,
+    backend: str = "triton",
+    reps: int = 10,
+    max_n: Optional[int] = None,
+) -> Dict:
     """One CUDA part of ``sparseflow bench`` (a key of :data:`PARTS`): its correctness checks
     and op timings (structured inputs) on ``backend``, written to ``out_json``. ``max_n`` caps
     every length (a smoke run). Returns the JSON's content; ``ok`` is False when a check failed."""
@@ -224,22 +277,40 @@ def run_part(name: str, out_json, *, device=None, dtype=None, backend: str = "tr
     device = torch.device(device or "cuda")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     checks, timings = PARTS[name]()
-    check_rows = [_check_row(cfg, _capped(shape, max_n), backend, device, dtype)
-                  for cfg in checks for shape in _CHECK_SHAPES]
+    check_rows = [
+        _check_row(cfg, _capped(shape, max_n), backend, device, dtype) for cfg in checks for shape in _CHECK_SHAPES
+    ]
     timing_rows = []
     for configs, shape in timings:
-        timing_rows += op_timings([_capped(shape, max_n)], list(configs), [backend], device=device, dtype=dtype,
-                                  reps=reps, configs=configs, structured=True)
+        timing_rows += op_timings(
+            [_capped(shape, max_n)],
+            list(configs),
+            [backend],
+            device=device,
+            dtype=dtype,
+            reps=reps,
+            configs=configs,
+            structured=True,
+        )
     ok = all(r["status"] == "ok" for r in check_rows) and not any("error" in r for r in timing_rows)
-    result = {"env": environment(), "part": name, "backend": backend, "ok": ok, "check": check_rows,
-              "op_timing": timing_rows}
+    result = {
+        "env": environment(),
+        "part": name,
+        "backend": backend,
+        "ok": ok,
+        "check": check_rows,
+        "op_timing": timing_rows,
+    }
     write_json(str(out_json), result)
     return result
 
 
 def _part_text(result: Dict) -> str:
-    lines = [f"check {r['method']:<5} {r['backend']:<9} B{r['b']} Hq{r['hq']} Hkv{r['hkv']} N{r['n']} D{r['d']} "
-             f"pad={int(r['padded'])}: {r['status']}" for r in result["check"]]
+    lines = [
+        f"check {r['method']:<5} {r['backend']:<9} B{r['b']} Hq{r['hq']} Hkv{r['hkv']} N{r['n']} D{r['d']} "
+        f"pad={int(r['padded'])}: {r['status']}"
+        for r in result["check"]
+    ]
     return "\n".join(lines + [format_rows(result["op_timing"])])
 
 
@@ -250,10 +321,20 @@ def _run_in_package(name: str, out_dir: Path) -> Dict:
     try:
         result = run_part(name, out_json)
     except Exception:  # noqa: BLE001 -- a part that breaks is reported failed, the others still run
-        return dict(status="failed", returncode=1, seconds=time.perf_counter() - t0,
-                    json=str(out_json) if out_json.is_file() else None, output_tail=traceback.format_exc()[-2000:])
-    return dict(status="ok" if result["ok"] else "failed", returncode=0 if result["ok"] else 1,
-                seconds=time.perf_counter() - t0, json=str(out_json), output_tail=_part_text(result)[-2000:])
+        return dict(
+            status="failed",
+            returncode=1,
+            seconds=time.perf_counter() - t0,
+            json=str(out_json) if out_json.is_file() else None,
+            output_tail=traceback.format_exc()[-2000:],
+        )
+    return dict(
+        status="ok" if result["ok"] else "failed",
+        returncode=0 if result["ok"] else 1,
+        seconds=time.perf_counter() - t0,
+        json=str(out_json),
+        output_tail=_part_text(result)[-2000:],
+    )
 
 
 def _run_script(name: str, folder: Path, out_dir: Path, timeout: float) -> Dict:
@@ -268,9 +349,13 @@ def _run_script(name: str, folder: Path, out_dir: Path, timeout: float) -> Dict:
         proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(status="failed", reason=f"timed out after {timeout:.0f} s")
-    return dict(status="ok" if proc.returncode == 0 else "failed", returncode=proc.returncode,
-                seconds=time.perf_counter() - t0, json=str(out_json) if out_json.is_file() else None,
-                output_tail=(proc.stdout + proc.stderr)[-2000:])
+    return dict(
+        status="ok" if proc.returncode == 0 else "failed",
+        returncode=proc.returncode,
+        seconds=time.perf_counter() - t0,
+        json=str(out_json) if out_json.is_file() else None,
+        output_tail=(proc.stdout + proc.stderr)[-2000:],
+    )
 
 
 def find_benchmarks(folder: Optional[str] = None) -> Optional[Path]:
@@ -284,8 +369,9 @@ def find_benchmarks(folder: Optional[str] = None) -> Optional[Path]:
     return path
 
 
-def run_scripts(folder: Optional[Path], out_dir: Path, *, timeout: float = 1800.0,
-                scripts: Sequence[str] = tuple(SCRIPTS)) -> List[Dict]:
+def run_scripts(
+    folder: Optional[Path], out_dir: Path, *, timeout: float = 1800.0, scripts: Sequence[str] = tuple(SCRIPTS)
+) -> List[Dict]:
     """Each CUDA part at its small size, one status row per part: the in-package part
     (:func:`run_part`), or with ``folder`` the repository script of that name in it."""
     import torch
@@ -308,8 +394,12 @@ def run_scripts(folder: Optional[Path], out_dir: Path, *, timeout: float = 1800.
 def environment() -> Dict[str, str]:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-           "threads": str(torch.get_num_threads())}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": str(torch.get_num_threads()),
+    }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
@@ -322,8 +412,10 @@ def format_rows(rows: Sequence[Dict]) -> str:
         if "error" in r:
             lines.append(f"{r['n']:>6} {r['method']:<6} {r['backend']:<9} unavailable: {r['error']}")
             continue
-        lines.append(f"{r['n']:>6} {r['method']:<6} {r['backend']:<9} {r['ran']:<9} {r['density']:>7.3f} "
-                     f"{1e3 * r['op_s']:>9.2f} {1e3 * r['dense_sdpa_s']:>9.2f} {r['ratio_vs_dense']:>8.2f}")
+        lines.append(
+            f"{r['n']:>6} {r['method']:<6} {r['backend']:<9} {r['ran']:<9} {r['density']:>7.3f} "
+            f"{1e3 * r['op_s']:>9.2f} {1e3 * r['dense_sdpa_s']:>9.2f} {r['ratio_vs_dense']:>8.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ changes in ``layer_overrides``, ``dense_layers``) with both fidelities in ``meas
 ``--recipe`` argument reads the file. Single-layer results are kept in a progress file, so a
 rerun after an interruption measures only what is missing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,18 @@ from .config import AttentionConfig, default_config
 from .methods import spec_for, sparse_names
 from .methods.registry import or_list
 
-__all__ = ["Choice", "Measurement", "CalibrationResult", "candidate_choices", "calibrate", "greedy_plan",
-           "ESTIMATE_OVERHEAD", "DEFAULT_THRESHOLDS", "DEFAULT_TOP_KS", "DEFAULT_SCORINGS"]
+__all__ = [
+    "Choice",
+    "Measurement",
+    "CalibrationResult",
+    "candidate_choices",
+    "calibrate",
+    "greedy_plan",
+    "ESTIMATE_OVERHEAD",
+    "DEFAULT_THRESHOLDS",
+    "DEFAULT_TOP_KS",
+    "DEFAULT_SCORINGS",
+]
 
 logger = logging.getLogger("sparseflow")
 
@@ -121,18 +132,27 @@ def _floats(values) -> Tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def candidate_choices(method: str, base: AttentionConfig, *, thresholds: Optional[Sequence[float]] = None,
-                      top_ks: Optional[Sequence[int]] = None, scorings: Optional[Sequence[str]] = None,
-                      permutes: Sequence[bool] = (True, False)) -> List[Choice]:
+def candidate_choices(
+    method: str,
+    base: AttentionConfig,
+    *,
+    thresholds: Optional[Sequence[float]] = None,
+    top_ks: Optional[Sequence[int]] = None,
+    scorings: Optional[Sequence[str]] = None,
+    permutes: Sequence[bool] = (True, False),
+) -> List[Choice]:
     """The sparse choices a layer is measured with (dense is always available besides), each a
     valid config of ``method`` on top of ``base``."""
     spec = _sparse_spec(method, "method")
     if spec.has_top_k:
         out = [Choice((("top_k", int(k)),)) for k in (top_ks or DEFAULT_TOP_KS)]
     elif spec.has_threshold:
-        out = [Choice((("threshold", t), ("permute", bool(p)), ("scoring", s)))
-               for s in (scorings or DEFAULT_SCORINGS) for p in permutes
-               for t in _floats(thresholds or DEFAULT_THRESHOLDS)]
+        out = [
+            Choice((("threshold", t), ("permute", bool(p)), ("scoring", s)))
+            for s in (scorings or DEFAULT_SCORINGS)
+            for p in permutes
+            for t in _floats(thresholds or DEFAULT_THRESHOLDS)
+        ]
     else:
         raise ValueError(f"method {method!r} has neither a top_k nor a threshold to calibrate")
     for c in out:
@@ -171,8 +191,10 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     for _, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and n > 0:
             return mod
-    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}: calibrate needs a "
-                     "transformers causal LM with a ModuleList of num_hidden_layers blocks")
+    raise ValueError(
+        f"cannot find the {n} decoder layers of {type(model).__name__}: calibrate needs a "
+        "transformers causal LM with a ModuleList of num_hidden_layers blocks"
+    )
 
 
 class _Skip(torch.nn.Module):
@@ -268,14 +290,20 @@ class _Session:
 
     @property
     def targets(self) -> torch.Tensor:
-        return self.input_ids[0, -self.keep:]
+        return self.input_ids[0, -self.keep :]
 
 
 def _plan(s: _Session, configs: Mapping[int, AttentionConfig], dense_layers: Sequence[int]):
     from .hf import Plan
 
-    return Plan(method=s.method, config=s.base, backend=s.backend, dense_layers=tuple(sorted(dense_layers)),
-                layer_configs=dict(configs), num_layers=s.n_layers)
+    return Plan(
+        method=s.method,
+        config=s.base,
+        backend=s.backend,
+        dense_layers=tuple(sorted(dense_layers)),
+        layer_configs=dict(configs),
+        num_layers=s.n_layers,
+    )
 
 
 def _single_layer_plan(s: _Session, layer: int, cfg: AttentionConfig):
@@ -302,8 +330,14 @@ def measure_layer(s: _Session, layer: int, choice: Choice, cost: Optional[float]
     if cost is None:
         cost = measured_cost if measured_cost is not None else layer_cost(s, layer, cfg, density)
     elif measured_cost is not None and abs(measured_cost - cost) > 1e-6:
-        logger.warning("sparseflow calibrate: layer %d %s: density %.6f measured in the model, %.6f from its "
-                       "selection alone; the model's is kept", layer, choice.key, density, cost - estimate_overhead(cfg))
+        logger.warning(
+            "sparseflow calibrate: layer %d %s: density %.6f measured in the model, %.6f from its "
+            "selection alone; the model's is kept",
+            layer,
+            choice.key,
+            density,
+            cost - estimate_overhead(cfg),
+        )
         cost = measured_cost
     return Measurement(kl=kl, top1=top1, density=density, cost=cost)
 
@@ -413,13 +447,16 @@ def each_layer_qkv(s: _Session, visit: Callable[[int, Tuple], None]) -> None:
     from . import hf
 
     def record(module, query, key, value, *args, scaling=None, **kwargs):
-        visit(hf._layer_index(module), (query.detach(), key.detach(), value.detach(),
-                                        None if scaling is None else float(scaling)))
+        visit(
+            hf._layer_index(module),
+            (query.detach(), key.detach(), value.detach(), None if scaling is None else float(scaling)),
+        )
         return hf.sparseflow_attention_forward(module, query, key, value, *args, scaling=scaling, **kwargs)
 
     layers = decoder_layers(s.model)
-    handles = [m.register_forward_pre_hook(_replace_hidden(s.hidden[i]), with_kwargs=True)
-               for i, m in enumerate(layers)]
+    handles = [
+        m.register_forward_pre_hook(_replace_hidden(s.hidden[i]), with_kwargs=True) for i, m in enumerate(layers)
+    ]
     hf.apply_plan(s.model, _plan(s, {}, range(s.n_layers)))
     AttentionInterface.register(hf.ATTN_IMPLEMENTATION, record)
     try:
@@ -462,8 +499,10 @@ def selection_densities(s: _Session, layer: int, cfgs: Sequence[AttentionConfig]
     if s.fast_density is None:
         s.fast_density = fast[0] == _op_density(s, layer, cfgs[0])
         if not s.fast_density:
-            logger.info("sparseflow calibrate: the PBS reference selection does not give the op's density here; "
-                        "every choice's density comes from the op")
+            logger.info(
+                "sparseflow calibrate: the PBS reference selection does not give the op's density here; "
+                "every choice's density comes from the op"
+            )
             return [_op_density(s, layer, cfg) for cfg in cfgs]
     return fast
 
@@ -474,8 +513,9 @@ def _op_density(s: _Session, layer: int, cfg: AttentionConfig) -> float:
 
     q, k, v, scale = s.qkv[layer]
     with capture(keep_selections=False) as cap, torch.no_grad():
-        attention(q, k, v, config=cfg, is_causal=True, scale=scale, backend=s.backend,
-                  tag=f"model.layers.{layer}.self_attn")
+        attention(
+            q, k, v, config=cfg, is_causal=True, scale=scale, backend=s.backend, tag=f"model.layers.{layer}.self_attn"
+        )
     return _layer_density(cap, layer)
 
 
@@ -529,8 +569,16 @@ class Progress:
     def save(self) -> None:
         if self.path is None:
             return
-        write_json_atomic(self.path, {"format": PROGRESS_FORMAT, "key": self.key, "layers": self.layers,
-                                      "plans": self.plans, "costs": self.costs})
+        write_json_atomic(
+            self.path,
+            {
+                "format": PROGRESS_FORMAT,
+                "key": self.key,
+                "layers": self.layers,
+                "plans": self.plans,
+                "costs": self.costs,
+            },
+        )
 
 
 def write_json_atomic(path: Path, payload) -> None:
@@ -552,8 +600,11 @@ def progress_key(s: _Session) -> str:
     h.update(_weights_fingerprint(s.model).encode())
     h.update(s.input_ids.to(torch.int64).cpu().numpy().tobytes())
     rope = getattr(s.model.config, "rope_parameters", None)
-    h.update(json.dumps([s.keep, s.method, s.base.to_dict(), s.backend, s.cost, str(rope)],
-                        sort_keys=True, default=str).encode())
+    h.update(
+        json.dumps(
+            [s.keep, s.method, s.base.to_dict(), s.backend, s.cost, str(rope)], sort_keys=True, default=str
+        ).encode()
+    )
     return h.hexdigest()[:24]
 
 
@@ -585,15 +636,24 @@ def stored_measurements(s: _Session, choices: Sequence[Choice], progress: Progre
     return table
 
 
-def measure_entry(s: _Session, layer: int, choice: Choice, progress: Progress, say: Callable[[str], None],
-                  label: str, cost: Optional[float] = None) -> Measurement:
+def measure_entry(
+    s: _Session,
+    layer: int,
+    choice: Choice,
+    progress: Progress,
+    say: Callable[[str], None],
+    label: str,
+    cost: Optional[float] = None,
+) -> Measurement:
     """One single-layer measurement, kept in the progress file at once."""
     t0 = time.perf_counter()
     m = measure_layer(s, layer, choice, cost=cost)
     progress.layers[f"{layer}:{choice.key}"] = m.to_dict()
     progress.save()
-    say(f"{label} layer {layer} {choice.key}: KL {m.kl:.5f}, top-1 {m.top1:.3f}, "
-        f"density {m.density:.3f}, cost {m.cost:.3f} ({time.perf_counter() - t0:.1f} s)")
+    say(
+        f"{label} layer {layer} {choice.key}: KL {m.kl:.5f}, top-1 {m.top1:.3f}, "
+        f"density {m.density:.3f}, cost {m.cost:.3f} ({time.perf_counter() - t0:.1f} s)"
+    )
     return m
 
 
@@ -626,8 +686,15 @@ class LazyGrid:
                 return
             for layer, choice in todo:
                 self.measured += 1
-                self.table[layer][choice] = measure_entry(self.s, layer, choice, self.progress, self.say,
-                                                          f"[measured {self.measured}]", self.costs[layer][choice])
+                self.table[layer][choice] = measure_entry(
+                    self.s,
+                    layer,
+                    choice,
+                    self.progress,
+                    self.say,
+                    f"[measured {self.measured}]",
+                    self.costs[layer][choice],
+                )
 
     def skipped(self) -> List[Dict[str, Any]]:
         """The choices never measured, each with its cost and why the plan cannot need it."""
@@ -642,12 +709,15 @@ class LazyGrid:
 def skip_reason(cost: float) -> str:
     if cost >= DENSE_MEASUREMENT.cost:
         return "dominated by dense: costs at least as much, and dense has KL 0"
-    return ("cannot change the plan: even at KL 0 its KL reduction per added cost stays below the upgrade "
-            "the greedy walk takes at every step")
+    return (
+        "cannot change the plan: even at KL 0 its KL reduction per added cost stays below the upgrade "
+        "the greedy walk takes at every step"
+    )
 
 
-def choice_costs(s: _Session, choices: Sequence[Choice], progress: Progress,
-                 say: Callable[[str], None]) -> Dict[int, Dict[Choice, float]]:
+def choice_costs(
+    s: _Session, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]
+) -> Dict[int, Dict[Choice, float]]:
     """Every (layer, choice) cost (:func:`choice_cost`), from the progress file where present."""
     t0 = time.perf_counter()
     missing = {layer: [c for c in choices if f"{layer}:{c.key}" not in progress.costs] for layer in range(s.n_layers)}
@@ -699,8 +769,9 @@ def greedy_steps(table: Mapping[int, Mapping[Choice, Measurement]], allowed: flo
     return [pick[layer] for layer in sorted(fronts)], steps
 
 
-def unsettled(table: Mapping[int, Mapping[Choice, Measurement]], costs: Mapping[int, Mapping[Choice, float]],
-              allowed: float) -> List[Tuple[int, Choice]]:
+def unsettled(
+    table: Mapping[int, Mapping[Choice, Measurement]], costs: Mapping[int, Mapping[Choice, float]], allowed: float
+) -> List[Tuple[int, Choice]]:
     """The unmeasured (layer, choice) pairs that could make ``greedy_plan(table, allowed)`` differ
     from the whole grid's; none: it is the whole grid's plan. A choice can matter only where it
     could be a layer's cheapest option (the walk's start: its cost is the layer's lowest), or where,
@@ -709,18 +780,26 @@ def unsettled(table: Mapping[int, Mapping[Choice, Measurement]], costs: Mapping[
     every step takes the same upgrade with or without it. Choices costing at least dense's 1.0 never
     matter (dense is on the frontier with KL 0). Returns those of the earliest step that has any
     (the later steps may change once they are measured)."""
-    open_ = {layer: [(c, cost) for c, cost in opts.items() if c not in table[layer] and cost < DENSE_MEASUREMENT.cost]
-             for layer, opts in costs.items()}
+    open_ = {
+        layer: [(c, cost) for c, cost in opts.items() if c not in table[layer] and cost < DENSE_MEASUREMENT.cost]
+        for layer, opts in costs.items()
+    }
     if not any(open_.values()):
         return []
-    cheapest = {layer: min(min(m.cost for m in table[layer].values()), min((cost for _, cost in opts), default=1.0))
-                for layer, opts in open_.items()}
+    cheapest = {
+        layer: min(min(m.cost for m in table[layer].values()), min((cost for _, cost in opts), default=1.0))
+        for layer, opts in open_.items()
+    }
     hits = [(layer, c) for layer, opts in open_.items() for c, cost in opts if cost <= cheapest[layer]]
     if hits:
         return hits
     for cur, ratio in greedy_steps(table, allowed)[1]:
-        hits = [(layer, c) for layer, opts in open_.items() for c, cost in opts
-                if cost > cur[layer].cost and cur[layer].kl / max(cost - cur[layer].cost, 1e-12) >= ratio]
+        hits = [
+            (layer, c)
+            for layer, opts in open_.items()
+            for c, cost in opts
+            if cost > cur[layer].cost and cur[layer].kl / max(cost - cur[layer].cost, 1e-12) >= ratio
+        ]
         if hits:
             return hits
     return []
@@ -756,21 +835,38 @@ def plan_of_choices(s: _Session, chosen: Sequence[Choice]):
     return _plan(s, configs, [i for i, c in enumerate(chosen) if c.dense])
 
 
-def measure_plan(s: _Session, plan, input_ids: Optional[torch.Tensor] = None,
-                 dense: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+def measure_plan(
+    s: _Session, plan, input_ids: Optional[torch.Tensor] = None, dense: Optional[torch.Tensor] = None
+) -> Dict[str, Any]:
     """Whole-model fidelity and density of ``plan`` (calibration text unless given)."""
     from .eval.evaluate import evaluate_plans
 
     ids = s.input_ids if input_ids is None else input_ids
     r = evaluate_plans(s.model, ids, [plan], eval_positions=s.keep, dense=s.dense if dense is None else dense)[0]
-    return {"mean_kl": r.fidelity.mean_kl, "p99_kl": r.fidelity.p99_kl, "top1": r.fidelity.top1_agreement,
-            "ppl_dense": r.fidelity.ppl_dense, "ppl_sparse": r.fidelity.ppl_sparse, "density": r.density,
-            "density_per_layer": r.density_per_layer, "tokens": int(ids.shape[1]), "positions": s.keep}
+    return {
+        "mean_kl": r.fidelity.mean_kl,
+        "p99_kl": r.fidelity.p99_kl,
+        "top1": r.fidelity.top1_agreement,
+        "ppl_dense": r.fidelity.ppl_dense,
+        "ppl_sparse": r.fidelity.ppl_sparse,
+        "density": r.density,
+        "density_per_layer": r.density_per_layer,
+        "tokens": int(ids.shape[1]),
+        "positions": s.keep,
+    }
 
 
-def search(s: _Session, table, budget: float, *, safety: float, progress: Progress, say: Callable[[str], None],
-           max_rounds: int = 6, settle: Optional[Callable[[float], None]] = None
-           ) -> Tuple[List[Choice], Dict[str, Any], float, List[Dict[str, Any]]]:
+def search(
+    s: _Session,
+    table,
+    budget: float,
+    *,
+    safety: float,
+    progress: Progress,
+    say: Callable[[str], None],
+    max_rounds: int = 6,
+    settle: Optional[Callable[[float], None]] = None,
+) -> Tuple[List[Choice], Dict[str, Any], float, List[Dict[str, Any]]]:
     """The cheapest plan on the greedy walk whose measured whole-model KL is within ``budget``
     (all-dense at worst). Returns (choices per layer, its calibration fidelity, predicted cost,
     the steps taken). ``settle(allowed)``: fills ``table`` with what the walk at ``allowed``
@@ -786,8 +882,10 @@ def search(s: _Session, table, budget: float, *, safety: float, progress: Progre
         fid = _measured_plan(s, [c for c, _ in chosen], progress)
         cost = sum(m.cost for _, m in chosen) / len(chosen)
         steps.append({"allowed": allowed, "predicted_kl": predicted, "measured_kl": fid["mean_kl"], "cost": cost})
-        say(f"plan at allowed KL sum {allowed:.5f}: predicted {predicted:.5f}, measured {fid['mean_kl']:.5f}, "
-            f"cost {cost:.3f}, {sum(c.dense for c, _ in chosen)} dense layer(s)")
+        say(
+            f"plan at allowed KL sum {allowed:.5f}: predicted {predicted:.5f}, measured {fid['mean_kl']:.5f}, "
+            f"cost {cost:.3f}, {sum(c.dense for c, _ in chosen)} dense layer(s)"
+        )
         if fid["mean_kl"] <= budget:
             return [c for c, _ in chosen], fid, cost, steps
         if predicted <= 0.0:
@@ -843,14 +941,25 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
         v = getattr(mc, attr, None)
         return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
-    desc = (f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
-            f"{s.n_layers} layers within mean KL {measured['budget']} on {measured['calibration']['tokens']} tokens "
-            f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
-            f"{measured['calibration']['density']:.3f})")
-    return Recipe(name=name, description=desc, model_types=(str(mc.model_type),), configs={s.method: common},
-                  dense_layers=dense, num_layers=s.n_layers, num_attention_heads=opt_int("num_attention_heads"),
-                  num_key_value_heads=opt_int("num_key_value_heads"), head_dim=opt_int("head_dim"),
-                  layer_overrides={s.method: overrides} if overrides else {}, measured=measured)
+    desc = (
+        f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
+        f"{s.n_layers} layers within mean KL {measured['budget']} on {measured['calibration']['tokens']} tokens "
+        f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
+        f"{measured['calibration']['density']:.3f})"
+    )
+    return Recipe(
+        name=name,
+        description=desc,
+        model_types=(str(mc.model_type),),
+        configs={s.method: common},
+        dense_layers=dense,
+        num_layers=s.n_layers,
+        num_attention_heads=opt_int("num_attention_heads"),
+        num_key_value_heads=opt_int("num_key_value_heads"),
+        head_dim=opt_int("head_dim"),
+        layer_overrides={s.method: overrides} if overrides else {},
+        measured=measured,
+    )
 
 
 # --------------------------------------------------------------------------- entry point
@@ -870,13 +979,28 @@ def _default_cost(cost: str) -> str:
     return cost
 
 
-def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
-              base: Optional[AttentionConfig] = None, eval_positions: int = 512,
-              heldout_ids: Optional[torch.Tensor] = None, choices: Optional[Sequence[Choice]] = None,
-              safety: float = 0.8, cost: str = "auto", backend: str = "auto", progress_path=None,
-              cache_dir=None, name: Optional[str] = None, text: str = "", heldout_text: str = "",
-              say: Optional[Callable[[str], None]] = None, extra: Optional[Dict[str, Any]] = None,
-              prune: bool = True) -> CalibrationResult:
+def calibrate(
+    model,
+    input_ids: torch.Tensor,
+    method: str,
+    kl_budget: float,
+    *,
+    base: Optional[AttentionConfig] = None,
+    eval_positions: int = 512,
+    heldout_ids: Optional[torch.Tensor] = None,
+    choices: Optional[Sequence[Choice]] = None,
+    safety: float = 0.8,
+    cost: str = "auto",
+    backend: str = "auto",
+    progress_path=None,
+    cache_dir=None,
+    name: Optional[str] = None,
+    text: str = "",
+    heldout_text: str = "",
+    say: Optional[Callable[[str], None]] = None,
+    extra: Optional[Dict[str, Any]] = None,
+    prune: bool = True,
+) -> CalibrationResult:
     """Calibrate a per-layer plan of ``method`` for a transformers causal LM (see the module
     docstring). ``input_ids``: ``[1, N]`` calibration tokens, fidelity over the last
     ``eval_positions`` predictions; ``heldout_ids``: tokens the plan is checked on afterwards.
@@ -891,14 +1015,23 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
     choices = list(choices) if choices is not None else candidate_choices(method, base)
     model.set_attn_implementation("sdpa")
     say(f"dense pass: logits of the last {eval_positions} positions and every layer's input ({n} tokens)")
-    s = _Session(model=model, input_ids=input_ids, keep=eval_positions, method=method, base=base, backend=backend,
-                 cost=_default_cost(cost), dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir))
+    s = _Session(
+        model=model,
+        input_ids=input_ids,
+        keep=eval_positions,
+        method=method,
+        base=base,
+        backend=backend,
+        cost=_default_cost(cost),
+        dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir),
+    )
     s.hidden = layer_inputs(model, input_ids)
     progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
     grid = LazyGrid(s, choices, progress, say) if prune else None
     table = grid.table if grid is not None else measure_all(s, choices, progress, say)
-    chosen, calib, pred_cost, steps = search(s, table, budget, safety=safety, progress=progress, say=say,
-                                             settle=None if grid is None else grid.settle)
+    chosen, calib, pred_cost, steps = search(
+        s, table, budget, safety=safety, progress=progress, say=say, settle=None if grid is None else grid.settle
+    )
     single = single_layer_report(s, choices, table, grid)
     say(single["summary"])
     heldout = None
@@ -906,18 +1039,31 @@ def calibrate(model, input_ids: torch.Tensor, method: str, kl_budget: float, *,
         say(f"held-out check on {heldout_ids.shape[1]} tokens")
         ho_dense = dense_logits(model, heldout_ids, eval_positions, cache_dir=cache_dir)
         heldout = measure_plan(s, plan_of_choices(s, chosen), input_ids=heldout_ids, dense=ho_dense)
-    measured = {"budget": budget, "method": method, "text": text, "heldout_text": heldout_text, "cost_model": s.cost,
-                "safety": safety, "calibration": calib, "heldout": heldout, "predicted_cost": pred_cost,
-                "search": steps, "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()}
-                                               for i, c in enumerate(chosen)], "single_layer": single, **(extra or {})}
+    measured = {
+        "budget": budget,
+        "method": method,
+        "text": text,
+        "heldout_text": heldout_text,
+        "cost_model": s.cost,
+        "safety": safety,
+        "calibration": calib,
+        "heldout": heldout,
+        "predicted_cost": pred_cost,
+        "search": steps,
+        "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()} for i, c in enumerate(chosen)],
+        "single_layer": single,
+        **(extra or {}),
+    }
     rname = name or f"calibrated-{model.config.model_type}-{method}"
     recipe = build_recipe(s, chosen, name=rname, measured=measured)
-    return CalibrationResult(recipe=recipe, choices=chosen, calibration=calib, heldout=heldout,
-                             predicted_cost=pred_cost, steps=steps)
+    return CalibrationResult(
+        recipe=recipe, choices=chosen, calibration=calib, heldout=heldout, predicted_cost=pred_cost, steps=steps
+    )
 
 
-def _checked_base(method: str, base: Optional[AttentionConfig], safety: float, eval_positions: int,
-                  n: int) -> AttentionConfig:
+def _checked_base(
+    method: str, base: Optional[AttentionConfig], safety: float, eval_positions: int, n: int
+) -> AttentionConfig:
     """The base config of ``method`` (its default when None), after checking the arguments."""
     _sparse_spec(method, "method")
     if not (0.0 < safety <= 1.0):
@@ -930,8 +1076,9 @@ def _checked_base(method: str, base: Optional[AttentionConfig], safety: float, e
     return base
 
 
-def single_layer_report(s: _Session, choices: Sequence[Choice], table: Table,
-                        grid: Optional[LazyGrid]) -> Dict[str, Any]:
+def single_layer_report(
+    s: _Session, choices: Sequence[Choice], table: Table, grid: Optional[LazyGrid]
+) -> Dict[str, Any]:
     """How many of the grid's single-layer choices were measured, and which were skipped and why."""
     total = s.n_layers * len(choices)
     skipped = [] if grid is None else grid.skipped()
@@ -941,8 +1088,14 @@ def single_layer_report(s: _Session, choices: Sequence[Choice], table: Table,
     summary = f"measured {total - len(skipped)} of {total} single-layer choice(s)"
     if skipped:
         summary += "; skipped " + "; ".join(f"{n} ({why})" for why, n in reasons.items())
-    return {"grid": total, "measured": total - len(skipped), "pruned": grid is not None, "skipped_reasons": reasons,
-            "skipped": skipped, "summary": summary}
+    return {
+        "grid": total,
+        "measured": total - len(skipped),
+        "pruned": grid is not None,
+        "skipped_reasons": reasons,
+        "skipped": skipped,
+        "summary": summary,
+    }
 
 
 # --------------------------------------------------------------------------- files (the command)
@@ -972,8 +1125,10 @@ def parse_values(text: Optional[str], kind, arg: str) -> Optional[Tuple]:
 def _check_model_type(model_config) -> None:
     mt = getattr(model_config, "model_type", None)
     if mt not in CALIBRATE_MODEL_TYPES:
-        raise ValueError(f"unsupported architecture for calibrate: model_type={mt!r}; it runs on the decoder LMs "
-                         f"{list(CALIBRATE_MODEL_TYPES)}")
+        raise ValueError(
+            f"unsupported architecture for calibrate: model_type={mt!r}; it runs on the decoder LMs "
+            f"{list(CALIBRATE_MODEL_TYPES)}"
+        )
 
 
 def _tokens(tok, n: int, text: str, arg: str):
@@ -985,12 +1140,32 @@ def _tokens(tok, n: int, text: str, arg: str):
         raise ValueError(f"{arg}: {exc}") from None
 
 
-def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: int = 2048, eval_positions: int = 512,
-                   text: str = "pydoc_topics", heldout_text: Optional[str] = "argparse_source", config=None,
-                   thresholds=None, top_ks=None, scorings=None, safety: float = 0.8, cost: str = "auto",
-                   backend: str = "auto", dtype: str = "auto", tokenizer=None, rope_scaling=None, cache_dir=None,
-                   name: Optional[str] = None, say: Optional[Callable[[str], None]] = None,
-                   device=None, prune: bool = True) -> CalibrationResult:
+def calibrate_file(
+    model_path,
+    out,
+    *,
+    method: str,
+    kl_budget: float,
+    tokens: int = 2048,
+    eval_positions: int = 512,
+    text: str = "pydoc_topics",
+    heldout_text: Optional[str] = "argparse_source",
+    config=None,
+    thresholds=None,
+    top_ks=None,
+    scorings=None,
+    safety: float = 0.8,
+    cost: str = "auto",
+    backend: str = "auto",
+    dtype: str = "auto",
+    tokenizer=None,
+    rope_scaling=None,
+    cache_dir=None,
+    name: Optional[str] = None,
+    say: Optional[Callable[[str], None]] = None,
+    device=None,
+    prune: bool = True,
+) -> CalibrationResult:
     """``sparseflow calibrate``: load ``model_path`` (HF folder, GGUF file or converted folder, run
     dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
     recipe to ``out`` atomically. Everything checkable is checked before the weights load.
@@ -1008,15 +1183,37 @@ def calibrate_file(model_path, out, *, method: str, kl_budget: float, tokens: in
     say = say or (lambda msg: None)
     model, tok, rope_info = _load_model(source, model_path, dtype, device, tokenizer, rope_scaling, say)
     ids, heldout = _calibration_tokens(model, tok, tokens, text, heldout_text)
-    say(f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
-        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}")
+    say(
+        f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
+        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}"
+    )
     t0 = time.perf_counter()
-    result = calibrate(model, ids, method, budget, base=base, eval_positions=eval_positions, heldout_ids=heldout,
-                       choices=choices, safety=safety, cost=cost, backend=backend, progress_path=progress_path,
-                       cache_dir=cache_dir if cache_dir is not None else default_cache, name=name, text=text,
-                       heldout_text=heldout_text or "", say=say, prune=prune,
-                       extra={"model": str(source), "rope_scaling": rope_info, "torch": torch.__version__,
-                              "threads": torch.get_num_threads()})
+    result = calibrate(
+        model,
+        ids,
+        method,
+        budget,
+        base=base,
+        eval_positions=eval_positions,
+        heldout_ids=heldout,
+        choices=choices,
+        safety=safety,
+        cost=cost,
+        backend=backend,
+        progress_path=progress_path,
+        cache_dir=cache_dir if cache_dir is not None else default_cache,
+        name=name,
+        text=text,
+        heldout_text=heldout_text or "",
+        say=say,
+        prune=prune,
+        extra={
+            "model": str(source),
+            "rope_scaling": rope_info,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+    )
     seconds = time.perf_counter() - t0
     recipe = dataclasses.replace(result.recipe, measured={**result.recipe.measured, "seconds": seconds})
     recipe.save(out)
@@ -1073,8 +1270,10 @@ def _calibration_tokens(model, tok, tokens: int, text: str, heldout_text: Option
 
 def _summary(result: CalibrationResult, out, seconds: float) -> str:
     c, h = result.calibration, result.heldout
-    line = (f"wrote {out} in {seconds:.0f} s: {len(result.recipe.dense_layers)} dense layer(s); calibration KL "
-            f"{c['mean_kl']:.5f}, top-1 {c['top1']:.3f}, density {c['density']:.3f}")
+    line = (
+        f"wrote {out} in {seconds:.0f} s: {len(result.recipe.dense_layers)} dense layer(s); calibration KL "
+        f"{c['mean_kl']:.5f}, top-1 {c['top1']:.3f}, density {c['density']:.3f}"
+    )
     if h is not None:
         line += f"; held-out KL {h['mean_kl']:.5f}, top-1 {h['top1']:.3f}, density {h['density']:.3f}"
     single = result.recipe.measured.get("single_layer")

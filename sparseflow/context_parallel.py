@@ -36,6 +36,7 @@ selection reads keys of the whole prefix, which the all-gather gives in one step
 A call is recorded in :func:`sparseflow.capture` with the global shapes and without its
 selection; key padding and other masks are refused (``attn_mask`` must be None).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,9 @@ class ContextParallel:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"context_parallel sharding must be one of {list(SHARDINGS)}, got {self.sharding!r}")
         if not (_is_mesh(self.group) or isinstance(self.group, dist.ProcessGroup)):
-            raise TypeError("ContextParallel group must be a 1-D DeviceMesh or a ProcessGroup, "
-                            f"got {type(self.group).__name__}")
+            raise TypeError(
+                f"ContextParallel group must be a 1-D DeviceMesh or a ProcessGroup, got {type(self.group).__name__}"
+            )
 
 
 def as_context_parallel(obj: Any) -> ContextParallel:
@@ -79,8 +81,10 @@ def as_context_parallel(obj: Any) -> ContextParallel:
         return obj
     if _is_mesh(obj) or isinstance(obj, dist.ProcessGroup):
         return ContextParallel(obj)
-    raise TypeError("context_parallel must be a DeviceMesh, a ProcessGroup or a sparseflow.ContextParallel, "
-                    f"got {type(obj).__name__}")
+    raise TypeError(
+        "context_parallel must be a DeviceMesh, a ProcessGroup or a sparseflow.ContextParallel, "
+        f"got {type(obj).__name__}"
+    )
 
 
 def _is_mesh(obj: Any) -> bool:
@@ -95,8 +99,10 @@ def process_group(group: Any) -> dist.ProcessGroup:
         raise ValueError("context_parallel needs torch.distributed initialised (dist.init_process_group)")
     if _is_mesh(group):
         if group.ndim != 1:
-            raise ValueError(f"context_parallel needs a 1-D DeviceMesh, got {group.ndim} dims "
-                             "(pass mesh['cp'], the sequence-parallel sub-mesh)")
+            raise ValueError(
+                f"context_parallel needs a 1-D DeviceMesh, got {group.ndim} dims "
+                "(pass mesh['cp'], the sequence-parallel sub-mesh)"
+            )
         return group.get_group()
     return group
 
@@ -139,8 +145,10 @@ def split_lengths(n: int, world: int, sharding: str) -> Tuple[int, ...]:
     """Local lengths of a length-``n`` sequence sharded over ``world`` ranks."""
     if sharding == "zigzag":
         if n % (2 * world):
-            raise ValueError(f"context_parallel sharding='zigzag' needs the sequence length divisible by "
-                             f"2 * world size = {2 * world}, got {n}; use sharding='contiguous'")
+            raise ValueError(
+                f"context_parallel sharding='zigzag' needs the sequence length divisible by "
+                f"2 * world size = {2 * world}, got {n}; use sharding='contiguous'"
+            )
         return (n // world,) * world
     return tuple(n // world + (1 if r < n % world else 0) for r in range(world))
 
@@ -186,7 +194,7 @@ def _all_gather_rows(x: Tensor, layout: Layout, pg) -> Tensor:
     for r, part in enumerate(parts):
         offset = 0
         for s, e in layout.chunks(r):
-            pieces.append((s, part[:, :, offset:offset + e - s]))
+            pieces.append((s, part[:, :, offset : offset + e - s]))
             offset += e - s
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p for _, p in pieces], dim=SEQ_DIM)
@@ -236,16 +244,38 @@ def _local_rows(own: Tensor, positions: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- validation
 
 
-_META = ("batch", "query heads", "key/value heads", "query length", "key length", "value length",
-         "head dim", "value head dim", "dtype", "is_causal", "sharding")
+_META = (
+    "batch",
+    "query heads",
+    "key/value heads",
+    "query length",
+    "key length",
+    "value length",
+    "head dim",
+    "value head dim",
+    "dtype",
+    "is_causal",
+    "sharding",
+)
 
 
 def exchange_layout(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, sharding: str, pg) -> Layout:
     """Every rank's shapes gathered and checked (ValueError naming what disagrees, raised on every
     rank alike so none waits in a later collective); the call's :class:`Layout`."""
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    mine = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], v.shape[2], q.shape[3], v.shape[3],
-            dtypes.index(q.dtype), int(is_causal), SHARDINGS.index(sharding)]
+    mine = [
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        k.shape[2],
+        v.shape[2],
+        q.shape[3],
+        v.shape[3],
+        dtypes.index(q.dtype),
+        int(is_causal),
+        SHARDINGS.index(sharding),
+    ]
     meta = _gather_ints(mine, q.device, pg)
     for i, name in enumerate(_META):
         if i in (3, 4, 5):
@@ -254,8 +284,10 @@ def exchange_layout(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, sharding: 
             raise ValueError(f"context_parallel: the ranks disagree on {name}: {meta[:, i].tolist()}")
     nq, nk, nv = meta[:, 3], meta[:, 4], meta[:, 5]
     if not (bool((nq == nk).all()) and bool((nk == nv).all())):
-        raise ValueError("context_parallel: every rank's q, k and v shards must have the same sequence length "
-                         f"(self-attention prefill), got q {nq.tolist()}, k {nk.tolist()}, v {nv.tolist()}")
+        raise ValueError(
+            "context_parallel: every rank's q, k and v shards must have the same sequence length "
+            f"(self-attention prefill), got q {nq.tolist()}, k {nk.tolist()}, v {nv.tolist()}"
+        )
     lengths = tuple(nq.tolist())
     if sharding == "zigzag":
         _check_zigzag(lengths, is_causal)
@@ -264,12 +296,16 @@ def exchange_layout(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, sharding: 
 
 def _check_zigzag(lengths: Tuple[int, ...], is_causal: bool) -> None:
     if not is_causal:
-        raise ValueError("context_parallel sharding='zigzag' balances causal attention only; "
-                         "use ContextParallel(group, sharding='contiguous') with is_causal=False")
+        raise ValueError(
+            "context_parallel sharding='zigzag' balances causal attention only; "
+            "use ContextParallel(group, sharding='contiguous') with is_causal=False"
+        )
     if len(set(lengths)) != 1 or lengths[0] % 2:
-        raise ValueError("context_parallel sharding='zigzag' needs equal, even shard lengths on every rank "
-                         f"(sequence length divisible by 2 * world size), got {list(lengths)}; "
-                         "use sharding='contiguous'")
+        raise ValueError(
+            "context_parallel sharding='zigzag' needs equal, even shard lengths on every rank "
+            f"(sequence length divisible by 2 * world size), got {list(lengths)}; "
+            "use sharding='contiguous'"
+        )
 
 
 def _cp_backend(method: str, backend: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -287,15 +323,28 @@ def _cp_backend(method: str, backend: str, device: torch.device, dtype: torch.dt
 # --------------------------------------------------------------------------- the op
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, config: AttentionConfig, context_parallel: Any,
-              attn_mask: Optional[Tensor] = None, is_causal: bool = True, scale: Optional[float] = None,
-              backend: str = "auto", tag: str = "", tuning: Tuning = DEFAULT_TUNING) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    config: AttentionConfig,
+    context_parallel: Any,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+    tag: str = "",
+    tuning: Tuning = DEFAULT_TUNING,
+) -> Tensor:
     """Context-parallel :func:`sparseflow.attention`: ``q, k, v`` are this rank's shards
     ``[B, H, n_r, D]``; returns the output rows of this rank's queries ``[B, Hq, n_r, Dv]``."""
     cp = as_context_parallel(context_parallel)
     if attn_mask is not None:
-        raise ValueError("attn_mask is not supported with context_parallel; pass is_causal=True/False "
-                         "(causal or full attention over the whole sequence)")
+        raise ValueError(
+            "attn_mask is not supported with context_parallel; pass is_causal=True/False "
+            "(causal or full attention over the whole sequence)"
+        )
     pg = process_group(cp.group)
     layout = exchange_layout(q, k, v, is_causal, cp.sharding, pg)
     method = config.method
@@ -329,8 +378,11 @@ def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tenso
     cap = _capture.active_capture()
     if cap is not None:
         q_shape = (q.shape[0], q.shape[1], k_all.shape[2], q.shape[3])
-        cap.calls.append(_capture.CallRecord(tag, method, backend if sparse else _ops.DENSE_CHOICE, sparse,
-                                             reason or "", q_shape, tuple(k_all.shape)))
+        cap.calls.append(
+            _capture.CallRecord(
+                tag, method, backend if sparse else _ops.DENSE_CHOICE, sparse, reason or "", q_shape, tuple(k_all.shape)
+            )
+        )
 
 
 def _dense_reason(method: str, config: AttentionConfig, q, k_all, v_all, is_causal: bool) -> Optional[str]:
@@ -348,7 +400,7 @@ def _dense_local(q, k_all, v_all, layout: Layout, is_causal: bool, scale) -> Ten
     """SDPA of the rank's query chunks over the gathered keys (causal: keys ``<= p_i``)."""
     outs, offset = [], 0
     for s, e in layout.chunks():
-        qc = q[:, :, offset:offset + e - s]
+        qc = q[:, :, offset : offset + e - s]
         offset += e - s
         if is_causal:
             mask = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(diagonal=s)
@@ -363,16 +415,25 @@ def _token_local(impl, q, k_all, v_all, layout: Layout, kwargs, is_causal: bool,
     n = layout.total
     outs, offset = [], 0
     for s, e in layout.chunks():
-        qc = q[:, :, offset:offset + e - s]
+        qc = q[:, :, offset : offset + e - s]
         offset += e - s
         if is_causal:
-            out = impl(qc, k_all[:, :, :e], v_all[:, :, :e], key_padding_mask=None, is_causal=True, scale=scale,
-                       return_selection=False, **kwargs)
+            out = impl(
+                qc,
+                k_all[:, :, :e],
+                v_all[:, :, :e],
+                key_padding_mask=None,
+                is_causal=True,
+                scale=scale,
+                return_selection=False,
+                **kwargs,
+            )
         else:
             # positions s.. need Nk - Nq = s: the queries up to N, the rows past e zero and dropped
             qx = torch.cat([qc, qc.new_zeros(qc.shape[0], qc.shape[1], n - e, qc.shape[3])], dim=SEQ_DIM)
-            out = impl(qx, k_all, v_all, key_padding_mask=None, is_causal=False, scale=scale,
-                       return_selection=False, **kwargs)[:, :, : e - s]
+            out = impl(
+                qx, k_all, v_all, key_padding_mask=None, is_causal=False, scale=scale, return_selection=False, **kwargs
+            )[:, :, : e - s]
         outs.append(out)
     return torch.cat(outs, dim=SEQ_DIM).contiguous()
 
@@ -386,8 +447,12 @@ def shared_pbs_rows(layout: Layout, block_size: int, segment_size: int, proxy_bl
     from .methods.pbs import reference as ref
 
     n = layout.total
-    parts = [rows for rows, _ in ref.proxy_queries(None, 1, n, block_size=block_size, segment_size=segment_size,
-                                                   proxy_blocks=proxy_blocks, device=device)[0]]
+    parts = [
+        rows
+        for rows, _ in ref.proxy_queries(
+            None, 1, n, block_size=block_size, segment_size=segment_size, proxy_blocks=proxy_blocks, device=device
+        )[0]
+    ]
     for r in range(layout.world):
         for s, e in layout.chunks(r):
             for edge in (s, e):
@@ -435,8 +500,19 @@ def _owned_blocks(own: Tensor, n: int, block_size: int) -> Tensor:
     return owned
 
 
-def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool, scale, backend: str,
-               tuning: Tuning = DEFAULT_TUNING) -> Tensor:
+def _pbs_local(
+    q,
+    k_all,
+    v_all,
+    layout: Layout,
+    pg,
+    cfg,
+    kwargs,
+    is_causal: bool,
+    scale,
+    backend: str,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> Tensor:
     """PBS for the rank's query blocks: the single-device selection, restricted to them."""
     from .methods.pbs import reference as ref
 
@@ -454,9 +530,16 @@ def _pbs_local(q, k_all, v_all, layout: Layout, pg, cfg, kwargs, is_causal: bool
     else:
         with torch.no_grad():
             block_mask = ref.select_blocks(
-                q_full.detach(), k_all.detach(), perm, segment_size=kwargs["segment_size"],
-                threshold=kwargs["threshold"], force_sink=kwargs["force_sink"], scoring=kwargs["scoring"],
-                antidiagonal_stride=kwargs["antidiagonal_stride"], **geo)
+                q_full.detach(),
+                k_all.detach(),
+                perm,
+                segment_size=kwargs["segment_size"],
+                threshold=kwargs["threshold"],
+                force_sink=kwargs["force_sink"],
+                scoring=kwargs["scoring"],
+                antidiagonal_stride=kwargs["antidiagonal_stride"],
+                **geo,
+            )
             block_mask[:, :, ~owned] = False  # other ranks' query blocks: no work
         out = ref.permuted_block_attention(q_full, k_all, v_all, perm, block_mask, **geo)
     return out.index_select(SEQ_DIM, own).contiguous()
@@ -479,8 +562,20 @@ def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
     return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
 
 
-def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_mask, is_causal, scale, block_size,
-                      tuning: Tuning = DEFAULT_TUNING):
+def _pbs_triton_owned(
+    q_full,
+    k_all,
+    v_all,
+    perm,
+    owned,
+    kwargs,
+    *,
+    key_padding_mask,
+    is_causal,
+    scale,
+    block_size,
+    tuning: Tuning = DEFAULT_TUNING,
+):
     """The Triton selection's block lists with other ranks' query blocks emptied, then the kernel
     (forward only, as the single-device Triton PBS)."""
     from .methods.pbs import triton_impl as ti
@@ -488,16 +583,49 @@ def _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, *, key_padding_
 
     gather = ti.kv_layout(tuning) == "gather"
     strided = kwargs["scoring"] != "mean" and float(kwargs["threshold"]) < 1.0
-    lay = ti.permuted_layout(k_all, None if gather else v_all, perm, key_padding_mask=None, block_size=block_size,
-                             write_kv=strided or not gather, pool=True, positions=True, sink=kwargs["force_sink"])
+    lay = ti.permuted_layout(
+        k_all,
+        None if gather else v_all,
+        perm,
+        key_padding_mask=None,
+        block_size=block_size,
+        write_kv=strided or not gather,
+        pool=True,
+        positions=True,
+        sink=kwargs["force_sink"],
+    )
     seg = kwargs["segment_size"] if kwargs["permute"] else block_size
     kv_num, kv_full, kv_idx, _ = select_block_lists(
-        q_full, lay.k, perm, key_padding_mask=None, is_causal=is_causal, scale=scale, block_size=block_size,
-        segment_size=kwargs["segment_size"], threshold=kwargs["threshold"], force_sink=kwargs["force_sink"],
-        mask_segment=seg, return_block_mask=False, layout=lay, scoring=kwargs["scoring"],
-        antidiagonal_stride=kwargs["antidiagonal_stride"])
+        q_full,
+        lay.k,
+        perm,
+        key_padding_mask=None,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        segment_size=kwargs["segment_size"],
+        threshold=kwargs["threshold"],
+        force_sink=kwargs["force_sink"],
+        mask_segment=seg,
+        return_block_mask=False,
+        layout=lay,
+        scoring=kwargs["scoring"],
+        antidiagonal_stride=kwargs["antidiagonal_stride"],
+    )
     kv_num, kv_full = kv_num * owned.to(kv_num.dtype), kv_full * owned.to(kv_full.dtype)
     kk, vv = (k_all, v_all) if gather else (lay.k, lay.v)
-    return ti.pbs_block_sparse_attention(q_full, kk, vv, lay.kpos, kv_num, kv_full, kv_idx, scale=scale,
-                                         block_size=block_size, is_causal=is_causal, has_padding=False,
-                                         gather=gather, tma=tuning.pbs_tma)
+    return ti.pbs_block_sparse_attention(
+        q_full,
+        kk,
+        vv,
+        lay.kpos,
+        kv_num,
+        kv_full,
+        kv_idx,
+        scale=scale,
+        block_size=block_size,
+        is_causal=is_causal,
+        has_padding=False,
+        gather=gather,
+        tma=tuning.pbs_tma,
+    )

@@ -11,6 +11,7 @@ ranks and is a ``ValueError``, never a silently local answer.
 The op is opaque to AOT tracing (its collectives run inside), so Inductor and ``aot_eager`` compile
 the rest of the graph around it. Inference only: it has no autograd formula.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,20 @@ def _is_local_causal(mask: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("sparseflow::cp_attention", mutates_args=())
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 is_causal: bool, scale: Optional[float], config_json: str, tuning_json: str, group_name: str,
-                 sharding: str, backend: str, tag: str) -> torch.Tensor:
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    config_json: str,
+    tuning_json: str,
+    group_name: str,
+    sharding: str,
+    backend: str,
+    tag: str,
+) -> torch.Tensor:
     from . import context_parallel as _cp
 
     if attn_mask is not None:
@@ -51,13 +63,24 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
             raise ValueError(
                 f"context_parallel: the attention mask of {tag or 'an attention call'} is not the local causal "
                 "triangle (key padding, a sliding window or a bias cannot be sharded by sequence); run the "
-                "model without attention_mask padding, or without context_parallel")
+                "model without attention_mask padding, or without context_parallel"
+            )
         is_causal = True
     config = config_from_dict(json.loads(config_json))
     tuning = Tuning(**json.loads(tuning_json))
     cp = _cp.ContextParallel(_group(group_name), sharding=sharding)
-    return _cp.attention(q, k, v, config=config, context_parallel=cp, is_causal=is_causal, scale=scale,
-                         backend=backend, tag=tag, tuning=tuning)
+    return _cp.attention(
+        q,
+        k,
+        v,
+        config=config,
+        context_parallel=cp,
+        is_causal=is_causal,
+        scale=scale,
+        backend=backend,
+        tag=tag,
+        tuning=tuning,
+    )
 
 
 @cp_attention.register_fake

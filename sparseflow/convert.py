@@ -15,6 +15,7 @@ or ``sparseflow.hf.from_pretrained(out_dir)``. ``attn_implementation="sdpa"`` lo
 The folder is written into a temporary sibling directory and renamed into place at the end, so
 a failure (or Ctrl-C) never leaves a half-written ``out_dir``.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,7 +81,9 @@ def resolve_source(src: Union[str, os.PathLike]) -> Source:
     (``config.json`` + safetensors/bin weights). Raises FileNotFoundError naming what is missing."""
     path = Path(src).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"source {str(src)!r} does not exist (expected a Hugging Face model folder or a .gguf file)")
+        raise FileNotFoundError(
+            f"source {str(src)!r} does not exist (expected a Hugging Face model folder or a .gguf file)"
+        )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ConversionError(
@@ -214,7 +217,9 @@ def build_plan(
     if n_layers is not None:
         bad = [i for i in dense if not (0 <= i < n_layers)]
         if bad:
-            raise ConversionError(f"dense layers {bad} out of range: the model has {n_layers} layers (0..{n_layers - 1})")
+            raise ConversionError(
+                f"dense layers {bad} out of range: the model has {n_layers} layers (0..{n_layers - 1})"
+            )
     per_layer = {}
     if rec is not None:
         # the recipe's per-layer changes apply on top of whichever config is used; a layer the
@@ -224,8 +229,16 @@ def build_plan(
         except RecipeError as exc:
             raise ConversionError(f"bad recipe: {exc}") from exc
     try:
-        return Plan(method=method, config=cfg, backend=backend, dense_layers=dense, layer_configs=per_layer,
-                    recipe=None if rec is None else rec.label, num_layers=n_layers, source=source)
+        return Plan(
+            method=method,
+            config=cfg,
+            backend=backend,
+            dense_layers=dense,
+            layer_configs=per_layer,
+            recipe=None if rec is None else rec.label,
+            num_layers=n_layers,
+            source=source,
+        )
     except (TypeError, ValueError) as exc:
         raise ConversionError(f"bad plan: {exc}") from exc
 
@@ -279,12 +292,16 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         if not out.is_dir():
             raise FileExistsError(f"output {str(out)!r} exists and is not a folder")
         if any(out.iterdir()) and not overwrite:
-            raise FileExistsError(f"output folder {str(out)!r} exists and is not empty; pass --force (overwrite=True) to replace it")
+            raise FileExistsError(
+                f"output folder {str(out)!r} exists and is not empty; pass --force (overwrite=True) to replace it"
+            )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConversionError(f"cannot create the folder {str(out.parent)!r} for output {str(out)!r}: "
-                              f"{exc.strerror or exc}; pass an output path in a folder you can write") from None
+        raise ConversionError(
+            f"cannot create the folder {str(out.parent)!r} for output {str(out)!r}: "
+            f"{exc.strerror or exc}; pass an output path in a folder you can write"
+        ) from None
 
 
 def _make_tmp(out: Path) -> Path:
@@ -293,8 +310,10 @@ def _make_tmp(out: Path) -> Path:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.sparseflow-", dir=str(out.parent)))
     except OSError as exc:
-        raise ConversionError(f"cannot write into {str(out.parent)!r} (for output {str(out)!r}): "
-                              f"{exc.strerror or exc}; pass an output path in a folder you can write") from None
+        raise ConversionError(
+            f"cannot write into {str(out.parent)!r} (for output {str(out)!r}): "
+            f"{exc.strerror or exc}; pass an output path in a folder you can write"
+        ) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
@@ -340,10 +359,20 @@ def convert(
     try:
         _say(progress, f"[1/4] reading the configuration of {source} ({source.kind})")
         model_config = _load_config(source)
-        plan = build_plan(model_config, method, recipe=recipe, config=config, dense_layers=dense_layers,
-                          backend=backend, source=str(source))
-        _say(progress, f"      {model_config.model_type}, {plan.num_layers} layers; method {plan.method}, "
-                       f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}")
+        plan = build_plan(
+            model_config,
+            method,
+            recipe=recipe,
+            config=config,
+            dense_layers=dense_layers,
+            backend=backend,
+            source=str(source),
+        )
+        _say(
+            progress,
+            f"      {model_config.model_type}, {plan.num_layers} layers; method {plan.method}, "
+            f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}",
+        )
         _say(progress, "[2/4] loading the weights" + (" (dequantising GGUF)" if source.kind == "gguf" else ""))
         model, tok = load_source(source, dtype=dtype)
         _say(progress, "[3/4] writing the Hugging Face folder")

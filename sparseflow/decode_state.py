@@ -10,6 +10,7 @@ one-query call without padding on the Triton backend, asks the state for the lay
   appended (one launch);
 * anything else (a new prompt, a different batch, a full cache) builds it afresh from the keys.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,13 @@ class DecodeState:
         n = k.shape[2]
         key = (tag, block_size, branching, k.shape[0], k.shape[1], k.shape[3], k.dtype, str(k.device))
         entry = self.entries.get(key)
-        if (entry is not None and entry.cache.length == n - 1 and n - 1 < entry.cache.capacity
-                and torch.equal(entry.last_key, k[:, :, n - 2])):
-            entry.cache.append(k[:, :, n - 1:])
+        if (
+            entry is not None
+            and entry.cache.length == n - 1
+            and n - 1 < entry.cache.capacity
+            and torch.equal(entry.last_key, k[:, :, n - 2])
+        ):
+            entry.cache.append(k[:, :, n - 1 :])
             self.appended += 1
         else:
             cache = PyramidCache(k, capacity=max(2 * n, n + 1024), block_size=block_size, branching=branching)

@@ -22,6 +22,7 @@ Layers a plan keeps dense call the ``sparseflow::dense_attention`` op (plain SDP
 converted model holds no bare SDPA call: ``sparseflow.compile`` accepts it and finds nothing left
 to rewrite (its report shows 0 rewrites) while the recorded per-layer plan stays in effect.
 """
+
 from __future__ import annotations
 
 import logging
@@ -228,13 +229,23 @@ def sparseflow_attention_forward(
     if attention_mask is None:
         causal = bool(query.shape[2] > 1 and causal)
         # a dense result keeps SDPA's [B, Nq, Hq, D] memory: the transpose below then copies nothing
-        out = _ops.attention_any_layout(query, key, value, config=entry.cfg, is_causal=causal, scale=scale,
-                                        backend=entry.backend, tag=entry.tag)
+        out = _ops.attention_any_layout(
+            query, key, value, config=entry.cfg, is_causal=causal, scale=scale, backend=entry.backend, tag=entry.tag
+        )
         return out.transpose(1, 2).contiguous(), None
     if attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    out = _ops.attention(query, key, value, config=entry.cfg, attn_mask=attention_mask, is_causal=False, scale=scale,
-                         backend=entry.backend, tag=entry.tag)
+    out = _ops.attention(
+        query,
+        key,
+        value,
+        config=entry.cfg,
+        attn_mask=attention_mask,
+        is_causal=False,
+        scale=scale,
+        backend=entry.backend,
+        tag=entry.tag,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -249,9 +260,7 @@ def register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "sparseflow.hf needs transformers>=5 (pip install 'sparseflow[hf]'): " + str(exc)
-        ) from exc
+        raise ImportError("sparseflow.hf needs transformers>=5 (pip install 'sparseflow[hf]'): " + str(exc)) from exc
     AttentionInterface.register(ATTN_IMPLEMENTATION, sparseflow_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     _REGISTERED = True

@@ -13,6 +13,7 @@ visibility is exactly key padding, causal, or ``causal & key_padding`` into
 ``(is_causal, key_padding_mask [B, Nk])``; any other mask is reported as unsupported, with the
 reason, so the caller runs dense attention and logs why.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +53,9 @@ def check_mask(attn_mask: torch.Tensor, target: Sequence, query_dtype: torch.dty
     shape = tuple(attn_mask.shape)
     want = f"[B, Hq, Nq, Nk] = {list(target)}"
     if not 2 <= len(shape) <= 4:
-        raise ValueError(f"attn_mask must have 2 to 4 dims broadcastable to {want}, got shape {shape}; accepted: {FORMS}")
+        raise ValueError(
+            f"attn_mask must have 2 to 4 dims broadcastable to {want}, got shape {shape}; accepted: {FORMS}"
+        )
     for size, full in zip(reversed(shape), reversed(tuple(target))):
         if not (size == 1 or size == full):
             raise ValueError(f"attn_mask of shape {shape} is not broadcastable to {want}; accepted: {FORMS}")
@@ -71,7 +74,7 @@ def with_causality(attn_mask: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
 
 def _dim_labels(shape: Sequence) -> Tuple[str, ...]:
     """SDPA's name of each (right-aligned) dim, or "1" where the size is provably 1."""
-    names = ("B", "H", "Nq", "Nk")[4 - len(shape):]
+    names = ("B", "H", "Nq", "Nk")[4 - len(shape) :]
     return tuple("1" if size == 1 else name for size, name in zip(shape, names))
 
 
@@ -88,8 +91,10 @@ def describe_mask(shape: Sequence, dtype: torch.dtype) -> str:
     if padding_form:
         what = f"key padding (broadcast over queries): runtime-recognised {values}else dense"
     else:
-        what = (f"runtime-recognised by value {values}(causal / key padding / causal + key padding run sparse, "
-                "anything else dense, logged)")
+        what = (
+            f"runtime-recognised by value {values}(causal / key padding / causal + key padding run sparse, "
+            "anything else dense, logged)"
+        )
     return f"{name} {list(shape)} as {form}: {what}"
 
 
@@ -121,9 +126,7 @@ def _per_batch_rows(mask: torch.Tensor) -> Tuple[Optional[torch.Tensor], str]:
     return m[:, 0], ""
 
 
-def analyse_mask(
-    attn_mask: Optional[torch.Tensor], is_causal: bool, batch: int, n_q: int, n_k: int
-) -> MaskAnalysis:
+def analyse_mask(attn_mask: Optional[torch.Tensor], is_causal: bool, batch: int, n_q: int, n_k: int) -> MaskAnalysis:
     """Fold an SDPA mask (with the call's ``is_causal``) into ``(is_causal, key_padding_mask)``."""
     if attn_mask is None:
         return MaskAnalysis(True, is_causal=is_causal)
@@ -144,4 +147,6 @@ def analyse_mask(
         kpm = rows[:, -1]  # the last query sees every key that is valid
         if bool((rows == with_causality(kpm[:, None, :], n_q, n_k)).all()):
             return MaskAnalysis(True, is_causal=True, key_padding_mask=_padding_or_none(kpm, batch, n_k))
-    return MaskAnalysis(False, reason=f"attn_mask of shape {tuple(attn_mask.shape)} that is neither causal nor key padding")
+    return MaskAnalysis(
+        False, reason=f"attn_mask of shape {tuple(attn_mask.shape)} that is neither causal nor key padding"
+    )

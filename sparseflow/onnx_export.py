@@ -40,6 +40,7 @@ themselves: masks other than causal / key padding, Nq != Nk, value head dim != q
 A node carrying a setting its body does not know (written by another tool) makes the body
 output NaN, never a different attention.
 """
+
 from __future__ import annotations
 
 import math
@@ -153,6 +154,7 @@ _EPILOGUE = """
   out = CastLike (o4g, q)
 """
 
+
 def _function_text(method: str, mask_body: str) -> str:
     attrs = ", ".join(_attr_names(method))
     return (
@@ -256,8 +258,11 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
 
 def _sparseflow_nodes(gm) -> List[torch.fx.Node]:
     return [
-        n for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "sparseflow"
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace == "sparseflow"
     ]
 
 

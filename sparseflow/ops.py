@@ -14,6 +14,7 @@ Triton backends; none for dense and BSA), carried the same way so they are read 
 fallbacks say which layer they are about. The Python entry points ``pbs_attention`` etc. below
 take a config object instead of loose arguments.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,6 +56,7 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # fp64: oracles, gradcheck
 _SCHEMA_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
 
+
 class _Implementations(Mapping):
     """``{(method, backend): "module:function"}`` read live from the method registry (read-only:
     a backend is added by registering a method's spec, see :mod:`sparseflow.methods`)."""
@@ -89,7 +91,9 @@ def _config_fields(cls) -> List[dataclasses.Field]:
 
 
 def _schema(method: str) -> str:
-    config = [f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(_methods.spec_for(method).config_type)]
+    config = [
+        f"{_SCHEMA_TYPES[_field_type(f)]} {f.name}" for f in _config_fields(_methods.spec_for(method).config_type)
+    ]
     tuning = [f"{kind} {name}" for name, kind in _tuning_fields(method)]
     fields = "".join(f"{a}, " for a in config + tuning)
     return (
@@ -146,9 +150,7 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         # (SDPA returns an empty tensor here; a headless attention layer is a bug upstream)
         raise ValueError(f"q and k/v need at least one head, got q={tuple(qs)}, k={tuple(ks)}")
     if qs[1] % ks[1]:
-        raise ValueError(
-            f"query heads ({qs[1]}) must be a multiple of key/value heads ({ks[1]})"
-        )
+        raise ValueError(f"query heads ({qs[1]}) must be a multiple of key/value heads ({ks[1]})")
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
@@ -220,8 +222,10 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def check_backend_dtype(method: str, backend: str, dtype: torch.dtype) -> None:
     """TypeError when an explicitly chosen backend cannot take ``dtype`` (before any kernel compiles)."""
     if backend == "triton" and _methods.spec_for(method).sparse and dtype not in TRITON_DTYPES:
-        raise TypeError(f"backend='triton' ({method}) takes float16, bfloat16 or float32 q/k/v, got {dtype}; "
-                        "use backend='reference' (or 'auto') for float64")
+        raise TypeError(
+            f"backend='triton' ({method}) takes float16, bfloat16 or float32 q/k/v, got {dtype}; "
+            "use backend='reference' (or 'auto') for float64"
+        )
 
 
 _FAST_BACKENDS = ("triton", "flex")  # the candidates backend='auto' measures, in this order
@@ -267,7 +271,7 @@ def _config_entry(method: str, values: Tuple) -> _ConfigEntry:
     if entry is None:
         names = _NAMES[method]
         cfg = _methods.spec_for(method).config_type(**dict(zip(names, values)))
-        tuning = Tuning(**dict(zip(_TUNING_NAMES[method], values[len(names):])))
+        tuning = Tuning(**dict(zip(_TUNING_NAMES[method], values[len(names) :])))
         entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS), tuning)
         if len(_BY_VALUES) >= _CACHE_LIMIT:
             _BY_VALUES.clear()
@@ -301,12 +305,25 @@ def _impl_kwargs(cfg: AttentionConfig) -> Dict[str, Any]:
 
 def _auto_key(entry: _ConfigEntry, q, k, mask) -> Tuple:
     # what an auto decision depends on; the chooser's own (coarser) key is built only on a miss
-    return (entry.serial, q.device, q.dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[3],
-            _autobackend._bucket(q.shape[2]), _autobackend._bucket(k.shape[2]),
-            mask.is_causal, mask.key_padding_mask is not None, os.environ.get(_autobackend.ENV_OVERRIDE))
+    return (
+        entry.serial,
+        q.device,
+        q.dtype,
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[3],
+        _autobackend._bucket(q.shape[2]),
+        _autobackend._bucket(k.shape[2]),
+        mask.is_causal,
+        mask.key_padding_mask is not None,
+        os.environ.get(_autobackend.ENV_OVERRIDE),
+    )
 
 
-def _auto_choice(method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale) -> Tuple[str, Optional[str]]:
+def _auto_choice(
+    method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale
+) -> Tuple[str, Optional[str]]:
     """``(backend, dense reason)`` for ``backend="auto"``: the reason is None when a sparse
     backend runs. Decided once per key of the default chooser (its ``clear()`` forgets them)."""
     chooser = _autobackend.default_chooser
@@ -318,15 +335,18 @@ def _auto_choice(method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal
     return decision
 
 
-def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale) -> Tuple[str, Optional[str]]:
+def _decide(
+    chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale
+) -> Tuple[str, Optional[str]]:
     """The static choice (reference off CUDA), else the fastest measured on this call, with the
     reason to log when that is dense SDPA: the op is never slower than dense at a length it has measured."""
     chosen = _resolve_backend(method, "auto", q.device, q.dtype)
     if chosen != "measure":
         return chosen, None
     kw = entry.kwargs
-    key = chooser.key(method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None,
-                                     entry.tuning))
+    key = chooser.key(
+        method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None, entry.tuning)
+    )
 
     def run(name: str):
         if name == DENSE_CHOICE:
@@ -338,8 +358,10 @@ def _decide(chooser, method: str, entry: _ConfigEntry, q, k, v, attn_mask, is_ca
         return choice, None
     times = chooser.timings.get(key, {})
     others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
-    return choice, (f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
-                    f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})")
+    return choice, (
+        f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
+        f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})"
+    )
 
 
 def _load(method: str, backend: str) -> Callable:
@@ -356,8 +378,17 @@ def _call_impl(method: str, backend: str, entry: _ConfigEntry, q, k, v, mask, sc
     the tuning for an implementation that takes one."""
     impl = _load(method, backend)
     extra = {"tuning": entry.tuning} if _takes_tuning(impl) else {}
-    return impl(q, k, v, entry.cfg, key_padding_mask=mask.key_padding_mask, is_causal=mask.is_causal, scale=scale,
-                return_selection=return_selection, **extra)
+    return impl(
+        q,
+        k,
+        v,
+        entry.cfg,
+        key_padding_mask=mask.key_padding_mask,
+        is_causal=mask.is_causal,
+        scale=scale,
+        return_selection=return_selection,
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- the call's plan
@@ -406,7 +437,8 @@ def _checked_plan(method: str, args: Tuple) -> _Plan:
 # that plan instead of redoing it when it receives exactly those arguments (the same tensor
 # objects), and validates and plans itself otherwise (a direct torch.ops.sparseflow call).
 _PREPARED: contextvars.ContextVar[Optional[Tuple[str, Tuple, _Plan]]] = contextvars.ContextVar(
-    "sparseflow_prepared", default=None)
+    "sparseflow_prepared", default=None
+)
 
 
 def _prepared_plan(method: str, args: Tuple) -> Optional[_Plan]:
@@ -414,8 +446,15 @@ def _prepared_plan(method: str, args: Tuple) -> Optional[_Plan]:
     if got is None:
         return None
     m, ref, plan = got
-    same = (m == method and len(args) == len(ref) and args[0] is ref[0] and args[1] is ref[1]
-            and args[2] is ref[2] and args[3] is ref[3] and args[4:] == ref[4:])
+    same = (
+        m == method
+        and len(args) == len(ref)
+        and args[0] is ref[0]
+        and args[1] is ref[1]
+        and args[2] is ref[2]
+        and args[3] is ref[3]
+        and args[4:] == ref[4:]
+    )
     return plan if same else None
 
 
@@ -441,7 +480,8 @@ def _dense_sdpa(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causa
 OpInterceptor = Callable[[str, Tuple], torch.Tensor]
 
 _INTERCEPTOR: contextvars.ContextVar[Optional[OpInterceptor]] = contextvars.ContextVar(
-    "sparseflow_interceptor", default=None)
+    "sparseflow_interceptor", default=None
+)
 
 
 @contextlib.contextmanager
@@ -523,9 +563,9 @@ def _define(method: str) -> None:
     torch.library.define(name, _schema(method))
     torch.library.define(
         bwd_name,
-        _schema(method).replace("(Tensor q", "(Tensor grad_out, Tensor q").replace(
-            "-> Tensor", "-> (Tensor, Tensor, Tensor)"
-        ),
+        _schema(method)
+        .replace("(Tensor q", "(Tensor grad_out, Tensor q")
+        .replace("-> Tensor", "-> (Tensor, Tensor, Tensor)"),
     )
 
     @torch.library.impl(name, "CompositeExplicitAutograd")
@@ -561,7 +601,7 @@ def _define(method: str) -> None:
     bwd_op = getattr(torch.ops.sparseflow, f"{method}_attention_backward").default
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:3], *( [inputs[3]] if inputs[3] is not None else []))
+        ctx.save_for_backward(*inputs[:3], *([inputs[3]] if inputs[3] is not None else []))
         ctx.has_mask = inputs[3] is not None
         ctx.rest = inputs[4:]
 
@@ -654,13 +694,26 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
     """:func:`attention` after its type checks (``tuning`` a Tuning); ``contiguous``: make a dense
     result contiguous like the op's (else it keeps SDPA's layout)."""
     eager = _plain_eager(q, k, v, attn_mask)
-    memo = (_dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
-            if eager and attn_mask is None and context_parallel is None else None)
+    memo = (
+        _dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
+        if eager and attn_mask is None and context_parallel is None
+        else None
+    )
     reason = None if memo is None else _memoized_dense_reason(memo, config, tuning)
     if reason is not None:
         # the same call signature was validated and planned to dense SDPA before
-        out = _dense_sdpa(config.method, tag, reason, q, k, v, None, is_causal,
-                          None if scale is None else float(scale), _capture.active_capture())
+        out = _dense_sdpa(
+            config.method,
+            tag,
+            reason,
+            q,
+            k,
+            v,
+            None,
+            is_causal,
+            None if scale is None else float(scale),
+            _capture.active_capture(),
+        )
         return out.contiguous() if contiguous else out
     method = config.method
     validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
@@ -669,8 +722,19 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
     if context_parallel is not None:
         from . import context_parallel as _cp
 
-        return _cp.attention(q, k, v, config=config, context_parallel=context_parallel, attn_mask=attn_mask,
-                             is_causal=is_causal, scale=scale, backend=backend, tag=tag, tuning=tuning)
+        return _cp.attention(
+            q,
+            k,
+            v,
+            config=config,
+            context_parallel=context_parallel,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            backend=backend,
+            tag=tag,
+            tuning=tuning,
+        )
     if not eager:
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
@@ -733,21 +797,41 @@ def _dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag):
     if type(tag) is not str or not (scale is None or type(scale) in (int, float)):
         return None
     override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
-    return (id(config), id(tuning), backend, tag, is_causal, scale, override, q.shape, k.shape, v.shape,
-            q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+    return (
+        id(config),
+        id(tuning),
+        backend,
+        tag,
+        is_causal,
+        scale,
+        override,
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+    )
 
 
 def _plain_eager(q, k, v, attn_mask) -> bool:
     """True for plain tensors run eagerly: no compiler, fake or proxy tensors, dispatch or
     function modes, functorch transforms or autocast, all of which must see the op itself."""
     tensor = torch.Tensor
-    return (type(q) is tensor and type(k) is tensor and type(v) is tensor
-            and (attn_mask is None or type(attn_mask) is tensor)
-            and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack()
-            and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._are_functorch_transforms_active()
-            and not torch._C._is_any_autocast_enabled())
+    return (
+        type(q) is tensor
+        and type(k) is tensor
+        and type(v) is tensor
+        and (attn_mask is None or type(attn_mask) is tensor)
+        and not torch.compiler.is_compiling()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch._C._is_any_autocast_enabled()
+    )
 
 
 def _needs_op(q, k, v, attn_mask) -> bool:
@@ -765,8 +849,10 @@ def _method_config(config, cls):
     if config is None:
         return default_instance(cls)
     if not isinstance(config, cls):
-        raise TypeError(f"config must be a {cls.__name__} (or None), got {type(config).__name__}; "
-                        "use sparseflow.ops.attention(config=...) to run any method")
+        raise TypeError(
+            f"config must be a {cls.__name__} (or None), got {type(config).__name__}; "
+            "use sparseflow.ops.attention(config=...) to run any method"
+        )
     return config
 
 

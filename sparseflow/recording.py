@@ -3,6 +3,7 @@
 Nothing is recorded unless the caller opens a ``capture()`` context, so the ops pay no cost for
 bookkeeping by default. The active capture lives in a ``ContextVar``: no process-global state.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -10,6 +10,7 @@ factor N / trained length; plain RoPE when N fits the trained length), ``"linear
 The trained length is the config's ``max_position_embeddings`` before the first change (or the
 ``original_max_position_embeddings`` of a model that already ships scaled).
 """
+
 from __future__ import annotations
 
 import math
@@ -79,8 +80,10 @@ def _plain(model):
         cfg = model.config
         params = getattr(cfg, "rope_parameters", None)
         if not isinstance(params, dict) or "rope_type" not in params:
-            raise ValueError("rope_scaling needs a transformers 5.x model whose config has rope_parameters "
-                             f"(got {type(model).__name__} with rope_parameters={params!r})")
+            raise ValueError(
+                "rope_scaling needs a transformers 5.x model whose config has rope_parameters "
+                f"(got {type(model).__name__} with rope_parameters={params!r})"
+            )
         max_pos = int(cfg.max_position_embeddings)
         trained = int(params.get("original_max_position_embeddings") or max_pos)
         base = (dict(params), max_pos, trained)
@@ -91,8 +94,11 @@ def _plain(model):
 def _rebuild_rotary(model, params: dict, max_pos: int) -> list:
     """Write ``params`` into the config(s) the rotary modules read and rebuild each of them from
     it; returns the new modules."""
-    found = [(name, mod) for name, mod in model.named_modules()
-             if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq")]
+    found = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq")
+    ]
     if not found:
         raise ValueError(f"rope_scaling: {type(model).__name__} has no rotary embedding module to rebuild")
     for cfg in {id(c): c for c in [model.config] + [m.config for _, m in found]}.values():
@@ -121,7 +127,9 @@ def set_rope_scaling(model, spec) -> Dict[str, object]:
         params.update(rope_type=scaling.rope_type, factor=factor)
         if scaling.rope_type == "yarn":
             params["original_max_position_embeddings"] = trained
-        if scaling.rope_type != "dynamic":  # dynamic NTK scales beyond max_position_embeddings: it stays the trained length
+        if (
+            scaling.rope_type != "dynamic"
+        ):  # dynamic NTK scales beyond max_position_embeddings: it stays the trained length
             max_pos = max(max_pos, int(math.ceil(factor * trained)))
     rotary = _rebuild_rotary(model, params, max_pos)
     return {

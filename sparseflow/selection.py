@@ -13,6 +13,7 @@ tests speak one format. Two selection shapes exist:
 (PISA/BSA), divided by the causally visible ones, counting only blocks that hold at least one
 key the query may see.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,8 +91,9 @@ class Selection:
         perm_q = perm.repeat_interleave(group, dim=1)  # [B, Hq, Nk]
         out = torch.zeros_like(per_slot)
         out.scatter_(-1, perm_q[:, :, None, :].expand_as(per_slot), per_slot)
-        vis = visible_key_mask(n_q, n_k, is_causal=self.is_causal,
-                               key_padding_mask=self.key_padding_mask, batch=b, device=bm.device)
+        vis = visible_key_mask(
+            n_q, n_k, is_causal=self.is_causal, key_padding_mask=self.key_padding_mask, batch=b, device=bm.device
+        )
         return out & vis[:, None]
 
     def _key_mask_from_indices(self, hq: int) -> torch.Tensor:
@@ -106,6 +108,7 @@ class Selection:
         key_block = torch.arange(n_k, device=idx.device) // self.block_size
         per_key = blocks[..., key_block]  # [B, Hkv, Nq, Nk]
         per_key = per_key.repeat_interleave(hq // hkv, dim=1)
-        vis = visible_key_mask(n_q, n_k, is_causal=self.is_causal,
-                               key_padding_mask=self.key_padding_mask, batch=b, device=idx.device)
+        vis = visible_key_mask(
+            n_q, n_k, is_causal=self.is_causal, key_padding_mask=self.key_padding_mask, batch=b, device=idx.device
+        )
         return per_key & vis[:, None]

@@ -7,6 +7,7 @@ selection walk. It is passed to :func:`sparseflow.compile`, :func:`sparseflow.ex
 fields of its own method, see :func:`fields_of`), so it is read per call and works under
 ``torch.compile(fullgraph=True)``. The defaults are the measured best choices.
 """
+
 from __future__ import annotations
 
 import dataclasses

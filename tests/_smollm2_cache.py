@@ -5,6 +5,7 @@ already set (CI or a developer may keep one across runs), so every ``load_smollm
 session (this project's tests and any other test module) loads the cached fp32 folder after
 the first call has written it. The folder is removed when the session ends.
 """
+
 import atexit
 import os
 import shutil

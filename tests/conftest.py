@@ -3,6 +3,7 @@
 transformers is imported inside the builders only, so collecting tests that do not use the
 Hugging Face models does not import it.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,12 +48,19 @@ def make_tiny(arch: str, layers: int = 2, seed: int = 0):
         cfg = tf.MistralConfig(num_hidden_layers=layers, sliding_window=None, **_DECODER_KW)
         cls = tf.MistralForCausalLM
     elif arch == "gpt2":
-        cfg = tf.GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=1024,
-                            bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            n_embd=64, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=1024, bos_token_id=0, eos_token_id=0
+        )
         cls = tf.GPT2LMHeadModel
     elif arch == "bert":
-        cfg = tf.BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512)
+        cfg = tf.BertConfig(
+            hidden_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=512,
+        )
         cls = tf.BertModel
     else:  # pragma: no cover
         raise ValueError(arch)

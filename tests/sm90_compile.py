@@ -14,6 +14,7 @@ launch sees defined values).
 Used by tests/kernels/test_sm90_compile.py; it must run in its own process (TRITON_INTERPRET=0 before
 any sparseflow kernel module is imported).
 """
+
 from __future__ import annotations
 
 import os
@@ -93,11 +94,18 @@ def _compile_with_fp64_scalars(fn, kernel) -> None:
     sig = {name: ("fp64" if name in floats else ty) for name, ty in src.signature.items()}
     md = kernel.metadata
     try:
-        triton.compile(ASTSource(fn=src.fn, signature=sig, constexprs=src.constants, attrs=src.attrs),
-                       target=TARGET, options={"num_warps": md.num_warps, "num_stages": md.num_stages})
+        triton.compile(
+            ASTSource(fn=src.fn, signature=sig, constexprs=src.constants, attrs=src.attrs),
+            target=TARGET,
+            options={"num_warps": md.num_warps, "num_stages": md.num_stages},
+        )
     except Exception as exc:
-        ERRORS.append({"kernel": f"{fn.__name__} (float scalars {floats} typed fp64, as Inductor types them)",
-                       "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
+        ERRORS.append(
+            {
+                "kernel": f"{fn.__name__} (float scalars {floats} typed fp64, as Inductor types them)",
+                "error": f"{type(exc).__name__}: {str(exc)[-1500:]}",
+            }
+        )
         return
     COMPILED.append(f"{fn.__name__}[fp64 scalars]")
 
@@ -145,7 +153,7 @@ def _qkv(b, hq, hkv, n, d, dtype, grad=False):
 
 def _pad(b, n):
     m = torch.ones(b, n, dtype=torch.bool)
-    m[-1, n - n // 3:] = False
+    m[-1, n - n // 3 :] = False
     return m
 
 
@@ -159,9 +167,19 @@ def run_pbs(cases):
     for d, dtype, gqa, pad, causal, thr, tma, proxies in cases:
         TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
         q, k, v = _qkv(2, 8, 2, 700, d, dtype)
-        TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, 700) if pad else None, is_causal=causal,
-                         block_size=128, segment_size=256, threshold=thr, gqa_permutation=gqa,
-                         proxy_blocks=proxies, tuning=Tuning(pbs_select="triton"))
+        TI.pbs_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=_pad(2, 700) if pad else None,
+            is_causal=causal,
+            block_size=128,
+            segment_size=256,
+            threshold=thr,
+            gqa_permutation=gqa,
+            proxy_blocks=proxies,
+            tuning=Tuning(pbs_select="triton"),
+        )
     TA._tma_ok = tma_default
 
 
@@ -175,9 +193,20 @@ def run_pbs_strided(cases):
     TI._use_kernels = lambda t: True
     for n, d, dtype, gqa, pad, causal, scoring, stride in cases:
         q, k, v = _qkv(2, 8, 2, n, d, dtype)
-        TI.pbs_attention(q, k, v, key_padding_mask=_pad(2, n) if pad else None, is_causal=causal, block_size=128,
-                         segment_size=256, threshold=0.9, gqa_permutation=gqa, scoring=scoring,
-                         antidiagonal_stride=stride, tuning=Tuning(pbs_select="triton"))
+        TI.pbs_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=_pad(2, n) if pad else None,
+            is_causal=causal,
+            block_size=128,
+            segment_size=256,
+            threshold=0.9,
+            gqa_permutation=gqa,
+            scoring=scoring,
+            antidiagonal_stride=stride,
+            tuning=Tuning(pbs_select="triton"),
+        )
     q, k, _ = _qkv(1, 4, 2, 700, 128, torch.bfloat16)
     perm = torch.arange(700).expand(1, 2, 700).contiguous()
     TE.block_probabilities(q, k, perm, block_size=128, segment_size=256, scoring="antidiagonal", antidiagonal_stride=8)
@@ -202,8 +231,17 @@ def run_pisa_tiled(cases):
     for hq, d, dtype, pad, top_k, beam, score, causal in cases:
         q, k, _ = _qkv(2, hq, 2, 900, d, dtype)
         kpm = _pad(2, 900) if pad else None
-        PT.pisa_select(q, k, key_padding_mask=kpm, is_causal=causal, block_size=64, top_k=top_k, beam=beam,
-                       score=score, tuning=Tuning(pisa_walk="tiled"))
+        PT.pisa_select(
+            q,
+            k,
+            key_padding_mask=kpm,
+            is_causal=causal,
+            block_size=64,
+            top_k=top_k,
+            beam=beam,
+            score=score,
+            tuning=Tuning(pisa_walk="tiled"),
+        )
 
 
 def run_bsa_bf16():
@@ -230,13 +268,17 @@ def run_decode(cases):
         # the graph-capturable step (device length: the append and walk variants that read it)
         static = PyramidCache(k, capacity=1024, block_size=64)
         k_buf, v_buf, length = static.static_buffers(k, v)
-        static.decode_step_static(q[:, :, -1:], kk[:, :, -1:], vv[:, :, -1:], k_buf, v_buf, length + 1,
-                                  top_k=top_k, beam=beam)
+        static.decode_step_static(
+            q[:, :, -1:], kk[:, :, -1:], vv[:, :, -1:], k_buf, v_buf, length + 1, top_k=top_k, beam=beam
+        )
 
 
 # the split-K decode attention: Hq, Hkv, Nq, D, dtype, C, K, padding, splits (None: the default)
-SPLIT_DECODE = [(32, 8, 1, 128, torch.bfloat16, 64, 32, False, None), (8, 2, 2, 64, torch.float16, 64, 7, True, 3),
-                (4, 4, 1, 128, torch.float32, 8, 9, True, 16)]
+SPLIT_DECODE = [
+    (32, 8, 1, 128, torch.bfloat16, 64, 32, False, None),
+    (8, 2, 2, 64, torch.float16, 64, 7, True, 3),
+    (4, 4, 1, 128, torch.float32, 8, 9, True, 16),
+]
 
 
 def run_split_decode(cases):
@@ -281,19 +323,41 @@ def selftest() -> int:
     _fp64_constant[(1,)](torch.zeros(16), 3)
     _float_scalar[(1,)](torch.zeros(16), 0.5, 3)
     caught = [e for e in ERRORS if e["kernel"] == "_fp64_constant" and "fp64" in e["error"]]
-    print("selftest: the fp64-constant kernel", "failed to compile, as it must" if caught else "COMPILED (checker broken)")
+    print(
+        "selftest: the fp64-constant kernel", "failed to compile, as it must" if caught else "COMPILED (checker broken)"
+    )
     as_jit = "_float_scalar" in COMPILED
     as_inductor = [e for e in ERRORS if e["kernel"].startswith("_float_scalar (float scalars")]
-    print("selftest: the float-scalar kernel", "compiled with fp32 scalars and failed with fp64 ones, as it must"
-          if as_jit and as_inductor else "was not caught (checker broken)")
+    print(
+        "selftest: the float-scalar kernel",
+        "compiled with fp32 scalars and failed with fp64 ones, as it must"
+        if as_jit and as_inductor
+        else "was not caught (checker broken)",
+    )
     return 0 if caught and as_jit and as_inductor else 1
 
 
 EXPECTED = {
-    "_proxy_pass", "_lse_combine_kernel", "_segment_sort_kernel", "_gather_pool_kernel", "_select_rows_kernel",
-    "_pbs_fwd_kernel", "_leaf_kernel", "_node_kernel", "_pisa_select_kernel", "_fwd_kernel", "_bwd_dq_kernel",
-    "_bwd_dkdv_kernel", "_append_kernel", "_bsa_select_kernel", "_strided_estimate_kernel", "_strided_probs_kernel",
-    "_pisa_select_tiled_kernel", "_append_static_kernel", "_decode_split_kernel", "_decode_combine_kernel",
+    "_proxy_pass",
+    "_lse_combine_kernel",
+    "_segment_sort_kernel",
+    "_gather_pool_kernel",
+    "_select_rows_kernel",
+    "_pbs_fwd_kernel",
+    "_leaf_kernel",
+    "_node_kernel",
+    "_pisa_select_kernel",
+    "_fwd_kernel",
+    "_bwd_dq_kernel",
+    "_bwd_dkdv_kernel",
+    "_append_kernel",
+    "_bsa_select_kernel",
+    "_strided_estimate_kernel",
+    "_strided_probs_kernel",
+    "_pisa_select_tiled_kernel",
+    "_append_static_kernel",
+    "_decode_split_kernel",
+    "_decode_combine_kernel",
 }
 
 
@@ -307,42 +371,69 @@ def main(argv=None) -> int:
     if args.selftest:
         return selftest()
     bf16, fp16 = torch.bfloat16, torch.float16
-    pbs = [(128, bf16, "query_head", False, True, 0.9, True, 1), (64, fp16, "kv_head", True, True, 0.9, False, 1),
-           (128, bf16, "query_head", False, True, 1.0, False, 1), (80, bf16, "kv_head", True, False, 0.8, False, 1),
-           (64, bf16, "query_head", True, True, 0.9, False, 3)]
-    pisa = [(64, bf16, False, 8, 1, "lse"), (128, bf16, True, 32, 1, "lse"), (64, fp16, True, 8, 2, "mean_var"),
-            (64, bf16, False, 8, 4, "lse")]
+    pbs = [
+        (128, bf16, "query_head", False, True, 0.9, True, 1),
+        (64, fp16, "kv_head", True, True, 0.9, False, 1),
+        (128, bf16, "query_head", False, True, 1.0, False, 1),
+        (80, bf16, "kv_head", True, False, 0.8, False, 1),
+        (64, bf16, "query_head", True, True, 0.9, False, 3),
+    ]
+    pisa = [
+        (64, bf16, False, 8, 1, "lse"),
+        (128, bf16, True, 32, 1, "lse"),
+        (64, fp16, True, 8, 2, "mean_var"),
+        (64, bf16, False, 8, 4, "lse"),
+    ]
     dec = [(64, bf16, 8, 1), (128, bf16, 8, 2)]
     # the tiled walk: Hq, D, dtype, padding, K, beam, score, causal (Hq 32 / Hkv 2: the benchmark's group of 16)
-    tiled = [(32, 64, bf16, False, 8, 1, "lse", True), (6, 128, fp16, True, 8, 2, "mean_var", True),
-             (4, 64, torch.float32, True, 8, 1, "mean", False), (2, 64, bf16, False, 16, 2, "lse", True)]
+    tiled = [
+        (32, 64, bf16, False, 8, 1, "lse", True),
+        (6, 128, fp16, True, 8, 2, "mean_var", True),
+        (4, 64, torch.float32, True, 8, 1, "mean", False),
+        (2, 64, bf16, False, 16, 2, "lse", True),
+    ]
     # n, d, dtype, gqa, padding, causal, scoring, stride (n = 768: every query and key valid, EXACT_CNT)
-    strided = [(700, 128, bf16, "kv_head", False, True, "sampled_rows", 8),
-               (700, 128, bf16, "query_head", True, True, "antidiagonal", 8),
-               (768, 128, bf16, "kv_head", False, True, "antidiagonal", 4),
-               (700, 64, fp16, "kv_head", True, False, "sampled_rows", 1),
-               (700, 64, torch.float32, "query_head", False, True, "antidiagonal", 2),
-               (700, 128, bf16, "query_head", False, True, "sampled_rows", 3)]
+    strided = [
+        (700, 128, bf16, "kv_head", False, True, "sampled_rows", 8),
+        (700, 128, bf16, "query_head", True, True, "antidiagonal", 8),
+        (768, 128, bf16, "kv_head", False, True, "antidiagonal", 4),
+        (700, 64, fp16, "kv_head", True, False, "sampled_rows", 1),
+        (700, 64, torch.float32, "query_head", False, True, "antidiagonal", 2),
+        (700, 128, bf16, "query_head", False, True, "sampled_rows", 3),
+    ]
     if args.quick:
         pbs, pisa, dec, strided, tiled = pbs[:1], pisa[:1], dec[:1], strided[:1], tiled[:1]
     failures = []
-    for name, fn in (("pbs", lambda: run_pbs(pbs)), ("pbs_strided", lambda: run_pbs_strided(strided)),
-                     ("pisa_bsa", lambda: run_pisa_bsa(pisa)), ("pisa_tiled", lambda: run_pisa_tiled(tiled)),
-                     ("bsa_select", run_bsa_bf16), ("decode", lambda: run_decode(dec)),
-                     ("split_decode", lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]))):
+    for name, fn in (
+        ("pbs", lambda: run_pbs(pbs)),
+        ("pbs_strided", lambda: run_pbs_strided(strided)),
+        ("pisa_bsa", lambda: run_pisa_bsa(pisa)),
+        ("pisa_tiled", lambda: run_pisa_tiled(tiled)),
+        ("bsa_select", run_bsa_bf16),
+        ("decode", lambda: run_decode(dec)),
+        ("split_decode", lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None])),
+    ):
         try:
             fn()
         except Exception:  # host-side failure around the launches: report, go on
             failures.append({"entry": name, "error": traceback.format_exc()[-2000:]})
     missing = sorted(EXPECTED - set(COMPILED))
-    report = {"target": f"{TARGET.backend} sm_{TARGET.arch}", "triton": triton.__version__,
-              "compiled": sorted(set(COMPILED)), "compiles": len(COMPILED), "errors": ERRORS,
-              "host_failures": failures, "missing": missing}
+    report = {
+        "target": f"{TARGET.backend} sm_{TARGET.arch}",
+        "triton": triton.__version__,
+        "compiled": sorted(set(COMPILED)),
+        "compiles": len(COMPILED),
+        "errors": ERRORS,
+        "host_failures": failures,
+        "missing": missing,
+    }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=1)
-    print(f"compiled {len(COMPILED)} kernel variants ({len(set(COMPILED))} kernels) for sm_90; "
-          f"{len(ERRORS)} compile errors; {len(failures)} host failures; missing {missing}")
+    print(
+        f"compiled {len(COMPILED)} kernel variants ({len(set(COMPILED))} kernels) for sm_90; "
+        f"{len(ERRORS)} compile errors; {len(failures)} host failures; missing {missing}"
+    )
     for e in ERRORS:
         print(f"COMPILE ERROR in {e['kernel']}: {e['error']}")
     for f in failures:

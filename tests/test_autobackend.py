@@ -1,5 +1,6 @@
 """backend="auto" dispatch cost: decisions, configs and plans are made once per key; a call
 decided dense is plain SDPA with the op's log, tally and record."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,9 @@ def measured(monkeypatch):
     """CPU stand-in for the CUDA path: auto "measures" the reference against SDPA with fixed
     timings, and counts how often the chooser and the device-name lookup are consulted."""
     counts = {"choose": 0, "time": 0, "device_name": 0}
-    monkeypatch.setattr(ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend)
+    monkeypatch.setattr(
+        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+    )
     monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
     real_choose, real_name = BackendChooser.choose, ops._device_name
 
@@ -101,7 +104,8 @@ def _record_op_entries(monkeypatch):
 def test_decided_dense_is_sdpa_without_the_op_and_records_what_the_op_records(measured, monkeypatch):
     q, k, v = _qkv(300)
     op_out, op_calls, op_tally = _recorded(
-        lambda: op_for("pisa")(q, k, v, None, True, None, *op_args(CFG), "auto", "layers.0"))
+        lambda: op_for("pisa")(q, k, v, None, True, None, *op_args(CFG), "auto", "layers.0")
+    )
     entered = _record_op_entries(monkeypatch)
     out, calls, tally = _recorded(lambda: sparseflow.attention(q, k, v, config=CFG, backend="auto", tag="layers.0"))
     assert entered == []  # the decided-dense call never entered the op
@@ -125,7 +129,8 @@ def test_structural_fallback_skips_the_op_and_matches_it(monkeypatch):
     q, k, v = _qkv(32)
     cfg = PBSConfig(block_size=16, segment_size=64)
     op_out, op_calls, op_tally = _recorded(
-        lambda: op_for("pbs")(q, k, v, None, True, None, *op_args(cfg), "reference", "l"))
+        lambda: op_for("pbs")(q, k, v, None, True, None, *op_args(cfg), "reference", "l")
+    )
     entered = _record_op_entries(monkeypatch)
     out, calls, tally = _recorded(lambda: sparseflow.pbs_attention(q, k, v, config=cfg, backend="reference", tag="l"))
     assert entered == [] and torch.equal(out, op_out) and calls == op_calls and tally == op_tally
@@ -144,8 +149,17 @@ def test_attention_validates_once_and_direct_op_calls_still_validate(monkeypatch
         assert cap.calls[-1].sparse and seen == ["bsa"]  # entered the op, validated once
     q, k, v = (t.detach() for t in (q, k, v))
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        op_for("bsa")(q, k[:, :1].expand(1, 3, 64, 16), v[:, :1].expand(1, 3, 64, 16), None, True, None,
-                      *op_args(BSAConfig(block_size=16, top_k=3)), "reference", "")
+        op_for("bsa")(
+            q,
+            k[:, :1].expand(1, 3, 64, 16),
+            v[:, :1].expand(1, 3, 64, 16),
+            None,
+            True,
+            None,
+            *op_args(BSAConfig(block_size=16, top_k=3)),
+            "reference",
+            "",
+        )
 
 
 def test_fake_tensors_are_still_validated_at_trace_time():
@@ -155,7 +169,9 @@ def test_fake_tensors_are_still_validated_at_trace_time():
         q, k = torch.empty(1, 4, 64, 16), torch.empty(1, 3, 64, 16)
         with pytest.raises(ValueError, match="multiple of key/value heads"):
             sparseflow.attention(q, k, k, config=CFG, backend="auto")
-        out = sparseflow.dense_attention(torch.empty(1, 4, 64, 16), torch.empty(1, 2, 64, 16), torch.empty(1, 2, 64, 16))
+        out = sparseflow.dense_attention(
+            torch.empty(1, 4, 64, 16), torch.empty(1, 2, 64, 16), torch.empty(1, 2, 64, 16)
+        )
         assert out.shape == (1, 4, 64, 16)
 
 
@@ -194,6 +210,6 @@ def test_config_cache_returns_equal_configs_for_equal_arguments_only():
     # True == 1, yet the config's own type checks must still run for the int
     i = [n for n, _ in ops._FIELDS["pbs"]].index("force_sink")
     with pytest.raises(TypeError, match="force_sink must be a bool"):
-        ops._config_entry("pbs", values[:i] + (1,) + values[i + 1:])
+        ops._config_entry("pbs", values[:i] + (1,) + values[i + 1 :])
     # an int threshold and a float one are one config, and the op's arguments are floats
     assert ops._config_call(PBSConfig(threshold=1))[0] == ops._config_call(PBSConfig(threshold=1.0))[0]

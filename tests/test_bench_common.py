@@ -1,4 +1,5 @@
 """benchmarks/common.py: the timing loops the benchmark scripts share, and the inputs."""
+
 import os
 import sys
 
@@ -12,8 +13,13 @@ import common  # noqa: E402
 
 def test_back_to_back_mean_counts_calls_and_syncs_around_the_clock():
     events = []
-    mean = common.mean_s_back_to_back(lambda: events.append("call"), reps=4, warmup=2,
-                                      sync=lambda: events.append("sync"), before_start=lambda: events.append("start"))
+    mean = common.mean_s_back_to_back(
+        lambda: events.append("call"),
+        reps=4,
+        warmup=2,
+        sync=lambda: events.append("sync"),
+        before_start=lambda: events.append("start"),
+    )
     assert events == ["call"] * 2 + ["sync", "start"] + ["call"] * 4 + ["sync"]
     assert mean >= 0.0
 

@@ -3,6 +3,7 @@ recipe it writes loads and plans, the budget holds on the calibration text, a sm
 never buys a cheaper plan, an interrupted run resumes without re-measuring, a failure leaves
 no recipe file, and measuring only the choices the search can need gives the whole grid's plan.
 The real SmolLM2 checkpoint runs in the slow test."""
+
 from __future__ import annotations
 
 import json
@@ -147,8 +148,12 @@ def test_greedy_walk_is_monotone_in_allowed():
     a, b, c = cal.Choice((("threshold", 0.5),)), cal.Choice((("threshold", 0.7),)), cal.Choice((("threshold", 0.9),))
     dense = cal.Measurement(0.0, 1.0, 1.0, 1.0)
     table = {
-        0: {cal.DENSE: dense, a: cal.Measurement(0.05, 0.9, 0.3, 0.3), b: cal.Measurement(0.01, 0.95, 0.5, 0.5),
-            c: cal.Measurement(0.02, 0.9, 0.8, 0.8)},  # c is dominated by b
+        0: {
+            cal.DENSE: dense,
+            a: cal.Measurement(0.05, 0.9, 0.3, 0.3),
+            b: cal.Measurement(0.01, 0.95, 0.5, 0.5),
+            c: cal.Measurement(0.02, 0.9, 0.8, 0.8),
+        },  # c is dominated by b
         1: {cal.DENSE: dense, a: cal.Measurement(0.002, 0.99, 0.4, 0.4), b: cal.Measurement(0.001, 0.99, 0.6, 0.6)},
     }
     assert [ch for ch, _ in cal.frontier(table[0])] == [a, b, cal.DENSE]
@@ -163,9 +168,26 @@ def test_greedy_walk_is_monotone_in_allowed():
 
 def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "recipe.json"
-    argv = ["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.001", "--tokens", str(N),
-            "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5", "--scorings", "mean",
-            "--out", str(out)]
+    argv = [
+        "calibrate",
+        str(llama_dir),
+        "--method",
+        "pbs",
+        "--kl-budget",
+        "0.001",
+        "--tokens",
+        str(N),
+        "--eval-positions",
+        str(KEEP),
+        "--config",
+        BASE_JSON,
+        "--thresholds",
+        "0.5",
+        "--scorings",
+        "mean",
+        "--out",
+        str(out),
+    ]
     real = cal.measure_layer
     calls = []
 
@@ -216,25 +238,47 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
     real = cal.measure_plan
     monkeypatch.setattr(cal, "measure_plan", broken)
     with pytest.raises(RuntimeError, match="held-out"):
-        main(["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", str(N),
-              "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5", "--scorings", "mean",
-              "--out", str(out)])
+        main(
+            [
+                "calibrate",
+                str(llama_dir),
+                "--method",
+                "pbs",
+                "--kl-budget",
+                "0.01",
+                "--tokens",
+                str(N),
+                "--eval-positions",
+                str(KEEP),
+                "--config",
+                BASE_JSON,
+                "--thresholds",
+                "0.5",
+                "--scorings",
+                "mean",
+                "--out",
+                str(out),
+            ]
+        )
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--kl-budget", "0"], "--kl-budget must be a positive mean KL"),
-    (["--kl-budget", "-0.5"], "--kl-budget must be a positive mean KL"),
-    (["--kl-budget", "0.01", "--safety", "1.5"], "--safety must be in (0, 1]"),
-    (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
-    (["--kl-budget", "0.01", "--thresholds", "1.5"], "threshold must be in (0, 1]"),
-    (["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"], "is the calibration text"),
-    (["--kl-budget", "0.01", "--top-ks", "8"], "--top-ks is a PISA/BSA choice"),
-    (["--kl-budget", "0.01", "--scorings", "lse"], "not a valid pbs config"),
-    (["--kl-budget", "0.01", "--rope-scaling", "yarn:x"], "--rope-scaling:"),
-    (["--kl-budget", "0.01", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kl-budget", "0"], "--kl-budget must be a positive mean KL"),
+        (["--kl-budget", "-0.5"], "--kl-budget must be a positive mean KL"),
+        (["--kl-budget", "0.01", "--safety", "1.5"], "--safety must be in (0, 1]"),
+        (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
+        (["--kl-budget", "0.01", "--thresholds", "1.5"], "threshold must be in (0, 1]"),
+        (["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"], "is the calibration text"),
+        (["--kl-budget", "0.01", "--top-ks", "8"], "--top-ks is a PISA/BSA choice"),
+        (["--kl-budget", "0.01", "--scorings", "lse"], "not a valid pbs config"),
+        (["--kl-budget", "0.01", "--rope-scaling", "yarn:x"], "--rope-scaling:"),
+        (["--kl-budget", "0.01", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+    ],
+)
 def test_cli_errors_are_one_line(llama_dir, tmp_path, capsys, argv, message):
     rc = main(["calibrate", str(llama_dir), "--method", "pbs", "--out", str(tmp_path / "r.json")] + argv)
     err = capsys.readouterr().err.strip()
@@ -242,8 +286,18 @@ def test_cli_errors_are_one_line(llama_dir, tmp_path, capsys, argv, message):
 
 
 def test_cli_missing_model_and_unknown_method(tmp_path, capsys):
-    rc = main(["calibrate", str(tmp_path / "nope"), "--method", "pbs", "--kl-budget", "0.01", "--out",
-               str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "calibrate",
+            str(tmp_path / "nope"),
+            "--method",
+            "pbs",
+            "--kl-budget",
+            "0.01",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "does not exist" in err and len(err.splitlines()) == 1
     with pytest.raises(SystemExit) as exc:
@@ -284,9 +338,31 @@ def test_estimate_overhead_orders_scorings():
 @pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 GGUF not installed ({SMOLLM2_PACKAGE_HINT})")
 def test_smollm2_calibrate_short(tmp_path):
     out = tmp_path / "smollm2.json"
-    assert main(["calibrate", str(smollm2_gguf()), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "512",
-                 "--eval-positions", "128", "--config", '{"block_size": 64, "segment_size": 128}',
-                 "--thresholds", "0.9", "--scorings", "sampled_rows", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                str(smollm2_gguf()),
+                "--method",
+                "pbs",
+                "--kl-budget",
+                "0.01",
+                "--tokens",
+                "512",
+                "--eval-positions",
+                "128",
+                "--config",
+                '{"block_size": 64, "segment_size": 128}',
+                "--thresholds",
+                "0.9",
+                "--scorings",
+                "sampled_rows",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rec = load_recipe(str(out))
     assert rec.measured["calibration"]["mean_kl"] <= 0.01
     assert rec.measured["heldout"]["mean_kl"] >= 0.0
@@ -303,8 +379,11 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
     from types import SimpleNamespace
 
     a, b = cal.Choice((("threshold", 0.5),)), cal.Choice((("threshold", 0.9),))
-    layer = {cal.DENSE: cal.Measurement(0.0, 1.0, 1.0, 1.0), a: cal.Measurement(0.004, 0.9, 0.3, 0.3),
-             b: cal.Measurement(0.001, 0.99, 0.6, 0.6)}
+    layer = {
+        cal.DENSE: cal.Measurement(0.0, 1.0, 1.0, 1.0),
+        a: cal.Measurement(0.004, 0.9, 0.3, 0.3),
+        b: cal.Measurement(0.001, 0.99, 0.6, 0.6),
+    }
     table = {0: layer, 1: layer, 2: layer}
     measured = []
 
@@ -314,8 +393,9 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
         return {"mean_kl": kl}
 
     monkeypatch.setattr(cal, "_measured_plan", whole_plan)
-    chosen, fid, cost, steps = cal.search(SimpleNamespace(n_layers=3), table, 0.01, safety=1.0, progress=None,
-                                          say=lambda m: None)
+    chosen, fid, cost, steps = cal.search(
+        SimpleNamespace(n_layers=3), table, 0.01, safety=1.0, progress=None, say=lambda m: None
+    )
     assert measured[0] > 0.01  # the cheapest plan (0.012 predicted x 2) does not fit
     assert fid["mean_kl"] <= 0.01 and len(steps) >= 2
     assert fid["mean_kl"] == pytest.approx(2.0 * sum(layer[c].kl for c in chosen))
@@ -384,8 +464,12 @@ def test_pruned_calibration_gives_the_same_plan_and_reports_skipped(models, tmp_
     assert pruned.choices == full.choices
     assert pruned.calibration == full.calibration and pruned.steps == full.steps
     single, single_full = pruned.recipe.measured["single_layer"], full.recipe.measured["single_layer"]
-    assert (single_full["grid"], single_full["measured"], single_full["skipped"], single_full["pruned"]) == (18, 18, [],
-                                                                                                          False)
+    assert (single_full["grid"], single_full["measured"], single_full["skipped"], single_full["pruned"]) == (
+        18,
+        18,
+        [],
+        False,
+    )
     assert single["grid"] == 18 and 0 < single["measured"] < 18  # pruning applies here
     n_skipped = 18 - single["measured"]
     assert len(single["skipped"]) == n_skipped and sum(single["skipped_reasons"].values()) == n_skipped
@@ -407,7 +491,9 @@ def test_choice_cost_is_the_measured_cost(models, arch):
     model = models[arch]
     ids = _ascii_ids("pydoc_topics")
     model.set_attn_implementation("sdpa")
-    s = cal._Session(model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP))
+    s = cal._Session(
+        model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP)
+    )
     s.hidden = cal.layer_inputs(model, ids)
     for layer in (0, 2):
         costs = cal.layer_costs(s, layer, GRID6)  # one estimate per (permute, scoring)
@@ -433,9 +519,34 @@ def test_dense_reference_compares_like_compare_logits():
 
 def test_cli_measure_all_measures_the_whole_grid(llama_dir, tmp_path):
     out = tmp_path / "recipe.json"
-    assert main(["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", str(N),
-                 "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5,0.9,0.99",
-                 "--scorings", "mean", "--heldout-text", "none", "--measure-all", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                str(llama_dir),
+                "--method",
+                "pbs",
+                "--kl-budget",
+                "0.01",
+                "--tokens",
+                str(N),
+                "--eval-positions",
+                str(KEEP),
+                "--config",
+                BASE_JSON,
+                "--thresholds",
+                "0.5,0.9,0.99",
+                "--scorings",
+                "mean",
+                "--heldout-text",
+                "none",
+                "--measure-all",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     single = load_recipe(str(out)).measured["single_layer"]
     assert (single["pruned"], single["grid"], single["measured"], single["skipped"]) == (False, 18, 18, [])
     progress, _ = cal.side_paths(out)

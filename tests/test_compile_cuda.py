@@ -1,5 +1,6 @@
 """sparseflow.compile on CUDA with Inductor and dynamic lengths (the Triton kernels as Inductor
 emits them). GPU only; the same rewrites are checked on the CPU in test_pass.py/test_models.py."""
+
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ gradients) equal the single-process op's, and shardings it cannot do fail with a
 One group of processes per world size runs every case (spawning costs seconds); each case's
 outcome comes back through a file and is asserted by its own test.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,20 @@ CASES = {
     "pbs-sparse-zigzag": (PBSConfig(threshold=0.3, **_PBS), "zigzag", 168, True, True),
     "pbs-sparse-contiguous-odd": (PBSConfig(threshold=0.3, **_PBS), "contiguous", 169, True, False),
     "pbs-exact-zigzag": (PBSConfig(threshold=1.0, **_PBS), "zigzag", 168, True, False),
-    "pbs-proxies-antidiagonal": (PBSConfig(threshold=0.3, proxy_blocks=3, scoring="antidiagonal",
-                                           antidiagonal_stride=4, **_PBS), "zigzag", 168, True, False),
-    "pbs-kv-head-noncausal": (PBSConfig(threshold=0.3, gqa_permutation="kv_head", **_PBS), "contiguous", 170,
-                              False, False),
+    "pbs-proxies-antidiagonal": (
+        PBSConfig(threshold=0.3, proxy_blocks=3, scoring="antidiagonal", antidiagonal_stride=4, **_PBS),
+        "zigzag",
+        168,
+        True,
+        False,
+    ),
+    "pbs-kv-head-noncausal": (
+        PBSConfig(threshold=0.3, gqa_permutation="kv_head", **_PBS),
+        "contiguous",
+        170,
+        False,
+        False,
+    ),
     "pisa-sparse-zigzag": (PISAConfig(top_k=3, **_TOKEN), "zigzag", 108, True, True),
     "pisa-sparse-contiguous-odd": (PISAConfig(top_k=3, **_TOKEN), "contiguous", 101, True, False),
     "pisa-exact-zigzag": (PISAConfig(top_k=64, **_TOKEN), "zigzag", 108, True, False),
@@ -71,8 +82,7 @@ def _run_case(config, sharding, n, is_causal, check_grad, group) -> str:
     full = [t.clone().requires_grad_(check_grad) for t in (q, k, v)]
     want = sparseflow.attention(*full, config=config, is_causal=is_causal, backend="reference")
     local = [cpm.shard(t, cp).requires_grad_(check_grad) for t in (q, k, v)]
-    got = sparseflow.attention(*local, config=config, is_causal=is_causal, backend="reference",
-                               context_parallel=cp)
+    got = sparseflow.attention(*local, config=config, is_causal=is_causal, backend="reference", context_parallel=cp)
     errors = []
     whole = cpm.unshard(got.detach(), cp)
     if whole.shape != want.shape or not torch.allclose(whole, want, atol=1e-5, rtol=1e-5):
@@ -97,8 +107,16 @@ def _run_error(kind, group) -> str:
         q, k, v = q[:, :2], k[:, :1], v[:, :1]
     mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool) if kind == "mask" else None
     try:
-        sparseflow.attention(q, k, v, config=PISAConfig(top_k=3, **_TOKEN), is_causal=kind != "noncausal",
-                             attn_mask=mask, backend="reference", context_parallel=cp)
+        sparseflow.attention(
+            q,
+            k,
+            v,
+            config=PISAConfig(top_k=3, **_TOKEN),
+            is_causal=kind != "noncausal",
+            attn_mask=mask,
+            backend="reference",
+            context_parallel=cp,
+        )
     except ValueError as e:
         return str(e)
     return ""
@@ -121,8 +139,7 @@ def _run_recorded(group) -> str:
         q, k, v = (cpm.shard(t, cp) for t in _inputs(108)[:3])
         with sparseflow.capture() as cap:
             sparseflow.attention(q, k, v, config=PBSConfig(min_seq_len=4096), backend="reference", context_parallel=cp)
-            sparseflow.attention(q, k, v, config=BSAConfig(top_k=3, **_TOKEN), backend="reference",
-                                 context_parallel=cp)
+            sparseflow.attention(q, k, v, config=BSAConfig(top_k=3, **_TOKEN), backend="reference", context_parallel=cp)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
@@ -169,8 +186,10 @@ def test_fallback_logged_and_calls_recorded(outcomes):
         got = json.loads(res["recorded"])
         reason = "sequence length 108 < min_seq_len=4096"
         assert any(reason in line for line in got["log"]), (rank, got["log"])
-        assert got["calls"] == [["pbs", "sdpa", False, reason, [2, HQ, 108, D]],
-                                ["bsa", "reference", True, "", [2, HQ, 108, D]]], (rank, got["calls"])
+        assert got["calls"] == [
+            ["pbs", "sdpa", False, reason, [2, HQ, 108, D]],
+            ["bsa", "reference", True, "", [2, HQ, 108, D]],
+        ], (rank, got["calls"])
 
 
 def _needs_two_ranks(outcomes, name):
@@ -218,8 +237,28 @@ def test_benchmark_smoke_mode(tmp_path):
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "context_parallel.py")
     out = tmp_path / "cp.json"
-    subprocess.run([sys.executable, path, "--device", "cpu", "--tiny", "--ns", "128", "--methods", "bsa,sdpa",
-                    "--iters", "1", "--warmup", "0", "--check", "--json", str(out)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            path,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--ns",
+            "128",
+            "--methods",
+            "bsa,sdpa",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--check",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+    )
     got = json.loads(out.read_text())
     assert got["env"]["world_size"] == 2 and got["env"]["torch"] == torch.__version__
     bsa = next(r for r in got["rows"] if r["method"] == "bsa")
@@ -234,9 +273,30 @@ def test_benchmark_smoke_mode_whole_model(tmp_path):
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "context_parallel.py")
     out = tmp_path / "cpm.json"
-    subprocess.run([sys.executable, path, "--device", "cpu", "--tiny", "--model", "smollm2-random", "--ns", "160",
-                    "--methods", "bsa,sdpa", "--iters", "1", "--warmup", "0", "--check", "--json", str(out)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            path,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--model",
+            "smollm2-random",
+            "--ns",
+            "160",
+            "--methods",
+            "bsa,sdpa",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--check",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["model bsa", "model sdpa"]
     assert all(r["max_abs_diff_vs_1gpu"] < 1e-4 and r["t_cp_s"] > 0 for r in rows)

@@ -1,5 +1,6 @@
 """sparseflow.compile(model, context_parallel=...): each rank runs a tiny HF decoder on its
 contiguous shard and its logits equal the single-process compiled model's rows (gloo, CPU)."""
+
 import copy
 import json
 import os
@@ -31,17 +32,29 @@ def _ids():
 
 def _single(name):
     model = make_tiny("llama", layers=2).eval()
-    sparseflow.compile(model, method=CONFIGS[name].method, config=CONFIGS[name], backend=_backend(name),
-                       inner_backend=INNER[name], skip_layers=(1,) if name == "pbs" else ())
+    sparseflow.compile(
+        model,
+        method=CONFIGS[name].method,
+        config=CONFIGS[name],
+        backend=_backend(name),
+        inner_backend=INNER[name],
+        skip_layers=(1,) if name == "pbs" else (),
+    )
     with torch.no_grad():
         return model(_ids()).logits
 
 
 def _sharded(name, cp):
     model = make_tiny("llama", layers=2).eval()
-    sparseflow.compile(model, method=CONFIGS[name].method, config=CONFIGS[name], backend=_backend(name),
-                       inner_backend=INNER[name], skip_layers=(1,) if name == "pbs" else (),
-                       context_parallel=cp)
+    sparseflow.compile(
+        model,
+        method=CONFIGS[name].method,
+        config=CONFIGS[name],
+        backend=_backend(name),
+        inner_backend=INNER[name],
+        skip_layers=(1,) if name == "pbs" else (),
+        context_parallel=cp,
+    )
     s, e = _rows(dist.get_rank(), cp_world(cp))
     with torch.no_grad():
         out = model(_ids()[:, s:e], position_ids=torch.arange(s, e)[None]).logits
@@ -49,7 +62,7 @@ def _sharded(name, cp):
 
 
 def _rows(rank, world):
-    (start, end), = cpm.Layout("contiguous", cpm.split_lengths(N, world, "contiguous"), rank).chunks()
+    ((start, end),) = cpm.Layout("contiguous", cpm.split_lengths(N, world, "contiguous"), rank).chunks()
     return start, end
 
 

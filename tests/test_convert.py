@@ -1,6 +1,7 @@
 """``sparseflow convert`` / ``sparseflow eval`` and the transformers integration (sparseflow.hf):
 a tiny random-init Llama saved with save_pretrained is converted, reloaded with the "sparseflow"
 attention, checked against the original, and evaluated; the real SmolLM2 GGUF end to end (slow)."""
+
 from __future__ import annotations
 
 import json
@@ -233,8 +234,20 @@ def test_existing_output_and_no_half_written_folder(src, tmp_path, monkeypatch):
 def test_cli_convert_and_errors(src, tmp_path, capsys):
     folder, _ = src
     out = tmp_path / "cli"
-    rc = main(["convert", str(folder), "--method", "pisa", "--out", str(out),
-               "--config", json.dumps(EXACT["pisa"]), "--dense-layers", "0"])
+    rc = main(
+        [
+            "convert",
+            str(folder),
+            "--method",
+            "pisa",
+            "--out",
+            str(out),
+            "--config",
+            json.dumps(EXACT["pisa"]),
+            "--dense-layers",
+            "0",
+        ]
+    )
     assert rc == 0
     err = capsys.readouterr().err
     assert "[1/4]" in err and "[4/4]" in err
@@ -250,8 +263,21 @@ def test_cli_convert_and_errors(src, tmp_path, capsys):
 def test_python_m_sparseflow_convert_error(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(
-        [sys.executable, "-m", "sparseflow", "convert", str(tmp_path / "missing"), "--method", "pbs", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sparseflow",
+            "convert",
+            str(tmp_path / "missing"),
+            "--method",
+            "pbs",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
@@ -261,8 +287,21 @@ def _check_eval_json(path: Path, methods, layers: int, heads: int, tokens: int):
     assert data["tokens"] == tokens and data["text"] == "pydoc_topics"
     assert [r["method"] for r in data["results"]] == list(methods)
     for r in data["results"]:
-        for key in ("mean_kl", "p99_kl", "top1_agreement", "ppl_dense", "ppl_sparse", "ppl_delta", "density", "positions",
-                    "density_per_layer", "density_per_layer_head", "plan", "sparse_calls", "dense_calls"):
+        for key in (
+            "mean_kl",
+            "p99_kl",
+            "top1_agreement",
+            "ppl_dense",
+            "ppl_sparse",
+            "ppl_delta",
+            "density",
+            "positions",
+            "density_per_layer",
+            "density_per_layer_head",
+            "plan",
+            "sparse_calls",
+            "dense_calls",
+        ):
             assert key in r, key
         assert len(r["density_per_layer"]) == layers
         assert all(len(row) == heads for row in r["density_per_layer_head"])
@@ -283,8 +322,22 @@ def test_cli_eval_converted_and_plain(converted_pbs, src, tmp_path, capsys):
     assert data["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     folder, _ = src
     out2 = tmp_path / "ev2.json"
-    rc = main(["eval", str(folder), "--method", "pbs,bsa", "--tokens", "256", "--eval-positions", "64",
-               "--json", str(out2), "--plots", str(tmp_path / "plots")])
+    rc = main(
+        [
+            "eval",
+            str(folder),
+            "--method",
+            "pbs,bsa",
+            "--tokens",
+            "256",
+            "--eval-positions",
+            "64",
+            "--json",
+            str(out2),
+            "--plots",
+            str(tmp_path / "plots"),
+        ]
+    )
     assert rc == 0
     capsys.readouterr()
     data = _check_eval_json(out2, ["pbs", "bsa"], layers=2, heads=6, tokens=256)
@@ -302,9 +355,33 @@ def test_cli_eval_sweep_no_permute_and_plots(src, tmp_path, capsys):
     folder, _ = src
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
     cfg = json.dumps({"block_size": 16, "segment_size": 32})
-    rc = main(["eval", str(folder), "--method", "pbs", "--config", cfg, "--tokens", "256", "--eval-positions", "64",
-               "--sweep", "threshold=0.5,0.95", "--no-permute", "--json", str(out), "--plots", str(plots),
-               "--map-layer", "1", "--map-head", "4", "--cache", str(tmp_path / "cache")])
+    rc = main(
+        [
+            "eval",
+            str(folder),
+            "--method",
+            "pbs",
+            "--config",
+            cfg,
+            "--tokens",
+            "256",
+            "--eval-positions",
+            "64",
+            "--sweep",
+            "threshold=0.5,0.95",
+            "--no-permute",
+            "--json",
+            str(out),
+            "--plots",
+            str(plots),
+            "--map-layer",
+            "1",
+            "--map-head",
+            "4",
+            "--cache",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     capsys.readouterr()
     data = _check_eval_json(out, ["pbs"] * 4, layers=2, heads=6, tokens=256)
@@ -317,8 +394,12 @@ def test_cli_eval_sweep_no_permute_and_plots(src, tmp_path, capsys):
         assert p["density"] == r["density"] and p["mean_kl"] == r["mean_kl"] and p["top1"] == r["top1_agreement"]
     # a lower threshold keeps fewer blocks, with or without permutation
     assert pts[0]["density"] < pts[1]["density"] and pts[2]["density"] < pts[3]["density"]
-    for name in ("sweep_kl_vs_density.png", "sweep_top1_vs_density.png", "density_pbs_threshold0.5.png",
-                 "blockmap_pbs_threshold0.95_no-permute.png"):
+    for name in (
+        "sweep_kl_vs_density.png",
+        "sweep_top1_vs_density.png",
+        "density_pbs_threshold0.5.png",
+        "blockmap_pbs_threshold0.95_no-permute.png",
+    ):
         assert _is_png(plots / name), name
     assert len(list((tmp_path / "cache").glob("dense_logits_*.pt"))) == 1  # dense pass cached once
 
@@ -333,8 +414,10 @@ def test_cli_eval_sweep_errors(src, tmp_path, capsys):
         (["--method", "bsa", "--sweep", "top_k=1"], "top_k must be >="),
         (["--method", "bsa", "--no-permute"], "include pbs in --method"),
         (["--method", "pisa", "--sweep", "top_k=4", "--no-permute"], "--no-permute compares PBS"),
-        (["--method", "pbs", "--text", "pydoc_topics", "--map-layer", "7", "--plots", str(tmp_path / "p")],
-         "--map-layer must be in [0, 1]"),
+        (
+            ["--method", "pbs", "--text", "pydoc_topics", "--map-layer", "7", "--plots", str(tmp_path / "p")],
+            "--map-layer must be in [0, 1]",
+        ),
     ]
     for extra, match in cases:
         if "--plots" in extra:
@@ -356,19 +439,34 @@ def test_cli_eval_recall_diagnostic(src, tmp_path, capsys):
     assert data["top_k"] == 8 and data["block_size"] == 64 and data["q_start"] == 512 and len(data["layers"]) == 2
     for s in ("pisa_lse", "pisa_mean", "pisa_mean_var", "bsa", "flat_lse"):
         m = data["mean"][s]
-        assert 0.0 < m["recall_free"] <= 1.0 and 0.0 < m["retained_mass"] <= data["mean"]["oracle"]["retained_mass"] + 1e-9
+        assert (
+            0.0 < m["recall_free"] <= 1.0 and 0.0 < m["retained_mass"] <= data["mean"]["oracle"]["retained_mass"] + 1e-9
+        )
     assert _is_png(plots / "recall_mean.png") and _is_png(plots / "recall_per_layer.png")
     assert main(["eval", str(folder), "--recall", "--recall-k", "3", "--tokens", "640"]) == 2
     assert "--recall-k must be >= 4" in capsys.readouterr().err
-    assert main(["eval", str(folder), "--recall", "--method", "pbs", "--sweep", "threshold=0.9", "--tokens", "640"]) == 2
+    assert (
+        main(["eval", str(folder), "--recall", "--method", "pbs", "--sweep", "threshold=0.9", "--tokens", "640"]) == 2
+    )
     assert "takes no --sweep" in capsys.readouterr().err
 
 
 def test_cli_eval_recall_selectors_with_beams(src, tmp_path, capsys):
     folder, _ = src
     out = tmp_path / "recall.json"
-    rc = main(["eval", str(folder), "--recall", "--tokens", "640", "--json", str(out),
-               "--recall-selectors", "pisa_lse,pisa_lse_beam2,flat_lse"])
+    rc = main(
+        [
+            "eval",
+            str(folder),
+            "--recall",
+            "--tokens",
+            "640",
+            "--json",
+            str(out),
+            "--recall-selectors",
+            "pisa_lse,pisa_lse_beam2,flat_lse",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     text = capsys.readouterr().out
     assert "pisa_lse_beam2" in text and "bsa" not in text

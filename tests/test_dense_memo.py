@@ -1,5 +1,6 @@
 """sparseflow.attention remembers eager calls it planned to dense SDPA (per call signature) so
 that a repeat skips validation and planning; the memo must never change what a call computes."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,11 @@ from sparseflow.autobackend import default_chooser
 
 def _qkv(n, d=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(n)
-    return (torch.randn(1, 4, n, d, generator=g, dtype=dtype), torch.randn(1, 2, n, d, generator=g, dtype=dtype),
-            torch.randn(1, 2, n, d, generator=g, dtype=dtype))
+    return (
+        torch.randn(1, 4, n, d, generator=g, dtype=dtype),
+        torch.randn(1, 2, n, d, generator=g, dtype=dtype),
+        torch.randn(1, 2, n, d, generator=g, dtype=dtype),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +48,11 @@ def test_longer_call_after_a_remembered_one_runs_sparse():
     assert cap.calls[-1].sparse
 
 
-@pytest.mark.parametrize("bad,match", [(dict(scale=-1.0), "scale"), (dict(backend="fast"), "backend")],
-                         ids=["negative-scale", "unknown-backend"])
+@pytest.mark.parametrize(
+    "bad,match",
+    [(dict(scale=-1.0), "scale"), (dict(backend="fast"), "backend")],
+    ids=["negative-scale", "unknown-backend"],
+)
 def test_bad_input_after_a_remembered_call_still_raises(bad, match):
     q, k, v = _qkv(32)
     sparseflow.attention(q, k, v, config=CFG, backend="reference")
@@ -82,6 +89,7 @@ def test_masked_and_traced_calls_are_not_remembered():
     q, k, v = _qkv(32)
     mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
     sparseflow.attention(q, k, v, config=CFG, backend="reference", attn_mask=mask, is_causal=True)
-    torch.compile(lambda a, b, c: sparseflow.attention(a, b, c, config=CFG, backend="reference"),
-                  backend="eager", fullgraph=True)(q, k, v)
+    torch.compile(
+        lambda a, b, c: sparseflow.attention(a, b, c, config=CFG, backend="reference"), backend="eager", fullgraph=True
+    )(q, k, v)
     assert not default_chooser.dense_calls

@@ -4,6 +4,7 @@ empty batches, huge top_k, fp64 on Triton.
 
 Triton pieces run in the CPU interpreter (TRITON_INTERPRET=1, set before Triton is imported).
 """
+
 import importlib.util
 import math
 import os
@@ -23,7 +24,8 @@ from sparseflow.config import BSAConfig, PBSConfig, PISAConfig  # noqa: E402
 _TRITON = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
     or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
-    reason="needs triton, and CUDA or the Triton interpreter")
+    reason="needs triton, and CUDA or the Triton interpreter",
+)
 
 EXACT = {
     "pbs": PBSConfig(block_size=4, segment_size=8, threshold=1.0),
@@ -62,7 +64,7 @@ def test_second_derivatives_match_sdpa_in_exact_mode(method):
         out = fn(q, k, v)
         gq, gk, gv = torch.autograd.grad((out * w).sum(), (q, k, v), create_graph=True)
         # a scalar of the first derivatives, differentiated again
-        return torch.autograd.grad((gq ** 2).sum() + (gk * gv).sum(), (q, k, v))
+        return torch.autograd.grad((gq**2).sum() + (gk * gv).sum(), (q, k, v))
 
     ours = hessian_vector(lambda *t: sparseflow.attention(*t, config=EXACT[method], backend="reference"))
     ref = hessian_vector(_sdpa)
@@ -98,11 +100,14 @@ def test_double_backward_with_only_some_inputs_requiring_grad():
 # --------------------------------------------------------------------------- config of another method
 
 
-@pytest.mark.parametrize("fn, wrong, expected", [
-    (ops.pbs_attention, PISAConfig(), "PBSConfig"),
-    (ops.pisa_attention, BSAConfig(), "PISAConfig"),
-    (ops.bsa_attention, PBSConfig(), "BSAConfig"),
-])
+@pytest.mark.parametrize(
+    "fn, wrong, expected",
+    [
+        (ops.pbs_attention, PISAConfig(), "PBSConfig"),
+        (ops.pisa_attention, BSAConfig(), "PISAConfig"),
+        (ops.bsa_attention, PBSConfig(), "BSAConfig"),
+    ],
+)
 def test_method_function_rejects_another_methods_config(fn, wrong, expected):
     q, k, v = _qkv(dtype=torch.float32)
     with pytest.raises(TypeError, match=rf"config must be a {expected}.*got {type(wrong).__name__}"):
@@ -337,8 +342,8 @@ def test_causal_proxy_output_is_causal_in_keys_and_values(proxy_blocks):
     g = torch.Generator().manual_seed(6)
     for i in (5, 15, 16, 29, 40, 47):  # mid-block, segment ends / starts, inside later segments
         k2, v2 = k.clone(), v.clone()
-        k2[:, :, i + 1:] = 3 * torch.randn(k2[:, :, i + 1:].shape, generator=g)
-        v2[:, :, i + 1:] = torch.randn(v2[:, :, i + 1:].shape, generator=g)
+        k2[:, :, i + 1 :] = 3 * torch.randn(k2[:, :, i + 1 :].shape, generator=g)
+        v2[:, :, i + 1 :] = torch.randn(v2[:, :, i + 1 :].shape, generator=g)
         out = _pbs_ref(q, k2, v2, causal_proxy=True, proxy_blocks=proxy_blocks)
         # (a permutation of i's own segment may change the summation order only)
         torch.testing.assert_close(out[:, :, : i + 1], base[:, :, : i + 1], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The converted model's attention function resolves each module's plan entry once and serves
 repeated dense calls from the op's memo without copying SDPA's output; anything that changes
 what a call computes (the plan, a mask, the dtype, the length) must be planned afresh."""
+
 import pytest
 import torch
 
@@ -95,8 +96,11 @@ def test_module_keeps_its_resolved_layer_and_a_new_plan_replaces_it(attn):
 
 def test_a_lower_min_seq_len_in_a_new_plan_runs_sparse(attn):
     q, k, v = _qkv(64)
-    setattr(attn.config, sfhf.PLAN_KEY,
-            sfhf.Plan(method="pbs", config=PBSConfig(block_size=16, segment_size=32, min_seq_len=128)).to_dict())
+    setattr(
+        attn.config,
+        sfhf.PLAN_KEY,
+        sfhf.Plan(method="pbs", config=PBSConfig(block_size=16, segment_size=32, min_seq_len=128)).to_dict(),
+    )
     assert not _both(attn, q, k, v)[2][-1].sparse
     setattr(attn.config, sfhf.PLAN_KEY, sfhf.Plan(method="pbs", config=CFG).to_dict())
     assert _both(attn, q, k, v)[2][-1].sparse
@@ -130,7 +134,10 @@ def test_a_layer_resolved_eagerly_compiles_in_one_graph(attn):
     q, k, v = _qkv(32)
     want = _both(attn, q, k, v)[1]
     kept = vars(attn)[sfhf._LAYER_ATTR]
-    fn = torch.compile(lambda a, b, c: sfhf.sparseflow_attention_forward(attn, a, b, c, None, scaling=attn.scaling)[0],
-                       backend="eager", fullgraph=True)
+    fn = torch.compile(
+        lambda a, b, c: sfhf.sparseflow_attention_forward(attn, a, b, c, None, scaling=attn.scaling)[0],
+        backend="eager",
+        fullgraph=True,
+    )
     torch.testing.assert_close(fn(q, k, v), want)
     assert vars(attn)[sfhf._LAYER_ATTR] is kept

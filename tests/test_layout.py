@@ -1,5 +1,6 @@
 """Package layout: each method's code sits in its own folder and uses no other method's folder
 (code shared by methods goes through sparseflow/kernels/)."""
+
 from __future__ import annotations
 
 import ast
@@ -37,12 +38,19 @@ def _foreign_methods(modules: set, own: str) -> set:
 
 
 def test_the_import_scan_sees_relative_absolute_and_string_imports():
-    src = ("from ..pisa import reference\nfrom .. import bsa\nimport sparseflow.methods.dense.reference\n"
-           "X = 'sparseflow.methods.pisa.flex:pisa_attention'\nfrom ...kernels import token_blocks\n"
-           "from . import triton_impl\n")
+    src = (
+        "from ..pisa import reference\nfrom .. import bsa\nimport sparseflow.methods.dense.reference\n"
+        "X = 'sparseflow.methods.pisa.flex:pisa_attention'\nfrom ...kernels import token_blocks\n"
+        "from . import triton_impl\n"
+    )
     found = _foreign_methods(_imported_modules(src, "sparseflow.methods.pbs"), "pbs")
-    assert found == {"sparseflow.methods.pisa", "sparseflow.methods.pisa.reference", "sparseflow.methods.bsa",
-                     "sparseflow.methods.dense.reference", "sparseflow.methods.pisa.flex"}
+    assert found == {
+        "sparseflow.methods.pisa",
+        "sparseflow.methods.pisa.reference",
+        "sparseflow.methods.bsa",
+        "sparseflow.methods.dense.reference",
+        "sparseflow.methods.pisa.flex",
+    }
 
 
 def test_methods_do_not_import_each_other():
@@ -79,9 +87,23 @@ def test_kernels_holds_only_shared_code():
 
 EVAL_MODULES = ("attention_mass", "diagnostics", "evaluate", "fidelity", "niah", "plots", "sweep")
 # the rewrite and attention path: none of it may need the research code
-CORE = ("__init__.py", "api.py", "ops.py", "hf.py", "config.py", "selection.py", "tuning.py", "recording.py",
-        "decode_state.py", "onnx_export.py", "context_parallel.py", "passes/*.py", "methods/*.py", "methods/*/*.py",
-        "kernels/*.py")
+CORE = (
+    "__init__.py",
+    "api.py",
+    "ops.py",
+    "hf.py",
+    "config.py",
+    "selection.py",
+    "tuning.py",
+    "recording.py",
+    "decode_state.py",
+    "onnx_export.py",
+    "context_parallel.py",
+    "passes/*.py",
+    "methods/*.py",
+    "methods/*/*.py",
+    "kernels/*.py",
+)
 
 
 def _package_of(path: pathlib.Path) -> str:
@@ -121,8 +143,11 @@ def _one_method_of(test_file: pathlib.Path) -> str:
 
 
 def test_method_tests_sit_in_their_method_folder():
-    misplaced = [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
-                 if _one_method_of(p) and p.parent != TESTS / "methods" / _one_method_of(p)]
+    misplaced = [
+        str(p.relative_to(TESTS))
+        for p in TESTS.rglob("test_*.py")
+        if _one_method_of(p) and p.parent != TESTS / "methods" / _one_method_of(p)
+    ]
     assert not misplaced, f"method tests outside tests/methods/<method>/: {misplaced}"
 
 

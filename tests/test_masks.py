@@ -1,6 +1,7 @@
 """SDPA's mask contract (issue 14): every mask form ``F.scaled_dot_product_attention`` accepts gives
 SDPA's result through the op, ``sparseflow.compile`` and ``export_onnx``; recognised forms run
 sparse, others dense with a logged reason; bad masks fail with a ValueError naming ``attn_mask``."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,11 @@ SPARSE = {
 def _qkv(b, h, n, d=16, seed=0, hkv=None):
     g = torch.Generator().manual_seed(seed)
     hkv = hkv or h
-    return (torch.randn(b, h, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g),
-            torch.randn(b, hkv, n, d, generator=g))
+    return (
+        torch.randn(b, h, n, d, generator=g),
+        torch.randn(b, hkv, n, d, generator=g),
+        torch.randn(b, hkv, n, d, generator=g),
+    )
 
 
 def _sdpa(q, k, v, mask):
@@ -71,8 +75,9 @@ def test_2d_mask_through_compile():
     b, h, n = 4, 2, 4
     q, k, v = _qkv(b, h, n)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
-    model = sparseflow.compile(_MaskedSDPA(), method="bsa", config=EXACT["bsa"], backend="reference",
-                               inner_backend="eager")
+    model = sparseflow.compile(
+        _MaskedSDPA(), method="bsa", config=EXACT["bsa"], backend="reference", inner_backend="eager"
+    )
     out = model(q, k, v, mask)
     torch.testing.assert_close(out, _sdpa(q, k, v, mask), atol=1e-5, rtol=1e-5)
     (entry,) = sparseflow.report(model).entries
@@ -124,8 +129,15 @@ def test_2d_mask_through_export_onnx(tmp_path):
 
 
 def test_2d_mask_through_dynamic_compile():
-    model = sparseflow.compile(_MaskedSDPA(), method="pisa", config=EXACT["pisa"], backend="reference",
-                               inner_backend="eager", dynamic=True, fullgraph=True)
+    model = sparseflow.compile(
+        _MaskedSDPA(),
+        method="pisa",
+        config=EXACT["pisa"],
+        backend="reference",
+        inner_backend="eager",
+        dynamic=True,
+        fullgraph=True,
+    )
     for b, n in ((3, 12), (12, 12), (2, 20)):
         q, k, v = _qkv(b, 2, n, seed=b)
         mask = torch.ones(n, n, dtype=torch.bool).tril()
@@ -166,8 +178,7 @@ def test_key_padding_form_b11s_combines_with_causality(causal):
     mask = kpm[:, None, None, :]
     full = mask & torch.ones(16, 16, dtype=torch.bool).tril() if causal else mask
     with sparseflow.capture() as cap:
-        out = sparseflow.attention(q, k, v, config=EXACT["pisa"], attn_mask=mask, is_causal=causal,
-                                   backend="reference")
+        out = sparseflow.attention(q, k, v, config=EXACT["pisa"], attn_mask=mask, is_causal=causal, backend="reference")
     (call,) = cap.calls
     assert call.sparse, call.reason
     torch.testing.assert_close(out, _sdpa(q, k, v, full), atol=1e-5, rtol=1e-5)
@@ -234,7 +245,7 @@ def _visibility(kind, b, n, data):
         return m, None
     kpm = torch.ones(b, n, dtype=torch.bool)
     pad = data.draw(st.integers(0, n - 1), label="pad")
-    kpm[-1, n - pad:] = False
+    kpm[-1, n - pad :] = False
     if kind == "padding":
         return kpm[:, None, :].expand(b, n, n), kpm
     return tril[None] & kpm[:, None, :], kpm  # causal + right padding: key 0 is always visible
@@ -269,9 +280,19 @@ def _cases(draw):
     n = draw(st.sampled_from((4, 8, 11, 16)))
     b = draw(st.sampled_from((1, 2, n)))  # B == L included
     kind = draw(st.sampled_from(("causal", "padding", "causal+padding", "random")))
-    return dict(n=n, b=b, kind=kind, rank=draw(st.sampled_from((2, 3, 4))), batch_dim=draw(st.booleans()),
-                query_dim=draw(st.booleans()), head_dim=draw(st.booleans()), floating=draw(st.booleans()), hkv=draw(st.sampled_from((1, 2))),
-                group=draw(st.sampled_from((1, 2))), method=draw(st.sampled_from(("pbs", "bsa", "pisa"))))
+    return dict(
+        n=n,
+        b=b,
+        kind=kind,
+        rank=draw(st.sampled_from((2, 3, 4))),
+        batch_dim=draw(st.booleans()),
+        query_dim=draw(st.booleans()),
+        head_dim=draw(st.booleans()),
+        floating=draw(st.booleans()),
+        hkv=draw(st.sampled_from((1, 2))),
+        group=draw(st.sampled_from((1, 2))),
+        method=draw(st.sampled_from(("pbs", "bsa", "pisa"))),
+    )
 
 
 @SETTINGS
@@ -287,8 +308,7 @@ def test_every_sdpa_mask_form_gives_sdpas_result(case, data):
     want = _sdpa(q, k, v, mask)
     method = case["method"]
     with sparseflow.capture() as cap:
-        got = sparseflow.attention(q, k, v, config=EXACT[method], attn_mask=mask, is_causal=False,
-                                   backend="reference")
+        got = sparseflow.attention(q, k, v, config=EXACT[method], attn_mask=mask, is_causal=False, backend="reference")
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     (call,) = cap.calls
     recognised = kind != "random"
@@ -301,6 +321,13 @@ def test_every_sdpa_mask_form_gives_sdpas_result(case, data):
     if recognised:
         native = None if kpm is None else kpm[:, None, None, :]
         a = sparseflow.attention(q, k, v, config=SPARSE[method], attn_mask=mask, is_causal=False, backend="reference")
-        ref = sparseflow.attention(q, k, v, config=SPARSE[method], attn_mask=native,
-                                   is_causal=kind in ("causal", "causal+padding"), backend="reference")
+        ref = sparseflow.attention(
+            q,
+            k,
+            v,
+            config=SPARSE[method],
+            attn_mask=native,
+            is_causal=kind in ("causal", "causal+padding"),
+            backend="reference",
+        )
         torch.testing.assert_close(a, ref, atol=1e-6, rtol=1e-6)

@@ -1,6 +1,7 @@
 """The rewrite on tiny random-initialised Hugging Face models (no downloads): every attention call
 found and rewritten, dense/exact modes reproduce the original model, export with the GQA fold,
 generate(), and the sparse methods end to end."""
+
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,7 @@ through the model-local function bodies, equal to the PyTorch rewritten model.
 
 Error metric everywhere: max |onnx - torch| / max |torch| over the logits (fp32).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -72,8 +73,9 @@ def _exported(model, key, **kw):
     if key not in _CACHE:
         ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
         t0 = time.perf_counter()
-        proto, program = export_onnx(model, (ids,), None, example_kwargs={"use_cache": False},
-                                     return_program=True, **kw)
+        proto, program = export_onnx(
+            model, (ids,), None, example_kwargs={"use_cache": False}, return_program=True, **kw
+        )
         _CACHE[key] = (proto, _session(proto), program, time.perf_counter() - t0)
     return _CACHE[key]
 
@@ -124,14 +126,21 @@ def test_batch_with_key_padding(llama, method):
     ids = _ids(150, seed=3, batch=2)
     am = torch.ones(2, 150, dtype=torch.long)
     am[1, 120:] = 0
-    proto, program = export_onnx(llama, (ids,), None, method=method, config=cfg, return_program=True,
-                                 example_kwargs={"attention_mask": am, "use_cache": False})
+    proto, program = export_onnx(
+        llama,
+        (ids,),
+        None,
+        method=method,
+        config=cfg,
+        return_program=True,
+        example_kwargs={"attention_mask": am, "use_cache": False},
+    )
     sess = _session(proto)
     assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask"]
     for n, pad in ((150, 30), (97, 20)):
         ids = _ids(n, seed=n, batch=2)
         am = torch.ones(2, n, dtype=torch.long)
-        am[1, n - pad:] = 0
+        am[1, n - pad :] = 0
         got = _onnx_logits(sess, ids, am)
         ref = _torch_logits(program, ids, am)
         valid = am.bool()
@@ -151,8 +160,16 @@ def test_batch_with_key_padding(llama, method):
 def test_exact_modes_match_dense(llama, method, config, dynamic):
     n = 100  # 7 blocks of 16: every top_k above covers them all
     ids = _ids(n, seed=5)
-    proto, program = export_onnx(llama, (ids,), None, method=method, config=config, return_program=True,
-                                 example_kwargs={"use_cache": False}, dynamic_seq=dynamic)
+    proto, program = export_onnx(
+        llama,
+        (ids,),
+        None,
+        method=method,
+        config=config,
+        return_program=True,
+        example_kwargs={"use_cache": False},
+        dynamic_seq=dynamic,
+    )
     got = _onnx_logits(_session(proto), ids)
     with torch.no_grad():
         dense = llama(ids, use_cache=False).logits
@@ -170,7 +187,9 @@ def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
     cfg = SPARSE.get(method, sparseflow.DenseConfig())
     proto, _, program, _ = _exported(llama, method, method=method, config=SPARSE.get(method))
     # native GQA reaches the op: K/V with the model's 2 KV heads, never repeated to 6
-    ops = [n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "sparseflow"]
+    ops = [
+        n for n in program.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", "") == "sparseflow"
+    ]
     assert len(ops) == LAYERS
     assert all(n.args[0].meta["val"].shape[1] == 6 and n.args[1].meta["val"].shape[1] == 2 for n in ops)
     nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
@@ -181,7 +200,7 @@ def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["is_causal"] == 1
-        assert attrs["scale"] == pytest.approx(1 / 16 ** 0.5)
+        assert attrs["scale"] == pytest.approx(1 / 16**0.5)
         for name, value in cfg.to_dict().items():
             if name in ("method", "version"):
                 continue
@@ -256,8 +275,11 @@ def test_unsupported_fails_at_export_time(tmp_path, kind, method, match):
     """Calls the nodes cannot reproduce are refused before anything is written, naming the call."""
     path = tmp_path / "m.onnx"
     x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(0))
-    cfg = sparseflow.default_config(method).replace(block_size=8) if method != "pbs" else \
-        sparseflow.PBSConfig(block_size=8, segment_size=16)
+    cfg = (
+        sparseflow.default_config(method).replace(block_size=8)
+        if method != "pbs"
+        else sparseflow.PBSConfig(block_size=8, segment_size=16)
+    )
     with pytest.raises(OnnxExportError, match=match) as info:
         export_onnx(_OddAttention(kind).eval(), (x,), path, method=method, config=cfg)
     assert "<root>" in str(info.value)
@@ -342,7 +364,8 @@ def _single_node_model(method, attrs, dtype=onnx.TensorProto.FLOAT):
     inputs.append(h.make_tensor_value_info("kpm", onnx.TensorProto.BOOL, [None] * 2))
     graph = h.make_graph([node], "one_node", inputs, [h.make_tensor_value_info("out", dtype, [None] * 4)])
     model = h.make_model(
-        graph, functions=[function_protos()[method]],
+        graph,
+        functions=[function_protos()[method]],
         opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(DOMAIN, DOMAIN_VERSION)],
     )
     onnx.checker.check_model(model)
@@ -363,12 +386,13 @@ def test_bsa_node_matches_op(is_causal, ties, n):
         k = torch.randint(-3, 4, (b, hkv, 1, d), generator=g).float().expand(b, hkv, n, d).contiguous()
     v = torch.randn(b, hkv, n, d, generator=g)
     kpm = torch.ones(b, n, dtype=torch.bool)
-    kpm[1, n - 5:] = False
+    kpm[1, n - 5 :] = False
     kpm[1, 3] = False
     cfg = sparseflow.BSAConfig(block_size=8, top_k=5)
     ref = sparseflow.bsa_attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=is_causal, scale=0.3)
-    attrs = dict(is_causal=int(is_causal), scale=0.3, block_size=8, top_k=5, force_sink=1,
-                 force_previous=1, min_seq_len=0)
+    attrs = dict(
+        is_causal=int(is_causal), scale=0.3, block_size=8, top_k=5, force_sink=1, force_previous=1, min_seq_len=0
+    )
     sess = _single_node_model("bsa", attrs)
     got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
     err = _rel(got, ref)
@@ -386,7 +410,7 @@ def _node_inputs(n, ties, seed):
         k = torch.randint(-3, 4, (b, hkv, 1, d), generator=g).float().expand(b, hkv, n, d).contiguous()
     v = torch.randn(b, hkv, n, d, generator=g)
     kpm = torch.ones(b, n, dtype=torch.bool)
-    kpm[1, n - 5:] = False
+    kpm[1, n - 5 :] = False
     kpm[1, 3] = False
     return q, k, v, kpm
 
@@ -405,8 +429,7 @@ def _node_vs_op(cfg, n, is_causal, ties, seed=0):
     """(max rel error of one node vs the op, the op's density on the same inputs)."""
     q, k, v, kpm = _node_inputs(n, ties, seed)
     with sparseflow.capture() as cap:
-        ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=is_causal,
-                                   scale=0.3)
+        ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=is_causal, scale=0.3)
     (call,) = cap.calls
     assert call.sparse, call.reason
     sess = _single_node_model(cfg.method, _node_attrs(cfg, is_causal, 0.3))
@@ -420,8 +443,15 @@ PBS_NODE_CONFIGS = [
     sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.7, causal_proxy=True, force_sink=False),
     sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.7, permute=False),
     sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.6, scoring="antidiagonal", antidiagonal_stride=4),
-    sparseflow.PBSConfig(block_size=8, segment_size=32, threshold=0.7, scoring="antidiagonal", antidiagonal_stride=2,
-                         gqa_permutation="kv_head", causal_proxy=True),
+    sparseflow.PBSConfig(
+        block_size=8,
+        segment_size=32,
+        threshold=0.7,
+        scoring="antidiagonal",
+        antidiagonal_stride=2,
+        gqa_permutation="kv_head",
+        causal_proxy=True,
+    ),
 ]
 PISA_NODE_CONFIGS = [
     sparseflow.PISAConfig(block_size=8, top_k=4),
@@ -456,9 +486,14 @@ def test_sparse_node_ties_and_odd_lengths(cfg, n):
 
 @pytest.mark.parametrize(
     "method,bad",
-    [("pbs", {"scoring": "max"}), ("pbs", {"gqa_permutation": "per_token"}), ("pbs", {"proxy_blocks": 2}),
-     ("pisa", {"score": "max"}),
-     ("pisa", {"branching": 1}), ("pisa", {"beam": 0})],
+    [
+        ("pbs", {"scoring": "max"}),
+        ("pbs", {"gqa_permutation": "per_token"}),
+        ("pbs", {"proxy_blocks": 2}),
+        ("pisa", {"score": "max"}),
+        ("pisa", {"branching": 1}),
+        ("pisa", {"beam": 0}),
+    ],
 )
 def test_body_outputs_nan_for_settings_it_does_not_implement(method, bad):
     """A node written by hand (or by another tool) with a setting the body lacks: the fallback
@@ -466,10 +501,14 @@ def test_body_outputs_nan_for_settings_it_does_not_implement(method, bad):
     cfg = PBS_NODE_CONFIGS[0] if method == "pbs" else PISA_NODE_CONFIGS[0]
     q, k, v, kpm = _node_inputs(40, False, 0)
     attrs = {**_node_attrs(cfg, True, 0.3), **bad}
-    got = _single_node_model(method, attrs).run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
+    got = _single_node_model(method, attrs).run(
+        None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()}
+    )[0]
     assert torch.isnan(torch.from_numpy(got)).all()
     attrs = _node_attrs(cfg, True, 0.3)  # and the same node with a supported setting is finite
-    got = _single_node_model(method, attrs).run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
+    got = _single_node_model(method, attrs).run(
+        None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()}
+    )[0]
     assert torch.isfinite(torch.from_numpy(got)).all()
 
 
@@ -492,8 +531,15 @@ def test_smollm2_every_method_onnx_matches_torch_at_1k_tokens():
     n_layers = model.config.num_hidden_layers
     per_layer = {i: sparseflow.default_config(cycle[i % 3]) for i in range(n_layers)}
     t0 = time.perf_counter()
-    proto, program = export_onnx(model, (ids[:, :256],), None, method="bsa", layer_configs=per_layer,
-                                 example_kwargs={"use_cache": False}, return_program=True)
+    proto, program = export_onnx(
+        model,
+        (ids[:, :256],),
+        None,
+        method="bsa",
+        layer_configs=per_layer,
+        example_kwargs={"use_cache": False},
+        return_program=True,
+    )
     export_s = time.perf_counter() - t0
     nodes = [n.op_type for n in proto.graph.node if n.domain == DOMAIN]
     assert nodes == [NODE_TYPES[cycle[i % 3]] for i in range(n_layers)]
@@ -505,8 +551,10 @@ def test_smollm2_every_method_onnx_matches_torch_at_1k_tokens():
     assert not cap.fallbacks() and len(cap.calls) == n_layers
     density = {m: sum(c.density for c in cap.calls if c.method == m) / (n_layers // 3) for m in cycle}
     err = _rel(got, ref)
-    print(f"\nSmolLM2 bsa/pbs/pisa N=1024: export {export_s:.1f} s, onnxruntime {run_s:.1f} s, "
-          f"max rel err {err:.2e}, density {density}")
+    print(
+        f"\nSmolLM2 bsa/pbs/pisa N=1024: export {export_s:.1f} s, onnxruntime {run_s:.1f} s, "
+        f"max rel err {err:.2e}, density {density}"
+    )
     assert err <= TOL
     assert all(d < 0.95 for d in density.values()), density  # every method really sparse at 1K tokens
     assert export_s < 120
@@ -531,8 +579,20 @@ def test_cli_export_onnx_writes_the_same_model(llama, llama_folder, tmp_path, ca
 
     out = tmp_path / "tiny.onnx"
     cfg = SPARSE["pisa"]
-    rc = main(["export-onnx", str(llama_folder), "--method", "pisa", "--config", json.dumps(cfg.to_dict()),
-               "--tokens", "48", "--out", str(out)])
+    rc = main(
+        [
+            "export-onnx",
+            str(llama_folder),
+            "--method",
+            "pisa",
+            "--config",
+            json.dumps(cfg.to_dict()),
+            "--tokens",
+            "48",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert f"2 {NODE_TYPES['pisa']}" in capsys.readouterr().out
     proto = onnx.load(str(out))
@@ -550,8 +610,12 @@ def test_cli_export_onnx_errors(llama_folder, tmp_path, capsys):
     assert main(["export-onnx", str(llama_folder), "--out", str(out)]) == 2
     assert "pass --method" in capsys.readouterr().err
     bad = '{"block_size": 16, "segment_size": 24}'
-    assert main(["export-onnx", str(llama_folder), "--method", "pbs", "--config", bad, "--tokens", "64",
-                 "--out", str(out)]) == 2
+    assert (
+        main(
+            ["export-onnx", str(llama_folder), "--method", "pbs", "--config", bad, "--tokens", "64", "--out", str(out)]
+        )
+        == 2
+    )
     assert "segment_size must be a multiple of block_size" in capsys.readouterr().err
     assert not out.exists()
 

@@ -1,4 +1,5 @@
 """Op contracts: registration, fake impls, opcheck, torch.compile(fullgraph), export, errors."""
+
 import logging
 import subprocess
 import sys
@@ -90,8 +91,11 @@ def test_cuda_compile_fullgraph_triton_backend(method, dtype):
     # Inductor compiles the Triton kernels behind the ops itself (it passes Python floats to them
     # as fp64, which the kernels must accept): compiled output == eager output
     q, k, v = (t.to("cuda", dtype) for t in _qkv(n=301, d=64))
-    cfg = {"pbs": PBSConfig(block_size=16, segment_size=32, threshold=0.8), "pisa": PISAConfig(block_size=16, top_k=4),
-           "bsa": BSAConfig(block_size=16, top_k=4)}[method]
+    cfg = {
+        "pbs": PBSConfig(block_size=16, segment_size=32, threshold=0.8),
+        "pisa": PISAConfig(block_size=16, top_k=4),
+        "bsa": BSAConfig(block_size=16, top_k=4),
+    }[method]
 
     def f(q, k, v):
         return sparseflow.attention(q, k, v, config=cfg, backend="triton") * 2.0
@@ -265,8 +269,14 @@ def test_key_padding_mask_with_either_causality(method, causal):
     q, k, v = _qkv()
     kpm = torch.ones(2, 45, dtype=torch.bool)
     kpm[1, 30:] = False
-    out = sparseflow.attention(q, k, v, config=sparseflow.testing.exact_config(method, 45, SMALL[method]),
-                               attn_mask=kpm[:, None, None, :], is_causal=causal)
+    out = sparseflow.attention(
+        q,
+        k,
+        v,
+        config=sparseflow.testing.exact_config(method, 45, SMALL[method]),
+        attn_mask=kpm[:, None, None, :],
+        is_causal=causal,
+    )
     full = kpm[:, None, None, :] & (torch.ones(45, 45, dtype=torch.bool).tril() if causal else True)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -303,7 +313,9 @@ def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
     import sparseflow.ops as ops
     from sparseflow.autobackend import default_chooser
 
-    monkeypatch.setattr(ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend)
+    monkeypatch.setattr(
+        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+    )
     monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
     default_chooser.clear()
     g = torch.Generator().manual_seed(0)

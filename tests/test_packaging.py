@@ -1,4 +1,5 @@
 """Packaging habits: one version string, py.typed shipped, ruff configured and run by CI."""
+
 from __future__ import annotations
 
 import pathlib
@@ -32,4 +33,6 @@ def test_ruff_is_configured_and_run_by_ci():
     assert ruff["line-length"] == 120
     assert {"E9", "F"} <= set(ruff["lint"]["select"])
     assert not ruff.get("exclude") and not ruff["lint"].get("ignore")
-    assert "ruff check ." in (ROOT / ".ci" / "run").read_text()
+    assert not ruff.get("format", {}).get("exclude")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "ruff check ." in ci and "ruff format --check ." in ci

@@ -2,6 +2,7 @@
 
 The same checks are exported in ``sparseflow.testing`` for users' own CI.
 """
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -143,7 +144,7 @@ def test_p5_topk_selection_shape(method, problem, data):
         vis_key = (pos[None, :] <= pos[:, None]) & valid[b][None, :]
         vis_blk = torch.zeros(problem.n, nb, dtype=torch.bool)
         vis_blk.index_reduce_(1, pos // c, vis_key.to(torch.bool).float().bool(), "amax") if False else None
-        vis_blk = torch.stack([vis_key[:, j * c:(j + 1) * c].any(-1) for j in range(nb)], -1)
+        vis_blk = torch.stack([vis_key[:, j * c : (j + 1) * c].any(-1) for j in range(nb)], -1)
         want = vis_blk.sum(-1).clamp(max=cfg.top_k)
         for h in range(idx.shape[1]):
             rows = idx[b, h]

@@ -1,5 +1,6 @@
 """The rewrite report says what the model runs, never more: no attention found, a copy that lost
 its compilation, rewritten calls that fall back to dense at run time, layers that do not exist."""
+
 from __future__ import annotations
 
 import copy
@@ -176,8 +177,15 @@ def test_sliding_window_fallback_is_shown_after_a_run():
 def test_hf_sliding_window_layers_show_their_fallback():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(num_hidden_layers=1, sliding_window=16, hidden_size=96, intermediate_size=128,
-                                     num_attention_heads=6, num_key_value_heads=2, vocab_size=128)
+    cfg = transformers.MistralConfig(
+        num_hidden_layers=1,
+        sliding_window=16,
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     cfg._attn_implementation = "sdpa"
     model = transformers.MistralForCausalLM(cfg).eval()
     sparseflow.compile(model, method="pisa", config=_PISA, backend="reference", inner_backend="eager")
@@ -190,8 +198,14 @@ def test_hf_sliding_window_layers_show_their_fallback():
 def test_partly_dense_calls_are_counted():
     # a 64-token prefill runs sparse; 8 tokens is below min_seq_len and runs dense
     cfg = _PISA.replace(min_seq_len=32)
-    model = sparseflow.compile(Layers(WindowAttention, layers=1), method="pisa", config=cfg, backend="reference",
-                               inner_backend="eager", dynamic=False)
+    model = sparseflow.compile(
+        Layers(WindowAttention, layers=1),
+        method="pisa",
+        config=cfg,
+        backend="reference",
+        inner_backend="eager",
+        dynamic=False,
+    )
     with torch.no_grad():
         model(torch.randn(1, 64, 32))
         model(torch.randn(1, 8, 32))
@@ -245,8 +259,7 @@ def test_unknown_layers_in_a_model_without_numbered_layers():
 
 def test_unknown_layers_refused_by_export(plain_attention):
     with pytest.raises(ValueError, match=r"layer_configs names layers \[9\]"):
-        sparseflow.export(plain_attention(layers=2), (torch.randn(1, 8, 48),), method="pisa",
-                          layer_configs={9: None})
+        sparseflow.export(plain_attention(layers=2), (torch.randn(1, 8, 48),), method="pisa", layer_configs={9: None})
 
 
 def test_known_layers_are_accepted(tiny):

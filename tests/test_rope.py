@@ -1,4 +1,5 @@
 """sparseflow.rope: RoPE scaling of a loaded transformers model rebuilds its rotary module."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,15 @@ def _model(max_pos=32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=max_pos)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=max_pos,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg).eval()
 
@@ -32,7 +40,11 @@ def test_yarn_changes_logits_and_none_restores():
     rot = model.model.rotary_emb
     assert rot.rope_type == "yarn" and info["rope_type"] == "yarn"
     assert rot.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
-    assert model.config.rope_parameters["original_max_position_embeddings"] == 32 == info["original_max_position_embeddings"]
+    assert (
+        model.config.rope_parameters["original_max_position_embeddings"]
+        == 32
+        == info["original_max_position_embeddings"]
+    )
     assert model.config.max_position_embeddings == 128
     assert not torch.allclose(_logits(model), plain)
     # a second change starts from the plain model, not from the scaled one
@@ -63,8 +75,9 @@ def test_linear_and_dynamic(spec):
     torch.testing.assert_close(_logits(model), plain, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("spec", ["yarn", "yarn:0.5", "yarn:x", "yarn:auto", "yarn:auto:-3", "ntk:2", "linear:2:3",
-                                  "linear:inf", 4, ""])
+@pytest.mark.parametrize(
+    "spec", ["yarn", "yarn:0.5", "yarn:x", "yarn:auto", "yarn:auto:-3", "ntk:2", "linear:2:3", "linear:inf", 4, ""]
+)
 def test_bad_specs_raise_one_line(spec):
     with pytest.raises(ValueError, match=r"^rope_scaling must be .*yarn:auto:N.*got") as e:
         parse_rope_scaling(spec)
@@ -74,7 +87,9 @@ def test_bad_specs_raise_one_line(spec):
 
 
 def test_none_forms():
-    assert parse_rope_scaling(None) is None and parse_rope_scaling("none") is None and parse_rope_scaling("None") is None
+    assert (
+        parse_rope_scaling(None) is None and parse_rope_scaling("none") is None and parse_rope_scaling("None") is None
+    )
     assert parse_rope_scaling("yarn:auto:32768").target == 32768
 
 

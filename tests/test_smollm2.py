@@ -1,5 +1,6 @@
 """The real checkpoint: SmolLM2-135M-Instruct at 2K tokens of real text, every method
 rewritten at its defaults: all 30 attention calls rewritten, really sparse, close to dense."""
+
 import pytest
 
 from sparseflow.checkpoints import SMOLLM2_PACKAGE_HINT, smollm2_gguf

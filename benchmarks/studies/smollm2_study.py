@@ -27,6 +27,7 @@ is cut short keeps what it measured):
 
 Every run uses the reference backend (fp32 torch on ``--device``), the evaluation's semantics.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,13 @@ DENSE_LAYERS = (0,)  # as the smollm2 recipe: layer 0 stays dense in every row
 def env_info(device: str) -> dict:
     import transformers
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} cpu",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     try:
         import triton
 
@@ -111,15 +116,29 @@ def eval_positions_for(n: int) -> int:
 def plan_for(cfg, num_layers: int, layer_configs=None):
     from sparseflow.hf import Plan
 
-    return Plan(method="pbs", config=cfg, backend="reference", dense_layers=DENSE_LAYERS,
-                layer_configs=dict(layer_configs or {}), num_layers=num_layers)
+    return Plan(
+        method="pbs",
+        config=cfg,
+        backend="reference",
+        dense_layers=DENSE_LAYERS,
+        layer_configs=dict(layer_configs or {}),
+        num_layers=num_layers,
+    )
 
 
 def result_row(res, **extra) -> dict:
     f = res.fidelity
-    return {**extra, "density": res.density, "mean_kl": f.mean_kl, "p99_kl": f.p99_kl,
-            "top1": f.top1_agreement, "seconds": res.seconds, "density_per_layer": res.density_per_layer,
-            "config": res.config, "layer_configs": res.plan.get("layer_configs", {})}
+    return {
+        **extra,
+        "density": res.density,
+        "mean_kl": f.mean_kl,
+        "p99_kl": f.p99_kl,
+        "top1": f.top1_agreement,
+        "seconds": res.seconds,
+        "density_per_layer": res.density_per_layer,
+        "config": res.config,
+        "layer_configs": res.plan.get("layer_configs", {}),
+    }
 
 
 def eval_inputs(model, tok, args):
@@ -146,15 +165,26 @@ def evaluate_layer_plans(model, tok, args, writer, plans, tag):
             for thr in args.thresholds:
                 cfg, per_layer = plan_at(thr)
                 res = evaluate_plans(model, ids, [plan_for(cfg, nl, per_layer)], eval_positions=keep, dense=dense)[0]
-                row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=variant, threshold=thr,
-                                 permuted_layers=sorted(i for i, c in per_layer.items() if c.permute))
+                row = result_row(
+                    res,
+                    text=text,
+                    tokens=n,
+                    eval_positions=keep,
+                    variant=variant,
+                    threshold=thr,
+                    permuted_layers=sorted(i for i, c in per_layer.items() if c.permute),
+                )
                 writer.add(row)
-                print(f"{tag} {text:15s} n={n:5d} {variant:24s} thr={thr:<5} density {row['density']:.3f} "
-                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+                print(
+                    f"{tag} {text:15s} n={n:5d} {variant:24s} thr={thr:<5} density {row['density']:.3f} "
+                    f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)",
+                    flush=True,
+                )
 
 
 def permuting(plain, layers):
     """The plan ``plain`` (an unpermuted PBSConfig) with permutation in ``layers``, per threshold."""
+
     def plan_at(thr):
         cfg = plain.replace(threshold=thr)
         return cfg, {i: cfg.replace(permute=True) for i in layers}
@@ -173,8 +203,11 @@ def run_pbs(model, tok, args, writer):
                 res = evaluate_plans(model, ids, [plan_for(cfg, layers)], eval_positions=keep, dense=dense)[0]
                 row = result_row(res, text=text, tokens=n, eval_positions=keep, variant=name, threshold=thr)
                 writer.add(row)
-                print(f"pbs {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
-                      f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)", flush=True)
+                print(
+                    f"pbs {text:15s} n={n:5d} {name:20s} thr={thr:<5} density {row['density']:.3f} "
+                    f"KL {row['mean_kl']:.4f} top1 {row['top1']:.3f} ({row['seconds']:.1f}s)",
+                    flush=True,
+                )
 
 
 def _missed_at(points, density):
@@ -197,8 +230,9 @@ def calibrate(model, tok, args, base_variant: str, thresholds):
     # "last": the last 512 queries (what the fidelity is scored on); "spread": 8 runs of 64 queries
     # over the whole sequence (errors at early positions reach the scored ones through later
     # layers' keys and values)
-    positions = (None if args.calib_positions == "last"
-                 else spread_positions(args.calib_tokens, 8, start=args.calib_tokens // 8))
+    positions = (
+        None if args.calib_positions == "last" else spread_positions(args.calib_tokens, 8, start=args.calib_tokens // 8)
+    )
     layers = capture_qkv(model, ids)
     base = VARIANTS[base_variant]
     choice, table = {}, []
@@ -218,16 +252,29 @@ def calibrate(model, tok, args, base_variant: str, thresholds):
         grid = sorted({d for pts in curves.values() for d, _ in pts})
         lo = max(min(d for d, _ in curves[True]), min(d for d, _ in curves[False]))
         hi = min(max(d for d, _ in curves[True]), max(d for d, _ in curves[False]))
-        grid = ([d for d in grid if lo <= d <= hi and 0.25 <= d <= 0.75]
-                or [d for d in grid if lo <= d <= hi] or [min(lo, hi)])
+        grid = (
+            [d for d in grid if lo <= d <= hi and 0.25 <= d <= 0.75]
+            or [d for d in grid if lo <= d <= hi]
+            or [min(lo, hi)]
+        )
         wins = sum(_missed_at(curves[True], d) < _missed_at(curves[False], d) for d in grid)
         permute = wins * 2 > len(grid)
         choice[i] = permute
-        table.append({"layer": i, "permute": permute, "wins": wins, "of": len(grid),
-                      "curves": {str(p): pts for p, pts in curves.items()}})
-        print(f"calib layer {i:2d}: permute={permute} ({wins}/{len(grid)} densities) "
-              f"perm {[(round(d, 3), round(m, 4)) for d, m in curves[True]]} "
-              f"plain {[(round(d, 3), round(m, 4)) for d, m in curves[False]]}", flush=True)
+        table.append(
+            {
+                "layer": i,
+                "permute": permute,
+                "wins": wins,
+                "of": len(grid),
+                "curves": {str(p): pts for p, pts in curves.items()},
+            }
+        )
+        print(
+            f"calib layer {i:2d}: permute={permute} ({wins}/{len(grid)} densities) "
+            f"perm {[(round(d, 3), round(m, 4)) for d, m in curves[True]]} "
+            f"plain {[(round(d, 3), round(m, 4)) for d, m in curves[False]]}",
+            flush=True,
+        )
     del layers
     return choice, table
 
@@ -236,14 +283,24 @@ def run_calib(model, tok, args, writer):
     for base_variant in args.calib_variants:
         choice, table = calibrate(model, tok, args, base_variant, args.calib_thresholds)
         writer.data.setdefault("calibration", {})[base_variant] = {
-            "text": args.calib_text, "tokens": args.calib_tokens, "thresholds": args.calib_thresholds,
+            "text": args.calib_text,
+            "tokens": args.calib_tokens,
+            "thresholds": args.calib_thresholds,
             "positions": args.calib_positions,
-            "permuted_layers": sorted(i for i, p in choice.items() if p), "layers": table}
+            "permuted_layers": sorted(i for i, p in choice.items() if p),
+            "layers": table,
+        }
         writer.flush()
         suffix = "" if args.calib_positions == "last" else f"_{args.calib_positions}"
         plain = PBSConfig(**{**VARIANTS[base_variant], "permute": False})
-        evaluate_layer_plans(model, tok, args, writer, {
-            f"calibrated_{base_variant}{suffix}": permuting(plain, [i for i, p in choice.items() if p])}, "calib")
+        evaluate_layer_plans(
+            model,
+            tok,
+            args,
+            writer,
+            {f"calibrated_{base_variant}{suffix}": permuting(plain, [i for i, p in choice.items() if p])},
+            "calib",
+        )
 
 
 def run_calib_kl(model, tok, args, writer):
@@ -263,16 +320,18 @@ def run_calib_kl(model, tok, args, writer):
         plain = PBSConfig(**{**VARIANTS[base_variant], "permute": False})
         curve = []
         for thr in args.thresholds:
-            res = evaluate_plans(model, ids, [plan_for(plain.replace(threshold=thr), nl)], eval_positions=keep,
-                                 dense=dense)[0]
+            res = evaluate_plans(
+                model, ids, [plan_for(plain.replace(threshold=thr), nl)], eval_positions=keep, dense=dense
+            )[0]
             curve.append((res.density, res.fidelity.mean_kl))
         base = plain.replace(threshold=args.calib_kl_threshold)
         chosen, table = [], []
         for i in range(nl):
             if i in DENSE_LAYERS:
                 continue
-            res = evaluate_plans(model, ids, [plan_for(base, nl, {i: base.replace(permute=True)})],
-                                 eval_positions=keep, dense=dense)[0]
+            res = evaluate_plans(
+                model, ids, [plan_for(base, nl, {i: base.replace(permute=True)})], eval_positions=keep, dense=dense
+            )[0]
             d, kl = res.density, res.fidelity.mean_kl
             ref = kl_at(curve, d)
             wins = ref is not None and kl < ref
@@ -281,11 +340,17 @@ def run_calib_kl(model, tok, args, writer):
                 chosen.append(i)
             print(f"calib_kl layer {i:2d}: density {d:.4f} KL {kl:.5f} vs curve {ref} -> permute={wins}", flush=True)
         writer.data.setdefault("calibration", {})[base_variant] = {
-            "text": args.calib_text, "tokens": args.calib_tokens, "threshold": args.calib_kl_threshold,
-            "no_permute_curve": curve, "permuted_layers": chosen, "layers": table}
+            "text": args.calib_text,
+            "tokens": args.calib_tokens,
+            "threshold": args.calib_kl_threshold,
+            "no_permute_curve": curve,
+            "permuted_layers": chosen,
+            "layers": table,
+        }
         writer.flush()
-        evaluate_layer_plans(model, tok, args, writer, {f"calibrated_kl_{base_variant}": permuting(plain, chosen)},
-                             "calib_kl")
+        evaluate_layer_plans(
+            model, tok, args, writer, {f"calibrated_kl_{base_variant}": permuting(plain, chosen)}, "calib_kl"
+        )
 
 
 def run_recipe(model, tok, args, writer):
@@ -297,8 +362,9 @@ def run_recipe(model, tok, args, writer):
     for name in args.recipes:
         recipe = get_recipe(name)
         if tuple(recipe.dense_layers) != DENSE_LAYERS:
-            raise SystemExit(f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps "
-                             f"{DENSE_LAYERS}")
+            raise SystemExit(
+                f"recipe {name!r} keeps layers {recipe.dense_layers} dense; this study keeps {DENSE_LAYERS}"
+            )
 
         def plan_at(thr, recipe=recipe):
             cfg = recipe.config_for("pbs").replace(threshold=thr, **args.recipe_set)
@@ -315,12 +381,15 @@ def run_recall(model, tok, args, writer):
     for text in args.texts:
         ids = real_tokens(tok, args.recall_tokens, text=text).to(args.device)
         start = time.perf_counter()
-        r = recall_diagnostic(model, ids, selectors=args.recall_selectors, block_size=64, top_k=8, branching=2,
-                              q_start=512)
+        r = recall_diagnostic(
+            model, ids, selectors=args.recall_selectors, block_size=64, top_k=8, branching=2, q_start=512
+        )
         row = {"text": text, "tokens": args.recall_tokens, "seconds": time.perf_counter() - start, **r}
         writer.add(row)
-        print(f"recall {text}: " + ", ".join(f"{s} {r['mean'][s]['recall']:.4f}" for s in args.recall_selectors),
-              flush=True)
+        print(
+            f"recall {text}: " + ", ".join(f"{s} {r['mean'][s]['recall']:.4f}" for s in args.recall_selectors),
+            flush=True,
+        )
 
 
 RUNNERS = {"pbs": run_pbs, "calib": run_calib, "calib_kl": run_calib_kl, "recipe": run_recipe, "recall": run_recall}
@@ -332,7 +401,10 @@ def _recipe_set(text: str) -> dict:
     from sparseflow.eval.sweep import parse_config_field
 
     try:
-        return {key: parse_config_field("pbs", key, value) for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)}
+        return {
+            key: parse_config_field("pbs", key, value)
+            for key, _, value in (kv.partition("=") for kv in text.split(",") if kv)
+        }
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -349,15 +421,27 @@ def main(argv=None):
     ap.add_argument("--thresholds", type=floats, default=[0.8, 0.9, 0.95, 0.98, 0.99])
     ap.add_argument("--calib-text", default="pydoc_topics")
     ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--calib-positions", choices=["last", "spread"], default="last",
-                    help="queries whose retained mass calibrates the per-layer choice (default: the last 512)")
+    ap.add_argument(
+        "--calib-positions",
+        choices=["last", "spread"],
+        default="last",
+        help="queries whose retained mass calibrates the per-layer choice (default: the last 512)",
+    )
     ap.add_argument("--calib-variants", type=names, default=["paper", "antidiag"])
     ap.add_argument("--calib-thresholds", type=floats, default=[0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995])
-    ap.add_argument("--calib-kl-threshold", type=float, default=0.95,
-                    help="threshold at which calib_kl permutes one layer at a time (default 0.95)")
+    ap.add_argument(
+        "--calib-kl-threshold",
+        type=float,
+        default=0.95,
+        help="threshold at which calib_kl permutes one layer at a time (default 0.95)",
+    )
     ap.add_argument("--recipes", type=names, default=["smollm2", "smollm2-code"])
-    ap.add_argument("--recipe-set", type=_recipe_set, default={},
-                    help="recipe part: PBSConfig fields replaced in the recipes' config, e.g. scoring=sampled_rows")
+    ap.add_argument(
+        "--recipe-set",
+        type=_recipe_set,
+        default={},
+        help="recipe part: PBSConfig fields replaced in the recipes' config, e.g. scoring=sampled_rows",
+    )
     ap.add_argument("--recall-tokens", type=int, default=4096)
     ap.add_argument("--recall-selectors", type=names, default=["pisa_lse", "flat_lse", "bsa"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -380,9 +464,14 @@ def main(argv=None):
     model, tok = load_smollm2()
     model = model.to(args.device)
     print(f"loaded {smollm2_gguf()} in {time.perf_counter() - t0:.1f}s", flush=True)
-    meta = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)", "env": env_info(args.device),
-            "backend": "reference", "dense_layers": list(DENSE_LAYERS), "variants": VARIANTS,
-            "args": {k: v for k, v in vars(args).items()}}
+    meta = {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32)",
+        "env": env_info(args.device),
+        "backend": "reference",
+        "dense_layers": list(DENSE_LAYERS),
+        "variants": VARIANTS,
+        "args": {k: v for k, v in vars(args).items()},
+    }
     for part in args.parts:
         RUNNERS[part](model, tok, args, Writer(args.out, part, meta))
     return 0

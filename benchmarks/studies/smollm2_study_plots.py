@@ -8,6 +8,7 @@ Writes one KL-vs-density PNG per (text, length) -- ``smollm2_study_<text>_<n>.pn
 per text and length, each variant's mean KL interpolated (log-linearly between measured
 thresholds) at fixed densities, so curves measured at different densities compare at equal cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,8 @@ def curves(paths):
 
 def grid_for(n):
     return {2048: [0.6, 0.65, 0.7, 0.75, 0.8, 0.85], 4096: [0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75]}.get(
-        n, [0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6])
+        n, [0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6]
+    )
 
 
 def main(argv=None):

@@ -25,6 +25,7 @@ errors stay fast.
 ``--recipe`` takes a shipped recipe name, the path of a recipe ``.json`` file (written by
 :meth:`sparseflow.recipes.Recipe.save`) or ``auto`` (the shipped recipe that fits the model, if any).
 """
+
 from __future__ import annotations
 
 import argparse

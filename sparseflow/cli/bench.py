@@ -1,5 +1,6 @@
 """``sparseflow bench``: each method's op vs dense SDPA on this device at a small size, plus (on CUDA) the
 package's PBS and PISA parts: correctness checks and op timings (the logic is :mod:`sparseflow.bench`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,11 @@ from .common import _backends, _check_out_dir, _check_out_file, _count, _error, 
 
 
 def add_parser(sub) -> None:
-    be = sub.add_parser("bench", help="small benchmark on this device: each method's op vs dense SDPA, and "
-                                      "(on CUDA) PBS/PISA checks and op timings at a small size")
+    be = sub.add_parser(
+        "bench",
+        help="small benchmark on this device: each method's op vs dense SDPA, and "
+        "(on CUDA) PBS/PISA checks and op timings at a small size",
+    )
     be.add_argument("--ns", type=_ints, help="sequence lengths (default 1024,2048 on CPU; 8192,16384 on CUDA)")
     be.add_argument("--hq", type=_count, default=8, help="query heads (default 8)")
     be.add_argument("--hkv", type=_count, default=2, help="KV heads (default 2)")
@@ -46,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
         return _error("bench", exc)
     env = environment()
     print(json.dumps(env))
-    print(f"op timing: {'CUDA' if cuda else 'CPU'}, shapes {[s.to_dict() for s in shapes]}, backends {backends}", flush=True)
+    print(
+        f"op timing: {'CUDA' if cuda else 'CPU'}, shapes {[s.to_dict() for s in shapes]}, backends {backends}",
+        flush=True,
+    )
     rows = op_timings(shapes, args.methods, backends, reps=args.reps)
     print(format_rows(rows))
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="sparseflow-bench-"))
@@ -55,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"env": env, "op_timing": rows, "scripts": scripts})
         print(f"wrote {args.json}")
-    failed = [r for r in scripts if r["status"] == "failed"] + [r for r in rows if "error" in r and r["backend"] != "auto"]
+    failed = [r for r in scripts if r["status"] == "failed"] + [
+        r for r in rows if "error" in r and r["backend"] != "auto"
+    ]
     return 1 if failed else 0
 
 

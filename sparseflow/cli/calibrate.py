@@ -1,44 +1,81 @@
 """``sparseflow calibrate MODEL --method ... --kl-budget B --out recipe.json``: a per-layer plan measured within a
 KL budget, written as a recipe file (the logic is :func:`sparseflow.calibrate.calibrate_file`)."""
+
 from __future__ import annotations
 
 import argparse
 
-from .common import (BACKENDS, DTYPES, SPARSE_METHODS, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_file,
-                     _error, _positive, resolve_device)
+from .common import (
+    BACKENDS,
+    DTYPES,
+    SPARSE_METHODS,
+    TEXTS_CHOICES,
+    UsageError,
+    _check_in_dir,
+    _check_out_file,
+    _error,
+    _positive,
+    resolve_device,
+)
 
 
 def add_parser(sub) -> None:
-    cal = sub.add_parser("calibrate", help="measure a per-layer plan within a KL budget on real text; write a recipe file")
+    cal = sub.add_parser(
+        "calibrate", help="measure a per-layer plan within a KL budget on real text; write a recipe file"
+    )
     cal.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder (run dense)")
     cal.add_argument("--method", required=True, choices=SPARSE_METHODS)
-    cal.add_argument("--kl-budget", type=float, required=True, help="whole-model mean KL vs dense allowed (nats, e.g. 0.01)")
-    cal.add_argument("--out", required=True, help="the recipe .json file to write (atomically); progress is kept in "
-                                                  "OUT.progress.json, dense logits in OUT.cache/")
+    cal.add_argument(
+        "--kl-budget", type=float, required=True, help="whole-model mean KL vs dense allowed (nats, e.g. 0.01)"
+    )
+    cal.add_argument(
+        "--out",
+        required=True,
+        help="the recipe .json file to write (atomically); progress is kept in "
+        "OUT.progress.json, dense logits in OUT.cache/",
+    )
     cal.add_argument("--tokens", type=_positive, default=2048, help="calibration length in tokens (default 2048)")
-    cal.add_argument("--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)")
+    cal.add_argument(
+        "--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)"
+    )
     cal.add_argument("--text", default="pydoc_topics", choices=sorted(TEXTS_CHOICES), help="calibration text")
-    cal.add_argument("--heldout-text", default="argparse_source", choices=sorted(TEXTS_CHOICES) + ["none"],
-                     help="text the plan is checked on afterwards (default argparse_source; none to skip)")
+    cal.add_argument(
+        "--heldout-text",
+        default="argparse_source",
+        choices=sorted(TEXTS_CHOICES) + ["none"],
+        help="text the plan is checked on afterwards (default argparse_source; none to skip)",
+    )
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")
     cal.add_argument("--scorings", help="PBS scorings to try (default sampled_rows,mean; antidiagonal is accepted too)")
     cal.add_argument("--top-ks", help="PISA/BSA top_k values to try (default 8,16,32)")
-    cal.add_argument("--safety", type=float, default=0.8, help="share of the budget the single-layer KLs may sum to "
-                                                               "before the whole plan is measured (default 0.8)")
-    cal.add_argument("--cost", default="auto", choices=["auto", "density", "time"],
-                     help="cost model: density (+ estimate overhead) or the op's measured time (auto: time on CUDA)")
+    cal.add_argument(
+        "--safety",
+        type=float,
+        default=0.8,
+        help="share of the budget the single-layer KLs may sum to before the whole plan is measured (default 0.8)",
+    )
+    cal.add_argument(
+        "--cost",
+        default="auto",
+        choices=["auto", "density", "time"],
+        help="cost model: density (+ estimate overhead) or the op's measured time (auto: time on CUDA)",
+    )
     cal.add_argument("--backend", default="auto", choices=BACKENDS)
     cal.add_argument("--dtype", default="auto", choices=DTYPES)
-    cal.add_argument("--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), "
-                                                      "cpu, cuda or cuda:N")
+    cal.add_argument(
+        "--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N"
+    )
     cal.add_argument("--tokenizer", help="tokenizer folder when MODEL has none")
     cal.add_argument("--cache", help="folder caching the dense logits (default OUT.cache)")
     cal.add_argument("--name", help="the recipe's name (default calibrated-<model type>-<method>)")
     cal.add_argument("--rope-scaling", default=None, help="RoPE scaling applied after loading (as for eval)")
-    cal.add_argument("--measure-all", action="store_true",
-                     help="measure every single-layer choice of the grid (default: only those that can change the "
-                          "plan, which gives the same plan; the skipped ones are listed in the recipe's measured)")
+    cal.add_argument(
+        "--measure-all",
+        action="store_true",
+        help="measure every single-layer choice of the grid (default: only those that can change the "
+        "plan, which gives the same plan; the skipped ones are listed in the recipe's measured)",
+    )
     cal.set_defaults(func=run)
 
 
@@ -51,12 +88,29 @@ def run(args: argparse.Namespace) -> int:
     values = _choices(args)
     try:
         device = resolve_device(args.device)
-        calibrate_file(args.model, args.out, method=args.method, kl_budget=args.kl_budget, tokens=args.tokens,
-                       eval_positions=args.eval_positions, text=args.text,
-                       heldout_text=None if args.heldout_text == "none" else args.heldout_text, config=args.config,
-                       safety=args.safety, cost=args.cost, backend=args.backend, dtype=args.dtype,
-                       tokenizer=args.tokenizer, rope_scaling=args.rope_scaling, cache_dir=args.cache,
-                       name=args.name, say=stderr_progress, device=device, prune=not args.measure_all, **values)
+        calibrate_file(
+            args.model,
+            args.out,
+            method=args.method,
+            kl_budget=args.kl_budget,
+            tokens=args.tokens,
+            eval_positions=args.eval_positions,
+            text=args.text,
+            heldout_text=None if args.heldout_text == "none" else args.heldout_text,
+            config=args.config,
+            safety=args.safety,
+            cost=args.cost,
+            backend=args.backend,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            rope_scaling=args.rope_scaling,
+            cache_dir=args.cache,
+            name=args.name,
+            say=stderr_progress,
+            device=device,
+            prune=not args.measure_all,
+            **values,
+        )
     except ValueError as exc:  # ConversionError and RecipeError are ValueErrors: all describe the input
         return _error("calibrate", exc)
     return 0
@@ -66,7 +120,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if not (args.kl_budget > 0.0):
         raise UsageError(f"--kl-budget must be a positive mean KL in nats (e.g. 0.01), got {args.kl_budget:g}")
     if not (0.0 < args.safety <= 1.0):
-        raise UsageError(f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}")
+        raise UsageError(
+            f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}"
+        )
     if args.eval_positions >= args.tokens:
         raise UsageError(f"--eval-positions must be < --tokens={args.tokens}, got {args.eval_positions}")
     _check_knob_flags(args)
@@ -91,8 +147,10 @@ def _choices(args: argparse.Namespace) -> dict:
     from ..calibrate import parse_values
 
     try:
-        return dict(thresholds=parse_values(args.thresholds, float, "--thresholds"),
-                    top_ks=parse_values(args.top_ks, int, "--top-ks"),
-                    scorings=parse_values(args.scorings, str, "--scorings"))
+        return dict(
+            thresholds=parse_values(args.thresholds, float, "--thresholds"),
+            top_ks=parse_values(args.top_ks, int, "--top-ks"),
+            scorings=parse_values(args.scorings, str, "--scorings"),
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -3,6 +3,7 @@ types (comma lists, bounded integers), the one-line error print and the atomic J
 
 Only the standard library and the method registry (no torch) are imported here, so building the
 parser stays light."""
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,10 @@ def _rope_label(info) -> str:
     """One line describing the RoPE scaling that :func:`sparseflow.rope.set_rope_scaling` applied."""
     if info["factor"] is None:
         return f"{info['spec']}: plain (trained length {info['original_max_position_embeddings']})"
-    return (f"{info['spec']}: {info['rope_type']} x{info['factor']:g} over {info['original_max_position_embeddings']} "
-            f"trained positions (attention scaling {info['attention_scaling']:.4f})")
+    return (
+        f"{info['spec']}: {info['rope_type']} x{info['factor']:g} over {info['original_max_position_embeddings']} "
+        f"trained positions (attention scaling {info['attention_scaling']:.4f})"
+    )
 
 
 # --------------------------------------------------------------------------- argument types
@@ -110,11 +113,15 @@ def _methods(text: str) -> List[str]:
 
 
 def _sparse_methods(text: str) -> List[str]:
-    return _comma_choices(text, SPARSE_METHODS, f"--method must be {', '.join(SPARSE_METHODS)} or a comma list of them, got {{text}}")
+    return _comma_choices(
+        text, SPARSE_METHODS, f"--method must be {', '.join(SPARSE_METHODS)} or a comma list of them, got {{text}}"
+    )
 
 
 def _backends(text: str) -> List[str]:
-    return _comma_choices(text, BACKENDS, "--backends must be a comma list of auto, reference, triton, flex, got {text}")
+    return _comma_choices(
+        text, BACKENDS, "--backends must be a comma list of auto, reference, triton, flex, got {text}"
+    )
 
 
 def _ints(text: str) -> List[int]:

@@ -1,5 +1,6 @@
 """``sparseflow convert SRC --method pbs|pisa|bsa [--recipe NAME_OR_FILE] --out DIR``: HF folder or GGUF file ->
 HF folder that reloads with the sparse attention (the logic is :func:`sparseflow.convert.convert`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,9 @@ from .common import BACKENDS, DTYPES, RECIPE_HELP, SPARSE_METHODS, _error
 
 
 def add_parser(sub) -> None:
-    conv = sub.add_parser("convert", help="convert a HF folder or GGUF file into a HF folder that runs sparse attention")
+    conv = sub.add_parser(
+        "convert", help="convert a HF folder or GGUF file into a HF folder that runs sparse attention"
+    )
     conv.add_argument("src", help="Hugging Face model folder (config.json + safetensors/bin) or a .gguf file")
     conv.add_argument("--method", required=True, choices=SPARSE_METHODS)
     conv.add_argument("--out", required=True, help="output folder (written atomically)")
@@ -16,8 +19,9 @@ def add_parser(sub) -> None:
     conv.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
     conv.add_argument("--dense-layers", help="comma list of layer indices kept dense (overrides the recipe's)")
     conv.add_argument("--backend", default="auto", choices=BACKENDS)
-    conv.add_argument("--dtype", default="auto", choices=DTYPES,
-                      help="weights dtype (auto: the checkpoint's; float32 for GGUF)")
+    conv.add_argument(
+        "--dtype", default="auto", choices=DTYPES, help="weights dtype (auto: the checkpoint's; float32 for GGUF)"
+    )
     conv.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     conv.set_defaults(func=run)
 

@@ -1,4 +1,5 @@
 """``sparseflow demo``: rewrite SmolLM2-135M with each method, print rewrites and fidelity vs dense."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,10 +11,16 @@ from .common import BACKENDS, _check_out_file, _error, _methods, _positive
 
 
 def add_parser(sub) -> None:
-    demo = sub.add_parser("demo", help="rewrite SmolLM2-135M with pbs, pisa and bsa; print rewrites and fidelity vs dense")
+    demo = sub.add_parser(
+        "demo", help="rewrite SmolLM2-135M with pbs, pisa and bsa; print rewrites and fidelity vs dense"
+    )
     demo.add_argument("--tokens", type=_positive, default=1024, help="prompt length in tokens (default 1024)")
-    demo.add_argument("--eval-positions", type=_positive, default=256, help="next-token predictions compared (default 256)")
-    demo.add_argument("--methods", type=_methods, default=["pbs", "pisa", "bsa"], help="comma list (default pbs,pisa,bsa)")
+    demo.add_argument(
+        "--eval-positions", type=_positive, default=256, help="next-token predictions compared (default 256)"
+    )
+    demo.add_argument(
+        "--methods", type=_methods, default=["pbs", "pisa", "bsa"], help="comma list (default pbs,pisa,bsa)"
+    )
     demo.add_argument("--backend", default="auto", choices=BACKENDS)
     demo.add_argument("--json", help="also write the results to this JSON file")
     demo.set_defaults(func=run)
@@ -33,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     model, tok = load_smollm2()
     ids = real_tokens(tok, args.tokens)
     keep = min(args.eval_positions, args.tokens - 1)
-    print(f"{args.tokens} tokens of pydoc_data.topics; fidelity over the last {keep} next-token predictions", flush=True)
+    print(
+        f"{args.tokens} tokens of pydoc_data.topics; fidelity over the last {keep} next-token predictions", flush=True
+    )
     results = evaluate_methods(model, ids, args.methods, eval_positions=keep, backend=args.backend)
     print(format_results(results))
     if args.json:

@@ -2,6 +2,7 @@
 fidelity vs dense on real text (mean/p99 KL, top-1, perplexity delta, density per layer and head), parameter
 sweeps as KL/top-1-vs-density curves, PNG plots. ``--task niah`` is :mod:`sparseflow.cli.niah`, ``--recall``
 :mod:`sparseflow.cli.recall`; ``--rope-scaling`` extends the context after loading (see :mod:`sparseflow.rope`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,26 @@ from typing import NamedTuple
 
 from ..methods import names_with
 from ..eval.sweep import has_permute
-from .common import (BACKENDS, DTYPES, RECIPE_HELP, TEXTS_CHOICES, UsageError, _check_in_dir, _check_out_dir,
-                     _check_out_file, _check_recipe_has_method, _count, _error, _index, _positive, _rope_label,
-                     _sparse_methods, _write_json_atomic, device_label, resolve_device)
+from .common import (
+    BACKENDS,
+    DTYPES,
+    RECIPE_HELP,
+    TEXTS_CHOICES,
+    UsageError,
+    _check_in_dir,
+    _check_out_dir,
+    _check_out_file,
+    _check_recipe_has_method,
+    _count,
+    _error,
+    _index,
+    _positive,
+    _rope_label,
+    _sparse_methods,
+    _write_json_atomic,
+    device_label,
+    resolve_device,
+)
 from .niah import _check_task, _niah
 from .recall import _recall
 
@@ -31,8 +49,12 @@ def add_parser(sub) -> None:
 
 def _add_plan_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("model", help="converted folder, Hugging Face model folder or .gguf file")
-    ev.add_argument("--method", type=_sparse_methods, default=None,
-                    help="pbs, pisa, bsa or a comma list (default: the plan recorded by `sparseflow convert`)")
+    ev.add_argument(
+        "--method",
+        type=_sparse_methods,
+        default=None,
+        help="pbs, pisa, bsa or a comma list (default: the plan recorded by `sparseflow convert`)",
+    )
     ev.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
     ev.add_argument("--config", help="method config as JSON (single --method only)")
     ev.add_argument("--dense-layers", help="comma list of layer indices kept dense")
@@ -40,47 +62,82 @@ def _add_plan_arguments(ev: argparse.ArgumentParser) -> None:
 
 def _add_run_arguments(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens (default 2048)")
-    ev.add_argument("--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)")
+    ev.add_argument(
+        "--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)"
+    )
     ev.add_argument("--backend", default="auto", choices=BACKENDS)
     ev.add_argument("--dtype", default="auto", choices=DTYPES)
-    ev.add_argument("--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), "
-                                                     "cpu, cuda or cuda:N")
+    ev.add_argument(
+        "--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N"
+    )
     ev.add_argument("--tokenizer", help="tokenizer folder when MODEL has none")
     ev.add_argument("--json", help="write the results to this JSON file")
-    ev.add_argument("--plots", help="write PNG plots into this folder: density per layer x head, one head's "
-                                    "selected-block map, and the sweep's KL/top-1 vs density curves (needs matplotlib)")
-    ev.add_argument("--text", default="pydoc_topics", choices=sorted(TEXTS_CHOICES),
-                    help="real text to evaluate on (default pydoc_topics)")
-    ev.add_argument("--sweep", help="one config field and its values, e.g. threshold=0.8,0.9,0.95 (PBS) or "
-                                    "top_k=4,8,16 (PISA/BSA): one point per value")
-    ev.add_argument("--no-permute", action="store_true",
-                    help="PBS: also run every point with permute=False (the no-permutation baseline)")
+    ev.add_argument(
+        "--plots",
+        help="write PNG plots into this folder: density per layer x head, one head's "
+        "selected-block map, and the sweep's KL/top-1 vs density curves (needs matplotlib)",
+    )
+    ev.add_argument(
+        "--text",
+        default="pydoc_topics",
+        choices=sorted(TEXTS_CHOICES),
+        help="real text to evaluate on (default pydoc_topics)",
+    )
+    ev.add_argument(
+        "--sweep",
+        help="one config field and its values, e.g. threshold=0.8,0.9,0.95 (PBS) or "
+        "top_k=4,8,16 (PISA/BSA): one point per value",
+    )
+    ev.add_argument(
+        "--no-permute",
+        action="store_true",
+        help="PBS: also run every point with permute=False (the no-permutation baseline)",
+    )
     ev.add_argument("--cache", help="folder caching the dense logits per model/text/length (reused across runs)")
-    ev.add_argument("--map-layer", type=_index, default=None, help="layer of the selected-block map (default: the middle one)")
+    ev.add_argument(
+        "--map-layer", type=_index, default=None, help="layer of the selected-block map (default: the middle one)"
+    )
     ev.add_argument("--map-head", type=_index, default=0, help="query head of the selected-block map (default 0)")
 
 
 def _add_diagnostic_arguments(ev: argparse.ArgumentParser) -> None:
-    ev.add_argument("--recall", action="store_true",
-                    help="instead of fidelity: PISA Recall@K / retained-mass diagnostic on the model's Q/K (reference: "
-                         "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
-                         "mean_var, BSA and a flat exact-LSE scan)")
+    ev.add_argument(
+        "--recall",
+        action="store_true",
+        help="instead of fidelity: PISA Recall@K / retained-mass diagnostic on the model's Q/K (reference: "
+        "top-K blocks by group-averaged attention mass, queries >= 512, C=64, g=2; PISA lse/mean/"
+        "mean_var, BSA and a flat exact-LSE scan)",
+    )
     ev.add_argument("--recall-k", type=int, default=8, help="K for --recall, 3 forced blocks included (default 8)")
-    ev.add_argument("--recall-selectors",
-                    help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
-                         "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "
-                         "pisa_lse,pisa_lse_beam2,pisa_lse_beam4,flat_lse")
-    ev.add_argument("--task", default="fidelity",
-                    help="fidelity (default: KL/top-1/perplexity vs dense) or niah (passkey retrieval accuracy, dense "
-                         "vs each method, per depth)")
-    ev.add_argument("--depths", default=None, help="--task niah: comma list of relative needle depths (default 0.1,0.5,0.9)")
+    ev.add_argument(
+        "--recall-selectors",
+        help="comma list of --recall selectors (default pisa_lse,pisa_mean,pisa_mean_var,bsa,flat_lse); "
+        "a PISA selector may name a beam, pisa_<score>_beam<B>, e.g. "
+        "pisa_lse,pisa_lse_beam2,pisa_lse_beam4,flat_lse",
+    )
+    ev.add_argument(
+        "--task",
+        default="fidelity",
+        help="fidelity (default: KL/top-1/perplexity vs dense) or niah (passkey retrieval accuracy, dense "
+        "vs each method, per depth)",
+    )
+    ev.add_argument(
+        "--depths", default=None, help="--task niah: comma list of relative needle depths (default 0.1,0.5,0.9)"
+    )
     ev.add_argument("--samples", type=_count, default=None, help="--task niah: prompts per depth (default 4)")
-    ev.add_argument("--keys", type=int, default=1, help="--task niah: pass keys per prompt (1, or more named keys of "
-                                                        "which the question asks one; default 1)")
+    ev.add_argument(
+        "--keys",
+        type=int,
+        default=1,
+        help="--task niah: pass keys per prompt (1, or more named keys of which the question asks one; default 1)",
+    )
     ev.add_argument("--max-new-tokens", type=_count, default=8, help="--task niah: greedy tokens generated (default 8)")
-    ev.add_argument("--rope-scaling", default=None,
-                    help="RoPE scaling applied after loading: yarn:F, yarn:auto:N (factor N / trained length), "
-                         "linear:F, dynamic:F or none")
+    ev.add_argument(
+        "--rope-scaling",
+        default=None,
+        help="RoPE scaling applied after loading: yarn:F, yarn:auto:N (factor N / trained length), "
+        "linear:F, dynamic:F or none",
+    )
 
 
 # --------------------------------------------------------------------------- the command
@@ -146,8 +203,10 @@ def _check(args: argparse.Namespace) -> _Checked:
         plans, field = _swept(args, plans)
     if args.no_permute and not any(has_permute(p.method) for p in plans):
         permuting = names_with("has_permute")
-        raise ValueError(f"--no-permute compares {'/'.join(n.upper() for n in permuting)} with and without "
-                         f"permutation: include {' or '.join(permuting)} in --method")
+        raise ValueError(
+            f"--no-permute compares {'/'.join(n.upper() for n in permuting)} with and without "
+            f"permutation: include {' or '.join(permuting)} in --method"
+        )
     if task == "niah" and (args.recall or field or args.plots or args.cache):
         raise ValueError("--task niah takes no --recall/--sweep/--no-permute/--plots/--cache")
     return _Checked(task, rope_scaling, source, model_config, plans, field)
@@ -172,9 +231,18 @@ def _plans(args: argparse.Namespace, model_config, source) -> list:
     recorded = getattr(model_config, PLAN_KEY, None)
     if args.method:
         config = args.config if len(args.method) == 1 else None
-        return [build_plan(model_config, m, recipe=args.recipe, config=config, dense_layers=args.dense_layers,
-                           backend=args.backend, source=str(source))
-                for m in args.method]
+        return [
+            build_plan(
+                model_config,
+                m,
+                recipe=args.recipe,
+                config=config,
+                dense_layers=args.dense_layers,
+                backend=args.backend,
+                source=str(source),
+            )
+            for m in args.method
+        ]
     if recorded is not None:
         plans = [Plan.from_dict(recorded)]
         if args.backend != "auto":
@@ -245,8 +313,10 @@ def _fidelity(args: argparse.Namespace, model, ids, c: _Checked, rope_info, map_
 
     keep = min(args.eval_positions, args.tokens - 1)
     plans, field = c.plans, c.field
-    stderr_progress(f"{args.tokens} tokens of {args.text}; fidelity over the last {keep} next-token predictions; "
-                    f"{len(plans)} plan(s)")
+    stderr_progress(
+        f"{args.tokens} tokens of {args.text}; fidelity over the last {keep} next-token predictions; "
+        f"{len(plans)} plan(s)"
+    )
     payload = _payload(args, c.source, keep, rope_info)
     if rope_info is not None:
         stderr_progress(f"RoPE scaling {_rope_label(rope_info)}")
@@ -255,16 +325,19 @@ def _fidelity(args: argparse.Namespace, model, ids, c: _Checked, rope_info, map_
 
     def write_json(result) -> None:
         payload["results"].append(result.to_dict())
-        stderr_progress(f"  {result.method} {_point_label(result, field)}: density {result.density:.3f}, "
-                        f"mean KL {result.fidelity.mean_kl:.4f}, top-1 {result.fidelity.top1_agreement:.3f} "
-                        f"({result.seconds:.0f} s)")
+        stderr_progress(
+            f"  {result.method} {_point_label(result, field)}: density {result.density:.3f}, "
+            f"mean KL {result.fidelity.mean_kl:.4f}, top-1 {result.fidelity.top1_agreement:.3f} "
+            f"({result.seconds:.0f} s)"
+        )
         if field:
             payload["sweep"]["points"] += curve_points([result], field)
         if args.json:
             _write_json_atomic(args.json, payload)
 
-    results = evaluate_plans(model, ids, plans, eval_positions=keep, cache_dir=args.cache, map_at=map_at,
-                             on_result=write_json)
+    results = evaluate_plans(
+        model, ids, plans, eval_positions=keep, cache_dir=args.cache, map_at=map_at, on_result=write_json
+    )
     print(format_results(results))
     if not field:
         for r in results:
@@ -319,15 +392,41 @@ def _plots(results, folder: str, field, text: str, tokens: int) -> None:
         if n > 1:
             label += f"_{n}"
         desc = f"{r.method} {_point_label(r, field)}".strip()
-        print("wrote", density_heatmap(r.density_per_layer_head, f"{desc}: density (mean {r.density:.3f})",
-                                      os.path.join(folder, f"density_{label}.png")))
+        print(
+            "wrote",
+            density_heatmap(
+                r.density_per_layer_head,
+                f"{desc}: density (mean {r.density:.3f})",
+                os.path.join(folder, f"density_{label}.png"),
+            ),
+        )
         if r.block_map is not None:
             layer, head = r.map_at
-            print("wrote", block_map_plot(r.block_map, f"{desc}: layer {layer}, head {head}, {tokens} tokens",
-                                         os.path.join(folder, f"blockmap_{label}.png")))
+            print(
+                "wrote",
+                block_map_plot(
+                    r.block_map,
+                    f"{desc}: layer {layer}, head {head}, {tokens} tokens",
+                    os.path.join(folder, f"blockmap_{label}.png"),
+                ),
+            )
     if field:
         pts = curve_points(results, field)
-        print("wrote", curve_plot(pts, f"{text}, {tokens} tokens: KL vs density ({field})",
-                                  os.path.join(folder, "sweep_kl_vs_density.png")))
-        print("wrote", curve_plot(pts, f"{text}, {tokens} tokens: top-1 vs density ({field})",
-                                  os.path.join(folder, "sweep_top1_vs_density.png"), y="top1", log_y=False))
+        print(
+            "wrote",
+            curve_plot(
+                pts,
+                f"{text}, {tokens} tokens: KL vs density ({field})",
+                os.path.join(folder, "sweep_kl_vs_density.png"),
+            ),
+        )
+        print(
+            "wrote",
+            curve_plot(
+                pts,
+                f"{text}, {tokens} tokens: top-1 vs density ({field})",
+                os.path.join(folder, "sweep_top1_vs_density.png"),
+                y="top1",
+                log_y=False,
+            ),
+        )

@@ -1,5 +1,6 @@
 """``sparseflow export-onnx MODEL --method ... [--recipe NAME_OR_FILE] --out FILE``: ONNX file with one
 ``sparseflow``-domain node per attention layer (the logic is :mod:`sparseflow.onnx_export`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,15 +9,22 @@ from .common import DTYPES, RECIPE_HELP, SPARSE_METHODS, _check_out_file, _check
 
 
 def add_parser(sub) -> None:
-    onx = sub.add_parser("export-onnx", help="export a HF folder, GGUF file or converted folder to ONNX with "
-                                              "sparseflow-domain attention nodes (see docs/onnx.md)")
+    onx = sub.add_parser(
+        "export-onnx",
+        help="export a HF folder, GGUF file or converted folder to ONNX with "
+        "sparseflow-domain attention nodes (see docs/onnx.md)",
+    )
     onx.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder")
     onx.add_argument("--method", choices=SPARSE_METHODS, help="required unless MODEL is a converted folder")
     onx.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
     onx.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
     onx.add_argument("--dense-layers", help="comma list of layer indices kept dense")
-    onx.add_argument("--tokens", type=_positive, default=256,
-                     help="length of the example used for tracing (default 256; the file's length is dynamic)")
+    onx.add_argument(
+        "--tokens",
+        type=_positive,
+        default=256,
+        help="length of the example used for tracing (default 256; the file's length is dynamic)",
+    )
     onx.add_argument("--dtype", default="auto", choices=DTYPES)
     onx.add_argument("--out", required=True, help="the .onnx file to write")
     onx.set_defaults(func=run)
@@ -42,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
         _require_onnx()
         from ..onnx_export import export_onnx
     except ImportError as exc:
-        return _error("export-onnx", f"ONNX export needs onnx, onnxscript and onnxruntime "
-                                     f"(pip install 'sparseflow[onnx]'): {exc}")
+        return _error(
+            "export-onnx", f"ONNX export needs onnx, onnxscript and onnxruntime (pip install 'sparseflow[onnx]'): {exc}"
+        )
     try:
         _check_out_file(args.out, "--out", example="model.onnx")
         source = resolve_source(args.model)
@@ -57,9 +66,16 @@ def run(args: argparse.Namespace) -> int:
         ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0))
         stderr_progress(f"exporting {plan.method} ({plan.config.to_json()}) with a {args.tokens}-token example ...")
         t0 = time.perf_counter()
-        proto = export_onnx(model, (ids,), args.out, method=plan.method, config=plan.config,
-                            skip_layers=plan.dense_layers, layer_configs=dict(plan.layer_configs) or None,
-                            example_kwargs={"use_cache": False})
+        proto = export_onnx(
+            model,
+            (ids,),
+            args.out,
+            method=plan.method,
+            config=plan.config,
+            skip_layers=plan.dense_layers,
+            layer_configs=dict(plan.layer_configs) or None,
+            example_kwargs={"use_cache": False},
+        )
     except (ConversionError, ValueError, TypeError, FileNotFoundError) as exc:
         return _error("export-onnx", exc)
     nodes = [n.op_type for n in proto.graph.node if n.domain == "sparseflow"]
@@ -76,8 +92,14 @@ def _plan(args: argparse.Namespace, model_config, source):
     recorded = getattr(model_config, PLAN_KEY, None)
     _check_recipe_has_method(args)
     if args.method:
-        return build_plan(model_config, args.method, recipe=args.recipe, config=args.config,
-                          dense_layers=args.dense_layers, source=str(source))
+        return build_plan(
+            model_config,
+            args.method,
+            recipe=args.recipe,
+            config=args.config,
+            dense_layers=args.dense_layers,
+            source=str(source),
+        )
     if recorded is not None:
         return Plan.from_dict(recorded)
     raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa or bsa)")

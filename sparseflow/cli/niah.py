@@ -1,5 +1,6 @@
 """``sparseflow eval --task niah [--depths D1,D2] [--samples S] [--keys K]``: passkey retrieval accuracy, dense vs
 each method, per depth (the logic is :mod:`sparseflow.eval.niah`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,10 @@ def _niah(args: argparse.Namespace, model, tok, plans, source, rope_info) -> int
     payload = _payload(args, source, samples, rope_info)
     if rope_info is not None:
         stderr_progress(f"RoPE scaling {_rope_label(rope_info)}")
-    stderr_progress(f"needle retrieval: {args.tokens} tokens of {args.text}, {args.keys} key(s), depths {args.depths}, "
-                    f"{samples} sample(s) per depth; dense + {len(plans)} plan(s)")
+    stderr_progress(
+        f"needle retrieval: {args.tokens} tokens of {args.text}, {args.keys} key(s), depths {args.depths}, "
+        f"{samples} sample(s) per depth; dense + {len(plans)} plan(s)"
+    )
 
     def on_result(r) -> None:
         payload["results"].append(r)
@@ -44,9 +47,19 @@ def _niah(args: argparse.Namespace, model, tok, plans, source, rope_info) -> int
         if args.json:
             _write_json_atomic(args.json, payload)
 
-    results = run_niah(model, tok, plans, n_tokens=args.tokens, depths=args.depths, samples=samples, keys=args.keys,
-                       text=args.text, max_new_tokens=args.max_new_tokens, on_result=on_result,
-                       progress=stderr_progress)
+    results = run_niah(
+        model,
+        tok,
+        plans,
+        n_tokens=args.tokens,
+        depths=args.depths,
+        samples=samples,
+        keys=args.keys,
+        text=args.text,
+        max_new_tokens=args.max_new_tokens,
+        on_result=on_result,
+        progress=stderr_progress,
+    )
     print(format_niah(results, args.depths))
     if args.json:
         print(f"wrote {args.json}")
@@ -60,11 +73,20 @@ def _payload(args: argparse.Namespace, source, samples: int, rope_info) -> dict:
     from ..checkpoints import TEXTS
 
     return {
-        "task": "niah", "model": str(source), "tokens": args.tokens, "depths": args.depths, "samples": samples,
-        "keys": args.keys, "max_new_tokens": args.max_new_tokens, "text": args.text,
-        "text_description": TEXTS[args.text][1], "rope_scaling": rope_info,
-        "python": platform.python_version(), "torch": torch.__version__,
+        "task": "niah",
+        "model": str(source),
+        "tokens": args.tokens,
+        "depths": args.depths,
+        "samples": samples,
+        "keys": args.keys,
+        "max_new_tokens": args.max_new_tokens,
+        "text": args.text,
+        "text_description": TEXTS[args.text][1],
+        "rope_scaling": rope_info,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "device": args.device_label, "results": [],
+        "device": args.device_label,
+        "results": [],
     }

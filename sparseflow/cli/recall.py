@@ -1,5 +1,6 @@
 """``sparseflow eval --recall [--recall-k K] [--recall-selectors S1,S2]``: PISA Recall@K / retained-mass diagnostic
 on the model's real Q/K (the logic is :func:`sparseflow.eval.attention_mass.recall_diagnostic`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,27 @@ def _recall(args: argparse.Namespace, source, model_config) -> int:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     ids = real_tokens(tok, args.tokens, text=args.text)
     q_start = min(512, args.tokens - 1)
-    stderr_progress(f"Recall@{args.recall_k} (C=64, g=2, 3 forced) over queries >= {q_start} of {args.tokens} tokens "
-                    f"of {args.text}")
-    report = recall_diagnostic(model, ids, selectors=selectors, top_k=args.recall_k, block_size=BLOCK_SIZE,
-                               branching=BRANCHING, q_start=q_start, progress=stderr_progress)
-    report.update(model=str(source), text=args.text, text_description=TEXTS[args.text][1], torch=torch.__version__,
-                  python=platform.python_version(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    stderr_progress(
+        f"Recall@{args.recall_k} (C=64, g=2, 3 forced) over queries >= {q_start} of {args.tokens} tokens of {args.text}"
+    )
+    report = recall_diagnostic(
+        model,
+        ids,
+        selectors=selectors,
+        top_k=args.recall_k,
+        block_size=BLOCK_SIZE,
+        branching=BRANCHING,
+        q_start=q_start,
+        progress=stderr_progress,
+    )
+    report.update(
+        model=str(source),
+        text=args.text,
+        text_description=TEXTS[args.text][1],
+        torch=torch.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
     _print_table(report, selectors)
     if args.json:
         _write_json_atomic(args.json, report)
@@ -67,17 +82,37 @@ def _print_table(report: dict, selectors: list) -> None:
     print(head + "\n" + "-" * len(head))
     for s in selectors + ["oracle"]:
         m = report["mean"][s]
-        print(f"{s:<{w}} {m.get('recall', float('nan')):>9.3f} {m.get('recall_free', float('nan')):>11.3f} "
-              f"{m['retained_mass']:>13.3f}")
+        print(
+            f"{s:<{w}} {m.get('recall', float('nan')):>9.3f} {m.get('recall_free', float('nan')):>11.3f} "
+            f"{m['retained_mass']:>13.3f}"
+        )
 
 
 def _plots(report: dict, selectors: list, args: argparse.Namespace) -> None:
     from ..eval.plots import bar_plot, curve_plot
 
     title = f"{args.text}, {args.tokens} tokens, K={args.recall_k}, C=64"
-    print("wrote", bar_plot({s: report["mean"][s] for s in selectors}, f"Recall@K / retained mass: {title}",
-                            os.path.join(args.plots, "recall_mean.png")))
-    pts = [{"series": s, "layer": r["layer"], "recall_free": r[s]["recall_free"], "value": ""}
-           for r in report["layers"] for s in selectors]
-    print("wrote", curve_plot(pts, f"free-block recall per layer: {title}", os.path.join(args.plots, "recall_per_layer.png"),
-                              x="layer", y="recall_free", log_y=False))
+    print(
+        "wrote",
+        bar_plot(
+            {s: report["mean"][s] for s in selectors},
+            f"Recall@K / retained mass: {title}",
+            os.path.join(args.plots, "recall_mean.png"),
+        ),
+    )
+    pts = [
+        {"series": s, "layer": r["layer"], "recall_free": r[s]["recall_free"], "value": ""}
+        for r in report["layers"]
+        for s in selectors
+    ]
+    print(
+        "wrote",
+        curve_plot(
+            pts,
+            f"free-block recall per layer: {title}",
+            os.path.join(args.plots, "recall_per_layer.png"),
+            x="layer",
+            y="recall_free",
+            log_y=False,
+        ),
+    )

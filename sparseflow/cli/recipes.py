@@ -1,4 +1,5 @@
 """``sparseflow recipes``: list the shipped recipes (see :mod:`sparseflow.recipes`)."""
+
 from __future__ import annotations
 
 import argparse

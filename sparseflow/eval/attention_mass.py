@@ -17,6 +17,7 @@
 Everything is exact fp32 torch on whatever device the tensors are on; the quadratic work is done
 in query chunks so 8K tokens fit in a few hundred MB.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["capture_qkv", "topk_recall", "pbs_retained_mass", "spread_positions", "recall_diagnostic",
-           "parse_selector", "check_selectors", "TOPK_SELECTORS"]
+__all__ = [
+    "capture_qkv",
+    "topk_recall",
+    "pbs_retained_mass",
+    "spread_positions",
+    "recall_diagnostic",
+    "parse_selector",
+    "check_selectors",
+    "TOPK_SELECTORS",
+]
 
 TOPK_SELECTORS = ("pisa_lse", "pisa_mean", "pisa_mean_var", "bsa", "flat_lse")
 _PISA_SELECTOR = re.compile(r"pisa_(lse|mean_var|mean)(?:_beam([1-9][0-9]*))?")
@@ -81,7 +90,9 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
     _, hq, n, d = q.shape
     hkv = k.shape[1]
     if hq % hkv or k.shape[2] != n or k.shape[3] != d:
-        raise ValueError(f"q [1, Hq, N, D] and k [1, Hkv, N, D] with Hq a multiple of Hkv, got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(
+            f"q [1, Hq, N, D] and k [1, Hkv, N, D] with Hq a multiple of Hkv, got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
     return hq, hkv, n, d
 
 
@@ -96,8 +107,10 @@ def parse_selector(name) -> Tuple[str, Optional[str], int]:
         m = _PISA_SELECTOR.fullmatch(name)
         if m is not None:
             return "pisa", m.group(1), int(m.group(2) or 1)
-    raise ValueError(f"selector must be one of {list(TOPK_SELECTORS)} or pisa_<score>_beam<B> (score lse, mean or "
-                     f"mean_var; B an int >= 1, e.g. pisa_lse_beam4), got {name!r}")
+    raise ValueError(
+        f"selector must be one of {list(TOPK_SELECTORS)} or pisa_<score>_beam<B> (score lse, mean or "
+        f"mean_var; B an int >= 1, e.g. pisa_lse_beam4), got {name!r}"
+    )
 
 
 def check_selectors(selectors: Sequence[str]) -> List[str]:
@@ -119,8 +132,9 @@ def _selector_indices(name: str, q, k, block_size: int, top_k: int, branching: i
     if kind == "pisa":
         from ..methods.pisa.reference import pisa_select
 
-        return pisa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching,
-                           score=score, beam=beam)[0]
+        return pisa_select(
+            q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching, score=score, beam=beam
+        )[0]
     if kind == "bsa":
         from ..methods.bsa.reference import bsa_select
 
@@ -150,8 +164,10 @@ def topk_recall(
     if not (0 <= q_start < n):
         raise ValueError(f"q_start must be in [0, {n - 1}], got {q_start}")
     if q_start < block_size * top_k:
-        raise ValueError(f"q_start must be >= block_size*top_k={block_size * top_k} so every query has more "
-                         f"visible blocks than K (else recall is trivially 1), got {q_start}")
+        raise ValueError(
+            f"q_start must be >= block_size*top_k={block_size * top_k} so every query has more "
+            f"visible blocks than K (else recall is trivially 1), got {q_start}"
+        )
     g = hq // hkv
     nb = -(-n // block_size)
     scale = 1.0 / math.sqrt(d)
@@ -164,7 +180,7 @@ def topk_recall(
     for t0 in range(q_start, n, chunk):
         t = torch.arange(t0, min(n, t0 + chunk), device=q.device)
         m = t.numel()
-        qc = q[0, :, t0:t0 + m].float().view(hkv, g, m, d)
+        qc = q[0, :, t0 : t0 + m].float().view(hkv, g, m, d)
         logits = torch.einsum("hgmd,hnd->hgmn", qc, kf) * scale  # [Hkv, g, m, N]
         future = torch.arange(n, device=q.device)[None, :] > t[:, None]  # [m, N]
         logits = logits.masked_fill(future, float("-inf"))
@@ -186,7 +202,7 @@ def topk_recall(
                 score = torch.where(torch.isfinite(score), score, torch.zeros_like(score)).sum(1)  # [Hkv, m, nB]
                 sel = forced.expand(hkv, m, nb) | _topk_mask(score.masked_fill(~free, float("-inf")), n_free, free)
             else:
-                idx = picked[s][:, t0:t0 + m]  # [Hkv, m, K]
+                idx = picked[s][:, t0 : t0 + m]  # [Hkv, m, K]
                 sel = torch.zeros(hkv, m, nb + 1, dtype=torch.bool, device=q.device)
                 sel.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, nb), idx), True)
                 sel = sel[..., :nb]
@@ -219,14 +235,23 @@ def spread_positions(n: int, count: int, start: int = 0, width: int = 64) -> tor
     a cheap sample of the whole sequence (errors at early positions reach the last tokens through
     later layers' keys and values, so the last queries alone under-report the damage)."""
     if not (0 <= start < n) or count < 1 or width < 1:
-        raise ValueError(f"need 0 <= start < n, count >= 1 and width >= 1, got start={start}, n={n}, count={count}, width={width}")
+        raise ValueError(
+            f"need 0 <= start < n, count >= 1 and width >= 1, got start={start}, n={n}, count={count}, width={width}"
+        )
     starts = torch.linspace(start, n - width, count).round().long().clamp_min(start)
     pos = (starts[:, None] + torch.arange(width)[None, :]).reshape(-1)
     return torch.unique(pos[pos < n])
 
 
-def pbs_retained_mass(q: torch.Tensor, k: torch.Tensor, config, *, last: int = 512, chunk: int = 128,
-                      positions: Optional[torch.Tensor] = None) -> Dict[str, object]:
+def pbs_retained_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config,
+    *,
+    last: int = 512,
+    chunk: int = 128,
+    positions: Optional[torch.Tensor] = None,
+) -> Dict[str, object]:
     """The share of the true attention mass of the last ``last`` queries (or of the query
     ``positions`` given, e.g. :func:`spread_positions`) that falls on the keys PBS (``config``, a
     PBSConfig) selects for them, per query head, plus the density of the whole selection (as
@@ -268,16 +293,31 @@ def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     bs = config.block_size
     if config.permute:
-        scores = R.key_scores(q, k, block_size=bs, segment_size=config.segment_size,
-                              causal_proxy=config.causal_proxy, gqa_permutation=config.gqa_permutation,
-                              proxy_blocks=config.proxy_blocks)
+        scores = R.key_scores(
+            q,
+            k,
+            block_size=bs,
+            segment_size=config.segment_size,
+            causal_proxy=config.causal_proxy,
+            gqa_permutation=config.gqa_permutation,
+            proxy_blocks=config.proxy_blocks,
+        )
         perm = R.segment_permutation(scores, segment_size=config.segment_size)
     else:
         hp = hq if config.gqa_permutation == "query_head" else hkv
         perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
-    mask = R.select_blocks(q, k, perm, is_causal=True, block_size=bs, segment_size=config.segment_size,
-                           threshold=config.threshold, force_sink=config.force_sink, scoring=config.scoring,
-                           antidiagonal_stride=config.antidiagonal_stride)
+    mask = R.select_blocks(
+        q,
+        k,
+        perm,
+        is_causal=True,
+        block_size=bs,
+        segment_size=config.segment_size,
+        threshold=config.threshold,
+        force_sink=config.force_sink,
+        scoring=config.scoring,
+        antidiagonal_stride=config.antidiagonal_stride,
+    )
     density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
     return perm, mask, density
 
@@ -294,7 +334,7 @@ def _selected_mass(q, k, perm, mask, positions, bs: int, chunk: int):
     sel_keys = torch.zeros(hq, dtype=torch.float64)
     vis_keys = 0.0
     for c0 in range(0, positions.numel(), chunk):
-        t = positions[c0:c0 + chunk]
+        t = positions[c0 : c0 + chunk]
         m = t.numel()
         future = torch.arange(n, device=q.device)[None, :] > t[:, None]
         vis_keys += float((~future).sum())
@@ -310,9 +350,17 @@ def _selected_mass(q, k, perm, mask, positions, bs: int, chunk: int):
     return kept, sel_keys, vis_keys
 
 
-def recall_diagnostic(model, input_ids: torch.Tensor, *, selectors: Sequence[str] = TOPK_SELECTORS,
-                      block_size: int = 64, top_k: int = 8, branching: int = 2, q_start: int = 512,
-                      progress=None) -> Dict[str, object]:
+def recall_diagnostic(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    selectors: Sequence[str] = TOPK_SELECTORS,
+    block_size: int = 64,
+    top_k: int = 8,
+    branching: int = 2,
+    q_start: int = 512,
+    progress=None,
+) -> Dict[str, object]:
     """:func:`topk_recall` for every layer of a transformers model on ``input_ids``: per-layer
     rows and the mean over layers of each selector's recall, free-block recall and retained mass.
     ``selectors``: names accepted by :func:`parse_selector` (e.g. add ``pisa_lse_beam2``)."""
@@ -320,12 +368,22 @@ def recall_diagnostic(model, input_ids: torch.Tensor, *, selectors: Sequence[str
     layers = capture_qkv(model, input_ids)
     rows = []
     for i, (q, k, _) in enumerate(layers):
-        r = topk_recall(q, k, selectors=selectors, block_size=block_size, top_k=top_k, branching=branching,
-                        q_start=q_start)
+        r = topk_recall(
+            q, k, selectors=selectors, block_size=block_size, top_k=top_k, branching=branching, q_start=q_start
+        )
         rows.append({"layer": i, **r})
         if progress is not None:
             progress(f"  layer {i}: " + ", ".join(f"{s} {r[s]['recall_free']:.3f}" for s in selectors))
     names = list(selectors) + ["oracle"]
     mean = {s: {m: float(sum(r[s][m] for r in rows) / len(rows)) for m in rows[0][s]} for s in names}
-    return {"block_size": block_size, "top_k": top_k, "forced": 3, "branching": branching, "q_start": q_start,
-            "tokens": int(input_ids.shape[1]), "selectors": list(selectors), "mean": mean, "layers": rows}
+    return {
+        "block_size": block_size,
+        "top_k": top_k,
+        "forced": 3,
+        "branching": branching,
+        "q_start": q_start,
+        "tokens": int(input_ids.shape[1]),
+        "selectors": list(selectors),
+        "mean": mean,
+        "layers": rows,
+    }

@@ -5,6 +5,7 @@ keys, or PISA/BSA per-token leaf blocks) into one picture: for one query head, t
 keys of each *original-order* key block that each query block attends. It never builds the
 quadratic key mask, so it works at the model's native length.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,5 @@
 """Fidelity and density of each method on a causal LM, against the same model run dense."""
+
 from __future__ import annotations
 
 import copy
@@ -123,8 +124,9 @@ def evaluate_methods(
     for method in methods:
         cfg = configs.get(method) or default_config(method)
         sparse_model = copy.deepcopy(model)
-        sf_compile(sparse_model, method=method, config=cfg, backend=backend, inner_backend="eager",
-                   recipe=None)  # the config given, exactly: these rows are what it measures
+        sf_compile(
+            sparse_model, method=method, config=cfg, backend=backend, inner_backend="eager", recipe=None
+        )  # the config given, exactly: these rows are what it measures
         start = time.perf_counter()
         with capture(keep_selections=False) as cap:
             logits = _logits(sparse_model, input_ids, eval_positions)
@@ -243,8 +245,16 @@ def evaluate_plans(
     return results
 
 
-def _evaluate_plan(model, input_ids: torch.Tensor, plan, eval_positions: int, dense: torch.Tensor,
-                   map_at: Optional[tuple], n_layers: int, n_heads: int) -> PlanResult:
+def _evaluate_plan(
+    model,
+    input_ids: torch.Tensor,
+    plan,
+    eval_positions: int,
+    dense: torch.Tensor,
+    map_at: Optional[tuple],
+    n_layers: int,
+    n_heads: int,
+) -> PlanResult:
     """Run ``model`` under one plan (leaving it on SDPA) and compare its logits with ``dense``."""
     from ..hf import apply_plan
 

@@ -1,4 +1,5 @@
 """Fidelity of a sparse model against its dense original on the same tokens."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -28,7 +29,9 @@ class Fidelity:
 def compare_logits(dense: torch.Tensor, sparse: torch.Tensor, targets: torch.Tensor) -> Fidelity:
     """``dense, sparse: [T, V]`` logits at the same positions; ``targets: [T]`` next tokens."""
     if dense.shape != sparse.shape or dense.dim() != 2:
-        raise ValueError(f"dense and sparse logits must both be [T, V], got {tuple(dense.shape)} and {tuple(sparse.shape)}")
+        raise ValueError(
+            f"dense and sparse logits must both be [T, V], got {tuple(dense.shape)} and {tuple(sparse.shape)}"
+        )
     if targets.shape != dense.shape[:1]:
         raise ValueError(f"targets must be [T]={dense.shape[0]}, got {tuple(targets.shape)}")
     sparse, targets = sparse.to(dense.device), targets.to(dense.device)

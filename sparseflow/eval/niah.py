@@ -9,6 +9,7 @@ cache: the prompt's prefill runs through the plan's attention (the sparse op ans
 token and writes the cache the later tokens read). A sample is correct when the generated text
 contains the asked key.
 """
+
 from __future__ import annotations
 
 import collections
@@ -84,8 +85,10 @@ def _question(name: str) -> str:
     return "\n\nWhat is the pass key? The pass key is"
 
 
-_INTRO = ("A long text follows with one or more pass keys hidden inside it. Find them and keep them in mind: "
-          "you will be asked for one.\n\n")
+_INTRO = (
+    "A long text follows with one or more pass keys hidden inside it. Find them and keep them in mind: "
+    "you will be asked for one.\n\n"
+)
 
 
 MAX_PIECE = 64  # tokens: a longer sentence (a table, a code listing) is cut into pieces this long
@@ -130,8 +133,9 @@ def _insert_at(chunks: List[List[int]], offsets: Dict[str, float], needles: Dict
     return tokens, starts
 
 
-def build_sample(tokenizer, n_tokens: int, depth: float, *, keys: int = 1, seed: int = 0,
-                 text: str = "pydoc_topics") -> NiahSample:
+def build_sample(
+    tokenizer, n_tokens: int, depth: float, *, keys: int = 1, seed: int = 0, text: str = "pydoc_topics"
+) -> NiahSample:
     """One prompt of exactly ``n_tokens`` tokens; deterministic in (n_tokens, depth, keys, seed, text)."""
     if keys < 1 or keys > len(_NAMES):
         raise ValueError(f"keys must be in [1, {len(_NAMES)}], got {keys}")
@@ -147,21 +151,29 @@ def build_sample(tokenizer, n_tokens: int, depth: float, *, keys: int = 1, seed:
     tail = _encode(tokenizer, _question(asked))
     budget = n_tokens - len(head) - len(tail) - sum(len(t) for t in needles.values())
     if budget < 1:
-        raise ValueError(f"--tokens {n_tokens} is too short for the passkey prompt: it needs more than "
-                         f"{n_tokens - budget} tokens")
+        raise ValueError(
+            f"--tokens {n_tokens} is too short for the passkey prompt: it needs more than {n_tokens - budget} tokens"
+        )
     sentences = _sentences(text)
     chunks = _filler(tokenizer, sentences, rng.randrange(len(sentences)), budget)
     depths = {asked: depth}
     for name in names[1:]:  # distractors at other depths, away from the asked key
-        depths[name] = rng.choice([d for d in (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
-                                   if abs(d - depth) > 0.08])
+        depths[name] = rng.choice(
+            [d for d in (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95) if abs(d - depth) > 0.08]
+        )
     body, starts = _insert_at(chunks, depths, needles)
     ids = head + body + tail
     if len(ids) != n_tokens:  # the budget arithmetic above guarantees it
         raise RuntimeError(f"niah prompt has {len(ids)} tokens, expected {n_tokens}")
-    return NiahSample(ids=torch.tensor([ids]), answer=key_of[asked], depth=depth, keys=key_of, asked=asked,
-                      needle_starts={n: len(head) + s for n, s in starts.items()},
-                      filler_span=(len(head), len(head) + len(body)))
+    return NiahSample(
+        ids=torch.tensor([ids]),
+        answer=key_of[asked],
+        depth=depth,
+        keys=key_of,
+        asked=asked,
+        needle_starts={n: len(head) + s for n, s in starts.items()},
+        filler_span=(len(head), len(head) + len(body)),
+    )
 
 
 def _cache_kw(model) -> str:
@@ -204,9 +216,17 @@ def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate
         new = generate(model, sample.ids.to(model_device(model)), max_new_tokens)
     text = tokenizer.decode(new, skip_special_tokens=True)
     density, n_sparse, n_dense = _density(cap.calls)
-    return {"depth": sample.depth, "answer": sample.answer, "asked": sample.asked, "generated": text,
-            "correct": is_correct(text, sample.answer), "density": density, "sparse_calls": n_sparse,
-            "dense_calls": n_dense, "seconds": time.perf_counter() - start}
+    return {
+        "depth": sample.depth,
+        "answer": sample.answer,
+        "asked": sample.asked,
+        "generated": text,
+        "correct": is_correct(text, sample.answer),
+        "density": density,
+        "sparse_calls": n_sparse,
+        "dense_calls": n_dense,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _summary(name: str, plan, rows: List[Dict[str, object]], depths: Sequence[float]) -> Dict[str, object]:
@@ -215,17 +235,33 @@ def _summary(name: str, plan, rows: List[Dict[str, object]], depths: Sequence[fl
         hits = [r["correct"] for r in rows if r["depth"] == d]
         per_depth[str(d)] = sum(hits) / len(hits) if hits else None
     dens = [r["density"] for r in rows if r["density"] is not None]
-    return {"name": name, "method": plan.method if plan is not None else "dense",
-            "config": plan.config.to_dict() if plan is not None else None,
-            "accuracy": sum(r["correct"] for r in rows) / len(rows), "accuracy_per_depth": per_depth,
-            "density": sum(dens) / len(dens) if dens else 1.0,
-            "fallback_calls": sum(r["dense_calls"] for r in rows), "samples": rows}
+    return {
+        "name": name,
+        "method": plan.method if plan is not None else "dense",
+        "config": plan.config.to_dict() if plan is not None else None,
+        "accuracy": sum(r["correct"] for r in rows) / len(rows),
+        "accuracy_per_depth": per_depth,
+        "density": sum(dens) / len(dens) if dens else 1.0,
+        "fallback_calls": sum(r["dense_calls"] for r in rows),
+        "samples": rows,
+    }
 
 
-def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float], samples: int = 4, keys: int = 1,
-             text: str = "pydoc_topics", max_new_tokens: int = 8, generate: Callable = generate_greedy,
-             on_result: Optional[Callable] = None, progress: Optional[Callable[[str], None]] = None,
-             ) -> List[Dict[str, object]]:
+def run_niah(
+    model,
+    tokenizer,
+    plans,
+    *,
+    n_tokens: int,
+    depths: Sequence[float],
+    samples: int = 4,
+    keys: int = 1,
+    text: str = "pydoc_topics",
+    max_new_tokens: int = 8,
+    generate: Callable = generate_greedy,
+    on_result: Optional[Callable] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[Dict[str, object]]:
     """Accuracy of dense (SDPA) and of each :class:`sparseflow.hf.Plan` in ``plans`` on the same
     prompts (``samples`` per depth). Returns one summary per run, dense first; the model is left on SDPA.
     ``progress`` gets one line per sample."""
@@ -233,7 +269,9 @@ def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float],
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    prompts = [build_sample(tokenizer, n_tokens, d, keys=keys, seed=s, text=text) for d in depths for s in range(samples)]
+    prompts = [
+        build_sample(tokenizer, n_tokens, d, keys=keys, seed=s, text=text) for d in depths for s in range(samples)
+    ]
     runs = [("dense", None)] + [(_plan_name(p, i, plans), p) for i, p in enumerate(plans)]
     out = []
     for name, plan in runs:
@@ -247,8 +285,10 @@ def run_niah(model, tokenizer, plans, *, n_tokens: int, depths: Sequence[float],
                 rows.append(_run_one(model, tokenizer, sample, max_new_tokens, generate))
                 if progress is not None:
                     r = rows[-1]
-                    progress(f"    {name} {i + 1}/{len(prompts)} depth {r['depth']:g}: {r['generated']!r} "
-                             f"({'correct' if r['correct'] else 'wrong'}, key {r['answer']}, {r['seconds']:.0f} s)")
+                    progress(
+                        f"    {name} {i + 1}/{len(prompts)} depth {r['depth']:g}: {r['generated']!r} "
+                        f"({'correct' if r['correct'] else 'wrong'}, key {r['answer']}, {r['seconds']:.0f} s)"
+                    )
         finally:
             model.set_attn_implementation("sdpa")
         out.append(_summary(name, plan, rows, depths))
@@ -270,6 +310,7 @@ def format_niah(results: List[Dict[str, object]], depths: Sequence[float]) -> st
     lines = [head, "-" * len(head)]
     for r in results:
         accs = [r["accuracy_per_depth"][str(d)] for d in depths]
-        lines.append(f"{r['name']:<{w}} " + " ".join(f"{a:>7.2f}" for a in accs)
-                     + f" {r['accuracy']:>7.2f} {r['density']:>8.3f}")
+        lines.append(
+            f"{r['name']:<{w}} " + " ".join(f"{a:>7.2f}" for a in accs) + f" {r['accuracy']:>7.2f} {r['density']:>8.3f}"
+        )
     return "\n".join(lines)

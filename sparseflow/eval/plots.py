@@ -5,6 +5,7 @@ matplotlib is optional (``pip install 'sparseflow[hf]'`` or ``matplotlib``); it 
 first use and :func:`require_matplotlib` raises an ImportError that says how to install it, so
 the CLI can fail before a long run rather than after it.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,16 @@ def block_map_plot(grid, title: str, path: str) -> str:
     return _save(fig, path)
 
 
-def curve_plot(points: List[Dict], title: str, path: str, *, x: str = "density", y: str = "mean_kl",
-               label: str = "value", log_y: bool = True) -> str:
+def curve_plot(
+    points: List[Dict],
+    title: str,
+    path: str,
+    *,
+    x: str = "density",
+    y: str = "mean_kl",
+    label: str = "value",
+    log_y: bool = True,
+) -> str:
     """One line per ``series`` of ``points`` (dicts), ``x`` vs ``y``, each point labelled."""
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -79,8 +88,13 @@ def curve_plot(points: List[Dict], title: str, path: str, *, x: str = "density",
         pts = sorted(pts, key=lambda p: p[x])
         ax.plot([p[x] for p in pts], [max(p[y], 1e-9) if log_y else p[y] for p in pts], marker="o", label=name)
         for p in pts:
-            ax.annotate(str(p.get(label)), (p[x], max(p[y], 1e-9) if log_y else p[y]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+            ax.annotate(
+                str(p.get(label)),
+                (p[x], max(p[y], 1e-9) if log_y else p[y]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(3, 3),
+            )
     if log_y:
         ax.set_yscale("log")
     ax.set_xlabel(x)

@@ -5,6 +5,7 @@ turns a base plan into one plan per value (typed and validated by the method's c
 same points with ``permute=False`` for PBS when asked (the paper's no-permutation baseline).
 :func:`curve_points` flattens results into the rows the JSON and the KL-vs-density plot use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,7 +70,9 @@ def sweep_plans(base, field: str, values: Sequence[str], *, no_permute: bool = F
     plans = []
     permutes = [True, False] if no_permute else [None]
     if no_permute and not has_permute(base.method):
-        raise ValueError(f"--no-permute compares {_permuting()} with and without permutation; method is {base.method!r}")
+        raise ValueError(
+            f"--no-permute compares {_permuting()} with and without permutation; method is {base.method!r}"
+        )
     for perm in permutes:
         for raw in values:
             changes = {field: _typed(base.method, field, raw)}
@@ -92,16 +95,18 @@ def curve_points(results, field: str) -> List[Dict[str, Any]]:
     rows = []
     for r in results:
         cfg = r.config
-        rows.append({
-            "series": series_name(r.method, cfg, field),
-            "method": r.method,
-            "field": field,
-            "value": cfg.get(field),
-            "permute": cfg.get("permute"),
-            "density": r.density,
-            "mean_kl": r.fidelity.mean_kl,
-            "p99_kl": r.fidelity.p99_kl,
-            "top1": r.fidelity.top1_agreement,
-            "ppl_delta": r.fidelity.ppl_delta,
-        })
+        rows.append(
+            {
+                "series": series_name(r.method, cfg, field),
+                "method": r.method,
+                "field": field,
+                "value": cfg.get(field),
+                "permute": cfg.get("permute"),
+                "density": r.density,
+                "mean_kl": r.fidelity.mean_kl,
+                "p99_kl": r.fidelity.p99_kl,
+                "top1": r.fidelity.top1_agreement,
+                "ppl_delta": r.fidelity.ppl_delta,
+            }
+        )
     return rows

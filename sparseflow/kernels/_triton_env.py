@@ -4,6 +4,7 @@ Triton reads the switch itself when a kernel is decorated; the kernels' host cod
 dispatcher ask this function instead of parsing the variable each on its own. It is read per
 call, so a test that sets the variable after import sees its value in the dispatcher.
 """
+
 from __future__ import annotations
 
 import os

@@ -38,6 +38,7 @@ On CUDA (reasoned from torch's flex lowering, not measured here): :func:`flex_pl
 tiles that divide the block sizes, pads head dims below 16, and falls back to the reference
 (logged) where Inductor would have no valid kernel.
 """
+
 from __future__ import annotations
 
 import logging
@@ -170,8 +171,7 @@ def flex_attention_compiled(
     limit = max(RECOMPILE_LIMIT, dynamo.config.recompile_limit)
     acc = max(4 * RECOMPILE_LIMIT, dynamo.config.accumulated_recompile_limit)
     with dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=acc):
-        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                 kernel_options=kernel_options)
+        out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=kernel_options)
     return out if out.shape[-1] == dv else out[..., :dv]
 
 
@@ -274,8 +274,9 @@ def cuda_head_dim(d: int) -> int:
     return max(int(d), 16)
 
 
-def cuda_flex_plan(q_block: int, kv_block: int, head_dim: int, *, needs_grad: bool,
-                   bwd_tiles: Sequence[Tuple[int, int, int, int]] = ()) -> FlexPlan:
+def cuda_flex_plan(
+    q_block: int, kv_block: int, head_dim: int, *, needs_grad: bool, bwd_tiles: Sequence[Tuple[int, int, int, int]] = ()
+) -> FlexPlan:
     """The decision for the CUDA flex kernel at sparse block sizes ``(q_block, kv_block)`` and the
     (padded, :func:`cuda_head_dim`) ``head_dim``.
 
@@ -287,12 +288,20 @@ def cuda_flex_plan(q_block: int, kv_block: int, head_dim: int, *, needs_grad: bo
     ``NoValidChoicesError`` (e.g. bf16 at head dim 16 on sm90 wants 64, blocks are 16). Then, and
     for block sizes that are not multiples of 16, the plan falls back to the reference."""
     if q_block % 16 or kv_block % 16:
-        return FlexPlan(None, f"the Triton flex kernel needs block sizes that are multiples of 16, got "
-                              f"q_block={q_block}, kv_block={kv_block}")
-    if needs_grad and not any(q_block % m1 == 0 and q_block % m2 == 0 and kv_block % n1 == 0
-                              and kv_block % n2 == 0 for m1, n1, m2, n2 in bwd_tiles):
-        return FlexPlan(None, f"no flex backward config of this torch/GPU (tiles {list(bwd_tiles)}) divides "
-                              f"q_block={q_block}, kv_block={kv_block} at head dim {head_dim}")
+        return FlexPlan(
+            None,
+            f"the Triton flex kernel needs block sizes that are multiples of 16, got "
+            f"q_block={q_block}, kv_block={kv_block}",
+        )
+    if needs_grad and not any(
+        q_block % m1 == 0 and q_block % m2 == 0 and kv_block % n1 == 0 and kv_block % n2 == 0
+        for m1, n1, m2, n2 in bwd_tiles
+    ):
+        return FlexPlan(
+            None,
+            f"no flex backward config of this torch/GPU (tiles {list(bwd_tiles)}) divides "
+            f"q_block={q_block}, kv_block={kv_block} at head dim {head_dim}",
+        )
     if q_block % 128 == 0 and kv_block % 128 == 0:
         return FlexPlan(None)  # every default forward config (tiles <= 128) divides them
     big = head_dim <= 128
@@ -301,8 +310,12 @@ def cuda_flex_plan(q_block: int, kv_block: int, head_dim: int, *, needs_grad: bo
         return min(x & -x, cap)  # largest power of two dividing x (>= 16 here), capped
 
     # forward tiles only ("fwd_" prefix): the backward keeps its own configs (checked above)
-    return FlexPlan({"fwd_BLOCK_M": pow2_divisor(q_block, 128 if big else 64),
-                     "fwd_BLOCK_N": pow2_divisor(kv_block, 64 if big else 32)})
+    return FlexPlan(
+        {
+            "fwd_BLOCK_M": pow2_divisor(q_block, 128 if big else 64),
+            "fwd_BLOCK_N": pow2_divisor(kv_block, 64 if big else 32),
+        }
+    )
 
 
 def cuda_bwd_tiles(head_dim: int, dtype: torch.dtype) -> Tuple[Tuple[int, int, int, int], ...]:
@@ -316,8 +329,9 @@ def cuda_bwd_tiles(head_dim: int, dtype: torch.dtype) -> Tuple[Tuple[int, int, i
         return ((128, 128, 128, 128),)
 
 
-def flex_plan(device: torch.device, q_block: int, kv_block: int, head_dim: int, dtype: torch.dtype, *,
-              needs_grad: bool) -> FlexPlan:
+def flex_plan(
+    device: torch.device, q_block: int, kv_block: int, head_dim: int, dtype: torch.dtype, *, needs_grad: bool
+) -> FlexPlan:
     """:func:`cuda_flex_plan` on CUDA; on the CPU the kernel tiles by the block sizes (no options)."""
     if device.type != "cuda":
         return FlexPlan(None)
@@ -432,24 +446,51 @@ def token_block_attention(
     if plan.fallback:
         from .token_blocks import attend_selected_blocks
 
-        return attend_selected_blocks(q, k, v, block_indices, key_padding_mask=key_padding_mask,
-                                      is_causal=is_causal, scale=scale, block_size=c)
+        return attend_selected_blocks(
+            q, k, v, block_indices, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=c
+        )
     with torch.no_grad():
-        bm = _token_block_mask(block_indices, key_padding_mask, q.shape, k.shape, block_size=c, q_tile=qt,
-                               kv_tile=kt, is_causal=is_causal, grad=grad, device=dev)
+        bm = _token_block_mask(
+            block_indices,
+            key_padding_mask,
+            q.shape,
+            k.shape,
+            block_size=c,
+            q_tile=qt,
+            kv_tile=kt,
+            is_causal=is_causal,
+            grad=grad,
+            device=dev,
+        )
     nq_pad, nk_pad = bm.seq_lengths
     qp = pad_seq(q, nq_pad).contiguous()
     kp = pad_seq(k, nk_pad).contiguous()
     vp = pad_seq(v, nk_pad).contiguous()
     out = flex_attention_compiled(
-        qp, kp, vp, bm, scale=default_scale(d, scale), enable_gqa=g > 1,
+        qp,
+        kp,
+        vp,
+        bm,
+        scale=default_scale(d, scale),
+        enable_gqa=g > 1,
         kernel_options=plan.kernel_options,
     )
     return out[:, :, :n_q].to(q.dtype)
 
 
-def _token_block_mask(block_indices, key_padding_mask, q_shape, k_shape, *, block_size: int, q_tile: int,
-                      kv_tile: int, is_causal: bool, grad: bool, device):
+def _token_block_mask(
+    block_indices,
+    key_padding_mask,
+    q_shape,
+    k_shape,
+    *,
+    block_size: int,
+    q_tile: int,
+    kv_tile: int,
+    is_causal: bool,
+    grad: bool,
+    device,
+):
     """The BlockMask of token_block_attention over the padded lengths (``seq_lengths``): per
     ``(q_tile, kv_tile)`` tile, full where no mask_mod is needed, partial where any row selected
     a leaf block of it; the mask_mod reads the selection table (or its bitset)."""
@@ -476,8 +517,14 @@ def _token_block_mask(block_indices, key_padding_mask, q_shape, k_shape, *, bloc
     kv_num, kv_idx, full_num, full_idx = (t[:, head_map].contiguous() for t in (kv_num, kv_idx, full_num, full_idx))
     mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(qt, kt), mask_mod=mask_mod,
-        seq_lengths=(nq_pad, nk_pad), compute_q_blocks=grad,
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(qt, kt),
+        mask_mod=mask_mod,
+        seq_lengths=(nq_pad, nk_pad),
+        compute_q_blocks=grad,
     )
 
 
@@ -489,7 +536,9 @@ def _key_validity(key_padding_mask, bsz: int, n_k: int, nk_pad: int, is_causal: 
     if key_padding_mask is not None or (not is_causal and nk_pad > n_k):
         # key validity table: padding and (non-causal) the slots past Nk. Causal needs no
         # table for those slots: only padded query rows (sliced off) can reach them.
-        kpm = key_padding_mask if key_padding_mask is not None else torch.ones(bsz, n_k, dtype=torch.bool, device=device)
+        kpm = (
+            key_padding_mask if key_padding_mask is not None else torch.ones(bsz, n_k, dtype=torch.bool, device=device)
+        )
         kpm_ext = pad_seq(kpm.to(device=device, dtype=torch.bool), nk_pad, dim=1, value=False)
         key_ok = key_ok[None, :] & kpm_ext  # [B, Nk_pad]
     else:
@@ -525,33 +574,49 @@ def _token_mask_mod(table, kpm_ext, *, g: int, c: int, offset: int, is_causal: b
     share the compiled kernel (a captured int such as Nk would be guarded on and recompile)."""
 
     if packed:
+
         def member(b, h, q_idx, kv_idx):
             blk = kv_idx // c
             word = table[b, h // g, q_idx, blk // 32]
             return ((word >> (blk % 32)) & 1) != 0
     else:
+
         def member(b, h, q_idx, kv_idx):
             return table[b, h // g, q_idx, kv_idx // c]
 
     if is_causal and kpm_ext is not None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return member(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + offset) & kpm_ext[b, kv_idx]
     elif is_causal:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return member(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + offset)
     elif kpm_ext is not None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return member(b, h, q_idx, kv_idx) & kpm_ext[b, kv_idx]
     else:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return member(b, h, q_idx, kv_idx)
+
     return mask_mod
 
 
-def token_selection(method: str, block_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
-                    key_padding_mask: Optional[torch.Tensor], is_causal: bool, block_size: int):
+def token_selection(
+    method: str,
+    block_indices: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    block_size: int,
+):
     """The :class:`Selection` the token-level references report for ``block_indices``."""
     from .token_blocks import selection_for_indices
 
-    return selection_for_indices(method, block_indices, q, k, key_padding_mask=key_padding_mask,
-                                 is_causal=is_causal, block_size=block_size)
+    return selection_for_indices(
+        method, block_indices, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )

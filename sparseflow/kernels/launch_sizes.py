@@ -6,6 +6,7 @@ emit one as a ``tl.constexpr`` (the generated kernel names an unbound symbol). R
 comparisons instead yields a plain ``int`` and records guards on the length's range, so one
 compiled graph serves every length of the same bucket and a longer one recompiles.
 """
+
 from __future__ import annotations
 
 __all__ = ["pow2_at_least"]

@@ -18,6 +18,7 @@ Conventions:
 Everything here is torch-only and CPU friendly; selection helpers run under ``no_grad`` in the
 callers, ``attend_selected_blocks`` is differentiable in q, k and v.
 """
+
 from __future__ import annotations
 
 import math
@@ -111,9 +112,7 @@ def leaf_first_valid(
     return first.view(batch, nb, block_size).amin(-1)
 
 
-def leaf_block_sums(
-    k: torch.Tensor, block_size: int, key_padding_mask: Optional[torch.Tensor] = None
-) -> tuple:
+def leaf_block_sums(k: torch.Tensor, block_size: int, key_padding_mask: Optional[torch.Tensor] = None) -> tuple:
     """Per leaf block: ``(sum of valid keys [B, Hkv, nB, D] in compute dtype, valid count [B, nB])``."""
     b, hkv, n_k, d = k.shape
     nb = num_blocks(n_k, block_size)
@@ -262,15 +261,31 @@ def make_selection(
     )
 
 
-def selection_for_indices(method: str, block_indices: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
-                          key_padding_mask: Optional[torch.Tensor], is_causal: bool, block_size: int) -> Selection:
+def selection_for_indices(
+    method: str,
+    block_indices: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    block_size: int,
+) -> Selection:
     """The :class:`Selection` the token-level references report for ``block_indices`` (density:
     selected / visible blocks per token), for the fast backends that compute the same indices."""
     n_q, n_k = q.shape[2], k.shape[2]
     first_valid = leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
     n_visible = count_visible_blocks(first_valid, query_horizons(n_q, n_k, is_causal=is_causal, device=q.device))
-    return make_selection(method, block_indices, n_visible, num_query_heads=q.shape[1], block_size=block_size,
-                          is_causal=is_causal, num_keys=n_k, key_padding_mask=key_padding_mask)
+    return make_selection(
+        method,
+        block_indices,
+        n_visible,
+        num_query_heads=q.shape[1],
+        block_size=block_size,
+        is_causal=is_causal,
+        num_keys=n_k,
+        key_padding_mask=key_padding_mask,
+    )
 
 
 def attend_selected_blocks(

@@ -17,6 +17,7 @@ for the group) to one contiguous slice of the row's ``K`` slots and writes its u
 output, row max and sum of exponentials; a second kernel merges the splits exactly
 (log-sum-exp). Not differentiable: training and prefill use ``token_sparse_attention``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,9 @@ def decode_splits(groups: int, n_slots: int, device: Optional[torch.device] = No
 
 
 @triton.jit
-def _visible_keys(sel_row, kpm_ptr, b, slot, hi, c, Nk, hz, C: tl.constexpr, HAS_KPM: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr):
+def _visible_keys(
+    sel_row, kpm_ptr, b, slot, hi, c, Nk, hz, C: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr
+):
     """Key positions of the slots ``slot`` (one lane per key) and which of them this row sees: a
     hidden or unheld key is never loaded, so a NaN in its slot cannot reach a product."""
     kb = tl.load(sel_row + slot, mask=slot < hi, other=-1)
@@ -80,15 +82,42 @@ def _visible_keys(sel_row, kpm_ptr, b, slot, hi, c, Nk, hz, C: tl.constexpr, HAS
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, sel_ptr, kpm_ptr, acc_ptr, m_ptr, l_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_sb, stride_sh, stride_sn,
-    Nq, Nk, HKV, qk_scale,
-    G: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-    TOPK: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    sel_ptr,
+    kpm_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_sb,
+    stride_sh,
+    stride_sn,
+    Nq,
+    Nk,
+    HKV,
+    qk_scale,
+    G: tl.constexpr,
+    MP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    TOPK: tl.constexpr,
+    PER: tl.constexpr,
+    NB: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -107,8 +136,11 @@ def _decode_split_kernel(
     g_ok = offs_g < G
     d_ok = offs_d < D
     heads = hkv * G + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + i * stride_qn + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + i * stride_qn + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     sel_row = sel_ptr + b * stride_sb + hkv * stride_sh + i * stride_sn
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
@@ -119,8 +151,7 @@ def _decode_split_kernel(
     hi = tl.minimum(j + PER, TOPK)
     while j < hi:
         kpos, ok = _visible_keys(sel_row, kpm_ptr, b, j + offs_t // CP, hi, c, Nk, hz, C, HAS_KPM, IS_CAUSAL)
-        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :] & d_ok[:, None],
-                      other=0.0)
+        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :] & d_ok[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -131,8 +162,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
-                     other=0.0)
+        vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         else:
@@ -148,10 +178,22 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    acc_ptr, m_ptr, l_ptr, o_ptr, flag_ptr,
-    stride_ob, stride_oh, stride_on,
-    Nq, HKV, S,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, HAS_FLAG: tl.constexpr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    flag_ptr,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    HKV,
+    S,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    SP: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
 ):
     """One program per (b, KV head, query row, query head of the group): the exact log-sum-exp
     merge of its splits (NaN everywhere while ``flag_ptr[0]`` is set)."""
@@ -174,8 +216,9 @@ def _decode_combine_kernel(
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     if HAS_FLAG:
         out = tl.where(tl.load(flag_ptr) != 0, float("nan"), out)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + i * stride_on + offs_d, out.to(o_ptr.dtype.element_ty),
-             mask=offs_d < D)
+    tl.store(
+        o_ptr + b * stride_ob + h * stride_oh + i * stride_on + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D
+    )
 
 
 # --------------------------------------------------------------------------- op
@@ -195,8 +238,16 @@ def _split_meta(q, k, block_size, top_k, splits):
 
 @triton_op("sparseflow::token_sparse_decode_fwd", mutates_args={})
 def token_sparse_decode_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, kpm: Optional[torch.Tensor],
-    nan_flag: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool, splits: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sel: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    nan_flag: Optional[torch.Tensor],
+    scale: float,
+    block_size: int,
+    is_causal: bool,
+    splits: int,
 ) -> torch.Tensor:
     """``[B, Hq, Nq, D]`` in q's dtype; ``kpm`` int8 ``[B, Nk]`` (nonzero = a valid key) or None;
     ``nan_flag`` uint8 ``[1]`` (nonzero: the whole output NaN) or None. Last dims contiguous."""
@@ -211,19 +262,54 @@ def token_sparse_decode_fwd(
     m = torch.empty(groups, splits, g, dtype=torch.float32, device=q.device)
     l_s = torch.empty_like(m)
     wrap_triton(_decode_split_kernel)[(groups, splits)](
-        q, k, v, sel, kpm if kpm is not None else sel, acc, m, l_s,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        sel.stride(0), sel.stride(1), sel.stride(2),
-        n_q, n_k, hkv, scale * _LOG2E,
-        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2, **meta,
+        q,
+        k,
+        v,
+        sel,
+        kpm if kpm is not None else sel,
+        acc,
+        m,
+        l_s,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        sel.stride(0),
+        sel.stride(1),
+        sel.stride(2),
+        n_q,
+        n_k,
+        hkv,
+        scale * _LOG2E,
+        HAS_KPM=kpm is not None,
+        IS_CAUSAL=is_causal,
+        num_warps=4,
+        num_stages=2,
+        **meta,
     )
     wrap_triton(_decode_combine_kernel)[(groups, g)](
-        acc, m, l_s, out, nan_flag if nan_flag is not None else m,
-        out.stride(0), out.stride(1), out.stride(2),
-        n_q, hkv, splits,
-        G=g, D=d, DP=dp, SP=_p2(splits), HAS_FLAG=nan_flag is not None, num_warps=4,
+        acc,
+        m,
+        l_s,
+        out,
+        nan_flag if nan_flag is not None else m,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_q,
+        hkv,
+        splits,
+        G=g,
+        D=d,
+        DP=dp,
+        SP=_p2(splits),
+        HAS_FLAG=nan_flag is not None,
+        num_warps=4,
     )
     return out
 
@@ -238,16 +324,22 @@ def _check_inputs(q, k, v, block_indices, key_padding_mask, block_size, splits) 
     if v.shape[-1] != d:
         raise ValueError(f"the split-K decode kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"the split-K decode kernel takes q, k, v of one dtype of fp16 / bf16 / fp32, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"the split-K decode kernel takes q, k, v of one dtype of fp16 / bf16 / fp32, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if hq % k.shape[1]:
         raise ValueError(f"q's heads must be a multiple of the {k.shape[1]} KV heads, got {hq}")
     if tuple(block_indices.shape[:3]) != (b, k.shape[1], n_q):
-        raise ValueError(f"block_indices must be [{b}, {k.shape[1]}, {n_q}, K] (batch, KV heads, query rows, "
-                         f"blocks), got {list(block_indices.shape)}")
+        raise ValueError(
+            f"block_indices must be [{b}, {k.shape[1]}, {n_q}, K] (batch, KV heads, query rows, "
+            f"blocks), got {list(block_indices.shape)}"
+        )
     if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, k.shape[2]):
-        raise ValueError(f"key_padding_mask must be [{b}, {k.shape[2]}] (batch, keys; True = a valid key), got "
-                         f"{list(key_padding_mask.shape)}")
+        raise ValueError(
+            f"key_padding_mask must be [{b}, {k.shape[2]}] (batch, keys; True = a valid key), got "
+            f"{list(key_padding_mask.shape)}"
+        )
     if int(block_size) < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     if splits is not None and int(splits) < 1:
@@ -284,5 +376,4 @@ def token_sparse_decode(
     sel = block_indices.to(device=q.device, dtype=torch.int32)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v, sel = (_last_dim_contiguous(t) for t in (q, k, v, sel))
-    return token_sparse_decode_fwd(q, k, v, sel, kpm, None, sc, int(block_size), bool(is_causal),
-                                   min(int(splits), kk))
+    return token_sparse_decode_fwd(q, k, v, sel, kpm, None, sc, int(block_size), bool(is_causal), min(int(splits), kk))

@@ -16,6 +16,7 @@ or score matrix is written. The backward runs one program per (query tile, query
 and one per (key block, KV head) for dk/dv over the query tiles whose union holds that block
 (the transposed lists, in CSR form), looping over the ``G`` query heads of the group.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,22 @@ def transpose_lists(num: torch.Tensor, lists: torch.Tensor, n_blocks: int) -> Tu
 
 
 @triton.jit
-def _scores(q, k_t, kb, sel, rows_hz, kpm_ptr, b, Nk, offs_c, qk_scale,
-            C: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+def _scores(
+    q,
+    k_t,
+    kb,
+    sel,
+    rows_hz,
+    kpm_ptr,
+    b,
+    Nk,
+    offs_c,
+    qk_scale,
+    C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """log2-scaled logits of a query tile against key block ``kb`` and the element mask."""
     if IEEE:
         s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
@@ -115,16 +130,47 @@ def _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, sel_ptr, num_ptr, list_ptr, kpm_ptr, o_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_sb, stride_sh, stride_sn,
-    stride_ob, stride_oh, stride_on,
-    Nq, Nk, HQ, HKV, LW, qk_scale,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    sel_ptr,
+    num_ptr,
+    list_ptr,
+    kpm_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_sb,
+    stride_sh,
+    stride_sn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    HQ,
+    HKV,
+    LW,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -141,10 +187,16 @@ def _fwd_kernel(
     offs_c = tl.arange(0, CP)
     offs_k = tl.arange(0, KP)
     d_ok = offs_d < D
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
-                  mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+    q = tl.load(
+        q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    sel = tl.load(
+        sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+        mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
+        other=-1,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
@@ -157,7 +209,9 @@ def _fwd_kernel(
         kb = tl.load(list_ptr + lst * LW + j)
         kpos = kb * C + offs_c
         kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
-        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        k_t = tl.load(
+            k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
+        )
         s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -165,7 +219,9 @@ def _fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        vt = tl.load(
+            v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
+        )
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         else:
@@ -174,8 +230,11 @@ def _fwd_kernel(
         j += 1
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     # log2-domain LSE per row (+inf where the row sees nothing, so backward's p is 0 there)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
     tl.store(lse_ptr + (b * HQ + h) * Nq + rows, lse, mask=row_ok)
@@ -183,15 +242,47 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, sel_ptr, num_ptr, list_ptr, kpm_ptr, lse_ptr, delta_ptr, dq_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_sb, stride_sh, stride_sn,
-    Nq, Nk, HQ, HKV, LW, qk_scale, sm_scale,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    sel_ptr,
+    num_ptr,
+    list_ptr,
+    kpm_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_sb,
+    stride_sh,
+    stride_sn,
+    Nq,
+    Nk,
+    HQ,
+    HKV,
+    LW,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -215,8 +306,11 @@ def _bwd_dq_kernel(
     do = tl.load(do_ptr + qo, mask=m2, other=0.0)
     lse = tl.load(lse_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=0.0)
-    sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
-                  mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+    sel = tl.load(
+        sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+        mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
+        other=-1,
+    )
     dq = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
     lst = (b * HKV + hkv) * nqt + qt
     n = tl.load(num_ptr + lst)
@@ -227,8 +321,12 @@ def _bwd_dq_kernel(
         kb = tl.load(list_ptr + lst * LW + j)
         kpos = kb * C + offs_c
         kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
-        k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-        v_t = tl.load(v_base + kpos[None, :] * stride_vn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        k_t = tl.load(
+            k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
+        )
+        v_t = tl.load(
+            v_base + kpos[None, :] * stride_vn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
+        )
         s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
         p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
         if IEEE:
@@ -246,15 +344,49 @@ def _bwd_dq_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, sel_ptr, start_ptr, tiles_ptr, kpm_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_sb, stride_sh, stride_sn,
-    Nq, Nk, HQ, HKV, NKB, PW, qk_scale, sm_scale,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    sel_ptr,
+    start_ptr,
+    tiles_ptr,
+    kpm_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_sb,
+    stride_sh,
+    stride_sn,
+    Nq,
+    Nk,
+    HQ,
+    HKV,
+    NKB,
+    PW,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -271,10 +403,16 @@ def _bwd_dkdv_kernel(
     kpos = kb * C + offs_c
     kv_ok = (offs_c < C) & (kpos < Nk)  # the stores: padded keys get their zero gradient too
     kv_load = _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM)
-    k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + kpos[None, :] * stride_kn + offs_d[:, None],
-                  mask=kv_load[None, :] & d_ok[:, None], other=0.0)
-    v_t = tl.load(v_ptr + b * stride_vb + hkv * stride_vh + kpos[None, :] * stride_vn + offs_d[:, None],
-                  mask=kv_load[None, :] & d_ok[:, None], other=0.0)
+    k_t = tl.load(
+        k_ptr + b * stride_kb + hkv * stride_kh + kpos[None, :] * stride_kn + offs_d[:, None],
+        mask=kv_load[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    v_t = tl.load(
+        v_ptr + b * stride_vb + hkv * stride_vh + kpos[None, :] * stride_vn + offs_d[:, None],
+        mask=kv_load[None, :] & d_ok[:, None],
+        other=0.0,
+    )
     dk = tl.zeros([CP, DP], dtype=tl.float32)
     dv = tl.zeros([CP, DP], dtype=tl.float32)
     csr = (b * HKV + hkv) * (NKB + 1) + kb
@@ -286,8 +424,11 @@ def _bwd_dkdv_kernel(
         rows = qt * BLOCK_M + offs_m
         row_ok = rows < Nq
         hz = rows + Nk - Nq
-        sel = tl.load(sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
-                      mask=row_ok[:, None] & (offs_k[None, :] < TOPK), other=-1)
+        sel = tl.load(
+            sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+            mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
+            other=-1,
+        )
         for g in range(G):
             h = hkv * G + g
             qo = b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :]
@@ -321,14 +462,31 @@ def _bwd_dkdv_kernel(
 def _meta(q, k, block_size, top_k):
     d = q.shape[-1]
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is unreliable
-    return dict(G=q.shape[1] // k.shape[1], D=d, DP=_p2(d), C=block_size, CP=_p2(block_size),
-                TOPK=top_k, KP=_p2(top_k, 1), BLOCK_M=BLOCK_M, IEEE=ieee)
+    return dict(
+        G=q.shape[1] // k.shape[1],
+        D=d,
+        DP=_p2(d),
+        C=block_size,
+        CP=_p2(block_size),
+        TOPK=top_k,
+        KP=_p2(top_k, 1),
+        BLOCK_M=BLOCK_M,
+        IEEE=ieee,
+    )
 
 
 @triton_op("sparseflow::token_sparse_fwd", mutates_args={})
 def token_sparse_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, num: torch.Tensor, lists: torch.Tensor,
-    kpm: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sel: torch.Tensor,
+    num: torch.Tensor,
+    lists: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    scale: float,
+    block_size: int,
+    is_causal: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -338,14 +496,40 @@ def token_sparse_fwd(
         return out, lse
     nqt = num.shape[2]
     wrap_triton(_fwd_kernel)[(nqt, b * hq)](
-        q, k, v, sel, num, lists, kpm if kpm is not None else num, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        sel.stride(0), sel.stride(1), sel.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_q, n_k, hq, hkv, lists.shape[-1], scale * _LOG2E,
-        HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2,
+        q,
+        k,
+        v,
+        sel,
+        num,
+        lists,
+        kpm if kpm is not None else num,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        sel.stride(0),
+        sel.stride(1),
+        sel.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_q,
+        n_k,
+        hq,
+        hkv,
+        lists.shape[-1],
+        scale * _LOG2E,
+        HAS_KPM=kpm is not None,
+        IS_CAUSAL=is_causal,
+        num_warps=4,
+        num_stages=2,
         **_meta(q, k, block_size, sel.shape[-1]),
     )
     return out, lse
@@ -358,9 +542,21 @@ def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal):
 
 @triton_op("sparseflow::token_sparse_bwd", mutates_args={})
 def token_sparse_bwd(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    sel: torch.Tensor, num: torch.Tensor, lists: torch.Tensor, start: torch.Tensor, tiles: torch.Tensor,
-    kpm: Optional[torch.Tensor], scale: float, block_size: int, is_causal: bool,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sel: torch.Tensor,
+    num: torch.Tensor,
+    lists: torch.Tensor,
+    start: torch.Tensor,
+    tiles: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    scale: float,
+    block_size: int,
+    is_causal: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -370,8 +566,13 @@ def token_sparse_bwd(
     # the arguments both kernels take in the same places
     ins, sizes, scales = (q, k, v, do, sel), (n_q, n_k, hq, hkv), (scale * _LOG2E, scale)
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *sel.stride()[:3])
-    flags = dict(HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, num_warps=4, num_stages=2,
-                 **_meta(q, k, block_size, sel.shape[-1]))
+    flags = dict(
+        HAS_KPM=kpm is not None,
+        IS_CAUSAL=is_causal,
+        num_warps=4,
+        num_stages=2,
+        **_meta(q, k, block_size, sel.shape[-1]),
+    )
     kpm_arg = kpm if kpm is not None else num
     wrap_triton(_bwd_dq_kernel)[(num.shape[2], b * hq)](
         *ins, num, lists, kpm_arg, lse, delta, dq, *common, *sizes, lists.shape[-1], *scales, **flags
@@ -403,8 +604,9 @@ def _backward(ctx, grad_out, grad_lse):
     scale, block_size, is_causal = ctx.args
     n_kb = max(1, -(-k.shape[2] // block_size))
     start, tiles = transpose_lists(num, lists, n_kb)
-    dq, dk, dv = token_sparse_bwd(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm,
-                                  scale, block_size, is_causal)
+    dq, dk, dv = token_sparse_bwd(
+        grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal
+    )
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -436,6 +638,7 @@ def token_sparse_attention(
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
         num, lists = tile_block_lists(sel, BLOCK_M, n_kb)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-    out, _ = token_sparse_fwd(q.contiguous(), k.contiguous(), v.contiguous(), sel, num, lists, kpm, sc,
-                              int(block_size), bool(is_causal))
+    out, _ = token_sparse_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), sel, num, lists, kpm, sc, int(block_size), bool(is_causal)
+    )
     return out

@@ -3,9 +3,34 @@
 Importing this package registers the built-in methods (dense, PBS, PISA, BSA); a further method
 is one package calling :func:`register` with its :class:`MethodSpec`.
 """
-from . import dense, pbs, pisa, bsa  # noqa: F401  (each registers its spec)
-from .registry import (Backend, Decode, MethodSpec, OnnxBody, names, names_with, or_list, register, sparse_names,
-                       spec_for, specs, unregister)
 
-__all__ = ["Backend", "Decode", "MethodSpec", "OnnxBody", "names", "names_with", "or_list", "register",
-           "sparse_names", "spec_for", "specs", "unregister"]
+from . import dense, pbs, pisa, bsa  # noqa: F401  (each registers its spec)
+from .registry import (
+    Backend,
+    Decode,
+    MethodSpec,
+    OnnxBody,
+    names,
+    names_with,
+    or_list,
+    register,
+    sparse_names,
+    spec_for,
+    specs,
+    unregister,
+)
+
+__all__ = [
+    "Backend",
+    "Decode",
+    "MethodSpec",
+    "OnnxBody",
+    "names",
+    "names_with",
+    "or_list",
+    "register",
+    "sparse_names",
+    "spec_for",
+    "specs",
+    "unregister",
+]

@@ -8,6 +8,7 @@ imported, so adding a method is one new package whose ``__init__`` calls :func:`
 Implementations are named as ``"module:function"`` strings and imported on first use, so
 importing sparseflow never imports Triton.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,9 @@ class Backend:
     def __post_init__(self):
         _check_target("Backend.target", self.target)
         if self.differentiable not in DIFFERENTIABILITY:
-            raise ValueError(f"Backend.differentiable must be one of {list(DIFFERENTIABILITY)}, "
-                             f"got {self.differentiable!r}")
+            raise ValueError(
+                f"Backend.differentiable must be one of {list(DIFFERENTIABILITY)}, got {self.differentiable!r}"
+            )
 
     def load(self) -> Callable:
         return load_target(self.target)
@@ -107,8 +109,10 @@ class OnnxBody:
             return reason
         unknown = sorted({f.name for f in dataclasses.fields(cfg)} - self.fields)
         if unknown:
-            return (f"the ONNX body of {self.node_type} does not implement the config field(s) {unknown}; "
-                    "export with method='dense' until it does")
+            return (
+                f"the ONNX body of {self.node_type} does not implement the config field(s) {unknown}; "
+                "export with method='dense' until it does"
+            )
         return ""
 
 
@@ -163,15 +167,19 @@ class MethodSpec:
         if not (isinstance(self.config_type, type) and issubclass(self.config_type, AttentionConfig)):
             raise TypeError(f"MethodSpec.config_type must be an AttentionConfig subclass, got {self.config_type!r}")
         if self.config_type.method != self.name:
-            raise ValueError(f"MethodSpec {self.name!r}: config_type {self.config_type.__name__}.method is "
-                             f"{self.config_type.method!r}; they must agree")
+            raise ValueError(
+                f"MethodSpec {self.name!r}: config_type {self.config_type.__name__}.method is "
+                f"{self.config_type.method!r}; they must agree"
+            )
         if not all(isinstance(b, Backend) for b in self.backends.values()):
             raise TypeError(f"MethodSpec {self.name!r}: backends must map backend names to Backend objects")
         if not self.sparse and self.backends:
             raise ValueError(f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA and has no backends")
         if self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
-            raise ValueError(f"MethodSpec {self.name!r}: context_parallel must be one of "
-                             f"{list(CONTEXT_PARALLEL_STRATEGIES)}, got {self.context_parallel!r}")
+            raise ValueError(
+                f"MethodSpec {self.name!r}: context_parallel must be one of "
+                f"{list(CONTEXT_PARALLEL_STRATEGIES)}, got {self.context_parallel!r}"
+            )
         # read-only, so a frozen spec cannot be changed through its mapping either
         object.__setattr__(self, "backends", types.MappingProxyType(dict(self.backends)))
 
@@ -184,8 +192,10 @@ class MethodSpec:
         try:
             return self.backends[name]
         except KeyError:
-            raise ValueError(f"backend={name!r} is not available for method {self.name!r}; "
-                             f"available: {sorted(self.backends) + ['auto']}") from None
+            raise ValueError(
+                f"backend={name!r} is not available for method {self.name!r}; "
+                f"available: {sorted(self.backends) + ['auto']}"
+            ) from None
 
     def exact_config(self, cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
         return cfg if self.exact is None else self.exact(cfg, seq_len)
@@ -226,8 +236,10 @@ def spec_for(method_or_config: Union[str, AttentionConfig, Type[AttentionConfig]
     if cls in _BY_TYPE:
         return _BY_TYPE[cls]
     if issubclass(cls, AttentionConfig):
-        raise ValueError(f"config type {cls.__name__} is not registered; registered: "
-                         f"{[s.config_type.__name__ for s in _SPECS.values()]}")
+        raise ValueError(
+            f"config type {cls.__name__} is not registered; registered: "
+            f"{[s.config_type.__name__ for s in _SPECS.values()]}"
+        )
     raise TypeError(f"spec_for takes a method name, a config or a config class, got {cls.__name__}")
 
 

@@ -1,4 +1,5 @@
 """What the top-k block methods (PISA, BSA) share in their specs."""
+
 from .._config_base import AttentionConfig
 
 # the fields of the shared top-k config that every top-k ONNX body implements

@@ -1,4 +1,5 @@
 """Graph passes: find SDPA calls in Dynamo/export FX graphs and rewrite them into sparseflow ops."""
+
 from .gqa_fold import RepeatMatch, fold_kv, match_repeat_kv
 from .sdpa_rewrite import (
     SDPA_TARGETS,

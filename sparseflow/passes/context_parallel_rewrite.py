@@ -5,6 +5,7 @@ left as plain SDPA would attend within its rank's shard only, a silently wrong a
 step runs after the rewrite and refuses a graph where any attention call was kept; calls the user
 kept dense (``skip_layers``, ``filter_fn``, a recipe's dense layers) reach it as the dense op.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ def _refuse_kept_calls(entries: List[Any]) -> None:
         where = "; ".join(f"{e.tag or '<root>'}: {e.reason}" for e in kept[:3])
         raise ValueError(
             f"context_parallel needs every attention call of the model rewritten, but {len(kept)} would stay "
-            f"plain SDPA (each would attend within its rank's shard only): {where}")
+            f"plain SDPA (each would attend within its rank's shard only): {where}"
+        )
 
 
 def _group_name(cp) -> str:
@@ -50,14 +52,15 @@ def to_context_parallel(graph: fx.Graph, entries: List[Any], options) -> None:
             continue
         names = [name for name, _ in _FIELDS[method]]
         q, k, v, mask, is_causal, scale = node.args[:6]
-        config = METHODS[method](**dict(zip(names, node.args[6:6 + len(names)])))
+        config = METHODS[method](**dict(zip(names, node.args[6 : 6 + len(names)])))
         backend, tag = node.args[-2], node.args[-1]
         if not spec_for(method).sparse:
             backend = "auto"  # a layer kept as SDPA: the dense op has no other backend
         with graph.inserting_before(node):
             new = graph.call_function(
                 torch.ops.sparseflow.cp_attention.default,
-                (q, k, v, mask, is_causal, scale, config.to_json(), tuning, group, cp.sharding, backend, tag))
+                (q, k, v, mask, is_causal, scale, config.to_json(), tuning, group, cp.sharding, backend, tag),
+            )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

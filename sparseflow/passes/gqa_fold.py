@@ -22,6 +22,7 @@ Since order-preserving reshapes are fully determined by their input and output s
 shape facts prove the chain computes ``repeat_interleave(base, R, dim=1)``. Anything else
 (transpose, ``repeat`` = tiling, gathers, real slices) is not folded.
 """
+
 from __future__ import annotations
 
 import operator

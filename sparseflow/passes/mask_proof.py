@@ -15,6 +15,7 @@ The analysis is an abstract interpretation over a small vocabulary: integer posi
 ``unsqueeze``), and boolean conjunctions of the atoms above. Both graph flavours are understood:
 Dynamo's (torch functions, ``operator`` functions, tensor methods) and export's (``aten`` ops).
 """
+
 from __future__ import annotations
 
 import operator
@@ -100,6 +101,7 @@ def _as_int(v: _Value) -> _Value:
         return v.value
     return v
 
+
 _Q_AXIS, _KV_AXIS, _B_AXIS = 2, 3, 0
 
 
@@ -115,8 +117,14 @@ _COMPARE = {
     "ge": {operator.ge, torch.ge, aten.ge.Tensor, aten.ge.Scalar},
     "gt": {operator.gt, torch.gt, aten.gt.Tensor, aten.gt.Scalar},
 }
-_AND = {operator.and_, torch.logical_and, torch.bitwise_and, aten.logical_and.default,
-        aten.bitwise_and.Tensor, aten.__and__.Tensor}
+_AND = {
+    operator.and_,
+    torch.logical_and,
+    torch.bitwise_and,
+    aten.logical_and.default,
+    aten.bitwise_and.Tensor,
+    aten.__and__.Tensor,
+}
 _EXPAND = {aten.expand.default}
 _UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default}
 _TO_COPY = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout}
@@ -129,10 +137,23 @@ _EQ = {operator.eq, torch.eq, aten.eq.Tensor, aten.eq.Scalar}
 _NE = {operator.ne, torch.ne, aten.ne.Tensor, aten.ne.Scalar}
 _METHOD_IDENTITY = {"contiguous"}
 # tensor methods that are the functions above with ``self`` first
-_OPERATORS = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq,
-              "ne": operator.ne, "add": operator.add, "sub": operator.sub}
-_METHOD_AS_FUNCTION = {**_OPERATORS, **{f"__{k}__": f for k, f in _OPERATORS.items()},
-                       "__and__": operator.and_, "logical_and": operator.and_, "bitwise_and": operator.and_}
+_OPERATORS = {
+    "le": operator.le,
+    "lt": operator.lt,
+    "ge": operator.ge,
+    "gt": operator.gt,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "add": operator.add,
+    "sub": operator.sub,
+}
+_METHOD_AS_FUNCTION = {
+    **_OPERATORS,
+    **{f"__{k}__": f for k, f in _OPERATORS.items()},
+    "__and__": operator.and_,
+    "logical_and": operator.and_,
+    "bitwise_and": operator.and_,
+}
 
 
 def _is_bool_dtype(kwargs, args=()) -> bool:
@@ -258,8 +279,14 @@ class _Interpreter:
         base, idx = self.value(n.args[0]), n.args[1]
         if not isinstance(idx, tuple):
             idx = (idx,)
-        if len(idx) == 1 and isinstance(idx[0], int) and not isinstance(idx[0], bool) \
-                and isinstance(base, _Pos) and base.ndim == 1 and idx[0] >= 0:
+        if (
+            len(idx) == 1
+            and isinstance(idx[0], int)
+            and not isinstance(idx[0], bool)
+            and isinstance(base, _Pos)
+            and base.ndim == 1
+            and idx[0] >= 0
+        ):
             # positions[i] (a 0-d tensor, e.g. cache_position[0] as a mask offset)
             return _Const(base.offset + idx[0])
         basic = all(e is None or isinstance(e, slice) for e in idx)
@@ -332,8 +359,13 @@ class _Interpreter:
             return None
         if (dim + x.ndim if dim < 0 else dim) != x.axis:
             return None
-        if isinstance(prepend, _Pos) and prepend.axis == x.axis and prepend.ndim == x.ndim \
-                and prepend.length == 1 and prepend.offset == x.offset - 1:
+        if (
+            isinstance(prepend, _Pos)
+            and prepend.axis == x.axis
+            and prepend.ndim == x.ndim
+            and prepend.length == 1
+            and prepend.offset == x.offset - 1
+        ):
             return _Const(1)
         return None
 
@@ -386,8 +418,14 @@ class _Interpreter:
         """``.to(device)`` keeps a value; ``.to(torch.bool)`` of a graph tensor makes a source."""
         v = self.value(src)
         if isinstance(v, _Bool):
-            return v if (kwargs.get("dtype") in (None, torch.bool)
-                         and not any(isinstance(a, torch.dtype) and a is not torch.bool for a in args)) else None
+            return (
+                v
+                if (
+                    kwargs.get("dtype") in (None, torch.bool)
+                    and not any(isinstance(a, torch.dtype) and a is not torch.bool for a in args)
+                )
+                else None
+            )
         if _is_bool_dtype(kwargs, args) and isinstance(src, fx.Node) and v is None:
             return _BoolSource(src)
         return None
@@ -407,8 +445,14 @@ class _Interpreter:
         if isinstance(base, _Const) and isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos):
             return base
         if isinstance(base, _Pos) and base.ndim == 2 and base.axis == 1:
-            if isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos) and b_pos.ndim == kv_pos.ndim == 4 \
-                    and b_pos.axis == _B_AXIS and b_pos.offset == 0 and kv_pos.axis in (_Q_AXIS, _KV_AXIS):
+            if (
+                isinstance(b_pos, _Pos)
+                and isinstance(kv_pos, _Pos)
+                and b_pos.ndim == kv_pos.ndim == 4
+                and b_pos.axis == _B_AXIS
+                and b_pos.offset == 0
+                and kv_pos.axis in (_Q_AXIS, _KV_AXIS)
+            ):
                 return _Pos(kv_pos.axis, 4, base.offset + kv_pos.offset, kv_pos.length)
             return None
         if not isinstance(base, _BoolSource):

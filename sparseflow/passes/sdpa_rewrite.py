@@ -18,6 +18,7 @@ no dropout, head counts compatible); the op itself still falls back to dense at 
 what only the values can tell (masks it cannot fold, decode steps, short sequences), and records
 that under ``sparseflow.capture()``.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -74,7 +75,9 @@ def _build_targets() -> Dict[Any, _Target]:
     targets: Dict[Any, _Target] = {
         torch._C._nn.scaled_dot_product_attention: _Target("F.scaled_dot_product_attention", base, False, "attn_mask"),
         F.scaled_dot_product_attention: _Target("F.scaled_dot_product_attention", base, False, "attn_mask"),
-        aten.scaled_dot_product_attention.default: _Target("aten.scaled_dot_product_attention", base, False, "attn_mask"),
+        aten.scaled_dot_product_attention.default: _Target(
+            "aten.scaled_dot_product_attention", base, False, "attn_mask"
+        ),
     }
     variants = {
         "_scaled_dot_product_flash_attention_for_cpu": "attn_mask",
@@ -98,8 +101,14 @@ _FUSED_TARGETS: Dict[Any, str] = {}
 for _obj, _name in (
     (getattr(torch, "_transformer_encoder_layer_fwd", None), "torch._transformer_encoder_layer_fwd"),
     (getattr(torch, "_native_multi_head_attention", None), "torch._native_multi_head_attention"),
-    (getattr(getattr(aten, "_transformer_encoder_layer_fwd", None), "default", None), "aten._transformer_encoder_layer_fwd"),
-    (getattr(getattr(aten, "_native_multi_head_attention", None), "default", None), "aten._native_multi_head_attention"),
+    (
+        getattr(getattr(aten, "_transformer_encoder_layer_fwd", None), "default", None),
+        "aten._transformer_encoder_layer_fwd",
+    ),
+    (
+        getattr(getattr(aten, "_native_multi_head_attention", None), "default", None),
+        "aten._native_multi_head_attention",
+    ),
 ):
     if _obj is not None:
         _FUSED_TARGETS[_obj] = _name
@@ -222,7 +231,7 @@ def normalize_module_path(path: str) -> str:
     s = str(path)
     m = _ROOT_RE.match(s)
     if m:
-        s = s[m.end():]
+        s = s[m.end() :]
     s = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", s)
     s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)
@@ -232,7 +241,7 @@ def normalize_module_path(path: str) -> str:
         if not g:
             break
         inner = _ROOT_RE.sub("", g.group(1))
-        s = s[: g.start()] + inner + "." + g.group(2) + s[g.end():]
+        s = s[: g.start()] + inner + "." + g.group(2) + s[g.end() :]
     return s.strip(".")
 
 
@@ -300,7 +309,11 @@ def _check_qkv(q, k, v) -> str:
     # check fails only on sizes that are provably different; sizes SDPA itself requires equal
     # are then checked by the op at run time, where SDPA would have raised too.
     bq, bk, bv = q.shape[0], k.shape[0], v.shape[0]
-    if _differ(bq, bk) or _differ(bk, bv) or (not (_same(bq, bk) and _same(bk, bv)) and 1 in (_static(bq), _static(bk), _static(bv))):
+    if (
+        _differ(bq, bk)
+        or _differ(bk, bv)
+        or (not (_same(bq, bk) and _same(bk, bv)) and 1 in (_static(bq), _static(bk), _static(bv)))
+    ):
         return f"batch sizes differ (q={bq}, k={bk}, v={bv}): broadcast batch"
     if _differ(k.shape[1], v.shape[1]) or _differ(k.shape[2], v.shape[2]):
         return f"k and v differ in heads or length (k={_shape(k)}, v={_shape(v)})"
@@ -370,9 +383,28 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if not ok:
         if spec is not None:
             log_fallback(spec[0], spec[3], _mha_dense_reason(query, key, value, dropout_p))
-        return _real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return _real_sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     method, cfg_values, backend, tag = spec
-    return op_for(method)(query, key, value, attn_mask, bool(is_causal), None if scale is None else float(scale), *cfg_values, backend, tag)
+    return op_for(method)(
+        query,
+        key,
+        value,
+        attn_mask,
+        bool(is_causal),
+        None if scale is None else float(scale),
+        *cfg_values,
+        backend,
+        tag,
+    )
 
 
 def _mha_dense_reason(query, key, value, dropout_p) -> str:
@@ -528,7 +560,9 @@ def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:
         pending.extend(inputs)
 
 
-def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteEntry, options: RewriteOptions, graph_kind: str) -> None:
+def _rewrite_sdpa(
+    graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteEntry, options: RewriteOptions, graph_kind: str
+) -> None:
     """Rewrite one SDPA node into the op of its layer's config, or leave it and say why in ``entry``."""
     call = _read_sdpa_call(node, spec, entry)
     if call is None:
@@ -552,6 +586,7 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, spec: _Target, entry: RewriteE
 @dataclass
 class _SdpaCall:
     """The arguments of one SDPA node, bound to its schema (``qf, kf, vf``: their fake tensors)."""
+
     bound: Dict[str, Any]
     q: Any
     k: Any
@@ -569,6 +604,7 @@ class _SdpaCall:
 @dataclass
 class _KVHeads:
     """The K/V the op receives: the node's, or the un-repeated bases of a folded ``repeat_kv``."""
+
     k: Any
     v: Any
     folded_k: Any = None  # the repeat chains found on K and V (erased once the op replaced the node)
@@ -584,7 +620,13 @@ def _read_sdpa_call(node: fx.Node, spec: _Target, entry: RewriteEntry) -> Option
         return None
     q, k, v = b.get("query"), b.get("key"), b.get("value")
     call = _SdpaCall(
-        bound=b, q=q, k=k, v=v, qf=fake_of(q), kf=fake_of(k), vf=fake_of(v),
+        bound=b,
+        q=q,
+        k=k,
+        v=v,
+        qf=fake_of(q),
+        kf=fake_of(k),
+        vf=fake_of(v),
         mask=b.get(spec.mask_arg) if spec.mask_arg else None,
         is_causal=b.get("is_causal", False),
         dropout=_const_float(b.get("dropout_p", 0.0)),
@@ -670,8 +712,18 @@ def _kv_heads(call: _SdpaCall, entry: RewriteEntry) -> Optional[_KVHeads]:
     return heads
 
 
-def _replace_with_op(graph: fx.Graph, node: fx.Node, spec: _Target, cfg: AttentionConfig, call: _SdpaCall,
-                     heads: _KVHeads, proven, entry: RewriteEntry, options: RewriteOptions, graph_kind: str) -> None:
+def _replace_with_op(
+    graph: fx.Graph,
+    node: fx.Node,
+    spec: _Target,
+    cfg: AttentionConfig,
+    call: _SdpaCall,
+    heads: _KVHeads,
+    proven,
+    entry: RewriteEntry,
+    options: RewriteOptions,
+    graph_kind: str,
+) -> None:
     """Insert the op call in place of the SDPA node (a proven mask replaced by its key padding),
     give it the node's meta and fake output, and erase what the node alone used."""
     op = op_for(cfg.method)
@@ -681,8 +733,15 @@ def _replace_with_op(graph: fx.Graph, node: fx.Node, spec: _Target, cfg: Attenti
         old_mask, (mask, is_causal) = mask, _padding_mask_node(graph, node, proven)
         entry.mask = _describe_proof(proven)
     op_call_args = (
-        call.q, heads.k, heads.v, mask, is_causal, None if scale is None else float(scale),
-        *op_args(cfg, options.tuning), options.backend, entry.tag,
+        call.q,
+        heads.k,
+        heads.v,
+        mask,
+        is_causal,
+        None if scale is None else float(scale),
+        *op_args(cfg, options.tuning),
+        options.backend,
+        entry.tag,
     )
     with graph.inserting_before(node):
         new = graph.call_function(op, args=op_call_args)
@@ -751,8 +810,10 @@ def _rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) ->
             return
     mask_present = a["attn_mask"] is not None or a["key_padding_mask"] is not None
     if mask_present:
-        entry.mask = ("merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
-                      "(causal / key padding / both run sparse, anything else dense, logged)")
+        entry.mask = (
+            "merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
+            "(causal / key padding / both run sparse, anything else dense, logged)"
+        )
     spec = (cfg.method, tuple(op_args(cfg, options.tuning)), options.backend, entry.tag)
     node.target = mha_forward_routed
     node.args = (spec,) + tuple(node.args)

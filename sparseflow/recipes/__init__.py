@@ -9,6 +9,7 @@ and turned into a per-layer :class:`sparseflow.hf.Plan` for a concrete model wit
 
 Importing this package imports neither transformers nor any recipe's model.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,8 +25,17 @@ from ..config import METHODS, AttentionConfig, config_from_dict
 from ..methods import sparse_names
 from ..methods.registry import or_list
 
-__all__ = ["Recipe", "RecipeError", "get_recipe", "list_recipes", "load_recipe", "resolve_recipe",
-           "auto_recipe", "RECIPE_MODULES", "RECIPE_FORMAT"]
+__all__ = [
+    "Recipe",
+    "RecipeError",
+    "get_recipe",
+    "list_recipes",
+    "load_recipe",
+    "resolve_recipe",
+    "auto_recipe",
+    "RECIPE_MODULES",
+    "RECIPE_FORMAT",
+]
 
 logger = logging.getLogger("sparseflow")
 
@@ -69,9 +79,13 @@ class Recipe:
             raise RecipeError(f"recipe {self.name!r}: configs must give at least one method")
         for method, cfg in self.configs.items():
             if method not in sparse_names():
-                raise RecipeError(f"recipe {self.name!r}: unknown method {method!r} (expected {or_list(sparse_names())})")
+                raise RecipeError(
+                    f"recipe {self.name!r}: unknown method {method!r} (expected {or_list(sparse_names())})"
+                )
             if not isinstance(cfg, AttentionConfig) or cfg.method != method:
-                raise RecipeError(f"recipe {self.name!r}: configs[{method!r}] must be a {METHODS[method].__name__}, got {cfg!r}")
+                raise RecipeError(
+                    f"recipe {self.name!r}: configs[{method!r}] must be a {METHODS[method].__name__}, got {cfg!r}"
+                )
         for i in self.dense_layers:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise RecipeError(f"recipe {self.name!r}: dense_layers must hold non-negative ints, got {i!r}")
@@ -84,7 +98,9 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r}: layer_overrides for {method!r}, which has no config")
             for i, changes in per_layer.items():
                 if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                    raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}] keys must be non-negative ints, got {i!r}")
+                    raise RecipeError(
+                        f"recipe {self.name!r}: layer_overrides[{method!r}] keys must be non-negative ints, got {i!r}"
+                    )
                 if i in self.dense_layers:
                     raise RecipeError(f"recipe {self.name!r}: layer {i} is dense and has layer_overrides")
                 try:
@@ -92,17 +108,23 @@ class Recipe:
                 except (TypeError, ValueError) as exc:
                     raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
 
-    def layer_configs_for(self, method: str, base: AttentionConfig, n_layers: Optional[int] = None) -> Dict[int, AttentionConfig]:
+    def layer_configs_for(
+        self, method: str, base: AttentionConfig, n_layers: Optional[int] = None
+    ) -> Dict[int, AttentionConfig]:
         """``{layer: config}``: this recipe's per-layer changes for ``method`` applied to ``base``
         (the recipe's config or a user's). Layers beyond ``n_layers`` are an error."""
         out = {}
         for i, changes in sorted(self.layer_overrides.get(method, {}).items()):
             if n_layers is not None and i >= n_layers:
-                raise RecipeError(f"recipe {self.name!r}: layer_overrides name layer {i}, but the model has {n_layers} layers")
+                raise RecipeError(
+                    f"recipe {self.name!r}: layer_overrides name layer {i}, but the model has {n_layers} layers"
+                )
             try:
                 out[i] = base.replace(**dict(changes))
             except (TypeError, ValueError) as exc:
-                raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}] on {base.to_dict()}: {exc}") from exc
+                raise RecipeError(
+                    f"recipe {self.name!r}: layer_overrides[{method!r}][{i}] on {base.to_dict()}: {exc}"
+                ) from exc
         return out
 
     @property
@@ -118,7 +140,9 @@ class Recipe:
         """Raise :class:`RecipeError` when a transformers config is not of this recipe's family."""
         mt = getattr(model_config, "model_type", None)
         if mt not in self.model_types:
-            raise RecipeError(f"recipe {self.name!r} is for model types {list(self.model_types)}, but the model is {mt!r}")
+            raise RecipeError(
+                f"recipe {self.name!r} is for model types {list(self.model_types)}, but the model is {mt!r}"
+            )
         n_layers = getattr(model_config, "num_hidden_layers", None)
         checks = (
             ("num_hidden_layers", self.num_layers, n_layers),
@@ -141,8 +165,10 @@ class Recipe:
         for method, per_layer in sorted(self.layer_overrides.items()):
             bad = sorted(i for i in per_layer if i >= n_layers)
             if bad:
-                raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}] name layers {bad}, "
-                                  f"which do not exist in a {n_layers}-layer model")
+                raise RecipeError(
+                    f"recipe {self.name!r}: layer_overrides[{method!r}] name layers {bad}, "
+                    f"which do not exist in a {n_layers}-layer model"
+                )
 
     @property
     def label(self) -> str:
@@ -159,9 +185,16 @@ class Recipe:
         if model_config is not None:
             self.check_model(model_config)
             n_layers = getattr(model_config, "num_hidden_layers", None)
-        return Plan(method=method, config=cfg, backend=backend, dense_layers=tuple(self.dense_layers),
-                    layer_configs=self.layer_configs_for(method, cfg, n_layers),
-                    recipe=self.name, num_layers=n_layers, source=source)
+        return Plan(
+            method=method,
+            config=cfg,
+            backend=backend,
+            dense_layers=tuple(self.dense_layers),
+            layer_configs=self.layer_configs_for(method, cfg, n_layers),
+            recipe=self.name,
+            num_layers=n_layers,
+            source=source,
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         """The recipe as JSON-able data: what a recipe file holds (:meth:`from_dict` reads it)."""
@@ -176,8 +209,9 @@ class Recipe:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "layer_overrides": {m: {str(i): dict(c) for i, c in sorted(per.items())}
-                                for m, per in sorted(self.layer_overrides.items())},
+            "layer_overrides": {
+                m: {str(i): dict(c) for i, c in sorted(per.items())} for m, per in sorted(self.layer_overrides.items())
+            },
             "measured": dict(self.measured),
         }
 
@@ -248,12 +282,16 @@ def _read_overrides(where: str, raw: Any) -> Dict[str, Dict[int, Dict[str, Any]]
     out: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for method, per_layer in raw.items():
         if not isinstance(per_layer, Mapping):
-            raise _fail(where, f"layer_overrides.{method} must be an object {{layer: {{field: value}}}}, got {per_layer!r}")
+            raise _fail(
+                where, f"layer_overrides.{method} must be an object {{layer: {{field: value}}}}, got {per_layer!r}"
+            )
         out[method] = {}
         for key, changes in per_layer.items():
             i = _layer_key(where, f"layer_overrides.{method}", key)
             if not isinstance(changes, Mapping):
-                raise _fail(where, f"layer_overrides.{method}.{key} must be an object {{field: value}}, got {changes!r}")
+                raise _fail(
+                    where, f"layer_overrides.{method}.{key} must be an object {{field: value}}, got {changes!r}"
+                )
             out[method][i] = dict(changes)
     return out
 
@@ -270,7 +308,9 @@ def _read_fields(where: str, data: Mapping[str, Any]) -> Dict[str, Any]:
     kw["description"] = desc
     types = data.get("model_types")
     if not isinstance(types, list) or not types or not all(isinstance(t, str) and t for t in types):
-        raise _fail(where, f"model_types must be a non-empty list of transformers model types (e.g. [\"llama\"]), got {types!r}")
+        raise _fail(
+            where, f'model_types must be a non-empty list of transformers model types (e.g. ["llama"]), got {types!r}'
+        )
     kw["model_types"] = tuple(types)
     kw["configs"] = _read_configs(where, data.get("configs"))
     dense = data.get("dense_layers", [])
@@ -312,8 +352,9 @@ def load_recipe(path: Union[str, os.PathLike]) -> Recipe:
     p = Path(path).expanduser()
     where = f"recipe file {str(path)!r}"
     if not p.exists():
-        raise RecipeError(f"{where} does not exist; pass the path of a recipe .json file or a shipped "
-                          f"recipe name {list_recipes()}")
+        raise RecipeError(
+            f"{where} does not exist; pass the path of a recipe .json file or a shipped recipe name {list_recipes()}"
+        )
     if p.is_dir():
         raise RecipeError(f"{where} is a folder; pass the path of a recipe .json file")
     try:
@@ -338,8 +379,9 @@ def get_recipe(name: str) -> Recipe:
         raise TypeError(f"recipe name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
     if key not in RECIPE_MODULES:
-        raise RecipeError(f"unknown recipe {name!r}; available recipes: {list_recipes()} (or pass the path "
-                          "of a recipe .json file)")
+        raise RecipeError(
+            f"unknown recipe {name!r}; available recipes: {list_recipes()} (or pass the path of a recipe .json file)"
+        )
     module = importlib.import_module(RECIPE_MODULES[key])
     recipe = getattr(module, "RECIPE", None)
     if not isinstance(recipe, Recipe):
@@ -368,8 +410,11 @@ def auto_recipe(model_config) -> Optional[Recipe]:
             continue
         fits.append(recipe)
     if len(fits) > 1:
-        logger.info("sparseflow: recipe='auto': recipes %s fit the model; using %r (the first by name)",
-                    [r.name for r in fits], fits[0].name)
+        logger.info(
+            "sparseflow: recipe='auto': recipes %s fit the model; using %r (the first by name)",
+            [r.name for r in fits],
+            fits[0].name,
+        )
     return fits[0] if fits else None
 
 
@@ -382,8 +427,9 @@ def resolve_recipe(spec: Union[None, str, os.PathLike, Recipe], model_config=Non
     if isinstance(spec, os.PathLike):
         return load_recipe(spec)
     if not isinstance(spec, str):
-        raise TypeError(f"recipe must be a recipe name, a path to a .json recipe file, 'auto' or None, "
-                        f"got {type(spec).__name__}")
+        raise TypeError(
+            f"recipe must be a recipe name, a path to a .json recipe file, 'auto' or None, got {type(spec).__name__}"
+        )
     text = spec.strip()
     if text.lower() == "auto":
         return auto_recipe(model_config)

@@ -29,6 +29,7 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
 * PISA / BSA: K=16 blocks of 64. At 8K neither is close to dense (KL 0.75 / 0.85 at density 0.40)
   — a fixed K covers a shrinking share of an 8K context; PISA stays below BSA at equal K and C.
 """
+
 from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
 
@@ -36,8 +37,10 @@ from . import Recipe
 # calib_kl, 4096 tokens of pydoc_data.topics, threshold 0.95; benchmarks/results/smollm2_study_calib_kl_4k_cpu.json)
 PERMUTED_LAYERS = (1, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 
-_WHERE = ("SmolLM2-135M-Instruct Q4_1->fp32, 8192 tokens of pydoc_data.topics, last 512 positions, "
-          "layer 0 dense, CPU reference backend")
+_WHERE = (
+    "SmolLM2-135M-Instruct Q4_1->fp32, 8192 tokens of pydoc_data.topics, last 512 positions, "
+    "layer 0 dense, CPU reference backend"
+)
 
 MEASURED = {
     "setup": _WHERE,
@@ -54,31 +57,171 @@ MEASURED = {
         {"threshold": 0.98, "permute": False, "density": 0.554, "mean_kl": 0.0181, "top1": 0.947},
         {"threshold": 0.99, "permute": False, "density": 0.627, "mean_kl": 0.0066, "top1": 0.969},
         {"threshold": 0.995, "permute": False, "density": 0.690, "mean_kl": 0.0032, "top1": 0.986},
-        {"threshold": 0.98, "permute": False, "scoring": "antidiagonal", "density": 0.575, "mean_kl": 0.0092, "top1": 0.969},
-        {"threshold": 0.985, "permute": False, "scoring": "antidiagonal", "density": 0.607, "mean_kl": 0.0038, "top1": 0.977},
-        {"threshold": 0.99, "permute": False, "scoring": "antidiagonal", "density": 0.648, "mean_kl": 0.0019, "top1": 0.982},
-        {"threshold": 0.90, "permute": False, "scoring": "antidiagonal", "density": 0.374, "mean_kl": 0.0449, "top1": 0.922},
-        {"threshold": 0.92, "permute": False, "scoring": "antidiagonal", "density": 0.404, "mean_kl": 0.0411, "top1": 0.920},
-        {"threshold": 0.95, "permute": False, "scoring": "antidiagonal", "density": 0.464, "mean_kl": 0.0253, "top1": 0.934},
+        {
+            "threshold": 0.98,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.575,
+            "mean_kl": 0.0092,
+            "top1": 0.969,
+        },
+        {
+            "threshold": 0.985,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.607,
+            "mean_kl": 0.0038,
+            "top1": 0.977,
+        },
+        {
+            "threshold": 0.99,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.648,
+            "mean_kl": 0.0019,
+            "top1": 0.982,
+        },
+        {
+            "threshold": 0.90,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.374,
+            "mean_kl": 0.0449,
+            "top1": 0.922,
+        },
+        {
+            "threshold": 0.92,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.404,
+            "mean_kl": 0.0411,
+            "top1": 0.920,
+        },
+        {
+            "threshold": 0.95,
+            "permute": False,
+            "scoring": "antidiagonal",
+            "density": 0.464,
+            "mean_kl": 0.0253,
+            "top1": 0.934,
+        },
         # "layers": permutation only in PERMUTED_LAYERS (benchmarks/results/smollm2_calib_kl_layers*_8k_cpu.json)
         {"threshold": 0.95, "permute": "layers", "density": 0.430, "mean_kl": 0.0516, "top1": 0.928},
         {"threshold": 0.98, "permute": "layers", "density": 0.534, "mean_kl": 0.0117, "top1": 0.957},
-        {"threshold": 0.90, "permute": "layers", "scoring": "antidiagonal", "density": 0.346, "mean_kl": 0.0490, "top1": 0.912},
-        {"threshold": 0.92, "permute": "layers", "scoring": "antidiagonal", "density": 0.372, "mean_kl": 0.0293, "top1": 0.926},
-        {"threshold": 0.95, "permute": "layers", "scoring": "antidiagonal", "density": 0.427, "mean_kl": 0.0154, "top1": 0.959},
-        {"threshold": 0.98, "permute": "layers", "scoring": "antidiagonal", "density": 0.530, "mean_kl": 0.0064, "top1": 0.979},
+        {
+            "threshold": 0.90,
+            "permute": "layers",
+            "scoring": "antidiagonal",
+            "density": 0.346,
+            "mean_kl": 0.0490,
+            "top1": 0.912,
+        },
+        {
+            "threshold": 0.92,
+            "permute": "layers",
+            "scoring": "antidiagonal",
+            "density": 0.372,
+            "mean_kl": 0.0293,
+            "top1": 0.926,
+        },
+        {
+            "threshold": 0.95,
+            "permute": "layers",
+            "scoring": "antidiagonal",
+            "density": 0.427,
+            "mean_kl": 0.0154,
+            "top1": 0.959,
+        },
+        {
+            "threshold": 0.98,
+            "permute": "layers",
+            "scoring": "antidiagonal",
+            "density": 0.530,
+            "mean_kl": 0.0064,
+            "top1": 0.979,
+        },
         # sampled rows (stride 8), benchmarks/results/smollm2_study_sampled_rows_8k_cpu.json
-        {"threshold": 0.90, "permute": "layers", "scoring": "sampled_rows", "density": 0.273, "mean_kl": 0.0498, "top1": 0.924},
-        {"threshold": 0.95, "permute": "layers", "scoring": "sampled_rows", "density": 0.338, "mean_kl": 0.0187, "top1": 0.959},
-        {"threshold": 0.98, "permute": "layers", "scoring": "sampled_rows", "density": 0.434, "mean_kl": 0.0064, "top1": 0.973},
-        {"threshold": 0.99, "permute": "layers", "scoring": "sampled_rows", "density": 0.507, "mean_kl": 0.0030, "top1": 0.988},
-        {"threshold": 0.90, "permute": False, "scoring": "sampled_rows", "density": 0.299, "mean_kl": 0.0492, "top1": 0.922},
-        {"threshold": 0.95, "permute": False, "scoring": "sampled_rows", "density": 0.373, "mean_kl": 0.0205, "top1": 0.959},
-        {"threshold": 0.96, "permute": False, "scoring": "sampled_rows", "density": 0.398, "mean_kl": 0.0173, "top1": 0.963},
-        {"threshold": 0.98, "permute": False, "scoring": "sampled_rows", "density": 0.478, "mean_kl": 0.0071, "top1": 0.975},
+        {
+            "threshold": 0.90,
+            "permute": "layers",
+            "scoring": "sampled_rows",
+            "density": 0.273,
+            "mean_kl": 0.0498,
+            "top1": 0.924,
+        },
+        {
+            "threshold": 0.95,
+            "permute": "layers",
+            "scoring": "sampled_rows",
+            "density": 0.338,
+            "mean_kl": 0.0187,
+            "top1": 0.959,
+        },
+        {
+            "threshold": 0.98,
+            "permute": "layers",
+            "scoring": "sampled_rows",
+            "density": 0.434,
+            "mean_kl": 0.0064,
+            "top1": 0.973,
+        },
+        {
+            "threshold": 0.99,
+            "permute": "layers",
+            "scoring": "sampled_rows",
+            "density": 0.507,
+            "mean_kl": 0.0030,
+            "top1": 0.988,
+        },
+        {
+            "threshold": 0.90,
+            "permute": False,
+            "scoring": "sampled_rows",
+            "density": 0.299,
+            "mean_kl": 0.0492,
+            "top1": 0.922,
+        },
+        {
+            "threshold": 0.95,
+            "permute": False,
+            "scoring": "sampled_rows",
+            "density": 0.373,
+            "mean_kl": 0.0205,
+            "top1": 0.959,
+        },
+        {
+            "threshold": 0.96,
+            "permute": False,
+            "scoring": "sampled_rows",
+            "density": 0.398,
+            "mean_kl": 0.0173,
+            "top1": 0.963,
+        },
+        {
+            "threshold": 0.98,
+            "permute": False,
+            "scoring": "sampled_rows",
+            "density": 0.478,
+            "mean_kl": 0.0071,
+            "top1": 0.975,
+        },
         # oracle: every row's exact block mass (benchmarks/results/smollm2_study_oracle_8k_cpu.json)
-        {"threshold": 0.95, "permute": True, "scoring": "exact (oracle)", "density": 0.338, "mean_kl": 0.0102, "top1": 0.965},
-        {"threshold": 0.95, "permute": False, "scoring": "exact (oracle)", "density": 0.379, "mean_kl": 0.0106, "top1": 0.969},
+        {
+            "threshold": 0.95,
+            "permute": True,
+            "scoring": "exact (oracle)",
+            "density": 0.338,
+            "mean_kl": 0.0102,
+            "top1": 0.965,
+        },
+        {
+            "threshold": 0.95,
+            "permute": False,
+            "scoring": "exact (oracle)",
+            "density": 0.379,
+            "mean_kl": 0.0106,
+            "top1": 0.969,
+        },
     ],
     "pbs_h200_python312_texts": [
         # held out; benchmarks/results/smollm2_study_recipe_sampled_rows_8k_h200.json
@@ -91,18 +234,67 @@ MEASURED = {
     # fidelity vs dense with the same RoPE (YaRN at N/8192 beyond 8K), last 512 positions
     # (benchmarks/results/e2e_prefill_h200.json, e2e_retune_*_h200.json)
     "pbs_h200_end_to_end": [
-        {"text": "pydoc_topics", "n": 8192, "rope": "plain", "threshold": 0.98, "speedup": 0.62, "density": 0.437,
-         "mean_kl": 0.0056, "top1": 0.967},
-        {"text": "argparse_source", "n": 8192, "rope": "plain", "threshold": 0.98, "density": 0.430,
-         "mean_kl": 0.0068, "top1": 0.977},
-        {"text": "pydoc_topics", "n": 32768, "rope": "yarn x4", "threshold": 0.98, "speedup": 1.28, "density": 0.306,
-         "mean_kl": 0.0169, "top1": 0.939},
-        {"text": "pydoc_topics", "n": 65536, "rope": "yarn x8", "threshold": 0.98, "speedup": 1.74, "density": 0.265,
-         "mean_kl": 0.0413, "top1": 0.893},
-        {"text": "pydoc_topics", "n": 131072, "rope": "yarn x16", "threshold": 0.98, "speedup": 2.21, "density": 0.217,
-         "mean_kl": 0.0630, "top1": 0.828},
-        {"text": "pydoc_topics", "n": 131072, "rope": "yarn x16", "threshold": 0.98, "antidiagonal_stride": 16,
-         "speedup": 2.53, "density": 0.210, "mean_kl": 0.1098, "top1": 0.799, "note": "8K code KL 0.0155: not taken"},
+        {
+            "text": "pydoc_topics",
+            "n": 8192,
+            "rope": "plain",
+            "threshold": 0.98,
+            "speedup": 0.62,
+            "density": 0.437,
+            "mean_kl": 0.0056,
+            "top1": 0.967,
+        },
+        {
+            "text": "argparse_source",
+            "n": 8192,
+            "rope": "plain",
+            "threshold": 0.98,
+            "density": 0.430,
+            "mean_kl": 0.0068,
+            "top1": 0.977,
+        },
+        {
+            "text": "pydoc_topics",
+            "n": 32768,
+            "rope": "yarn x4",
+            "threshold": 0.98,
+            "speedup": 1.28,
+            "density": 0.306,
+            "mean_kl": 0.0169,
+            "top1": 0.939,
+        },
+        {
+            "text": "pydoc_topics",
+            "n": 65536,
+            "rope": "yarn x8",
+            "threshold": 0.98,
+            "speedup": 1.74,
+            "density": 0.265,
+            "mean_kl": 0.0413,
+            "top1": 0.893,
+        },
+        {
+            "text": "pydoc_topics",
+            "n": 131072,
+            "rope": "yarn x16",
+            "threshold": 0.98,
+            "speedup": 2.21,
+            "density": 0.217,
+            "mean_kl": 0.0630,
+            "top1": 0.828,
+        },
+        {
+            "text": "pydoc_topics",
+            "n": 131072,
+            "rope": "yarn x16",
+            "threshold": 0.98,
+            "antidiagonal_stride": 16,
+            "speedup": 2.53,
+            "density": 0.210,
+            "mean_kl": 0.1098,
+            "top1": 0.799,
+            "note": "8K code KL 0.0155: not taken",
+        },
     ],
     "pisa": [{"top_k": 16, "density": 0.402, "mean_kl": 0.7465, "top1": 0.699}],
     "bsa": [{"top_k": 16, "density": 0.402, "mean_kl": 0.8511, "top1": 0.684}],
@@ -111,9 +303,11 @@ MEASURED = {
 
 RECIPE = Recipe(
     name="smollm2",
-    description=("SmolLM2 family (Llama architecture): layer 0 dense; PBS with sampled-row scoring, threshold "
-                 "0.98, permutation in the 22 layers a KL calibration chose (8K, H200: density 0.44, KL 0.0036, top-1 97.9%); "
-                 "PISA/BSA with K=16 blocks of 64"),
+    description=(
+        "SmolLM2 family (Llama architecture): layer 0 dense; PBS with sampled-row scoring, threshold "
+        "0.98, permutation in the 22 layers a KL calibration chose (8K, H200: density 0.44, KL 0.0036, top-1 97.9%); "
+        "PISA/BSA with K=16 blocks of 64"
+    ),
     model_types=("llama",),
     configs={
         "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.98, permute=False, scoring="sampled_rows"),

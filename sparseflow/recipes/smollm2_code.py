@@ -19,6 +19,7 @@ Measured on the H200 (reference backend, fp32; SmolLM2-135M-Instruct Q4_1 dequan
   scoring reach KL 0.024 / 0.032 at density 0.35.
 * pydoc prose: 0.9 -> density 0.334, KL 0.249 -- do not use this recipe for prose.
 """
+
 import dataclasses
 
 from ..config import PBSConfig
@@ -27,8 +28,10 @@ from .smollm2 import RECIPE as _SMOLLM2
 PERMUTED_LAYERS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 
 MEASURED = {
-    "setup": ("H200, reference backend fp32, SmolLM2-135M-Instruct Q4_1->fp32, 8192 tokens, last 512 positions, "
-              "layer 0 dense, Python 3.12.3 stdlib texts"),
+    "setup": (
+        "H200, reference backend fp32, SmolLM2-135M-Instruct Q4_1->fp32, 8192 tokens, last 512 positions, "
+        "layer 0 dense, Python 3.12.3 stdlib texts"
+    ),
     "pbs": [
         {"text": "argparse_source", "threshold": 0.8, "density": 0.264, "mean_kl": 0.0259, "top1": 0.959},
         {"text": "argparse_source", "threshold": 0.9, "density": 0.341, "mean_kl": 0.0133, "top1": 0.955},
@@ -43,10 +46,14 @@ MEASURED = {
 RECIPE = dataclasses.replace(
     _SMOLLM2,
     name="smollm2-code",
-    description=("SmolLM2 on source code: PBS antidiagonal, threshold 0.9, permutation in the 26 calibrated layers "
-                 "(8K argparse: density 0.34, KL 0.013); layer 0 dense. For prose use 'smollm2'"),
-    configs={**_SMOLLM2.configs,
-             "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.9, permute=False, scoring="antidiagonal")},
+    description=(
+        "SmolLM2 on source code: PBS antidiagonal, threshold 0.9, permutation in the 26 calibrated layers "
+        "(8K argparse: density 0.34, KL 0.013); layer 0 dense. For prose use 'smollm2'"
+    ),
+    configs={
+        **_SMOLLM2.configs,
+        "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.9, permute=False, scoring="antidiagonal"),
+    },
     layer_overrides={"pbs": {i: {"permute": True} for i in PERMUTED_LAYERS}},
     measured=MEASURED,
 )

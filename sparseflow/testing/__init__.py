@@ -10,6 +10,7 @@ Hypothesis strategies for random shapes live in ``sparseflow.testing.strategies`
 
 Every check raises ``AssertionError`` with the measured error and the bound it broke.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,14 +50,27 @@ def exact_config(method: str, seq_len: int, base: Optional[AttentionConfig] = No
 def _plain(q, k, v, mask_bhqk: Optional[torch.Tensor], is_causal: bool, scale):
     """Plain PyTorch SDPA in the inputs' own dtype: the error yardstick."""
     if mask_bhqk is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_bhqk, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask_bhqk, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-def error_bound(q, k, v, *, key_mask=None, key_padding_mask=None, is_causal=True, scale=None) -> Tuple[torch.Tensor, float]:
+def error_bound(
+    q, k, v, *, key_mask=None, key_padding_mask=None, is_causal=True, scale=None
+) -> Tuple[torch.Tensor, float]:
     """(fp64 oracle output, bound): bound = 2 x max error of plain PyTorch in q's dtype + floor."""
-    oracle = _dense64(q.double(), k.double(), v.double(), key_padding_mask=key_padding_mask,
-                      is_causal=is_causal, scale=scale, key_mask=key_mask)
+    oracle = _dense64(
+        q.double(),
+        k.double(),
+        v.double(),
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        key_mask=key_mask,
+    )
     full = key_mask
     if full is None and key_padding_mask is not None:
         n_q, n_k = q.shape[2], k.shape[2]
@@ -81,7 +95,9 @@ def _assert_close(name: str, out: torch.Tensor, oracle: torch.Tensor, bound: flo
         raise AssertionError(f"{name}: output has NaN/inf")
     err = (out.double() - oracle).abs().max().item() if out.numel() else 0.0
     if err > bound:
-        raise AssertionError(f"{name}: max |out - fp64 oracle| = {err:.3g} exceeds bound {bound:.3g} (2x plain PyTorch error + floor)")
+        raise AssertionError(
+            f"{name}: max |out - fp64 oracle| = {err:.3g} exceeds bound {bound:.3g} (2x plain PyTorch error + floor)"
+        )
 
 
 def run_with_selection(q, k, v, config: AttentionConfig, **kw):
@@ -92,14 +108,34 @@ def run_with_selection(q, k, v, config: AttentionConfig, **kw):
     return out, rec.selection, rec
 
 
-def check_exact_mode(q, k, v, method: str, *, base: Optional[AttentionConfig] = None, key_padding_mask=None,
-                     is_causal: bool = True, scale=None, backend: str = "auto") -> None:
+def check_exact_mode(
+    q,
+    k,
+    v,
+    method: str,
+    *,
+    base: Optional[AttentionConfig] = None,
+    key_padding_mask=None,
+    is_causal: bool = True,
+    scale=None,
+    backend: str = "auto",
+) -> None:
     """Property 1: in exact mode the op equals dense attention (same visibility)."""
     cfg = exact_config(method, k.shape[2], base)
-    out, sel, rec = run_with_selection(q, k, v, cfg, attn_mask=_mask_arg(key_padding_mask, q, k, is_causal),
-                                       is_causal=is_causal and key_padding_mask is None, scale=scale, backend=backend)
+    out, sel, rec = run_with_selection(
+        q,
+        k,
+        v,
+        cfg,
+        attn_mask=_mask_arg(key_padding_mask, q, k, is_causal),
+        is_causal=is_causal and key_padding_mask is None,
+        scale=scale,
+        backend=backend,
+    )
     oracle, bound = error_bound(q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)
-    _assert_close(f"{method} exact mode ({rec.backend}, {'sparse' if rec.sparse else 'dense: ' + rec.reason})", out, oracle, bound)
+    _assert_close(
+        f"{method} exact mode ({rec.backend}, {'sparse' if rec.sparse else 'dense: ' + rec.reason})", out, oracle, bound
+    )
     if sel is not None:
         # batch rows with no valid key have nothing visible: their density is not defined
         rows = key_padding_mask.any(-1) if key_padding_mask is not None else torch.ones(q.shape[0], dtype=torch.bool)
@@ -117,23 +153,34 @@ def _mask_arg(key_padding_mask, q, k, is_causal):
     return (vis[None] & key_padding_mask[:, None, :])[:, None]
 
 
-def check_matches_own_selection(q, k, v, config: AttentionConfig, *, key_padding_mask=None, is_causal=True,
-                                scale=None, backend: str = "auto"):
+def check_matches_own_selection(
+    q, k, v, config: AttentionConfig, *, key_padding_mask=None, is_causal=True, scale=None, backend: str = "auto"
+):
     """Property 2: the sparse output equals dense attention restricted to the op's own reported
     selection (an independent masked-dense oracle). Returns the selection."""
-    out, sel, rec = run_with_selection(q, k, v, config, attn_mask=_mask_arg(key_padding_mask, q, k, is_causal),
-                                       is_causal=is_causal and key_padding_mask is None, scale=scale, backend=backend)
+    out, sel, rec = run_with_selection(
+        q,
+        k,
+        v,
+        config,
+        attn_mask=_mask_arg(key_padding_mask, q, k, is_causal),
+        is_causal=is_causal and key_padding_mask is None,
+        scale=scale,
+        backend=backend,
+    )
     if not rec.sparse:
         raise AssertionError(f"{config.method} ran dense ({rec.reason}); choose a shape the method handles")
     key_mask = sel.key_mask(q.shape[1])
-    oracle, bound = error_bound(q, k, v, key_mask=key_mask, key_padding_mask=key_padding_mask,
-                                is_causal=is_causal, scale=scale)
+    oracle, bound = error_bound(
+        q, k, v, key_mask=key_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+    )
     _assert_close(f"{config.method} vs its own selection ({rec.backend})", out, oracle, bound)
     return sel
 
 
-def check_causality(q, k, v, config: AttentionConfig, t: int, *, scale=None, backend: str = "auto",
-                    seed: int = 0) -> None:
+def check_causality(
+    q, k, v, config: AttentionConfig, t: int, *, scale=None, backend: str = "auto", seed: int = 0
+) -> None:
     """Property 3: changing keys/values after position t changes no output at or before t."""
     out, _, rec = run_with_selection(q, k, v, config, is_causal=True, scale=scale, backend=backend)
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -9,6 +9,7 @@ against its own models:
 
 Importing this module imports neither torch nor sparseflow: pytest loads it in every session.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """Hypothesis strategies for attention problems that break kernels: odd lengths, GQA group 3,
 head dims 32-256, padding. ``hypothesis`` is imported here only."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,13 +45,20 @@ class AttentionProblem:
         return m
 
     def __str__(self) -> str:  # readable hypothesis reports
-        return (f"B{self.batch}-Hq{self.hq}-Hkv{self.hkv}-N{self.n}-D{self.d}-{self.dtype}"
-                f"-pad{self.pad}-seed{self.seed}")
+        return f"B{self.batch}-Hq{self.hq}-Hkv{self.hkv}-N{self.n}-D{self.d}-{self.dtype}-pad{self.pad}-seed{self.seed}"
 
 
 @st.composite
-def attention_problems(draw, *, min_n: int = 1, max_n: int = 300, head_dims=(32, 48, 64, 80, 128, 256),
-                       dtypes=("float32", "bfloat16", "float16"), max_batch: int = 2, padding: bool = True):
+def attention_problems(
+    draw,
+    *,
+    min_n: int = 1,
+    max_n: int = 300,
+    head_dims=(32, 48, 64, 80, 128, 256),
+    dtypes=("float32", "bfloat16", "float16"),
+    max_batch: int = 2,
+    padding: bool = True,
+):
     n = draw(st.integers(min_n, max_n))
     d = draw(st.sampled_from(head_dims))
     pad = draw(st.integers(0, n)) if padding and draw(st.booleans()) else 0

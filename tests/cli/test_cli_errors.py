@@ -1,6 +1,7 @@
 """Command-line mistakes give one line naming the argument or path, exit code 2, before any slow
 work (loading weights); SIGTERM during ``convert`` leaves no temporary folder; bugs keep their
 traceback."""
+
 from __future__ import annotations
 
 import os
@@ -107,8 +108,13 @@ def test_sigterm_during_convert_leaves_no_temporary_folder(folder, tmp_path):
     out_parent = tmp_path / "outs"
     out_parent.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(folder), str(out_parent / "model")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, str(folder), str(out_parent / "model")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "WRITING", proc.stderr.read()
@@ -232,9 +238,12 @@ def test_json_write_interrupted_leaves_no_partial_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("device,says", [("tpu", "auto, cpu, cuda or cuda:N"), ("cuda:x", "auto, cpu, cuda or cuda:N")]
-                         + ([] if __import__("torch").cuda.is_available() else [("cuda", "no CUDA device")]),
-                         ids=lambda v: str(v).replace(" ", "_"))
+@pytest.mark.parametrize(
+    "device,says",
+    [("tpu", "auto, cpu, cuda or cuda:N"), ("cuda:x", "auto, cpu, cuda or cuda:N")]
+    + ([] if __import__("torch").cuda.is_available() else [("cuda", "no CUDA device")]),
+    ids=lambda v: str(v).replace(" ", "_"),
+)
 def test_eval_bad_device_fails_before_loading(folder, capsys, no_loading, device, says):
     assert main(["eval", str(folder), "--method", "pbs", "--tokens", "64", "--device", device]) == 2
     _one_line_error(capsys, "eval", "--device", says)

@@ -1,5 +1,6 @@
 """sparseflow.eval.attention_mass: Recall@K / retained mass (PISA, BSA, flat LSE) and PBS retained
 mass, checked against independent dense computations on small random inputs."""
+
 from __future__ import annotations
 
 import math
@@ -21,7 +22,9 @@ def _qk(hq, hkv, n=384, d=16, seed=0, sharp=2.0):
 def _probs(q, k):
     hq, hkv, n, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     logits = (q[0] @ k[0].repeat_interleave(hq // hkv, 0).transpose(1, 2)) / math.sqrt(d)
-    return torch.softmax(logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)  # [Hq, N, N]
+    return torch.softmax(
+        logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1
+    )  # [Hq, N, N]
 
 
 def test_flat_lse_is_the_oracle_without_gqa():
@@ -35,9 +38,14 @@ def test_flat_lse_is_the_oracle_without_gqa():
         assert 0.0 < r[s]["recall_free"] <= 1.0 and r[s]["retained_mass"] <= r["oracle"]["retained_mass"] + 1e-9
 
 
-@pytest.mark.parametrize("cfg, name", [(PISAConfig(block_size=16, top_k=6), "pisa_lse"),
-                                       (PISAConfig(block_size=16, top_k=6, score="mean"), "pisa_mean"),
-                                       (BSAConfig(block_size=16, top_k=6), "bsa")])
+@pytest.mark.parametrize(
+    "cfg, name",
+    [
+        (PISAConfig(block_size=16, top_k=6), "pisa_lse"),
+        (PISAConfig(block_size=16, top_k=6, score="mean"), "pisa_mean"),
+        (BSAConfig(block_size=16, top_k=6), "bsa"),
+    ],
+)
 def test_retained_mass_matches_the_op_selection(cfg, name):
     q, k = _qk(6, 2)
     r = topk_recall(q, k, selectors=[name], block_size=16, top_k=6, q_start=128)
@@ -70,9 +78,13 @@ def test_pbs_retained_mass_matches_the_op_and_grows_with_threshold():
     sel = cap.calls[0].selection
     keys = sel.key_mask(6)[0].float()
     want = (_probs(q, k) * keys).sum(-1)[:, -64:].mean(-1)  # per head
-    torch.testing.assert_close(torch.tensor(r["retained_mass"], dtype=torch.float64), want.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(r["retained_mass"], dtype=torch.float64), want.double(), rtol=1e-5, atol=1e-6
+    )
     assert r["density"] == pytest.approx(sel.mean_density)
-    assert r["density_last"] == pytest.approx(float(keys[:, -64:].sum() / (6 * sum(384 - 64 + i + 1 for i in range(64)))))
+    assert r["density_last"] == pytest.approx(
+        float(keys[:, -64:].sum() / (6 * sum(384 - 64 + i + 1 for i in range(64))))
+    )
     masses = [pbs_retained_mass(q, k, cfg.replace(threshold=t), last=64)["mean_retained_mass"] for t in (0.5, 0.9, 1.0)]
     assert masses[0] <= masses[1] <= masses[2] == pytest.approx(1.0) and masses[0] < 1.0
     nop = pbs_retained_mass(q, k, cfg.replace(permute=False, gqa_permutation="kv_head"), last=64)

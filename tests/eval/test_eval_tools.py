@@ -1,5 +1,6 @@
 """Tools behind ``sparseflow eval`` and ``sparseflow bench``: sweeps, block maps, the dense-logits
 cache, plots, the benchmark runner (all on tiny inputs; the CLI end to end is in test_convert)."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,12 @@ def test_sweep_plans_types_values_and_rejects_bad_fields():
 
     base = Plan("pbs", PBSConfig(block_size=16, segment_size=32), dense_layers=(0,))
     plans = sweep_plans(base, "threshold", ["0.5", "1"], no_permute=True)
-    assert [(p.config.threshold, p.config.permute) for p in plans] == [(0.5, True), (1.0, True), (0.5, False), (1.0, False)]
+    assert [(p.config.threshold, p.config.permute) for p in plans] == [
+        (0.5, True),
+        (1.0, True),
+        (0.5, False),
+        (1.0, False),
+    ]
     assert all(p.dense_layers == (0,) and p.config.block_size == 16 for p in plans)
     assert [p.config.gqa_permutation for p in sweep_plans(base, "gqa_permutation", ["kv_head"])] == ["kv_head"]
     assert [p.config.force_sink for p in sweep_plans(base, "force_sink", ["false"])] == [False]
@@ -54,7 +60,10 @@ def test_parse_config_field_is_public_and_types_like_the_default():
     from sparseflow.eval import sweep
 
     assert sweep.parse_config_field("pbs", "threshold", "0.5") == 0.5
-    assert sweep.parse_config_field("pisa", "top_k", "16") == 16 and sweep.parse_config_field("pbs", "permute", "0") is False
+    assert (
+        sweep.parse_config_field("pisa", "top_k", "16") == 16
+        and sweep.parse_config_field("pbs", "permute", "0") is False
+    )
     assert sweep.parse_config_field("pbs", "scoring", "antidiagonal") == "antidiagonal"
     assert sweep._typed is sweep.parse_config_field
     with pytest.raises(ValueError, match="'top_k' is not a pbs setting"):
@@ -66,8 +75,10 @@ def test_curve_points_series():
     from sparseflow.eval.fidelity import Fidelity
 
     fid = Fidelity(positions=4, mean_kl=0.1, p99_kl=0.2, top1_agreement=0.75, ppl_dense=2.0, ppl_sparse=2.5)
-    rs = [MethodResult("pbs", PBSConfig(threshold=t, permute=p).to_dict(), fid, d, 1, 0)
-          for t, p, d in ((0.9, True, 0.3), (0.9, False, 0.4))]
+    rs = [
+        MethodResult("pbs", PBSConfig(threshold=t, permute=p).to_dict(), fid, d, 1, 0)
+        for t, p, d in ((0.9, True, 0.3), (0.9, False, 0.4))
+    ]
     pts = curve_points(rs, "threshold")
     assert [(p["series"], p["value"], p["density"]) for p in pts] == [("pbs", 0.9, 0.3), ("pbs (no permute)", 0.9, 0.4)]
     assert pts[0]["top1"] == 0.75 and pts[0]["ppl_delta"] == 0.5
@@ -88,12 +99,16 @@ def _selection(cfg, n=160, seed=0):
     return call.selection
 
 
-@pytest.mark.parametrize("cfg", [
-    PBSConfig(block_size=16, segment_size=32, threshold=0.6),
-    PBSConfig(block_size=16, segment_size=32, threshold=0.6, gqa_permutation="kv_head"),
-    PISAConfig(block_size=16, top_k=4),
-    BSAConfig(block_size=16, top_k=4),
-], ids=["pbs", "pbs-kv", "pisa", "bsa"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PBSConfig(block_size=16, segment_size=32, threshold=0.6),
+        PBSConfig(block_size=16, segment_size=32, threshold=0.6, gqa_permutation="kv_head"),
+        PISAConfig(block_size=16, top_k=4),
+        BSAConfig(block_size=16, top_k=4),
+    ],
+    ids=["pbs", "pbs-kv", "pisa", "bsa"],
+)
 def test_block_map_matches_the_key_mask(cfg):
     """Strictly below the diagonal every key of a block is visible to every query of a block, so
     the map must equal the quadratic key mask averaged over each (query block, key block)."""
@@ -187,8 +202,14 @@ def test_plots_write_pngs(tmp_path):
     paths = [
         plots.density_heatmap([[0.2, 0.5], None, [1.0, 1.0]], "d", str(tmp_path / "a" / "d.png")),
         plots.block_map_plot(torch.rand(5, 5), "m", str(tmp_path / "m.png")),
-        plots.curve_plot([{"series": "s", "density": 0.3, "mean_kl": 0.0, "value": 1},
-                          {"series": "s", "density": 0.5, "mean_kl": 0.1, "value": 2}], "c", str(tmp_path / "c.png")),
+        plots.curve_plot(
+            [
+                {"series": "s", "density": 0.3, "mean_kl": 0.0, "value": 1},
+                {"series": "s", "density": 0.5, "mean_kl": 0.1, "value": 2},
+            ],
+            "c",
+            str(tmp_path / "c.png"),
+        ),
         plots.bar_plot({"pisa": {"recall": 0.8}, "bsa": {"recall": 0.6}}, "b", str(tmp_path / "b.png")),
     ]
     for p in paths:
@@ -292,8 +313,29 @@ def test_cli_bench_tiny(tmp_path, capsys):
     from sparseflow.cli import main
 
     out = tmp_path / "b.json"
-    rc = main(["bench", "--ns", "320", "--hq", "4", "--hkv", "2", "--d", "16", "--reps", "1", "--methods", "pisa",
-               "--backends", "reference", "--json", str(out), "--out", str(tmp_path / "o")])
+    rc = main(
+        [
+            "bench",
+            "--ns",
+            "320",
+            "--hq",
+            "4",
+            "--hkv",
+            "2",
+            "--d",
+            "16",
+            "--reps",
+            "1",
+            "--methods",
+            "pisa",
+            "--backends",
+            "reference",
+            "--json",
+            str(out),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     text = capsys.readouterr().out
     assert "op/SDPA" in text and "benchmarks/pbs.py" in text
@@ -327,5 +369,7 @@ def test_bench_small_arguments_parse_with_the_real_scripts(name):
         "argparse.ArgumentParser.parse_args = stop\n"
         f"runpy.run_path({str(folder / name)!r}, run_name='__main__')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(folder.parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(folder.parent)
+    )
     assert proc.returncode == 0 and "PARSED" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,5 @@
 """sparseflow.eval.niah and ``sparseflow eval --task niah``: passkey prompts, accuracy, the CLI path."""
+
 from __future__ import annotations
 
 import json
@@ -56,10 +57,12 @@ def test_multi_key_question_asks_a_present_key(tok):
     for name, key in s.keys.items():
         needle = _enc(tok, niah._needle(name, key))
         assert ids[s.needle_starts[name] : s.needle_starts[name] + len(needle)] == needle
-    assert ids[s.filler_span[1]:] == _enc(tok, niah._question(s.asked))
+    assert ids[s.filler_span[1] :] == _enc(tok, niah._question(s.asked))
     # the asked key at its depth: filler before it, needles before it excluded
     lo, hi = s.filler_span
-    before = sum(len(_enc(tok, niah._needle(m, k))) for m, k in s.keys.items() if s.needle_starts[m] < s.needle_starts[s.asked])
+    before = sum(
+        len(_enc(tok, niah._needle(m, k))) for m, k in s.keys.items() if s.needle_starts[m] < s.needle_starts[s.asked]
+    )
     filler_len = hi - lo - sum(len(_enc(tok, niah._needle(m, k))) for m, k in s.keys.items())
     assert abs(s.needle_starts[s.asked] - lo - before - 0.5 * filler_len) <= niah.MAX_PIECE
 
@@ -94,8 +97,9 @@ def test_accuracy_with_a_stub_answer(tok, tiny):
     wrong = niah.run_niah(model, tok, [plan], n_tokens=300, depths=depths, samples=2, generate=answering("00000"))
     assert [r["name"] for r in wrong] == ["dense", "pbs"]
     assert all(r["accuracy"] == 0.0 and r["accuracy_per_depth"] == {"0.2": 0.0, "0.8": 0.0} for r in wrong)
-    right = niah.run_niah(model, tok, [plan], n_tokens=300, depths=depths, samples=2,
-                          generate=answering(" ".join(answers)))
+    right = niah.run_niah(
+        model, tok, [plan], n_tokens=300, depths=depths, samples=2, generate=answering(" ".join(answers))
+    )
     assert all(r["accuracy"] == 1.0 and r["accuracy_per_depth"] == {"0.2": 1.0, "0.8": 1.0} for r in right)
     table = niah.format_niah(right, depths)
     assert "d=0.2" in table and "pbs" in table.splitlines()[-1]
@@ -116,8 +120,28 @@ def test_greedy_prefill_runs_the_plan(tok, tiny):
 
 def test_cli_niah_end_to_end(folder, tmp_path, capsys):
     out = tmp_path / "niah.json"
-    rc = main(["eval", str(folder), "--task", "niah", "--method", "pbs", "--backend", "reference", "--tokens", "300",
-               "--depths", "0.2,0.8", "--samples", "1", "--max-new-tokens", "2", "--json", str(out)])
+    rc = main(
+        [
+            "eval",
+            str(folder),
+            "--task",
+            "niah",
+            "--method",
+            "pbs",
+            "--backend",
+            "reference",
+            "--tokens",
+            "300",
+            "--depths",
+            "0.2,0.8",
+            "--samples",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "d=0.2" in printed and "d=0.8" in printed and "\npbs " in printed
@@ -129,28 +153,71 @@ def test_cli_niah_end_to_end(folder, tmp_path, capsys):
 
 def test_cli_rope_scaling_recorded(folder, tmp_path, capsys):
     out = tmp_path / "fid.json"
-    rc = main(["eval", str(folder), "--method", "pbs", "--backend", "reference", "--tokens", "200",
-               "--eval-positions", "20", "--rope-scaling", "yarn:2", "--json", str(out)])
+    rc = main(
+        [
+            "eval",
+            str(folder),
+            "--method",
+            "pbs",
+            "--backend",
+            "reference",
+            "--tokens",
+            "200",
+            "--eval-positions",
+            "20",
+            "--rope-scaling",
+            "yarn:2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "RoPE scaling yarn:2: yarn x2 over 1024" in capsys.readouterr().err
     info = json.loads(out.read_text())["rope_scaling"]
     assert info["rope_type"] == "yarn" and info["factor"] == 2.0 and info["original_max_position_embeddings"] == 1024
     out2 = tmp_path / "niah.json"
-    assert main(["eval", str(folder), "--task", "niah", "--method", "pbs", "--backend", "reference", "--tokens", "300",
-                 "--depths", "0.5", "--samples", "1", "--max-new-tokens", "1", "--rope-scaling", "linear:2",
-                 "--json", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(folder),
+                "--task",
+                "niah",
+                "--method",
+                "pbs",
+                "--backend",
+                "reference",
+                "--tokens",
+                "300",
+                "--depths",
+                "0.5",
+                "--samples",
+                "1",
+                "--max-new-tokens",
+                "1",
+                "--rope-scaling",
+                "linear:2",
+                "--json",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out2.read_text())["rope_scaling"]["rope_type"] == "linear"
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--task", "needle"], "--task must be one of fidelity, niah"),
-    (["--task", "niah", "--depths", "0.5,1.2"], "--depths must be a comma list"),
-    (["--task", "niah", "--depths", "a"], "--depths must be a comma list"),
-    (["--task", "niah", "--keys", "0"], "--keys must be in [1, 10]"),
-    (["--depths", "0.5"], "--depths/--samples/--keys are for --task niah"),
-    (["--rope-scaling", "yarn:fast"], "--rope-scaling: rope_scaling must be"),
-    (["--rope-scaling", "rope:2"], "yarn:auto:N"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--task", "needle"], "--task must be one of fidelity, niah"),
+        (["--task", "niah", "--depths", "0.5,1.2"], "--depths must be a comma list"),
+        (["--task", "niah", "--depths", "a"], "--depths must be a comma list"),
+        (["--task", "niah", "--keys", "0"], "--keys must be in [1, 10]"),
+        (["--depths", "0.5"], "--depths/--samples/--keys are for --task niah"),
+        (["--rope-scaling", "yarn:fast"], "--rope-scaling: rope_scaling must be"),
+        (["--rope-scaling", "rope:2"], "yarn:auto:N"),
+    ],
+)
 def test_cli_bad_arguments_one_line_before_loading(folder, capsys, monkeypatch, extra, needle):
     def refuse(*a, **k):
         raise AssertionError("the weights were loaded before the arguments were checked")

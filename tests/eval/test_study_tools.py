@@ -1,4 +1,5 @@
 """The issue-8 study helpers: equal-density interpolation, the calibration's choice, the plots."""
+
 import json
 import math
 import os
@@ -34,14 +35,19 @@ def test_every_variant_is_a_valid_pbs_config():
 
 def test_plots_write_one_png_per_text_and_length(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rows = [{"text": t, "tokens": n, "variant": v, "density": d, "mean_kl": k}
-            for t in ("a", "b") for n in (2048,) for v, off in (("paper", 1.0), ("no_permute", 2.0))
-            for d, k in ((0.6, 0.03 * off), (0.7, 0.01 * off), (0.8, 0.004 * off))]
+    rows = [
+        {"text": t, "tokens": n, "variant": v, "density": d, "mean_kl": k}
+        for t in ("a", "b")
+        for n in (2048,)
+        for v, off in (("paper", 1.0), ("no_permute", 2.0))
+        for d, k in ((0.6, 0.03 * off), (0.7, 0.01 * off), (0.8, 0.004 * off))
+    ]
     src = tmp_path / "s.json"
     src.write_text(json.dumps({"rows": rows}))
     assert plots.main([str(src), "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["smollm2_study_a_2048.png", "smollm2_study_b_2048.png"]
     out = capsys.readouterr().out
+
     # the no_permute row is twice the paper row at every interpolated density
     def row(name):
         line = next(ln for ln in out.splitlines() if ln.split() and ln.split()[0] == name)
@@ -66,7 +72,11 @@ def test_oracle_variant_scores_blocks_by_exact_attention_mass():
 
     from sparseflow.methods.pbs import reference as R
 
-    assert study.VARIANTS["oracle_no_permute"] == {"permute": False, "scoring": "antidiagonal", "antidiagonal_stride": 1}
+    assert study.VARIANTS["oracle_no_permute"] == {
+        "permute": False,
+        "scoring": "antidiagonal",
+        "antidiagonal_stride": 1,
+    }
     g = torch.Generator().manual_seed(0)
     b, hq, hkv, n, d, bs = 1, 2, 1, 90, 8, 16  # ragged last block
     q, k = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g) * 2
@@ -77,13 +87,15 @@ def test_oracle_variant_scores_blocks_by_exact_attention_mass():
     checked = 0
     for h in range(hq):
         for i in range(nb):
-            keys = torch.cat([torch.arange(j * bs, min(n, (j + 1) * bs)) for j in range(nb) if cand[0, h, i, j]]
-                             or [torch.zeros(0, dtype=torch.long)])
+            keys = torch.cat(
+                [torch.arange(j * bs, min(n, (j + 1) * bs)) for j in range(nb) if cand[0, h, i, j]]
+                or [torch.zeros(0, dtype=torch.long)]
+            )
             if keys.numel() == 0:
                 assert probs[0, h, i].abs().sum() == 0
                 continue
-            rows = q[0, h, i * bs:min(n, (i + 1) * bs)]
-            p = torch.softmax(rows @ k[0, 0, keys].T * d ** -0.5, dim=-1)  # [rows, keys]
+            rows = q[0, h, i * bs : min(n, (i + 1) * bs)]
+            p = torch.softmax(rows @ k[0, 0, keys].T * d**-0.5, dim=-1)  # [rows, keys]
             mass = torch.zeros(rows.shape[0], nb).index_add_(1, keys // bs, p)
             torch.testing.assert_close(probs[0, h, i], mass.mean(0), rtol=1e-5, atol=1e-6)
             checked += 1

@@ -1,4 +1,5 @@
 """Launch sizes from symbolic lengths: plain ints, one graph per power-of-two bucket."""
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -6,8 +7,11 @@ from torch._dynamo.testing import CompileCounter
 from sparseflow.kernels.launch_sizes import pow2_at_least
 
 
-@pytest.mark.parametrize("x,floor,expected", [(1, 1, 1), (5, 1, 8), (16, 1, 16), (17, 1, 32), (3, 16, 16),
-                                              (40, 16, 64), (0, 1, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "x,floor,expected",
+    [(1, 1, 1), (5, 1, 8), (16, 1, 16), (17, 1, 32), (3, 16, 16), (40, 16, 64), (0, 1, 1)],
+    ids=lambda v: str(v),
+)
 def test_values(x, floor, expected):
     assert pow2_at_least(x, floor) == expected
 

@@ -3,6 +3,7 @@
 The interpreter tests run a kernel's Python; this runs Triton's compiler down to a cubin with the
 ptxas that ships with the triton wheel, so GPU-only compile errors show up in CI without a GPU.
 """
+
 import json
 import os
 import subprocess
@@ -38,5 +39,13 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # and again with Python-float arguments typed fp64, as Inductor passes them to a triton_op's
     # kernel under torch.compile (the attention, selection and backward kernels all take a scale)
     fp64 = {c.split("[")[0] for c in report["compiled"] if c.endswith("[fp64 scalars]")}
-    assert {"_pbs_fwd_kernel", "_select_rows_kernel", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
-            "_pisa_select_kernel", "_bsa_select_kernel", "_decode_split_kernel"} <= fp64, sorted(fp64)
+    assert {
+        "_pbs_fwd_kernel",
+        "_select_rows_kernel",
+        "_fwd_kernel",
+        "_bwd_dq_kernel",
+        "_bwd_dkdv_kernel",
+        "_pisa_select_kernel",
+        "_bsa_select_kernel",
+        "_decode_split_kernel",
+    } <= fp64, sorted(fp64)

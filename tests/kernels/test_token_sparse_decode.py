@@ -2,6 +2,7 @@
 reference attention over the same blocks) under the 2x-PyTorch-error rule, and against the tiled
 kernel it replaces at decode time; on small, odd shapes (the Triton interpreter on the CPU).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -49,7 +50,7 @@ def _rounding_slack(dtype, ref64) -> float:
 def _padding(b, nk):
     kpm = torch.ones(b, nk, dtype=torch.bool)
     kpm[0, :5] = False
-    kpm[-1, nk - 9:] = False
+    kpm[-1, nk - 9 :] = False
     return kpm.to(DEV)
 
 
@@ -159,7 +160,8 @@ def test_split_decode_rejects_bad_arguments():
     with pytest.raises(ValueError, match="splits must be a positive int"):
         token_sparse_decode(q, k, v, idx, block_size=8, splits=0)
     with pytest.raises(ValueError, match=r"key_padding_mask must be \[1, 32\]"):
-        token_sparse_decode(q, k, v, idx, key_padding_mask=torch.ones(1, 31, dtype=torch.bool, device=DEV),
-                            block_size=8)
+        token_sparse_decode(
+            q, k, v, idx, key_padding_mask=torch.ones(1, 31, dtype=torch.bool, device=DEV), block_size=8
+        )
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         token_sparse_decode(q, k, v, idx, block_size=0)

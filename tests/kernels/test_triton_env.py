@@ -1,4 +1,5 @@
 """One reader of ``TRITON_INTERPRET`` (sparseflow.kernels._triton_env.interpreting)."""
+
 from __future__ import annotations
 
 import pathlib

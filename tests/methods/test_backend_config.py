@@ -1,4 +1,5 @@
 """Every backend takes the method's config object; keyword fields are the config's, validated by it."""
+
 import importlib
 
 import pytest
@@ -7,8 +8,11 @@ import torch
 from sparseflow import BSAConfig, PBSConfig, PISAConfig
 from sparseflow.methods import registry
 
-CASES = [("pbs", PBSConfig(block_size=16, segment_size=32)), ("pisa", PISAConfig(block_size=16, top_k=3)),
-         ("bsa", BSAConfig(block_size=16, top_k=3))]
+CASES = [
+    ("pbs", PBSConfig(block_size=16, segment_size=32)),
+    ("pisa", PISAConfig(block_size=16, top_k=3)),
+    ("bsa", BSAConfig(block_size=16, top_k=3)),
+]
 
 
 def _qkv():
@@ -78,7 +82,12 @@ def test_config_field_defaults_are_not_redeclared_in_the_method_folders():
                     continue
                 a = fn.args
                 pos = a.posonlyargs + a.args
-                pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults)) + list(zip(a.kwonlyargs, a.kw_defaults))
-                found += [f"{path.name}:{fn.name}({arg.arg}={ast.unparse(d)})" for arg, d in pairs
-                          if arg.arg in fields and isinstance(d, ast.Constant) and d.value == fields[arg.arg]]
+                pairs = list(zip(pos[len(pos) - len(a.defaults) :], a.defaults)) + list(
+                    zip(a.kwonlyargs, a.kw_defaults)
+                )
+                found += [
+                    f"{path.name}:{fn.name}({arg.arg}={ast.unparse(d)})"
+                    for arg, d in pairs
+                    if arg.arg in fields and isinstance(d, ast.Constant) and d.value == fields[arg.arg]
+                ]
     assert not found, found

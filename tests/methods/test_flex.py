@@ -5,6 +5,7 @@ backends refuse to run it). Compilation is slow on the CPU (~5-20 s per shape), 
 reuses the few shapes of ``CASES``: tensors of equal shapes, dtype and mask kind hit the compile
 cache whatever the seeds, padding patterns or method configs (thresholds, top_k, scores).
 """
+
 from __future__ import annotations
 
 import math
@@ -116,8 +117,9 @@ def _check(method, case: Case, q, k, v, kpm, cfg):
     assert out_f.shape == out_r.shape and out_f.dtype == q.dtype
     assert torch.isfinite(out_f).all(), "flex output has NaN/inf"
     _assert_same_selection(sel_r, sel_f)
-    oracle, bound = error_bound(q, k, v, key_mask=sel_f.key_mask(q.shape[1]), key_padding_mask=kpm,
-                                is_causal=case.is_causal)
+    oracle, bound = error_bound(
+        q, k, v, key_mask=sel_f.key_mask(q.shape[1]), key_padding_mask=kpm, is_causal=case.is_causal
+    )
     err_f = (out_f.double() - oracle).abs().max().item()
     err_r = (out_r.double() - oracle).abs().max().item()
     assert err_r <= bound, f"reference off the oracle: {err_r:.3g} > {bound:.3g}"
@@ -181,7 +183,7 @@ def _plant_hot_key(q, k, v, hot: int) -> None:
     d = q.shape[-1]
     q[..., 0] = q[..., 0].abs() + 1.0
     k[:, :, hot] = 0.0
-    k[:, :, hot, 0] = 40.0 * d ** 0.5
+    k[:, :, hot, 0] = 40.0 * d**0.5
     v[:, :, hot] = 1e3
 
 
@@ -201,12 +203,14 @@ def test_pbs_block_lists_are_honoured():
     sel[..., 2] = False  # skip block 2 everywhere
     kpm = torch.ones(c.batch, n, dtype=torch.bool)
     with torch.no_grad():
-        bm, _ = pbs_flex.pbs_block_mask(sel, perm, n=n, total=total, key_padding_mask=kpm, is_causal=True,
-                                        block_size=bs)
+        bm, _ = pbs_flex.pbs_block_mask(
+            sel, perm, n=n, total=total, key_padding_mask=kpm, is_causal=True, block_size=bs
+        )
         kp = fc.gather_rows(k, fc.pad_seq(perm, total, value=0))
         vp = fc.gather_rows(v, fc.pad_seq(perm, total, value=0))
-        out = fc.flex_attention_compiled(fc.pad_seq(q, total), kp, vp, bm, scale=1 / math.sqrt(c.d),
-                                         enable_gqa=False)[:, :, :n]
+        out = fc.flex_attention_compiled(fc.pad_seq(q, total), kp, vp, bm, scale=1 / math.sqrt(c.d), enable_gqa=False)[
+            :, :, :n
+        ]
     key_mask = torch.ones(n, n, dtype=torch.bool).tril().expand(c.batch, c.hq, n, n).clone()
     key_mask[..., 2 * bs : 3 * bs] = False
     oracle, bound = error_bound(q, k, v, key_mask=key_mask, is_causal=True)
@@ -236,8 +240,7 @@ def test_token_selection_membership_is_per_token(method):
     idx = idx.expand(c.batch, c.hkv, n, 3).contiguous()
     kpm = torch.ones(c.batch, n, dtype=torch.bool)
     with torch.no_grad():
-        out = fc.token_block_attention(q, k, v, idx, key_padding_mask=kpm, is_causal=True, scale=None,
-                                       block_size=BLOCK)
+        out = fc.token_block_attention(q, k, v, idx, key_padding_mask=kpm, is_causal=True, scale=None, block_size=BLOCK)
     sel = fc.token_selection(method, idx, q, k, key_padding_mask=kpm, is_causal=True, block_size=BLOCK)
     oracle, bound = error_bound(q, k, v, key_mask=sel.key_mask(c.hq), key_padding_mask=kpm, is_causal=True)
     assert (out.double() - oracle).abs().max().item() <= bound
@@ -311,7 +314,16 @@ def test_clear_errors():
 
 def test_bucketed_length():
     assert [fc.bucketed_length(n, 16) // 16 for n in (1, 16, 17, 128, 129, 130, 160, 161, 301)] == [
-        1, 1, 2, 8, 10, 10, 10, 12, 20]
+        1,
+        1,
+        2,
+        8,
+        10,
+        10,
+        10,
+        12,
+        20,
+    ]
     for n in range(1, 3000, 7):
         t = fc.bucketed_length(n, 64)
         assert t >= n and t % 64 == 0 and t < 1.25 * n + 64
@@ -340,8 +352,12 @@ def test_through_the_dispatcher(method):
 # --------------------------------------------------------------------------- hypothesis
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_hypothesis_flex_equals_reference(data):
     """Random seeds, padding patterns and method configs over the compiled shapes."""
@@ -366,11 +382,15 @@ def test_hypothesis_flex_equals_reference(data):
             antidiagonal_stride=4,
             causal_proxy=data.draw(st.booleans(), label="causal_proxy"),
             gqa_permutation=data.draw(st.sampled_from(["query_head", "kv_head"]), label="gqa")
-            if c.name == "pad130" else "query_head",
+            if c.name == "pad130"
+            else "query_head",
         )
     else:
-        cfg = _config(method, top_k=data.draw(st.integers(3, 9), label="top_k"),
-                      force_previous=data.draw(st.booleans(), label="force_previous"))
+        cfg = _config(
+            method,
+            top_k=data.draw(st.integers(3, 9), label="top_k"),
+            force_previous=data.draw(st.booleans(), label="force_previous"),
+        )
         if method == "pisa":
             cfg["score"] = data.draw(st.sampled_from(["lse", "mean", "mean_var"]), label="score")
             cfg["branching"] = data.draw(st.sampled_from([2, 3]), label="branching")
@@ -524,9 +544,18 @@ def test_pbs_block_mask_indices_in_range_odd_shape(gqa, monkeypatch):
     kpm[1, :5] = False
     seen = _spy_block_masks(monkeypatch)
     with torch.no_grad():
-        pbs_flex.pbs_attention(q, k, v, key_padding_mask=kpm, block_size=8, segment_size=16, threshold=0.5,
-                               proxy_blocks=3, gqa_permutation=gqa)
-    (bm, q_len, kv_len), = seen
+        pbs_flex.pbs_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=kpm,
+            block_size=8,
+            segment_size=16,
+            threshold=0.5,
+            proxy_blocks=3,
+            gqa_permutation=gqa,
+        )
+    ((bm, q_len, kv_len),) = seen
     assert q_len == kv_len == 96  # padded past N=93
     _assert_block_mask_in_range(bm, q_len, kv_len)
 
@@ -557,9 +586,14 @@ def test_token_block_mask_indices_in_range_odd_shape(method, causal, packed, mon
 
 def _build_only(monkeypatch, seen, q, k, v, idx, kwargs):
     """token_block_attention's BlockMask and padded lengths, without compiling flex."""
-    monkeypatch.setattr(fc, "flex_attention_compiled",
-                        lambda q, k, v, block_mask, **kw: (seen.append((block_mask, q.shape[2], k.shape[2])),
-                                                           q.new_zeros(q.shape[:-1] + v.shape[-1:]))[1])
+    monkeypatch.setattr(
+        fc,
+        "flex_attention_compiled",
+        lambda q, k, v, block_mask, **kw: (
+            seen.append((block_mask, q.shape[2], k.shape[2])),
+            q.new_zeros(q.shape[:-1] + v.shape[-1:]),
+        )[1],
+    )
     with torch.no_grad():
         fc.token_block_attention(q, k, v, idx, **kwargs)
     return seen[-1]
@@ -574,8 +608,7 @@ FP32 = ((16, 16, 16, 16),)
 
 
 def test_cuda_plan_forward_tiles_divide_the_blocks():
-    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=False) == fc.FlexPlan(
-        {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16})
+    assert fc.cuda_flex_plan(16, 16, 16, needs_grad=False) == fc.FlexPlan({"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16})
     assert fc.cuda_flex_plan(48, 96, 64, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 32}
     assert fc.cuda_flex_plan(64, 64, 256, needs_grad=False).kernel_options == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32}
     assert fc.cuda_flex_plan(128, 256, 64, needs_grad=False) == fc.FlexPlan(None)  # defaults divide them
@@ -593,8 +626,9 @@ def test_cuda_plan_falls_back_where_no_kernel_exists():
     assert "no flex backward config" in plan.fallback
     assert fc.cuda_flex_plan(16, 16, 16, needs_grad=True, bwd_tiles=FP32).fallback == ""
     assert fc.cuda_flex_plan(64, 64, 16, needs_grad=True, bwd_tiles=SM90_BF16_SMALL_D).fallback == ""
-    assert "no flex backward config" in fc.cuda_flex_plan(64, 64, 128, needs_grad=True,
-                                                          bwd_tiles=SM90_BF16_D128).fallback
+    assert (
+        "no flex backward config" in fc.cuda_flex_plan(64, 64, 128, needs_grad=True, bwd_tiles=SM90_BF16_D128).fallback
+    )
     assert fc.cuda_flex_plan(128, 128, 128, needs_grad=True, bwd_tiles=SM90_BF16_D128) == fc.FlexPlan(None)
 
 
@@ -625,8 +659,9 @@ def test_pbs_falls_back_to_the_reference_when_the_plan_says_so(monkeypatch):
         out_t = pisa_flex.pisa_attention(q, k, v, is_causal=False, **_config("pisa"))
     _assert_same_selection(sel_r, sel_f)
     torch.testing.assert_close(out_f, out_r, rtol=0, atol=0)
-    torch.testing.assert_close(out_t, pisa_ref.pisa_attention(q, k, v, is_causal=False, **_config("pisa")),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out_t, pisa_ref.pisa_attention(q, k, v, is_causal=False, **_config("pisa")), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

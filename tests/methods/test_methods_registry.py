@@ -1,5 +1,6 @@
 """The method registry (sparseflow.methods): lookups, errors, the fields the core reads from every
 spec, and a method registered from outside the package resolving through the core."""
+
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
@@ -49,8 +50,11 @@ def test_unregistered_config_type_and_wrong_type():
 
 
 def test_unknown_backend_names_the_available_ones():
-    with pytest.raises(ValueError, match=r"backend='cuda' is not available for method 'pbs'; available: "
-                                         r"\['flex', 'reference', 'triton', 'auto'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='cuda' is not available for method 'pbs'; available: "
+        r"\['flex', 'reference', 'triton', 'auto'\]",
+    ):
         spec_for("pbs").backend("cuda")
 
 
@@ -106,7 +110,8 @@ def test_pbs_dense_rule_and_onnx_refusals():
     assert "sequence length 128 < segment_size=256" in rule(PBSConfig(), 128, 128)
     refuse = spec_for("pbs").onnx.refuse
     assert "implements scoring 'mean' and 'antidiagonal', got scoring='sampled_rows'" in refuse(
-        PBSConfig(scoring="sampled_rows"))
+        PBSConfig(scoring="sampled_rows")
+    )
     assert "does not implement the config field(s) ['proxy_blocks']" in refuse(PBSConfig(proxy_blocks=2))
 
 
@@ -200,24 +205,30 @@ def test_register_refuses_taken_names_and_types(fake_method):
         register("fake")
 
 
-@pytest.mark.parametrize("changes, error, message", [
-    (dict(name="fake method"), ValueError, "MethodSpec.name must be an identifier"),
-    (dict(name="other"), ValueError, "config_type _FakeConfig.method is 'fake'; they must agree"),
-    (dict(config_type=dict), TypeError, "config_type must be an AttentionConfig subclass"),
-    (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
-    (dict(sparse=False), ValueError, "a dense .sparse=False. method runs SDPA and has no backends"),
-    (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
-])
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(name="fake method"), ValueError, "MethodSpec.name must be an identifier"),
+        (dict(name="other"), ValueError, "config_type _FakeConfig.method is 'fake'; they must agree"),
+        (dict(config_type=dict), TypeError, "config_type must be an AttentionConfig subclass"),
+        (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
+        (dict(sparse=False), ValueError, "a dense .sparse=False. method runs SDPA and has no backends"),
+        (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
+    ],
+)
 def test_spec_validation(changes, error, message):
     with pytest.raises(error, match=message):
         _fake_spec(**changes)
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: Backend("no_colon"), "Backend.target must be a 'module:attribute' string"),
-    (lambda: Backend("a:b", differentiable="sometimes"), "Backend.differentiable must be one of"),
-    (lambda: OnnxBody(node_type="X", mask=":MASK"), "OnnxBody.mask must be a 'module:attribute' string"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: Backend("no_colon"), "Backend.target must be a 'module:attribute' string"),
+        (lambda: Backend("a:b", differentiable="sometimes"), "Backend.differentiable must be one of"),
+        (lambda: OnnxBody(node_type="X", mask=":MASK"), "OnnxBody.mask must be a 'module:attribute' string"),
+    ],
+)
 def test_part_validation(build, message):
     with pytest.raises(ValueError, match=message):
         build()

@@ -4,6 +4,7 @@
 Selections must equal the reference's exactly; outputs and gradients must stay within the
 2x-PyTorch-error rule against an fp64 oracle (the reference attention over the same blocks).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +31,7 @@ def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
     if pad:
         kpm = torch.ones(b, nk, dtype=torch.bool)
         kpm[0, :11] = False  # leading padding (left-padded batch row)
-        kpm[-1, nk - 17:] = False  # trailing padding
+        kpm[-1, nk - 17 :] = False  # trailing padding
     mv = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return mv(q), mv(k), mv(v), mv(kpm)
 
@@ -155,7 +156,11 @@ def test_token_sparse_attention_forward_backward(case):
 
 @pytest.mark.parametrize("method", ["pisa", "bsa"])
 def test_op_triton_backend_matches_reference_and_reports_selection(method):
-    cfg = sparseflow.PISAConfig(block_size=16, top_k=3) if method == "pisa" else sparseflow.BSAConfig(block_size=16, top_k=3)
+    cfg = (
+        sparseflow.PISAConfig(block_size=16, top_k=3)
+        if method == "pisa"
+        else sparseflow.BSAConfig(block_size=16, top_k=3)
+    )
     q, k, v, _ = _inputs(1, 4, 2, 70, 70, 16, torch.float32, False, seed=3)
     q.requires_grad_(True)
     with sparseflow.capture(keep_selections=True) as cap:
@@ -179,7 +184,7 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
     cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 30, block_size=c, branching=2)
     for t in range(n0, n0 + steps):
         n = t + 1
-        qt = q[:, :, t:t + 1]
+        qt = q[:, :, t : t + 1]
         out, _ = cache.decode_step(qt, k[:, :, :n], v[:, :, :n], top_k=kk)
         want_idx = pisa_ref.pisa_select(qt, k[:, :, :n], block_size=c, top_k=kk)
         got_idx = cache.select(qt, k[:, :, :n], top_k=kk).long()
@@ -198,8 +203,8 @@ def test_decode_pyramid_cache_beam_matches_reference_selection():
     cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 20, block_size=c, branching=2)
     differs = False
     for t in range(n0, n0 + steps):
-        cache.append(k[:, :, t:t + 1])
-        qt, kt = q[:, :, t:t + 1], k[:, :, :t + 1]
+        cache.append(k[:, :, t : t + 1])
+        qt, kt = q[:, :, t : t + 1], k[:, :, : t + 1]
         want = pisa_ref.pisa_select(qt, kt, block_size=c, top_k=kk, beam=beam)
         assert torch.equal(cache.select(qt, kt, top_k=kk, beam=beam).long(), want), f"step {t}"
         differs |= not torch.equal(want, pisa_ref.pisa_select(qt, kt, block_size=c, top_k=kk))
@@ -236,7 +241,7 @@ def test_pyramid_tables_on_device_match_level_sizes(n_leaves, branching):
     assert sizes == ts.level_sizes(n_leaves, branching)
     assert dev_offs.dtype == dev_spans.dtype == torch.int32
     assert dev_offs.tolist() == offs
-    assert dev_spans.tolist() == [min(branching ** i, 2**30) for i in range(len(sizes))]
+    assert dev_spans.tolist() == [min(branching**i, 2**30) for i in range(len(sizes))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,5 @@
 """The mask prover reads HF models' in-graph mask construction (Dynamo and export graphs)."""
+
 import operator
 
 import pytest
@@ -9,16 +10,32 @@ from sparseflow.passes.mask_proof import MaskProof, prove_mask
 
 transformers = pytest.importorskip("transformers")
 
-_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, vocab_size=50, attn_implementation="sdpa")
+_TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=50,
+    attn_implementation="sdpa",
+)
 
 
 def _model(kind: str, **overrides):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    cfg_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[kind]
     torch.manual_seed(0)
     return model_cls(cfg_cls(**{**_TINY, **overrides})).eval()
 
@@ -62,8 +79,11 @@ def _inputs():
 def test_padded_causal_mask_is_proven(kind, graph):
     ids, am = _inputs()
     model = _model(kind)
-    masks = _dynamo_masks(model, input_ids=ids, attention_mask=am) if graph == "dynamo" else \
-        _export_masks(model, ids, attention_mask=am)
+    masks = (
+        _dynamo_masks(model, input_ids=ids, attention_mask=am)
+        if graph == "dynamo"
+        else _export_masks(model, ids, attention_mask=am)
+    )
     assert masks and all(isinstance(m, fx.Node) for m in masks)
     for m in masks:
         proof = prove_mask(m)
@@ -104,8 +124,9 @@ def _positions(g, n, at, offset=0):
     return g.call_function(operator.getitem, (pos, tuple(idx)))
 
 
-@pytest.mark.parametrize("q_off,kv_off,proven", [(0, 0, True), (1, 0, False), (0, 1, False), (2, 2, True)],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "q_off,kv_off,proven", [(0, 0, True), (1, 0, False), (0, 1, False), (2, 2, True)], ids=lambda x: str(x)
+)
 def test_causal_needs_equal_offsets(q_off, kv_off, proven):
     def build(g, src):
         q = _positions(g, 8, 2, q_off)
@@ -169,9 +190,12 @@ def _rewritten_graph(model, config, **kwargs):
 
 
 def _square_tensors(gm, n):
-    return [node.name for node in gm.graph.nodes
-            for val in [node.meta.get("example_value", node.meta.get("val"))]
-            if isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (n, n)]
+    return [
+        node.name
+        for node in gm.graph.nodes
+        for val in [node.meta.get("example_value", node.meta.get("val"))]
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (n, n)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
@@ -225,8 +249,9 @@ def test_sliding_window_mask_is_kept():
     ids = torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(4))
     am = torch.ones(1, n, dtype=torch.long)
     model = _model("mistral", num_hidden_layers=1, sliding_window=8)
-    gm, entries, _ = _rewritten_graph(model, PBSConfig(block_size=16, segment_size=32, threshold=1.0),
-                                      input_ids=ids, attention_mask=am)
+    gm, entries, _ = _rewritten_graph(
+        model, PBSConfig(block_size=16, segment_size=32, threshold=1.0), input_ids=ids, attention_mask=am
+    )
     assert all("proven" not in e.mask for e in entries)
 
 
@@ -244,9 +269,14 @@ def test_exported_program_builds_no_square_mask(padded):
     model = _model("qwen2", num_hidden_layers=2)
     with torch.no_grad():
         want = model(ids, **kw).logits
-    ep = sparseflow.export(model, (ids,), kw, method="pbs",
-                           config=sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=1.0),
-                           backend="reference")
+    ep = sparseflow.export(
+        model,
+        (ids,),
+        kw,
+        method="pbs",
+        config=sparseflow.PBSConfig(block_size=16, segment_size=32, threshold=1.0),
+        backend="reference",
+    )
     assert _square_tensors(ep.graph_module, n) == []
     with torch.no_grad():
         got = ep.module()(ids, **kw).logits
@@ -269,8 +299,9 @@ def test_offsets_read_from_a_position_tensor():
 
     def shifted(g, src):  # cache_position[1] on the queries only: not causal
         cache = g.call_function(torch.arange, (0, 8))
-        q = g.call_function(operator.add, (g.call_function(torch.arange, (8,)),
-                                           g.call_function(operator.getitem, (cache, 1))))
+        q = g.call_function(
+            operator.add, (g.call_function(torch.arange, (8,)), g.call_function(operator.getitem, (cache, 1)))
+        )
         qi = g.call_function(operator.getitem, (q, (None, None, slice(None), None)))
         ki = g.call_function(operator.getitem, (g.call_function(torch.arange, (8,)), (None, None, None, slice(None))))
         return g.call_function(operator.le, (ki, qi))

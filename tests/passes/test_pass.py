@@ -1,5 +1,6 @@
 """The rewrite pass on small hand-written modules: what it finds, folds, rewrites and skips,
 and the public API's argument checking. Model-level checks are in test_models.py."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,11 @@ OP_NAMESPACE = "sparseflow"
 
 def _op_nodes(gm):
     return [
-        n for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == OP_NAMESPACE
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace == OP_NAMESPACE
     ]
 
 
@@ -612,9 +616,11 @@ def test_mode_reaches_inductor(plain_attention, monkeypatch):
     assert sparseflow.report(model).num_rewritten == 1
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(mode="fast"), "mode must be"),
-                                          (dict(mode="reduce-overhead", inner_backend="eager"), "inner_backend")],
-                         ids=["unknown-mode", "mode-without-inductor"])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(mode="fast"), "mode must be"), (dict(mode="reduce-overhead", inner_backend="eager"), "inner_backend")],
+    ids=["unknown-mode", "mode-without-inductor"],
+)
 def test_mode_bad_values(plain_attention, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sparseflow.compile(plain_attention(layers=1), method="dense", **kwargs)

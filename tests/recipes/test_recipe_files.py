@@ -1,5 +1,6 @@
 """Recipe files (Recipe.save / load_recipe / from_dict), resolve_recipe, and ``recipe=`` in
 sparseflow.compile / sparseflow.export and the ``convert`` / ``eval`` / ``export-onnx`` commands."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ import torch
 
 import sparseflow
 from sparseflow.config import BSAConfig, PBSConfig
-from sparseflow.recipes import (RECIPE_FORMAT, Recipe, RecipeError, get_recipe, list_recipes, load_recipe,
-                                resolve_recipe)
+from sparseflow.recipes import RECIPE_FORMAT, Recipe, RecipeError, get_recipe, list_recipes, load_recipe, resolve_recipe
 from sparseflow.recipes.smollm2 import PERMUTED_LAYERS
 
 SMOLLM2_LAYERS = 30
@@ -26,8 +26,10 @@ def _tiny_recipe(**overrides) -> dict:
         "name": "tiny",
         "description": "for the tests' tiny Llama",
         "model_types": ["llama"],
-        "configs": {"pbs": {"method": "pbs", "block_size": 16, "segment_size": 32, "threshold": 1.0},
-                    "pisa": {"block_size": 16, "top_k": 64}},
+        "configs": {
+            "pbs": {"method": "pbs", "block_size": 16, "segment_size": 32, "threshold": 1.0},
+            "pisa": {"block_size": 16, "top_k": 64},
+        },
         "dense_layers": [0],
         "head_dim": 16,
         "layer_overrides": {"pbs": {"1": {"threshold": 0.99}}},
@@ -50,9 +52,16 @@ def _smollm2_like():
     """A tiny random Llama whose config passes the smollm2 recipe's checks (llama, head dim 64,
     30 layers so that every layer the recipe names exists)."""
     tf = pytest.importorskip("transformers")
-    cfg = tf.LlamaConfig(num_hidden_layers=SMOLLM2_LAYERS, hidden_size=64, num_attention_heads=1,
-                         num_key_value_heads=1, head_dim=64, intermediate_size=32, vocab_size=64,
-                         max_position_embeddings=256)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=SMOLLM2_LAYERS,
+        hidden_size=64,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=32,
+        vocab_size=64,
+        max_position_embeddings=256,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.LlamaForCausalLM(cfg).eval()
@@ -92,28 +101,34 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
 
-@pytest.mark.parametrize("data, needle", [
-    ("{not json", "is not valid JSON: "),
-    ([1, 2], "a recipe must be a JSON object, got list"),
-    (_tiny_recipe(format=2), "format must be 1"),
-    (_tiny_recipe(colour="red"), "unknown fields ['colour']"),
-    (_tiny_recipe(name=""), "name must be a non-empty string"),
-    (_tiny_recipe(model_types="llama"), "model_types must be a non-empty list"),
-    (_tiny_recipe(configs={}), "configs must be an object"),
-    (_tiny_recipe(configs={"pbs": {"threshold": 2.0}}), "configs.pbs: threshold must be in"),
-    (_tiny_recipe(configs={"pbs": {"method": "bsa"}}), "configs.pbs has method 'bsa'"),
-    (_tiny_recipe(configs={"pbs": {"colour": 1}}), "configs.pbs: unknown fields for PBSConfig"),
-    (_tiny_recipe(configs={"dense": {}}), "unknown method 'dense'"),
-    (_tiny_recipe(dense_layers=[-1]), "dense_layers must be a list of non-negative layer indices"),
-    (_tiny_recipe(dense_layers=[True]), "dense_layers must be a list of non-negative layer indices"),
-    (_tiny_recipe(head_dim=0), "head_dim must be a positive integer or null"),
-    (_tiny_recipe(num_layers="2"), "num_layers must be a positive integer or null"),
-    (_tiny_recipe(layer_overrides={"pbs": {"x": {}}}), "layer_overrides.pbs keys must be non-negative layer indices"),
-    (_tiny_recipe(layer_overrides={"pbs": {"1": {"colour": 1}}}), "layer_overrides['pbs'][1]"),
-    (_tiny_recipe(layer_overrides={"pbs": {"0": {"threshold": 0.9}}}), "layer 0 is dense and has layer_overrides"),
-    (_tiny_recipe(layer_overrides={"bsa": {"1": {}}}), "layer_overrides for 'bsa', which has no config"),
-    (_tiny_recipe(measured=[1]), "measured must be an object"),
-])
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ("{not json", "is not valid JSON: "),
+        ([1, 2], "a recipe must be a JSON object, got list"),
+        (_tiny_recipe(format=2), "format must be 1"),
+        (_tiny_recipe(colour="red"), "unknown fields ['colour']"),
+        (_tiny_recipe(name=""), "name must be a non-empty string"),
+        (_tiny_recipe(model_types="llama"), "model_types must be a non-empty list"),
+        (_tiny_recipe(configs={}), "configs must be an object"),
+        (_tiny_recipe(configs={"pbs": {"threshold": 2.0}}), "configs.pbs: threshold must be in"),
+        (_tiny_recipe(configs={"pbs": {"method": "bsa"}}), "configs.pbs has method 'bsa'"),
+        (_tiny_recipe(configs={"pbs": {"colour": 1}}), "configs.pbs: unknown fields for PBSConfig"),
+        (_tiny_recipe(configs={"dense": {}}), "unknown method 'dense'"),
+        (_tiny_recipe(dense_layers=[-1]), "dense_layers must be a list of non-negative layer indices"),
+        (_tiny_recipe(dense_layers=[True]), "dense_layers must be a list of non-negative layer indices"),
+        (_tiny_recipe(head_dim=0), "head_dim must be a positive integer or null"),
+        (_tiny_recipe(num_layers="2"), "num_layers must be a positive integer or null"),
+        (
+            _tiny_recipe(layer_overrides={"pbs": {"x": {}}}),
+            "layer_overrides.pbs keys must be non-negative layer indices",
+        ),
+        (_tiny_recipe(layer_overrides={"pbs": {"1": {"colour": 1}}}), "layer_overrides['pbs'][1]"),
+        (_tiny_recipe(layer_overrides={"pbs": {"0": {"threshold": 0.9}}}), "layer 0 is dense and has layer_overrides"),
+        (_tiny_recipe(layer_overrides={"bsa": {"1": {}}}), "layer_overrides for 'bsa', which has no config"),
+        (_tiny_recipe(measured=[1]), "measured must be an object"),
+    ],
+)
 def test_malformed_recipe_file_names_the_file_and_field(tmp_path, data, needle):
     path = _write(tmp_path / "bad.json", data)
     with pytest.raises(RecipeError) as info:
@@ -212,8 +227,9 @@ def test_compile_user_config_and_layers_win_over_the_recipe():
     assert 2 not in marker["layer_configs"]
 
     bsa = BSAConfig(block_size=16, top_k=4)
-    model = sparseflow.compile(_smollm2_like(), method="pbs", inner_backend="eager",
-                               skip_layers=iter([3]), layer_configs={0: bsa, 1: None})
+    model = sparseflow.compile(
+        _smollm2_like(), method="pbs", inner_backend="eager", skip_layers=iter([3]), layer_configs={0: bsa, 1: None}
+    )
     marker = _marker(model)
     assert marker["skip_layers"] == [3] and 3 not in marker["layer_configs"]
     assert marker["layer_configs"][0] == bsa.to_dict() and marker["layer_configs"][1] is None
@@ -284,8 +300,10 @@ def test_cli_convert_with_a_recipe_file(llama_folder, tiny_recipe_file, tmp_path
     from sparseflow.cli import main
 
     out = tmp_path / "conv"
-    assert main(["convert", str(llama_folder), "--method", "pbs", "--recipe", str(tiny_recipe_file),
-                 "--out", str(out)]) == 0
+    assert (
+        main(["convert", str(llama_folder), "--method", "pbs", "--recipe", str(tiny_recipe_file), "--out", str(out)])
+        == 0
+    )
     plan = json.loads((out / "config.json").read_text())["sparseflow"]
     assert plan["recipe"] == str(tiny_recipe_file) and plan["dense_layers"] == [0]
     assert plan["config"]["block_size"] == 16 and plan["layer_configs"]["1"]["threshold"] == 0.99
@@ -295,8 +313,25 @@ def test_cli_eval_with_a_recipe_file(llama_folder, tiny_recipe_file, tmp_path, c
     from sparseflow.cli import main
 
     out = tmp_path / "eval.json"
-    assert main(["eval", str(llama_folder), "--method", "pbs", "--recipe", str(tiny_recipe_file), "--tokens", "64",
-                 "--eval-positions", "16", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(llama_folder),
+                "--method",
+                "pbs",
+                "--recipe",
+                str(tiny_recipe_file),
+                "--tokens",
+                "64",
+                "--eval-positions",
+                "16",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())["results"][0]
     assert result["plan"]["recipe"] == str(tiny_recipe_file) and result["plan"]["dense_layers"] == [0]
     assert result["density_per_layer"][0] == 1.0
@@ -307,8 +342,23 @@ def test_cli_export_onnx_with_a_recipe_file(llama_folder, tiny_recipe_file, tmp_
     from sparseflow.cli import main
 
     out = tmp_path / "m.onnx"
-    assert main(["export-onnx", str(llama_folder), "--method", "pbs", "--recipe", str(tiny_recipe_file),
-                 "--tokens", "48", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export-onnx",
+                str(llama_folder),
+                "--method",
+                "pbs",
+                "--recipe",
+                str(tiny_recipe_file),
+                "--tokens",
+                "48",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     # layer 0 (the recipe's dense layer) stays plain attention: one sparseflow node, layer 1's
     assert ": 1 PBSAttention node(s)," in printed, printed
@@ -328,8 +378,10 @@ def test_cli_malformed_recipe_file_is_one_line_before_loading(command, llama_fol
     args = [command, str(llama_folder), "--method", "pbs", "--recipe", str(bad)] + out[command]
     assert main(args) == 2
     _one_line_error(capsys, command, str(bad), "configs.pbs: threshold must be in")
-    assert main([command, str(llama_folder), "--method", "pbs", "--recipe", str(tmp_path / "gone.json")]
-                + out[command]) == 2
+    assert (
+        main([command, str(llama_folder), "--method", "pbs", "--recipe", str(tmp_path / "gone.json")] + out[command])
+        == 2
+    )
     _one_line_error(capsys, command, "gone.json' does not exist")
     assert not (tmp_path / "o").exists() and not (tmp_path / "m.onnx").exists()
 

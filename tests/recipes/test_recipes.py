@@ -1,4 +1,5 @@
 """Recipes (sparseflow.recipes) and the per-layer Plan they produce (sparseflow.hf.Plan)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,15 @@ from sparseflow.recipes import Recipe, RecipeError, get_recipe, list_recipes
 
 def _smollm2_config(**overrides):
     tf = pytest.importorskip("transformers")
-    kw = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
-              head_dim=64, intermediate_size=1536, vocab_size=49152)
+    kw = dict(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
     kw.update(overrides)
     return tf.LlamaConfig(**kw)
 
@@ -141,10 +149,15 @@ def test_smollm2_pbs_setting_is_a_measured_row_that_meets_the_targets():
     # a row measured with the per-layer choice says permute="layers"; the recipe then carries the
     # permuted layers as layer_overrides on an unpermuted base config
     per_layer = bool(r.layer_overrides.get("pbs"))
-    assert not per_layer or (cfg.permute is False and all(c == {"permute": True} for c in r.layer_overrides["pbs"].values()))
+    assert not per_layer or (
+        cfg.permute is False and all(c == {"permute": True} for c in r.layer_overrides["pbs"].values())
+    )
     permute = "layers" if per_layer else cfg.permute
-    rows = [m for m in r.measured["pbs"]
-            if m["threshold"] == cfg.threshold and m["permute"] == permute and m.get("scoring", "mean") == cfg.scoring]
+    rows = [
+        m
+        for m in r.measured["pbs"]
+        if m["threshold"] == cfg.threshold and m["permute"] == permute and m.get("scoring", "mean") == cfg.scoring
+    ]
     assert len(rows) == 1, rows
     assert rows[0]["mean_kl"] <= 0.01 and rows[0]["top1"] >= 0.97, rows[0]
     assert 0.0 < rows[0]["density"] < 1.0
@@ -175,16 +188,25 @@ def test_layer_overrides_reach_the_plan_on_any_base_config():
     assert r.to_dict()["layer_overrides"]["pbs"]["1"] == {"permute": True}
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"pisa": {1: {"permute": True}}}, "layer_overrides\\['pisa'\\]\\[1\\]"),
-    ({"pbs": {-1: {"permute": True}}}, "keys must be non-negative ints"),
-    ({"pbs": {0: {"permute": True}}}, "layer 0 is dense and has layer_overrides"),
-    ({"bsa": {1: {"top_k": 4}}}, "layer_overrides for 'bsa', which has no config"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"pisa": {1: {"permute": True}}}, "layer_overrides\\['pisa'\\]\\[1\\]"),
+        ({"pbs": {-1: {"permute": True}}}, "keys must be non-negative ints"),
+        ({"pbs": {0: {"permute": True}}}, "layer 0 is dense and has layer_overrides"),
+        ({"bsa": {1: {"top_k": 4}}}, "layer_overrides for 'bsa', which has no config"),
+    ],
+)
 def test_layer_overrides_validation(overrides, match):
     with pytest.raises(RecipeError, match=match):
-        Recipe(name="x", description="", model_types=("llama",),
-               configs={"pbs": PBSConfig(), "pisa": PISAConfig()}, dense_layers=(0,), layer_overrides=overrides)
+        Recipe(
+            name="x",
+            description="",
+            model_types=("llama",),
+            configs={"pbs": PBSConfig(), "pisa": PISAConfig()},
+            dense_layers=(0,),
+            layer_overrides=overrides,
+        )
 
 
 def test_layer_overrides_beyond_the_model_are_an_error():

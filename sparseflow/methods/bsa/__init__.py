@@ -1,19 +1,22 @@
 """BSA (flat top-k block selection, the baseline): its spec in the method registry."""
+
 from .config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
 _KERNELS = __name__  # the backends are modules of this package
 
-SPEC = register(MethodSpec(
-    name="bsa",
-    config_type=BSAConfig,
-    backends={
-        "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always"),
-        "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always"),
-        "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda"),
-    },
-    onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
-    has_top_k=True,
-    exact=exact_top_k,
-))
+SPEC = register(
+    MethodSpec(
+        name="bsa",
+        config_type=BSAConfig,
+        backends={
+            "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always"),
+            "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always"),
+            "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda"),
+        },
+        onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
+        has_top_k=True,
+        exact=exact_top_k,
+    )
+)

@@ -1,4 +1,5 @@
 """The BSAConfig: what the bsa method computes (validated, frozen, versioned)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

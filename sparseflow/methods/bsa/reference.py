@@ -11,6 +11,7 @@ selected blocks is :func:`sparseflow.kernels.token_blocks.attend_selected_blocks
 Only the current block can hold a key after ``p_i`` (causal mode) and it is never scored (it is
 either forced, or not visible and dropped), so the selection is exactly causal.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -42,8 +43,10 @@ def _select(
     dev = q.device
     top_k = tb.selection_width(top_k, n_k, block_size)
     if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
-        return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
-                torch.zeros(b, n_q, dtype=torch.long, device=dev))
+        return (
+            torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
+            torch.zeros(b, n_q, dtype=torch.long, device=dev),
+        )
     sc = tb.default_scale(q, scale)
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
@@ -55,8 +58,12 @@ def _select(
     positions = tb.query_positions(n_q, n_k, dev)
     horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
     forced_leaf = tb.forced_leaf_blocks(
-        positions, horizons, first_valid, block_size=block_size,
-        force_sink=force_sink, force_previous=force_previous,
+        positions,
+        horizons,
+        first_valid,
+        block_size=block_size,
+        force_sink=force_sink,
+        force_previous=force_previous,
     )  # [B, Nq, 3]
     n_visible = tb.count_visible_blocks(first_valid, horizons)
 
@@ -95,8 +102,15 @@ def bsa_select(
     ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost)."""
     with torch.no_grad():
         idx, _ = _select(
-            q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, top_k=top_k, force_sink=force_sink, force_previous=force_previous,
+            q,
+            k,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=block_size,
+            top_k=top_k,
+            force_sink=force_sink,
+            force_previous=force_previous,
         )
     return idx
 
@@ -121,18 +135,36 @@ def bsa_attention(
     force_previous = cfg.force_previous
     with torch.no_grad():
         idx, n_visible = _select(
-            q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,
-            scale=scale, block_size=block_size, top_k=top_k, force_sink=force_sink,
+            q.detach(),
+            k.detach(),
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=block_size,
+            top_k=top_k,
+            force_sink=force_sink,
             force_previous=force_previous,
         )
     out = tb.attend_selected_blocks(
-        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        q,
+        k,
+        v,
+        idx,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
         block_size=block_size,
     )
     if not return_selection:
         return out
     sel = tb.make_selection(
-        "bsa", idx, n_visible, num_query_heads=q.shape[1], block_size=block_size,
-        is_causal=is_causal, num_keys=k.shape[2], key_padding_mask=key_padding_mask,
+        "bsa",
+        idx,
+        n_visible,
+        num_query_heads=q.shape[1],
+        block_size=block_size,
+        is_causal=is_causal,
+        num_keys=k.shape[2],
+        key_padding_mask=key_padding_mask,
     )
     return out, sel

@@ -4,6 +4,7 @@ Selection: ``triton_select`` (the fused full-scan selector; selections equal the
 Attention: ``token_sparse_triton`` (forward and dq/dk/dv backward in Triton), so training runs on
 the kernels end to end; the selection itself carries no gradient.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,13 +36,21 @@ def bsa_attention(
     block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
     force_previous = cfg.force_previous
     idx = bsa_select(
-        q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
-        top_k=top_k, force_sink=force_sink, force_previous=force_previous,
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        top_k=top_k,
+        force_sink=force_sink,
+        force_previous=force_previous,
     )
-    out = token_sparse_attention(q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                 scale=scale, block_size=block_size)
+    out = token_sparse_attention(
+        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
+    )
     if not return_selection:
         return out
-    return out, tb.selection_for_indices("bsa", idx, q, k, key_padding_mask=key_padding_mask,
-                                          is_causal=is_causal, block_size=block_size)
-
+    return out, tb.selection_for_indices(
+        "bsa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )

@@ -14,6 +14,7 @@ block id, as in the reference.
 summation order); ``"bf16"`` rounds the summed queries and the means to bf16 for the tensor
 cores, the fastest variant, reported beside it in ``benchmarks/pisa.py``.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,18 @@ def _p2(x: int, lo: int = 16) -> int:
 
 
 @triton.jit
-def _forced_leaves(lfv_base, p, hz, row_ok, Nk, NB, C: tl.constexpr, FORCE_SINK: tl.constexpr,
-                   FORCE_PREV: tl.constexpr, BLOCK_M: tl.constexpr):
+def _forced_leaves(
+    lfv_base,
+    p,
+    hz,
+    row_ok,
+    Nk,
+    NB,
+    C: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """The rows' forced leaves (token_blocks.forced_leaf_blocks): current / previous / sink, each
     -1 unless it holds a key the row may see."""
     cur = tl.where((p >= 0) & (p < NB * C), p // C, -1)
@@ -81,14 +92,36 @@ def _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK: tl.constexpr, KP: tl.cons
 
 @triton.jit
 def _bsa_select_kernel(
-    q_ptr, sums_ptr, cnt_ptr, lfv_ptr, out_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_sb, stride_sh, stride_st,
-    stride_ob, stride_oh, stride_on,
-    Nq, Nk, NB, HKV, scale,
-    IS_CAUSAL: tl.constexpr, FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
-    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, C: tl.constexpr,
-    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    sums_ptr,
+    cnt_ptr,
+    lfv_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    NB,
+    HKV,
+    scale,
+    IS_CAUSAL: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -108,8 +141,11 @@ def _bsa_select_kernel(
     d_ok = offs_d < D
     qs = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
     for g in range(G):
-        qs += tl.load(q_ptr + b * stride_qb + (hkv * G + g) * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
-                      mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        qs += tl.load(
+            q_ptr + b * stride_qb + (hkv * G + g) * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
     qs = qs * scale
     lfv_base = lfv_ptr + b * NB
     cur, prev, sink = _forced_leaves(lfv_base, p, hz, row_ok, Nk, NB, C, FORCE_SINK, FORCE_PREV, BLOCK_M)
@@ -126,8 +162,11 @@ def _bsa_select_kernel(
         blk = kb0 + offs_n
         b_ok = blk < NB
         cnt = tl.load(cnt_ptr + b * NB + blk, mask=b_ok, other=1)
-        s_t = tl.load(sums_ptr + b * stride_sb + hkv * stride_sh + blk[None, :] * stride_st + offs_d[:, None],
-                      mask=b_ok[None, :] & d_ok[:, None], other=0.0)
+        s_t = tl.load(
+            sums_ptr + b * stride_sb + hkv * stride_sh + blk[None, :] * stride_st + offs_d[:, None],
+            mask=b_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         m_t = s_t / tl.maximum(cnt, 1).to(tl.float32)[None, :]
         if BF16:
             sc = tl.dot(qs.to(tl.bfloat16), m_t.to(tl.bfloat16))
@@ -144,14 +183,27 @@ def _bsa_select_kernel(
         kb0 += BLOCK_N
     ids = tl.sort(top_i, dim=1)
     ids = tl.where(ids == 1073741824, -1, ids)
-    tl.store(out_ptr + b * stride_ob + hkv * stride_oh + rows[:, None] * stride_on + offs_k[None, :], ids,
-             mask=row_ok[:, None] & (offs_k[None, :] < TOPK))
+    tl.store(
+        out_ptr + b * stride_ob + hkv * stride_oh + rows[:, None] * stride_on + offs_k[None, :],
+        ids,
+        mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
+    )
 
 
 @triton_op("sparseflow::bsa_select_fwd", mutates_args={})
 def _bsa_select_fwd(
-    q: torch.Tensor, sums: torch.Tensor, cnt: torch.Tensor, lfv: torch.Tensor, n_k: int, scale: float,
-    is_causal: bool, block_size: int, top_k: int, force_sink: bool, force_previous: bool, bf16: bool,
+    q: torch.Tensor,
+    sums: torch.Tensor,
+    cnt: torch.Tensor,
+    lfv: torch.Tensor,
+    n_k: int,
+    scale: float,
+    is_causal: bool,
+    block_size: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    bf16: bool,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, nb = sums.shape[1], sums.shape[2]
@@ -160,14 +212,38 @@ def _bsa_select_fwd(
         return out
     block_m = 64
     wrap_triton(_bsa_select_kernel)[(triton.cdiv(n_q, block_m), b * hkv)](
-        q, sums, cnt, lfv, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        sums.stride(0), sums.stride(1), sums.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        n_q, n_k, nb, hkv, scale,
-        IS_CAUSAL=is_causal, FORCE_SINK=force_sink, FORCE_PREV=force_previous,
-        G=hq // hkv, D=d, DP=_p2(d), C=block_size, TOPK=top_k, KP=_p2(top_k, 2),
-        BLOCK_M=block_m, BLOCK_N=64, BF16=bf16, num_warps=4,
+        q,
+        sums,
+        cnt,
+        lfv,
+        out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        sums.stride(0),
+        sums.stride(1),
+        sums.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_q,
+        n_k,
+        nb,
+        hkv,
+        scale,
+        IS_CAUSAL=is_causal,
+        FORCE_SINK=force_sink,
+        FORCE_PREV=force_previous,
+        G=hq // hkv,
+        D=d,
+        DP=_p2(d),
+        C=block_size,
+        TOPK=top_k,
+        KP=_p2(top_k, 2),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BF16=bf16,
+        num_warps=4,
     )
     return out
 
@@ -204,6 +280,18 @@ def bsa_select(
     with torch.no_grad():
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
         sums, cnt, lfv = leaf_sums(k.detach(), kpm, int(block_size))
-        idx = _bsa_select_fwd(q.detach(), sums, cnt, lfv, n_k, sc, bool(is_causal), int(block_size), int(top_k),
-                              bool(force_sink), bool(force_previous), precision == "bf16" and not interpreting())
+        idx = _bsa_select_fwd(
+            q.detach(),
+            sums,
+            cnt,
+            lfv,
+            n_k,
+            sc,
+            bool(is_causal),
+            int(block_size),
+            int(top_k),
+            bool(force_sink),
+            bool(force_previous),
+            precision == "bf16" and not interpreting(),
+        )
     return idx.long()

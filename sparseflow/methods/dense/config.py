@@ -1,4 +1,5 @@
 """The DenseConfig: what the dense method computes (validated, frozen, versioned)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 fp32 (or fp64 when given fp64) accumulation, native GQA by reshaping queries into groups instead of
 repeating K/V, key padding, and zeros (not NaN) for a query that sees no key.
 """
+
 from __future__ import annotations
 
 import math

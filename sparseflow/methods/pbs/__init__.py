@@ -1,4 +1,5 @@
 """PBS-Attn (permuted block-sparse prefill): its spec in the method registry."""
+
 from ..._config_base import AttentionConfig
 from .config import PBSConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
@@ -21,11 +22,15 @@ def dense_rule(cfg: PBSConfig, n_q: int, n_k: int) -> str:
 
 def onnx_refusal(cfg: PBSConfig) -> str:
     if cfg.scoring not in ONNX_SCORINGS:
-        return (f"the ONNX body of PBSAttention implements scoring 'mean' and 'antidiagonal', got "
-                f"scoring={cfg.scoring!r}; export with one of those (or method='dense')")
+        return (
+            f"the ONNX body of PBSAttention implements scoring 'mean' and 'antidiagonal', got "
+            f"scoring={cfg.scoring!r}; export with one of those (or method='dense')"
+        )
     if cfg.proxy_blocks != 1:  # the body computes the single proxy only
-        return ("the ONNX body of PBSAttention does not implement the config field(s) ['proxy_blocks']; "
-                "export with method='dense' until it does")
+        return (
+            "the ONNX body of PBSAttention does not implement the config field(s) ['proxy_blocks']; "
+            "export with method='dense' until it does"
+        )
     return ""
 
 
@@ -33,24 +38,37 @@ def exact(cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
     return cfg.replace(threshold=1.0)  # threshold >= 1 keeps every candidate block
 
 
-SPEC = register(MethodSpec(
-    name="pbs",
-    config_type=PBSConfig,
-    backends={
-        "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always"),
-        "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention"),  # forward-only kernel
-        "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda"),
-    },
-    onnx=OnnxBody(
-        node_type="PBSAttention",
-        mask="sparseflow.methods.pbs.onnx:MASK",
-        fields={"block_size", "segment_size", "threshold", "force_sink", "permute", "gqa_permutation",
-                "scoring", "antidiagonal_stride", "causal_proxy", "proxy_blocks", "min_seq_len"},
-        refusal=onnx_refusal,
-    ),
-    dense_rule=dense_rule,
-    has_permute=True,
-    has_threshold=True,
-    exact=exact,
-    context_parallel="shared_rows",
-))
+SPEC = register(
+    MethodSpec(
+        name="pbs",
+        config_type=PBSConfig,
+        backends={
+            "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always"),
+            "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention"),  # forward-only kernel
+            "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda"),
+        },
+        onnx=OnnxBody(
+            node_type="PBSAttention",
+            mask="sparseflow.methods.pbs.onnx:MASK",
+            fields={
+                "block_size",
+                "segment_size",
+                "threshold",
+                "force_sink",
+                "permute",
+                "gqa_permutation",
+                "scoring",
+                "antidiagonal_stride",
+                "causal_proxy",
+                "proxy_blocks",
+                "min_seq_len",
+            },
+            refusal=onnx_refusal,
+        ),
+        dense_rule=dense_rule,
+        has_permute=True,
+        has_threshold=True,
+        exact=exact,
+        context_parallel="shared_rows",
+    )
+)

@@ -1,4 +1,5 @@
 """The PBSConfig: what the pbs method computes (validated, frozen, versioned)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,7 @@ class PBSConfig(AttentionConfig):
         _check_int("segment_size", self.segment_size, 1)
         if self.segment_size % self.block_size:
             raise ValueError(
-                f"segment_size must be a multiple of block_size={self.block_size}, "
-                f"got segment_size={self.segment_size}"
+                f"segment_size must be a multiple of block_size={self.block_size}, got segment_size={self.segment_size}"
             )
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)):
             raise TypeError(f"threshold must be a float in (0, 1], got {self.threshold!r}")
@@ -77,8 +77,7 @@ class PBSConfig(AttentionConfig):
         _check_int("antidiagonal_stride", self.antidiagonal_stride, 1)
         if self.scoring == "antidiagonal" and self.block_size % self.antidiagonal_stride:
             raise ValueError(
-                f"antidiagonal_stride must divide block_size={self.block_size}, "
-                f"got {self.antidiagonal_stride}"
+                f"antidiagonal_stride must divide block_size={self.block_size}, got {self.antidiagonal_stride}"
             )
         _check_int("min_seq_len", self.min_seq_len, 0)
 

@@ -23,6 +23,7 @@ The selection is the reference's (:func:`key_scores` -> :func:`segment_permutati
   accepts (block sizes not multiples of 16; with gradients, no flex backward config dividing the
   block size), the reference's attention over the same selection runs instead (logged).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -34,8 +35,7 @@ from ...config import backend_config
 from .config import PBSConfig
 from ...selection import Selection
 from ...kernels import flex_common as fc
-from .reference import (key_scores, permuted_block_attention, segment_permutation, select_blocks,
-                        selection_density)
+from .reference import key_scores, permuted_block_attention, segment_permutation, select_blocks, selection_density
 
 __all__ = ["pbs_attention", "pbs_block_mask"]
 
@@ -64,20 +64,27 @@ def pbs_block_mask(
     hq, hp, bs = block_mask.shape[1], permutation.shape[1], block_size
     sentinel = total  # > every query index
     vis_pos = _visible_positions(permutation, key_padding_mask, n=n, total=total, sentinel=sentinel)
-    full, partial = _full_and_partial_blocks(block_mask, vis_pos, n=n, sentinel=sentinel, is_causal=is_causal,
-                                             block_size=bs)
+    full, partial = _full_and_partial_blocks(
+        block_mask, vis_pos, n=n, sentinel=sentinel, is_causal=is_causal, block_size=bs
+    )
     kv_num, kv_idx = fc.block_lists(partial)
     full_num, full_idx = fc.block_lists(full)
     bm = BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bs, bs),
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(bs, bs),
         mask_mod=_mask_mod(vis_pos, hq // hp, is_causal, sentinel),
-        seq_lengths=(total, total), compute_q_blocks=need_backward,
+        seq_lengths=(total, total),
+        compute_q_blocks=need_backward,
     )
     return bm, vis_pos
 
 
-def _visible_positions(permutation: Tensor, key_padding_mask: Optional[Tensor], *, n: int, total: int,
-                       sentinel: int) -> Tensor:
+def _visible_positions(
+    permutation: Tensor, key_padding_mask: Optional[Tensor], *, n: int, total: int, sentinel: int
+) -> Tensor:
     """``vis_pos [B, Hp, total]`` int32: each permuted slot's original key position, or
     ``sentinel`` for padded keys and slots past N."""
     bsz, hp = permutation.shape[:2]
@@ -102,8 +109,9 @@ def _key_block_stats(vis_pos: Tensor, hq: int, bs: int, sentinel: int) -> Tuple[
     return tuple(t[:, head_map] for t in (all_valid, any_valid, kmax, kmin))
 
 
-def _full_and_partial_blocks(block_mask: Tensor, vis_pos: Tensor, *, n: int, sentinel: int, is_causal: bool,
-                             block_size: int) -> Tuple[Tensor, Tensor]:
+def _full_and_partial_blocks(
+    block_mask: Tensor, vis_pos: Tensor, *, n: int, sentinel: int, is_causal: bool, block_size: int
+) -> Tuple[Tensor, Tensor]:
     """The selected blocks ``[B, Hq, nBp, nBp]`` split into full ones (no ``mask_mod`` needed)
     and partial ones (some but not all keys visible); padded query blocks get neither."""
     bsz, hq, nb, _ = block_mask.shape
@@ -133,18 +141,23 @@ def _mask_mod(vis_pos: Tensor, ratio: int, is_causal: bool, sentinel: int):
     ``<= q_idx`` (causal) or it is a real key (non-causal); ``ratio`` query heads share a row."""
     if is_causal:
         if ratio == 1:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h, kv_idx] <= q_idx
         else:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h // ratio, kv_idx] <= q_idx
     else:
         if ratio == 1:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h, kv_idx] < sentinel
         else:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h // ratio, kv_idx] < sentinel
+
     return mask_mod
 
 
@@ -177,8 +190,17 @@ def pbs_attention(
         perm, block_mask = _select(q.detach(), k.detach(), cfg, key_padding_mask, is_causal, scale)
         plan = fc.flex_plan(q.device, bs, bs, d, q.dtype, needs_grad=grad)
     if plan.fallback:
-        out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
-                                       is_causal=is_causal, scale=scale, block_size=bs)
+        out = permuted_block_attention(
+            q,
+            k,
+            v,
+            perm,
+            block_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=bs,
+        )
     else:
         out = _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, bs, plan, grad)
     return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
@@ -188,36 +210,67 @@ def _select(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, is_causal,
     """The reference's ``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` for ``cfg``."""
     bsz, hq, n = qd.shape[:3]
     if cfg.permute:
-        scores = key_scores(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
-                            segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
-                            gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+        scores = key_scores(
+            qd,
+            kd,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            block_size=cfg.block_size,
+            segment_size=cfg.segment_size,
+            causal_proxy=cfg.causal_proxy,
+            gqa_permutation=cfg.gqa_permutation,
+            proxy_blocks=cfg.proxy_blocks,
+        )
         perm = segment_permutation(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)
     else:
         hp = hq if cfg.gqa_permutation == "query_head" else kd.shape[1]
         perm = torch.arange(n, device=qd.device).expand(bsz, hp, n).clone()
     block_mask = select_blocks(
-        qd, kd, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=cfg.block_size, segment_size=cfg.segment_size, threshold=cfg.threshold,
-        force_sink=cfg.force_sink, scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride,
+        qd,
+        kd,
+        perm,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=cfg.block_size,
+        segment_size=cfg.segment_size,
+        threshold=cfg.threshold,
+        force_sink=cfg.force_sink,
+        scoring=cfg.scoring,
+        antidiagonal_stride=cfg.antidiagonal_stride,
     )
     return perm, block_mask
 
 
-def _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, block_size, plan,
-                         grad) -> Tensor:
+def _flex_over_selection(
+    q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, block_size, plan, grad
+) -> Tensor:
     """Compiled flex attention over the permuted K/V with the selection's BlockMask."""
     hq, n, d = q.shape[1], q.shape[2], q.shape[3]
     with torch.no_grad():
         total = fc.bucketed_length(n, block_size)
-        bm, _ = pbs_block_mask(block_mask, perm, n=n, total=total, key_padding_mask=key_padding_mask,
-                               is_causal=is_causal, block_size=block_size, need_backward=grad)
+        bm, _ = pbs_block_mask(
+            block_mask,
+            perm,
+            n=n,
+            total=total,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            block_size=block_size,
+            need_backward=grad,
+        )
         gather_index = _padded_perm(perm, total).clamp_min(0)  # [B, Hp, total]
     # permuted K/V: Hp heads (Hq under per-query-head permutation, Hkv under kv_head)
     kp = fc.gather_rows(k, gather_index)
     vp = fc.gather_rows(v, gather_index)
     qp = fc.pad_seq(q, total)
     out = fc.flex_attention_compiled(
-        qp.contiguous(), kp, vp, bm, scale=fc.default_scale(d, scale), enable_gqa=perm.shape[1] != hq,
+        qp.contiguous(),
+        kp,
+        vp,
+        bm,
+        scale=fc.default_scale(d, scale),
+        enable_gqa=perm.shape[1] != hq,
         kernel_options=plan.kernel_options,
     )
     return out[:, :, :n].to(q.dtype)
@@ -226,10 +279,17 @@ def _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal,
 def _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):
     if not return_selection:
         return out
-    density = selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                block_size=block_size)
+    density = selection_density(
+        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )
     sel = Selection(
-        method="pbs", density=density, block_size=block_size, is_causal=is_causal, num_keys=n,
-        block_mask=block_mask, permutation=perm, key_padding_mask=key_padding_mask,
+        method="pbs",
+        density=density,
+        block_size=block_size,
+        is_causal=is_causal,
+        num_keys=n,
+        block_mask=block_mask,
+        permutation=perm,
+        key_padding_mask=key_padding_mask,
     )
     return out, sel

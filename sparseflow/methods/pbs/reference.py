@@ -92,6 +92,7 @@ Conventions and decisions (where the method leaves room):
 * Selection is computed without gradient; the attention is differentiable in q, k and v.
 * GQA is native: K/V are never repeated; per-query-head permutations index the shared KV head.
 """
+
 from __future__ import annotations
 
 import math
@@ -265,8 +266,15 @@ def key_scores(
     hkv = k.shape[1]
     g = hq // hkv
     sc = _scale(scale, d)
-    proxies = proxy_queries(key_padding_mask, bsz, n, block_size=block_size, segment_size=segment_size,
-                            proxy_blocks=proxy_blocks, device=q.device)
+    proxies = proxy_queries(
+        key_padding_mask,
+        bsz,
+        n,
+        block_size=block_size,
+        segment_size=segment_size,
+        proxy_blocks=proxy_blocks,
+        device=q.device,
+    )
     out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=q.device)
     for b in range(bsz):
         if not proxies[b]:
@@ -282,14 +290,23 @@ def key_scores(
             kc = k[b, kvh, :lc].float()  # [Lc, D]
             for h in range(kvh * g, (kvh + 1) * g):  # one query head at a time: O(bs * N) memory
                 if len(proxies[b]) == 1:  # the single proxy (P = 1): unchanged arithmetic
-                    out[b, h, :lc] = _proxy_probs(q[b, h], kc, proxies[b][0][0], key_ok, n_seg, segment_size,
-                                                  sc, causal_proxy)
+                    out[b, h, :lc] = _proxy_probs(
+                        q[b, h], kc, proxies[b][0][0], key_ok, n_seg, segment_size, sc, causal_proxy
+                    )
                     continue
                 acc = torch.zeros(lc, dtype=torch.float32, device=q.device)
                 for rows, ns in proxies[b]:
                     lj = ns * segment_size
-                    acc[:lj] += _proxy_probs(q[b, h], kc[:lj], rows, None if key_ok is None else key_ok[:lj],
-                                             ns, segment_size, sc, causal_proxy)
+                    acc[:lj] += _proxy_probs(
+                        q[b, h],
+                        kc[:lj],
+                        rows,
+                        None if key_ok is None else key_ok[:lj],
+                        ns,
+                        segment_size,
+                        sc,
+                        causal_proxy,
+                    )
                 out[b, h, :lc] = acc / seen_by
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, g, n).mean(dim=2)
@@ -298,8 +315,16 @@ def key_scores(
     return out
 
 
-def _proxy_probs(qh: Tensor, kc: Tensor, rows: Tensor, key_ok: Optional[Tensor], n_seg: int, segment_size: int,
-                 sc: float, causal_proxy: bool) -> Tensor:
+def _proxy_probs(
+    qh: Tensor,
+    kc: Tensor,
+    rows: Tensor,
+    key_ok: Optional[Tensor],
+    n_seg: int,
+    segment_size: int,
+    sc: float,
+    causal_proxy: bool,
+) -> Tensor:
     """``[n_seg * S]``: one proxy's mean probability per key of the first ``n_seg`` segments."""
     p = rows.numel()
     lc = kc.shape[0]
@@ -375,8 +400,9 @@ def candidate_blocks(
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool: key block ``J`` (permuted) is a scored candidate of query block ``I``."""
     bsz, hp, n = permutation.shape
-    region = block_regions(key_padding_mask, bsz, n, block_size=block_size,
-                           segment_size=segment_size, device=permutation.device)
+    region = block_regions(
+        key_padding_mask, bsz, n, block_size=block_size, segment_size=segment_size, device=permutation.device
+    )
     rq, rk = region[:, :, None], region[:, None, :]
     cand = (rk < rq) if is_causal else (rk != rq)  # [B, nB, nB]
     kvalid = _key_block_valid(permutation, key_padding_mask, block_size)  # [B, Hp, nB]
@@ -497,20 +523,23 @@ def block_probabilities(
     # validity of every permuted slot, per (b, hp)
     kvalid_slot = torch.gather(
         torch.cat([valid, valid.new_zeros(bsz, 1)], dim=-1)[:, None, :].expand(bsz, hp, n + 1),
-        2, torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p),
+        2,
+        torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p),
     )  # [B, Hp, total]
     out = torch.zeros(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
     if scoring == "mean":
         return _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size)
     if scoring == "sampled_rows":
-        return _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size,
-                                          antidiagonal_stride, chunk_blocks)
+        return _sampled_row_probabilities(
+            q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, antidiagonal_stride, chunk_blocks
+        )
     if scoring != "antidiagonal":
         raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
     if block_size % antidiagonal_stride:
         raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {antidiagonal_stride}")
-    return _antidiagonal_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size,
-                                       antidiagonal_stride, chunk_blocks)
+    return _antidiagonal_probabilities(
+        q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, antidiagonal_stride, chunk_blocks
+    )
 
 
 def _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size):
@@ -534,8 +563,9 @@ def _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out,
     return out
 
 
-def _antidiagonal_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, s,
-                                chunk_blocks):
+def _antidiagonal_probabilities(
+    q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, s, chunk_blocks
+):
     """``scoring="antidiagonal"`` with stride ``s`` (see the module docstring)."""
     bsz, hq, n, d = q.shape
     hkv, hp = k.shape[1], perm_p.shape[1]
@@ -569,8 +599,9 @@ def _antidiagonal_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidate
     return out
 
 
-def _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, stride,
-                               chunk_blocks):
+def _sampled_row_probabilities(
+    q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, stride, chunk_blocks
+):
     """``scoring="sampled_rows"``: every ``stride``-th valid query row of a block takes its exact
     softmax over the candidate keys (one logit per key: no averaging before the exponential, so a
     single dominant key keeps its mass), and the block's distribution is the mean over those rows
@@ -593,7 +624,7 @@ def _sampled_row_probabilities(q, k, perm_p, kvalid_slot, qvalid_eff, candidates
                 qf = torch.nn.functional.pad(q[b, h].float(), (0, 0, 0, total - n))[rows_idx]  # [nB*r, D]
                 for i0 in range(0, nb, chunk_blocks):
                     i1 = min(nb, i0 + chunk_blocks)
-                    logit = torch.matmul(qf[i0 * r:i1 * r], kp.t()) * sc  # [c*r, total]
+                    logit = torch.matmul(qf[i0 * r : i1 * r], kp.t()) * sc  # [c*r, total]
                     col_ok = candidates[b, h, i0:i1].repeat_interleave(block_size, dim=1) & kvs[None, :]
                     col_ok = col_ok.repeat_interleave(r, dim=0)  # [c*r, total]
                     prob = _safe_softmax(logit.masked_fill(~col_ok, _NEG_INF))
@@ -623,14 +654,36 @@ def select_blocks(
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
     candidates, plus the forced blocks (own region, sink)."""
     return _threshold_selections(
-        q, k, permutation, [threshold], key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=block_size, segment_size=segment_size, force_sink=force_sink, scoring=scoring,
+        q,
+        k,
+        permutation,
+        [threshold],
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        segment_size=segment_size,
+        force_sink=force_sink,
+        scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
     )[0]
 
 
-def _threshold_selections(q, k, permutation, thresholds, *, key_padding_mask, is_causal, scale, block_size,
-                          segment_size, force_sink, scoring, antidiagonal_stride) -> List[Tensor]:
+def _threshold_selections(
+    q,
+    k,
+    permutation,
+    thresholds,
+    *,
+    key_padding_mask,
+    is_causal,
+    scale,
+    block_size,
+    segment_size,
+    force_sink,
+    scoring,
+    antidiagonal_stride,
+) -> List[Tensor]:
     """:func:`select_blocks` at each of ``thresholds``; the block probabilities (which do not
     depend on the threshold) are computed once."""
     hq = q.shape[1]
@@ -645,8 +698,15 @@ def _threshold_selections(q, k, permutation, thresholds, *, key_padding_mask, is
             continue
         if probs is None:
             probs = block_probabilities(
-                q, k, permutation, cand, key_padding_mask=key_padding_mask, scale=scale,
-                block_size=block_size, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+                q,
+                k,
+                permutation,
+                cand,
+                key_padding_mask=key_padding_mask,
+                scale=scale,
+                block_size=block_size,
+                scoring=scoring,
+                antidiagonal_stride=antidiagonal_stride,
             )
         out.append(threshold_blocks(probs, cand, threshold) | forced)
     return out
@@ -702,9 +762,20 @@ def permuted_block_attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 stays fp64 (oracles)
     if bsz == 0:  # an empty batch: the empty result, still connected to q, k, v for autograd
         return (q.new_zeros(0, hq, n, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
-    geo = _Geometry(n=n, d=d, dv=dv, g=g, block_size=block_size, nb=nb, shared=hp != hq, sc=sc,
-                    acc=acc, is_causal=is_causal, gather_below=gather_below,
-                    zero_f=torch.tensor(0.0, dtype=acc, device=q.device))
+    geo = _Geometry(
+        n=n,
+        d=d,
+        dv=dv,
+        g=g,
+        block_size=block_size,
+        nb=nb,
+        shared=hp != hq,
+        sc=sc,
+        acc=acc,
+        is_causal=is_causal,
+        gather_below=gather_below,
+        zero_f=torch.tensor(0.0, dtype=acc, device=q.device),
+    )
     with torch.no_grad():
         perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total], -1 past N
         slot_ok = _slot_validity(permutation, key_padding_mask, nb, block_size)  # [B, Hp, total]
@@ -718,6 +789,7 @@ def permuted_block_attention(
 
 class _Geometry(NamedTuple):
     """What every (batch row, KV group, query block) of one permuted_block_attention call shares."""
+
     n: int
     d: int
     dv: int
@@ -734,6 +806,7 @@ class _Geometry(NamedTuple):
 
 class _BlockColumns(NamedTuple):
     """The permuted key columns one query block attends and the masks over them."""
+
     cols: Tensor  # permuted slots, [nc]
     gather: bool  # gather ``cols`` (else the contiguous prefix ``:nc``)
     hide: Optional[Tensor]  # [G or 1, 1 or bq, nc] True = not attended; None: all attended
@@ -772,13 +845,14 @@ def _group_attention(q, k, v, block_mask, perm_p, slot_ok, kmax, b: int, kvh: in
         if blk.gather:
             kk, vv = kp[:, blk.cols], vp[:, blk.cols]
         else:
-            kk, vv = kp[:, :blk.cols.numel()], vp[:, :blk.cols.numel()]
+            kk, vv = kp[:, : blk.cols.numel()], vp[:, : blk.cols.numel()]
         outs.append(_block_output(qg[:, q0:q1] * geo.sc, kk, vv, blk, geo))
     return torch.cat(outs, dim=1)
 
 
-def _block_columns(sel: Tensor, gok: Tensor, gpos: Tensor, gkmax: Tensor, q0: int, q1: int,
-                   geo: _Geometry) -> Optional[_BlockColumns]:
+def _block_columns(
+    sel: Tensor, gok: Tensor, gpos: Tensor, gkmax: Tensor, q0: int, q1: int, geo: _Geometry
+) -> Optional[_BlockColumns]:
     """The columns query block ``[q0, q1)`` attends, given its per-head block selection ``sel``
     ``[G, nB]`` (None when no head selected any block): the contiguous permuted prefix up to the
     last selected block, or the gathered union when that is below ``gather_below`` of the prefix.
@@ -862,8 +936,9 @@ def selection_density(
     slot_ok = perm_p >= 0
     if key_padding_mask is not None:
         kpm_ext = torch.cat([key_padding_mask.bool(), key_padding_mask.new_zeros(bsz, 1).bool()], dim=-1)
-        slot_ok &= torch.gather(kpm_ext[:, None, :].expand(bsz, hp, n + 1), 2,
-                                torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p))
+        slot_ok &= torch.gather(
+            kpm_ext[:, None, :].expand(bsz, hp, n + 1), 2, torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p)
+        )
     kmin = torch.where(slot_ok, perm_p, torch.full_like(perm_p, big)).view(bsz, hp, nb, block_size).amin(-1)
     kmin = kmin[:, _hp_of(hq, hp).to(dev)]  # [B, Hq, nB]
     qmax = (torch.arange(nb, device=dev) * block_size + block_size - 1).clamp_max(n - 1)  # [nB]
@@ -898,15 +973,31 @@ def pbs_attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     perm, block_mask = pbs_selection(q, k, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)
-    out = permuted_block_attention(q, k, v, perm, block_mask, key_padding_mask=key_padding_mask,
-                                   is_causal=is_causal, scale=scale, block_size=cfg.block_size)
+    out = permuted_block_attention(
+        q,
+        k,
+        v,
+        perm,
+        block_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=cfg.block_size,
+    )
     if not return_selection:
         return out
-    density = selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                block_size=cfg.block_size)
+    density = selection_density(
+        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=cfg.block_size
+    )
     sel = Selection(
-        method="pbs", density=density, block_size=cfg.block_size, is_causal=is_causal, num_keys=q.shape[2],
-        block_mask=block_mask, permutation=perm, key_padding_mask=key_padding_mask,
+        method="pbs",
+        density=density,
+        block_size=cfg.block_size,
+        is_causal=is_causal,
+        num_keys=q.shape[2],
+        block_mask=block_mask,
+        permutation=perm,
+        key_padding_mask=key_padding_mask,
     )
     return out, sel
 
@@ -923,8 +1014,9 @@ def pbs_selection(
 ) -> Tuple[Tensor, Tensor]:
     """``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` of :func:`pbs_attention`: what it
     selects, without the attention (its density is :func:`selection_density` of the two)."""
-    perm, masks = pbs_selections(q, k, cfg, [cfg.threshold], key_padding_mask=key_padding_mask,
-                                 is_causal=is_causal, scale=scale)
+    perm, masks = pbs_selections(
+        q, k, cfg, [cfg.threshold], key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+    )
     return perm, masks[0]
 
 
@@ -948,21 +1040,39 @@ def pbs_selections(
     qd, kd = q.detach(), k.detach()
     perm = _pbs_permutation(qd, kd, cfg, key_padding_mask, scale)
     masks = _threshold_selections(
-        qd, kd, perm, thresholds, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=cfg.block_size, segment_size=cfg.segment_size, force_sink=cfg.force_sink, scoring=cfg.scoring,
+        qd,
+        kd,
+        perm,
+        thresholds,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=cfg.block_size,
+        segment_size=cfg.segment_size,
+        force_sink=cfg.force_sink,
+        scoring=cfg.scoring,
         antidiagonal_stride=cfg.antidiagonal_stride,
     )
     return perm, masks
 
 
-def _pbs_permutation(q: Tensor, k: Tensor, cfg: PBSConfig, key_padding_mask: Optional[Tensor],
-                     scale: Optional[float]) -> Tensor:
+def _pbs_permutation(
+    q: Tensor, k: Tensor, cfg: PBSConfig, key_padding_mask: Optional[Tensor], scale: Optional[float]
+) -> Tensor:
     """The key permutation of ``cfg``: sorted by proxy score per segment, or the identity."""
     bsz, hq, n, _ = q.shape
     if not cfg.permute:
         hp = hq if cfg.gqa_permutation == "query_head" else k.shape[1]
         return torch.arange(n, device=q.device).expand(bsz, hp, n).clone()
-    scores = key_scores(q, k, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
-                        segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
-                        gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+    scores = key_scores(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        block_size=cfg.block_size,
+        segment_size=cfg.segment_size,
+        causal_proxy=cfg.causal_proxy,
+        gqa_permutation=cfg.gqa_permutation,
+        proxy_blocks=cfg.proxy_blocks,
+    )
     return segment_permutation(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)

@@ -25,6 +25,7 @@ Softmax is online in fp32 (exp2 with the scale folded in); fp32 inputs use IEEE 
 Rows that see no key are written as 0. Any head dim works (padded to a power of two inside the
 kernel), any N, any block size (blocks smaller than 16 run on masked 16-wide tiles).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,14 +54,36 @@ PAD_POS = 2**31 - 1
 
 @triton.jit
 def _tile(
-    acc, l_i, m_i, q, offs_m, kb, sub_n,
-    k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-    stride_kn, stride_vn, N, qk_scale,
-    offs_d, d_ok,
-    SPARSE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_N: tl.constexpr,
-    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
-    IEEE: tl.constexpr, INTERP: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    offs_m,
+    kb,
+    sub_n,
+    k_base,
+    v_base,
+    kpos_base,
+    desc_k,
+    desc_v,
+    desc_row0,
+    stride_kn,
+    stride_vn,
+    N,
+    qk_scale,
+    offs_d,
+    d_ok,
+    SPARSE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    GATHER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     start = kb * SPARSE_BLOCK + sub_n * BLOCK_N
     in_blk = sub_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,8 +105,9 @@ def _tile(
     else:
         if MASK:
             n_ok = offs_n < N
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+            )
         elif EVEN_D:
             k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
         else:
@@ -121,8 +145,9 @@ def _tile(
             v = tl.load(v_base + src[:, None] * stride_vn + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     else:
         if MASK:
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+            )
         elif EVEN_D:
             v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
         else:
@@ -148,20 +173,52 @@ def _tile(
 
 @triton.jit
 def _pbs_fwd_kernel(
-    Q, K, V, KPOS, KV_NUM, KV_FULL, KV_IDX, OUT,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_pb, stride_ph,
-    stride_cb, stride_ch,
-    stride_ib, stride_ih, stride_iq,
-    H, N, NQB, qk_scale, HKV, N_BUCKET,
-    KV_GROUP: tl.constexpr, P_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPARSE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, MASK_ALL: tl.constexpr, GATHER: tl.constexpr, USE_TMA: tl.constexpr,
-    IEEE: tl.constexpr, INTERP: tl.constexpr,
+    Q,
+    K,
+    V,
+    KPOS,
+    KV_NUM,
+    KV_FULL,
+    KV_IDX,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_pb,
+    stride_ph,
+    stride_cb,
+    stride_ch,
+    stride_ib,
+    stride_ih,
+    stride_iq,
+    H,
+    N,
+    NQB,
+    qk_scale,
+    HKV,
+    N_BUCKET,
+    KV_GROUP: tl.constexpr,
+    P_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+    GATHER: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -197,15 +254,16 @@ def _pbs_fwd_kernel(
     k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     kpos_base = KPOS + b64 * stride_pb + ph.to(tl.int64) * stride_ph
-    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     if USE_TMA:
         rows = tl.num_programs(1) // H * HKV * N
-        desc_k = tl.make_tensor_descriptor(K, shape=[rows, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        desc_v = tl.make_tensor_descriptor(V, shape=[rows, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        desc_k = tl.make_tensor_descriptor(
+            K, shape=[rows, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        desc_v = tl.make_tensor_descriptor(
+            V, shape=[rows, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
         desc_row0 = (b * HKV + kvh) * N
     else:
         desc_k = K
@@ -232,40 +290,140 @@ def _pbs_fwd_kernel(
         t = hi_full * 0
         while t < hi_full:
             acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, offs_m, tl.load(idx_base + t // SUB_N), t % SUB_N,
-                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                MASK_FULL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                acc,
+                l_i,
+                m_i,
+                q,
+                offs_m,
+                tl.load(idx_base + t // SUB_N),
+                t % SUB_N,
+                k_base,
+                v_base,
+                kpos_base,
+                desc_k,
+                desc_v,
+                desc_row0,
+                stride_kn,
+                stride_vn,
+                N,
+                qk_scale,
+                offs_d,
+                d_ok,
+                SPARSE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                EVEN_D,
+                EVEN_N,
+                MASK_FULL,
+                IS_CAUSAL,
+                GATHER,
+                USE_TMA,
+                IEEE,
+                INTERP,
             )
             t += 1
         while t < hi_all:
             acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, offs_m, tl.load(idx_base + t // SUB_N), t % SUB_N,
-                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                True, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                acc,
+                l_i,
+                m_i,
+                q,
+                offs_m,
+                tl.load(idx_base + t // SUB_N),
+                t % SUB_N,
+                k_base,
+                v_base,
+                kpos_base,
+                desc_k,
+                desc_v,
+                desc_row0,
+                stride_kn,
+                stride_vn,
+                N,
+                qk_scale,
+                offs_d,
+                d_ok,
+                SPARSE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                EVEN_D,
+                EVEN_N,
+                True,
+                IS_CAUSAL,
+                GATHER,
+                USE_TMA,
+                IEEE,
+                INTERP,
             )
             t += 1
     else:
         for t in range(0, hi_full):
             kb = tl.load(idx_base + t // SUB_N)
             acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
-                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                MASK_FULL, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                acc,
+                l_i,
+                m_i,
+                q,
+                offs_m,
+                kb,
+                t % SUB_N,
+                k_base,
+                v_base,
+                kpos_base,
+                desc_k,
+                desc_v,
+                desc_row0,
+                stride_kn,
+                stride_vn,
+                N,
+                qk_scale,
+                offs_d,
+                d_ok,
+                SPARSE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                EVEN_D,
+                EVEN_N,
+                MASK_FULL,
+                IS_CAUSAL,
+                GATHER,
+                USE_TMA,
+                IEEE,
+                INTERP,
             )
         for t in range(hi_full, hi_all):
             kb = tl.load(idx_base + t // SUB_N)
             acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, offs_m, kb, t % SUB_N,
-                k_base, v_base, kpos_base, desc_k, desc_v, desc_row0,
-                stride_kn, stride_vn, N, qk_scale, offs_d, d_ok,
-                SPARSE_BLOCK, BLOCK_N, BLOCK_D, EVEN_D, EVEN_N,
-                True, IS_CAUSAL, GATHER, USE_TMA, IEEE, INTERP,
+                acc,
+                l_i,
+                m_i,
+                q,
+                offs_m,
+                kb,
+                t % SUB_N,
+                k_base,
+                v_base,
+                kpos_base,
+                desc_k,
+                desc_v,
+                desc_row0,
+                stride_kn,
+                stride_vn,
+                N,
+                qk_scale,
+                offs_d,
+                d_ok,
+                SPARSE_BLOCK,
+                BLOCK_N,
+                BLOCK_D,
+                EVEN_D,
+                EVEN_N,
+                True,
+                IS_CAUSAL,
+                GATHER,
+                USE_TMA,
+                IEEE,
+                INTERP,
             )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -275,8 +433,11 @@ def _pbs_fwd_kernel(
         obits = out.to(tl.uint32, bitcast=True)
         obits = (obits + 0x7FFF + ((obits >> 16) & 1)) & 0xFFFF0000
         out = obits.to(tl.float32, bitcast=True)
-    tl.store(o_base + offs_m[:, None] * stride_on + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 def _configs():
@@ -288,8 +449,13 @@ def _configs():
     # 64-row tiles are far behind; tl.range(warp_specialize=True) failed to compile for 128x64/4 warps
     # on sm_90 and was slower for 128x128/8 warps (0.65-0.76x), so it is not used.
     table = [
-        (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
-        (32, 32, 4, 2), (16, 16, 4, 2),
+        (128, 64, 4, 2),
+        (128, 64, 4, 3),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (32, 32, 4, 2),
+        (16, 16, 4, 2),
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in table]
 
@@ -302,7 +468,9 @@ def _prune(configs, named_args, **kwargs):
     if tma:
         fitting = [c for c in fitting if sb % c.kwargs["BLOCK_N"] == 0]
     if d is not None and d > 128:  # registers: keep tiles small for very large head dims
-        fitting = [c for c in fitting if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 or c.kwargs["BLOCK_N"] <= 32] or fitting
+        fitting = [
+            c for c in fitting if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 or c.kwargs["BLOCK_N"] <= 32
+        ] or fitting
     if not fitting:
         fitting = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # keep the largest fitting tiles only (smaller ones are for small sparse blocks)
@@ -394,9 +562,17 @@ def pbs_block_sparse_fwd(
     index_strides = (*kpos.stride()[:2], *kv_num.stride()[:2], *kv_idx.stride()[:3])
     args = (*ptrs, *qkvo_strides, *index_strides, hq, n, nqb, scale * 1.4426950408889634, hkv, pow2_at_least(n))
     meta = dict(
-        KV_GROUP=hq // hkv, P_GROUP=hq // int(kpos.shape[1]), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        SPARSE_BLOCK=block_size, IS_CAUSAL=is_causal, MASK_ALL=bool(has_padding), GATHER=gather,
-        USE_TMA=use_tma, IEEE=q.dtype == torch.float32, INTERP=interpreting(),
+        KV_GROUP=hq // hkv,
+        P_GROUP=hq // int(kpos.shape[1]),
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        SPARSE_BLOCK=block_size,
+        IS_CAUSAL=is_causal,
+        MASK_ALL=bool(has_padding),
+        GATHER=gather,
+        USE_TMA=use_tma,
+        IEEE=q.dtype == torch.float32,
+        INTERP=interpreting(),
     )
     _launch_fwd(args, meta, nqb, block_size, b * hq)
     return out
@@ -413,8 +589,12 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
             return (nqb * triton.cdiv(block_size, bm), rows)
 
         wrap_triton(_pbs_fwd_kernel)[grid](
-            *args, **meta, BLOCK_M=bm, BLOCK_N=fixed["BLOCK_N"],
-            num_warps=fixed["num_warps"], num_stages=fixed["num_stages"],
+            *args,
+            **meta,
+            BLOCK_M=bm,
+            BLOCK_N=fixed["BLOCK_N"],
+            num_warps=fixed["num_warps"],
+            num_stages=fixed["num_stages"],
         )
     else:
 
@@ -427,23 +607,21 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
 @pbs_block_sparse_fwd.register_fake
 def _(q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather, allow_tma=True):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D")
-    torch._check(kpos.dtype == torch.int32 and kv_num.dtype == torch.int32 and kv_idx.dtype == torch.int32,
-                 lambda: "kpos, kv_num, kv_full, kv_idx must be int32")
+    torch._check(
+        kpos.dtype == torch.int32 and kv_num.dtype == torch.int32 and kv_idx.dtype == torch.int32,
+        lambda: "kpos, kv_num, kv_full, kv_idx must be int32",
+    )
     return torch.empty_like(q)
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def key_positions(
-    permutation: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def key_positions(permutation: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[B, Hp, N]`` int32 original position per permuted slot, ``PAD_POS`` where padded."""
     kpos = permutation.to(torch.int32)
     if key_padding_mask is not None:
-        valid = torch.gather(
-            key_padding_mask.to(torch.bool)[:, None, :].expand(kpos.shape), 2, permutation.long()
-        )
+        valid = torch.gather(key_padding_mask.to(torch.bool)[:, None, :].expand(kpos.shape), 2, permutation.long())
         kpos = torch.where(valid, kpos, torch.full_like(kpos, PAD_POS))
     return kpos.contiguous()
 
@@ -507,9 +685,13 @@ def pbs_block_sparse_attention(
     kernel off TMA loads even where they would apply (``Tuning.pbs_tma``)."""
     b, hq, n, d = q.shape
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[2] != n or v.shape[-1] != d or k.shape[-1] != d:
-        raise ValueError(f"k/v must be [B, H', N, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"k/v must be [B, H', N, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if hq % k.shape[1] or hq % kpos.shape[1]:
-        raise ValueError(f"query heads {hq} must be a multiple of K/V heads {k.shape[1]} and permutation heads {kpos.shape[1]}")
+        raise ValueError(
+            f"query heads {hq} must be a multiple of K/V heads {k.shape[1]} and permutation heads {kpos.shape[1]}"
+        )
     if not gather and k.shape[1] != kpos.shape[1]:
         raise ValueError("gather=False expects permuted K/V with one head per permutation head")
     nqb = -(-n // block_size)
@@ -522,6 +704,17 @@ def pbs_block_sparse_attention(
     if n == 0:
         return torch.empty_like(q)
     return pbs_block_sparse_fwd(
-        q, k, v, kpos, kv_num, kv_full, kv_idx, scale, int(block_size), bool(is_causal), bool(has_padding), bool(gather),
+        q,
+        k,
+        v,
+        kpos,
+        kv_num,
+        kv_full,
+        kv_idx,
+        scale,
+        int(block_size),
+        bool(is_causal),
+        bool(has_padding),
+        bool(gather),
         bool(tma),
     )

@@ -45,6 +45,7 @@ stride 8, threshold 0.9); compiled for sm_90 (tests/sm90_compile.py). The estima
 0.11-0.17 of cuDNN's dense causal attention at 8K-128K on the H200 (same file, B=1, Hq=32, Hkv=8,
 D=128, bf16, stride 8): above the ``1/(2s)`` FLOP ratio (0.0625).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,14 @@ from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least
 from .config import PBSConfig
 
-__all__ = ["strided_estimate", "block_probabilities", "estimate_plan", "rows_per_block", "pbs_strided_estimate",
-           "pbs_strided_probs"]
+__all__ = [
+    "strided_estimate",
+    "block_probabilities",
+    "estimate_plan",
+    "rows_per_block",
+    "pbs_strided_estimate",
+    "pbs_strided_probs",
+]
 
 _LOG2E = 1.4426950408889634
 _PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
@@ -89,8 +96,20 @@ def _check(scoring: str, block_size: int, stride) -> None:
 
 
 @triton.jit
-def _column_block(acc_s, ok, lbm_ptr, j0, m_run, l_run, NB, r_ok,
-                  BLOCK_M: tl.constexpr, JB: tl.constexpr, CPBP: tl.constexpr, MASKED: tl.constexpr):
+def _column_block(
+    acc_s,
+    ok,
+    lbm_ptr,
+    j0,
+    m_run,
+    l_run,
+    NB,
+    r_ok,
+    BLOCK_M: tl.constexpr,
+    JB: tl.constexpr,
+    CPBP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Per row and key block of one loop step: the block's log2-sum-exp2 of the masked logits
     ``acc_s [BLOCK_M, JB*CPBP]`` (log2 units), stored to ``lbm_ptr`` (row pointers) at blocks
     ``j0 .. j0+JB``; returns the rows' running max / sum of exp2 updated with them."""
@@ -123,12 +142,42 @@ def _dot(a, b, IEEE: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-                   N, NB, qk_scale, segment_size, stride_qn, stride_kn,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
-                   STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
-                   ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
-                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+def _estimate_step(
+    j0,
+    q,
+    q_base,
+    k_base,
+    kpos_base,
+    qv_base,
+    rows,
+    r_ok,
+    region_q,
+    n_seg,
+    lbm_ptr,
+    m_run,
+    l_run,
+    N,
+    NB,
+    qk_scale,
+    segment_size,
+    stride_qn,
+    stride_kn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    CPB: tl.constexpr,
+    CPBP: tl.constexpr,
+    JB: tl.constexpr,
+    ANTI: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    EXACT_CNT: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Key blocks ``j0 .. j0+JB`` against the tile's rows (see the module docstring). Without
     ``MASKED`` every (row, column) of the step is a valid candidate pair (the caller's interior
     range): no masks are built."""
@@ -153,14 +202,16 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
                 qv = r_ok & (tl.load(qv_base + qpos, mask=r_ok, other=0) != 0)
             else:
                 qv = r_ok & (qpos < N)
-            qt = tl.load(q_base + qpos[:, None] * stride_qn + offs_d[None, :], mask=qv[:, None] & d_ok[None, :],
-                         other=0.0)
+            qt = tl.load(
+                q_base + qpos[:, None] * stride_qn + offs_d[None, :], mask=qv[:, None] & d_ok[None, :], other=0.0
+            )
             slot = blk.to(tl.int64) * BS + c * STRIDE + t
             kv = c_in & (slot < N)
             if HAS_PAD:
                 kv = kv & (tl.load(kpos_base + slot, mask=kv, other=_PAD_POS) != _PAD_POS)
-            kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :],
-                         other=0.0)
+            kt = tl.load(
+                k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :], other=0.0
+            )
             acc += _dot(qt, kt, IEEE, INTERP)
             if not EXACT_CNT:
                 cnt += (qv[:, None] & kv[None, :]).to(tl.float32)
@@ -173,8 +224,7 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
     else:
         slot = blk.to(tl.int64) * BS + c
         kv = c_in & (slot < N)
-        kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :],
-                     other=0.0)
+        kt = tl.load(k_base + slot[:, None] * stride_kn + offs_d[None, :], mask=kv[:, None] & d_ok[None, :], other=0.0)
         if HAS_PAD:
             kv = kv & (tl.load(kpos_base + slot, mask=kv, other=_PAD_POS) != _PAD_POS)
         s = _dot(q, kt, IEEE, INTERP) * qk_scale
@@ -183,39 +233,165 @@ def _estimate_step(j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region
 
 
 @triton.jit
-def _estimate_loop(j_lo, j_hi, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run,
-                   l_run, N, NB, qk_scale, segment_size, stride_qn, stride_kn,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
-                   STRIDE: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
-                   ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
-                   IEEE: tl.constexpr, INTERP: tl.constexpr, MASKED: tl.constexpr):
+def _estimate_loop(
+    j_lo,
+    j_hi,
+    q,
+    q_base,
+    k_base,
+    kpos_base,
+    qv_base,
+    rows,
+    r_ok,
+    region_q,
+    n_seg,
+    lbm_ptr,
+    m_run,
+    l_run,
+    N,
+    NB,
+    qk_scale,
+    segment_size,
+    stride_qn,
+    stride_kn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    CPB: tl.constexpr,
+    CPBP: tl.constexpr,
+    JB: tl.constexpr,
+    ANTI: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    EXACT_CNT: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """The steps ``j_lo, j_lo+JB, .. < j_hi``; returns the rows' running max / sum."""
     if INTERP:  # (the interpreter cannot range() over a computed bound)
         j0 = j_lo
         while j0 < j_hi:
             m_run, l_run = _estimate_step(
-                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+                j0,
+                q,
+                q_base,
+                k_base,
+                kpos_base,
+                qv_base,
+                rows,
+                r_ok,
+                region_q,
+                n_seg,
+                lbm_ptr,
+                m_run,
+                l_run,
+                N,
+                NB,
+                qk_scale,
+                segment_size,
+                stride_qn,
+                stride_kn,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_M,
+                BS,
+                STRIDE,
+                CPB,
+                CPBP,
+                JB,
+                ANTI,
+                IS_CAUSAL,
+                HAS_PAD,
+                EXACT_CNT,
+                IEEE,
+                INTERP,
+                MASKED,
+            )
             j0 += JB
     else:
         for j0 in tl.range(j_lo, j_hi, JB):
             m_run, l_run = _estimate_step(
-                j0, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-                N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-                CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, MASKED)
+                j0,
+                q,
+                q_base,
+                k_base,
+                kpos_base,
+                qv_base,
+                rows,
+                r_ok,
+                region_q,
+                n_seg,
+                lbm_ptr,
+                m_run,
+                l_run,
+                N,
+                NB,
+                qk_scale,
+                segment_size,
+                stride_qn,
+                stride_kn,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_M,
+                BS,
+                STRIDE,
+                CPB,
+                CPBP,
+                JB,
+                ANTI,
+                IS_CAUSAL,
+                HAS_PAD,
+                EXACT_CNT,
+                IEEE,
+                INTERP,
+                MASKED,
+            )
     return m_run, l_run
 
 
 @triton.jit
 def _strided_estimate_kernel(
-    Q, K, KPOS, QV, LENS, LBM, LSE,
-    H0, HC, HP_GROUP, HP, N, NB, NROWS, NTILES, qk_scale, segment_size,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BS: tl.constexpr,
-    STRIDE: tl.constexpr, RPB: tl.constexpr, CPB: tl.constexpr, CPBP: tl.constexpr, JB: tl.constexpr,
-    ANTI: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, EXACT_CNT: tl.constexpr,
-    IEEE: tl.constexpr, INTERP: tl.constexpr,
+    Q,
+    K,
+    KPOS,
+    QV,
+    LENS,
+    LBM,
+    LSE,
+    H0,
+    HC,
+    HP_GROUP,
+    HP,
+    N,
+    NB,
+    NROWS,
+    NTILES,
+    qk_scale,
+    segment_size,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    RPB: tl.constexpr,
+    CPB: tl.constexpr,
+    CPBP: tl.constexpr,
+    JB: tl.constexpr,
+    ANTI: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    EXACT_CNT: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One program per (tile of BLOCK_M estimate rows, batch * head of the chunk ``[H0, H0+HC)``):
     ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass and ``LSE [B*HC, NROWS]``."""
@@ -251,8 +427,11 @@ def _strided_estimate_kernel(
     else:
         qpos = qblk.to(tl.int64) * BS + (rows % RPB) * STRIDE
         offs_d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_base + qpos[:, None] * stride_qn + offs_d[None, :],
-                    mask=(r_ok & (qpos < N))[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        q = tl.load(
+            q_base + qpos[:, None] * stride_qn + offs_d[None, :],
+            mask=(r_ok & (qpos < N))[:, None] & (offs_d < HEAD_DIM)[None, :],
+            other=0.0,
+        )
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     # interior steps: every row of the tile sees every column as a valid candidate (no padding,
@@ -264,13 +443,79 @@ def _strided_estimate_kernel(
         first_own = tl.min(tl.where(r_ok, (region_q * segment_size) // BS, NB), 0)
         j_mid = tl.minimum(tl.minimum(first_own, (N // BS)), j_end) // JB * JB
     m_run, l_run = _estimate_loop(
-        0, j_mid, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, False)
+        0,
+        j_mid,
+        q,
+        q_base,
+        k_base,
+        kpos_base,
+        qv_base,
+        rows,
+        r_ok,
+        region_q,
+        n_seg,
+        lbm_ptr,
+        m_run,
+        l_run,
+        N,
+        NB,
+        qk_scale,
+        segment_size,
+        stride_qn,
+        stride_kn,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_M,
+        BS,
+        STRIDE,
+        CPB,
+        CPBP,
+        JB,
+        ANTI,
+        IS_CAUSAL,
+        HAS_PAD,
+        EXACT_CNT,
+        IEEE,
+        INTERP,
+        False,
+    )
     m_run, l_run = _estimate_loop(
-        j_mid, j_end, q, q_base, k_base, kpos_base, qv_base, rows, r_ok, region_q, n_seg, lbm_ptr, m_run, l_run,
-        N, NB, qk_scale, segment_size, stride_qn, stride_kn, HEAD_DIM, BLOCK_D, BLOCK_M, BS, STRIDE, CPB,
-        CPBP, JB, ANTI, IS_CAUSAL, HAS_PAD, EXACT_CNT, IEEE, INTERP, True)
+        j_mid,
+        j_end,
+        q,
+        q_base,
+        k_base,
+        kpos_base,
+        qv_base,
+        rows,
+        r_ok,
+        region_q,
+        n_seg,
+        lbm_ptr,
+        m_run,
+        l_run,
+        N,
+        NB,
+        qk_scale,
+        segment_size,
+        stride_qn,
+        stride_kn,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_M,
+        BS,
+        STRIDE,
+        CPB,
+        CPBP,
+        JB,
+        ANTI,
+        IS_CAUSAL,
+        HAS_PAD,
+        EXACT_CNT,
+        IEEE,
+        INTERP,
+        True,
+    )
     _fill_unseen(lbm_ptr, r_ok, j_end, NB, BLOCK_M, JB, INTERP)
     lse = tl.where(l_run > 0.0, m_run + tl.log2(tl.maximum(l_run, 1.0e-30)), float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * NROWS + rows, lse, mask=r_ok)
@@ -294,9 +539,26 @@ def _fill_unseen(lbm_ptr, r_ok, j_lo, NB, BLOCK_M: tl.constexpr, JB: tl.constexp
 
 
 @triton.jit
-def _strided_prob_row(LBM, LSE, QV, bh64, b64, qb, offs, cand, N, NB, NROWS,
-                      BS: tl.constexpr, STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr,
-                      BLOCK_B: tl.constexpr, ROW_QV: tl.constexpr, HAS_PAD: tl.constexpr):
+def _strided_prob_row(
+    LBM,
+    LSE,
+    QV,
+    bh64,
+    b64,
+    qb,
+    offs,
+    cand,
+    N,
+    NB,
+    NROWS,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    RPB: tl.constexpr,
+    RC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    ROW_QV: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+):
     """``[BLOCK_B]`` fp32 block probabilities of query block ``qb`` over the key blocks ``offs``:
     the mean over its rows that see a candidate key (and are valid query rows when ``ROW_QV``)
     of ``exp2(lbm - lse)``; 0 where ``cand`` is false."""
@@ -323,10 +585,26 @@ def _strided_prob_row(LBM, LSE, QV, bh64, b64, qb, offs, cand, N, NB, NROWS,
 
 
 @triton.jit
-def _strided_probs_kernel(LBM, LSE, QV, LENS, PROBS, HC, N, NB, NROWS, segment_size,
-                          BS: tl.constexpr, STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr,
-                          BLOCK_B: tl.constexpr, ROW_QV: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          HAS_PAD: tl.constexpr):
+def _strided_probs_kernel(
+    LBM,
+    LSE,
+    QV,
+    LENS,
+    PROBS,
+    HC,
+    N,
+    NB,
+    NROWS,
+    segment_size,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    RPB: tl.constexpr,
+    RC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    ROW_QV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+):
     """One program per (query block, batch * head of the chunk): its row of block probabilities
     ``PROBS [B*HC, NB, NB]`` (the region rule decides the candidates; a key block without a
     valid key gets no mass)."""
@@ -345,14 +623,21 @@ def _strided_probs_kernel(LBM, LSE, QV, LENS, PROBS, HC, N, NB, NROWS, segment_s
         cand = kb_ok & (region_k < region_q)
     else:
         cand = kb_ok & (region_k != region_q)
-    prob = _strided_prob_row(LBM, LSE, QV, bh.to(tl.int64), b64, qb, offs, cand, N, NB, NROWS, BS, STRIDE, RPB,
-                             RC, BLOCK_B, ROW_QV, HAS_PAD)
+    prob = _strided_prob_row(
+        LBM, LSE, QV, bh.to(tl.int64), b64, qb, offs, cand, N, NB, NROWS, BS, STRIDE, RPB, RC, BLOCK_B, ROW_QV, HAS_PAD
+    )
     tl.store(PROBS + (bh.to(tl.int64) * NB + qb) * NB + offs, prob, mask=kb_ok)
 
 
-def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[int] = None,
-                  block_n: Optional[int] = None, num_warps: Optional[int] = None,
-                  num_stages: Optional[int] = None) -> dict:
+def estimate_plan(
+    scoring: str,
+    block_size: int,
+    stride: int,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> dict:
     """Launch geometry (host-side): rows per block, columns per key block (padded to a power of
     two), key blocks per loop step (``block_n`` columns, at least one block), rows per tile, warps
     and pipeline stages. GPU defaults: 128 x 128 tiles, 8 warps (the sampled rows keep their Q
@@ -366,9 +651,15 @@ def estimate_plan(scoring: str, block_size: int, stride: int, block_m: Optional[
     block_n = _default_tile() if block_n is None else block_n
     jb = max(1, max(16, block_n) // cpbp)
     anti = scoring == "antidiagonal"
-    return dict(RPB=rpb, CPB=cpb, CPBP=cpbp, JB=jb, BLOCK_M=block_m,
-                num_warps=(8 if block_m * jb * cpbp >= 128 * 128 else 4) if num_warps is None else num_warps,
-                num_stages=(2 if anti else 3) if num_stages is None else num_stages)
+    return dict(
+        RPB=rpb,
+        CPB=cpb,
+        CPBP=cpbp,
+        JB=jb,
+        BLOCK_M=block_m,
+        num_warps=(8 if block_m * jb * cpbp >= 128 * 128 else 4) if num_warps is None else num_warps,
+        num_stages=(2 if anti else 3) if num_stages is None else num_stages,
+    )
 
 
 def strided_estimate(
@@ -406,8 +697,25 @@ def strided_estimate(
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return torch.ops.sparseflow.pbs_strided_estimate(
-        q, k_perm, kpos, lens, qvalid, scoring, stride, hp, h0, hc, bool(is_causal), sc, block_size, segment_size,
-        block_m, block_n, plan["num_warps"], plan["num_stages"])
+        q,
+        k_perm,
+        kpos,
+        lens,
+        qvalid,
+        scoring,
+        stride,
+        hp,
+        h0,
+        hc,
+        bool(is_causal),
+        sc,
+        block_size,
+        segment_size,
+        block_m,
+        block_n,
+        plan["num_warps"],
+        plan["num_stages"],
+    )
 
 
 def _estimate_shapes(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int):
@@ -443,7 +751,8 @@ def pbs_strided_estimate(
     # the settings that shape the kernel are compile-time constants: a symbolic one (Dynamo makes
     # Python ints of a closure symbols under dynamic=True) is specialised here, with a guard
     stride, block_size, block_m, block_n, num_warps, num_stages = map(
-        int, (stride, block_size, block_m, block_n, num_warps, num_stages))
+        int, (stride, block_size, block_m, block_n, num_warps, num_stages)
+    )
     bsz, hq, n, d = q.shape
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     lbm_shape, lse_shape = _estimate_shapes(q, scoring, stride, hc, block_size)
@@ -459,29 +768,79 @@ def pbs_strided_estimate(
     # (a separate placeholder for the unused padding pointers, so no input aliases an output)
     dummy = torch.empty(1, dtype=torch.int32, device=q.device) if not has_pad else None
     wrap_triton(_strided_estimate_kernel)[(bsz * hc, ntiles)](
-        q, k_perm, kpos if has_pad else dummy, qvalid if has_pad else dummy, lens if has_pad else dummy, lbm, lse,
-        h0, hc, hq // hp, hp, n, nb, nrows, ntiles, scale * _LOG2E, segment_size,
-        q.stride(0), q.stride(1), q.stride(2), k_perm.stride(0), k_perm.stride(1), k_perm.stride(2),
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BS=block_size, STRIDE=stride,
-        ANTI=scoring == "antidiagonal", IS_CAUSAL=is_causal, HAS_PAD=has_pad,
-        EXACT_CNT=bool((not has_pad) and n % block_size == 0), IEEE=q.dtype == torch.float32,
-        INTERP=interpreting(), **plan,
+        q,
+        k_perm,
+        kpos if has_pad else dummy,
+        qvalid if has_pad else dummy,
+        lens if has_pad else dummy,
+        lbm,
+        lse,
+        h0,
+        hc,
+        hq // hp,
+        hp,
+        n,
+        nb,
+        nrows,
+        ntiles,
+        scale * _LOG2E,
+        segment_size,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_perm.stride(0),
+        k_perm.stride(1),
+        k_perm.stride(2),
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BS=block_size,
+        STRIDE=stride,
+        ANTI=scoring == "antidiagonal",
+        IS_CAUSAL=is_causal,
+        HAS_PAD=has_pad,
+        EXACT_CNT=bool((not has_pad) and n % block_size == 0),
+        IEEE=q.dtype == torch.float32,
+        INTERP=interpreting(),
+        **plan,
     )
     return lbm, lse
 
 
 @pbs_strided_estimate.register_fake
-def _(q, k_perm, kpos, lens, qvalid, scoring, stride, hp, h0, hc, is_causal, scale, block_size, segment_size,
-      block_m, block_n, num_warps, num_stages):
+def _(
+    q,
+    k_perm,
+    kpos,
+    lens,
+    qvalid,
+    scoring,
+    stride,
+    hp,
+    h0,
+    hc,
+    is_causal,
+    scale,
+    block_size,
+    segment_size,
+    block_m,
+    block_n,
+    num_warps,
+    num_stages,
+):
     torch._check(q.dim() == 4 and k_perm.dim() == 4, lambda: "q and k_perm must be 4-D")
-    torch._check(lens is None or (kpos is not None and qvalid is not None),
-                 lambda: "with lens, kpos and qvalid are needed too")
+    torch._check(
+        lens is None or (kpos is not None and qvalid is not None), lambda: "with lens, kpos and qvalid are needed too"
+    )
     lbm_shape, lse_shape = _estimate_shapes(q, scoring, stride, hc, block_size)
     return q.new_empty(lbm_shape, dtype=torch.float32), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def padding_inputs(key_padding_mask: Optional[torch.Tensor], permutation: torch.Tensor, block_size: int,
-                   kpos: Optional[torch.Tensor] = None):
+def padding_inputs(
+    key_padding_mask: Optional[torch.Tensor],
+    permutation: torch.Tensor,
+    block_size: int,
+    kpos: Optional[torch.Tensor] = None,
+):
     """``(kpos, lens, qvalid)`` for :func:`strided_estimate` (all None without padding)."""
     if key_padding_mask is None:
         return None, None, None
@@ -528,12 +887,25 @@ def block_probabilities(
     nb = -(-n // block_size)
     kpm = key_padding_mask if key_padding_mask is not None and not bool(key_padding_mask.all()) else None
     kpos, lens, qvalid = padding_inputs(kpm, permutation, block_size)
-    lbm, lse = strided_estimate(q, permute_kv(k, permutation), kpos, lens, qvalid, scoring=scoring,
-                                stride=antidiagonal_stride, hp=hp, is_causal=is_causal, scale=scale,
-                                block_size=block_size, segment_size=segment_size, block_m=block_m,
-                                block_n=block_n)
-    probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, qvalid, lens, scoring, antidiagonal_stride, hq, n,
-                                                   bool(is_causal), block_size, segment_size)
+    lbm, lse = strided_estimate(
+        q,
+        permute_kv(k, permutation),
+        kpos,
+        lens,
+        qvalid,
+        scoring=scoring,
+        stride=antidiagonal_stride,
+        hp=hp,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        segment_size=segment_size,
+        block_m=block_m,
+        block_n=block_n,
+    )
+    probs = torch.ops.sparseflow.pbs_strided_probs(
+        lbm, lse, qvalid, lens, scoring, antidiagonal_stride, hq, n, bool(is_causal), block_size, segment_size
+    )
     return probs.view(bsz, hq, nb, nb)
 
 
@@ -560,8 +932,21 @@ def pbs_strided_probs(
     dummy = torch.empty(1, dtype=torch.int32, device=lbm.device) if not has_pad else None
     block_b = pow2_at_least(nb, 16)
     wrap_triton(_strided_probs_kernel)[(nb, bhc)](
-        lbm, lse, qvalid if has_pad else dummy, lens if has_pad else dummy, probs, hc, n, nb, nrows, segment_size,
-        BS=block_size, BLOCK_B=block_b, IS_CAUSAL=is_causal, HAS_PAD=has_pad, num_warps=4,
+        lbm,
+        lse,
+        qvalid if has_pad else dummy,
+        lens if has_pad else dummy,
+        probs,
+        hc,
+        n,
+        nb,
+        nrows,
+        segment_size,
+        BS=block_size,
+        BLOCK_B=block_b,
+        IS_CAUSAL=is_causal,
+        HAS_PAD=has_pad,
+        num_warps=4,
         **prob_meta(scoring, block_size, stride, block_b),
     )
     return probs

@@ -18,6 +18,7 @@ K/V layout for the kernel (``Tuning.pbs_kv_layout`` = ``"permuted"`` | ``"gather
 * ``gather``: the kernel reads the original ``[B, Hkv, N, D]`` K/V rows through the
   permutation (no copy, no TMA).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple, Union
@@ -60,8 +61,9 @@ def _use_kernels(t: Tensor) -> bool:
 
 
 @triton.jit
-def _slot_rows(p_base, KPM, b64, blk, r0, N, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-               IDENTITY: tl.constexpr, HAS_PAD: tl.constexpr):
+def _slot_rows(
+    p_base, KPM, b64, blk, r0, N, BLOCK: tl.constexpr, ROWS: tl.constexpr, IDENTITY: tl.constexpr, HAS_PAD: tl.constexpr
+):
     """(slots, in range, source rows, valid) of ``ROWS`` permuted slots from ``blk * BLOCK + r0``:
     the original row each slot holds and whether that row is a valid (unpadded) token."""
     slot = blk * BLOCK + r0 + tl.arange(0, ROWS)
@@ -79,12 +81,41 @@ def _slot_rows(p_base, KPM, b64, blk, r0, N, BLOCK: tl.constexpr, ROWS: tl.const
 
 @triton.jit
 def _gather_pool_kernel(
-    X, Y, PERM, KPM, FIRST, XOUT, YOUT, POOLED, COUNT, KPOS, SINK,
-    HP, HX, N, NB,
-    stride_xb, stride_xh, stride_xn, stride_yb, stride_yh, stride_yn, stride_pb, stride_ph,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    IDENTITY: tl.constexpr, WRITE_X: tl.constexpr, WRITE_Y: tl.constexpr, POOL: tl.constexpr,
-    FALLBACK_ALL: tl.constexpr, WRITE_POS: tl.constexpr, FIND_SINK: tl.constexpr, HAS_PAD: tl.constexpr,
+    X,
+    Y,
+    PERM,
+    KPM,
+    FIRST,
+    XOUT,
+    YOUT,
+    POOLED,
+    COUNT,
+    KPOS,
+    SINK,
+    HP,
+    HX,
+    N,
+    NB,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_yb,
+    stride_yh,
+    stride_yn,
+    stride_pb,
+    stride_ph,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    WRITE_X: tl.constexpr,
+    WRITE_Y: tl.constexpr,
+    POOL: tl.constexpr,
+    FALLBACK_ALL: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+    FIND_SINK: tl.constexpr,
+    HAS_PAD: tl.constexpr,
     PAD_VALUE: tl.constexpr,
 ):
     """One program per (block of ``BLOCK`` permuted slots, batch * permutation head): copies the
@@ -161,26 +192,70 @@ class PermutedLayout(NamedTuple):
     sink: Optional[Tensor]  # [B, Hp] int32 permuted block of the row's first valid token, -1 if none
 
 
-def _launch_gather(x, y, permutation, *, key_padding_mask, block_size, write_x, write_y, pool, fallback_all,
-                   positions, sink, identity=False, hp=None):
+def _launch_gather(
+    x,
+    y,
+    permutation,
+    *,
+    key_padding_mask,
+    block_size,
+    write_x,
+    write_y,
+    pool,
+    fallback_all,
+    positions,
+    sink,
+    identity=False,
+    hp=None,
+):
     """One ``_gather_pool_kernel`` launch; returns ``(xo, yo, pooled, count, kpos, sink)``, None
     for each output not asked for."""
     b, hx, n, d = x.shape
     hp = permutation.shape[1] if hp is None else hp
     nb = -(-n // block_size)
     x, y, permutation = (None if t is None else _unit_last_stride(t) for t in (x, y, permutation))
-    buffers = _gather_buffers(x, y, key_padding_mask, hp=hp, nb=nb, write_x=write_x, write_y=write_y, pool=pool,
-                              positions=positions, sink=sink)
+    buffers = _gather_buffers(
+        x,
+        y,
+        key_padding_mask,
+        hp=hp,
+        nb=nb,
+        write_x=write_x,
+        write_y=write_y,
+        pool=pool,
+        positions=positions,
+        sink=sink,
+    )
     yy = y if y is not None else x
     pp = permutation if permutation is not None else x
     perm_strides = pp.stride()[:2] if permutation is not None else (0, 0)
     block_d = triton.next_power_of_2(d)
     _gather_pool_kernel[(nb, b * hp)](
-        x, yy, pp, *(t if t is not None else x for t in buffers),  # x stands in for the unused ones
-        hp, hx, n, nb, *x.stride()[:3], *yy.stride()[:3], *perm_strides,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK=block_size, ROWS=_gather_rows(block_size, block_d), IDENTITY=identity,
-        WRITE_X=write_x, WRITE_Y=write_y, POOL=pool, FALLBACK_ALL=fallback_all, WRITE_POS=positions,
-        FIND_SINK=sink, HAS_PAD=key_padding_mask is not None, PAD_VALUE=PAD_POS, num_warps=4,
+        x,
+        yy,
+        pp,
+        *(t if t is not None else x for t in buffers),  # x stands in for the unused ones
+        hp,
+        hx,
+        n,
+        nb,
+        *x.stride()[:3],
+        *yy.stride()[:3],
+        *perm_strides,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK=block_size,
+        ROWS=_gather_rows(block_size, block_d),
+        IDENTITY=identity,
+        WRITE_X=write_x,
+        WRITE_Y=write_y,
+        POOL=pool,
+        FALLBACK_ALL=fallback_all,
+        WRITE_POS=positions,
+        FIND_SINK=sink,
+        HAS_PAD=key_padding_mask is not None,
+        PAD_VALUE=PAD_POS,
+        num_warps=4,
     )
     return buffers[2:]
 
@@ -248,8 +323,18 @@ def permuted_layout(
     else:
         vo = None
     kk, vv, kbar, kcnt, kpos, snk = _launch_gather(
-        k, v if write_v else None, permutation, key_padding_mask=key_padding_mask, block_size=block_size,
-        write_x=write_kv, write_y=write_v, pool=pool, fallback_all=False, positions=positions, sink=sink)
+        k,
+        v if write_v else None,
+        permutation,
+        key_padding_mask=key_padding_mask,
+        block_size=block_size,
+        write_x=write_kv,
+        write_y=write_v,
+        pool=pool,
+        fallback_all=False,
+        positions=positions,
+        sink=sink,
+    )
     return PermutedLayout(kk, vv if vv is not None else vo, kbar, kcnt, kpos, snk)
 
 
@@ -260,9 +345,21 @@ def pool_query_blocks(q: Tensor, key_padding_mask: Optional[Tensor], block_size:
         bsz, _, n, _ = q.shape
         valid = _ref._valid_positions(key_padding_mask, bsz, n, q.device)
         return _ref._query_block_means(q, valid, block_size)
-    return _launch_gather(q, None, None, key_padding_mask=key_padding_mask, block_size=block_size,
-                          write_x=False, write_y=False, pool=True, fallback_all=True, positions=False,
-                          sink=False, identity=True, hp=q.shape[1])[2]
+    return _launch_gather(
+        q,
+        None,
+        None,
+        key_padding_mask=key_padding_mask,
+        block_size=block_size,
+        write_x=False,
+        write_y=False,
+        pool=True,
+        fallback_all=True,
+        positions=False,
+        sink=False,
+        identity=True,
+        hp=q.shape[1],
+    )[2]
 
 
 def permute_kv(x: Tensor, permutation: Tensor) -> Tensor:
@@ -272,8 +369,19 @@ def permute_kv(x: Tensor, permutation: Tensor) -> Tensor:
     b, hkv, n, d = x.shape
     hp = permutation.shape[1]
     if _use_kernels(x) and n > 0 and b * hp > 0:
-        return _launch_gather(x, None, permutation, key_padding_mask=None, block_size=128, write_x=True,
-                              write_y=False, pool=False, fallback_all=False, positions=False, sink=False)[0]
+        return _launch_gather(
+            x,
+            None,
+            permutation,
+            key_padding_mask=None,
+            block_size=128,
+            write_x=True,
+            write_y=False,
+            pool=False,
+            fallback_all=False,
+            positions=False,
+            sink=False,
+        )[0]
     return permute_kv_torch(x, permutation)
 
 
@@ -314,20 +422,51 @@ def pbs_attention(
         perm = _permutation(q.detach(), k.detach(), cfg, key_padding_mask, scale, kernels)
         if kernels:
             out, block_mask = _fused_select_attention(
-                q, k, v, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-                block_size=bs, segment_size=cfg.segment_size, threshold=cfg.threshold, force_sink=cfg.force_sink,
-                mask_segment=mask_segment, want_mask=return_selection,
-                scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride, tuning=tuning,
+                q,
+                k,
+                v,
+                perm,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                scale=scale,
+                block_size=bs,
+                segment_size=cfg.segment_size,
+                threshold=cfg.threshold,
+                force_sink=cfg.force_sink,
+                mask_segment=mask_segment,
+                want_mask=return_selection,
+                scoring=cfg.scoring,
+                antidiagonal_stride=cfg.antidiagonal_stride,
+                tuning=tuning,
             )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
         block_mask = _ref.select_blocks(
-            q.detach(), k.detach(), perm, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=bs, segment_size=cfg.segment_size, threshold=cfg.threshold, force_sink=cfg.force_sink,
-            scoring=cfg.scoring, antidiagonal_stride=cfg.antidiagonal_stride,
+            q.detach(),
+            k.detach(),
+            perm,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=bs,
+            segment_size=cfg.segment_size,
+            threshold=cfg.threshold,
+            force_sink=cfg.force_sink,
+            scoring=cfg.scoring,
+            antidiagonal_stride=cfg.antidiagonal_stride,
         )
         out = attention_from_selection(
-            q, k, v, perm, block_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=bs, segment_size=mask_segment, layout=tuning.pbs_kv_layout, tma=tuning.pbs_tma,
+            q,
+            k,
+            v,
+            perm,
+            block_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=bs,
+            segment_size=mask_segment,
+            layout=tuning.pbs_kv_layout,
+            tma=tuning.pbs_tma,
         )
     return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
 
@@ -341,8 +480,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cfg: PBSConfig) -> None:
     if v.shape[-1] != d:
         raise ValueError(f"the Triton PBS kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"the Triton PBS kernel takes float16, bfloat16 or float32 q/k/v, got {q.dtype}; "
-                        "float64 runs on backend='reference'")
+        raise TypeError(
+            f"the Triton PBS kernel takes float16, bfloat16 or float32 q/k/v, got {q.dtype}; "
+            "float64 runs on backend='reference'"
+        )
 
 
 def _permutation(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, scale, kernels: bool) -> Tensor:
@@ -358,16 +499,39 @@ def _permutation(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, scale
         score_fn, perm_fn = _sel.key_scores, _sel.segment_permutation
     else:
         score_fn, perm_fn = _ref.key_scores, _ref.segment_permutation
-    scores = score_fn(qd, kd, key_padding_mask=key_padding_mask, scale=scale, block_size=cfg.block_size,
-                      segment_size=cfg.segment_size, causal_proxy=cfg.causal_proxy,
-                      gqa_permutation=cfg.gqa_permutation, proxy_blocks=cfg.proxy_blocks)
+    scores = score_fn(
+        qd,
+        kd,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        block_size=cfg.block_size,
+        segment_size=cfg.segment_size,
+        causal_proxy=cfg.causal_proxy,
+        gqa_permutation=cfg.gqa_permutation,
+        proxy_blocks=cfg.proxy_blocks,
+    )
     return perm_fn(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)
 
 
-def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale, block_size, segment_size,
-                            threshold, force_sink, mask_segment, want_mask, scoring=PBSConfig.scoring,
-                            antidiagonal_stride=PBSConfig.antidiagonal_stride,
-                            tuning: Tuning = DEFAULT_TUNING):
+def _fused_select_attention(
+    q,
+    k,
+    v,
+    perm,
+    *,
+    key_padding_mask,
+    is_causal,
+    scale,
+    block_size,
+    segment_size,
+    threshold,
+    force_sink,
+    mask_segment,
+    want_mask,
+    scoring=PBSConfig.scoring,
+    antidiagonal_stride=PBSConfig.antidiagonal_stride,
+    tuning: Tuning = DEFAULT_TUNING,
+):
     from .triton_select import select_block_lists
 
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
@@ -376,18 +540,50 @@ def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale
     # the strided estimates stream the permuted keys: written even when the attention gathers
     strided = scoring != "mean" and float(threshold) < 1.0
     # one launch: permuted K/V (unless the kernel gathers), pooled key blocks, positions, sink
-    lay = permuted_layout(k, None if gather else v, perm, key_padding_mask=kpm, block_size=block_size,
-                          write_kv=strided or not gather, pool=True, positions=True, sink=force_sink)
+    lay = permuted_layout(
+        k,
+        None if gather else v,
+        perm,
+        key_padding_mask=kpm,
+        block_size=block_size,
+        write_kv=strided or not gather,
+        pool=True,
+        positions=True,
+        sink=force_sink,
+    )
     kv_num, kv_full, kv_idx, block_mask = select_block_lists(
-        q, lay.k, perm, key_padding_mask=kpm, is_causal=is_causal, scale=scale, block_size=block_size,
-        segment_size=segment_size, threshold=threshold, force_sink=force_sink, mask_segment=mask_segment,
-        return_block_mask=want_mask, layout=lay, scoring=scoring, antidiagonal_stride=antidiagonal_stride,
+        q,
+        lay.k,
+        perm,
+        key_padding_mask=kpm,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        segment_size=segment_size,
+        threshold=threshold,
+        force_sink=force_sink,
+        mask_segment=mask_segment,
+        return_block_mask=want_mask,
+        layout=lay,
+        scoring=scoring,
+        antidiagonal_stride=antidiagonal_stride,
         padding_checked=True,
     )
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(
-        q, kk, vv, lay.kpos, kv_num, kv_full, kv_idx, scale=scale, block_size=block_size,
-        is_causal=is_causal, has_padding=has_pad, gather=gather, tma=tuning.pbs_tma,
+        q,
+        kk,
+        vv,
+        lay.kpos,
+        kv_num,
+        kv_full,
+        kv_idx,
+        scale=scale,
+        block_size=block_size,
+        is_causal=is_causal,
+        has_padding=has_pad,
+        gather=gather,
+        tma=tuning.pbs_tma,
     )
     return out, block_mask
 
@@ -395,11 +591,18 @@ def _fused_select_attention(q, k, v, perm, *, key_padding_mask, is_causal, scale
 def _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):
     if not return_selection:
         return out
-    density = _ref.selection_density(block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                     block_size=block_size)
+    density = _ref.selection_density(
+        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )
     sel = Selection(
-        method="pbs", density=density, block_size=block_size, is_causal=is_causal, num_keys=n,
-        block_mask=block_mask, permutation=perm, key_padding_mask=key_padding_mask,
+        method="pbs",
+        density=density,
+        block_size=block_size,
+        is_causal=is_causal,
+        num_keys=n,
+        block_mask=block_mask,
+        permutation=perm,
+        key_padding_mask=key_padding_mask,
     )
     return out, sel
 
@@ -427,14 +630,29 @@ def attention_from_selection(
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
     kpos = key_positions(permutation, key_padding_mask if has_pad else None)
     kv_num, kv_full, kv_idx = block_mask_to_indices(
-        block_mask, num_keys=n, block_size=block_size, segment_size=segment_size,
-        is_causal=is_causal, has_padding=has_pad,
+        block_mask,
+        num_keys=n,
+        block_size=block_size,
+        segment_size=segment_size,
+        is_causal=is_causal,
+        has_padding=has_pad,
     )
     if layout == "gather":
         kk, vv, gather = k, v, True
     else:
         kk, vv, gather = permute_kv(k, permutation), permute_kv(v, permutation), False
     return pbs_block_sparse_attention(
-        q, kk, vv, kpos, kv_num, kv_full, kv_idx, scale=scale, block_size=block_size,
-        is_causal=is_causal, has_padding=has_pad, gather=gather, tma=tma,
+        q,
+        kk,
+        vv,
+        kpos,
+        kv_num,
+        kv_full,
+        kv_idx,
+        scale=scale,
+        block_size=block_size,
+        is_causal=is_causal,
+        has_padding=has_pad,
+        gather=gather,
+        tma=tma,
     )

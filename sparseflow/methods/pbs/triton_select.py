@@ -35,6 +35,7 @@ B=1, Hq=32, Hkv=8, D=128, bf16, ``scoring="mean"``, threshold 0.9), scores + sor
 selection equals the reference's at 8K and 32K and differs at 128K in 6 blocks, all near-ties of
 the threshold rule (``selection_diff`` in benchmarks/pbs.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,14 +56,44 @@ from .config import PBSConfig
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
 
-
 @triton.jit
 def _select_rows_kernel(
-    LOGITS, LENS, KCNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK, LBM, LSE, QV,
-    H, H0, HC, NB, HP_GROUP, HP, N, NROWS, scale, threshold, block_size, segment_size, mask_segment,
-    BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, EXACT: tl.constexpr, HAS_PAD: tl.constexpr,
-    WRITE_MASK: tl.constexpr, CUT_SORT: tl.constexpr, STRIDED: tl.constexpr, BS: tl.constexpr,
-    STRIDE: tl.constexpr, RPB: tl.constexpr, RC: tl.constexpr, ROW_QV: tl.constexpr,
+    LOGITS,
+    LENS,
+    KCNT,
+    SINK,
+    KV_NUM,
+    KV_FULL,
+    KV_IDX,
+    BMASK,
+    LBM,
+    LSE,
+    QV,
+    H,
+    H0,
+    HC,
+    NB,
+    HP_GROUP,
+    HP,
+    N,
+    NROWS,
+    scale,
+    threshold,
+    block_size,
+    segment_size,
+    mask_segment,
+    BLOCK_B: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    EXACT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    WRITE_MASK: tl.constexpr,
+    CUT_SORT: tl.constexpr,
+    STRIDED: tl.constexpr,
+    BS: tl.constexpr,
+    STRIDE: tl.constexpr,
+    RPB: tl.constexpr,
+    RC: tl.constexpr,
+    ROW_QV: tl.constexpr,
 ):
     """One program per (query block, batch * head of the chunk ``[H0, H0 + HC)``): reads its row
     of raw block logits ``q̄·k̄`` (``LOGITS [B, HC, nB, nB]`` fp32), applies the scale, masks the
@@ -102,8 +133,26 @@ def _select_rows_kernel(
         keep = cand
     else:
         if STRIDED:
-            prob = _strided_prob_row(LBM, LSE, QV, b64 * HC + hc, b64, qb, offs, cand, N, NB, NROWS, BS, STRIDE,
-                                     RPB, RC, BLOCK_B, ROW_QV, HAS_PAD)
+            prob = _strided_prob_row(
+                LBM,
+                LSE,
+                QV,
+                b64 * HC + hc,
+                b64,
+                qb,
+                offs,
+                cand,
+                N,
+                NB,
+                NROWS,
+                BS,
+                STRIDE,
+                RPB,
+                RC,
+                BLOCK_B,
+                ROW_QV,
+                HAS_PAD,
+            )
             prob = tl.where(cand, prob, 0.0)
         else:
             raw = tl.load(LOGITS + ((b64 * HC + hc) * NB + qb) * NB + offs, mask=cand, other=0.0)
@@ -256,8 +305,9 @@ def select_block_lists(
     kpm = key_padding_mask.to(torch.bool) if has_pad else None
     exact, strided = _selection_kind(threshold, cut, scoring, block_size, antidiagonal_stride)
     lens = _ref.effective_lengths(kpm, bsz, n, q.device).to(torch.int32) if has_pad else None
-    kbar, kcnt, sink = _key_block_stats(layout, k_perm, permutation, kpm, force_sink,
-                                        not exact and not strided, nb, block_size)
+    kbar, kcnt, sink = _key_block_stats(
+        layout, k_perm, permutation, kpm, force_sink, not exact and not strided, nb, block_size
+    )
     kv_num, kv_full, kv_idx, bmask = outputs = _selection_outputs(bsz, hq, nb, q.device, return_block_mask)
     hp = permutation.shape[1]
     shape_args = (hq, nb, hq // hp, hp, n)
@@ -267,8 +317,22 @@ def select_block_lists(
     if exact:
         launch.run(kv_num, launch.no_est, 0, hq, 0)
     elif strided:
-        _select_strided(launch, q, k_perm, permutation, layout, kpm, lens, is_causal, scale, block_size,
-                        segment_size, scoring, antidiagonal_stride, max_logit_bytes)
+        _select_strided(
+            launch,
+            q,
+            k_perm,
+            permutation,
+            layout,
+            kpm,
+            lens,
+            is_causal,
+            scale,
+            block_size,
+            segment_size,
+            scoring,
+            antidiagonal_stride,
+            max_logit_bytes,
+        )
     else:
         _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes)
     return kv_num, kv_full, kv_idx, bmask
@@ -283,12 +347,20 @@ def _selection_outputs(bsz: int, hq: int, nb: int, dev, with_mask: bool):
     return kv_num, kv_full, kv_idx, bmask
 
 
-def _row_meta(nb: int, is_causal, exact: bool, has_pad: bool, write_mask: bool, cut: str, strided: bool,
-              block_size: int) -> dict:
+def _row_meta(
+    nb: int, is_causal, exact: bool, has_pad: bool, write_mask: bool, cut: str, strided: bool, block_size: int
+) -> dict:
     """``_select_rows_kernel``'s compile-time arguments (the strided ones as for no estimate)."""
     block_b = pow2_at_least(nb, 16)
-    meta = dict(BLOCK_B=block_b, IS_CAUSAL=bool(is_causal), EXACT=exact, HAS_PAD=has_pad,
-                WRITE_MASK=write_mask, CUT_SORT=cut == "sort", num_warps=4 if block_b <= 256 else 8)
+    meta = dict(
+        BLOCK_B=block_b,
+        IS_CAUSAL=bool(is_causal),
+        EXACT=exact,
+        HAS_PAD=has_pad,
+        WRITE_MASK=write_mask,
+        CUT_SORT=cut == "sort",
+        num_warps=4 if block_b <= 256 else 8,
+    )
     meta.update(STRIDED=strided, BS=block_size, STRIDE=1, RPB=1, RC=1, ROW_QV=False)
     return meta
 
@@ -297,11 +369,22 @@ def _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta) -> "_RowL
     """The shared launch arguments; kv_num stands in for the pointers a launch does not read."""
     kv_num, kv_full, kv_idx, bmask = outputs
     return _RowLaunch(
-        head_args=(lens if lens is not None else kv_num, kcnt, sink,
-                   kv_num, kv_full, kv_idx, bmask.view(torch.int8) if bmask is not None else kv_num),
-        shape_args=shape_args, seg_args=seg_args,
+        head_args=(
+            lens if lens is not None else kv_num,
+            kcnt,
+            sink,
+            kv_num,
+            kv_full,
+            kv_idx,
+            bmask.view(torch.int8) if bmask is not None else kv_num,
+        ),
+        shape_args=shape_args,
+        seg_args=seg_args,
         no_est=(kv_num, kv_num, kv_num),  # LBM, LSE, QV: unused unless STRIDED
-        meta=meta, bsz=kv_num.shape[0], unused=kv_num)
+        meta=meta,
+        bsz=kv_num.shape[0],
+        unused=kv_num,
+    )
 
 
 def _selection_kind(threshold, cut: str, scoring: str, block_size: int, antidiagonal_stride: int) -> Tuple[bool, bool]:
@@ -324,15 +407,22 @@ def _key_block_stats(layout, k_perm, permutation, kpm, force_sink: bool, need_kb
     Taken from ``layout`` when it has them (the permuting launch made them), else computed in torch."""
     bsz, hp, n = permutation.shape
     dev = permutation.device
-    if layout is not None and layout.kcount is not None and (not need_kbar or layout.kbar is not None) \
-            and (layout.sink is not None or not force_sink):
+    if (
+        layout is not None
+        and layout.kcount is not None
+        and (not need_kbar or layout.kbar is not None)
+        and (layout.sink is not None or not force_sink)
+    ):
         kbar, kcnt = layout.kbar, layout.kcount
         sink = layout.sink if force_sink else None
     else:  # pooled keys, counts and sink from the permuted K in torch
         valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev)
         slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
-        kcnt = torch.nn.functional.pad(slot_valid, (0, nb * block_size - n)).view(
-            bsz, hp, nb, block_size).sum(-1, dtype=torch.int32)
+        kcnt = (
+            torch.nn.functional.pad(slot_valid, (0, nb * block_size - n))
+            .view(bsz, hp, nb, block_size)
+            .sum(-1, dtype=torch.int32)
+        )
         kbar = pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous() if need_kbar else None
         sink = None
         if force_sink:
@@ -347,6 +437,7 @@ def _key_block_stats(layout, k_perm, permutation, kpm, force_sink: bool, need_kb
 class _RowLaunch(NamedTuple):
     """The arguments every ``_select_rows_kernel`` launch of one call shares; ``run`` launches it
     for ``hc`` heads from ``h0`` with the block scores ``scores`` (logits, or unused)."""
+
     head_args: Tuple  # LENS, KCOUNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK
     shape_args: Tuple  # Hq, nB, G, Hp, N
     seg_args: Tuple  # scale, threshold, block size, segment size, mask segment
@@ -358,12 +449,42 @@ class _RowLaunch(NamedTuple):
     def run(self, scores, est: Tuple, h0: int, hc: int, nrows: int) -> None:
         hq, nb, g, hp, n = self.shape_args
         lens, kcnt, sink = self.head_args[:3]
-        _select_rows_kernel[(nb, self.bsz * hc)](scores, lens, kcnt, sink, *self.head_args[3:], *est, hq, h0, hc,
-                                                 nb, g, hp, n, nrows, *self.seg_args, **self.meta)
+        _select_rows_kernel[(nb, self.bsz * hc)](
+            scores,
+            lens,
+            kcnt,
+            sink,
+            *self.head_args[3:],
+            *est,
+            hq,
+            h0,
+            hc,
+            nb,
+            g,
+            hp,
+            n,
+            nrows,
+            *self.seg_args,
+            **self.meta,
+        )
 
 
-def _select_strided(launch: _RowLaunch, q, k_perm, permutation, layout, kpm, lens, is_causal, scale, block_size,
-                    segment_size, scoring, antidiagonal_stride, max_logit_bytes) -> None:
+def _select_strided(
+    launch: _RowLaunch,
+    q,
+    k_perm,
+    permutation,
+    layout,
+    kpm,
+    lens,
+    is_causal,
+    scale,
+    block_size,
+    segment_size,
+    scoring,
+    antidiagonal_stride,
+    max_logit_bytes,
+) -> None:
     """Selection from triton_estimate's strided block probabilities, in head chunks whose
     estimate buffers fit ``max_logit_bytes``."""
     hq, nb, _, hp, _ = launch.shape_args
@@ -378,9 +499,22 @@ def _select_strided(launch: _RowLaunch, q, k_perm, permutation, layout, kpm, len
     hc = max(1, min(hq, max_logit_bytes // max(bsz * nrows * (nb + 1) * 4, 1)))
     for h0 in range(0, hq, hc):
         hcc = min(hc, hq - h0)
-        lbm, lse = _est.strided_estimate(q, k_src, kpos, lens, qvalid, scoring=scoring,
-                                         stride=antidiagonal_stride, hp=hp, h0=h0, hc=hcc, is_causal=is_causal,
-                                         scale=scale, block_size=block_size, segment_size=segment_size)
+        lbm, lse = _est.strided_estimate(
+            q,
+            k_src,
+            kpos,
+            lens,
+            qvalid,
+            scoring=scoring,
+            stride=antidiagonal_stride,
+            hp=hp,
+            h0=h0,
+            hc=hcc,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=block_size,
+            segment_size=segment_size,
+        )
         est = (lbm, lse, qvalid if qvalid is not None else lse)
         launch.run(launch.unused, est, h0, hcc, nrows)
 
@@ -406,11 +540,38 @@ def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max
 
 @triton.jit
 def _proxy_pass(
-    Q, K, KVALID, PIDX, PCNT, LENS, M_OUT, L_OUT, LSE, SCORE,
-    H, HKV, N, NSEG_MAX, NPROXY, lse_sh, lse_ss, qk_scale,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEGMENT: tl.constexpr, SCORE_PASS: tl.constexpr, HAS_PAD: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    KVALID,
+    PIDX,
+    PCNT,
+    LENS,
+    M_OUT,
+    L_OUT,
+    LSE,
+    SCORE,
+    H,
+    HKV,
+    N,
+    NSEG_MAX,
+    NPROXY,
+    lse_sh,
+    lse_ss,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEGMENT: tl.constexpr,
+    SCORE_PASS: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """One program per (segment, batch*query head). Pass 1 (SCORE_PASS=False): per proxy row, the
@@ -440,8 +601,11 @@ def _proxy_pass(
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         b64 = b.to(tl.int64)
-        q = tl.load(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + pidx[:, None] * stride_qn + offs_d[None, :],
-                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + pidx[:, None] * stride_qn + offs_d[None, :],
+            mask=r_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
         if SCORE_PASS:
             lse = tl.load(LSE + (b64 * H + h) * lse_sh + seg * lse_ss + rows, mask=r_ok, other=float("inf"))
@@ -452,8 +616,9 @@ def _proxy_pass(
         for j in tl.static_range(0, SEGMENT, BLOCK_N):
             offs_n = seg * SEGMENT + j + tl.arange(0, BLOCK_N)
             n_ok = (j + tl.arange(0, BLOCK_N)) < SEGMENT
-            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            k = tl.load(
+                k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
+            )
             if INTERP:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             elif IEEE:
@@ -495,8 +660,20 @@ def _segment_lse_chunk(M, L, base, s0, seg_end, rows, NSEG_MAX, BLOCK_P: tl.cons
 
 
 @triton.jit
-def _lse_combine_kernel(M, L, LENS, LSE, H, N, NSEG_MAX, SEGMENT: tl.constexpr, BLOCK_P: tl.constexpr,
-                        CHUNK_S: tl.constexpr, PER_SEGMENT: tl.constexpr, HAS_PAD: tl.constexpr):
+def _lse_combine_kernel(
+    M,
+    L,
+    LENS,
+    LSE,
+    H,
+    N,
+    NSEG_MAX,
+    SEGMENT: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    PER_SEGMENT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+):
     """One program per batch*head: each proxy row's log2-sum-exp2 normaliser from the per-segment
     running max / sum of pass 1 -- over the row's complete segments (max first, then the sum of
     exp2 over segments, as torch would), or per segment (``PER_SEGMENT``, causal proxy)."""
@@ -556,8 +733,9 @@ def key_scores(
     kpm = key_padding_mask.to(torch.bool) if key_padding_mask is not None else None
     nseg_max = n // segment_size
     out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=q.device)
-    geom = _ProxyGeometry(nseg_max, max(16, triton.next_power_of_2(block_size)), block_size, segment_size, sc,
-                          causal_proxy)
+    geom = _ProxyGeometry(
+        nseg_max, max(16, triton.next_power_of_2(block_size)), block_size, segment_size, sc, causal_proxy
+    )
     if nseg_max > 0 and n > 0 and proxy_blocks > 1:
         out = _multi_proxy_scores(q, k, out, kpm, proxy_blocks, geom)
     elif nseg_max > 0 and n > 0:
@@ -571,6 +749,7 @@ def key_scores(
 
 class _ProxyGeometry(NamedTuple):
     """What the proxy passes of one ``key_scores`` call share."""
+
     nseg_max: int  # complete segments
     block_p: int  # proxy rows per program (a power of two >= block_size)
     block_size: int
@@ -583,10 +762,11 @@ def _multi_proxy_scores(q, k, out, kpm, proxy_blocks: int, geom: _ProxyGeometry)
     """``proxy_blocks > 1``: the two passes once per proxy slot of the reference's plan, each key's
     probabilities averaged over the proxies that see it."""
     bsz, n, dev = q.shape[0], q.shape[2], q.device
-    plan = _ref.proxy_queries(kpm, bsz, n, block_size=geom.block_size, segment_size=geom.segment_size,
-                              proxy_blocks=proxy_blocks, device=dev)
+    plan = _ref.proxy_queries(
+        kpm, bsz, n, block_size=geom.block_size, segment_size=geom.segment_size, proxy_blocks=proxy_blocks, device=dev
+    )
     n_slots = max((len(p) for p in plan), default=0)
-    kvalid = (kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev))
+    kvalid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev)
     kvalid = kvalid.to(torch.int8).contiguous()
     seen_by = torch.zeros(bsz, 1, n, dtype=torch.float32, device=dev)
     for j in range(n_slots):  # slot j: the j-th proxy of every row that has one (the last ones aligned)
@@ -648,9 +828,17 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, geom: _ProxyGeom
     total = torch.empty_like(m)  # running sum of exp2 per proxy row and segment
     block_d = max(16, triton.next_power_of_2(d))
     block_n = min(64, max(16, triton.next_power_of_2(segment_size)))
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, BLOCK_N=block_n, SEGMENT=segment_size,
-                HAS_PAD=has_pad, IEEE=q.dtype == torch.float32, INTERP=interpreting(),
-                num_warps=4 if block_p * block_n <= 128 * 32 else 8)
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        SEGMENT=segment_size,
+        HAS_PAD=has_pad,
+        IEEE=q.dtype == torch.float32,
+        INTERP=interpreting(),
+        num_warps=4 if block_p * block_n <= 128 * 32 else 8,
+    )
     # softmax normaliser per proxy row: over all complete segments, or per segment
     if causal_proxy:
         lse = torch.empty_like(m)
@@ -658,13 +846,35 @@ def _proxy_scores(q, k, out, kvalid, pidx, pcnt, lens, has_pad, geom: _ProxyGeom
     else:
         lse = torch.empty(bsz, hq, block_p, dtype=torch.float32, device=dev)
         lse_sh, lse_ss = block_p, 0
-    common = (hq, hkv, n, nseg_max, min(block_size, n), lse_sh, lse_ss, sc * 1.4426950408889634,
-              *q.stride()[:3], *k.stride()[:3])
+    common = (
+        hq,
+        hkv,
+        n,
+        nseg_max,
+        min(block_size, n),
+        lse_sh,
+        lse_ss,
+        sc * 1.4426950408889634,
+        *q.stride()[:3],
+        *k.stride()[:3],
+    )
     grid = (nseg_max, bsz * hq)
     _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, m, out, *common, SCORE_PASS=False, **meta)
-    _lse_combine_kernel[(bsz * hq,)](m, total, lens, lse, hq, n, nseg_max, SEGMENT=segment_size, BLOCK_P=block_p,
-                                     CHUNK_S=min(16, pow2_at_least(nseg_max)),
-                                     PER_SEGMENT=bool(causal_proxy), HAS_PAD=has_pad, num_warps=4)
+    _lse_combine_kernel[(bsz * hq,)](
+        m,
+        total,
+        lens,
+        lse,
+        hq,
+        n,
+        nseg_max,
+        SEGMENT=segment_size,
+        BLOCK_P=block_p,
+        CHUNK_S=min(16, pow2_at_least(nseg_max)),
+        PER_SEGMENT=bool(causal_proxy),
+        HAS_PAD=has_pad,
+        num_warps=4,
+    )
     _proxy_pass[grid](q, k, kvalid, pidx, pcnt, lens, m, total, lse, out, *common, SCORE_PASS=True, **meta)
 
 
@@ -707,6 +917,5 @@ def segment_permutation(
     lens = _ref.effective_lengths(key_padding_mask, bsz, n, scores.device).to(torch.int32).contiguous()
     block_s = max(16, triton.next_power_of_2(segment_size))
     sc = scores.float().clamp_min(0.0).contiguous()
-    _segment_sort_kernel[(n // segment_size, bsz * hp)](sc, lens, perm, n, SEGMENT=segment_size,
-                                                         BLOCK_S=block_s, HP=hp)
+    _segment_sort_kernel[(n // segment_size, bsz * hp)](sc, lens, perm, n, SEGMENT=segment_size, BLOCK_S=block_s, HP=hp)
     return perm

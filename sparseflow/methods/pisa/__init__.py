@@ -1,22 +1,28 @@
 """PISA (pyramid block selection): its spec in the method registry."""
+
 from .config import PISAConfig
 from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
 _KERNELS = __name__  # the backends are modules of this package
 
-SPEC = register(MethodSpec(
-    name="pisa",
-    config_type=PISAConfig,
-    backends={
-        "reference": Backend(f"{_KERNELS}.reference:pisa_attention", differentiable="always"),
-        "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always"),
-        "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda"),
-    },
-    onnx=OnnxBody(node_type="PISAAttention", mask="sparseflow.methods.pisa.onnx:MASK",
-                  fields=TOPK_ONNX_FIELDS | {"branching", "score", "beam"}),
-    # generate(): the Triton backend appends each token to the model's cached pyramid
-    decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),
-    has_top_k=True,
-    exact=exact_top_k,
-))
+SPEC = register(
+    MethodSpec(
+        name="pisa",
+        config_type=PISAConfig,
+        backends={
+            "reference": Backend(f"{_KERNELS}.reference:pisa_attention", differentiable="always"),
+            "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always"),
+            "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda"),
+        },
+        onnx=OnnxBody(
+            node_type="PISAAttention",
+            mask="sparseflow.methods.pisa.onnx:MASK",
+            fields=TOPK_ONNX_FIELDS | {"branching", "score", "beam"},
+        ),
+        # generate(): the Triton backend appends each token to the model's cached pyramid
+        decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),
+        has_top_k=True,
+        exact=exact_top_k,
+    )
+)

@@ -1,4 +1,5 @@
 """The PISAConfig: what the pisa method computes (validated, frozen, versioned)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,6 +8,7 @@ union of its tokens' selections, and a ``mask_mod`` does the per-token membershi
 lookup ``bits[b, h // G, q_idx, blk // 32]``), causality and key padding. K/V keep their ``Hkv``
 heads (native GQA). On CPU, flex is inference only.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -48,16 +49,33 @@ def pisa_attention(
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     idx = pisa_select(
-        q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=block_size, top_k=top_k, branching=branching, score=score,
-        force_sink=force_sink, force_previous=force_previous, beam=beam,
+        q.detach(),
+        k.detach(),
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        top_k=top_k,
+        branching=branching,
+        score=score,
+        force_sink=force_sink,
+        force_previous=force_previous,
+        beam=beam,
     )
     out = fc.token_block_attention(
-        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        block_size=block_size, q_tile=q_tile, kv_tile=kv_tile,
+        q,
+        k,
+        v,
+        idx,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        q_tile=q_tile,
+        kv_tile=kv_tile,
     )
     if not return_selection:
         return out
-    return out, fc.token_selection("pisa", idx, q, k, key_padding_mask=key_padding_mask,
-                                    is_causal=is_causal, block_size=block_size)
-
+    return out, fc.token_selection(
+        "pisa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )

@@ -71,8 +71,7 @@ _SCORE_MEAN = """
           s_mean = ReduceSum <keepdims = 0> (M_lg, i2)
 """
 
-_SCORE_CHILDREN = (
-    """
+_SCORE_CHILDREN = """
               C_spc = Div (span, gb)
               C_nc = Mul (nn, gb)
               C_nc1 = Unsqueeze (C_nc, i0)
@@ -99,12 +98,9 @@ _SCORE_CHILDREN = (
               C_ok_shape = Concat <axis = 0> (B, i1, i1, Nq1, nn1, g1)
               C_x = Reshape (C_lg, C_x_shape)
               C_ok = Reshape (C_vis5, C_ok_shape)
-"""
-    + _masked_reduce("C_", "C_x", "C_ok", "s_child")
-)
+""" + _masked_reduce("C_", "C_x", "C_ok", "s_child")
 
-_LEAF_RAW = (
-    """
+_LEAF_RAW = """
       R_k5 = Unsqueeze (kf, i2)
       R_k5t = Transpose <perm = [0, 1, 2, 4, 3]> (R_k5)
       R_lg0 = MatMul (qg, R_k5t)
@@ -119,9 +115,7 @@ _LEAF_RAW = (
       R_ok5 = Unsqueeze (R_ok3, i12)
       R_ok_shape = Concat <axis = 0> (B, i1, i1, Nq1, nBp1, C1)
       R_ok = Reshape (R_ok5, R_ok_shape)
-"""
-    + _masked_reduce("R_", "R_x", "R_ok", "raw_sv")
-)
+""" + _masked_reduce("R_", "R_x", "R_ok", "raw_sv")
 
 MASK = f"""
   C = Constant <value_int: int = @block_size> ()

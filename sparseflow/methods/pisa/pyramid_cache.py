@@ -17,6 +17,7 @@ an int32 device tensor that the kernels read: no host sync and the same launches
 (append + K/V write in one, the walk, the split-K attention and its merge), so a CUDA graph
 captured once replays every step.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,26 @@ __all__ = ["PyramidCache"]
 
 
 @triton.jit
-def _add_key(kn, sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, lv, b, h, offs_d, d_ok,
-             stride_sb, stride_sh, stride_st, pos, T, C: tl.constexpr):
+def _add_key(
+    kn,
+    sums_ptr,
+    cnt_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    lv,
+    b,
+    h,
+    offs_d,
+    d_ok,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    pos,
+    T,
+    C: tl.constexpr,
+):
     """Adds the fp32 key ``kn`` of position ``pos`` to its node of level ``lv`` (sum, count, mean,
     first valid position)."""
     span = tl.load(lvl_span_ptr + lv)
@@ -59,11 +78,24 @@ def _add_key(kn, sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr
 
 @triton.jit
 def _append_kernel(
-    knew_ptr, sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr,
-    stride_nb, stride_nh,
-    stride_sb, stride_sh, stride_st,
-    pos, T, HKV,
-    C: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    knew_ptr,
+    sums_ptr,
+    cnt_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    stride_nb,
+    stride_nh,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    pos,
+    T,
+    HKV,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
 ):
     lv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -72,19 +104,62 @@ def _append_kernel(
     offs_d = tl.arange(0, DP)
     d_ok = offs_d < D
     kn = tl.load(knew_ptr + b * stride_nb + h * stride_nh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    _add_key(kn, sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, lv, b, h, offs_d, d_ok,
-             stride_sb, stride_sh, stride_st, pos, T, C)
+    _add_key(
+        kn,
+        sums_ptr,
+        cnt_ptr,
+        summ_ptr,
+        nfv_ptr,
+        lvl_off_ptr,
+        lvl_span_ptr,
+        lv,
+        b,
+        h,
+        offs_d,
+        d_ok,
+        stride_sb,
+        stride_sh,
+        stride_st,
+        pos,
+        T,
+        C,
+    )
 
 
 @triton.jit
 def _append_static_kernel(
-    knew_ptr, vnew_ptr, kbuf_ptr, vbuf_ptr, held_ptr, len_ptr, bad_ptr,
-    sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr,
-    stride_nb, stride_nh, stride_wb, stride_wh,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_sb, stride_sh, stride_st,
-    T, HKV, CAP,
-    C: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    knew_ptr,
+    vnew_ptr,
+    kbuf_ptr,
+    vbuf_ptr,
+    held_ptr,
+    len_ptr,
+    bad_ptr,
+    sums_ptr,
+    cnt_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    stride_nb,
+    stride_nh,
+    stride_wb,
+    stride_wh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    T,
+    HKV,
+    CAP,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
 ):
     """``_append_kernel`` with the position read on the device (``len_ptr[0] - 1``) that also
     writes the new key / value into slot ``pos`` of the KV buffers and marks it held (the level-0
@@ -107,8 +182,26 @@ def _append_static_kernel(
             tl.store(vbuf_ptr + b * stride_vb + h * stride_vh + pos * stride_vn + offs_d, v_raw, mask=d_ok)
             if h == 0:
                 tl.store(held_ptr + b * CAP + pos, 1)
-        _add_key(k_raw.to(tl.float32), sums_ptr, cnt_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, lv, b, h,
-                 offs_d, d_ok, stride_sb, stride_sh, stride_st, pos, T, C)
+        _add_key(
+            k_raw.to(tl.float32),
+            sums_ptr,
+            cnt_ptr,
+            summ_ptr,
+            nfv_ptr,
+            lvl_off_ptr,
+            lvl_span_ptr,
+            lv,
+            b,
+            h,
+            offs_d,
+            d_ok,
+            stride_sb,
+            stride_sh,
+            stride_st,
+            pos,
+            T,
+            C,
+        )
 
 
 class PyramidCache:
@@ -117,8 +210,14 @@ class PyramidCache:
     ``PyramidCache(k_prompt, capacity=..., block_size=64, branching=2)`` builds it from the
     prompt's keys ``[B, Hkv, N0, D]``; ``append(k_new [B, Hkv, 1, D])`` adds one token."""
 
-    def __init__(self, k: torch.Tensor, *, capacity: int, block_size: int = PISAConfig.block_size,
-                 branching: int = PISAConfig.branching):
+    def __init__(
+        self,
+        k: torch.Tensor,
+        *,
+        capacity: int,
+        block_size: int = PISAConfig.block_size,
+        branching: int = PISAConfig.branching,
+    ):
         b, hkv, n0, d = k.shape
         if capacity < n0:
             raise ValueError(f"capacity must be >= the prompt length {n0}, got {capacity}")
@@ -143,23 +242,23 @@ class PyramidCache:
             n_leaves0 = sizes[0]
             for lv in range(len(self.sizes)):
                 dst = offs[lv]
-                span = branching ** lv
+                span = branching**lv
                 n_here = -(-n_leaves0 // span)
                 if lv < len(sizes):
                     src = int(lvl_off[lv])
-                    m = summ[:, :, src:src + n_here]
-                    f = nfv[:, src:src + n_here]
+                    m = summ[:, :, src : src + n_here]
+                    f = nfv[:, src : src + n_here]
                 else:  # levels above the prompt's root: node 0 holds everything
                     top = int(lvl_off[len(sizes) - 1])
-                    m, f = summ[:, :, top:top + 1], nfv[:, top:top + 1]
+                    m, f = summ[:, :, top : top + 1], nfv[:, top : top + 1]
                 cnt = self._counts(n0, lv, n_here, b, dev)
-                self.summ[:, :, dst:dst + n_here] = m
-                self.sums[:, :, dst:dst + n_here] = m * cnt[:, None, :, None].to(m.dtype)
-                self.count[:, dst:dst + n_here] = cnt
-                self.first_valid[:, dst:dst + n_here] = torch.where(cnt > 0, f, torch.full_like(f, 2**31 - 1))
+                self.summ[:, :, dst : dst + n_here] = m
+                self.sums[:, :, dst : dst + n_here] = m * cnt[:, None, :, None].to(m.dtype)
+                self.count[:, dst : dst + n_here] = cnt
+                self.first_valid[:, dst : dst + n_here] = torch.where(cnt > 0, f, torch.full_like(f, 2**31 - 1))
 
     def _counts(self, n, lv, n_nodes, b, dev):
-        span_keys = self.block_size * self.branching ** lv
+        span_keys = self.block_size * self.branching**lv
         starts = torch.arange(n_nodes, device=dev, dtype=torch.int64) * span_keys
         return (n - starts).clamp(0, span_keys).to(torch.int32).unsqueeze(0).expand(b, n_nodes).contiguous()
 
@@ -170,18 +269,40 @@ class PyramidCache:
             raise ValueError(f"the cache is full (capacity {self.capacity}); build a larger one")
         b, hkv, _, d = k_new.shape
         _append_kernel[(len(self.sizes), b * hkv)](
-            k_new, self.sums, self.count, self.summ, self.first_valid, self.lvl_off, self.lvl_span,
-            k_new.stride(0), k_new.stride(1),
-            self.sums.stride(0), self.sums.stride(1), self.sums.stride(2),
-            self.length, self.sums.shape[2], hkv,
-            C=self.block_size, D=d, DP=max(16, triton.next_power_of_2(d)),
+            k_new,
+            self.sums,
+            self.count,
+            self.summ,
+            self.first_valid,
+            self.lvl_off,
+            self.lvl_span,
+            k_new.stride(0),
+            k_new.stride(1),
+            self.sums.stride(0),
+            self.sums.stride(1),
+            self.sums.stride(2),
+            self.length,
+            self.sums.shape[2],
+            hkv,
+            C=self.block_size,
+            D=d,
+            DP=max(16, triton.next_power_of_2(d)),
         )
         self.length += 1
 
-    def select(self, q: torch.Tensor, k: torch.Tensor, *, top_k: int = PISAConfig.top_k,
-               score: str = PISAConfig.score, scale: Optional[float] = None,
-               force_sink: bool = PISAConfig.force_sink, force_previous: bool = PISAConfig.force_previous,
-               beam: int = PISAConfig.beam, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    def select(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        top_k: int = PISAConfig.top_k,
+        score: str = PISAConfig.score,
+        scale: Optional[float] = None,
+        force_sink: bool = PISAConfig.force_sink,
+        force_previous: bool = PISAConfig.force_previous,
+        beam: int = PISAConfig.beam,
+        tuning: Tuning = DEFAULT_TUNING,
+    ) -> torch.Tensor:
         """Selection ``[B, Hkv, Nq, min(top_k, #blocks)]`` for the last ``Nq`` positions (``k`` = all cached
         keys); ``tuning``: the walk's launch settings."""
         self._check_eager()
@@ -196,22 +317,59 @@ class PyramidCache:
         if score not in SCORE_CODES:
             raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return _pisa_select_fwd(q, k, None, self.summ, self.first_valid, self.lvl_off, self.lvl_span, sc, True,
-                                SCORE_CODES[score], self.block_size, self.branching, width,
-                                bool(force_sink), bool(force_previous), int(beam),
-                                tuning.pisa_warps, tuning.pisa_leaf_bytes, length)
+        return _pisa_select_fwd(
+            q,
+            k,
+            None,
+            self.summ,
+            self.first_valid,
+            self.lvl_off,
+            self.lvl_span,
+            sc,
+            True,
+            SCORE_CODES[score],
+            self.block_size,
+            self.branching,
+            width,
+            bool(force_sink),
+            bool(force_previous),
+            int(beam),
+            tuning.pisa_warps,
+            tuning.pisa_leaf_bytes,
+            length,
+        )
 
-    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, top_k: int = PISAConfig.top_k,
-                    score: str = PISAConfig.score, scale: Optional[float] = None,
-                    force_sink: bool = PISAConfig.force_sink, force_previous: bool = PISAConfig.force_previous,
-                    append: bool = True, beam: int = PISAConfig.beam, tuning: Tuning = DEFAULT_TUNING):
+    def decode_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        top_k: int = PISAConfig.top_k,
+        score: str = PISAConfig.score,
+        scale: Optional[float] = None,
+        force_sink: bool = PISAConfig.force_sink,
+        force_previous: bool = PISAConfig.force_previous,
+        append: bool = True,
+        beam: int = PISAConfig.beam,
+        tuning: Tuning = DEFAULT_TUNING,
+    ):
         """One decoding step: ``k``/``v`` hold every key including the new one (``[B, Hkv, N, D]``);
         appends the new key (unless ``append=False``: already in), selects for ``q [B, Hq, 1, D]``
         and attends. Returns ``(out [B, Hq, 1, D], block indices [B, Hkv, 1, top_k])``."""
         if append:
             self.append(k[:, :, -1:])
-        idx = self.select(q, k, top_k=top_k, score=score, scale=scale, force_sink=force_sink,
-                          force_previous=force_previous, beam=beam, tuning=tuning)
+        idx = self.select(
+            q,
+            k,
+            top_k=top_k,
+            score=score,
+            scale=scale,
+            force_sink=force_sink,
+            force_previous=force_previous,
+            beam=beam,
+            tuning=tuning,
+        )
         return self._attend(q, k, v, idx, scale), idx
 
     def _attend(self, q, k, v, idx, scale) -> torch.Tensor:
@@ -234,12 +392,23 @@ class PyramidCache:
         v_buf[:, :, : self.length] = v
         return k_buf, v_buf, torch.full((1,), self.length, dtype=torch.int32, device=k.device)
 
-    def decode_step_static(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
-                           v_buf: torch.Tensor, length: torch.Tensor, *, top_k: int = PISAConfig.top_k,
-                           score: str = PISAConfig.score, scale: Optional[float] = None,
-                           force_sink: bool = PISAConfig.force_sink,
-                           force_previous: bool = PISAConfig.force_previous, beam: int = PISAConfig.beam,
-                           tuning: Tuning = DEFAULT_TUNING) -> Tuple[torch.Tensor, torch.Tensor]:
+    def decode_step_static(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        length: torch.Tensor,
+        *,
+        top_k: int = PISAConfig.top_k,
+        score: str = PISAConfig.score,
+        scale: Optional[float] = None,
+        force_sink: bool = PISAConfig.force_sink,
+        force_previous: bool = PISAConfig.force_previous,
+        beam: int = PISAConfig.beam,
+        tuning: Tuning = DEFAULT_TUNING,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """:meth:`decode_step` on preallocated buffers, with every per-step value on the device: no
         host sync and the same launches at every length, so one CUDA graph replays every step.
 
@@ -265,13 +434,38 @@ class PyramidCache:
         """One launch: the new key into the pyramid, the new key / value into slot ``length - 1``."""
         b, hkv, _, d = k_buf.shape
         _append_static_kernel[(len(self.sizes), b * hkv)](
-            k_new, v_new, k_buf, v_buf, self._held, length, self._bad,
-            self.sums, self.count, self.summ, self.first_valid, self.lvl_off, self.lvl_span,
-            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-            k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-            self.sums.stride(0), self.sums.stride(1), self.sums.stride(2),
-            self.sums.shape[2], hkv, self.capacity,
-            C=self.block_size, D=d, DP=max(16, triton.next_power_of_2(d)),
+            k_new,
+            v_new,
+            k_buf,
+            v_buf,
+            self._held,
+            length,
+            self._bad,
+            self.sums,
+            self.count,
+            self.summ,
+            self.first_valid,
+            self.lvl_off,
+            self.lvl_span,
+            k_new.stride(0),
+            k_new.stride(1),
+            v_new.stride(0),
+            v_new.stride(1),
+            k_buf.stride(0),
+            k_buf.stride(1),
+            k_buf.stride(2),
+            v_buf.stride(0),
+            v_buf.stride(1),
+            v_buf.stride(2),
+            self.sums.stride(0),
+            self.sums.stride(1),
+            self.sums.stride(2),
+            self.sums.shape[2],
+            hkv,
+            self.capacity,
+            C=self.block_size,
+            D=d,
+            DP=max(16, triton.next_power_of_2(d)),
         )
 
     def _attend_static(self, q, k_buf, v_buf, idx, scale) -> torch.Tensor:
@@ -280,35 +474,53 @@ class PyramidCache:
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         # the splits depend on the shapes only: the same launches at every length
         splits = decode_splits(idx.shape[0] * idx.shape[1], idx.shape[-1], q.device)
-        return token_sparse_decode_fwd(q.contiguous(), k_buf, v_buf, idx, self._held, self._bad, sc,
-                                       self.block_size, True, splits)
+        return token_sparse_decode_fwd(
+            q.contiguous(), k_buf, v_buf, idx, self._held, self._bad, sc, self.block_size, True, splits
+        )
 
     def _check_eager(self) -> None:
         if self._static:
-            raise ValueError("this PyramidCache is driven by decode_step_static (its length lives in the caller's "
-                             "device tensor): keep calling decode_step_static, or build a new cache for eager steps")
+            raise ValueError(
+                "this PyramidCache is driven by decode_step_static (its length lives in the caller's "
+                "device tensor): keep calling decode_step_static, or build a new cache for eager steps"
+            )
 
     def _check_static(self, q, k_new, v_new, k_buf, v_buf, length) -> None:
         """The shapes, dtypes and devices :meth:`decode_step_static` needs (host metadata only)."""
         b, hkv, _, d = self.sums.shape
         if not isinstance(length, torch.Tensor) or length.dtype != torch.int32 or length.numel() != 1:
             got = f"{length.dtype} {list(length.shape)}" if isinstance(length, torch.Tensor) else type(length).__name__
-            raise TypeError(f"length must be an int32 tensor of one element (the keys held, the new one included; "
-                            f"see static_buffers), got {got}")
+            raise TypeError(
+                f"length must be an int32 tensor of one element (the keys held, the new one included; "
+                f"see static_buffers), got {got}"
+            )
         one, buf = (b, hkv, 1, d), (b, hkv, self.capacity, d)
-        for name, t, want in (("q", q, (b, "Hq", 1, d)), ("k_new", k_new, one), ("v_new", v_new, one),
-                              ("k_buf", k_buf, buf), ("v_buf", v_buf, buf), ("length", length, None)):
+        for name, t, want in (
+            ("q", q, (b, "Hq", 1, d)),
+            ("k_new", k_new, one),
+            ("v_new", v_new, one),
+            ("k_buf", k_buf, buf),
+            ("v_buf", v_buf, buf),
+            ("length", length, None),
+        ):
             if want is not None and (t.dim() != 4 or any(w != g for w, g in zip(want, t.shape) if w != "Hq")):
-                raise ValueError(f"{name} must be [{', '.join(map(str, want))}] (batch, heads, tokens, head dim), "
-                                 f"got {list(t.shape)}")
+                raise ValueError(
+                    f"{name} must be [{', '.join(map(str, want))}] (batch, heads, tokens, head dim), "
+                    f"got {list(t.shape)}"
+                )
             if t.device != self.sums.device:
                 raise ValueError(f"{name} must be on the cache's device {self.sums.device}, got {t.device}")
-            if want is not None and (t.dtype != k_buf.dtype or t.dtype not in (torch.float16, torch.bfloat16,
-                                                                               torch.float32)):
-                raise TypeError(f"q, k_new, v_new, k_buf and v_buf must share one dtype of fp16 / bf16 / fp32, "
-                                f"got {name} {t.dtype} with k_buf {k_buf.dtype}")
+            if want is not None and (
+                t.dtype != k_buf.dtype or t.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+            ):
+                raise TypeError(
+                    f"q, k_new, v_new, k_buf and v_buf must share one dtype of fp16 / bf16 / fp32, "
+                    f"got {name} {t.dtype} with k_buf {k_buf.dtype}"
+                )
         if q.shape[1] % hkv:
             raise ValueError(f"q's heads must be a multiple of the {hkv} KV heads, got {q.shape[1]}")
         if not (k_buf.is_contiguous() and v_buf.is_contiguous()) or k_new.stride(3) != 1 or v_new.stride(3) != 1:
-            raise ValueError("k_buf and v_buf must be contiguous, and k_new / v_new contiguous in their last dim "
-                             "(a strided buffer would be copied whole at every step)")
+            raise ValueError(
+                "k_buf and v_buf must be contiguous, and k_new / v_new contiguous in their last dim "
+                "(a strided buffer would be copied whole at every step)"
+            )

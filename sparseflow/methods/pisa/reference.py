@@ -37,6 +37,7 @@ heads of the GQA group:
 Scored nodes never hold a key after ``p_i`` (only the node containing ``p_i`` can, and it is
 forced), so selection is exactly causal.
 """
+
 from __future__ import annotations
 
 import math
@@ -202,8 +203,10 @@ def _select(
     dev = q.device
     top_k = tb.selection_width(top_k, n_k, block_size)
     if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
-        return (torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
-                torch.zeros(b, n_q, dtype=torch.long, device=dev))
+        return (
+            torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
+            torch.zeros(b, n_q, dtype=torch.long, device=dev),
+        )
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
     kf = k.to(cdt)
@@ -211,10 +214,20 @@ def _select(
     first_valid = tb.leaf_first_valid(kpm, b, n_k, block_size, dev)
     horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
     walk = _Walk(
-        qg=tb.group_queries(q, hkv).to(cdt), kblocks=tb.key_blocks(kf, block_size),  # [B, Hkv, nB, C, D]
-        n_k=n_k, pyramid=pyramid, fvl=_level_first_valid(first_valid, len(pyramid), branching, n_k),
-        horizons=horizons, kpm=kpm, sc=tb.default_scale(q, scale), block_size=block_size, g=branching,
-        score=score, cdt=cdt, top_k=top_k, beam=beam,
+        qg=tb.group_queries(q, hkv).to(cdt),
+        kblocks=tb.key_blocks(kf, block_size),  # [B, Hkv, nB, C, D]
+        n_k=n_k,
+        pyramid=pyramid,
+        fvl=_level_first_valid(first_valid, len(pyramid), branching, n_k),
+        horizons=horizons,
+        kpm=kpm,
+        sc=tb.default_scale(q, scale),
+        block_size=block_size,
+        g=branching,
+        score=score,
+        cdt=cdt,
+        top_k=top_k,
+        beam=beam,
         anc_leaf=_ancestor_leaves(first_valid, horizons, n_k, block_size, force_sink, force_previous),
     )
     n_visible = tb.count_visible_blocks(first_valid, horizons)
@@ -225,6 +238,7 @@ def _select(
 
 class _Walk(NamedTuple):
     """What every level of one call's pyramid walk reads."""
+
     qg: torch.Tensor  # grouped queries, compute dtype
     kblocks: torch.Tensor  # [B, Hkv, nB, C, D]
     n_k: int
@@ -242,15 +256,20 @@ class _Walk(NamedTuple):
     anc_leaf: torch.Tensor  # [B, Nq, 4] forced leaves and the current leaf (-1: none)
 
 
-def _ancestor_leaves(first_valid, horizons, n_k: int, block_size: int, force_sink: bool,
-                     force_previous: bool) -> torch.Tensor:
+def _ancestor_leaves(
+    first_valid, horizons, n_k: int, block_size: int, force_sink: bool, force_previous: bool
+) -> torch.Tensor:
     """``[B, Nq, 4]``: the forced leaf blocks of each query (``[B, Nq, 3]``) and the leaf holding
     its position regardless of visibility; a node is forced when it is an ancestor of one."""
     b, n_q = first_valid.shape[0], horizons.shape[0]
     positions = tb.query_positions(n_q, n_k, horizons.device)
     forced_leaf = tb.forced_leaf_blocks(
-        positions, horizons, first_valid, block_size=block_size,
-        force_sink=force_sink, force_previous=force_previous,
+        positions,
+        horizons,
+        first_valid,
+        block_size=block_size,
+        force_sink=force_sink,
+        force_previous=force_previous,
     )  # [B, Nq, 3]
     current = torch.where(
         (positions >= 0) & (positions < n_k),
@@ -278,7 +297,7 @@ def _walk_levels(w: _Walk) -> Tuple[torch.Tensor, torch.Tensor]:
         valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
         cand = torch.where(valid, cand, torch.zeros_like(cand))
         valid = valid & (_gather_batch(w.fvl[level], cand) <= hz)  # holds a visible key
-        span = g ** level  # leaves under one node of this level
+        span = g**level  # leaves under one node of this level
         anc = torch.where(w.anc_leaf >= 0, torch.div(w.anc_leaf, span, rounding_mode="floor"), w.anc_leaf)
         forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
         width = w.top_k if level == 0 else w.beam * w.top_k  # nodes kept at this level
@@ -302,8 +321,19 @@ def _level_scores(w: _Walk, level: int, cand: torch.Tensor, need: torch.Tensor) 
         if not bool(need[s:e].any()):
             continue
         scores[:, :, s:e] = _scores(
-            level, cand[:, :, s:e], w.qg[:, :, :, s:e], w.kblocks, w.n_k, w.pyramid, w.fvl,
-            w.horizons[s:e], w.kpm, scale=w.sc, block_size=w.block_size, branching=w.g, score=w.score,
+            level,
+            cand[:, :, s:e],
+            w.qg[:, :, :, s:e],
+            w.kblocks,
+            w.n_k,
+            w.pyramid,
+            w.fvl,
+            w.horizons[s:e],
+            w.kpm,
+            scale=w.sc,
+            block_size=w.block_size,
+            branching=w.g,
+            score=w.score,
         )
     return scores
 
@@ -331,9 +361,18 @@ def pisa_select(
     docstring; 1 = the plain walk)."""
     with torch.no_grad():
         idx, _ = _select(
-            q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            block_size=block_size, top_k=top_k, branching=branching, score=score,
-            force_sink=force_sink, force_previous=force_previous, beam=beam,
+            q,
+            k,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=block_size,
+            top_k=top_k,
+            branching=branching,
+            score=score,
+            force_sink=force_sink,
+            force_previous=force_previous,
+            beam=beam,
         )
     return idx
 
@@ -361,18 +400,39 @@ def pisa_attention(
     beam = cfg.beam
     with torch.no_grad():
         idx, n_visible = _select(
-            q.detach(), k.detach(), key_padding_mask=key_padding_mask, is_causal=is_causal,
-            scale=scale, block_size=block_size, top_k=top_k, branching=branching, score=score,
-            force_sink=force_sink, force_previous=force_previous, beam=beam,
+            q.detach(),
+            k.detach(),
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=block_size,
+            top_k=top_k,
+            branching=branching,
+            score=score,
+            force_sink=force_sink,
+            force_previous=force_previous,
+            beam=beam,
         )
     out = tb.attend_selected_blocks(
-        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        q,
+        k,
+        v,
+        idx,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
         block_size=block_size,
     )
     if not return_selection:
         return out
     sel = tb.make_selection(
-        "pisa", idx, n_visible, num_query_heads=q.shape[1], block_size=block_size,
-        is_causal=is_causal, num_keys=k.shape[2], key_padding_mask=key_padding_mask,
+        "pisa",
+        idx,
+        n_visible,
+        num_query_heads=q.shape[1],
+        block_size=block_size,
+        is_causal=is_causal,
+        num_keys=k.shape[2],
+        key_padding_mask=key_padding_mask,
     )
     return out, sel

@@ -4,6 +4,7 @@ Selection: ``triton_select`` (pyramid build + fused walk; selections equal the r
 Attention: ``token_sparse_triton`` (forward and dq/dk/dv backward in Triton), so training runs on
 the kernels end to end; the selection itself carries no gradient.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -39,14 +40,25 @@ def pisa_attention(
     score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
     beam = cfg.beam
     idx = pisa_select(
-        q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size,
-        top_k=top_k, branching=branching, score=score, force_sink=force_sink, force_previous=force_previous,
-        beam=beam, tuning=tuning,
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        top_k=top_k,
+        branching=branching,
+        score=score,
+        force_sink=force_sink,
+        force_previous=force_previous,
+        beam=beam,
+        tuning=tuning,
     )
-    out = token_sparse_attention(q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                                 scale=scale, block_size=block_size)
+    out = token_sparse_attention(
+        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
+    )
     if not return_selection:
         return out
-    return out, tb.selection_for_indices("pisa", idx, q, k, key_padding_mask=key_padding_mask,
-                                          is_causal=is_causal, block_size=block_size)
-
+    return out, tb.selection_for_indices(
+        "pisa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+    )

@@ -25,6 +25,7 @@ Imported lazily (``backend="triton"``); this module imports Triton.
 The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
 token.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,7 +49,6 @@ __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCO
 _log = logging.getLogger("sparseflow")
 
 
-
 def _launch(cw: int, warps: Optional[int] = None, leaf_bytes: Optional[int] = None) -> Tuple[int, int]:
     """(warps, leaf-chunk bytes) of the walk for ``cw`` candidates; None picks by ``cw``
     (``Tuning.pisa_warps`` / ``pisa_leaf_bytes``). Measured on the H200
@@ -59,6 +59,7 @@ def _launch(cw: int, warps: Optional[int] = None, leaf_bytes: Optional[int] = No
     warps = (1 if small else 4) if warps is None else warps
     leaf_bytes = (16384 if small else 65536) if leaf_bytes is None else leaf_bytes
     return warps, leaf_bytes
+
 
 SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
 
@@ -86,11 +87,27 @@ def level_sizes(n_leaves: int, branching: int) -> List[int]:
 
 @triton.jit
 def _node_kernel(
-    sums_ptr, lcnt_ptr, lfv_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr,
-    stride_sb, stride_sh, stride_st,
-    stride_mb, stride_mh, stride_mt,
-    n_leaves, T, HKV, Nk,
-    N_LEVELS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BL: tl.constexpr,
+    sums_ptr,
+    lcnt_ptr,
+    lfv_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    stride_sb,
+    stride_sh,
+    stride_st,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    n_leaves,
+    T,
+    HKV,
+    Nk,
+    N_LEVELS: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BL: tl.constexpr,
 ):
     """One program per node of every level (leaves included): summary = sum of its leaves'
     key sums / their valid-key count; first valid position = min over its leaves."""
@@ -115,7 +132,8 @@ def _node_kernel(
         ok = (l0 + offs_l < span) & (leaf < n_leaves)
         s = tl.load(
             sums_ptr + b * stride_sb + h * stride_sh + leaf[:, None] * stride_st + offs_d[None, :],
-            mask=ok[:, None] & (offs_d[None, :] < D), other=0.0,
+            mask=ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
         )
         acc += tl.sum(s, axis=0)
         cnt += tl.sum(tl.load(lcnt_ptr + b * n_leaves + leaf, mask=ok, other=0), axis=0)
@@ -150,18 +168,39 @@ def _device_tables(n_leaves: int, branching: int, levels: int, device) -> Tuple[
 
 @triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})
 def _pisa_nodes(
-    sums: torch.Tensor, cnt: torch.Tensor, lfv: torch.Tensor, lvl_off: torch.Tensor, lvl_span: torch.Tensor,
-    n_k: int, total_nodes: int,
+    sums: torch.Tensor,
+    cnt: torch.Tensor,
+    lfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    n_k: int,
+    total_nodes: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     b, hkv, n_leaves, d = sums.shape
     summ = torch.empty(b, hkv, total_nodes, d, dtype=torch.float32, device=sums.device)
     nfv = torch.empty(b, total_nodes, dtype=torch.int32, device=sums.device)
     wrap_triton(_node_kernel)[(total_nodes, b * hkv)](
-        sums, cnt, lfv, summ, nfv, lvl_off, lvl_span,
-        sums.stride(0), sums.stride(1), sums.stride(2),
-        summ.stride(0), summ.stride(1), summ.stride(2),
-        n_leaves, total_nodes, hkv, n_k,
-        N_LEVELS=lvl_span.shape[0], D=d, DP=_p2(d, 16), BL=32,
+        sums,
+        cnt,
+        lfv,
+        summ,
+        nfv,
+        lvl_off,
+        lvl_span,
+        sums.stride(0),
+        sums.stride(1),
+        sums.stride(2),
+        summ.stride(0),
+        summ.stride(1),
+        summ.stride(2),
+        n_leaves,
+        total_nodes,
+        hkv,
+        n_k,
+        N_LEVELS=lvl_span.shape[0],
+        D=d,
+        DP=_p2(d, 16),
+        BL=32,
     )
     return summ, nfv
 
@@ -172,8 +211,7 @@ def _(sums, cnt, lfv, lvl_off, lvl_span, n_k, total_nodes):
     return (sums.new_empty(b, hkv, total_nodes, d), cnt.new_empty(b, total_nodes))
 
 
-def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int,
-                  key_padding_mask: Optional[torch.Tensor] = None):
+def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int, key_padding_mask: Optional[torch.Tensor] = None):
     """``(summaries [B, Hkv, T, D] fp32, first_valid [B, T] int32, sizes, lvl_off, lvl_span)``:
     every level's node means (leaves first), each node's first valid key position (``Nk`` if
     none), the node counts per level and the level offsets / leaf spans as int32 tensors."""
@@ -217,18 +255,53 @@ def _compact(cand, keep, ar_kp, ar_cw):
 
 @triton.jit
 def _pisa_select_kernel(
-    q_ptr, k_ptr, kpm_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, out_ptr, len_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_mb, stride_mh, stride_mt,
-    stride_ob, stride_oh, stride_on,
-    Nq, Nk, T, HKV, qk_scale,
-    N_LEVELS: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, SCORE: tl.constexpr,
-    FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
-    TOPK: tl.constexpr, WIDE: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr, LC: tl.constexpr,
-    IEEE_KEYS: tl.constexpr, HAS_LEN: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    kpm_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    out_ptr,
+    len_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    T,
+    HKV,
+    qk_scale,
+    N_LEVELS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SCORE: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    TOPK: tl.constexpr,
+    WIDE: tl.constexpr,
+    KP: tl.constexpr,
+    CW: tl.constexpr,
+    LC: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+    HAS_LEN: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -294,7 +367,11 @@ def _pisa_select_kernel(
         cand = tl.where(valid, cand, 0)
         valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
         forced = (cand == tl.where(cur_f >= 0, cur_f // span, -1)) | (cand == tl.where(prev_f >= 0, prev_f // span, -1))
-        forced = forced | (cand == tl.where(sink_f >= 0, sink_f // span, -1)) | (cand == tl.where(here >= 0, here // span, -1))
+        forced = (
+            forced
+            | (cand == tl.where(sink_f >= 0, sink_f // span, -1))
+            | (cand == tl.where(here >= 0, here // span, -1))
+        )
         forced = forced & valid
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
         width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
@@ -302,8 +379,11 @@ def _pisa_select_kernel(
             score = tl.zeros([CW], dtype=tl.float32)
             if SCORE == 1:
                 # PISA-1: q . mean(node) * scale
-                s_t = tl.load(summ_base + (off + cand)[None, :] * stride_mt + offs_d[:, None],
-                              mask=valid[None, :] & d_ok[:, None], other=0.0)
+                s_t = tl.load(
+                    summ_base + (off + cand)[None, :] * stride_mt + offs_d[:, None],
+                    mask=valid[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
                 logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
                 score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
             elif lv > 0:
@@ -319,8 +399,11 @@ def _pisa_select_kernel(
                 c_ok = own_ok & (jc < BR) & (child < n_ch)
                 child = tl.where(c_ok, child, 0)
                 c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
-                s_t = tl.load(summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
-                              mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+                s_t = tl.load(
+                    summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
+                    mask=c_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
                 logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
                 logit = tl.reshape(logit, (GP, CW, BRP))
                 okc = tl.reshape(c_ok, (CW, BRP))[None, :, :]
@@ -350,8 +433,11 @@ def _pisa_select_kernel(
                         kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
                         if HAS_KPM:
                             kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
-                        k_t = tl.load(k_ptr + b * stride_kb + hkv * stride_kh + pos[None, :] * stride_kn + offs_d[:, None],
-                                      mask=kok[None, :] & d_ok[:, None], other=0.0)
+                        k_t = tl.load(
+                            k_ptr + b * stride_kb + hkv * stride_kh + pos[None, :] * stride_kn + offs_d[:, None],
+                            mask=kok[None, :] & d_ok[:, None],
+                            other=0.0,
+                        )
                         if IEEE_KEYS:
                             logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
                         else:
@@ -380,10 +466,25 @@ def _pisa_select_kernel(
 
 @triton_op("sparseflow::pisa_select_fwd", mutates_args={})
 def _pisa_select_fwd(
-    q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
-    lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
-    block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
-    warps: Optional[int] = None, leaf_bytes: Optional[int] = None, length: Optional[torch.Tensor] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    warps: Optional[int] = None,
+    leaf_bytes: Optional[int] = None,
+    length: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
         raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
@@ -397,13 +498,22 @@ def _pisa_select_fwd(
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
     ieee = q.dtype == torch.float32 or interpreting()
-    meta = walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
-                     beam)
+    meta = walk_meta(
+        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+    )
     lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
-        *args[:8], nfv if length is None else length, *args[8:], **meta,  # the length pointer follows out_ptr
-        GP=_p2(hq // hkv, 16), CW=cw, LC=lc, IEEE_KEYS=ieee, HAS_LEN=length is not None, num_warps=warps,
+        *args[:8],
+        nfv if length is None else length,
+        *args[8:],
+        **meta,  # the length pointer follows out_ptr
+        GP=_p2(hq // hkv, 16),
+        CW=cw,
+        LC=lc,
+        IEEE_KEYS=ieee,
+        HAS_LEN=length is not None,
+        num_warps=warps,
     )
     return out
 
@@ -416,21 +526,53 @@ def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
     return (*ptrs, *strides, q.shape[2], k.shape[2], summ.shape[2], k.shape[1], scale)
 
 
-def walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
-              beam) -> dict:
+def walk_meta(
+    q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+) -> dict:
     """The compile-time arguments the two walk kernels share (the walk's shape and rules)."""
     d = q.shape[-1]
     return dict(
-        N_LEVELS=lvl_span.shape[0], HAS_KPM=kpm is not None, IS_CAUSAL=is_causal, SCORE=score,
-        FORCE_SINK=force_sink, FORCE_PREV=force_previous,
-        G=q.shape[1] // k.shape[1], D=d, DP=_p2(d, 16), C=block_size, CP=_p2(block_size, 16),
-        BR=branching, BRP=_p2(branching), TOPK=top_k, WIDE=beam * top_k, KP=_p2(beam * top_k),
+        N_LEVELS=lvl_span.shape[0],
+        HAS_KPM=kpm is not None,
+        IS_CAUSAL=is_causal,
+        SCORE=score,
+        FORCE_SINK=force_sink,
+        FORCE_PREV=force_previous,
+        G=q.shape[1] // k.shape[1],
+        D=d,
+        DP=_p2(d, 16),
+        C=block_size,
+        CP=_p2(block_size, 16),
+        BR=branching,
+        BRP=_p2(branching),
+        TOPK=top_k,
+        WIDE=beam * top_k,
+        KP=_p2(beam * top_k),
     )
 
 
 @_pisa_select_fwd.register_fake
-def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
-      force_sink, force_previous, beam, warps=None, leaf_bytes=None, length=None):
+def _(
+    q,
+    k,
+    kpm,
+    summ,
+    nfv,
+    lvl_off,
+    lvl_span,
+    scale,
+    is_causal,
+    score,
+    block_size,
+    branching,
+    top_k,
+    force_sink,
+    force_previous,
+    beam,
+    warps=None,
+    leaf_bytes=None,
+    length=None,
+):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
@@ -469,11 +611,28 @@ def pisa_select(
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     with torch.no_grad():
         kc = k.detach()
-        summ, nfv, _, lvl_off, lvl_span = build_pyramid(kc, block_size=block_size, branching=branching,
-                                                        key_padding_mask=key_padding_mask)
+        summ, nfv, _, lvl_off, lvl_span = build_pyramid(
+            kc, block_size=block_size, branching=branching, key_padding_mask=key_padding_mask
+        )
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-        args = (q.detach(), kc, kpm, summ, nfv, lvl_off, lvl_span, sc, bool(is_causal), SCORE_CODES[score],
-                int(block_size), int(branching), int(top_k), bool(force_sink), bool(force_previous), int(beam))
+        args = (
+            q.detach(),
+            kc,
+            kpm,
+            summ,
+            nfv,
+            lvl_off,
+            lvl_span,
+            sc,
+            bool(is_causal),
+            SCORE_CODES[score],
+            int(block_size),
+            int(branching),
+            int(top_k),
+            bool(force_sink),
+            bool(force_previous),
+            int(beam),
+        )
         if _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 

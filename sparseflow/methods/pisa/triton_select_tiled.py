@@ -58,6 +58,7 @@ width ``CW = max(16, next_pow2(beam * top_k) * next_pow2(g))`` is at most :data:
 group has at most :data:`MAX_GROUP` query heads; other shapes fall back to the per-token walk
 (logged). Decoding (``sparseflow.methods.pisa.pyramid_cache``) keeps the per-token walk.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -192,8 +193,10 @@ def _spread(ids, ok, R: tl.constexpr, U: tl.constexpr):
     """``ids [U]`` repeated ``R`` times each (``[U * R]``, entry ``u * R + j`` = ``ids[u]``)."""
     owner = tl.arange(0, U * R) // R
     hit = owner[:, None] == tl.arange(0, U)[None, :]
-    return (tl.sum(tl.where(hit, ids[None, :], 0), axis=1),
-            tl.sum(tl.where(hit, ok[None, :].to(tl.int32), 0), axis=1) > 0)
+    return (
+        tl.sum(tl.where(hit, ids[None, :], 0), axis=1),
+        tl.sum(tl.where(hit, ok[None, :].to(tl.int32), 0), axis=1) > 0,
+    )
 
 
 @triton.jit
@@ -243,16 +246,36 @@ def _q_tile(q_ptrs, q_mask, TO_FP32: tl.constexpr):
 
 
 @triton.jit
-def _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d, d_ok, cand, qk_scale,
-                       BQ: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
-                       UN: tl.constexpr):
+def _score_union_means(
+    q_ptrs,
+    q_mask,
+    flat,
+    first,
+    slot,
+    n_u,
+    off,
+    summ_base,
+    stride_mt,
+    offs_d,
+    d_ok,
+    cand,
+    qk_scale,
+    BQ: tl.constexpr,
+    GP: tl.constexpr,
+    G: tl.constexpr,
+    CW: tl.constexpr,
+    UN: tl.constexpr,
+):
     """PISA-1 (``mean``) at any level: ``q . summary(node) * scale``, UN union nodes per dot."""
     score = tl.full([BQ, CW], float("-inf"), dtype=tl.float32)
     c0 = 0
     while c0 < n_u:  # (while: the interpreter cannot range() over a runtime bound)
         ids, u_ok = _union_chunk(flat, first, slot, n_u, c0, UN)
-        s_t = tl.load(summ_base + (off + ids)[None, :] * stride_mt + offs_d[:, None],
-                      mask=u_ok[None, :] & d_ok[:, None], other=0.0)
+        s_t = tl.load(
+            summ_base + (off + ids)[None, :] * stride_mt + offs_d[:, None],
+            mask=u_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN]
         score = _take_matches(score, cand, ids, u_ok, _group_sum(logit, BQ, GP, G, UN))
         c0 += UN
@@ -260,10 +283,32 @@ def _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, s
 
 
 @triton.jit
-def _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, n_ch, summ_base, nfv_base, stride_mt, offs_d, d_ok,
-                       cand, qk_scale, Nk, SCORE: tl.constexpr, BQ: tl.constexpr, GP: tl.constexpr,
-                       G: tl.constexpr, CW: tl.constexpr, UN: tl.constexpr, BR: tl.constexpr,
-                       BRP: tl.constexpr):
+def _score_union_nodes(
+    q_ptrs,
+    q_mask,
+    flat,
+    first,
+    slot,
+    n_u,
+    coff,
+    n_ch,
+    summ_base,
+    nfv_base,
+    stride_mt,
+    offs_d,
+    d_ok,
+    cand,
+    qk_scale,
+    Nk,
+    SCORE: tl.constexpr,
+    BQ: tl.constexpr,
+    GP: tl.constexpr,
+    G: tl.constexpr,
+    CW: tl.constexpr,
+    UN: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+):
     """Intermediate ``lse`` / ``mean_var``: over each union node's children that hold a valid key;
     the UN nodes' UN * BRP child summaries are the columns of one dot."""
     score = tl.full([BQ, CW], float("-inf"), dtype=tl.float32)
@@ -276,8 +321,11 @@ def _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, n_ch, summ_
         c_ok = own_ok & (jc < BR) & (child < n_ch)
         child = tl.where(c_ok, child, 0)
         c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
-        s_t = tl.load(summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
-                      mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+        s_t = tl.load(
+            summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
+            mask=c_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN*BRP]
         per_head = _reduce(tl.reshape(logit, (BQ * GP, UN, BRP)), tl.reshape(c_ok, (UN, BRP))[None, :, :], SCORE)
         score = _take_matches(score, cand, ids, u_ok, _group_sum(per_head, BQ, GP, G, UN))
@@ -286,10 +334,32 @@ def _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, n_ch, summ_
 
 
 @triton.jit
-def _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base, offs_d, d_ok, cand,
-                        qk_scale, Nk, SCORE: tl.constexpr, HAS_KPM: tl.constexpr, IEEE_KEYS: tl.constexpr,
-                        BQ: tl.constexpr, GP: tl.constexpr, G: tl.constexpr, CW: tl.constexpr,
-                        UL: tl.constexpr, C: tl.constexpr, CP: tl.constexpr):
+def _score_union_leaves(
+    q_ptrs,
+    q_mask,
+    flat,
+    first,
+    slot,
+    n_u,
+    k_base,
+    stride_kn,
+    kpm_base,
+    offs_d,
+    d_ok,
+    cand,
+    qk_scale,
+    Nk,
+    SCORE: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+    BQ: tl.constexpr,
+    GP: tl.constexpr,
+    G: tl.constexpr,
+    CW: tl.constexpr,
+    UL: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+):
     """Leaf ``lse`` / ``mean_var``: exact over each union leaf's valid raw keys; UL leaves' keys
     (UL * CP columns) per dot, each key block loaded once for the whole tile."""
     score = tl.full([BQ, CW], float("-inf"), dtype=tl.float32)
@@ -326,18 +396,53 @@ def _anc(leaf, span):
 
 @triton.jit
 def _pisa_select_tiled_kernel(
-    q_ptr, k_ptr, kpm_ptr, summ_ptr, nfv_ptr, lvl_off_ptr, lvl_span_ptr, out_ptr,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_mb, stride_mh, stride_mt,
-    stride_ob, stride_oh, stride_on,
-    Nq, Nk, T, HKV, qk_scale,
-    N_LEVELS: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, SCORE: tl.constexpr,
-    FORCE_SINK: tl.constexpr, FORCE_PREV: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    C: tl.constexpr, CP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
-    TOPK: tl.constexpr, WIDE: tl.constexpr, KP: tl.constexpr, CW: tl.constexpr,
-    BQ: tl.constexpr, UN: tl.constexpr, UL: tl.constexpr, IEEE_KEYS: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    kpm_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    T,
+    HKV,
+    qk_scale,
+    N_LEVELS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SCORE: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    TOPK: tl.constexpr,
+    WIDE: tl.constexpr,
+    KP: tl.constexpr,
+    CW: tl.constexpr,
+    BQ: tl.constexpr,
+    UN: tl.constexpr,
+    UL: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -405,17 +510,81 @@ def _pisa_select_tiled_kernel(
         if tl.sum(need.to(tl.int32), axis=0) > 0:
             flat, first, slot, n_u = _union(cand, valid & ~forced & need[:, None], BQ, CW)
             if SCORE == 1:
-                score = _score_union_means(q_ptrs, q_mask, flat, first, slot, n_u, off, summ_base, stride_mt, offs_d,
-                                           d_ok, cand, qk_scale, BQ, GP, G, CW, UN)
+                score = _score_union_means(
+                    q_ptrs,
+                    q_mask,
+                    flat,
+                    first,
+                    slot,
+                    n_u,
+                    off,
+                    summ_base,
+                    stride_mt,
+                    offs_d,
+                    d_ok,
+                    cand,
+                    qk_scale,
+                    BQ,
+                    GP,
+                    G,
+                    CW,
+                    UN,
+                )
             elif lv > 0:
                 coff = tl.load(lvl_off_ptr + lv - 1)
-                score = _score_union_nodes(q_ptrs, q_mask, flat, first, slot, n_u, coff, off - coff, summ_base,
-                                           nfv_base, stride_mt, offs_d, d_ok, cand, qk_scale, Nk, SCORE, BQ, GP, G,
-                                           CW, UN, BR, BRP)
+                score = _score_union_nodes(
+                    q_ptrs,
+                    q_mask,
+                    flat,
+                    first,
+                    slot,
+                    n_u,
+                    coff,
+                    off - coff,
+                    summ_base,
+                    nfv_base,
+                    stride_mt,
+                    offs_d,
+                    d_ok,
+                    cand,
+                    qk_scale,
+                    Nk,
+                    SCORE,
+                    BQ,
+                    GP,
+                    G,
+                    CW,
+                    UN,
+                    BR,
+                    BRP,
+                )
             else:
-                score = _score_union_leaves(q_ptrs, q_mask, flat, first, slot, n_u, k_base, stride_kn, kpm_base,
-                                            offs_d, d_ok, cand, qk_scale, Nk, SCORE, HAS_KPM, IEEE_KEYS, BQ, GP, G,
-                                            CW, UL, C, CP)
+                score = _score_union_leaves(
+                    q_ptrs,
+                    q_mask,
+                    flat,
+                    first,
+                    slot,
+                    n_u,
+                    k_base,
+                    stride_kn,
+                    kpm_base,
+                    offs_d,
+                    d_ok,
+                    cand,
+                    qk_scale,
+                    Nk,
+                    SCORE,
+                    HAS_KPM,
+                    IEEE_KEYS,
+                    BQ,
+                    GP,
+                    G,
+                    CW,
+                    UL,
+                    C,
+                    CP,
+                )
             keep = _rows_top_k_keep(valid, forced, score, ar_cw, width)
         else:
             keep = valid
@@ -427,10 +596,24 @@ def _pisa_select_tiled_kernel(
 
 @triton_op("sparseflow::pisa_select_tiled_fwd", mutates_args={})
 def pisa_select_tiled_fwd(
-    q: torch.Tensor, k: torch.Tensor, kpm: Optional[torch.Tensor], summ: torch.Tensor, nfv: torch.Tensor,
-    lvl_off: torch.Tensor, lvl_span: torch.Tensor, scale: float, is_causal: bool, score: int,
-    block_size: int, branching: int, top_k: int, force_sink: bool, force_previous: bool, beam: int,
-    warps: Optional[int] = None, block_q: Optional[int] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    warps: Optional[int] = None,
+    block_q: Optional[int] = None,
 ) -> torch.Tensor:
     """The per-token op's contract (``triton_select._pisa_select_fwd``) by query tiles of
     ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`."""
@@ -444,17 +627,42 @@ def pisa_select_tiled_fwd(
     bq = tile_rows(g, block_q, cw)
     # as in the per-token walk: 16-bit products are exact in fp32; the interpreter's 16-bit dot is not
     ieee = q.dtype == torch.float32 or interpreting()
-    meta = walk_meta(q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k,
-                     beam)
+    meta = walk_meta(
+        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+    )
     wrap_triton(_pisa_select_tiled_kernel)[(triton.cdiv(n_q, bq), b * hkv)](
-        *walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale), **meta,
-        GP=_p2(g), CW=cw, BQ=bq, UN=16, UL=leaf_chunk(bq * _p2(g), meta["CP"]), IEEE_KEYS=ieee,
+        *walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale),
+        **meta,
+        GP=_p2(g),
+        CW=cw,
+        BQ=bq,
+        UN=16,
+        UL=leaf_chunk(bq * _p2(g), meta["CP"]),
+        IEEE_KEYS=ieee,
         num_warps=DEFAULT_WARPS if warps is None else warps,
     )
     return out
 
 
 @pisa_select_tiled_fwd.register_fake
-def _(q, k, kpm, summ, nfv, lvl_off, lvl_span, scale, is_causal, score, block_size, branching, top_k,
-      force_sink, force_previous, beam, warps=None, block_q=None):
+def _(
+    q,
+    k,
+    kpm,
+    summ,
+    nfv,
+    lvl_off,
+    lvl_span,
+    scale,
+    is_causal,
+    score,
+    block_size,
+    branching,
+    top_k,
+    force_sink,
+    force_previous,
+    beam,
+    warps=None,
+    block_q=None,
+):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -3,6 +3,7 @@
 Oracles: brute-force top-K over per-block mean scores in fp64 (Python loops), and masked dense
 attention in fp64 built from the op's own reported selection (``Selection.key_mask``).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ from hypothesis import strategies as st
 from sparseflow.methods.bsa.reference import bsa_attention, bsa_select
 from sparseflow.methods.pisa.reference import pisa_select
 
-SETTINGS = dict(max_examples=25, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LENGTHS = [1, 2, 5, 13, 31, 47, 64, 77, 97, 111, 127, 149, 160, 211]
@@ -94,7 +96,7 @@ def brute_force(q, k, kpm, *, C, K, causal, force_sink, force_previous, i, bi, h
     js = torch.nonzero(vis).flatten()
     blocks = sorted(set((js // C).tolist()))
     forced = forced_blocks_oracle(i + nk - nq, nk, C, force_sink, force_previous, set(blocks))
-    qh = q[bi, hi * g:(hi + 1) * g, i].double()
+    qh = q[bi, hi * g : (hi + 1) * g, i].double()
     scores = {}
     for blk in blocks:
         if blk in forced:
@@ -124,14 +126,32 @@ def cases(draw, *, causal=None, max_n=211, padding=True):
     force_previous = draw(st.booleans())
     K = draw(st.integers(1 + force_sink + force_previous, 6))
     pad = draw(st.sampled_from(["none", "right", "left", "random"])) if padding else "none"
-    return dict(b=b, hq=hkv * g_heads, hkv=hkv, nq=nq, nk=nk, d=d, C=C, K=K, is_causal=is_causal,
-                force_sink=force_sink, force_previous=force_previous, pad=pad,
-                seed=draw(st.integers(0, 2**16)), dtype=draw(st.sampled_from(DTYPES)))
+    return dict(
+        b=b,
+        hq=hkv * g_heads,
+        hkv=hkv,
+        nq=nq,
+        nk=nk,
+        d=d,
+        C=C,
+        K=K,
+        is_causal=is_causal,
+        force_sink=force_sink,
+        force_previous=force_previous,
+        pad=pad,
+        seed=draw(st.integers(0, 2**16)),
+        dtype=draw(st.sampled_from(DTYPES)),
+    )
 
 
 def kwargs_of(c, **over):
-    kw = dict(is_causal=c["is_causal"], block_size=c["C"], top_k=c["K"], force_sink=c["force_sink"],
-              force_previous=c["force_previous"])
+    kw = dict(
+        is_causal=c["is_causal"],
+        block_size=c["C"],
+        top_k=c["K"],
+        force_sink=c["force_sink"],
+        force_previous=c["force_previous"],
+    )
     kw.update(over)
     return kw
 
@@ -184,8 +204,10 @@ def test_sparse_output_equals_masked_dense_on_own_selection(c):
     err = (out.double() - masked_dense(q, k, v, mine)).abs().max().item() if out.numel() else 0.0
     assert err <= TOL[c["dtype"]], err
     for bi in range(c["b"]):
-        nvis = torch.tensor([len(set((torch.nonzero(vis[bi, i]).flatten() // c["C"]).tolist()))
-                             for i in range(c["nq"])], dtype=torch.float64)
+        nvis = torch.tensor(
+            [len(set((torch.nonzero(vis[bi, i]).flatten() // c["C"]).tolist())) for i in range(c["nq"])],
+            dtype=torch.float64,
+        )
         has = nvis > 0
         for h in range(c["hq"]):
             nsel = (idx[bi, h // g] >= 0).sum(-1).double()
@@ -203,8 +225,8 @@ def test_causality_future_keys_change_nothing(c, frac):
     t = min(c["nk"] - 1, int(frac * c["nk"]))
     gen = torch.Generator().manual_seed(c["seed"] + 1)
     k2, v2 = k.clone(), v.clone()
-    k2[:, :, t + 1:] = (torch.randn(k2[:, :, t + 1:].shape, generator=gen) * 3).to(k.dtype)
-    v2[:, :, t + 1:] = torch.randn(v2[:, :, t + 1:].shape, generator=gen).to(v.dtype)
+    k2[:, :, t + 1 :] = (torch.randn(k2[:, :, t + 1 :].shape, generator=gen) * 3).to(k.dtype)
+    v2[:, :, t + 1 :] = torch.randn(v2[:, :, t + 1 :].shape, generator=gen).to(v.dtype)
     o1, s1 = bsa_attention(q, k, v, key_padding_mask=kpm, return_selection=True, **kwargs_of(c))
     o2, s2 = bsa_attention(q, k2, v2, key_padding_mask=kpm, return_selection=True, **kwargs_of(c))
     assert torch.equal(s1.block_indices[:, :, : t + 1], s2.block_indices[:, :, : t + 1])
@@ -218,11 +240,11 @@ def test_causality_with_padded_current_block():
     kpm = torch.rand(b, n, generator=gen) < 0.5
     kw = dict(block_size=C, top_k=2, force_sink=False, force_previous=False)
     idx = bsa_select(q, k, key_padding_mask=kpm, **kw)
-    ts = [t for t in range(n) if not bool(kpm[0, (t // C) * C: t + 1].any())]
+    ts = [t for t in range(n) if not bool(kpm[0, (t // C) * C : t + 1].any())]
     assert len(ts) > 20
     for t in ts[::3]:
         k2 = k.clone()
-        k2[:, :, t + 1:] = torch.randn(k2[:, :, t + 1:].shape, generator=gen) * 10
+        k2[:, :, t + 1 :] = torch.randn(k2[:, :, t + 1 :].shape, generator=gen) * 10
         assert torch.equal(idx[:, :, : t + 1], bsa_select(q, k2, key_padding_mask=kpm, **kw)[:, :, : t + 1]), t
         assert t // C not in rows(idx[0, 0, t])
 
@@ -245,8 +267,18 @@ def test_selection_equals_brute_force_top_k(c, data):
         for hi in range(c["hkv"]):
             for i in queries:
                 want, scores, forced, blocks = brute_force(
-                    q, k, kpm, C=c["C"], K=c["K"], causal=c["is_causal"], force_sink=c["force_sink"],
-                    force_previous=c["force_previous"], i=i, bi=bi, hi=hi)
+                    q,
+                    k,
+                    kpm,
+                    C=c["C"],
+                    K=c["K"],
+                    causal=c["is_causal"],
+                    force_sink=c["force_sink"],
+                    force_previous=c["force_previous"],
+                    i=i,
+                    bi=bi,
+                    hi=hi,
+                )
                 row = idx[bi, hi, i].tolist()
                 got = rows(idx[bi, hi, i])
                 assert row == got + [-1] * (width - len(got))
@@ -271,8 +303,18 @@ def test_bsa_equals_unpruned_pisa_with_mean_score(c):
     diff = (a != p).any(-1).nonzero().tolist()
     for bi, hi, i in diff:  # only a floating-point near-tie may separate them
         _, scores, forced, _ = brute_force(
-            q, k, kpm, C=c["C"], K=c["K"], causal=c["is_causal"], force_sink=c["force_sink"],
-            force_previous=c["force_previous"], i=i, bi=bi, hi=hi)
+            q,
+            k,
+            kpm,
+            C=c["C"],
+            K=c["K"],
+            causal=c["is_causal"],
+            force_sink=c["force_sink"],
+            force_previous=c["force_previous"],
+            i=i,
+            bi=bi,
+            hi=hi,
+        )
         for sel in (a, p):
             got = rows(sel[bi, hi, i])
             free_got = [scores[x] for x in got if x not in forced]
@@ -297,9 +339,9 @@ def test_gqa_selection_uses_every_head_of_the_group():
     C, nb, d = 4, 6, 4
     k = torch.zeros(1, 1, nb * C, d)
     X, Y = 1, 2
-    k[0, 0, X * C:(X + 1) * C, 0] = 2.0   # head 0: +2, head 1: 0, head 2: 0   -> sum 2
-    k[0, 0, Y * C:(Y + 1) * C, 0] = 1.0   # head 0: +1, heads 1, 2: +1 each     -> sum 3
-    k[0, 0, Y * C:(Y + 1) * C, 1] = 1.0
+    k[0, 0, X * C : (X + 1) * C, 0] = 2.0  # head 0: +2, head 1: 0, head 2: 0   -> sum 2
+    k[0, 0, Y * C : (Y + 1) * C, 0] = 1.0  # head 0: +1, heads 1, 2: +1 each     -> sum 3
+    k[0, 0, Y * C : (Y + 1) * C, 1] = 1.0
     n = nb * C
     q = torch.zeros(1, 3, n, d)
     q[:, 0, :, 0] = 1.0
@@ -332,8 +374,7 @@ def test_decode_matches_last_row_of_causal_prefill(pad):
     kpm = make_padding(pad, b, n, 5)
     kw = dict(block_size=C, top_k=6)
     o_pre, s_pre = bsa_attention(q, k, v, key_padding_mask=kpm, is_causal=True, return_selection=True, **kw)
-    o_dec, s_dec = bsa_attention(q[:, :, -1:], k, v, key_padding_mask=kpm, is_causal=False,
-                                 return_selection=True, **kw)
+    o_dec, s_dec = bsa_attention(q[:, :, -1:], k, v, key_padding_mask=kpm, is_causal=False, return_selection=True, **kw)
     assert o_dec.shape == (b, hq, 1, d)
     assert torch.equal(s_dec.block_indices, s_pre.block_indices[:, :, -1:])
     torch.testing.assert_close(o_dec, o_pre[:, :, -1:], rtol=1e-5, atol=1e-6)

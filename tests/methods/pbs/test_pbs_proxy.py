@@ -6,6 +6,7 @@ proxy (last block_size valid queries, every complete segment); an earlier proxy 
 complete segments strictly before its own; a key's score is the mean of the probabilities of
 the proxies that see it; proxy_blocks=1 is bit-identical to the single proxy.
 """
+
 import math
 import os
 from typing import Optional
@@ -30,8 +31,17 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @torch.no_grad()
-def _key_scores_before(q, k, *, key_padding_mask=None, scale=None, block_size=128, segment_size=256,
-                       causal_proxy=False, gqa_permutation="query_head"):
+def _key_scores_before(
+    q,
+    k,
+    *,
+    key_padding_mask=None,
+    scale=None,
+    block_size=128,
+    segment_size=256,
+    causal_proxy=False,
+    gqa_permutation="query_head",
+):
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -77,7 +87,7 @@ def _random(b, hq, hkv, n, d, seed, pad: bool):
     kpm: Optional[torch.Tensor] = None
     if pad:
         kpm = torch.rand(b, n, generator=g) > 0.25  # holes everywhere
-        kpm[0, n - n // 3:] = False  # right padding
+        kpm[0, n - n // 3 :] = False  # right padding
         if b > 1:
             kpm[1, :5] = False  # left padding
         if b > 2:
@@ -119,8 +129,10 @@ def _far_back_case():
 def test_early_proxy_promotes_a_far_back_key():
     q, k, v = _far_back_case()
     kw = dict(block_size=4, segment_size=8)
-    assert [r.tolist() for r, _ in R.proxy_queries(None, 1, 64, proxy_blocks=2, **kw)[0]] == \
-        [[28, 29, 30, 31], [60, 61, 62, 63]]
+    assert [r.tolist() for r, _ in R.proxy_queries(None, 1, 64, proxy_blocks=2, **kw)[0]] == [
+        [28, 29, 30, 31],
+        [60, 61, 62, 63],
+    ]
     s1 = R.key_scores(q, k, **kw)
     s2 = R.key_scores(q, k, proxy_blocks=2, **kw)
     p1 = R.segment_permutation(s1, segment_size=8)
@@ -131,8 +143,9 @@ def test_early_proxy_promotes_a_far_back_key():
     # the whole op carries the option: its permutation is the one above
     for backend in ("reference", "triton"):
         with sparseflow.capture() as cap:
-            sparseflow.attention(q, k, v, config=PBSConfig(block_size=4, segment_size=8, proxy_blocks=2),
-                                 backend=backend)
+            sparseflow.attention(
+                q, k, v, config=PBSConfig(block_size=4, segment_size=8, proxy_blocks=2), backend=backend
+            )
         assert cap.calls[0].selection.permutation[0, 0, 0].item() == 2, backend
         with sparseflow.capture() as cap:
             sparseflow.attention(q, k, v, config=PBSConfig(block_size=4, segment_size=8), backend=backend)
@@ -178,8 +191,7 @@ def test_proxies_are_spread_and_deduplicated():
     assert [(r.tolist()[0], s) for r, s in plan] == [(12, 1), (28, 3), (44, 5), (60, 8)]
     # more proxies than blocks that can see anything: duplicates and blind ones are dropped
     plan = R.proxy_queries(None, 1, 20, proxy_blocks=50, **kw)[0]
-    assert [(r.tolist(), s) for r, s in plan] == [([8, 9, 10, 11], 1), ([12, 13, 14, 15], 1),
-                                                  ([16, 17, 18, 19], 2)]
+    assert [(r.tolist(), s) for r, s in plan] == [([8, 9, 10, 11], 1), ([12, 13, 14, 15], 1), ([16, 17, 18, 19], 2)]
     # padded rows: valid query blocks only, valid rows only; all padded / too short: no proxy
     kpm = torch.ones(3, 40, dtype=torch.bool)
     kpm[0, 20:] = False
@@ -238,12 +250,12 @@ def test_config_validation_and_serialisation():
     del old["proxy_blocks"]  # a config written before the option existed
     assert config_from_dict(old) == PBSConfig()
     with pytest.raises(ValueError, match="proxy_blocks"):
-        R.key_scores(torch.zeros(1, 1, 16, 4), torch.zeros(1, 1, 16, 4), block_size=4, segment_size=8,
-                     proxy_blocks=0)
+        R.key_scores(torch.zeros(1, 1, 16, 4), torch.zeros(1, 1, 16, 4), block_size=4, segment_size=8, proxy_blocks=0)
 
 
-@pytest.mark.parametrize("gqa,pad,causal_proxy", [("query_head", True, False), ("kv_head", True, True),
-                                                  ("query_head", False, True)])
+@pytest.mark.parametrize(
+    "gqa,pad,causal_proxy", [("query_head", True, False), ("kv_head", True, True), ("query_head", False, True)]
+)
 def test_triton_scores_match_reference(gqa, pad, causal_proxy):
     pytest.importorskip("triton")
     from sparseflow.methods.pbs import triton_select as S
@@ -251,14 +263,22 @@ def test_triton_scores_match_reference(gqa, pad, causal_proxy):
     q, k, _, kpm = _random(3 if pad else 1, 6, 2, 93, 40, seed=7, pad=pad)
     q, k = q.to(DEV), k.to(DEV)
     kpm = kpm.to(DEV) if kpm is not None else None
-    kw = dict(key_padding_mask=kpm, block_size=8, segment_size=16, causal_proxy=causal_proxy, gqa_permutation=gqa,
-              proxy_blocks=3)
+    kw = dict(
+        key_padding_mask=kpm,
+        block_size=8,
+        segment_size=16,
+        causal_proxy=causal_proxy,
+        gqa_permutation=gqa,
+        proxy_blocks=3,
+    )
     ref = R.key_scores(q, k, **kw)
     got = S.key_scores(q, k, **kw)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
     assert not torch.equal(ref, R.key_scores(q, k, **dict(kw, proxy_blocks=1)))
-    assert torch.equal(S.segment_permutation(got, segment_size=16, key_padding_mask=kpm),
-                       R.segment_permutation(ref, segment_size=16, key_padding_mask=kpm))
+    assert torch.equal(
+        S.segment_permutation(got, segment_size=16, key_padding_mask=kpm),
+        R.segment_permutation(ref, segment_size=16, key_padding_mask=kpm),
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton", "flex"])
@@ -277,9 +297,9 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     outs, sels = {}, {}
     for be in ("reference", backend):
         with sparseflow.capture() as cap:
-            outs[be] = sparseflow.attention(q.to(DEV), k.to(DEV), v.to(DEV), config=cfg,
-                                            attn_mask=kpm[:, None, None, :].to(DEV),
-                                            backend=be).cpu()
+            outs[be] = sparseflow.attention(
+                q.to(DEV), k.to(DEV), v.to(DEV), config=cfg, attn_mask=kpm[:, None, None, :].to(DEV), backend=be
+            ).cpu()
         (call,) = cap.calls
         assert call.sparse, call.reason
         sels[be] = call.selection
@@ -290,8 +310,9 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     torch.testing.assert_close(outs[backend] * valid, outs["reference"] * valid, rtol=2e-4, atol=2e-5)
     # and the option matters here: P=1 permutes differently
     with sparseflow.capture() as cap:
-        sparseflow.attention(q, k, v, config=cfg.replace(proxy_blocks=1), attn_mask=kpm[:, None, None, :],
-                             backend="reference")
+        sparseflow.attention(
+            q, k, v, config=cfg.replace(proxy_blocks=1), attn_mask=kpm[:, None, None, :], backend="reference"
+        )
     assert not torch.equal(cap.calls[0].selection.permutation, sels["reference"].permutation)
 
 
@@ -312,5 +333,11 @@ def test_causal_proxy_with_several_proxies_stays_causal_in_keys(t):
     from sparseflow.testing import check_causality
 
     q, k, v, _ = _random(1, 4, 2, 83, 8, seed=10 + t, pad=False)
-    check_causality(q, k, v, PBSConfig(block_size=4, segment_size=8, threshold=0.6, causal_proxy=True,
-                                       proxy_blocks=3), t, backend="reference")
+    check_causality(
+        q,
+        k,
+        v,
+        PBSConfig(block_size=4, segment_size=8, threshold=0.6, causal_proxy=True, proxy_blocks=3),
+        t,
+        backend="reference",
+    )

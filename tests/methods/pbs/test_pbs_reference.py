@@ -3,6 +3,7 @@
 Small CPU shapes, odd lengths, GQA group sizes 1-3, head dims 32-256. The oracles here are
 written independently of sparseflow: an fp64 masked softmax over (repeated, test-only) K/V.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,17 @@ opts = st.fixed_dictionaries(
 def run(p, threshold, o, **extra):
     stride = min(4, p["bs"])
     return pbs_attention(
-        p["q"], p["k"], p["v"], key_padding_mask=p["kpm"], block_size=p["bs"], segment_size=p["seg"],
-        threshold=threshold, antidiagonal_stride=stride, return_selection=True, **o, **extra,
+        p["q"],
+        p["k"],
+        p["v"],
+        key_padding_mask=p["kpm"],
+        block_size=p["bs"],
+        segment_size=p["seg"],
+        threshold=threshold,
+        antidiagonal_stride=stride,
+        return_selection=True,
+        **o,
+        **extra,
     )
 
 
@@ -186,8 +196,9 @@ def test_sparse_mode_equals_masked_dense_on_reported_selection(p, o, threshold):
 @given(p=problems(max_n=120), causal_proxy=st.booleans(), gqa=st.sampled_from(["query_head", "kv_head"]))
 def test_permutation_is_sorted_per_segment_tail_fixed(p, causal_proxy, gqa):
     q, k, kpm, bs, seg = p["q"], p["k"], p["kpm"], p["bs"], p["seg"]
-    scores = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg,
-                        causal_proxy=causal_proxy, gqa_permutation=gqa)
+    scores = key_scores(
+        q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=causal_proxy, gqa_permutation=gqa
+    )
     perm = segment_permutation(scores, segment_size=seg, key_padding_mask=kpm)
     b, hp, n = perm.shape
     assert hp == (q.shape[1] if gqa == "query_head" else k.shape[1])
@@ -230,9 +241,16 @@ def test_permute_false_is_identity(p, o, threshold):
     out, sel = run(p, threshold, o)
     b, _, n, _ = p["q"].shape
     assert torch.equal(sel.permutation, torch.arange(n).expand_as(sel.permutation))
-    again = permuted_block_attention(p["q"], p["k"], p["v"], torch.arange(n).expand_as(sel.permutation),
-                                     sel.block_mask, key_padding_mask=p["kpm"], is_causal=o["is_causal"],
-                                     block_size=p["bs"])
+    again = permuted_block_attention(
+        p["q"],
+        p["k"],
+        p["v"],
+        torch.arange(n).expand_as(sel.permutation),
+        sel.block_mask,
+        key_padding_mask=p["kpm"],
+        is_causal=o["is_causal"],
+        block_size=p["bs"],
+    )
     torch.testing.assert_close(out, again, rtol=0, atol=0)
 
 
@@ -276,8 +294,17 @@ def test_block_selection_by_hand(n, force_sink):
     nb = -(-n // 2)
 
     def rows(threshold, causal=True):
-        bm = select_blocks(q, k, perm, is_causal=causal, scale=1.0, block_size=2, segment_size=4,
-                           threshold=threshold, force_sink=force_sink)
+        bm = select_blocks(
+            q,
+            k,
+            perm,
+            is_causal=causal,
+            scale=1.0,
+            block_size=2,
+            segment_size=4,
+            threshold=threshold,
+            force_sink=force_sink,
+        )
         assert bm.shape == (1, 1, nb, nb)
         return [set(bm[0, 0, i].nonzero().squeeze(1).tolist()) for i in range(nb)]
 
@@ -293,8 +320,9 @@ def test_block_selection_by_hand(n, force_sink):
     # non-causal: every other region is a candidate
     rn = rows(1.0, causal=False)
     assert rn[0] == set(range(nb))
-    probs = block_probabilities(q, k, perm, candidate_blocks(perm, 1, is_causal=True, block_size=2, segment_size=4),
-                                scale=1.0, block_size=2)
+    probs = block_probabilities(
+        q, k, perm, candidate_blocks(perm, 1, is_causal=True, block_size=2, segment_size=4), scale=1.0, block_size=2
+    )
     torch.testing.assert_close(probs[0, 0, 4, :4], torch.tensor([0.1, 0.5, 0.15, 0.25]))
     torch.testing.assert_close(probs[0, 0, 2, :2], torch.tensor([1 / 6, 5 / 6]))
     assert float(probs[0, 0, 0].abs().sum()) == 0.0
@@ -322,8 +350,9 @@ def test_antidiagonal_scores_by_brute_force():
     scores = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg)
     perm = segment_permutation(scores, segment_size=seg, key_padding_mask=kpm)
     cand = candidate_blocks(perm, 2, key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    got = block_probabilities(q, k, perm, cand, key_padding_mask=kpm, scale=0.7, block_size=bs,
-                              scoring="antidiagonal", antidiagonal_stride=s)
+    got = block_probabilities(
+        q, k, perm, cand, key_padding_mask=kpm, scale=0.7, block_size=bs, scoring="antidiagonal", antidiagonal_stride=s
+    )
     nb = -(-n // bs)
     for h in range(2):
         pr = perm[0, h]
@@ -391,8 +420,17 @@ def test_fully_padded_rows_are_finite_zero():
     kpm[1, :20] = False  # left padding: early queries see nothing (causal)
     for causal in (True, False):
         for thr in (0.5, 1.0):
-            out, sel = pbs_attention(q, k, v, key_padding_mask=kpm, is_causal=causal, block_size=4,
-                                     segment_size=8, threshold=thr, return_selection=True)
+            out, sel = pbs_attention(
+                q,
+                k,
+                v,
+                key_padding_mask=kpm,
+                is_causal=causal,
+                block_size=4,
+                segment_size=8,
+                threshold=thr,
+                return_selection=True,
+            )
             assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(sel.density).all())
             assert float(out[0].abs().max()) == 0.0
             if causal:
@@ -447,12 +485,25 @@ def test_kv_head_permutation_shared_by_group(p, causal_proxy, threshold):
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
     per_q = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=causal_proxy)
-    per_kv = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=causal_proxy,
-                        gqa_permutation="kv_head")
+    per_kv = key_scores(
+        q,
+        k,
+        key_padding_mask=kpm,
+        block_size=bs,
+        segment_size=seg,
+        causal_proxy=causal_proxy,
+        gqa_permutation="kv_head",
+    )
     assert per_kv.shape == (b, hkv, n)
     torch.testing.assert_close(per_kv, per_q.view(b, hkv, hq // hkv, n).mean(dim=2))
-    o = dict(is_causal=True, gqa_permutation="kv_head", scoring="mean", causal_proxy=causal_proxy,
-             force_sink=True, permute=True)
+    o = dict(
+        is_causal=True,
+        gqa_permutation="kv_head",
+        scoring="mean",
+        causal_proxy=causal_proxy,
+        force_sink=True,
+        permute=True,
+    )
     out, sel = run(p, threshold, o)
     assert sel.permutation.shape == (b, hkv, n)
     assert torch.equal(sel.permutation, segment_permutation(per_kv, segment_size=seg, key_padding_mask=kpm))
@@ -532,8 +583,17 @@ def test_half_precision_outputs(p, o, threshold):
 @given(p=problems(max_n=60), threshold=st.sampled_from([0.5, 1.0]), causal=st.booleans())
 def test_gradients_match_masked_dense(p, threshold, causal):
     q, k, v = (t.clone().requires_grad_(True) for t in (p["q"], p["k"], p["v"]))
-    out, sel = pbs_attention(q, k, v, key_padding_mask=p["kpm"], is_causal=causal, block_size=p["bs"],
-                             segment_size=p["seg"], threshold=threshold, return_selection=True)
+    out, sel = pbs_attention(
+        q,
+        k,
+        v,
+        key_padding_mask=p["kpm"],
+        is_causal=causal,
+        block_size=p["bs"],
+        segment_size=p["seg"],
+        threshold=threshold,
+        return_selection=True,
+    )
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (p["q"], p["k"], p["v"]))
@@ -552,9 +612,11 @@ def test_pbs_selection_is_the_attentions_selection():
     q, k, v = (torch.randn(2, h, 128, 16, generator=gen) * 3 for h in (4, 2, 2))  # peaked: not everything kept
     kpm = torch.ones(2, 128, dtype=torch.bool)
     kpm[1, 110:] = False
-    for cfg in (PBSConfig(block_size=16, segment_size=32, threshold=0.3, scoring="sampled_rows"),
-                PBSConfig(block_size=16, segment_size=32, threshold=0.5, permute=False, scoring="mean"),
-                PBSConfig(block_size=16, segment_size=32, threshold=0.4, gqa_permutation="kv_head")):
+    for cfg in (
+        PBSConfig(block_size=16, segment_size=32, threshold=0.3, scoring="sampled_rows"),
+        PBSConfig(block_size=16, segment_size=32, threshold=0.5, permute=False, scoring="mean"),
+        PBSConfig(block_size=16, segment_size=32, threshold=0.4, gqa_permutation="kv_head"),
+    ):
         _, sel = pbs_attention(q, k, v, cfg, key_padding_mask=kpm, return_selection=True)
         perm, mask = pbs_selection(q, k, cfg, key_padding_mask=kpm)
         assert torch.equal(perm, sel.permutation) and torch.equal(mask, sel.block_mask)
@@ -566,7 +628,9 @@ def test_pbs_selection_is_the_attentions_selection():
         assert torch.equal(perm_all, perm) and len(masks) == 4
         for t, m in zip(thresholds, masks):
             assert torch.equal(m, pbs_selection(q, k, cfg.replace(threshold=t), key_padding_mask=kpm)[1])
-        assert masks[0].sum() <= masks[2].sum() <= masks[3].sum() and masks[0].sum() < masks[3].sum()  # nested, and differ
+        assert (
+            masks[0].sum() <= masks[2].sum() <= masks[3].sum() and masks[0].sum() < masks[3].sum()
+        )  # nested, and differ
     from types import SimpleNamespace  # a config PBSConfig itself would refuse
 
     with pytest.raises(ValueError, match="gqa_permutation must be"):

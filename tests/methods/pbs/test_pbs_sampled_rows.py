@@ -1,5 +1,6 @@
 """PBS ``scoring="sampled_rows"``: every ``antidiagonal_stride``-th query row of a block scores the
 keys with its exact softmax (no averaging before the exponential); stride 1 is the exact block mass."""
+
 import pytest
 import torch
 
@@ -26,8 +27,13 @@ def _direct(q, k, perm, cand, bs, stride, kpm=None):
     for h in range(hq):
         order = perm[0, h * hp // hq]
         for i in range(nb):
-            keys = [(j, int(order[t])) for j in range(nb) if cand[0, h, i, j]
-                    for t in range(j * bs, min(n, (j + 1) * bs)) if valid[int(order[t])]]
+            keys = [
+                (j, int(order[t]))
+                for j in range(nb)
+                if cand[0, h, i, j]
+                for t in range(j * bs, min(n, (j + 1) * bs))
+                if valid[int(order[t])]
+            ]
             # a query block without a valid row scores with all its rows (the reference's rule)
             block_rows = range(i * bs, min(n, (i + 1) * bs))
             if not any(valid[r] for r in block_rows):
@@ -39,7 +45,7 @@ def _direct(q, k, perm, cand, bs, stride, kpm=None):
                 continue
             kk = k[0, h // g, [p for _, p in keys]]
             blocks = torch.tensor([j for j, _ in keys])
-            p = torch.softmax(q[0, h, rows] @ kk.T * d ** -0.5, dim=-1)
+            p = torch.softmax(q[0, h, rows] @ kk.T * d**-0.5, dim=-1)
             out[h, i] = torch.zeros(len(rows), nb).index_add_(1, blocks, p).mean(0)
     return out
 
@@ -54,11 +60,15 @@ def test_sampled_rows_matches_its_definition(stride, pad):
         kpm = torch.ones(1, n, dtype=torch.bool)
         kpm[0, 70:] = False
         kpm[0, 3] = False
-    perm = R.segment_permutation(R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg),
-                                 segment_size=seg, key_padding_mask=kpm)
+    perm = R.segment_permutation(
+        R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg),
+        segment_size=seg,
+        key_padding_mask=kpm,
+    )
     cand = R.candidate_blocks(perm, q.shape[1], key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    got = R.block_probabilities(q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring="sampled_rows",
-                                antidiagonal_stride=stride)
+    got = R.block_probabilities(
+        q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring="sampled_rows", antidiagonal_stride=stride
+    )
     torch.testing.assert_close(got[0], _direct(q, k, perm, cand, bs, stride, kpm), rtol=1e-5, atol=1e-6)
 
 

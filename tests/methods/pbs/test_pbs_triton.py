@@ -5,6 +5,7 @@ here before the Triton modules are imported; small shapes). Error rule: the Trit
 relative error against the reference in fp64 must be at most twice PyTorch's own error on the
 same masked problem in the same dtype (SDPA with the selection's key mask), plus 1e-6.
 """
+
 import math
 import os
 
@@ -39,7 +40,7 @@ def _qkv(b, hq, hkv, n, d, dtype, seed):
 
 def _padding(b, n):
     kpm = torch.ones(b, n, dtype=torch.bool, device=DEV)
-    kpm[0, n - max(1, n // 3):] = False  # right padding
+    kpm[0, n - max(1, n // 3) :] = False  # right padding
     if b > 1:
         kpm[1, : min(5, n - 1)] = False  # left padding
     return kpm
@@ -48,16 +49,25 @@ def _padding(b, n):
 def _selection(q, k, kpm, *, bs, seg, thr, causal, gqa):
     sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
     perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg,
-                         threshold=thr)
+    bm = R.select_blocks(
+        q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
+    )
     return perm, bm
 
 
 def _torch_error(q, k, v, perm, bm, kpm, causal, bs, ref):
     """PyTorch's own error on the same masked problem in q's dtype (SDPA, repeated K/V)."""
     b, hq, n, _ = q.shape
-    sel = Selection(method="pbs", density=torch.zeros(b, hq), block_size=bs, is_causal=causal, num_keys=n,
-                    block_mask=bm, permutation=perm, key_padding_mask=kpm)
+    sel = Selection(
+        method="pbs",
+        density=torch.zeros(b, hq),
+        block_size=bs,
+        is_causal=causal,
+        num_keys=n,
+        block_mask=bm,
+        permutation=perm,
+        key_padding_mask=kpm,
+    )
     km = sel.key_mask(hq)
     g = hq // k.shape[1]
     sd = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=km)
@@ -91,8 +101,10 @@ CASES = [
 
 def _case_id(c):
     n, hq, hkv, d, dt, gqa, layout, pad, causal, bs, seg, thr = c
-    return (f"n{n}-h{hq}.{hkv}-d{d}-{str(dt).split('.')[-1]}-{gqa}-{layout}-{'pad' if pad else 'nopad'}"
-            f"-{'causal' if causal else 'full'}-b{bs}-t{thr}")
+    return (
+        f"n{n}-h{hq}.{hkv}-d{d}-{str(dt).split('.')[-1]}-{gqa}-{layout}-{'pad' if pad else 'nopad'}"
+        f"-{'causal' if causal else 'full'}-b{bs}-t{thr}"
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -102,12 +114,14 @@ def test_attention_matches_reference(case, poisoned):
     q, k, v = _qkv(b, hq, hkv, n, d, dt, seed=n * 31 + d)
     kpm = _padding(b, n) if pad else None
     perm, bm = _selection(q, k, kpm, bs=bs, seg=seg, thr=thr, causal=causal, gqa=gqa)
-    out = TI.attention_from_selection(q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal,
-                                      block_size=bs, segment_size=seg, layout=layout)
+    out = TI.attention_from_selection(
+        q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, layout=layout
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any(), "unwritten or NaN output rows"
-    ref = R.permuted_block_attention(q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm,
-                                     is_causal=causal, block_size=bs)
+    ref = R.permuted_block_attention(
+        q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs
+    )
     err = _rel(out, ref)
     torch_err = _torch_error(q, k, v, perm, bm, kpm, causal, bs, ref)
     assert err <= 2 * torch_err + 1e-6, (err, torch_err)
@@ -121,13 +135,15 @@ def test_rows_without_visible_keys_are_zero(poisoned):
     kpm[0] = False
     kpm[1, :20] = False
     perm, bm = _selection(q, k, kpm, bs=bs, seg=seg, thr=0.8, causal=True, gqa="query_head")
-    out = TI.attention_from_selection(q, k, v, perm, bm, key_padding_mask=kpm, is_causal=True,
-                                      block_size=bs, segment_size=seg)
+    out = TI.attention_from_selection(
+        q, k, v, perm, bm, key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg
+    )
     assert not out.isnan().any()
     assert out[0].abs().max() == 0
     assert out[1, :, :20].abs().max() == 0
-    ref = R.permuted_block_attention(q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm,
-                                     is_causal=True, block_size=bs)
+    ref = R.permuted_block_attention(
+        q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=True, block_size=bs
+    )
     assert _rel(out, ref) < 1e-5
 
 
@@ -138,15 +154,30 @@ def test_pipeline_matches_reference(gqa, pad):
     b = 2 if pad else 1
     q, k, v = _qkv(b, 6, 2, n, 32, torch.float32, seed=11)
     kpm = _padding(b, n) if pad else None
-    kw = dict(key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg, threshold=0.8,
-              gqa_permutation=gqa, return_selection=True)
+    kw = dict(
+        key_padding_mask=kpm,
+        is_causal=True,
+        block_size=bs,
+        segment_size=seg,
+        threshold=0.8,
+        gqa_permutation=gqa,
+        return_selection=True,
+    )
     out, sel = TI.pbs_attention(q, k, v, **kw)
     ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.permutation, ref_sel.permutation)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
     assert torch.equal(sel.density, ref_sel.density)
-    ref64 = R.permuted_block_attention(q.double(), k.double(), v.double(), sel.permutation, sel.block_mask,
-                                       key_padding_mask=kpm, is_causal=True, block_size=bs)
+    ref64 = R.permuted_block_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        sel.permutation,
+        sel.block_mask,
+        key_padding_mask=kpm,
+        is_causal=True,
+        block_size=bs,
+    )
     assert _rel(out, ref64) <= 2 * _rel(ref_out, ref64) + 1e-6
 
 
@@ -154,8 +185,9 @@ def test_exact_mode_equals_dense():
     n, bs, seg = 100, 16, 32
     q, k, v = _qkv(1, 6, 2, n, 32, torch.float32, seed=3)
     out = TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=1.0)
-    dense = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
-                                           v.double().repeat_interleave(3, 1), is_causal=True)
+    dense = F.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), is_causal=True
+    )
     assert _rel(out, dense) < 1e-5
 
 
@@ -195,7 +227,7 @@ def _op_args(dtype=torch.float32):
     kpos = TA.key_positions(perm)
     num, full, idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
     kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
-    return (q, kk, vv, kpos, num, full, idx, 32 ** -0.5, bs, True, False, False)
+    return (q, kk, vv, kpos, num, full, idx, 32**-0.5, bs, True, False, False)
 
 
 def test_opcheck_triton_op():
@@ -273,15 +305,33 @@ def test_select_kernel_identical_to_reference(case):
     kpm = _padding(b, n) if pad else None
     sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
     perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg,
-                             threshold=thr, force_sink=sink)
+    ref_bm = R.select_blocks(
+        q,
+        k,
+        perm,
+        key_padding_mask=kpm,
+        is_causal=causal,
+        block_size=bs,
+        segment_size=seg,
+        threshold=thr,
+        force_sink=sink,
+    )
     kv_num, kv_full, kv_idx, bm = select_block_lists(
-        q, TI.permute_kv(k, perm), perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg,
-        threshold=thr, force_sink=sink)
+        q,
+        TI.permute_kv(k, perm),
+        perm,
+        key_padding_mask=kpm,
+        is_causal=causal,
+        block_size=bs,
+        segment_size=seg,
+        threshold=thr,
+        force_sink=sink,
+    )
     assert torch.equal(bm, ref_bm)
     has_pad = kpm is not None and not bool(kpm.all())
-    r_num, r_full, r_idx = TA.block_mask_to_indices(ref_bm, num_keys=n, block_size=bs, segment_size=seg,
-                                                    is_causal=causal, has_padding=has_pad)
+    r_num, r_full, r_idx = TA.block_mask_to_indices(
+        ref_bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=causal, has_padding=has_pad
+    )
     assert torch.equal(kv_num, r_num) and torch.equal(kv_full, r_full)
     width = torch.arange(kv_idx.shape[-1], device=DEV) < kv_num[..., None]
     assert torch.equal(torch.where(width, kv_idx, 0), torch.where(width, r_idx, 0))
@@ -293,18 +343,28 @@ def test_pipeline_with_select_kernel():
     n, bs, seg = 70, 16, 32
     q, k, v = _qkv(2, 6, 2, n, 32, torch.float32, seed=12)
     kpm = _padding(2, n)
-    kw = dict(key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg, threshold=0.8,
-              return_selection=True)
+    kw = dict(
+        key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg, threshold=0.8, return_selection=True
+    )
     out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
     ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
-    ref64 = R.permuted_block_attention(q.double(), k.double(), v.double(), sel.permutation, sel.block_mask,
-                                       key_padding_mask=kpm, is_causal=True, block_size=bs)
+    ref64 = R.permuted_block_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        sel.permutation,
+        sel.block_mask,
+        key_padding_mask=kpm,
+        is_causal=True,
+        block_size=bs,
+    )
     assert _rel(out, ref64) <= 2 * _rel(ref_out, ref64) + 1e-6
 
 
-@pytest.mark.parametrize("gqa,pad,causal_proxy", [("query_head", False, False), ("kv_head", True, False),
-                                                  ("query_head", True, True)])
+@pytest.mark.parametrize(
+    "gqa,pad,causal_proxy", [("query_head", False, False), ("kv_head", True, False), ("query_head", True, True)]
+)
 def test_score_and_sort_kernels_match_reference(gqa, pad, causal_proxy):
     from sparseflow.methods.pbs import triton_select as S
 
@@ -327,8 +387,7 @@ def test_segment_sort_is_stable_with_ties():
 
     scores = torch.tensor([[[0.5, 0.5, 0.1, 0.5, 0.0, 0.0, 0.2, 0.2, 0.9]]], device=DEV)
     perm = S.segment_permutation(scores, segment_size=4)
-    assert perm.tolist() == R.segment_permutation(scores, segment_size=4).tolist() == \
-        [[[0, 1, 3, 2, 6, 7, 4, 5, 8]]]
+    assert perm.tolist() == R.segment_permutation(scores, segment_size=4).tolist() == [[[0, 1, 3, 2, 6, 7, 4, 5, 8]]]
 
 
 def test_dispatch_through_op():
@@ -384,8 +443,9 @@ def test_permute_kv_kernel_exact(hp_kind, dtype):
         assert torch.equal(lay.kcount.long(), cnt)
         from sparseflow.methods.pbs.triton_select import pool_blocks
 
-        torch.testing.assert_close(lay.kbar, pool_blocks(TI.permute_kv_torch(k, perm), slot_valid, bs, False),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            lay.kbar, pool_blocks(TI.permute_kv_torch(k, perm), slot_valid, bs, False), rtol=1e-6, atol=1e-6
+        )
         first = R._first_valid(mask, b, n, DEV)
         sink = (perm == first[:, None, None]).to(torch.int8).argmax(-1) // bs
         assert torch.equal(lay.sink.long(), sink)
@@ -423,15 +483,27 @@ def test_select_from_layout_identical_to_reference(case):
     kpm = _padding(b, n) if pad else None
     sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
     perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg,
-                             threshold=thr)
+    ref_bm = R.select_blocks(
+        q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
+    )
     lay = TI.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
     kv_num, kv_full, kv_idx, bm = select_block_lists(
-        q, None, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr,
-        layout=lay, cut=cut, max_logit_bytes=mlb)
+        q,
+        None,
+        perm,
+        key_padding_mask=kpm,
+        is_causal=causal,
+        block_size=bs,
+        segment_size=seg,
+        threshold=thr,
+        layout=lay,
+        cut=cut,
+        max_logit_bytes=mlb,
+    )
     assert torch.equal(bm, ref_bm)
-    r_num, r_full, r_idx = TA.block_mask_to_indices(ref_bm, num_keys=n, block_size=bs, segment_size=seg,
-                                                    is_causal=causal, has_padding=pad)
+    r_num, r_full, r_idx = TA.block_mask_to_indices(
+        ref_bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=causal, has_padding=pad
+    )
     assert torch.equal(kv_num, r_num) and torch.equal(kv_full, r_full)
     assert torch.equal(kv_idx, r_idx.masked_fill(torch.arange(r_idx.shape[-1], device=DEV) >= r_num[..., None], 0))
 
@@ -448,8 +520,16 @@ def test_threshold_ties_go_to_lower_blocks(cut, thr):
     k = torch.randn(1, 1, 1, 16, device=DEV).expand(1, 1, n, 16).contiguous()
     perm = torch.arange(n, device=DEV).expand(1, 1, n).contiguous()
     ref_bm = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
-    bm = select_block_lists(q, None, perm, block_size=bs, segment_size=seg, threshold=thr, cut=cut,
-                            layout=TI.permuted_layout(k, None, perm, block_size=bs))[3]
+    bm = select_block_lists(
+        q,
+        None,
+        perm,
+        block_size=bs,
+        segment_size=seg,
+        threshold=thr,
+        cut=cut,
+        layout=TI.permuted_layout(k, None, perm, block_size=bs),
+    )[3]
     assert torch.equal(bm, ref_bm)
     # the last query block has 8 candidates of 1/8 each: it keeps ceil(thr * 8) of them, the first ones
     kept = bm[0, 0, -1, :8].nonzero().squeeze(1).tolist()

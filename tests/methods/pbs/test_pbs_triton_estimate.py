@@ -9,6 +9,7 @@ probabilities agree to 1e-5 and a selection may differ only at a block whose pla
 threshold rule is a near-tie (its prefix mass within 1e-4 of the threshold, or a probability
 within 1e-5 of another candidate's) -- see ``_assert_same_up_to_near_ties``.
 """
+
 import os
 
 import pytest
@@ -43,10 +44,10 @@ def _padding(kind, b, n):
     if kind == "none":
         return None
     kpm = torch.ones(b, n, dtype=torch.bool, device=DEV)
-    kpm[0, n - n // 3:] = False
+    kpm[0, n - n // 3 :] = False
     if b > 1:
         kpm[1, :5] = False
-        kpm[1, n // 2: n // 2 + 9] = False
+        kpm[1, n // 2 : n // 2 + 9] = False
     if kind == "empty":
         kpm[-1] = False
     return kpm
@@ -110,10 +111,21 @@ def test_block_probabilities_match_reference(case, poisoned):
     kpm = _padding(pad, b, n)
     perm = _perm(q, k, kpm, bs, seg, gqa)
     cand = R.candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
-    ref = R.block_probabilities(q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring,
-                                antidiagonal_stride=s)
-    got = poisoned(E.block_probabilities, q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs,
-                   segment_size=seg, scoring=scoring, antidiagonal_stride=s)
+    ref = R.block_probabilities(
+        q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring, antidiagonal_stride=s
+    )
+    got = poisoned(
+        E.block_probabilities,
+        q,
+        k,
+        perm,
+        key_padding_mask=kpm,
+        is_causal=causal,
+        block_size=bs,
+        segment_size=seg,
+        scoring=scoring,
+        antidiagonal_stride=s,
+    )
     assert not got.isnan().any()
     assert ref.sum() > 0  # the case has candidates to score
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
@@ -124,10 +136,21 @@ def test_tiles_spanning_query_blocks(poisoned):
     q, k, _ = _qkv(2, 2, 1, 100, 32, torch.float32, seed=3)
     kpm = _padding("holes", 2, 100)
     perm = _perm(q, k, kpm, 16, 32, "query_head")
-    ref = E.block_probabilities(q, k, perm, key_padding_mask=kpm, block_size=16, segment_size=32,
-                                scoring="sampled_rows", antidiagonal_stride=3)
-    got = poisoned(E.block_probabilities, q, k, perm, key_padding_mask=kpm, block_size=16, segment_size=32,
-                   scoring="sampled_rows", antidiagonal_stride=3, block_m=16)
+    ref = E.block_probabilities(
+        q, k, perm, key_padding_mask=kpm, block_size=16, segment_size=32, scoring="sampled_rows", antidiagonal_stride=3
+    )
+    got = poisoned(
+        E.block_probabilities,
+        q,
+        k,
+        perm,
+        key_padding_mask=kpm,
+        block_size=16,
+        segment_size=32,
+        scoring="sampled_rows",
+        antidiagonal_stride=3,
+        block_m=16,
+    )
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
@@ -137,8 +160,20 @@ def test_estimate_writes_every_row(poisoned):
     perm = _perm(q, k, kpm, 16, 32, "kv_head")
     kpos, lens, qvalid = E.padding_inputs(kpm, perm, 16)
     for scoring in ("sampled_rows", "antidiagonal"):
-        lbm, lse = poisoned(E.strided_estimate, q, TI.permute_kv(k, perm), kpos, lens, qvalid, scoring=scoring,
-                            stride=4, hp=2, block_size=16, segment_size=32, is_causal=False)
+        lbm, lse = poisoned(
+            E.strided_estimate,
+            q,
+            TI.permute_kv(k, perm),
+            kpos,
+            lens,
+            qvalid,
+            scoring=scoring,
+            stride=4,
+            hp=2,
+            block_size=16,
+            segment_size=32,
+            is_causal=False,
+        )
         assert not lse.isnan().any()
         # every key block is a candidate of some row in every tile (non-causal): all written
         assert not lbm.isnan().any()
@@ -156,8 +191,22 @@ def test_causal_estimate_defines_every_block(poisoned, pad):
     perm = _perm(q, k, kpm, 16, 32, "kv_head")
     kpos, lens, qvalid = E.padding_inputs(kpm, perm, 16)
     for scoring in ("sampled_rows", "antidiagonal"):
-        lbm, lse = poisoned(E.strided_estimate, q, TI.permute_kv(k, perm), kpos, lens, qvalid, scoring=scoring,
-                            stride=4, hp=2, block_size=16, segment_size=32, is_causal=True, block_m=16, block_n=16)
+        lbm, lse = poisoned(
+            E.strided_estimate,
+            q,
+            TI.permute_kv(k, perm),
+            kpos,
+            lens,
+            qvalid,
+            scoring=scoring,
+            stride=4,
+            hp=2,
+            block_size=16,
+            segment_size=32,
+            is_causal=True,
+            block_m=16,
+            block_n=16,
+        )
         assert not lbm.isnan().any() and not lse.isnan().any()
         rows_per_block = E.rows_per_block(scoring, 16, 4)
         qblock = torch.arange(lbm.shape[1]) // rows_per_block
@@ -171,8 +220,9 @@ def _block_lists(q, k, perm, kpm, **kw):
 
 def _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, bs, seg, causal, kpm):
     has_pad = kpm is not None and not bool(kpm.all())
-    r_num, r_full, r_idx = TA.block_mask_to_indices(ref_bm, num_keys=n, block_size=bs, segment_size=seg,
-                                                    is_causal=causal, has_padding=has_pad)
+    r_num, r_full, r_idx = TA.block_mask_to_indices(
+        ref_bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=causal, has_padding=has_pad
+    )
     assert torch.equal(kv_num, r_num) and torch.equal(kv_full, r_full)
     width = torch.arange(kv_idx.shape[-1], device=DEV) < kv_num[..., None]
     assert torch.equal(torch.where(width, kv_idx, 0), torch.where(width, r_idx, 0))
@@ -200,13 +250,13 @@ def test_selection_identical_to_reference(case, poisoned):
     for thr in thresholds:
         geo = dict(is_causal=causal, block_size=bs, segment_size=seg, threshold=thr, force_sink=sink)
         ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, scoring=scoring, antidiagonal_stride=s, **geo)
-        kv_num, kv_full, kv_idx, bm = poisoned(_block_lists, q, k, perm, kpm, scoring=scoring,
-                                               antidiagonal_stride=s, **geo)
+        kv_num, kv_full, kv_idx, bm = poisoned(
+            _block_lists, q, k, perm, kpm, scoring=scoring, antidiagonal_stride=s, **geo
+        )
         assert torch.equal(bm, ref_bm), f"threshold {thr}: {(bm != ref_bm).sum().item()} blocks differ"
         _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, bs, seg, causal, kpm)
         if thr < 1.0:  # the cut is not trivial: some candidate is dropped, some is kept
-            cand = R.candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs,
-                                      segment_size=seg)
+            cand = R.candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
             assert (cand & ~ref_bm).any() and (cand & ref_bm).any()
 
 
@@ -246,10 +296,12 @@ def test_low_precision_matches_reference_on_same_inputs(dtype, scoring, s):
     kpm = _padding("holes", 2, n)
     perm = _perm(q, k, kpm, bs, seg, "kv_head")
     cand = R.candidate_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    ref_p = R.block_probabilities(q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring,
-                                  antidiagonal_stride=s)
-    got_p = E.block_probabilities(q, k, perm, key_padding_mask=kpm, block_size=bs, segment_size=seg,
-                                  scoring=scoring, antidiagonal_stride=s)
+    ref_p = R.block_probabilities(
+        q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring, antidiagonal_stride=s
+    )
+    got_p = E.block_probabilities(
+        q, k, perm, key_padding_mask=kpm, block_size=bs, segment_size=seg, scoring=scoring, antidiagonal_stride=s
+    )
     torch.testing.assert_close(got_p, ref_p, rtol=1e-5, atol=1e-6)
     for thr in (0.9,):
         geo = dict(block_size=bs, segment_size=seg, threshold=thr, scoring=scoring, antidiagonal_stride=s)
@@ -277,14 +329,16 @@ def test_op_through_triton_backend_uses_the_estimate(monkeypatch, scoring, s, la
     q, k, v = _qkv(2, 4, 2, n, 32, torch.float32, seed=21)
     kpm = _padding("holes", 2, n)
     mask = kpm[:, None, None, :] & torch.ones(n, n, dtype=torch.bool, device=DEV).tril()
-    cfg = PBSConfig(block_size=16, segment_size=32, threshold=0.8, scoring=scoring, antidiagonal_stride=s,
-                    gqa_permutation="kv_head")
+    cfg = PBSConfig(
+        block_size=16, segment_size=32, threshold=0.8, scoring=scoring, antidiagonal_stride=s, gqa_permutation="kv_head"
+    )
     ref = sparseflow.pbs_attention(q, k, v, config=cfg, backend="reference", attn_mask=mask, is_causal=False)
     # the triton backend must not fall back to the torch selection for the strided scorings
     monkeypatch.setattr(R, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
     monkeypatch.setattr(R, "block_probabilities", lambda *a, **kw: pytest.fail("reference estimate called"))
-    out = sparseflow.pbs_attention(q, k, v, config=cfg, backend="triton", attn_mask=mask, is_causal=False,
-                                   tuning=tuning)
+    out = sparseflow.pbs_attention(
+        q, k, v, config=cfg, backend="triton", attn_mask=mask, is_causal=False, tuning=tuning
+    )
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -293,8 +347,15 @@ def test_selection_through_pbs_attention():
 
     q, k, v = _qkv(2, 4, 2, 70, 32, torch.float32, seed=22)
     kpm = _padding("holes", 2, 70)
-    kw = dict(key_padding_mask=kpm, block_size=16, segment_size=32, threshold=0.9, scoring="sampled_rows",
-              antidiagonal_stride=4, return_selection=True)
+    kw = dict(
+        key_padding_mask=kpm,
+        block_size=16,
+        segment_size=32,
+        threshold=0.9,
+        scoring="sampled_rows",
+        antidiagonal_stride=4,
+        return_selection=True,
+    )
     out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
     ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
@@ -320,8 +381,9 @@ def test_short_sequences(n, causal, poisoned):
     q, k, _ = _qkv(1, 2, 1, n, 32, torch.float32, seed=n)
     perm = _perm(q, k, None, 16, 32, "query_head")
     for scoring in ("sampled_rows", "antidiagonal"):
-        geo = dict(is_causal=causal, block_size=16, segment_size=32, threshold=0.9, scoring=scoring,
-                   antidiagonal_stride=4)
+        geo = dict(
+            is_causal=causal, block_size=16, segment_size=32, threshold=0.9, scoring=scoring, antidiagonal_stride=4
+        )
         ref_bm = R.select_blocks(q, k, perm, **geo)
         kv_num, kv_full, kv_idx, bm = poisoned(_block_lists, q, k, perm, None, **geo)
         assert torch.equal(bm, ref_bm)
@@ -338,8 +400,19 @@ def test_interior_steps_without_masks(scoring, s, causal, poisoned):
     perm = _perm(q, k, None, bs, seg, "query_head")
     cand = R.candidate_blocks(perm, 2, is_causal=causal, block_size=bs, segment_size=seg)
     ref = R.block_probabilities(q, k, perm, cand, block_size=bs, scoring=scoring, antidiagonal_stride=s)
-    got = poisoned(E.block_probabilities, q, k, perm, is_causal=causal, block_size=bs, segment_size=seg,
-                   scoring=scoring, antidiagonal_stride=s, block_m=16, block_n=16)
+    got = poisoned(
+        E.block_probabilities,
+        q,
+        k,
+        perm,
+        is_causal=causal,
+        block_size=bs,
+        segment_size=seg,
+        scoring=scoring,
+        antidiagonal_stride=s,
+        block_m=16,
+        block_n=16,
+    )
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -358,8 +431,26 @@ def _est_op_args(scoring, pad, dtype=torch.float32):
     perm = _perm(q, k, kpm, bs, seg, "kv_head")
     kpos, lens, qvalid = E.padding_inputs(kpm, perm, bs)
     plan = E.estimate_plan(scoring, bs, s, 16, 16)
-    return (q, TI.permute_kv(k, perm), kpos, lens, qvalid, scoring, s, 2, 1, 3, True, 32 ** -0.5, bs, seg,
-            16, 16, plan["num_warps"], plan["num_stages"])
+    return (
+        q,
+        TI.permute_kv(k, perm),
+        kpos,
+        lens,
+        qvalid,
+        scoring,
+        s,
+        2,
+        1,
+        3,
+        True,
+        32**-0.5,
+        bs,
+        seg,
+        16,
+        16,
+        plan["num_warps"],
+        plan["num_stages"],
+    )
 
 
 def _probs_op_args(est_args):
@@ -396,6 +487,7 @@ def test_estimate_fake_impl_shapes(pad):
     probs = torch.ops.sparseflow.pbs_strided_probs(*pargs)
     assert lbm.shape == (2 * 3, 5 * 4, 5) and lse.shape == (2 * 3, 5 * 4)  # B*HC, nB*RPB rows, nB blocks
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
         def fake(a):
             return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
 
@@ -420,8 +512,17 @@ def test_selection_launches_through_the_op():
     q, k, _ = _qkv(1, 2, 1, 64, 32, torch.float32, seed=4)
     perm = _perm(q, k, None, 16, 32, "query_head")
     with Record() as rec:
-        _block_lists(q, k, perm, None, block_size=16, segment_size=32, threshold=0.9, scoring="antidiagonal",
-                     antidiagonal_stride=4)
+        _block_lists(
+            q,
+            k,
+            perm,
+            None,
+            block_size=16,
+            segment_size=32,
+            threshold=0.9,
+            scoring="antidiagonal",
+            antidiagonal_stride=4,
+        )
     assert "sparseflow.pbs_strided_estimate.default" in rec.ops
 
 
@@ -431,10 +532,12 @@ def _estimate_then_probs(static):
     scoring, s, hp, h0, hc, causal, scale, bs, seg, bm, bn, warps, stages = static
 
     def f(q, k_perm):
-        lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(q, k_perm, None, None, None, scoring, s, hp, h0, hc,
-                                                             causal, scale, bs, seg, bm, bn, warps, stages)
-        probs = torch.ops.sparseflow.pbs_strided_probs(lbm, lse, None, None, scoring, s, hc, q.shape[2], causal,
-                                                       bs, seg)
+        lbm, lse = torch.ops.sparseflow.pbs_strided_estimate(
+            q, k_perm, None, None, None, scoring, s, hp, h0, hc, causal, scale, bs, seg, bm, bn, warps, stages
+        )
+        probs = torch.ops.sparseflow.pbs_strided_probs(
+            lbm, lse, None, None, scoring, s, hc, q.shape[2], causal, bs, seg
+        )
         return lse * 2, probs
 
     return f

@@ -4,6 +4,7 @@ loop-per-query walk written from the paper, and against a flat exact-LSE scan), 
 on the op, and on the Recall@K selector names. The Triton walk's beam is checked against the
 reference in test_pisa_bsa_triton.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def _inputs(b, hq, hkv, n, d, pad, seed, dtype=torch.float64):
     if pad:
         kpm = torch.ones(b, n, dtype=torch.bool)
         kpm[0, :5] = False
-        kpm[-1, n - 7:] = False
+        kpm[-1, n - 7 :] = False
         kpm[-1, 20] = False
     return q, k, kpm
 
@@ -65,7 +66,7 @@ def _naive_walk(q, k, kpm, *, causal, c, top_k, g, score, beam, force_sink=True,
                     return any(j <= hz for j in keys(lv, u))
 
                 def node_score(lv, u):
-                    qs = q[b, h * grp:(h + 1) * grp, i]  # [G, D]
+                    qs = q[b, h * grp : (h + 1) * grp, i]  # [G, D]
                     if score == "mean":
                         return float((qs @ mean_key(lv, u)).sum() * scale)
                     if lv == 0:
@@ -209,7 +210,16 @@ def test_recall_selector_names():
     assert parse_selector("flat_lse") == ("flat_lse", None, 1)
     assert parse_selector("bsa") == ("bsa", None, 1)
     assert [parse_selector(s)[0] for s in TOPK_SELECTORS] == ["pisa", "pisa", "pisa", "bsa", "flat_lse"]
-    for bad in ("pisa_lse_beam0", "pisa_lse_beam", "pisa_lse_beam02", "pisa_max", "pisa_lse_beam2x", "bsa_beam2", "", 3):
+    for bad in (
+        "pisa_lse_beam0",
+        "pisa_lse_beam",
+        "pisa_lse_beam02",
+        "pisa_max",
+        "pisa_lse_beam2x",
+        "bsa_beam2",
+        "",
+        3,
+    ):
         with pytest.raises(ValueError, match="selector must be one of"):
             parse_selector(bad)
     with pytest.raises(ValueError, match="distinct"):

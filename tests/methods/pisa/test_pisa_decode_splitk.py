@@ -3,6 +3,7 @@
 rule), for G = 1 and G > 1 and the three dtypes, with the static buffers' unwritten slots
 NaN-poisoned; the eager step keeps the differentiable tiled kernel under autograd.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,11 +47,14 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("hq, hkv, dtype", [
-    (2, 2, torch.float32),   # G = 1
-    (6, 2, torch.float16),   # G = 3
-    (4, 1, torch.bfloat16),  # G = 4, one KV head
-])
+@pytest.mark.parametrize(
+    "hq, hkv, dtype",
+    [
+        (2, 2, torch.float32),  # G = 1
+        (6, 2, torch.float16),  # G = 3
+        (4, 1, torch.bfloat16),  # G = 4, one KV head
+    ],
+)
 def test_static_step_attention_matches_fp64_reference(hq, hkv, dtype):
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
@@ -63,15 +67,16 @@ def test_static_step_attention_matches_fp64_reference(hq, hkv, dtype):
     padded = sparse = False
     for t in range(n0, n0 + steps):
         length += 1
-        qt = q[:, :, t:t + 1]
+        qt = q[:, :, t : t + 1]
         with _OpNames() as ops:
-            out, idx = cache.decode_step_static(qt, k[:, :, t:t + 1], v[:, :, t:t + 1], k_buf, v_buf, length,
-                                                top_k=top_k)
+            out, idx = cache.decode_step_static(
+                qt, k[:, :, t : t + 1], v[:, :, t : t + 1], k_buf, v_buf, length, top_k=top_k
+            )
         assert "sparseflow.token_sparse_decode_fwd.default" in ops.names
         assert "sparseflow.token_sparse_fwd.default" not in ops.names
         assert torch.isfinite(out).all(), f"step {t}: a NaN-poisoned slot leaked"
         padded, sparse = padded or bool((idx == -1).any()), sparse or -(-(t + 1) // c) > top_k
-        kt, vt = k[:, :, :t + 1], v[:, :, :t + 1]
+        kt, vt = k[:, :, : t + 1], v[:, :, : t + 1]
         oracle = tb.attend_selected_blocks(qt.double(), kt.double(), vt.double(), idx, block_size=c)
         plain = tb.attend_selected_blocks(qt, kt, vt, idx, block_size=c)
         err = (out.double() - oracle).abs().max().item()

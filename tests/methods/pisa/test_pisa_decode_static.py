@@ -3,6 +3,7 @@ lives in a device tensor (CUDA-graph capturable). Checked step by step against t
 ``decode_step`` and the reference on small, odd shapes (the Triton interpreter on the CPU, the
 compiled kernels on CUDA, where a captured graph is replayed too).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,12 +39,15 @@ def _caches(k, v, n0, capacity, c):
     return eager, static, k_buf, v_buf, length
 
 
-@pytest.mark.parametrize("b, n0, steps, c, top_k, beam, dtype", [
-    (1, 37, 6, 8, 3, 1, torch.float32),   # crosses a block boundary (40)
-    (2, 3, 10, 4, 3, 1, torch.float32),   # 1 block -> 4: the capacity's width, -1 past the filled blocks
-    (1, 29, 4, 4, 4, 2, torch.float32),   # beam 2
-    (1, 21, 4, 8, 3, 1, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "b, n0, steps, c, top_k, beam, dtype",
+    [
+        (1, 37, 6, 8, 3, 1, torch.float32),  # crosses a block boundary (40)
+        (2, 3, 10, 4, 3, 1, torch.float32),  # 1 block -> 4: the capacity's width, -1 past the filled blocks
+        (1, 29, 4, 4, 4, 2, torch.float32),  # beam 2
+        (1, 21, 4, 8, 3, 1, torch.bfloat16),
+    ],
+)
 def test_static_step_matches_eager_step_and_reference(b, n0, steps, c, top_k, beam, dtype):
     n = n0 + steps
     q, k, v = _qkv(b, 4, 2, n, 16, dtype, seed=n0)
@@ -51,11 +55,12 @@ def test_static_step_matches_eager_step_and_reference(b, n0, steps, c, top_k, be
     tables = (static.sums.data_ptr(), static.summ.data_ptr(), k_buf.data_ptr(), length.data_ptr())
     width = tb.selection_width(top_k, n + 13, c)  # fixed by the capacity, not the length
     for t in range(n0, n):
-        qt, kt, vt = q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1]
+        qt, kt, vt = q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1]
         want_out, want_idx = eager.decode_step(qt, kt, vt, top_k=top_k, beam=beam)
         length += 1  # the caller advances the device length (in the graph, as one more captured op)
-        out, idx = static.decode_step_static(qt, k[:, :, t:t + 1], v[:, :, t:t + 1], k_buf, v_buf, length,
-                                             top_k=top_k, beam=beam)
+        out, idx = static.decode_step_static(
+            qt, k[:, :, t : t + 1], v[:, :, t : t + 1], k_buf, v_buf, length, top_k=top_k, beam=beam
+        )
         w = want_idx.shape[-1]
         assert idx.shape[-1] == width and torch.equal(idx[..., :w], want_idx), f"step {t}"
         assert (idx[..., w:] == -1).all(), f"step {t}: unfilled blocks selected"
@@ -78,8 +83,10 @@ def test_static_step_out_of_range_length_is_nan_and_writes_nothing():
     _, static, k_buf, v_buf, length = _caches(k, v, n0, cap, c)
 
     def state():  # NaN == NaN here: the poisoned buffer slots compare equal to themselves
-        return [t.nan_to_num(7.0) for t in (static.sums, static.summ, static.count, static.first_valid,
-                                            static._held, k_buf, v_buf)]
+        return [
+            t.nan_to_num(7.0)
+            for t in (static.sums, static.summ, static.count, static.first_valid, static._held, k_buf, v_buf)
+        ]
 
     before = state()
     q1, k1, v1 = q[:, :, -1:], k[:, :, -1:], v[:, :, -1:]
@@ -123,9 +130,9 @@ def test_eager_calls_after_a_static_step_are_refused():
     q, k, v = _qkv(1, 4, 2, n0 + 2, 16, torch.float32, seed=3)
     _, static, k_buf, v_buf, length = _caches(k, v, n0, 16, 8)
     length += 1
-    static.decode_step_static(q[:, :, n0:n0 + 1], k[:, :, n0:n0 + 1], v[:, :, n0:n0 + 1], k_buf, v_buf, length)
+    static.decode_step_static(q[:, :, n0 : n0 + 1], k[:, :, n0 : n0 + 1], v[:, :, n0 : n0 + 1], k_buf, v_buf, length)
     with pytest.raises(ValueError, match="driven by decode_step_static"):
-        static.append(k[:, :, n0 + 1:])
+        static.append(k[:, :, n0 + 1 :])
     with pytest.raises(ValueError, match="driven by decode_step_static"):
         static.select(q[:, :, -1:], k)
 
@@ -139,16 +146,23 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        shapes = [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
-                  if isinstance(t, torch.Tensor)]
+        shapes = [
+            tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)
+        ]
         self.ops.append((str(func), shapes))
         return out
 
 
 # what reading a device value on the host dispatches (.item(), int() / bool() of a tensor,
 # torch.equal, nonzero / masked_select with their data-dependent shapes)
-_HOST_READS = ("_local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
-               "aten.masked_select")
+_HOST_READS = (
+    "_local_scalar_dense",
+    "aten.item",
+    "aten.equal",
+    "aten.is_nonzero",
+    "aten.nonzero",
+    "aten.masked_select",
+)
 
 
 def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_back():
@@ -161,7 +175,7 @@ def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_b
     for t in range(n0, n0 + steps):
         length += 1
         with _Ops() as rec:
-            static.decode_step_static(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], k_buf, v_buf, length)
+            static.decode_step_static(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], k_buf, v_buf, length)
         seen.append(rec.ops)
     names = {name for name, _ in seen[0]}
     assert "sparseflow.pisa_select_fwd.default" in names and "sparseflow.token_sparse_decode_fwd.default" in names
@@ -175,7 +189,7 @@ def test_static_step_replays_in_a_cuda_graph():
     n = n0 + steps
     q, k, v = _qkv(b, 8, 2, n, 64, torch.bfloat16, seed=4)
     eager, static, k_buf, v_buf, length = _caches(k, v, n0, n + 5, c)
-    q_in, k_in, v_in = q[:, :, n0:n0 + 1].clone(), k[:, :, n0:n0 + 1].clone(), v[:, :, n0:n0 + 1].clone()
+    q_in, k_in, v_in = q[:, :, n0 : n0 + 1].clone(), k[:, :, n0 : n0 + 1].clone(), v[:, :, n0 : n0 + 1].clone()
     state = (static.sums, static.summ, static.count, static.first_valid, static._held, k_buf, v_buf, length)
     warm = [t.clone() for t in state]
     side = torch.cuda.Stream()
@@ -198,9 +212,9 @@ def test_static_step_replays_in_a_cuda_graph():
         out, idx = static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
     for t in range(n0, n):
         for dst, src in ((q_in, q), (k_in, k), (v_in, v)):
-            dst.copy_(src[:, :, t:t + 1])
+            dst.copy_(src[:, :, t : t + 1])
         graph.replay()
-        want_out, want_idx = eager.decode_step(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], top_k=top_k)
-        assert torch.equal(idx[..., :want_idx.shape[-1]], want_idx), f"step {t}"
+        want_out, want_idx = eager.decode_step(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], top_k=top_k)
+        assert torch.equal(idx[..., : want_idx.shape[-1]], want_idx), f"step {t}"
         torch.testing.assert_close(out, want_out)
     assert int(length) == n

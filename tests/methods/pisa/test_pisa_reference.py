@@ -4,6 +4,7 @@ Oracles used here are deliberately independent of the implementation: a per-quer
 over the pyramid in fp64, brute-force top-K over per-block scores, and masked dense attention in
 fp64 built from the op's own reported selection (``Selection.key_mask``).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ from hypothesis import strategies as st
 from sparseflow.methods.pisa.reference import build_pyramid, pisa_attention, pisa_select
 from sparseflow.kernels.token_blocks import attend_selected_blocks
 
-SETTINGS = dict(max_examples=25, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 NEAR_TIE = 1e-4  # fp32 implementation vs fp64 oracle: boundary gaps below this are ambiguous
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SCORES = ["lse", "mean", "mean_var"]
@@ -201,8 +203,9 @@ def check_invariants(idx, q, k, kpm, *, C, K, causal, force_sink, force_previous
     assert kk == min(K, nb) and idx.dtype == torch.int64  # never wider than the blocks that exist
     vis = visible(nq, nk, causal, kpm, b)
     for bi in range(b):
-        vis_blocks = [set(torch.nonzero(vis[bi, i]).flatten().div(C, rounding_mode="floor").tolist())
-                      for i in range(nq)]
+        vis_blocks = [
+            set(torch.nonzero(vis[bi, i]).flatten().div(C, rounding_mode="floor").tolist()) for i in range(nq)
+        ]
         for hi in range(hkv):
             for i in range(nq):
                 row = idx[bi, hi, i].tolist()
@@ -235,15 +238,36 @@ def cases(draw, *, causal=None, max_n=160, padding=True):
     K = draw(st.integers(1 + force_sink + force_previous, 6))
     gb = draw(st.sampled_from([2, 3]))
     pad = draw(st.sampled_from(["none", "right", "left", "random"])) if padding else "none"
-    return dict(b=b, hq=hkv * g_heads, hkv=hkv, nq=nq, nk=nk, d=d, C=C, K=K, g=gb,
-                is_causal=is_causal, force_sink=force_sink, force_previous=force_previous,
-                pad=pad, seed=draw(st.integers(0, 2**16)),
-                score=draw(st.sampled_from(SCORES)), dtype=draw(st.sampled_from(DTYPES)))
+    return dict(
+        b=b,
+        hq=hkv * g_heads,
+        hkv=hkv,
+        nq=nq,
+        nk=nk,
+        d=d,
+        C=C,
+        K=K,
+        g=gb,
+        is_causal=is_causal,
+        force_sink=force_sink,
+        force_previous=force_previous,
+        pad=pad,
+        seed=draw(st.integers(0, 2**16)),
+        score=draw(st.sampled_from(SCORES)),
+        dtype=draw(st.sampled_from(DTYPES)),
+    )
 
 
 def kwargs_of(c, **over):
-    kw = dict(is_causal=c["is_causal"], block_size=c["C"], top_k=c["K"], branching=c["g"],
-              score=c["score"], force_sink=c["force_sink"], force_previous=c["force_previous"])
+    kw = dict(
+        is_causal=c["is_causal"],
+        block_size=c["C"],
+        top_k=c["K"],
+        branching=c["g"],
+        score=c["score"],
+        force_sink=c["force_sink"],
+        force_previous=c["force_previous"],
+    )
     kw.update(over)
     return kw
 
@@ -303,8 +327,10 @@ def test_sparse_output_equals_masked_dense_on_own_selection(c):
     # density: selected / visible blocks, averaged over queries that see a block
     assert sel.density.shape == (c["b"], c["hq"]) and sel.density.dtype == torch.float32
     for bi in range(c["b"]):
-        nvis = torch.tensor([len(set((torch.nonzero(vis[bi, i]).flatten() // c["C"]).tolist()))
-                             for i in range(c["nq"])], dtype=torch.float64)
+        nvis = torch.tensor(
+            [len(set((torch.nonzero(vis[bi, i]).flatten() // c["C"]).tolist())) for i in range(c["nq"])],
+            dtype=torch.float64,
+        )
         for h in range(c["hq"]):
             nsel = (idx[bi, h // g] >= 0).sum(-1).double()
             has = nvis > 0
@@ -322,8 +348,8 @@ def test_causality_future_keys_change_nothing(c, frac):
     t = min(c["nk"] - 1, int(frac * c["nk"]))
     k2, v2 = k.clone(), v.clone()
     gen = torch.Generator().manual_seed(c["seed"] + 1)
-    k2[:, :, t + 1:] = (torch.randn(k2[:, :, t + 1:].shape, generator=gen) * 3).to(k.dtype)
-    v2[:, :, t + 1:] = torch.randn(v2[:, :, t + 1:].shape, generator=gen).to(v.dtype)
+    k2[:, :, t + 1 :] = (torch.randn(k2[:, :, t + 1 :].shape, generator=gen) * 3).to(k.dtype)
+    v2[:, :, t + 1 :] = torch.randn(v2[:, :, t + 1 :].shape, generator=gen).to(v.dtype)
     kw = kwargs_of(c)
     o1, s1 = pisa_attention(q, k, v, key_padding_mask=kpm, return_selection=True, **kw)
     o2, s2 = pisa_attention(q, k2, v2, key_padding_mask=kpm, return_selection=True, **kw)
@@ -342,11 +368,11 @@ def test_causality_with_padded_current_block(score):
     kpm = torch.rand(b, n, generator=gen) < 0.5
     kw = dict(block_size=C, top_k=2, branching=2, score=score, force_sink=False, force_previous=False)
     idx = pisa_select(q, k, key_padding_mask=kpm, **kw)
-    ts = [t for t in range(n) if not bool(kpm[0, (t // C) * C: t + 1].any())]  # current block invisible
+    ts = [t for t in range(n) if not bool(kpm[0, (t // C) * C : t + 1].any())]  # current block invisible
     assert len(ts) > 20
     for t in ts[::3]:
         k2 = k.clone()
-        k2[:, :, t + 1:] = torch.randn(k2[:, :, t + 1:].shape, generator=gen) * 10
+        k2[:, :, t + 1 :] = torch.randn(k2[:, :, t + 1 :].shape, generator=gen) * 10
         idx2 = pisa_select(q, k2, key_padding_mask=kpm, **kw)
         assert torch.equal(idx[:, :, : t + 1], idx2[:, :, : t + 1]), t
         assert t // C not in rows(idx[0, 0, t])
@@ -359,8 +385,9 @@ def test_ties_go_to_the_lower_block_index():
     q = torch.randn(1, 3, n, 8)
     for score in SCORES:
         for g in (2, 3):
-            idx = pisa_select(q, k, block_size=C, top_k=4, branching=g, score=score, force_sink=True,
-                              force_previous=True)
+            idx = pisa_select(
+                q, k, block_size=C, top_k=4, branching=g, score=score, force_sink=True, force_previous=True
+            )
             assert rows(idx[0, 0, n - 1]) == [0, 1, 14, 15], (score, g)
             assert rows(idx[0, 0, 40]) == [0, 1, 9, 10], (score, g)
 
@@ -374,8 +401,17 @@ def test_walk_returns_min_k_visible_blocks_with_forced(c):
     q, k, v, kpm = inputs_of(c)
     idx = pisa_select(q, k, key_padding_mask=kpm, **kwargs_of(c))
     assert idx.shape == (c["b"], c["hkv"], c["nq"], min(c["K"], -(-c["nk"] // c["C"])))
-    check_invariants(idx, q, k, kpm, C=c["C"], K=c["K"], causal=c["is_causal"],
-                     force_sink=c["force_sink"], force_previous=c["force_previous"])
+    check_invariants(
+        idx,
+        q,
+        k,
+        kpm,
+        C=c["C"],
+        K=c["K"],
+        causal=c["is_causal"],
+        force_sink=c["force_sink"],
+        force_previous=c["force_previous"],
+    )
 
 
 def compare_with_walk_oracle(c, queries):
@@ -393,9 +429,19 @@ def compare_with_walk_oracle(c, queries):
                 p = i + nk - nq
                 h = p if c["is_causal"] else nk - 1
                 want, ambiguous, pruned = walk_oracle(
-                    q[bi, hi * g:(hi + 1) * g, i].double(), k[bi, hi], kpm_b, p, h,
-                    C=c["C"], g=c["g"], K=c["K"], score=c["score"], scale=scale,
-                    force_sink=c["force_sink"], force_previous=c["force_previous"])
+                    q[bi, hi * g : (hi + 1) * g, i].double(),
+                    k[bi, hi],
+                    kpm_b,
+                    p,
+                    h,
+                    C=c["C"],
+                    g=c["g"],
+                    K=c["K"],
+                    score=c["score"],
+                    scale=scale,
+                    force_sink=c["force_sink"],
+                    force_previous=c["force_previous"],
+                )
                 n_pruned += pruned
                 if not ambiguous:
                     assert rows(idx[bi, hi, i]) == want, (bi, hi, i)
@@ -418,8 +464,24 @@ def test_walk_matches_oracle_with_pruning_at_every_level(score, g, mode):
     causal = mode.startswith("causal")
     pad = {"causal-random-pad": "random", "causal": "none", "noncausal-left-pad": "left"}[mode]
     nk = 157
-    c = dict(b=2, hq=3, hkv=1, nq=nk if causal else 5, nk=nk, d=32, C=3, K=4, g=g, is_causal=causal,
-             force_sink=True, force_previous=g == 2, pad=pad, seed=17, score=score, dtype=torch.float32)
+    c = dict(
+        b=2,
+        hq=3,
+        hkv=1,
+        nq=nk if causal else 5,
+        nk=nk,
+        d=32,
+        C=3,
+        K=4,
+        g=g,
+        is_causal=causal,
+        force_sink=True,
+        force_previous=g == 2,
+        pad=pad,
+        seed=17,
+        score=score,
+        dtype=torch.float32,
+    )
     queries = [0, 2, 3, 10, 40, 77, 100, 131, c["nq"] - 1] if causal else list(range(5))
     assert compare_with_walk_oracle(c, queries) >= len(queries)
 
@@ -440,7 +502,7 @@ def test_unpruned_walk_equals_brute_force_top_k(c):
     vis = visible(nq, nk, c["is_causal"], kpm, c["b"])
     for bi in range(c["b"]):
         for hi in range(c["hkv"]):
-            qh_all = q[bi, hi * g:(hi + 1) * g].double()
+            qh_all = q[bi, hi * g : (hi + 1) * g].double()
             kk = k[bi, hi].double()
             for i in range(0, nq, max(1, nq // 10)):
                 js = torch.nonzero(vis[bi, i]).flatten()
@@ -486,8 +548,7 @@ def test_hand_made_walk_prunes_as_computed_by_hand():
     assert rows(pisa_select(q, k, branching=2, score="lse", **kw)[0, 0, 2]) == [0, 1]
     # the pyramid itself
     pyr = build_pyramid(k, block_size=2, branching=2)
-    assert [s.flatten().tolist() for s, _ in pyr] == [
-        [0, 2, 1, 0, 0, 0, 0, 0], [1, 0.5, 0, 0], [0.75, 0], [0.375]]
+    assert [s.flatten().tolist() for s, _ in pyr] == [[0, 2, 1, 0, 0, 0, 0, 0], [1, 0.5, 0, 0], [0.75, 0], [0.375]]
     assert [cnt.flatten().tolist() for _, cnt in pyr] == [[2] * 8, [4] * 4, [8] * 2, [16]]
 
 
@@ -529,8 +590,9 @@ def test_decode_matches_last_row_of_causal_prefill(score, pad):
     kpm = make_padding(pad, b, n, 5)
     kw = dict(block_size=C, top_k=6, branching=2, score=score)
     o_pre, s_pre = pisa_attention(q, k, v, key_padding_mask=kpm, is_causal=True, return_selection=True, **kw)
-    o_dec, s_dec = pisa_attention(q[:, :, -1:], k, v, key_padding_mask=kpm, is_causal=False,
-                                  return_selection=True, **kw)
+    o_dec, s_dec = pisa_attention(
+        q[:, :, -1:], k, v, key_padding_mask=kpm, is_causal=False, return_selection=True, **kw
+    )
     assert o_dec.shape == (b, hq, 1, d)
     assert torch.equal(s_dec.block_indices, s_pre.block_indices[:, :, -1:])
     torch.testing.assert_close(o_dec, o_pre[:, :, -1:], rtol=1e-5, atol=1e-6)
@@ -586,9 +648,9 @@ def test_gqa_scores_are_summed_per_head_not_from_summed_query(score):
     e2[1] = 1
     k = torch.zeros(nb * C, d)
     X, Y = 1, 3
-    k[X * C: X * C + C // 2] = 4 * e1
-    k[X * C + C // 2: (X + 1) * C] = 4 * e2
-    k[Y * C: (Y + 1) * C] = 3 * (e1 + e2)  # logits 3 per head, 6 for the summed query
+    k[X * C : X * C + C // 2] = 4 * e1
+    k[X * C + C // 2 : (X + 1) * C] = 4 * e2
+    k[Y * C : (Y + 1) * C] = 3 * (e1 + e2)  # logits 3 per head, 6 for the summed query
     k = k.view(1, 1, nb * C, d)
     n = nb * C
     q = torch.zeros(1, 2, n, d)
@@ -599,7 +661,7 @@ def test_gqa_scores_are_summed_per_head_not_from_summed_query(score):
     # brute-force both conventions on the free blocks {1, 2, 3} (0 = sink, 4 = previous, 5 = current)
     qh = q[0, :, n - 1].double()
     kk = k[0, 0].double()
-    per_head = {blk: leaf_score(qh, kk[blk * C:(blk + 1) * C], score, 1.0) for blk in (1, 2, 3)}
-    summed = {blk: leaf_score(qh.sum(0, keepdim=True), kk[blk * C:(blk + 1) * C], score, 1.0) for blk in (1, 2, 3)}
+    per_head = {blk: leaf_score(qh, kk[blk * C : (blk + 1) * C], score, 1.0) for blk in (1, 2, 3)}
+    summed = {blk: leaf_score(qh.sum(0, keepdim=True), kk[blk * C : (blk + 1) * C], score, 1.0) for blk in (1, 2, 3)}
     assert max(per_head, key=per_head.get) == X and max(summed, key=summed.get) == Y
     assert got == [0, X, 4, 5]

@@ -2,6 +2,7 @@
 through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on small, odd shapes; the
 same tests run compiled on CUDA. Selections must equal the reference's exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
     if pad:
         kpm = torch.ones(b, nk, dtype=torch.bool)
         kpm[0, :11] = False  # leading padding (left-padded batch row)
-        kpm[-1, nk - 17:] = False  # trailing padding
+        kpm[-1, nk - 17 :] = False  # trailing padding
         kpm = kpm.to(DEVICE)
     return q.to(DEVICE), k.to(DEVICE), kpm
 
@@ -150,10 +151,13 @@ def test_op_carries_the_walk_to_the_kernel(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("value,exc,words", [
-    ("tile", ValueError, ["pisa_walk", "'auto'", "'per_token'", "'tiled'"]),
-    (None, TypeError, ["pisa_walk", "str"]),
-])
+@pytest.mark.parametrize(
+    "value,exc,words",
+    [
+        ("tile", ValueError, ["pisa_walk", "'auto'", "'per_token'", "'tiled'"]),
+        (None, TypeError, ["pisa_walk", "str"]),
+    ],
+)
 def test_walk_choice_is_validated(value, exc, words):
     with pytest.raises(exc) as info:
         Tuning(pisa_walk=value)
