@@ -233,7 +233,7 @@ class PyramidCache:
         self.first_valid = torch.full((b, total), 2**31 - 1, dtype=torch.int32, device=dev)
         # decode_step_static: the buffer slots that hold a key (its attention's key mask, set by its
         # append, so a slot never written is never read) and its out-of-range flag
-        self._held = (torch.arange(capacity, device=dev) < n0).to(torch.int8).unsqueeze(0).repeat(b, 1)
+        self._held = self._held_mask(n0).unsqueeze(0).repeat(b, 1)
         self._bad = torch.zeros(1, dtype=torch.uint8, device=dev)
         self._static = False
         if n0:
@@ -256,6 +256,10 @@ class PyramidCache:
                 self.sums[:, :, dst : dst + n_here] = m * cnt[:, None, :, None].to(m.dtype)
                 self.count[:, dst : dst + n_here] = cnt
                 self.first_valid[:, dst : dst + n_here] = torch.where(cnt > 0, f, torch.full_like(f, 2**31 - 1))
+
+    def _held_mask(self, n: int) -> torch.Tensor:
+        """int8 ``[capacity]``: 1 on the first ``n`` slots."""
+        return (torch.arange(self.capacity, device=self.sums.device) < n).to(torch.int8)
 
     def _counts(self, n, lv, n_nodes, b, dev):
         span_keys = self.block_size * self.branching**lv
@@ -384,12 +388,15 @@ class PyramidCache:
         """``(k_buf, v_buf, length)`` for :meth:`decode_step_static`: the cache's keys / values
         ``k``, ``v [B, Hkv, length, D]`` copied into zeroed buffers of the capacity, and ``length``
         (int32 ``[1]`` on their device) = the keys they hold."""
+        self._check_eager()  # after static steps the host length no longer counts the pyramid's keys
         if k.shape[2] != self.length or v.shape[2] != self.length:
             raise ValueError(f"k and v must hold the cache's {self.length} keys, got {k.shape[2]} and {v.shape[2]}")
         k_buf = k.new_zeros(*k.shape[:2], self.capacity, k.shape[3])
         v_buf = v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])
         k_buf[:, :, : self.length] = k
         v_buf[:, :, : self.length] = v
+        # eager appends since the prompt grew the cache: the attention's key mask must follow
+        self._held.copy_(self._held_mask(self.length))
         return k_buf, v_buf, torch.full((1,), self.length, dtype=torch.int32, device=k.device)
 
     def decode_step_static(

@@ -135,6 +135,8 @@ def test_eager_calls_after_a_static_step_are_refused():
         static.append(k[:, :, n0 + 1 :])
     with pytest.raises(ValueError, match="driven by decode_step_static"):
         static.select(q[:, :, -1:], k)
+    with pytest.raises(ValueError, match="driven by decode_step_static"):  # its host length is stale
+        static.static_buffers(k[:, :, :n0], v[:, :, :n0])
 
 
 class _Ops(TorchDispatchMode):
@@ -218,3 +220,26 @@ def test_static_step_replays_in_a_cuda_graph():
         assert torch.equal(idx[..., : want_idx.shape[-1]], want_idx), f"step {t}"
         torch.testing.assert_close(out, want_out)
     assert int(length) == n
+
+
+def test_static_buffers_after_eager_steps_attend_to_the_eagerly_appended_keys():
+    """Eager steps before ``static_buffers`` grow the cache past its prompt: the static step must
+    attend to those keys too (they are in the buffers it was handed), as the eager step does."""
+    n0, eager_steps, c = 9, 5, 4
+    n = n0 + eager_steps + 1
+    q, k, v = _qkv(1, 4, 2, n, 16, torch.float32, seed=4)
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
+
+    eager = PyramidCache(k[:, :, :n0], capacity=n + 3, block_size=c)
+    for t in range(n0, n - 1):
+        eager.append(k[:, :, t : t + 1])
+    static = PyramidCache(k[:, :, :n0], capacity=n + 3, block_size=c)
+    for t in range(n0, n - 1):
+        static.append(k[:, :, t : t + 1])
+    k_buf, v_buf, length = static.static_buffers(k[:, :, : n - 1], v[:, :, : n - 1])
+    length += 1
+    qt = q[:, :, -1:]
+    want, want_idx = eager.decode_step(qt, k, v, top_k=8)
+    out, idx = static.decode_step_static(qt, k[:, :, -1:], v[:, :, -1:], k_buf, v_buf, length, top_k=8)
+    assert torch.equal(idx[..., : want_idx.shape[-1]], want_idx)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
