@@ -71,7 +71,7 @@ def _visible_keys(
     """Key positions of the slots ``slot`` (one lane per key) and which of them this row sees: a
     hidden or unheld key is never loaded, so a NaN in its slot cannot reach a product."""
     kb = tl.load(sel_row + slot, mask=slot < hi, other=-1)
-    kpos = kb * C + c
+    kpos = kb.to(tl.int64) * C + c  # 64-bit: times a row stride, a position can pass 2**31 elements
     ok = (kb >= 0) & (c < C) & (kpos < Nk)
     if IS_CAUSAL:
         ok = ok & (kpos <= hz)
@@ -125,7 +125,7 @@ def _decode_split_kernel(
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
     i = grp % Nq
-    bh = grp // Nq
+    bh = (grp // Nq).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     hkv = bh % HKV
     hz = i + Nk - Nq

@@ -165,3 +165,28 @@ def test_split_decode_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         token_sparse_decode(q, k, v, idx, block_size=0)
+
+
+def test_offsets_past_int32_elements_reach_the_right_keys():
+    """A batch row whose keys start 2**31 elements or more past the buffer's start (e.g. batch 3
+    of 8 KV heads x 1M tokens x 128 dims): the offsets are 64-bit, not wrapped to another row's
+    memory. The 8 GiB buffer is virtual; only the few pages written are touched."""
+    from sparseflow.kernels.token_sparse_decode_triton import token_sparse_decode
+
+    if DEV != "cpu":
+        pytest.skip("the strided 8 GiB view relies on untouched CPU pages staying unallocated")
+    b, nk, d, c = 3, 32, 16, 8
+    row, start = 3 * 2**29, 2**30  # row 2 starts 2**31 + 2**30 past the view: wrapped, it reads element 0
+    try:
+        big = torch.empty(start + (b - 1) * row + 2 * nk * d, dtype=torch.float16)
+    except RuntimeError:
+        pytest.skip("no 8 GiB of address space")
+    k, v = (big.as_strided((b, 1, nk, d), (row, nk * d, d, 1), start + off) for off in (0, nk * d))
+    big[:start].as_strided((nk * d * 2,), (1,)).zero_()  # what a wrapped offset would read
+    q, k_val, v_val = _inputs(b, 2, 1, 1, nk, d, torch.float16, seed=11)
+    k.copy_(k_val)
+    v.copy_(v_val)
+    idx = _ids(b, 1, 1, nk // c, 3, seed=11)
+    got = token_sparse_decode(q, k, v, idx, block_size=c, splits=2)
+    want = tb.attend_selected_blocks(q, k_val, v_val, idx, block_size=c)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

@@ -165,7 +165,7 @@ def _append_static_kernel(
     writes the new key / value into slot ``pos`` of the KV buffers and marks it held (the level-0
     programs). A position outside the buffer writes nothing and raises the ``bad_ptr`` flag instead."""
     lv = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides of the buffers pass 2**31 elements
     b = bh // HKV
     h = bh % HKV
     pos = tl.load(len_ptr) - 1

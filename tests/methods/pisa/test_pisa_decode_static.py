@@ -243,3 +243,27 @@ def test_static_buffers_after_eager_steps_attend_to_the_eagerly_appended_keys():
     out, idx = static.decode_step_static(qt, k[:, :, -1:], v[:, :, -1:], k_buf, v_buf, length, top_k=8)
     assert torch.equal(idx[..., : want_idx.shape[-1]], want_idx)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+def test_static_append_writes_slots_past_int32_elements_in_place():
+    """The static append's K/V write at a batch row 2**31 elements or more into the buffers (long
+    contexts: batch x KV heads x capacity x dims) lands in that row, not wrapped into another.
+    The buffers are views into one virtual 8 GiB allocation; only the pages written are touched."""
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
+
+    if DEV != "cpu":
+        pytest.skip("the strided 8 GiB view relies on untouched CPU pages staying unallocated")
+    b, n0, cap, d = 3, 5, 16, 16
+    row, start = 3 * 2**29, 2**30  # row 2 starts 2**31 + 2**30 past the view: wrapped, it writes near element 0
+    try:
+        big = torch.empty(start + (b - 1) * row + 2 * cap * d, dtype=torch.float16)
+    except RuntimeError:
+        pytest.skip("no 8 GiB of address space")
+    k_buf, v_buf = (big.as_strided((b, 1, cap, d), (row, cap * d, d, 1), start + off) for off in (0, cap * d))
+    for t in (k_buf, v_buf):
+        t.zero_()
+    _, k, v = _qkv(b, 1, 1, n0 + 1, d, torch.float16, seed=5)
+    cache = PyramidCache(k[:, :, :n0], capacity=cap, block_size=4)
+    length = torch.full((1,), n0 + 1, dtype=torch.int32)
+    cache._append_static(k[:, :, n0:], v[:, :, n0:], k_buf, v_buf, length)
+    assert torch.equal(k_buf[:, :, n0], k[:, :, n0]) and torch.equal(v_buf[:, :, n0], v[:, :, n0])
