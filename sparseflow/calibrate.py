@@ -809,8 +809,9 @@ def unsettled(
 
 
 def frontier(options: Mapping[Choice, Measurement]) -> List[Tuple[Choice, Measurement]]:
-    """The layer's options no other beats in both cost and KL, cheapest first (dense last)."""
-    ordered = sorted(options.items(), key=lambda cm: (cm[1].cost, cm[1].kl, cm[0].key))
+    """The layer's options no other beats in both cost and KL, cheapest first (dense last). Dense
+    wins an exact tie, so a choice at dense's cost and KL never matters (see :func:`unsettled`)."""
+    ordered = sorted(options.items(), key=lambda cm: (cm[1].cost, cm[1].kl, not cm[0].dense, cm[0].key))
     out: List[Tuple[Choice, Measurement]] = []
     for c, m in ordered:
         if not out or m.kl < out[-1][1].kl:

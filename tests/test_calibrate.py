@@ -449,6 +449,25 @@ def test_lazy_grid_gives_the_whole_grids_plan():
     assert skipped > 0  # the case is one where pruning applies
 
 
+def test_lazy_grid_plan_when_a_choice_ties_dense_exactly():
+    """A choice at dense's cost 1.0 and KL 0 (density 0.98 + overhead 0.02; every row's KL clamped
+    to 0) is never measured by the lazy grid: the whole grid must then pick dense as well, whatever
+    the choice's key sorts against "dense"."""
+    cheap = cal.Choice((("block_size", 32), ("top_k", 2)))  # keys before "dense"
+    tie = cal.Choice((("block_size", 32), ("top_k", 60)))
+    table = {
+        0: {
+            cal.DENSE: cal.DENSE_MEASUREMENT,
+            cheap: cal.Measurement(0.01, 0.9, 0.2, 0.2),
+            tie: cal.Measurement(0.0, 1.0, 0.98, 0.98 + 0.02),
+        }
+    }
+    costs = {0: {cheap: 0.2, tie: 0.98 + 0.02}}
+    full = [ch for ch, _ in cal._chosen(table, cal.greedy_plan(table, 1e-3))]
+    lazy, measured = _lazy_picks(table, costs, 1e-3)
+    assert measured == 1 and lazy == full == [cal.DENSE]
+
+
 def test_skip_reasons():
     assert "dominated by dense" in cal.skip_reason(1.0) and "dominated by dense" in cal.skip_reason(1.3)
     assert "cannot change the plan" in cal.skip_reason(0.4)
