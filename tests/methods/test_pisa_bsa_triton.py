@@ -85,6 +85,61 @@ def test_pisa_beam_selection_equals_reference(case):
     assert torch.equal(got, want)
 
 
+# Far views: (B, Hq, Nq, Nk, D, [(shape, strides, offset) of k, q]); the offsets a 32-bit product
+# wraps (2**31 and past, less than 2**32) land before ``_FAR_START``, outside every view
+_FAR_START = 2**31
+_R = 3 * 2**29  # batch row stride: batch 2 starts 2**31 + 2**30 into the view
+FAR_LAYOUTS = {
+    "batch-rows": (3, 2, 3, 32, 16, [((3, 1, 32, 16), (_R, 512, 16, 1), 0), ((3, 2, 3, 16), (_R, 48, 16, 1), 512)]),
+    # keys 16.. and query 2 start 2**31 elements or more into one head (a key-major layout)
+    "key-positions": (
+        1,
+        2,
+        3,
+        32,
+        16,
+        [((1, 1, 32, 16), (0, 0, 2**27, 1), 0), ((1, 2, 3, 16), (0, 16, 2**30, 1), 2**26)],
+    ),
+}
+
+
+def _far_views(specs, dtype):
+    """Strided views into one reserved-but-unwritten CPU buffer (only the pages written are
+    touched), or a skip where that address space cannot be reserved."""
+    if DEVICE != "cpu":
+        pytest.skip("the strided views rely on untouched CPU pages staying unallocated")
+    end = max(off + sum((n - 1) * st for n, st in zip(shape, strides)) for shape, strides, off in specs)
+    try:
+        big = torch.empty(_FAR_START + end + 1, dtype=dtype)
+    except RuntimeError:
+        pytest.skip(f"cannot reserve {_FAR_START + end + 1} {dtype} elements of address space")
+    return [big.as_strided(shape, strides, _FAR_START + off) for shape, strides, off in specs]
+
+
+@pytest.mark.parametrize("layout", FAR_LAYOUTS.values(), ids=FAR_LAYOUTS.keys())
+def test_pisa_walk_reads_queries_and_keys_past_int32_elements(layout):
+    """The walk's q / raw-key offsets are 64-bit: a batch row or a key / query position 2**31
+    elements or more into its tensor (long contexts) is read in place, not wrapped elsewhere."""
+    from sparseflow.methods.pisa import triton_select as ts
+
+    b, hq, nq, nk, d, specs = layout
+    k_far, q_far = _far_views(specs, torch.float16)
+    q, k, _, _ = _inputs(b, hq, 1, nq, nk, d, torch.float16, pad=False, seed=3)
+    k_far.copy_(k)
+    q_far.copy_(q)
+    c, g, kk = 4, 2, 3
+    summ, nfv, _, lvl_off, lvl_span = ts.build_pyramid(k, block_size=c, branching=g)
+
+    def walk(qq, kk_):
+        return ts._pisa_select_fwd(
+            qq, kk_, None, summ, nfv, lvl_off, lvl_span, d**-0.5, False, 0, c, g, kk, False, False, 1
+        )
+
+    want = walk(q, k)
+    assert (want >= 0).all() and kk < nk // c, "the leaves must be scored from the raw keys"
+    assert torch.equal(walk(q_far, k_far), want)
+
+
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, causal, pad, dtype)
 BSA_CASES = {
     "gqa2-n300-k4": (1, 4, 2, 300, 300, 32, 16, 4, True, False, torch.float32),

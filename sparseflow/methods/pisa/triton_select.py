@@ -310,7 +310,7 @@ def _pisa_select_kernel(
         # on the device so that one compiled launch (or a CUDA graph) serves every decoding step
         Nk = tl.minimum(tl.load(len_ptr), Nk)
     i = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     hkv = bh % HKV
     # KP >= WIDE kept-node slots (WIDE = beam * TOPK nodes kept above the leaves, TOPK at the
@@ -325,10 +325,13 @@ def _pisa_select_kernel(
     offs_d = tl.arange(0, DP)
     g_ok = offs_g < G
     d_ok = offs_d < D
-    q_rows = q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i * stride_qn + offs_d[None, :]
+    q_rows = (
+        q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i.to(tl.int64) * stride_qn + offs_d[None, :]
+    )
     q_raw = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q32 = q_raw.to(tl.float32)
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
     nfv_base = nfv_ptr + b * T
 
     # forced leaves (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
@@ -434,7 +437,8 @@ def _pisa_select_kernel(
                         if HAS_KPM:
                             kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
                         k_t = tl.load(
-                            k_ptr + b * stride_kb + hkv * stride_kh + pos[None, :] * stride_kn + offs_d[:, None],
+                            # 64-bit: a key position times a row stride can pass 2**31 elements
+                            k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
                             mask=kok[None, :] & d_ok[:, None],
                             other=0.0,
                         )
