@@ -175,7 +175,7 @@ def _fwd_kernel(
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     qt = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HQ
     h = bh % HQ
     hkv = h // G
@@ -188,7 +188,7 @@ def _fwd_kernel(
     offs_k = tl.arange(0, KP)
     d_ok = offs_d < D
     q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+        q_ptr + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -207,7 +207,7 @@ def _fwd_kernel(
     j = 0
     while j < n:
         kb = tl.load(list_ptr + lst * LW + j)
-        kpos = kb * C + offs_c
+        kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
         kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
         k_t = tl.load(
             k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
@@ -231,7 +231,7 @@ def _fwd_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(
-        o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+        o_ptr + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
@@ -288,7 +288,7 @@ def _bwd_dq_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     qt = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HQ
     h = bh % HQ
     hkv = h // G
@@ -300,7 +300,7 @@ def _bwd_dq_kernel(
     offs_c = tl.arange(0, CP)
     offs_k = tl.arange(0, KP)
     d_ok = offs_d < D
-    qo = b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :]
+    qo = b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     m2 = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + qo, mask=m2, other=0.0)
     do = tl.load(do_ptr + qo, mask=m2, other=0.0)
@@ -319,7 +319,7 @@ def _bwd_dq_kernel(
     j = 0
     while j < n:
         kb = tl.load(list_ptr + lst * LW + j)
-        kpos = kb * C + offs_c
+        kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
         kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
         k_t = tl.load(
             k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
@@ -392,7 +392,7 @@ def _bwd_dkdv_kernel(
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     kb = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     hkv = bh % HKV
     offs_d = tl.arange(0, DP)
@@ -400,7 +400,7 @@ def _bwd_dkdv_kernel(
     offs_k = tl.arange(0, KP)
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = offs_d < D
-    kpos = kb * C + offs_c
+    kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
     kv_ok = (offs_c < C) & (kpos < Nk)  # the stores: padded keys get their zero gradient too
     kv_load = _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM)
     k_t = tl.load(
@@ -431,7 +431,7 @@ def _bwd_dkdv_kernel(
         )
         for g in range(G):
             h = hkv * G + g
-            qo = b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :]
+            qo = b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
             m2 = row_ok[:, None] & d_ok[None, :]
             q = tl.load(q_ptr + qo, mask=m2, other=0.0)
             do = tl.load(do_ptr + qo, mask=m2, other=0.0)
