@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _spawn_ranks import spawn_ranks
+
 import sparseflow
 from sparseflow import context_parallel as cpm
 from sparseflow import BSAConfig, ContextParallel, DenseConfig, PBSConfig, PISAConfig
@@ -172,13 +174,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
 def outcomes(request, tmp_path_factory):
     world = request.param
-    tmp = str(tmp_path_factory.mktemp(f"cp{world}"))
-    mp.spawn(_worker, args=(world, tmp), nprocs=world, join=True)
-    per_rank = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"rank{r}.json")) as f:
-            per_rank.append(json.load(f))
-    return per_rank
+    return spawn_ranks(_worker, world, lambda: str(tmp_path_factory.mktemp(f"cp{world}")))
 
 
 def test_fallback_logged_and_calls_recorded(outcomes):

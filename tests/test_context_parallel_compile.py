@@ -9,12 +9,12 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import sparseflow
 from sparseflow import context_parallel as cpm
 from sparseflow.config import BSAConfig, DenseConfig, PBSConfig
 
+from _spawn_ranks import spawn_ranks
 from conftest import make_tiny
 
 N = 90  # 2 ranks: 45 + 45; 3 ranks: 30 each (shards cross PBS blocks and segments)
@@ -97,13 +97,8 @@ def _worker(rank, world, tmp):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
 def outcomes(request, tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp(f"cpc{request.param}"))
-    mp.spawn(_worker, args=(request.param, tmp), nprocs=request.param, join=True)
-    out = []
-    for r in range(request.param):
-        with open(os.path.join(tmp, f"rank{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    world = request.param
+    return spawn_ranks(_worker, world, lambda: str(tmp_path_factory.mktemp(f"cpc{world}")))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
