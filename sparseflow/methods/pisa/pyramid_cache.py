@@ -374,13 +374,10 @@ class PyramidCache:
             beam=beam,
             tuning=tuning,
         )
-        return self._attend(q, k, v, idx, scale), idx
-
-    def _attend(self, q, k, v, idx, scale) -> torch.Tensor:
-        """The attention of :meth:`decode_step`: the tiled kernel (checked on the H200, with a
-        backward). The split-K kernel of :meth:`decode_step_static` replaces it here once it has
-        been checked on a GPU too."""
-        return token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        # the tiled kernel (checked on the H200, with a backward); decode_step_static's split-K
+        # kernel replaces it here once that has run on a GPU too
+        out = token_sparse_attention(q, k, v, idx, is_causal=True, scale=scale, block_size=self.block_size)
+        return out, idx
 
     # ----------------------------------------------------------------- graph-capturable decoding
 
