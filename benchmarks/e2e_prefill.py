@@ -361,6 +361,7 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
                 marker="o",
                 label=" ".join(key),
                 lw=2.5 if key[0] == "dense" else 1.2,
+                ls="--" if key[0] == "compile" else "-",
                 color="black" if key[0] == "dense" else None,
             )
         ax_t.set(
