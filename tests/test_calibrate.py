@@ -99,7 +99,8 @@ def test_calibrate_families_within_budget_and_loadable(models, calibrated, arch)
     assert rec.model_types == (model.config.model_type,) and rec.num_layers == 3
     # the plan the file gives, measured afresh, is the one calibrated, and within the budget
     again = _measured_kl(model, rec)
-    assert again.fidelity.mean_kl <= BUDGET
+    assert rec.measured["margin"] == cal.DEFAULT_MARGIN < 1.0
+    assert again.fidelity.mean_kl <= BUDGET * cal.DEFAULT_MARGIN  # the headroom is kept
     assert again.fidelity.mean_kl == pytest.approx(res.calibration["mean_kl"], rel=1e-6, abs=1e-9)
     assert again.density < 1.0  # something was made sparse
     assert rec.measured["heldout"]["tokens"] == N and 0.0 <= rec.measured["heldout"]["mean_kl"]
@@ -142,6 +143,22 @@ def test_smaller_budget_never_gives_cheaper_plan(models, calibrated, tmp_path):
         costs.append(res.predicted_cost)
     assert costs == sorted(costs), costs
     assert costs[0] < costs[-1]  # the budgets are tight enough to matter
+
+
+def test_margin_spends_that_share_of_the_budget(models, calibrated, tmp_path):
+    """margin m at budget B is the plan of the whole budget B*m: the same choices, the same
+    calibration KL; the recipe records both numbers."""
+    import shutil
+
+    progress = tmp_path / "progress.json"
+    shutil.copy(calibrated["llama"][2], progress)
+    half = _run(models["llama"], 2 * BUDGET, tmp_path, progress_path=progress, margin=0.5)
+    whole = _run(models["llama"], BUDGET, tmp_path, progress_path=progress, margin=1.0)
+    assert half.choices == whole.choices and half.calibration == whole.calibration
+    assert half.recipe.measured["calibration_target"] == pytest.approx(BUDGET)
+    assert half.recipe.measured["budget"] == 2 * BUDGET and half.recipe.measured["margin"] == 0.5
+    with pytest.raises(ValueError, match="margin must be in"):
+        _run(models["llama"], BUDGET, tmp_path, progress_path=progress, margin=1.5)
 
 
 def test_greedy_walk_is_monotone_in_allowed():
@@ -270,6 +287,7 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
         (["--kl-budget", "0"], "--kl-budget must be a positive mean KL"),
         (["--kl-budget", "-0.5"], "--kl-budget must be a positive mean KL"),
         (["--kl-budget", "0.01", "--safety", "1.5"], "--safety must be in (0, 1]"),
+        (["--kl-budget", "0.01", "--margin", "0"], "--margin must be in (0, 1]"),
         (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
         (["--kl-budget", "0.01", "--thresholds", "1.5"], "threshold must be in (0, 1]"),
         (["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"], "is the calibration text"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..calibrate import DEFAULT_MARGIN
+
 from .common import (
     BACKENDS,
     DTYPES,
@@ -56,6 +58,13 @@ def add_parser(sub) -> None:
         help="share of the budget the single-layer KLs may sum to before the whole plan is measured (default 0.8)",
     )
     cal.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="share of the budget the plan may use on the calibration text; the rest is headroom for "
+        f"other text (default {DEFAULT_MARGIN:g})",
+    )
+    cal.add_argument(
         "--cost",
         default="auto",
         choices=["auto", "density", "time"],
@@ -99,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             heldout_text=None if args.heldout_text == "none" else args.heldout_text,
             config=args.config,
             safety=args.safety,
+            margin=args.margin,
             cost=args.cost,
             backend=args.backend,
             dtype=args.dtype,
@@ -122,6 +132,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if not (0.0 < args.safety <= 1.0):
         raise UsageError(
             f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}"
+        )
+    if not (0.0 < args.margin <= 1.0):
+        raise UsageError(
+            f"--margin must be in (0, 1] (the share of the budget the plan may use on the calibration text), "
+            f"got {args.margin:g}"
         )
     if args.eval_positions >= args.tokens:
         raise UsageError(f"--eval-positions must be < --tokens={args.tokens}, got {args.eval_positions}")
