@@ -364,14 +364,16 @@ class DenseReference:
         """``(mean KL(dense || sparse), top-1 agreement)`` of ``sparse`` logits ``[T, V]``."""
         if sparse.shape != self.log_probs.shape:
             raise ValueError(f"sparse logits must be {tuple(self.log_probs.shape)}, got {tuple(sparse.shape)}")
+        from .eval.fidelity import row_kl
+
         sparse = sparse.to(self.log_probs.device)
         kl = torch.empty(sparse.shape[0], dtype=torch.float64, device=sparse.device)
         for i in range(0, sparse.shape[0], self.chunk):
             rows = slice(i, i + self.chunk)
             lp_s = torch.log_softmax(sparse[rows].double(), dim=-1)
-            kl[rows] = (self.probs[rows] * (self.log_probs[rows] - lp_s)).sum(-1)
+            kl[rows] = row_kl(self.log_probs[rows], lp_s, self.probs[rows])
         top1 = (self.argmax == sparse.argmax(-1)).double().mean()
-        return float(kl.clamp_min(0.0).mean()), float(top1)
+        return float(kl.mean()), float(top1)
 
 
 def dense_reference(s: _Session) -> DenseReference:

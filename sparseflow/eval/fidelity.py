@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
-__all__ = ["Fidelity", "compare_logits"]
+__all__ = ["Fidelity", "compare_logits", "row_kl"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,15 @@ class Fidelity:
         return {**asdict(self), "ppl_delta": self.ppl_delta}
 
 
+def row_kl(
+    log_p_dense: torch.Tensor, log_p_sparse: torch.Tensor, p_dense: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """KL(dense || sparse) per row of ``[T, V]`` log-probabilities (``p_dense``: their exp, when
+    the caller keeps it), clamped at 0 against rounding."""
+    p = log_p_dense.exp() if p_dense is None else p_dense
+    return (p * (log_p_dense - log_p_sparse)).sum(-1).clamp_min(0.0)
+
+
 def compare_logits(dense: torch.Tensor, sparse: torch.Tensor, targets: torch.Tensor) -> Fidelity:
     """``dense, sparse: [T, V]`` logits at the same positions; ``targets: [T]`` next tokens."""
     if dense.shape != sparse.shape or dense.dim() != 2:
@@ -37,7 +47,7 @@ def compare_logits(dense: torch.Tensor, sparse: torch.Tensor, targets: torch.Ten
     sparse, targets = sparse.to(dense.device), targets.to(dense.device)
     lp_d = torch.log_softmax(dense.double(), dim=-1)
     lp_s = torch.log_softmax(sparse.double(), dim=-1)
-    kl = (lp_d.exp() * (lp_d - lp_s)).sum(-1).clamp_min(0.0)
+    kl = row_kl(lp_d, lp_s)
     nll_d = -lp_d.gather(-1, targets[:, None]).squeeze(-1)
     nll_s = -lp_s.gather(-1, targets[:, None]).squeeze(-1)
     return Fidelity(
