@@ -46,15 +46,27 @@ __all__ = [
 
 
 def env_info() -> Dict[str, object]:
-    """GPU, library versions and the UTC date of a CUDA run (the ``env`` of every result JSON)."""
-    import triton
+    """The device, library versions and UTC date of a run (the ``env`` of every result JSON):
+    the GPU with its CUDA and cuDNN versions, or the CPU with its thread count."""
+    import importlib.util
 
+    if torch.cuda.is_available():
+        where = {
+            "gpu": torch.cuda.get_device_name(),
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        }
+    else:
+        where = {"device": "cpu", "torch_threads": torch.get_num_threads()}
+    triton = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton as triton_module
+
+        triton = triton_module.__version__
     return {
-        "gpu": torch.cuda.get_device_name(),
+        **where,
         "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
+        "triton": triton,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -36,6 +34,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import sparseflow  # noqa: E402
 import sparseflow.hf as sfhf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import env_info  # noqa: E402
 
 
 def tiny_llama(layers: int = 2):
@@ -143,15 +144,7 @@ def profile_text(fn: Callable[[], object], calls: int = 2000, lines: int = 25) -
 def env() -> Dict[str, object]:
     import transformers
 
-    return {
-        "device": "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "sparseflow": sparseflow.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return {**env_info(), "transformers": transformers.__version__, "sparseflow": sparseflow.__version__}
 
 
 def main(argv=None) -> int:

@@ -42,3 +42,12 @@ def test_seeded_inputs_repeat_and_follow_the_generator_device():
 @pytest.mark.parametrize("name", ["mean_ms_cuda_events", "bench", "env_info", "sdpa_dense", "pbs_kernel_inputs"])
 def test_cuda_helpers_are_exported(name):
     assert callable(getattr(common, name)) and name in common.__all__
+
+
+def test_env_info_names_the_device_it_ran_on():
+    env = common.env_info()
+    assert env["torch"] == torch.__version__ and env["date"].endswith("+00:00")
+    if torch.cuda.is_available():
+        assert env["gpu"] == torch.cuda.get_device_name() and "cudnn" in env
+    else:
+        assert env["device"] == "cpu" and env["torch_threads"] == torch.get_num_threads() and "gpu" not in env
