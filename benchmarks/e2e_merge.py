@@ -5,7 +5,11 @@ Device time comes in calls of a few minutes, so the whole grid (every setting, b
 **its own run** at the same length and RoPE (side by side, never across runs); where two runs
 measured the same cell, the later run's row is kept.
 
-    python benchmarks/e2e_merge.py benchmarks/results/e2e_all_h200.json benchmarks/results/e2e_*_h200.json
+    cd benchmarks/results && python ../e2e_merge.py e2e_all_h200.json e2e_prefill_h200.json \
+        e2e_compile_8k_h200.json e2e_compile_8k_after_mask_fix_h200.json e2e_compile_long_h200.json \
+        e2e_paths_*_h200.json e2e_auto_4k_8k_h200.json e2e_auto_16k_128k_yarn_h200.json
+
+(runs with random weights, CUDA graphs or another text are refused: they are not the same table).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 Cell = Tuple[int, str, str, str, str]  # (n, rope, path, setting, backend)
 DENSE_PATHS = ("dense", "compile_dense")
@@ -30,13 +34,33 @@ def _cell(row: Dict[str, object]) -> Cell:
     )
 
 
-def _run_backend(run: Dict[str, object]) -> Optional[str]:
+REQUIRED_ROW_FIELDS = ("n", "rope", "path", "setting", "ms")
+# run settings that change what a row's numbers mean: runs that differ in one cannot share a table
+SAME_ARGS = ("text", "dtype", "eval_positions", "device")
+SAME_ENV = ("gpu", "torch", "triton", "transformers")
+
+
+def _run_backend(name: str, run: Dict[str, object]) -> Optional[str]:
     """Runs before ``--backend`` took a list recorded it once in args, not per row."""
     b = run.get("args", {}).get("backend")
-    return b[0] if isinstance(b, list) and len(b) == 1 else b if isinstance(b, str) else None
+    if isinstance(b, str):
+        return b
+    if isinstance(b, list) and len(b) == 1:
+        return b[0]
+    if any(r["path"] not in DENSE_PATHS and not r.get("backend") for r in run["rows"]):
+        raise ValueError(f"{name}: rows without a backend and args.backend={b!r}: which backend ran them is unknown")
+    return None
 
 
 def _check_mergeable(name: str, run: Dict[str, object]) -> None:
+    if not isinstance(run.get("rows"), list):
+        raise ValueError(f"{name}: no 'rows' list; not a JSON written by e2e_prefill.py")
+    if not run.get("env", {}).get("date"):
+        raise ValueError(f"{name}: env.date is missing; the merge keeps the later run's row and needs it")
+    for r in run["rows"]:
+        missing = [f for f in REQUIRED_ROW_FIELDS if f not in r and (f != "ms" or "error" not in r)]
+        if missing or ("mean_kl" in r and "top1" not in r):
+            raise ValueError(f"{name}: a row lacks {missing or ['top1']}: {r}")
     args = run.get("args", {})
     if args.get("random_init"):
         raise ValueError(f"{name}: a --random-init run has no place in the real checkpoint's table")
@@ -44,35 +68,40 @@ def _check_mergeable(name: str, run: Dict[str, object]) -> None:
         raise ValueError(f"{name}: compile mode {args['compile_mode']!r}; the merged table is the default mode's")
 
 
-def _with_own_speedups(run: Dict[str, object], source: str) -> List[Dict[str, object]]:
+def _with_own_speedups(name: str, run: Dict[str, object]) -> List[Dict[str, object]]:
     """The run's measured rows, each with ``speedup`` over that run's dense row (a run cut short
     by its time limit never computed them) and the ``source`` file and date."""
     rows = [r for r in run["rows"] if "ms" in r]
     dense = {(r["n"], r["rope"]): r["ms"] for r in rows if r["path"] == "dense"}
-    date = str(run.get("env", {}).get("date", ""))
-    backend = _run_backend(run)
+    lone = sorted({(r["n"], r["rope"]) for r in rows} - set(dense))
+    if lone:
+        raise ValueError(
+            f"{name}: no eager dense row at (N, RoPE) {lone}, so its rows there have nothing to compare with"
+        )
+    date = str(run["env"]["date"])
+    backend = _run_backend(name, run)
     out = []
     for r in rows:
-        base = dense.get((r["n"], r["rope"]))
-        row = {**r, "speedup": base / r["ms"] if base else None, "source": source, "run_date": date}
+        row = {**r, "speedup": dense[(r["n"], r["rope"])] / r["ms"], "source": name, "run_date": date}
         if r["path"] not in DENSE_PATHS and not r.get("backend"):
             row["backend"] = backend
         out.append(row)
     return out
 
 
-def _check_same_setup(envs: Dict[str, Dict[str, object]]) -> Dict[str, object]:
-    keys = ("gpu", "torch", "triton", "transformers")
-    seen = {k: {str(e.get(k)) for e in envs.values()} for k in keys}
+def _the_same(runs: Dict[str, Dict[str, object]], where: str, keys: Sequence[str]) -> Dict[str, object]:
+    """The one value each of ``keys`` takes across the runs' ``where`` ("env" or "args")."""
+    seen = {k: {json.dumps(run.get(where, {}).get(k)) for run in runs.values()} for k in keys}
     mixed = {k: sorted(v) for k, v in seen.items() if len(v) > 1}
     if mixed:
-        raise ValueError(f"runs from different setups cannot share one table: {mixed}")
-    return {k: next(iter(v)) for k, v in seen.items()}
+        raise ValueError(f"runs with different {where} cannot share one table: {mixed}")
+    return {k: json.loads(next(iter(v))) for k, v in seen.items()}
 
 
 def merge_runs(runs: Dict[str, Dict[str, object]]) -> Dict[str, object]:
     """``runs``: file name -> the JSON ``e2e_prefill.py`` wrote. Returns ``{"env", "sources", "rows"}``
-    with one row per cell (the latest run's), sorted by length, RoPE, path and setting."""
+    with one row per cell (the latest run's; equal dates go by file name), sorted by length, RoPE,
+    path and setting."""
     if not runs:
         raise ValueError("merge_runs needs at least one run")
     for name, run in runs.items():
@@ -80,12 +109,13 @@ def merge_runs(runs: Dict[str, Dict[str, object]]) -> Dict[str, object]:
     texts = {str(r.get("text")) for run in runs.values() for r in run["rows"]}
     if len(texts) > 1:
         raise ValueError(f"runs on different texts cannot share one table: {sorted(texts)}")
-    env = _check_same_setup({name: run.get("env", {}) for name, run in runs.items()})
+    env = _the_same(runs, "env", SAME_ENV)
+    _the_same(runs, "args", SAME_ARGS)
     latest: Dict[Cell, Dict[str, object]] = {}
-    for name, run in sorted(runs.items(), key=lambda kv: str(kv[1].get("env", {}).get("date", ""))):
-        for row in _with_own_speedups(run, name):
+    for name, run in sorted(runs.items(), key=lambda kv: (str(kv[1]["env"]["date"]), kv[0])):
+        for row in _with_own_speedups(name, run):
             latest[_cell(row)] = row
-    dates = sorted(str(r.get("env", {}).get("date", "")) for r in runs.values())
+    dates = sorted(str(r["env"]["date"]) for r in runs.values())
     return {
         "env": {**env, "date": dates[-1], "first_run_date": dates[0]},
         "sources": sorted(runs),
@@ -157,15 +187,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="merged JSON to write (its PNG goes beside it)")
     ap.add_argument("runs", nargs="+", help="JSON files written by e2e_prefill.py")
+    ap.add_argument("--backend", default="triton", help="the sparse rows' backend the tables show (default triton)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     runs = _load(p for p in args.runs if os.path.abspath(p) != os.path.abspath(args.out))
-    merged = merge_runs(runs)
+    try:
+        merged = merge_runs(runs)
+    except ValueError as exc:
+        print(f"e2e_merge: {exc}", file=sys.stderr)
+        return 2
     with open(args.out, "w") as fh:
         json.dump(merged, fh, indent=1)
-    print(table(merged))
+    print(table(merged, args.backend))
     print()
-    print(matrix(merged))
+    print(matrix(merged, args.backend))
     print(f"wrote {args.out} ({len(merged['rows'])} rows from {len(runs)} runs)")
     if not args.no_plot:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

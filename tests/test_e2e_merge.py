@@ -67,12 +67,33 @@ def test_a_run_that_recorded_its_backend_once_gives_it_to_its_sparse_rows():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda r: r["env"].update(torch="2.12.0"), "different setups"),
+        (lambda r: r["env"].update(torch="2.12.0"), "different env"),
         (lambda r: r["args"].update(random_init=True), "random-init"),
         (lambda r: r["args"].update(compile_mode="reduce-overhead"), "compile mode"),
         (lambda r: r["rows"][0].update(text="argparse_source"), "different texts"),
+        (lambda r: r["args"].update(eval_positions=256), "different args"),
+        (lambda r: r["env"].pop("date"), "env.date is missing"),
+        (lambda r: r["rows"][0].pop("rope"), "lacks \\['rope'\\]"),
+        (lambda r: r["rows"].append(_row(16384, "compile", "pbs", 40.0, "triton")), "no eager dense row"),
+        (
+            lambda r: (
+                r["args"].update(backend=["auto", "triton"]),
+                r["rows"].append(_row(8192, "converted", "pbs", 9.0)),
+            ),
+            "which backend ran them is unknown",
+        ),
     ],
-    ids=["other-torch", "random-weights", "cuda-graph-mode", "other-text"],
+    ids=[
+        "other-torch",
+        "random-weights",
+        "cuda-graph-mode",
+        "other-text",
+        "other-eval-positions",
+        "no-date",
+        "row-without-rope",
+        "no-dense-at-that-length",
+        "backend-unknown",
+    ],
 )
 def test_runs_that_cannot_share_a_table_are_refused(change, message):
     a = _run("2026-12-01T08:00", [_row(8192, "dense", None, 30.0)])
