@@ -45,12 +45,15 @@ __all__ = [
 # --------------------------------------------------------------------------- environment
 
 
-def env_info() -> Dict[str, object]:
+def env_info(device: str = "auto") -> Dict[str, object]:
     """The device, library versions and UTC date of a run (the ``env`` of every result JSON):
-    the GPU with its CUDA and cuDNN versions, or the CPU with its thread count."""
+    the GPU with its CUDA and cuDNN versions, or the CPU with its thread count. ``device``: where
+    the run measured ("auto": the GPU when there is one)."""
     import importlib.util
 
-    if torch.cuda.is_available():
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         where = {
             "gpu": torch.cuda.get_device_name(),
             "cuda": torch.version.cuda,

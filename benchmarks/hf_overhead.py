@@ -144,7 +144,7 @@ def profile_text(fn: Callable[[], object], calls: int = 2000, lines: int = 25) -
 def env() -> Dict[str, object]:
     import transformers
 
-    return {**env_info(), "transformers": transformers.__version__, "sparseflow": sparseflow.__version__}
+    return {**env_info("cpu"), "transformers": transformers.__version__, "sparseflow": sparseflow.__version__}
 
 
 def main(argv=None) -> int:

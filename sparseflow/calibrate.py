@@ -9,12 +9,13 @@ every layer, and a run for layer ``L`` starts there (layers before ``L`` are ski
 A greedy search then walks from the cheapest choice per layer towards dense, each step taking
 the upgrade with the largest KL reduction per unit of predicted cost, until the sum of the
 single-layer KLs fits the allowed sum; the whole-model KL of that plan is measured, and while it
-exceeds the budget the allowed sum shrinks by the measured / predicted ratio (all layers dense at
-worst). The budget is meant for the text the model will serve, not only the calibration text,
-so the whole plan may spend only ``margin`` of it there (default :data:`DEFAULT_MARGIN`); the
-rest is headroom for text it was not calibrated on. Every plan on the walk costs more than the one before and the walk does not depend on the
-budget, so a larger allowed sum stops earlier on it; the tightening rounds make that monotonicity
-in the budget a property of the measurements (tested), not a guarantee.
+exceeds the calibration target the allowed sum shrinks by the measured / predicted ratio (all
+layers dense at worst). The budget is meant for the text the model will serve, not only the
+calibration text, so the target is ``margin`` x budget (default :data:`DEFAULT_MARGIN`) and the
+rest is headroom for text the plan was not calibrated on; the first allowed sum is ``safety`` x
+that target. Every plan on the walk costs more than the one before and the walk does not depend
+on the budget, so a larger allowed sum stops earlier on it; the tightening rounds make that
+monotonicity in the budget a property of the measurements (tested), not a guarantee.
 
 Not every (layer, choice) needs its KL for that walk. Every choice's cost is known before its KL
 (its selection's density on the layer's q/k/v, without the attention or the rest of the model;
@@ -76,8 +77,9 @@ DEFAULT_THRESHOLDS = (0.9, 0.95, 0.98, 0.99)
 DEFAULT_TOP_KS = (8, 16, 32)
 DEFAULT_SCORINGS = ("sampled_rows", "mean")
 # Share of the KL budget the plan may use on the calibration text. On SmolLM2 (2048 tokens,
-# calibrated on prose, checked on code) the same plan's KL on the held-out text was 1.35-2.5x its
-# calibration KL, the most at the smallest budgets (docs/results.md, "Calibrated plans").
+# calibrated on prose, checked on code) the same plan's KL on the held-out text was 1.34-2.46x its
+# calibration KL, the most at the smallest budgets (docs/results.md, "Calibrated plans"). The CLI
+# repeats the value (it imports only the standard library at the top); a test keeps them equal.
 DEFAULT_MARGIN = 0.7
 PROGRESS_FORMAT = 1
 
@@ -953,7 +955,8 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
 
     desc = (
         f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
-        f"{s.n_layers} layers within mean KL {measured['budget']} on {measured['calibration']['tokens']} tokens "
+        f"{s.n_layers} layers within mean KL {measured['budget']} (calibration target "
+        f"{measured['calibration_target']:.4g}) on {measured['calibration']['tokens']} tokens "
         f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
         f"{measured['calibration']['density']:.3f})"
     )

@@ -44,10 +44,16 @@ def test_cuda_helpers_are_exported(name):
     assert callable(getattr(common, name)) and name in common.__all__
 
 
-def test_env_info_names_the_device_it_ran_on():
-    env = common.env_info()
+def test_env_info_names_the_device_it_ran_on(monkeypatch):
+    import importlib.util
+
+    env = common.env_info("cpu")
+    assert env["device"] == "cpu" and env["torch_threads"] == torch.get_num_threads() and "gpu" not in env
     assert env["torch"] == torch.__version__ and env["date"].endswith("+00:00")
-    if torch.cuda.is_available():
-        assert env["gpu"] == torch.cuda.get_device_name() and "cudnn" in env
-    else:
-        assert env["device"] == "cpu" and env["torch_threads"] == torch.get_num_threads() and "gpu" not in env
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find(name, *a))
+    bare = common.env_info()
+    assert bare["device"] == "cpu" and bare["triton"] is None
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        common.env_info("tpu")

@@ -155,10 +155,25 @@ def test_margin_spends_that_share_of_the_budget(models, calibrated, tmp_path):
     half = _run(models["llama"], 2 * BUDGET, tmp_path, progress_path=progress, margin=0.5)
     whole = _run(models["llama"], BUDGET, tmp_path, progress_path=progress, margin=1.0)
     assert half.choices == whole.choices and half.calibration == whole.calibration
+    assert half.steps[0]["allowed"] == pytest.approx(BUDGET * 0.8)  # the search saw the target, x safety 0.8
+    assert half.calibration["mean_kl"] <= BUDGET
     assert half.recipe.measured["calibration_target"] == pytest.approx(BUDGET)
     assert half.recipe.measured["budget"] == 2 * BUDGET and half.recipe.measured["margin"] == 0.5
     with pytest.raises(ValueError, match="margin must be in"):
         _run(models["llama"], BUDGET, tmp_path, progress_path=progress, margin=1.5)
+
+
+def test_cli_margin_reaches_the_recipe(llama_dir, tmp_path):
+    import sparseflow.cli.calibrate as cli_cal
+
+    assert cli_cal.DEFAULT_MARGIN == cal.DEFAULT_MARGIN
+    out = tmp_path / "r.json"
+    argv = ["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--margin", "0.5", "--tokens"]
+    argv += [str(N), "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5,0.9"]
+    assert main(argv + ["--scorings", "mean", "--heldout-text", "none", "--out", str(out)]) == 0
+    measured = load_recipe(out).measured
+    assert measured["margin"] == 0.5 and measured["calibration_target"] == pytest.approx(0.005)
+    assert measured["search"][0]["allowed"] == pytest.approx(0.005 * 0.8)
 
 
 def test_greedy_walk_is_monotone_in_allowed():
@@ -588,3 +603,20 @@ def test_cli_measure_all_measures_the_whole_grid(llama_dir, tmp_path):
     assert (single["pruned"], single["grid"], single["measured"], single["skipped"]) == (False, 18, 18, [])
     progress, _ = cal.side_paths(out)
     assert len(json.loads(progress.read_text())["layers"]) == 18
+
+
+@pytest.mark.parametrize(
+    "shapes, word",
+    [
+        (((4, 9), (1, 9), None), "log_p_sparse"),
+        (((9,), (9,), None), "log_p_sparse"),
+        (((4, 9), (4, 9), (4, 1)), "p_dense"),
+    ],
+    ids=["row-broadcast", "one-dimensional", "p-dense-broadcast"],
+)
+def test_row_kl_refuses_shapes_that_would_broadcast(shapes, word):
+    from sparseflow.eval.fidelity import row_kl
+
+    lp_d, lp_s, p = (None if sh is None else torch.log_softmax(torch.randn(sh), -1) for sh in shapes)
+    with pytest.raises(ValueError, match=word):
+        row_kl(lp_d, lp_s, p)

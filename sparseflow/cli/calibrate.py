@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..calibrate import DEFAULT_MARGIN
-
 from .common import (
     BACKENDS,
     DTYPES,
@@ -21,6 +19,9 @@ from .common import (
 )
 
 
+DEFAULT_MARGIN = 0.7  # sparseflow.calibrate.DEFAULT_MARGIN (tests/test_calibrate.py keeps them equal)
+
+
 def add_parser(sub) -> None:
     cal = sub.add_parser(
         "calibrate", help="measure a per-layer plan within a KL budget on real text; write a recipe file"
@@ -28,7 +29,11 @@ def add_parser(sub) -> None:
     cal.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder (run dense)")
     cal.add_argument("--method", required=True, choices=SPARSE_METHODS)
     cal.add_argument(
-        "--kl-budget", type=float, required=True, help="whole-model mean KL vs dense allowed (nats, e.g. 0.01)"
+        "--kl-budget",
+        type=float,
+        required=True,
+        help="whole-model mean KL vs dense allowed on the text the model serves (nats, e.g. 0.01); the plan "
+        "aims at --margin of it on the calibration text",
     )
     cal.add_argument(
         "--out",
@@ -55,7 +60,8 @@ def add_parser(sub) -> None:
         "--safety",
         type=float,
         default=0.8,
-        help="share of the budget the single-layer KLs may sum to before the whole plan is measured (default 0.8)",
+        help="share of the calibration target (--margin x --kl-budget) the single-layer KLs may sum to before "
+        "the whole plan is measured (default 0.8)",
     )
     cal.add_argument(
         "--margin",
@@ -131,7 +137,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--kl-budget must be a positive mean KL in nats (e.g. 0.01), got {args.kl_budget:g}")
     if not (0.0 < args.safety <= 1.0):
         raise UsageError(
-            f"--safety must be in (0, 1] (the share of the budget the single-layer KLs may sum to), got {args.safety:g}"
+            f"--safety must be in (0, 1] (the share of the calibration target the single-layer KLs may sum to), "
+            f"got {args.safety:g}"
         )
     if not (0.0 < args.margin <= 1.0):
         raise UsageError(

@@ -32,6 +32,13 @@ def row_kl(
 ) -> torch.Tensor:
     """KL(dense || sparse) per row of ``[T, V]`` log-probabilities (``p_dense``: their exp, when
     the caller keeps it), clamped at 0 against rounding."""
+    if log_p_dense.dim() != 2 or log_p_sparse.shape != log_p_dense.shape:
+        raise ValueError(
+            f"log_p_dense and log_p_sparse must both be [T, V], got {tuple(log_p_dense.shape)} and "
+            f"{tuple(log_p_sparse.shape)}"
+        )
+    if p_dense is not None and p_dense.shape != log_p_dense.shape:
+        raise ValueError(f"p_dense must be {tuple(log_p_dense.shape)} like log_p_dense, got {tuple(p_dense.shape)}")
     p = log_p_dense.exp() if p_dense is None else p_dense
     return (p * (log_p_dense - log_p_sparse)).sum(-1).clamp_min(0.0)
 
