@@ -43,3 +43,14 @@ def allocate_as(monkeypatch, shape: Sequence[int], dtype: torch.dtype, view: tor
         return empty(*size, **kw)
 
     monkeypatch.setattr(torch, "empty", far_empty)
+
+
+def blinded(near: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
+    """A copy of ``near`` with zeros where ``far`` (its far copy) holds elements 2**31 or more
+    past its first one: what an unfixed kernel reads there (zero pages before the views)."""
+    offsets = torch.zeros(far.shape, dtype=torch.int64)
+    for dim, (n, stride) in enumerate(zip(far.shape, far.stride())):
+        shape = [1] * far.dim()
+        shape[dim] = n
+        offsets = offsets + (torch.arange(n) * stride).view(shape)
+    return near.masked_fill(offsets >= 2**31, 0)
