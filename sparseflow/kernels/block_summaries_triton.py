@@ -56,7 +56,7 @@ def _leaf_kernel(
         other=0.0,
     ).to(tl.float32)
     s = tl.sum(kt, axis=0)
-    row = sums_ptr + b * stride_sb + h * stride_sh + leaf.to(tl.int64) * stride_st  # 64-bit, as the load
+    row = sums_ptr + b * stride_sb + h * stride_sh + leaf.to(tl.int64) * stride_st  # 64-bit: leaf index x row stride
     tl.store(row + offs_d, s, mask=offs_d < D)
     if h == 0:
         tl.store(cnt_ptr + b * n_leaves + leaf, tl.sum(ok.to(tl.int32), axis=0))

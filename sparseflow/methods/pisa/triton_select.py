@@ -141,7 +141,7 @@ def _node_kernel(
         fv = tl.minimum(fv, tl.min(tl.load(lfv_ptr + b * n_leaves + leaf, mask=ok, other=Nk), axis=0))
         l0 += BL
     mean = acc / tl.maximum(cnt, 1).to(tl.float32)
-    row = summ_ptr + b * stride_mb + h * stride_mh + t.to(tl.int64) * stride_mt  # 64-bit, as the loads
+    row = summ_ptr + b * stride_mb + h * stride_mh + t.to(tl.int64) * stride_mt  # 64-bit: node id x row stride
     tl.store(row + offs_d, mean, mask=offs_d < D)
     if h == 0:
         tl.store(nfv_ptr + b * T + t, fv)
@@ -385,7 +385,8 @@ def _pisa_select_kernel(
             if SCORE == 1:
                 # PISA-1: q . mean(node) * scale
                 s_t = tl.load(
-                    summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],  # 64-bit, as q / k
+                    # 64-bit: a node id times its row stride can pass 2**31 elements
+                    summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
                     mask=valid[None, :] & d_ok[:, None],
                     other=0.0,
                 )
@@ -405,7 +406,8 @@ def _pisa_select_kernel(
                 child = tl.where(c_ok, child, 0)
                 c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
                 s_t = tl.load(
-                    summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],  # 64-bit, as q / k
+                    # 64-bit: a node id times its row stride can pass 2**31 elements
+                    summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
                     mask=c_ok[None, :] & d_ok[:, None],
                     other=0.0,
                 )
@@ -467,7 +469,7 @@ def _pisa_select_kernel(
             keep = valid
         kept, ok = _compact(cand, keep, ar_kp, ar_cw)
     out = tl.where(ok, kept, -1)
-    dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit, as q / k
+    dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
     tl.store(dst + ar_kp, out, mask=ar_kp < TOPK)
 
 

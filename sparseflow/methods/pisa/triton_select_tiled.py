@@ -272,7 +272,8 @@ def _score_union_means(
     while c0 < n_u:  # (while: the interpreter cannot range() over a runtime bound)
         ids, u_ok = _union_chunk(flat, first, slot, n_u, c0, UN)
         s_t = tl.load(
-            summ_base + (off + ids).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],  # 64-bit: see the walk
+            # 64-bit: a node id times its row stride can pass 2**31 elements
+            summ_base + (off + ids).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
             mask=u_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -322,7 +323,8 @@ def _score_union_nodes(
         child = tl.where(c_ok, child, 0)
         c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
         s_t = tl.load(
-            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],  # 64-bit: see the walk
+            # 64-bit: a node id times its row stride can pass 2**31 elements
+            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
             mask=c_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -373,7 +375,7 @@ def _score_union_leaves(
         pos = tl.where(kok, pos, 0)
         if HAS_KPM:
             kok = kok & (tl.load(kpm_base + pos, mask=kok, other=0) != 0)
-        k_rows = k_base + pos.to(tl.int64)[None, :] * stride_kn  # 64-bit: see the walk
+        k_rows = k_base + pos.to(tl.int64)[None, :] * stride_kn  # 64-bit: key position x row stride
         k_t = tl.load(k_rows + offs_d[:, None], mask=kok[None, :] & d_ok[:, None], other=0.0)
         if IEEE_KEYS:
             logit = tl.dot(_q_tile(q_ptrs, q_mask, True), k_t.to(tl.float32), input_precision="ieee") * qk_scale
