@@ -40,7 +40,7 @@ def _leaf_kernel(
     DP: tl.constexpr,
 ):
     leaf = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     h = bh % HKV
     offs_c = tl.arange(0, CP)
@@ -50,12 +50,14 @@ def _leaf_kernel(
     if HAS_KPM:
         ok = ok & (tl.load(kpm_ptr + b * Nk + pos, mask=ok, other=0) != 0)
     kt = tl.load(
-        k_ptr + b * stride_kb + h * stride_kh + pos[:, None] * stride_kn + offs_d[None, :],
+        # 64-bit: a key position times its row stride can pass 2**31 elements
+        k_ptr + b * stride_kb + h * stride_kh + pos.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
         mask=ok[:, None] & (offs_d[None, :] < D),
         other=0.0,
     ).to(tl.float32)
     s = tl.sum(kt, axis=0)
-    tl.store(sums_ptr + b * stride_sb + h * stride_sh + leaf * stride_st + offs_d, s, mask=offs_d < D)
+    row = sums_ptr + b * stride_sb + h * stride_sh + leaf.to(tl.int64) * stride_st  # 64-bit: leaf index x row stride
+    tl.store(row + offs_d, s, mask=offs_d < D)
     if h == 0:
         tl.store(cnt_ptr + b * n_leaves + leaf, tl.sum(ok.to(tl.int32), axis=0))
         first = tl.min(tl.where(ok, pos, Nk), axis=0)

@@ -112,7 +112,7 @@ def _node_kernel(
     """One program per node of every level (leaves included): summary = sum of its leaves'
     key sums / their valid-key count; first valid position = min over its leaves."""
     t = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     h = bh % HKV
     lv = 0
@@ -131,7 +131,8 @@ def _node_kernel(
         leaf = first_leaf + l0 + offs_l
         ok = (l0 + offs_l < span) & (leaf < n_leaves)
         s = tl.load(
-            sums_ptr + b * stride_sb + h * stride_sh + leaf[:, None] * stride_st + offs_d[None, :],
+            # 64-bit: a leaf index times its row stride can pass 2**31 elements
+            sums_ptr + b * stride_sb + h * stride_sh + leaf.to(tl.int64)[:, None] * stride_st + offs_d[None, :],
             mask=ok[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -140,7 +141,8 @@ def _node_kernel(
         fv = tl.minimum(fv, tl.min(tl.load(lfv_ptr + b * n_leaves + leaf, mask=ok, other=Nk), axis=0))
         l0 += BL
     mean = acc / tl.maximum(cnt, 1).to(tl.float32)
-    tl.store(summ_ptr + b * stride_mb + h * stride_mh + t * stride_mt + offs_d, mean, mask=offs_d < D)
+    row = summ_ptr + b * stride_mb + h * stride_mh + t.to(tl.int64) * stride_mt  # 64-bit: node id x row stride
+    tl.store(row + offs_d, mean, mask=offs_d < D)
     if h == 0:
         tl.store(nfv_ptr + b * T + t, fv)
 
@@ -383,7 +385,8 @@ def _pisa_select_kernel(
             if SCORE == 1:
                 # PISA-1: q . mean(node) * scale
                 s_t = tl.load(
-                    summ_base + (off + cand)[None, :] * stride_mt + offs_d[:, None],
+                    # 64-bit: a node id times its row stride can pass 2**31 elements
+                    summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
                     mask=valid[None, :] & d_ok[:, None],
                     other=0.0,
                 )
@@ -403,7 +406,8 @@ def _pisa_select_kernel(
                 child = tl.where(c_ok, child, 0)
                 c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
                 s_t = tl.load(
-                    summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
+                    # 64-bit: a node id times its row stride can pass 2**31 elements
+                    summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
                     mask=c_ok[None, :] & d_ok[:, None],
                     other=0.0,
                 )
@@ -465,7 +469,8 @@ def _pisa_select_kernel(
             keep = valid
         kept, ok = _compact(cand, keep, ar_kp, ar_cw)
     out = tl.where(ok, kept, -1)
-    tl.store(out_ptr + b * stride_ob + hkv * stride_oh + i * stride_on + ar_kp, out, mask=ar_kp < TOPK)
+    dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
+    tl.store(dst + ar_kp, out, mask=ar_kp < TOPK)
 
 
 @triton_op("sparseflow::pisa_select_fwd", mutates_args={})

@@ -272,7 +272,8 @@ def _score_union_means(
     while c0 < n_u:  # (while: the interpreter cannot range() over a runtime bound)
         ids, u_ok = _union_chunk(flat, first, slot, n_u, c0, UN)
         s_t = tl.load(
-            summ_base + (off + ids)[None, :] * stride_mt + offs_d[:, None],
+            # 64-bit: a node id times its row stride can pass 2**31 elements
+            summ_base + (off + ids).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
             mask=u_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -322,7 +323,8 @@ def _score_union_nodes(
         child = tl.where(c_ok, child, 0)
         c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
         s_t = tl.load(
-            summ_base + (coff + child)[None, :] * stride_mt + offs_d[:, None],
+            # 64-bit: a node id times its row stride can pass 2**31 elements
+            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
             mask=c_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -373,7 +375,8 @@ def _score_union_leaves(
         pos = tl.where(kok, pos, 0)
         if HAS_KPM:
             kok = kok & (tl.load(kpm_base + pos, mask=kok, other=0) != 0)
-        k_t = tl.load(k_base + pos[None, :] * stride_kn + offs_d[:, None], mask=kok[None, :] & d_ok[:, None], other=0.0)
+        k_rows = k_base + pos.to(tl.int64)[None, :] * stride_kn  # 64-bit: key position x row stride
+        k_t = tl.load(k_rows + offs_d[:, None], mask=kok[None, :] & d_ok[:, None], other=0.0)
         if IEEE_KEYS:
             logit = tl.dot(_q_tile(q_ptrs, q_mask, True), k_t.to(tl.float32), input_precision="ieee") * qk_scale
         else:
@@ -446,8 +449,11 @@ def _pisa_select_tiled_kernel(
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
-    b = tl.program_id(1) // HKV
-    hkv = tl.program_id(1) % HKV
+    # 64-bit offsets: batch x head strides, and a query / key / node position times its row stride,
+    # pass 2**31 elements at long contexts
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    hkv = bh % HKV
     i = tl.program_id(0) * BQ + tl.arange(0, BQ)  # the tile's query rows
     row_ok = i < Nq
     p = i + Nk - Nq  # query positions (bottom-right aligned)
@@ -461,7 +467,7 @@ def _pisa_select_tiled_kernel(
     ar_r = tl.arange(0, BQ * GP)
     r_i = tl.program_id(0) * BQ + ar_r // GP
     r_ok = (ar_r % GP < G) & (r_i < Nq)
-    q_rows = q_ptr + b * stride_qb + (hkv * G + ar_r % GP)[:, None] * stride_qh + r_i[:, None] * stride_qn
+    q_rows = q_ptr + b * stride_qb + (hkv * G + ar_r % GP)[:, None] * stride_qh + r_i.to(tl.int64)[:, None] * stride_qn
     q_ptrs = q_rows + offs_d[None, :]
     q_mask = r_ok[:, None] & d_ok[None, :]
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
@@ -590,7 +596,7 @@ def _pisa_select_tiled_kernel(
             keep = valid
         kept, ok = _rows_compact(cand, keep, ar_kp)
     out = tl.where(ok, kept, -1)
-    dst = out_ptr + b * stride_ob + hkv * stride_oh + i[:, None] * stride_on + ar_kp[None, :]
+    dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64)[:, None] * stride_on + ar_kp[None, :]
     tl.store(dst, out, mask=row_ok[:, None] & (ar_kp[None, :] < TOPK))
 
 
