@@ -409,15 +409,24 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's arguments. By default it measures the whole grid: every setting on both paths
+    at every length (hours of device time); ``--ns``, ``--compile-ns`` and the settings narrow it."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=_ints, default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--ropes", default="plain,yarn", help="comma list of plain, yarn")
     ap.add_argument("--text", default="pydoc_topics")
     ap.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
     ap.add_argument("--paths", default="converted,compile,compile_dense")
-    ap.add_argument("--compile-ns", type=_ints, default=[8192, 32768], help="lengths that also run the compile paths")
-    ap.add_argument("--compile-settings", type=parse_settings, default=parse_settings("pbs,smollm2:pbs"))
+    ap.add_argument(
+        "--compile-ns", type=_ints, default=None, help="lengths that also run the compile paths (default: every --ns)"
+    )
+    ap.add_argument(
+        "--compile-settings",
+        type=parse_settings,
+        default=None,
+        help="settings of the sparseflow.compile rows (default: the --settings)",
+    )
     ap.add_argument(
         "--backend",
         type=_backends,
@@ -444,10 +453,18 @@ def main(argv=None) -> int:
     ap.add_argument("--show-report", action="store_true", help="print sparseflow.report after each compile row")
     ap.add_argument("--json")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, checked, with the compile rows' defaults filled in and ``paths`` / ``ropes``
+    as lists."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.plot:
-        print(plot(args.plot))
-        return 0
+    if args.compile_ns is None:
+        args.compile_ns = list(args.ns)
+    if args.compile_settings is None:
+        args.compile_settings = list(args.settings)
     for name, val in (("--reps", args.reps), ("--warmup", args.warmup), ("--eval-positions", args.eval_positions)):
         if val < 1:
             ap.error(f"{name} must be >= 1, got {val}")
@@ -455,9 +472,18 @@ def main(argv=None) -> int:
     bad = set(args.paths) - {"converted", "compile", "compile_dense"}
     if bad:
         ap.error(f"--paths takes converted, compile, compile_dense; got {sorted(bad)}")
-    ropes = [r.strip() for r in args.ropes.split(",") if r.strip()]
-    if set(ropes) - {"plain", "yarn"}:
-        ap.error(f"--ropes takes plain, yarn; got {ropes}")
+    args.ropes = [r.strip() for r in args.ropes.split(",") if r.strip()]
+    if set(args.ropes) - {"plain", "yarn"}:
+        ap.error(f"--ropes takes plain, yarn; got {args.ropes}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    ropes = args.ropes
     import sparseflow.hf  # noqa: F401  (registers the attention function on first apply_plan)
 
     t0 = time.perf_counter()

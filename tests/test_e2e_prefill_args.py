@@ -1,0 +1,38 @@
+"""benchmarks/e2e_prefill.py's arguments: by default the whole grid the end-to-end table needs."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import e2e_prefill  # noqa: E402
+
+from sparseflow.methods import sparse_names  # noqa: E402
+from sparseflow.recipes import get_recipe, list_recipes  # noqa: E402
+
+
+def test_defaults_run_every_setting_through_both_paths_at_every_length():
+    args = e2e_prefill.parse_args([])
+    assert args.ns == [8192, 16384, 32768, 65536, 131072] and args.compile_ns == args.ns
+    assert args.compile_settings == args.settings
+    assert set(args.paths) == {"converted", "compile", "compile_dense"}
+    methods = {s for s in args.settings if ":" not in s}
+    assert methods == set(sparse_names())  # every method at its defaults
+    # and every shipped recipe's distinct plan (smollm2-code shares smollm2's PISA and BSA entries)
+    ran = {_plan_key(s) for s in args.settings if ":" in s}
+    assert ran == {_plan_key(f"{name}:{m}") for name in list_recipes() for m in get_recipe(name).configs}
+
+
+def _plan_key(setting):
+    method, cfg, dense, layer_cfgs, _ = e2e_prefill.plan_parts(setting)
+    return method, cfg.to_json(), tuple(dense), tuple(sorted((i, c.to_json()) for i, c in layer_cfgs.items()))
+
+
+def test_narrowed_compile_rows_and_checked_lists():
+    args = e2e_prefill.parse_args(["--ns", "8192,32768", "--compile-ns", "32768", "--compile-settings", "pbs"])
+    assert args.compile_ns == [32768] and args.compile_settings == ["pbs"] and args.ropes == ["plain", "yarn"]
+    for bad in (["--paths", "eager"], ["--ropes", "ntk"], ["--reps", "0"]):
+        with pytest.raises(SystemExit):
+            e2e_prefill.parse_args(bad)
