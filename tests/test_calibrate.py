@@ -76,6 +76,25 @@ def _measured_kl(model, recipe, method="pbs"):
     return evaluate_plans(model, _ascii_ids("pydoc_topics"), [plan], eval_positions=KEEP)[0]
 
 
+def _tiny_argv(llama_dir, out, *, budget="0.01", thresholds="0.5", extra=()):
+    """``sparseflow calibrate`` argv on the tiny Llama at the test size (PBS, mean scoring); ``out`` last."""
+    size = ["--tokens", str(N), "--eval-positions", str(KEEP), "--config", BASE_JSON]
+    grid = ["--thresholds", thresholds, "--scorings", "mean"]
+    return [
+        "calibrate",
+        str(llama_dir),
+        "--method",
+        "pbs",
+        "--kl-budget",
+        budget,
+        *size,
+        *grid,
+        *extra,
+        "--out",
+        str(out),
+    ]
+
+
 BUDGET = 1e-3
 
 
@@ -168,9 +187,8 @@ def test_cli_margin_reaches_the_recipe(llama_dir, tmp_path):
 
     assert cli_cal.DEFAULT_MARGIN == cal.DEFAULT_MARGIN
     out = tmp_path / "r.json"
-    argv = ["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--margin", "0.5", "--tokens"]
-    argv += [str(N), "--eval-positions", str(KEEP), "--config", BASE_JSON, "--thresholds", "0.5,0.9"]
-    assert main(argv + ["--scorings", "mean", "--heldout-text", "none", "--out", str(out)]) == 0
+    argv = _tiny_argv(llama_dir, out, thresholds="0.5,0.9", extra=["--margin", "0.5", "--heldout-text", "none"])
+    assert main(argv) == 0
     measured = load_recipe(out).measured
     assert measured["margin"] == 0.5 and measured["calibration_target"] == pytest.approx(0.005)
     assert measured["search"][0]["allowed"] == pytest.approx(0.005 * 0.8)
@@ -200,26 +218,7 @@ def test_greedy_walk_is_monotone_in_allowed():
 
 def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "recipe.json"
-    argv = [
-        "calibrate",
-        str(llama_dir),
-        "--method",
-        "pbs",
-        "--kl-budget",
-        "0.001",
-        "--tokens",
-        str(N),
-        "--eval-positions",
-        str(KEEP),
-        "--config",
-        BASE_JSON,
-        "--thresholds",
-        "0.5",
-        "--scorings",
-        "mean",
-        "--out",
-        str(out),
-    ]
+    argv = _tiny_argv(llama_dir, out, budget="0.001")
     real = cal.measure_layer
     calls = []
 
@@ -270,28 +269,7 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
     real = cal.measure_plan
     monkeypatch.setattr(cal, "measure_plan", broken)
     with pytest.raises(RuntimeError, match="held-out"):
-        main(
-            [
-                "calibrate",
-                str(llama_dir),
-                "--method",
-                "pbs",
-                "--kl-budget",
-                "0.01",
-                "--tokens",
-                str(N),
-                "--eval-positions",
-                str(KEEP),
-                "--config",
-                BASE_JSON,
-                "--thresholds",
-                "0.5",
-                "--scorings",
-                "mean",
-                "--out",
-                str(out),
-            ]
-        )
+        main(_tiny_argv(llama_dir, out))
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
 
@@ -571,34 +549,8 @@ def test_dense_reference_compares_like_compare_logits():
 
 def test_cli_measure_all_measures_the_whole_grid(llama_dir, tmp_path):
     out = tmp_path / "recipe.json"
-    assert (
-        main(
-            [
-                "calibrate",
-                str(llama_dir),
-                "--method",
-                "pbs",
-                "--kl-budget",
-                "0.01",
-                "--tokens",
-                str(N),
-                "--eval-positions",
-                str(KEEP),
-                "--config",
-                BASE_JSON,
-                "--thresholds",
-                "0.5,0.9,0.99",
-                "--scorings",
-                "mean",
-                "--heldout-text",
-                "none",
-                "--measure-all",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    extra = ["--heldout-text", "none", "--measure-all"]
+    assert main(_tiny_argv(llama_dir, out, thresholds="0.5,0.9,0.99", extra=extra)) == 0
     single = load_recipe(str(out)).measured["single_layer"]
     assert (single["pruned"], single["grid"], single["measured"], single["skipped"]) == (False, 18, 18, [])
     progress, _ = cal.side_paths(out)
