@@ -133,6 +133,12 @@ def _add_diagnostic_arguments(ev: argparse.ArgumentParser) -> None:
     )
     ev.add_argument("--max-new-tokens", type=_count, default=8, help="--task niah: greedy tokens generated (default 8)")
     ev.add_argument(
+        "--prompt",
+        default=None,
+        help="--task niah: prompt format, auto (the chat template when the tokenizer has one; default), chat or "
+        "plain (a bare completion prompt)",
+    )
+    ev.add_argument(
         "--rope-scaling",
         default=None,
         help="RoPE scaling applied after loading: yarn:F, yarn:auto:N (factor N / trained length), "

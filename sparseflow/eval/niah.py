@@ -2,7 +2,10 @@
 
 A prompt is real filler text (:func:`sparseflow.checkpoints.real_text`, split into sentences) with
 passkey sentences inserted at sentence boundaries near the requested relative depths, ending with a
-question; it is exactly ``n_tokens`` tokens long. With ``keys=1`` one anonymous pass key sits at
+question; it is exactly ``n_tokens`` tokens long. ``prompt="chat"`` wraps it in the tokenizer's chat
+template (the text as the user's turn, the answer's first words as the assistant's), which is how an
+instruct model is meant to be asked; ``"plain"`` is a bare completion prompt; ``"auto"`` picks chat
+when the tokenizer has a template. With ``keys=1`` one anonymous pass key sits at
 the depth; with ``keys > 1`` each key has a name, the asked one sits at the depth and the others
 (distractors) at seeded other depths. The answer is greedy decoding of a few tokens with the KV
 cache: the prompt's prefill runs through the plan's attention (the sparse op answers the first
@@ -23,7 +26,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["NiahSample", "build_sample", "generate_greedy", "run_niah", "format_niah", "parse_depths", "is_correct"]
+__all__ = [
+    "NiahSample",
+    "build_sample",
+    "generate_greedy",
+    "run_niah",
+    "format_niah",
+    "parse_depths",
+    "is_correct",
+    "prompt_format",
+]
+
+PROMPT_FORMATS = ("auto", "chat", "plain")
 
 _NAMES = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -85,6 +99,49 @@ def _question(name: str) -> str:
     return "\n\nWhat is the pass key? The pass key is"
 
 
+def _chat_question(name: str) -> Tuple[str, str]:
+    """(the end of the user's turn, the start of the assistant's answer)."""
+    whose = f" for {name}" if name else ""
+    return f"\n\nWhat is the pass key{whose}? Answer with the number.", f"The pass key{whose} is"
+
+
+_CONTENT_MARK = "@@sparseflow-niah-content@@"
+
+
+def prompt_format(tokenizer, prompt: str) -> str:
+    """``"chat"`` or ``"plain"``: ``prompt`` with ``"auto"`` resolved (chat when the tokenizer has a
+    chat template); ``"chat"`` for a tokenizer without one is a ValueError."""
+    if prompt not in PROMPT_FORMATS:
+        raise ValueError(f"--prompt must be one of {', '.join(PROMPT_FORMATS)}, got {prompt!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt == "chat" and not has_template:
+        raise ValueError("--prompt chat needs a tokenizer with a chat template; this one has none (use plain)")
+    if prompt == "auto":
+        return "chat" if has_template else "plain"
+    return prompt
+
+
+def _chat_frame(tokenizer) -> Tuple[List[int], List[int]]:
+    """Token ids of the chat template before and after a user turn's content (the generation
+    prompt included), so the prompt's length can be fixed exactly."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _CONTENT_MARK}], add_generation_prompt=True, tokenize=False
+    )
+    if rendered.count(_CONTENT_MARK) != 1:
+        raise ValueError("--prompt chat: the tokenizer's chat template does not place the user's text once")
+    before, after = rendered.split(_CONTENT_MARK)
+    return _encode(tokenizer, before), _encode(tokenizer, after)
+
+
+def _head_and_tail(tokenizer, asked: str, prompt: str) -> Tuple[List[int], List[int]]:
+    """The tokens before the filler (specials, instructions) and after it (question, answer start)."""
+    if prompt == "plain":
+        return _prefix(tokenizer) + _encode(tokenizer, _INTRO), _encode(tokenizer, _question(asked))
+    before, after = _chat_frame(tokenizer)
+    question, answer_start = _chat_question(asked)
+    return before + _encode(tokenizer, _INTRO), _encode(tokenizer, question) + after + _encode(tokenizer, answer_start)
+
+
 _INTRO = (
     "A long text follows with one or more pass keys hidden inside it. Find them and keep them in mind: "
     "you will be asked for one.\n\n"
@@ -134,9 +191,18 @@ def _insert_at(chunks: List[List[int]], offsets: Dict[str, float], needles: Dict
 
 
 def build_sample(
-    tokenizer, n_tokens: int, depth: float, *, keys: int = 1, seed: int = 0, text: str = "pydoc_topics"
+    tokenizer,
+    n_tokens: int,
+    depth: float,
+    *,
+    keys: int = 1,
+    seed: int = 0,
+    text: str = "pydoc_topics",
+    prompt: str = "plain",
 ) -> NiahSample:
-    """One prompt of exactly ``n_tokens`` tokens; deterministic in (n_tokens, depth, keys, seed, text)."""
+    """One prompt of exactly ``n_tokens`` tokens; deterministic in (n_tokens, depth, keys, seed, text,
+    prompt). ``prompt``: ``"plain"``, ``"chat"`` or ``"auto"`` (:func:`prompt_format`)."""
+    prompt = prompt_format(tokenizer, prompt)
     if keys < 1 or keys > len(_NAMES):
         raise ValueError(f"keys must be in [1, {len(_NAMES)}], got {keys}")
     if not (0.0 <= depth <= 1.0):
@@ -147,8 +213,7 @@ def build_sample(
     key_of = {name: str(v) for name, v in zip(names, values)}
     asked = names[0]
     needles = {name: _encode(tokenizer, _needle(name, key)) for name, key in key_of.items()}
-    head = _prefix(tokenizer) + _encode(tokenizer, _INTRO)
-    tail = _encode(tokenizer, _question(asked))
+    head, tail = _head_and_tail(tokenizer, asked, prompt)
     budget = n_tokens - len(head) - len(tail) - sum(len(t) for t in needles.values())
     if budget < 1:
         raise ValueError(
@@ -257,20 +322,23 @@ def run_niah(
     samples: int = 4,
     keys: int = 1,
     text: str = "pydoc_topics",
+    prompt: str = "plain",
     max_new_tokens: int = 8,
     generate: Callable = generate_greedy,
     on_result: Optional[Callable] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> List[Dict[str, object]]:
     """Accuracy of dense (SDPA) and of each :class:`sparseflow.hf.Plan` in ``plans`` on the same
-    prompts (``samples`` per depth). Returns one summary per run, dense first; the model is left on SDPA.
-    ``progress`` gets one line per sample."""
+    prompts (``samples`` per depth; ``prompt`` as for :func:`build_sample`). Returns one summary per
+    run, dense first; the model is left on SDPA. ``progress`` gets one line per sample."""
     from ..hf import apply_plan
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     prompts = [
-        build_sample(tokenizer, n_tokens, d, keys=keys, seed=s, text=text) for d in depths for s in range(samples)
+        build_sample(tokenizer, n_tokens, d, keys=keys, seed=s, text=text, prompt=prompt)
+        for d in depths
+        for s in range(samples)
     ]
     runs = [("dense", None)] + [(_plan_name(p, i, plans), p) for i, p in enumerate(plans)]
     out = []

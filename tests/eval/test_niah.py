@@ -49,6 +49,47 @@ def test_prompt_length_and_needle_depth(tok, n, depth):
     assert ids[hi:] == _enc(tok, niah._question(""))
 
 
+_TEMPLATE = (
+    "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    from test_convert import _char_tokenizer
+
+    t = _char_tokenizer()
+    t.chat_template = _TEMPLATE
+    return t
+
+
+@pytest.mark.parametrize("n,depth,keys", [(400, 0.0, 1), (613, 0.5, 1), (900, 0.7, 3)])
+def test_chat_prompt_wraps_the_text_in_the_template(chat_tok, n, depth, keys):
+    s = niah.build_sample(chat_tok, n, depth, keys=keys, seed=5, prompt="chat")
+    ids = s.ids[0].tolist()
+    assert len(ids) == n
+    assert ids[: s.filler_span[0]] == _enc(chat_tok, "<u>" + niah._INTRO)
+    question, answer_start = niah._chat_question(s.asked)
+    assert ids[s.filler_span[1] :] == _enc(chat_tok, question + "</u><a>" + answer_start)
+    needle = _enc(chat_tok, niah._needle(s.asked, s.answer))
+    assert ids[s.needle_starts[s.asked] : s.needle_starts[s.asked] + len(needle)] == needle
+    # the same filler and needles as the plain prompt of the same seed, only the frame differs
+    plain = niah.build_sample(chat_tok, n, depth, keys=keys, seed=5, prompt="plain")
+    assert plain.answer == s.answer and plain.keys == s.keys
+
+
+def test_prompt_format_auto_follows_the_template(tok, chat_tok):
+    assert niah.prompt_format(chat_tok, "auto") == "chat" and niah.prompt_format(tok, "auto") == "plain"
+    assert niah.prompt_format(chat_tok, "plain") == "plain"
+    assert torch.equal(
+        niah.build_sample(chat_tok, 500, 0.5, prompt="auto").ids, niah.build_sample(chat_tok, 500, 0.5, prompt="chat").ids
+    )
+    with pytest.raises(ValueError, match="--prompt chat needs a tokenizer with a chat template"):
+        niah.build_sample(tok, 500, 0.5, prompt="chat")
+    with pytest.raises(ValueError, match="--prompt must be one of auto, chat, plain, got 'xml'"):
+        niah.prompt_format(tok, "xml")
+
+
 def test_multi_key_question_asks_a_present_key(tok):
     s = niah.build_sample(tok, 900, 0.5, keys=3, seed=1)
     ids = s.ids[0].tolist()
@@ -147,8 +188,16 @@ def test_cli_niah_end_to_end(folder, tmp_path, capsys):
     assert "d=0.2" in printed and "d=0.8" in printed and "\npbs " in printed
     data = json.loads(out.read_text())
     assert data["task"] == "niah" and data["depths"] == [0.2, 0.8] and data["rope_scaling"] is None
+    assert data["prompt"] == "plain"  # auto: the folder's tokenizer has no chat template
     assert [r["name"] for r in data["results"]] == ["dense", "pbs"]
     assert set(data["results"][1]["accuracy_per_depth"]) == {"0.2", "0.8"}
+
+
+def test_cli_prompt_chat_without_a_template_is_one_line(folder, capsys):
+    argv = ["eval", str(folder), "--task", "niah", "--method", "pbs", "--tokens", "300", "--prompt", "chat"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sparseflow eval: error: --prompt chat needs a tokenizer with a chat template"), err
 
 
 def test_cli_rope_scaling_recorded(folder, tmp_path, capsys):
@@ -213,7 +262,9 @@ def test_cli_rope_scaling_recorded(folder, tmp_path, capsys):
         (["--task", "niah", "--depths", "0.5,1.2"], "--depths must be a comma list"),
         (["--task", "niah", "--depths", "a"], "--depths must be a comma list"),
         (["--task", "niah", "--keys", "0"], "--keys must be in [1, 10]"),
-        (["--depths", "0.5"], "--depths/--samples/--keys are for --task niah"),
+        (["--depths", "0.5"], "--depths/--samples/--keys/--prompt are for --task niah"),
+        (["--prompt", "chat"], "--depths/--samples/--keys/--prompt are for --task niah"),
+        (["--task", "niah", "--prompt", "xml"], "--prompt must be one of auto, chat, plain"),
         (["--rope-scaling", "yarn:fast"], "--rope-scaling: rope_scaling must be"),
         (["--rope-scaling", "rope:2"], "yarn:auto:N"),
     ],
