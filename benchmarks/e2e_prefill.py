@@ -132,10 +132,10 @@ def parse_settings(spec: str) -> List[str]:
 
 def plan_parts(name: str):
     """``(method, config, dense_layers, layer_configs, recipe)`` of a setting name: ``pbs``,
-    ``smollm2:pbs``, with optional field changes ``smollm2:pbs@threshold=0.97+scoring=mean`` (applied
+    ``smollm2:pbs`` or a recipe file's ``plan.json:pbs``, with optional field changes ``smollm2:pbs@threshold=0.97+scoring=mean`` (applied
     to the base config; a recipe's per-layer changes are applied on top)."""
     from sparseflow.config import default_config
-    from sparseflow.recipes import get_recipe
+    from sparseflow.recipes import resolve_recipe
 
     base, _, changes = name.partition("@")
     fields = {}
@@ -145,8 +145,8 @@ def plan_parts(name: str):
             raise ValueError(f"setting {name!r}: expected field=value after '@', got {item!r}")
         fields[key] = value
     if ":" in base:
-        recipe_name, method = base.split(":", 1)
-        recipe = get_recipe(recipe_name)
+        recipe_name, method = base.rsplit(":", 1)
+        recipe = resolve_recipe(recipe_name)
         cfg = _replaced(recipe.config_for(method), fields)
         return method, cfg, tuple(recipe.dense_layers), recipe.layer_configs_for(method, cfg), recipe.name
     if base not in ("pbs", "pisa", "bsa"):

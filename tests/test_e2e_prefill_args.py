@@ -36,3 +36,25 @@ def test_narrowed_compile_rows_and_checked_lists():
     for bad in (["--paths", "eager"], ["--ropes", "ntk"], ["--reps", "0"]):
         with pytest.raises(SystemExit):
             e2e_prefill.parse_args(bad)
+
+
+def test_a_recipe_file_is_a_setting(tmp_path):
+    from sparseflow.config import PBSConfig
+    from sparseflow.recipes import Recipe
+
+    plan = Recipe(
+        name="calibrated-test",
+        description="a calibrated plan",
+        model_types=("llama",),
+        configs={"pbs": PBSConfig(threshold=0.95)},
+        dense_layers=(0, 3),
+        layer_overrides={"pbs": {2: {"threshold": 0.99}}},
+    )
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    method, cfg, dense, per_layer, recipe = e2e_prefill.plan_parts(f"{path}:pbs")
+    assert (method, cfg.threshold, dense, recipe) == ("pbs", 0.95, (0, 3), "calibrated-test")
+    assert per_layer[2].threshold == 0.99
+    assert e2e_prefill.parse_settings(f"pbs,{path}:pbs") == ["pbs", f"{path}:pbs"]
+    with pytest.raises(ValueError, match="missing.json"):
+        e2e_prefill.plan_parts(f"{tmp_path / 'missing.json'}:pbs")
