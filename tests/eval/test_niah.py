@@ -49,9 +49,7 @@ def test_prompt_length_and_needle_depth(tok, n, depth):
     assert ids[hi:] == _enc(tok, niah._question(""))
 
 
-_TEMPLATE = (
-    "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
-)
+_TEMPLATE = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +80,8 @@ def test_prompt_format_auto_follows_the_template(tok, chat_tok):
     assert niah.prompt_format(chat_tok, "auto") == "chat" and niah.prompt_format(tok, "auto") == "plain"
     assert niah.prompt_format(chat_tok, "plain") == "plain"
     assert torch.equal(
-        niah.build_sample(chat_tok, 500, 0.5, prompt="auto").ids, niah.build_sample(chat_tok, 500, 0.5, prompt="chat").ids
+        niah.build_sample(chat_tok, 500, 0.5, prompt="auto").ids,
+        niah.build_sample(chat_tok, 500, 0.5, prompt="chat").ids,
     )
     with pytest.raises(ValueError, match="--prompt chat needs a tokenizer with a chat template"):
         niah.build_sample(tok, 500, 0.5, prompt="chat")
