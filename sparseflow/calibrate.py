@@ -1165,7 +1165,8 @@ def _tokens(tok, n: int, text: str, arg: str):
     try:
         return real_tokens(tok, n, text=text)
     except ValueError as exc:
-        raise ValueError(f"{arg}: {exc}") from None
+        longer = " (stdlib_source is the longest code text)" if text != "stdlib_source" else ""
+        raise ValueError(f"{arg}: {exc}; pick a longer text{longer} or fewer --tokens") from None
 
 
 def calibrate_file(

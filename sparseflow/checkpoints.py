@@ -132,10 +132,27 @@ def _argparse_source() -> str:
     return inspect.getsource(argparse)
 
 
+# argparse is left out: it is the other code text, so this one can hold out for it too
+_STDLIB_MODULES = ("typing", "inspect", "dataclasses", "functools", "enum", "subprocess", "tarfile", "threading")
+
+
+def _stdlib_source() -> str:
+    # A long code text (~0.67 MB, ~170K SmolLM2 tokens) for checks at 32K-128K, where
+    # argparse_source (~22K tokens) is too short. Version-dependent like argparse_source.
+    import importlib
+    import inspect
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in _STDLIB_MODULES)
+
+
 # name -> (loader, description); every text ships with the standard library
 TEXTS = {
     "pydoc_topics": (_pydoc_topics, "pydoc_data.topics: ~0.46 MB of English prose (Python reference manual topics)"),
     "argparse_source": (_argparse_source, "Lib/argparse.py source of the running Python (code and docstrings)"),
+    "stdlib_source": (
+        _stdlib_source,
+        "sources of " + ", ".join(_STDLIB_MODULES) + " of the running Python (~0.67 MB of code and docstrings)",
+    ),
 }
 
 

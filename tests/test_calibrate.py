@@ -572,3 +572,22 @@ def test_row_kl_refuses_shapes_that_would_broadcast(shapes, word):
     lp_d, lp_s, p = (None if sh is None else torch.log_softmax(torch.randn(sh), -1) for sh in shapes)
     with pytest.raises(ValueError, match=word):
         row_kl(lp_d, lp_s, p)
+
+
+def test_cli_held_out_text_too_short_names_a_longer_one(llama_dir, tmp_path, capsys):
+    # the tiny models' tokenizer is per character: argparse.py holds ~90K, pydoc_topics ~460K
+    argv = ["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "200000"]
+    assert main(argv + ["--out", str(tmp_path / "r.json")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("sparseflow calibrate: error: --tokens (held-out text): n_tokens=200000"), last
+    assert "of the text 'argparse_source'; pick a longer text (stdlib_source is the longest code text)" in last
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_stdlib_source_is_long_and_holds_out_for_both_texts():
+    from sparseflow.checkpoints import TEXTS
+
+    text = real_text("stdlib_source")
+    assert len(text) > 4 * len(real_text("argparse_source")) and text == real_text("stdlib_source")
+    assert "class ArgumentParser" not in text and "def dataclass(" in text  # not argparse's source
+    assert "stdlib_source" in TEXTS and TEXTS["stdlib_source"][1].startswith("sources of typing, inspect")

@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
         "--heldout-text",
         default="argparse_source",
         choices=sorted(TEXTS_CHOICES) + ["none"],
-        help="text the plan is checked on afterwards (default argparse_source; none to skip)",
+        help="text the plan is checked on afterwards (default argparse_source, ~22K SmolLM2 tokens; "
+        "stdlib_source for longer --tokens; none to skip)",
     )
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")

@@ -18,7 +18,7 @@ from ..methods import sparse_names
 BACKENDS = ("auto", "reference", "triton", "flex")
 SPARSE_METHODS = sparse_names()
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TEXTS_CHOICES = ("pydoc_topics", "argparse_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
+TEXTS_CHOICES = ("pydoc_topics", "argparse_source", "stdlib_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
 RECIPE_HELP = "shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto"
 
 
