@@ -76,6 +76,41 @@ class Selection:
             return self._key_mask_from_indices(num_query_heads)
         raise ValueError(f"selection of method {self.method!r} carries no blocks")
 
+    def row_keys(self, query: int, num_query_heads: int) -> torch.Tensor:
+        """``[B, Hq, Nk]`` bool over *original* key positions: the keys query ``query`` attends,
+        causality and padding included; row ``query`` of :meth:`key_mask`, in linear memory (for
+        diagnostics at long lengths, e.g. whether the last prompt token still sees a needle)."""
+        if not (0 <= query < self.num_keys):
+            raise ValueError(f"query must be in [0, {self.num_keys}), got {query}")
+        if self.block_mask is not None:
+            keys = self._row_from_blocks(query, num_query_heads)
+        elif self.block_indices is not None:
+            keys = self._row_from_indices(query, num_query_heads)
+        else:
+            raise ValueError(f"selection of method {self.method!r} carries no blocks")
+        visible = torch.ones(self.num_keys, dtype=torch.bool, device=keys.device)
+        if self.is_causal:
+            visible[query + 1 :] = False
+        keys = keys & visible
+        if self.key_padding_mask is not None:
+            keys = keys & self.key_padding_mask[:, None, :].to(torch.bool)
+        return keys
+
+    def _row_from_blocks(self, query: int, hq: int) -> torch.Tensor:
+        bm, perm = self.block_mask, self.permutation
+        slot_block = torch.arange(self.num_keys, device=bm.device) // self.block_size
+        per_slot = bm[:, :, query // self.block_size, :][..., slot_block]  # [B, Hq, Nk] by permuted slot
+        perm_q = perm.repeat_interleave(hq // perm.shape[1], dim=1)  # [B, Hq, Nk]
+        return torch.zeros_like(per_slot).scatter_(-1, perm_q, per_slot)
+
+    def _row_from_indices(self, query: int, hq: int) -> torch.Tensor:
+        idx = self.block_indices[:, :, query, :]  # [B, Hkv, K]
+        n_blocks = -(-self.num_keys // self.block_size)
+        blocks = torch.zeros(*idx.shape[:2], n_blocks + 1, dtype=torch.bool, device=idx.device)
+        blocks.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, n_blocks), idx), True)
+        key_block = torch.arange(self.num_keys, device=idx.device) // self.block_size
+        return blocks[..., key_block].repeat_interleave(hq // idx.shape[1], dim=1)
+
     def _key_mask_from_blocks(self, hq: int) -> torch.Tensor:
         bm, perm = self.block_mask, self.permutation
         b, _, nqb, nkb = bm.shape

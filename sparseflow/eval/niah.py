@@ -35,6 +35,7 @@ __all__ = [
     "parse_depths",
     "is_correct",
     "prompt_format",
+    "needle_recall",
 ]
 
 PROMPT_FORMATS = ("auto", "chat", "plain")
@@ -51,6 +52,7 @@ class NiahSample:
     keys: Dict[str, str]  # name ("" for the single anonymous key) -> key
     asked: str  # the name of the asked key
     needle_starts: Dict[str, int] = field(default_factory=dict)  # name -> token index of its passkey sentence
+    needle_lengths: Dict[str, int] = field(default_factory=dict)  # name -> tokens of its passkey sentence
     filler_span: Tuple[int, int] = (0, 0)  # token range [start, end) holding filler and needles
 
 
@@ -237,6 +239,7 @@ def build_sample(
         keys=key_of,
         asked=asked,
         needle_starts={n: len(head) + s for n, s in starts.items()},
+        needle_lengths={n: len(t) for n, t in needles.items()},
         filler_span=(len(head), len(head) + len(body)),
     )
 
@@ -272,6 +275,27 @@ def _density(calls) -> Tuple[Optional[float], int, int]:
     return (sum(dens) / len(dens) if dens else None), len(sparse), len(prefill) - len(sparse)
 
 
+def needle_recall(calls, sample: NiahSample) -> Tuple[Optional[float], Optional[float]]:
+    """How much of the asked needle the prompt's last position still attends in the sparse
+    prefill: (mean over sparse layers, the lowest layer's), each layer's value the share of the
+    needle's tokens its selection keeps for that query, averaged over heads. (None, None) when
+    no layer ran sparse. A needle the last position cannot see is one the first answer token
+    cannot copy."""
+    start = sample.needle_starts[sample.asked]
+    end = start + sample.needle_lengths[sample.asked]
+    last = sample.ids.shape[1] - 1
+    per_layer = []
+    for call in calls:
+        sel = call.selection
+        if sel is None or len(call.q_shape) < 3 or call.q_shape[2] != sample.ids.shape[1]:
+            continue
+        keys = sel.row_keys(last, sel.density.shape[1])[..., start:end]
+        per_layer.append(float(keys.float().mean()))
+    if not per_layer:
+        return None, None
+    return sum(per_layer) / len(per_layer), min(per_layer)
+
+
 def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate: Callable) -> Dict[str, object]:
     from ..recording import capture
     from .evaluate import model_device
@@ -281,6 +305,7 @@ def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate
         new = generate(model, sample.ids.to(model_device(model)), max_new_tokens)
     text = tokenizer.decode(new, skip_special_tokens=True)
     density, n_sparse, n_dense = _density(cap.calls)
+    kept, kept_min = needle_recall(cap.calls, sample)
     return {
         "depth": sample.depth,
         "answer": sample.answer,
@@ -288,6 +313,8 @@ def _run_one(model, tokenizer, sample: NiahSample, max_new_tokens: int, generate
         "generated": text,
         "correct": is_correct(text, sample.answer),
         "density": density,
+        "needle_kept": kept,
+        "needle_kept_min_layer": kept_min,
         "sparse_calls": n_sparse,
         "dense_calls": n_dense,
         "seconds": time.perf_counter() - start,
@@ -300,6 +327,7 @@ def _summary(name: str, plan, rows: List[Dict[str, object]], depths: Sequence[fl
         hits = [r["correct"] for r in rows if r["depth"] == d]
         per_depth[str(d)] = sum(hits) / len(hits) if hits else None
     dens = [r["density"] for r in rows if r["density"] is not None]
+    kept = [r["needle_kept"] for r in rows if r.get("needle_kept") is not None]
     return {
         "name": name,
         "method": plan.method if plan is not None else "dense",
@@ -307,6 +335,7 @@ def _summary(name: str, plan, rows: List[Dict[str, object]], depths: Sequence[fl
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
         "accuracy_per_depth": per_depth,
         "density": sum(dens) / len(dens) if dens else 1.0,
+        "needle_kept": sum(kept) / len(kept) if kept else None,
         "fallback_calls": sum(r["dense_calls"] for r in rows),
         "samples": rows,
     }
@@ -353,9 +382,10 @@ def run_niah(
                 rows.append(_run_one(model, tokenizer, sample, max_new_tokens, generate))
                 if progress is not None:
                     r = rows[-1]
+                    kept = "" if r["needle_kept"] is None else f", needle kept {r['needle_kept']:.2f}"
                     progress(
                         f"    {name} {i + 1}/{len(prompts)} depth {r['depth']:g}: {r['generated']!r} "
-                        f"({'correct' if r['correct'] else 'wrong'}, key {r['answer']}, {r['seconds']:.0f} s)"
+                        f"({'correct' if r['correct'] else 'wrong'}, key {r['answer']}{kept}, {r['seconds']:.0f} s)"
                     )
         finally:
             model.set_attn_implementation("sdpa")
@@ -371,14 +401,18 @@ def _plan_name(plan, index: int, plans) -> str:
 
 
 def format_niah(results: List[Dict[str, object]], depths: Sequence[float]) -> str:
-    """A table: one row per run, accuracy per depth, overall accuracy and prefill density."""
+    """A table: one row per run, accuracy per depth, overall accuracy, prefill density and the
+    share of the needle the last prompt position attends (``-`` where every layer ran dense)."""
     w = max(8, *(len(r["name"]) for r in results))
     cols = [f"d={d:g}" for d in depths]
-    head = f"{'method':<{w}} " + " ".join(f"{c:>7}" for c in cols) + f" {'all':>7} {'density':>8}"
+    head = f"{'method':<{w}} " + " ".join(f"{c:>7}" for c in cols) + f" {'all':>7} {'density':>8} {'needle':>7}"
     lines = [head, "-" * len(head)]
     for r in results:
         accs = [r["accuracy_per_depth"][str(d)] for d in depths]
+        kept = "-" if r.get("needle_kept") is None else f"{r['needle_kept']:.2f}"
         lines.append(
-            f"{r['name']:<{w}} " + " ".join(f"{a:>7.2f}" for a in accs) + f" {r['accuracy']:>7.2f} {r['density']:>8.3f}"
+            f"{r['name']:<{w}} "
+            + " ".join(f"{a:>7.2f}" for a in accs)
+            + f" {r['accuracy']:>7.2f} {r['density']:>8.3f} {kept:>7}"
         )
     return "\n".join(lines)

@@ -154,8 +154,55 @@ def test_greedy_prefill_runs_the_plan(tok, tiny):
     dense, pbs = res
     assert dense["samples"][0]["sparse_calls"] == 0
     assert pbs["samples"][0]["sparse_calls"] == 2  # every layer's prefill went through the sparse op
+    assert dense["needle_kept"] is None and dense["samples"][0]["needle_kept"] is None
+    assert 0.0 <= pbs["samples"][0]["needle_kept_min_layer"] <= pbs["needle_kept"] <= 1.0
+    table = niah.format_niah(res, [0.5]).splitlines()
+    assert table[0].split()[-1] == "needle" and table[2].split()[-1] == "-"
+    assert table[3].split()[-1] == f"{pbs['needle_kept']:.2f}"
     assert len(tok(pbs["samples"][0]["generated"].replace(" ", ""), add_special_tokens=False).input_ids) <= 3
     assert model.config._attn_implementation == "sdpa"
+
+
+def _pbs_selection(n, drop_blocks, heads=2, bs=16):
+    """A PBS selection over identity-permuted keys: every block attended, except ``drop_blocks``
+    for head 0 of the last query block."""
+    from sparseflow.selection import Selection
+
+    nb = -(-n // bs)
+    bm = torch.ones(1, heads, nb, nb, dtype=torch.bool)
+    for kb in drop_blocks:
+        bm[0, 0, -1, kb] = False
+    return Selection(
+        method="pbs",
+        density=torch.ones(1, heads),
+        block_size=bs,
+        is_causal=True,
+        num_keys=n,
+        block_mask=bm,
+        permutation=torch.arange(n)[None, None],
+    )
+
+
+def test_needle_recall_counts_the_needle_tokens_the_last_position_sees(tok):
+    from types import SimpleNamespace
+
+    s = niah.build_sample(tok, 300, 0.5, seed=2)
+    start, length = s.needle_starts[""], s.needle_lengths[""]
+    assert length == len(_enc(tok, niah._needle("", s.answer)))
+    first, last = start // 16, (start + length - 1) // 16
+
+    def call(sel, n=300):
+        return SimpleNamespace(selection=sel, q_shape=(1, 2, n, 8))
+
+    hidden = call(_pbs_selection(300, range(first, last + 1)))  # head 0 loses the whole needle
+    half = call(_pbs_selection(300, [first]))  # head 0 loses the needle's first block only
+    seen = call(_pbs_selection(300, []))
+    decode = SimpleNamespace(selection=None, q_shape=(1, 2, 1, 8))
+    assert niah.needle_recall([hidden, seen, decode], s) == (0.75, 0.5)
+    in_first = (first + 1) * 16 - start
+    mean, low = niah.needle_recall([half], s)
+    assert mean == low == pytest.approx(0.5 * (length - in_first) / length + 0.5)
+    assert niah.needle_recall([decode], s) == (None, None)
 
 
 def test_cli_niah_end_to_end(folder, tmp_path, capsys):
