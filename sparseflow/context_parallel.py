@@ -340,6 +340,11 @@ def attention(
     """Context-parallel :func:`sparseflow.attention`: ``q, k, v`` are this rank's shards
     ``[B, H, n_r, D]``; returns the output rows of this rank's queries ``[B, Hq, n_r, Dv]``."""
     cp = as_context_parallel(context_parallel)
+    if getattr(config, "dense_tail_blocks", 0):
+        raise ValueError(
+            f"context_parallel does not run dense_tail_blocks={config.dense_tail_blocks} (the tail rows are on one "
+            "rank); use dense_tail_blocks=0 with context_parallel"
+        )
     if attn_mask is not None:
         raise ValueError(
             "attn_mask is not supported with context_parallel; pass is_causal=True/False "

@@ -26,11 +26,12 @@ def onnx_refusal(cfg: PBSConfig) -> str:
             f"the ONNX body of PBSAttention implements scoring 'mean' and 'antidiagonal', got "
             f"scoring={cfg.scoring!r}; export with one of those (or method='dense')"
         )
-    if cfg.proxy_blocks != 1:  # the body computes the single proxy only
-        return (
-            "the ONNX body of PBSAttention does not implement the config field(s) ['proxy_blocks']; "
-            "export with method='dense' until it does"
-        )
+    for name, default in (("proxy_blocks", 1), ("dense_tail_blocks", 0)):  # the body computes neither
+        if getattr(cfg, name) != default:
+            return (
+                f"the ONNX body of PBSAttention does not implement the config field(s) [{name!r}] "
+                f"(got {name}={getattr(cfg, name)!r}, needs {default}); export with method='dense' until it does"
+            )
     return ""
 
 
@@ -62,6 +63,7 @@ SPEC = register(
                 "causal_proxy",
                 "proxy_blocks",
                 "min_seq_len",
+                "dense_tail_blocks",
             },
             refusal=onnx_refusal,
         ),

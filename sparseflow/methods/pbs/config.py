@@ -42,6 +42,11 @@ class PBSConfig(AttentionConfig):
     dominant key keeps its mass (stride 1 is the exact block mass). The two strided scorings cost
     O(N^2 D / stride): one fused Triton pass on the triton backend on CUDA, the torch reference
     elsewhere; ``antidiagonal_stride`` is the stride of both. ONNX export supports ``"mean"`` and ``"antidiagonal"``.
+    ``dense_tail_blocks``: the prompt's last this many query blocks attend every visible key (0:
+    none). The last positions hold the question of a long-context prompt and read the first
+    answer token; a block-level selection can drop the few key tokens one such row needs (a
+    needle). One 128-row block costs ``128 * N`` of the ``N**2 / 2`` dense work (3% at 8K). The
+    op and the reference run it; context parallelism and ONNX export refuse it.
     """
 
     method: ClassVar[str] = "pbs"
@@ -56,6 +61,7 @@ class PBSConfig(AttentionConfig):
     causal_proxy: bool = False
     proxy_blocks: int = 1
     min_seq_len: int = 0
+    dense_tail_blocks: int = 0
 
     def __post_init__(self):
         _check_int("block_size", self.block_size, 1)
@@ -80,6 +86,7 @@ class PBSConfig(AttentionConfig):
                 f"antidiagonal_stride must divide block_size={self.block_size}, got {self.antidiagonal_stride}"
             )
         _check_int("min_seq_len", self.min_seq_len, 0)
+        _check_int("dense_tail_blocks", self.dense_tail_blocks, 0)
 
     @property
     def exact(self) -> bool:

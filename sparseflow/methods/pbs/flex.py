@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ...config import backend_config
 from .config import PBSConfig
+from .tail import apply_tail
 from ...selection import Selection
 from ...kernels import flex_common as fc
 from .reference import key_scores, permuted_block_attention, segment_permutation, select_blocks, selection_density
@@ -203,6 +204,9 @@ def pbs_attention(
         )
     else:
         out = _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, bs, plan, grad)
+    out, block_mask = apply_tail(
+        out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+    )
     return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
 
 

@@ -104,6 +104,7 @@ from torch import Tensor
 from ...config import backend_config
 from ...selection import Selection
 from .config import PBSConfig
+from .tail import apply_tail
 
 __all__ = [
     "pbs_attention",
@@ -983,6 +984,9 @@ def pbs_attention(
         is_causal=is_causal,
         scale=scale,
         block_size=cfg.block_size,
+    )
+    out, block_mask = apply_tail(
+        out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, fp32=True
     )
     if not return_selection:
         return out

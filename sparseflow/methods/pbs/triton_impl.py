@@ -35,6 +35,7 @@ from ...kernels._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .config import PBSConfig
+from .tail import apply_tail
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
@@ -439,6 +440,9 @@ def pbs_attention(
                 antidiagonal_stride=cfg.antidiagonal_stride,
                 tuning=tuning,
             )
+            out, block_mask = apply_tail(
+                out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+            )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
         block_mask = _ref.select_blocks(
             q.detach(),
@@ -468,6 +472,9 @@ def pbs_attention(
             layout=tuning.pbs_kv_layout,
             tma=tuning.pbs_tma,
         )
+    out, block_mask = apply_tail(
+        out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+    )
     return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
 
 

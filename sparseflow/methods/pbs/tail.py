@@ -1,0 +1,93 @@
+"""The dense tail of a PBS prefill (``PBSConfig.dense_tail_blocks``), shared by every backend.
+
+The last query blocks' output rows are recomputed by SDPA over every visible key and replace the
+sparse rows; the reported selection marks those rows' blocks as kept, so its key mask and density
+describe what ran. Torch only: the kernels never see the tail, so no kernel changes with it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def tail_start(n: int, block_size: int, tail_blocks: int) -> int:
+    """The first query row of the dense tail (``n`` when there is none)."""
+    if tail_blocks <= 0:
+        return n
+    return max(0, -(-n // block_size) - tail_blocks) * block_size
+
+
+def with_dense_tail(
+    out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    tail_blocks: int,
+    block_size: int,
+    key_padding_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    fp32: bool = False,
+) -> Tensor:
+    """``out`` with its tail rows replaced by dense attention over the visible keys (rows that
+    see no key are zero, as the sparse kernels leave them). ``fp32``: compute them in float32
+    (the reference's accumulation)."""
+    n = q.shape[2]
+    start = tail_start(n, block_size, tail_blocks)
+    if start >= n:
+        return out
+    rows = _dense_rows(q[:, :, start:], k, v, start, key_padding_mask, is_causal, scale, fp32)
+    return torch.cat([out[:, :, :start], rows.to(out.dtype)], dim=2)
+
+
+def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32) -> Tensor:
+    b, hq, t, _ = q_tail.shape
+    n = k.shape[2]
+    dev = q_tail.device
+    visible = torch.ones(t, n, dtype=torch.bool, device=dev)
+    if is_causal:
+        visible = torch.arange(n, device=dev)[None, :] <= torch.arange(start, start + t, device=dev)[:, None]
+    mask = visible[None, None].expand(b, 1, t, n)
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask.to(torch.bool)[:, None, None, :]
+    group = hq // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if fp32:
+        q_tail, k, v = q_tail.float(), k.float(), v.float()
+    rows = F.scaled_dot_product_attention(q_tail, k, v, attn_mask=mask, scale=scale)
+    return rows.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def mark_tail(block_mask: Optional[Tensor], tail_blocks: int) -> Optional[Tensor]:
+    """``block_mask`` ``[B, Hq, nQB, nKB]`` with the tail's query blocks keeping every key block
+    (visibility is applied wherever a block mask is read: the key mask and the density)."""
+    if block_mask is None or tail_blocks <= 0:
+        return block_mask
+    marked = block_mask.clone()
+    marked[:, :, max(0, marked.shape[2] - tail_blocks) :, :] = True
+    return marked
+
+
+def apply_tail(out, block_mask, q, k, v, cfg, *, key_padding_mask, is_causal, scale, fp32: bool = False):
+    """``(out, block_mask)`` with ``cfg.dense_tail_blocks`` applied to both (a backend's last step)."""
+    if cfg.dense_tail_blocks <= 0:
+        return out, block_mask
+    out = with_dense_tail(
+        out,
+        q,
+        k,
+        v,
+        tail_blocks=cfg.dense_tail_blocks,
+        block_size=cfg.block_size,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        fp32=fp32,
+    )
+    return out, mark_tail(block_mask, cfg.dense_tail_blocks)
