@@ -13,7 +13,8 @@ with factor N/8192 over the model's 8192 trained positions, only where N > 8192)
   written by ``sparseflow convert`` runs; eager);
 * ``compile``: ``sparseflow.compile`` on the dense model with the same setting.
 
-A setting is a method at its defaults (``pbs``) or a shipped recipe's method (``smollm2:pbs``).
+A setting is a method at its defaults (``pbs``), a shipped recipe's method (``smollm2:pbs``) or a
+recipe file's (``plan.json:pbs``, e.g. from ``sparseflow calibrate``).
 Each row: median forward time (``logits_to_keep=1``, no KV cache, CUDA events), speedup over eager
 dense in the same run, first-call seconds, density (mean over layers, dense layers count 1) and
 fidelity against dense on the same RoPE variant over the last ``--eval-positions`` positions
@@ -146,6 +147,8 @@ def plan_parts(name: str):
         fields[key] = value
     if ":" in base:
         recipe_name, method = base.rsplit(":", 1)
+        if recipe_name.strip().lower() == "auto":
+            raise ValueError(f"setting {name!r}: name the recipe (or its .json file); 'auto' depends on the model")
         recipe = resolve_recipe(recipe_name)
         cfg = _replaced(recipe.config_for(method), fields)
         return method, cfg, tuple(recipe.dense_layers), recipe.layer_configs_for(method, cfg), recipe.name

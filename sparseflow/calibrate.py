@@ -534,6 +534,7 @@ def _reference_pbs_densities(s: _Session, layer: int, cfgs: Sequence[AttentionCo
     """Selection densities of PBS configs by the reference, configs differing only in threshold
     sharing one permutation and one block estimate."""
     from .methods.pbs import reference as ref
+    from .methods.pbs.tail import mark_tail
 
     q, k, _, scale = s.qkv[layer]
     groups: Dict[str, List[int]] = {}
@@ -544,6 +545,7 @@ def _reference_pbs_densities(s: _Session, layer: int, cfgs: Sequence[AttentionCo
         cfg = cfgs[idx[0]]
         perm, masks = ref.pbs_selections(q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale)
         for i, mask in zip(idx, masks):
+            mask = mark_tail(mask, cfg.dense_tail_blocks)  # as the op reports its selection
             density = ref.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
             out[i] = float(density.float().mean())  # as Selection.mean_density
     return out

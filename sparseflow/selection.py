@@ -80,8 +80,9 @@ class Selection:
         """``[B, Hq, Nk]`` bool over *original* key positions: the keys query ``query`` attends,
         causality and padding included; row ``query`` of :meth:`key_mask`, in linear memory (for
         diagnostics at long lengths, e.g. whether the last prompt token still sees a needle)."""
-        if not (0 <= query < self.num_keys):
-            raise ValueError(f"query must be in [0, {self.num_keys}), got {query}")
+        n_q = self.block_indices.shape[2] if self.block_indices is not None else self.num_keys  # PBS: Nq == Nk
+        if not (0 <= query < n_q):
+            raise ValueError(f"query must be in [0, {n_q}), got {query}")
         if self.block_mask is not None:
             keys = self._row_from_blocks(query, num_query_heads)
         elif self.block_indices is not None:

@@ -533,6 +533,27 @@ def test_choice_cost_is_the_measured_cost(models, arch):
     assert s.fast_density is True  # the selection-only shortcut was checked against the op and used
 
 
+def test_choice_cost_counts_a_dense_tail(models):
+    from sparseflow.eval.evaluate import dense_logits
+
+    model = models["llama"]
+    ids = _ascii_ids("pydoc_topics")
+    model.set_attn_implementation("sdpa")
+    base = BASE.replace(dense_tail_blocks=1)
+    s = cal._Session(
+        model=model, input_ids=ids, keep=KEEP, method="pbs", base=base, dense=dense_logits(model, ids, KEEP)
+    )
+    s.hidden = cal.layer_inputs(model, ids)
+    plain = cal._Session(
+        model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP)
+    )
+    plain.hidden = s.hidden
+    costs, plain_costs = cal.layer_costs(s, 1, GRID6), cal.layer_costs(plain, 1, GRID6)
+    for choice in GRID6[:4]:
+        assert costs[choice] == pytest.approx(cal.measure_layer(s, 1, choice).cost, abs=1e-7)
+    assert any(costs[c] > plain_costs[c] for c in GRID6[:4])  # the tail's rows are counted as kept
+
+
 def test_dense_reference_compares_like_compare_logits():
     from sparseflow.eval.fidelity import compare_logits
 

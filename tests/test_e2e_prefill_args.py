@@ -56,5 +56,7 @@ def test_a_recipe_file_is_a_setting(tmp_path):
     assert (method, cfg.threshold, dense, recipe) == ("pbs", 0.95, (0, 3), "calibrated-test")
     assert per_layer[2].threshold == 0.99
     assert e2e_prefill.parse_settings(f"pbs,{path}:pbs") == ["pbs", f"{path}:pbs"]
+    with pytest.raises(ValueError, match="name the recipe"):
+        e2e_prefill.plan_parts("auto:pbs")
     with pytest.raises(ValueError, match="missing.json"):
         e2e_prefill.plan_parts(f"{tmp_path / 'missing.json'}:pbs")

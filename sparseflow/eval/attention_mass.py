@@ -289,6 +289,7 @@ def _query_positions(positions: Optional[torch.Tensor], last: int, n: int) -> to
 def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
     """PBS's ``(permutation, block mask, density)`` for causal attention, by the reference."""
     from ..methods.pbs import reference as R
+    from ..methods.pbs.tail import mark_tail
 
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     bs = config.block_size
@@ -318,6 +319,7 @@ def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
         scoring=config.scoring,
         antidiagonal_stride=config.antidiagonal_stride,
     )
+    mask = mark_tail(mask, config.dense_tail_blocks)  # the tail's rows run dense
     density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
     return perm, mask, density
 

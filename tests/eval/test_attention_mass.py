@@ -126,6 +126,17 @@ def test_capture_qkv_tiny_llama():
         capture_qkv(model, ids[0])
 
 
+def test_pbs_retained_mass_counts_the_dense_tail():
+    q, k = _qk(6, 2)
+    cfg = PBSConfig(block_size=16, segment_size=32, threshold=0.5, dense_tail_blocks=1)
+    r = pbs_retained_mass(q, k, cfg, last=16)  # the last block: the tail
+    assert r["mean_retained_mass"] == pytest.approx(1.0)
+    with capture() as cap:
+        attention(q, k, torch.zeros_like(k), config=cfg, is_causal=True, backend="reference")
+    assert r["density"] == pytest.approx(cap.calls[0].selection.mean_density)
+    assert pbs_retained_mass(q, k, cfg.replace(dense_tail_blocks=0), last=16)["mean_retained_mass"] < 1.0
+
+
 def test_pbs_retained_mass_at_spread_positions():
     from sparseflow.eval.attention_mass import spread_positions
 

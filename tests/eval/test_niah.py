@@ -71,9 +71,9 @@ def test_chat_prompt_wraps_the_text_in_the_template(chat_tok, n, depth, keys):
     assert ids[s.filler_span[1] :] == _enc(chat_tok, question + "</u><a>" + answer_start)
     needle = _enc(chat_tok, niah._needle(s.asked, s.answer))
     assert ids[s.needle_starts[s.asked] : s.needle_starts[s.asked] + len(needle)] == needle
-    # the same filler and needles as the plain prompt of the same seed, only the frame differs
+    # the same keys as the plain prompt of the same seed (the filler differs: the frame's length does)
     plain = niah.build_sample(chat_tok, n, depth, keys=keys, seed=5, prompt="plain")
-    assert plain.answer == s.answer and plain.keys == s.keys
+    assert plain.answer == s.answer and plain.keys == s.keys and not torch.equal(plain.ids, s.ids)
 
 
 def test_prompt_format_auto_follows_the_template(tok, chat_tok):

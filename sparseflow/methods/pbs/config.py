@@ -46,7 +46,9 @@ class PBSConfig(AttentionConfig):
     none). The last positions hold the question of a long-context prompt and read the first
     answer token; a block-level selection can drop the few key tokens one such row needs (a
     needle). One 128-row block costs ``128 * N`` of the ``N**2 / 2`` dense work (3% at 8K). The
-    op and the reference run it; context parallelism and ONNX export refuse it.
+    tail is whole blocks counted from the end of the sequence: with right padding it covers the
+    padded rows of shorter prompts (pad on the left), and with ``N % block_size == 1`` one block
+    is the last token alone. Every backend runs it; context parallelism and ONNX export refuse it.
     """
 
     method: ClassVar[str] = "pbs"

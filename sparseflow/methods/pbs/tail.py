@@ -49,19 +49,18 @@ def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32) -
     b, hq, t, _ = q_tail.shape
     n = k.shape[2]
     dev = q_tail.device
-    visible = torch.ones(t, n, dtype=torch.bool, device=dev)
+    mask = None
     if is_causal:
         visible = torch.arange(n, device=dev)[None, :] <= torch.arange(start, start + t, device=dev)[:, None]
-    mask = visible[None, None].expand(b, 1, t, n)
+        mask = visible[None, None].expand(b, 1, t, n)
     if key_padding_mask is not None:
-        mask = mask & key_padding_mask.to(torch.bool)[:, None, None, :]
-    group = hq // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if fp32:
-        q_tail, k, v = q_tail.float(), k.float(), v.float()
-    rows = F.scaled_dot_product_attention(q_tail, k, v, attn_mask=mask, scale=scale)
-    return rows.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        padding = key_padding_mask.to(torch.bool)[:, None, None, :]
+        mask = padding.expand(b, 1, t, n) if mask is None else mask & padding
+    if fp32:  # at least float32 (the reference's accumulation); float64 stays float64
+        wide = torch.promote_types(q_tail.dtype, torch.float32)
+        q_tail, k, v = q_tail.to(wide), k.to(wide), v.to(wide)
+    rows = F.scaled_dot_product_attention(q_tail, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != k.shape[1])
+    return rows if mask is None else rows.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
 def mark_tail(block_mask: Optional[Tensor], tail_blocks: int) -> Optional[Tensor]:

@@ -472,9 +472,9 @@ def pbs_attention(
             layout=tuning.pbs_kv_layout,
             tma=tuning.pbs_tma,
         )
-    out, block_mask = apply_tail(
-        out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
-    )
+        out, block_mask = apply_tail(  # under no_grad like the sparse rows: this backend is forward-only
+            out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+        )
     return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
 
 

@@ -90,6 +90,16 @@ def test_the_op_takes_the_field_and_gradients_flow_through_the_tail():
     dense[:, :, start:].sum().backward()
     for got, want in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    sparse = ops.attention(q, k, v, config=cfg.replace(dense_tail_blocks=0), is_causal=True, backend="reference")
+    assert not torch.allclose(sparse[:, :, start:], dense[:, :, start:], atol=1e-3)  # the tail changed them
+
+
+def test_float64_tail_rows_stay_float64():
+    q, k, v = _inputs(97, dtype=torch.float64)
+    out = R.pbs_attention(q, k, v, dense_tail_blocks=1, **SPARSE)
+    start = tail_start(97, 16, 1)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out[:, :, start:], dense64(q, k, v)[:, :, start:], rtol=1e-12, atol=1e-12)
 
 
 def test_bad_values_name_the_field():
