@@ -689,8 +689,22 @@ def _compile_options(
     options = dataclasses.replace(
         options, tuning=check_tuning(tuning), context_parallel=_check_model_context_parallel(context_parallel)
     )
+    if options.context_parallel is not None:
+        _check_no_dense_tail(options)
     _check_layers(model, options)
     return options, recipe_label
+
+
+def _check_no_dense_tail(options: RewriteOptions) -> None:
+    """Context parallelism does not run PBS's dense tail: refused when the model is compiled,
+    not at its first forward."""
+    configs = {"config": options.config, **{f"layer_configs[{i}]": c for i, c in options.layer_configs.items()}}
+    for where, cfg in configs.items():
+        if cfg is not None and getattr(cfg, "dense_tail_blocks", 0):
+            raise ValueError(
+                f"context_parallel does not run dense_tail_blocks={cfg.dense_tail_blocks} ({where}); "
+                "use dense_tail_blocks=0 with context_parallel"
+            )
 
 
 def _compile_in_place(

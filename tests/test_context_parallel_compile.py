@@ -2,6 +2,7 @@
 contiguous shard and its logits equal the single-process compiled model's rows (gloo, CPU)."""
 
 import copy
+import re
 import json
 import os
 import traceback
@@ -118,3 +119,21 @@ def test_zigzag_refused_for_a_model():
     object.__setattr__(cp, "sharding", "zigzag")
     with pytest.raises(ValueError, match="sharding='contiguous'"):
         sparseflow.compile(copy.deepcopy(model), method="pbs", context_parallel=cp)
+
+
+@pytest.mark.parametrize(
+    "kwargs, where",
+    [
+        (dict(config=sparseflow.PBSConfig(dense_tail_blocks=1)), "(config)"),
+        (dict(layer_configs={0: sparseflow.PBSConfig(dense_tail_blocks=2)}), "(layer_configs[0])"),
+    ],
+    ids=["config", "layer-config"],
+)
+def test_dense_tail_refused_for_a_context_parallel_model(kwargs, where):
+    # refused when compiled, before any group is read or any forward runs
+    model = make_tiny("llama", layers=1)
+    cp = object.__new__(sparseflow.ContextParallel)
+    object.__setattr__(cp, "group", None)
+    object.__setattr__(cp, "sharding", "contiguous")
+    with pytest.raises(ValueError, match=r"context_parallel does not run dense_tail_blocks=\d " + re.escape(where)):
+        sparseflow.compile(copy.deepcopy(model), method="pbs", recipe=None, context_parallel=cp, **kwargs)
