@@ -6,8 +6,10 @@ SmolLM2-135M-Instruct (real weights, ``pydoc_topics`` text, YaRN beyond the trai
 converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS with
 ``backend="triton"`` for scale, beside transformers' own SDPA. At these lengths the eager
 forward is host-bound and drifts from run to run, so the variants take turns: each round times
-``--calls`` forwards of every variant in a row, and the table gives each variant's median over
-``--rounds`` rounds and its ratio to dense.
+``--calls`` forwards of every variant in a row, starting each round one variant further along
+(so no variant always follows the slow one), and the table gives each variant's median over
+``--rounds`` rounds, the ratio of the medians to dense's, and the median of the per-round ratios
+(each round's dense time over the variant's: drift between rounds cancels) with its quartiles.
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ def use(model, variant) -> None:
     )
 
 
+def round_order(names, index: int):
+    """The variants in the order round ``index`` times them: rotated by one each round."""
+    names = list(names)
+    shift = index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def paired_ratios(times, base: str = "dense"):
+    """name -> (median, lower quartile, upper quartile) of the per-round ratios base / name."""
+    out = {}
+    for name, ts in times.items():
+        ratios = sorted(b / t for b, t in zip(times[base], ts))
+        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+        out[name] = (statistics.median(ratios), q[0], q[2])
+    return out
+
+
 def run_length(model, tok, n: int, args):
     set_rope(model, "plain" if n <= TRAINED_POSITIONS else "yarn", n)
     ids = repeated_tokens(tok, args.text, n).to(args.device)
@@ -66,17 +85,30 @@ def run_length(model, tok, n: int, args):
         forward()
         forward()
     times = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name, variant in VARIANTS.items():
-            use(model, variant)
+    for r in range(args.rounds):
+        for name in round_order(VARIANTS, r):
+            use(model, VARIANTS[name])
             times[name].append(mean_s_back_to_back(forward, args.calls, 1, sync) * 1e3)
     dense = statistics.median(times["dense"])
+    paired = paired_ratios(times)
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows.append(dict(n=n, variant=name, ms=med, ratio_vs_dense=dense / med, rounds=ts))
+        p_med, p_lo, p_hi = paired[name]
+        rows.append(
+            dict(
+                n=n,
+                variant=name,
+                ms=med,
+                ratio_vs_dense=dense / med,
+                paired_ratio=p_med,
+                paired_quartiles=[p_lo, p_hi],
+                rounds=ts,
+            )
+        )
         print(
-            f"N={n:6d} {name:12s} {med:8.2f} ms  {dense / med:5.3f}x dense  (min {min(ts):.2f} max {max(ts):.2f})",
+            f"N={n:6d} {name:12s} {med:8.2f} ms  {dense / med:5.3f}x dense  paired {p_med:5.3f}x "
+            f"({p_lo:.3f}-{p_hi:.3f})  (min {min(ts):.2f} max {max(ts):.2f})",
             flush=True,
         )
     return rows

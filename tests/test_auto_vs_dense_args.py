@@ -1,0 +1,28 @@
+"""benchmarks/auto_vs_dense.py's round order and paired ratios (pure functions, no model)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import auto_vs_dense  # noqa: E402
+
+
+def test_each_variant_leads_one_round_in_turn():
+    names = ["dense", "a", "b"]
+    orders = [auto_vs_dense.round_order(names, r) for r in range(4)]
+    assert orders == [["dense", "a", "b"], ["a", "b", "dense"], ["b", "dense", "a"], ["dense", "a", "b"]]
+
+
+def test_paired_ratios_cancel_drift_between_rounds():
+    # the host drifts 2x between rounds; "a" is always 5% slower than dense in the same round
+    dense = [10.0, 20.0, 10.0, 20.0, 10.0]
+    times = {"dense": dense, "a": [t * 1.05 for t in dense]}
+    med, lo, hi = auto_vs_dense.paired_ratios(times)["a"]
+    assert med == pytest.approx(1 / 1.05) and lo == pytest.approx(1 / 1.05) and hi == pytest.approx(1 / 1.05)
+    assert auto_vs_dense.paired_ratios(times)["dense"] == (1.0, 1.0, 1.0)
+    times["b"] = [5.0, 10.0, 20.0, 40.0, 10.0]  # per round: 2x, 2x, 0.5x, 0.5x and 1x as fast as dense
+    med, lo, hi = auto_vs_dense.paired_ratios(times)["b"]
+    assert (med, lo, hi) == (1.0, 0.5, 2.0)
