@@ -140,20 +140,36 @@ def _parse_layers(layers: Union[None, str, Iterable[int]]) -> Optional[tuple]:
     return tuple(layers)
 
 
+def _config_fields(config) -> Optional[dict]:
+    """The fields a config given as JSON, a JSON file or a dict sets (None for a config object)."""
+    if config is None or isinstance(config, AttentionConfig):
+        return None
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        config = Path(config).read_text()
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as exc:
+            raise ConversionError(f"config must be JSON (or a JSON file): {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConversionError(f"config must be a JSON object, got {type(config).__name__}")
+    return dict(config)
+
+
+def _config_over(base: AttentionConfig, config, method: str) -> AttentionConfig:
+    """``base`` (a recipe's config) with the fields ``config`` sets replaced; a config object
+    replaces it whole."""
+    fields = _config_fields(config)
+    if fields is None:
+        return _parse_config(method, config) or base
+    return _parse_config(method, {**base.to_dict(), **fields, "method": fields.get("method", method)})
+
+
 def _parse_config(method: str, config) -> Optional[AttentionConfig]:
     if config is None or isinstance(config, AttentionConfig):
         cfg = config
     else:
-        if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
-            config = Path(config).read_text()
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as exc:
-                raise ConversionError(f"config must be JSON (or a JSON file): {exc}") from exc
-        if not isinstance(config, dict):
-            raise ConversionError(f"config must be a JSON object, got {type(config).__name__}")
-        config = dict(config)
+        config = _config_fields(config)
         config.setdefault("method", method)
         try:
             cfg = config_from_dict(config)
@@ -192,8 +208,9 @@ def build_plan(
     source: Optional[str] = None,
 ):
     """The :class:`sparseflow.hf.Plan` for a model: the recipe's (a shipped name, a recipe .json
-    file or "auto"; checked against the model) or the method's defaults, with ``config`` (a config,
-    dict or JSON) and ``dense_layers`` overriding."""
+    file or "auto"; checked against the model) or the method's defaults, with ``config`` and
+    ``dense_layers`` overriding. ``config`` given as a dict or JSON changes only the fields it
+    names (over a recipe's config too); a config object replaces the recipe's whole."""
     from .hf import Plan
     from .recipes import RecipeError
 
@@ -210,7 +227,8 @@ def build_plan(
     except RecipeError as exc:
         raise ConversionError(f"bad recipe: {exc}") from exc
     if rec is not None:
-        cfg = cfg or rec.config_for(method)
+        # fields given as JSON or a dict change the recipe's config; a config object replaces it
+        cfg = _config_over(rec.config_for(method), config, method)
         dense = rec.dense_layers if dense is None else dense
     cfg = cfg or default_config(method)
     dense = tuple(sorted(set(dense or ())))

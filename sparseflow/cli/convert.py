@@ -16,7 +16,9 @@ def add_parser(sub) -> None:
     conv.add_argument("--method", required=True, choices=SPARSE_METHODS)
     conv.add_argument("--out", required=True, help="output folder (written atomically)")
     conv.add_argument("--recipe", help=RECIPE_HELP)
-    conv.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
+    conv.add_argument(
+        "--config", help="method config as JSON (or a JSON file); the fields it names change the recipe's config"
+    )
     conv.add_argument("--dense-layers", help="comma list of layer indices kept dense (overrides the recipe's)")
     conv.add_argument("--backend", default="auto", choices=BACKENDS)
     conv.add_argument(

@@ -56,7 +56,10 @@ def _add_plan_arguments(ev: argparse.ArgumentParser) -> None:
         help="pbs, pisa, bsa or a comma list (default: the plan recorded by `sparseflow convert`)",
     )
     ev.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
-    ev.add_argument("--config", help="method config as JSON (single --method only)")
+    ev.add_argument(
+        "--config",
+        help="method config as JSON (single --method only); with --recipe, the fields it names change the recipe's",
+    )
     ev.add_argument("--dense-layers", help="comma list of layer indices kept dense")
 
 

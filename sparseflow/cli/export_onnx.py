@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     onx.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder")
     onx.add_argument("--method", choices=SPARSE_METHODS, help="required unless MODEL is a converted folder")
     onx.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
-    onx.add_argument("--config", help="method config as JSON (or a JSON file); overrides the recipe's")
+    onx.add_argument(
+        "--config", help="method config as JSON (or a JSON file); the fields it names change the recipe's config"
+    )
     onx.add_argument("--dense-layers", help="comma list of layer indices kept dense")
     onx.add_argument(
         "--tokens",

@@ -175,11 +175,18 @@ def test_layer_overrides_reach_the_plan_on_any_base_config():
     assert plan.config.permute is False
     # every non-permuted sparse layer runs the base config
     assert plan.config_for(17) == plan.config and plan.config_for(5).permute is True
-    # a user's config replaces the base, the per-layer change still applies on top of it
+    # a user's fields change the base, the per-layer change still applies on top of it
     from sparseflow.convert import build_plan
 
     p2 = build_plan(cfg, "pbs", recipe="smollm2-code", config={"threshold": 0.95, "permute": False})
     assert p2.config.threshold == 0.95 and p2.config_for(3).threshold == 0.95 and p2.config_for(3).permute is True
+    assert p2.config == r.config_for("pbs").replace(threshold=0.95)  # the recipe's other fields kept
+    # a JSON string too; a config object replaces the base whole
+    p4 = build_plan(cfg, "pbs", recipe="smollm2-code", config='{"dense_tail_blocks": 1}')
+    assert p4.config == r.config_for("pbs").replace(dense_tail_blocks=1)
+    assert p4.config_for(3) == r.config_for("pbs").replace(dense_tail_blocks=1, permute=True)
+    p5 = build_plan(cfg, "pbs", recipe="smollm2-code", config=PBSConfig(dense_tail_blocks=1))
+    assert p5.config == PBSConfig(dense_tail_blocks=1)
     # a layer the caller makes dense stays dense
     p3 = build_plan(cfg, "pbs", recipe="smollm2-code", dense_layers="0,3")
     assert 3 not in p3.layer_configs and p3.config_for(3).method == "dense"
