@@ -21,30 +21,6 @@ def tail_start(n: int, block_size: int, tail_blocks: int) -> int:
     return max(0, -(-n // block_size) - tail_blocks) * block_size
 
 
-def with_dense_tail(
-    out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    tail_blocks: int,
-    block_size: int,
-    key_padding_mask: Optional[Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-    fp32: bool = False,
-) -> Tensor:
-    """``out`` with its tail rows replaced by dense attention over the visible keys (rows that
-    see no key are zero, as the sparse kernels leave them). ``fp32``: compute them in float32
-    (the reference's accumulation)."""
-    n = q.shape[2]
-    start = tail_start(n, block_size, tail_blocks)
-    if start >= n:
-        return out
-    rows = _dense_rows(q[:, :, start:], k, v, start, key_padding_mask, is_causal, scale, fp32)
-    return torch.cat([out[:, :, :start], rows.to(out.dtype)], dim=2)
-
-
 def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32) -> Tensor:
     b, hq, t, _ = q_tail.shape
     n = k.shape[2]
@@ -74,19 +50,14 @@ def mark_tail(block_mask: Optional[Tensor], tail_blocks: int) -> Optional[Tensor
 
 
 def apply_tail(out, block_mask, q, k, v, cfg, *, key_padding_mask, is_causal, scale, fp32: bool = False):
-    """``(out, block_mask)`` with ``cfg.dense_tail_blocks`` applied to both (a backend's last step)."""
-    if cfg.dense_tail_blocks <= 0:
+    """``(out, block_mask)`` with ``cfg.dense_tail_blocks`` applied to both (a backend's last step):
+    the tail rows of ``out`` replaced by dense attention over the visible keys (rows that see no
+    key are zero, as the sparse kernels leave them) and the tail's blocks marked kept. ``fp32``:
+    compute the rows in at least float32 (the reference's accumulation)."""
+    n = q.shape[2]
+    start = tail_start(n, cfg.block_size, cfg.dense_tail_blocks)
+    if start >= n:
         return out, block_mask
-    out = with_dense_tail(
-        out,
-        q,
-        k,
-        v,
-        tail_blocks=cfg.dense_tail_blocks,
-        block_size=cfg.block_size,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        scale=scale,
-        fp32=fp32,
-    )
+    rows = _dense_rows(q[:, :, start:], k, v, start, key_padding_mask, is_causal, scale, fp32)
+    out = torch.cat([out[:, :, :start], rows.to(out.dtype)], dim=2)
     return out, mark_tail(block_mask, cfg.dense_tail_blocks)
