@@ -737,8 +737,13 @@ def choice_costs(
 
     def fill(layer: int) -> None:
         if missing[layer]:
+            t_layer = time.perf_counter()
             progress.costs.update({f"{layer}:{c.key}": v for c, v in layer_costs(s, layer, missing[layer]).items()})
             progress.save()
+            say(
+                f"costs: layer {layer + 1}/{s.n_layers}, {len(missing[layer])} choice(s)"
+                f" ({time.perf_counter() - t_layer:.1f} s)"
+            )
 
     if s.cost == "density" and any(missing.values()):
         each_layer_qkv(s, lambda layer, qkv: _with_qkv(s, layer, qkv, fill))  # one layer's q/k/v alive at a time
@@ -1033,6 +1038,7 @@ def calibrate(
     choices = list(choices) if choices is not None else candidate_choices(method, base)
     model.set_attn_implementation("sdpa")
     say(f"dense pass: logits of the last {eval_positions} positions and every layer's input ({n} tokens)")
+    t_dense = time.perf_counter()
     s = _Session(
         model=model,
         input_ids=input_ids,
@@ -1044,6 +1050,7 @@ def calibrate(
         dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir),
     )
     s.hidden = layer_inputs(model, input_ids)
+    say(f"dense pass done ({time.perf_counter() - t_dense:.1f} s)")
     progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
     grid = LazyGrid(s, choices, progress, say) if prune else None
     table = grid.table if grid is not None else measure_all(s, choices, progress, say)
@@ -1280,7 +1287,8 @@ def _load_model(source, model_path, dtype: str, device, tokenizer, rope_scaling,
     from .rope import set_rope_scaling
 
     say(f"loading {source} ...")
-    model, tok = load_source(source, dtype=dtype)
+    model, tok = load_source(source, dtype=dtype, device=device)
+    say(f"weights in {next(model.parameters()).dtype} on {device or 'cpu'}")
     if device is not None:
         model.to(device)
     if tokenizer is not None:

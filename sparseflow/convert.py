@@ -261,16 +261,20 @@ def build_plan(
         raise ConversionError(f"bad plan: {exc}") from exc
 
 
-def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa"):
-    """(model, tokenizer or None) of a source, offline, in eval mode."""
+def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa", device=None):
+    """(model, tokenizer or None) of a source, offline, in eval mode. ``device``: where the model
+    will run (only read by ``dtype="auto"``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ConversionError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if dtype == "auto":
-        # GGUF weights are dequantised by transformers: keep fp32; HF folders keep their dtype
-        torch_dtype = torch.float32 if source.kind == "gguf" else "auto"
+        # HF folders keep their dtype. GGUF weights are dequantised to fp32 by transformers: kept
+        # on the CPU, bf16 on CUDA, the dtype a GPU serves them in (fp32 there would make every
+        # timing and fidelity figure fp32's: IEEE-fp32 kernels, another SDPA backend)
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        torch_dtype = (torch.bfloat16 if on_cuda else torch.float32) if source.kind == "gguf" else "auto"
     else:
         torch_dtype = getattr(torch, dtype)
     kw = source.load_kwargs()

@@ -526,3 +526,39 @@ def _check_session_cache_matches(converted):
     assert sorted(a) == sorted(b) and len(a) > 100
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, device, want",
+    [
+        ("gguf", "auto", None, "float32"),
+        ("gguf", "auto", "cpu", "float32"),
+        ("gguf", "auto", "cuda", "bfloat16"),
+        ("gguf", "auto", "cuda:1", "bfloat16"),
+        ("gguf", "float32", "cuda", "float32"),
+        ("hf", "auto", "cuda", "auto"),
+        ("hf", "float16", "cpu", "float16"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_load_source_dtype_follows_the_device_for_a_gguf(monkeypatch, tmp_path, kind, dtype, device, want):
+    # a GGUF dequantises to fp32; on CUDA it runs in bf16, the dtype served there (calibrate's
+    # timings and eval's fidelity are then the served dtype's, not IEEE fp32's)
+    import transformers
+
+    from sparseflow import convert as convert_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_from_pretrained(folder, dtype=None, **kw):
+        seen["dtype"] = dtype
+        raise Stop
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    source = convert_mod.Source(kind, tmp_path, "m.gguf" if kind == "gguf" else None)
+    with pytest.raises(convert_mod.ConversionError, match="Stop"):
+        convert_mod.load_source(source, dtype=dtype, device=device)
+    assert str(seen["dtype"]).replace("torch.", "") == want

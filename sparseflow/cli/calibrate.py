@@ -78,7 +78,12 @@ def add_parser(sub) -> None:
         help="cost model: density (+ estimate overhead) or the op's measured time (auto: time on CUDA)",
     )
     cal.add_argument("--backend", default="auto", choices=BACKENDS)
-    cal.add_argument("--dtype", default="auto", choices=DTYPES)
+    cal.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights dtype (auto: the checkpoint's; a GGUF's fp32 on the CPU, bfloat16 on CUDA)",
+    )
     cal.add_argument(
         "--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N"
     )

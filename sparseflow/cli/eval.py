@@ -69,7 +69,12 @@ def _add_run_arguments(ev: argparse.ArgumentParser) -> None:
         "--eval-positions", type=_positive, default=512, help="next-token predictions compared (default 512)"
     )
     ev.add_argument("--backend", default="auto", choices=BACKENDS)
-    ev.add_argument("--dtype", default="auto", choices=DTYPES)
+    ev.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights dtype (auto: the checkpoint's; a GGUF's fp32 on the CPU, bfloat16 on CUDA)",
+    )
     ev.add_argument(
         "--device", default="auto", help="where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N"
     )
@@ -299,7 +304,7 @@ def _load(args: argparse.Namespace, source):
 
     device = resolve_device(args.device)
     stderr_progress(f"loading {source} ...")
-    model, tok = load_source(source, dtype=args.dtype)
+    model, tok = load_source(source, dtype=args.dtype, device=device)
     model.to(device)
     args.device_label = device_label(model)
     if args.tokenizer:

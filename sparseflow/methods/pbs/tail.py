@@ -1,8 +1,10 @@
 """The dense tail of a PBS prefill (``PBSConfig.dense_tail_blocks``), shared by every backend.
 
-The last query blocks' output rows are recomputed by SDPA over every visible key and replace the
-sparse rows; the reported selection marks those rows' blocks as kept, so its key mask and density
-describe what ran. Torch only: the kernels never see the tail, so no kernel changes with it.
+The last query blocks attend every visible key; the reported selection marks those rows' blocks
+as kept, so its key mask and density describe what ran. The Triton backend's selection kernel
+keeps those blocks itself, so its attention kernel computes the rows in the same launch as the
+sparse ones (``triton_select``'s ``dense_from``). The other backends, and the Triton backend with
+the torch selection, call :func:`apply_tail`: SDPA over every visible key replaces the tail rows.
 """
 
 from __future__ import annotations

@@ -219,6 +219,7 @@ def _pbs_fwd_kernel(
     USE_TMA: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -230,8 +231,12 @@ def _pbs_fwd_kernel(
     # be selected: then even the "full" tiles take the element mask (slots past the block hide)
     MASK_FULL: tl.constexpr = MASK_ALL | (SPARSE_BLOCK % BLOCK_N != 0)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (B*H, tiles): every head's heaviest tile is issued before any lighter one
+        bh = tl.program_id(0)
+        pid = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     # heaviest query tiles (latest) first, to shorten the causal tail
@@ -257,7 +262,7 @@ def _pbs_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     if USE_TMA:
-        rows = tl.num_programs(1) // H * HKV * N
+        rows = (tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)) // H * HKV * N
         desc_k = tl.make_tensor_descriptor(
             K, shape=[rows, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
         )
@@ -480,7 +485,18 @@ def _prune(configs, named_args, **kwargs):
 
 _pbs_fwd_autotuned = triton.autotune(
     configs=_configs(),
-    key=["N_BUCKET", "HEAD_DIM", "SPARSE_BLOCK", "IS_CAUSAL", "MASK_ALL", "GATHER", "USE_TMA", "KV_GROUP", "P_GROUP"],
+    key=[
+        "N_BUCKET",
+        "HEAD_DIM",
+        "SPARSE_BLOCK",
+        "IS_CAUSAL",
+        "MASK_ALL",
+        "GATHER",
+        "USE_TMA",
+        "KV_GROUP",
+        "P_GROUP",
+        "HEADS_FIRST",
+    ],
     prune_configs_by={"early_config_prune": _prune},
     # the timings go to Triton's on-disk cache (per GPU, Triton version and key), so a second
     # process skips the benchmarking that makes a first call at a new length take seconds
@@ -489,6 +505,9 @@ _pbs_fwd_autotuned = triton.autotune(
 
 # Fixed-config launches (benchmarks compare configurations side by side with these).
 _FIXED_CONFIG: Optional[dict] = None
+# launch order of the forward's programs: True issues every (batch, head)'s heaviest (latest)
+# query tile first; False issues one head's tiles after another's
+HEADS_FIRST = False
 
 
 def set_fixed_config(cfg: Optional[dict]) -> None:
@@ -582,11 +601,18 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
     """The forward kernel over ``nqb`` sparse query blocks and ``rows`` (batch, head) pairs: with
     the fixed config when one is set (``set_fixed_config``), else autotuned."""
     fixed = _FIXED_CONFIG
+    heads_first = HEADS_FIRST
+    meta = dict(meta, HEADS_FIRST=heads_first)
+
+    def tiles_and_rows(bm: int):
+        tiles = nqb * triton.cdiv(block_size, bm)
+        return (rows, tiles) if heads_first else (tiles, rows)
+
     if fixed is not None:
         bm = fixed["BLOCK_M"]
 
         def grid(meta_):
-            return (nqb * triton.cdiv(block_size, bm), rows)
+            return tiles_and_rows(bm)
 
         wrap_triton(_pbs_fwd_kernel)[grid](
             *args,
@@ -599,7 +625,7 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
     else:
 
         def grid(meta_):
-            return (nqb * triton.cdiv(block_size, meta_["BLOCK_M"]), rows)
+            return tiles_and_rows(meta_["BLOCK_M"])
 
         wrap_triton(_pbs_fwd_autotuned)[grid](*args, **meta)
 

@@ -35,7 +35,7 @@ from ...kernels._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .config import PBSConfig
-from .tail import apply_tail
+from .tail import apply_tail, tail_start
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
@@ -439,9 +439,7 @@ def pbs_attention(
                 scoring=cfg.scoring,
                 antidiagonal_stride=cfg.antidiagonal_stride,
                 tuning=tuning,
-            )
-            out, block_mask = apply_tail(
-                out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
+                dense_from=-(-tail_start(n, bs, cfg.dense_tail_blocks) // bs),  # no tail: every block
             )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
         block_mask = _ref.select_blocks(
@@ -538,7 +536,11 @@ def _fused_select_attention(
     scoring=PBSConfig.scoring,
     antidiagonal_stride=PBSConfig.antidiagonal_stride,
     tuning: Tuning = DEFAULT_TUNING,
+    dense_from: Optional[int] = None,
 ):
+    """Stages 2-4 on the Triton kernels: ``(out, block mask or None)``. Query blocks from
+    ``dense_from`` on (the dense tail) keep every visible key block, so the attention kernel
+    computes their rows exactly, in the same launch as the sparse ones."""
     from .triton_select import select_block_lists
 
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
@@ -575,6 +577,7 @@ def _fused_select_attention(
         scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
         padding_checked=True,
+        dense_from=dense_from,
     )
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(

@@ -82,6 +82,7 @@ def _select_rows_kernel(
     block_size,
     segment_size,
     mask_segment,
+    dense_from,
     BLOCK_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     EXACT: tl.constexpr,
@@ -99,7 +100,8 @@ def _select_rows_kernel(
     of raw block logits ``q̄·k̄`` (``LOGITS [B, HC, nB, nB]`` fp32), applies the scale, masks the
     non-candidates, takes the softmax, finds the threshold prefix, adds the forced blocks and
     writes the block lists (and the mask). ``STRIDED``: the probabilities come instead from the
-    strided estimate's per-row block masses (``LBM``, ``LSE``, ``QV``: triton_estimate)."""
+    strided estimate's per-row block masses (``LBM``, ``LSE``, ``QV``: triton_estimate). Query
+    blocks from ``dense_from`` on keep every candidate (``PBSConfig.dense_tail_blocks``)."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     scale = tl.cast(scale, tl.float32)
     thr_pos = threshold > 0.0  # before the cast: the interpreter's cast scalar compares as a float
@@ -191,7 +193,7 @@ def _select_rows_kernel(
             # (when even the total mass is below the threshold, hi ends at the lowest key: all kept)
             keep = cand & (packed >= hi) & thr_pos
 
-    final = keep | forced
+    final = keep | forced | (cand & (qb >= dense_from))
     # blocks that need the attention kernel's element mask
     seg_first = (qb * block_size // mask_segment) * mask_segment // block_size
     if IS_CAUSAL:
@@ -284,6 +286,7 @@ def select_block_lists(
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     padding_checked: bool = False,
+    dense_from: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
     keys. ``layout``: the :class:`triton_impl.PermutedLayout` of the permutation (its pooled key
@@ -297,7 +300,9 @@ def select_block_lists(
     strided estimate over the permuted keys (``layout.k`` or ``k_perm``), the estimate buffer
     bounded by ``max_logit_bytes`` the same way; the threshold rule is the same.
     ``padding_checked``: the caller passes ``key_padding_mask`` only when it hides a key, so
-    this call need not read it on the host again (each such read waits for the device)."""
+    this call need not read it on the host again (each such read waits for the device).
+    ``dense_from``: the query blocks from this one on keep every visible key block (the dense
+    tail; None: none), so the attention kernel computes their rows exactly."""
     bsz, hq, n, d = q.shape
     nb = -(-n // block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -311,7 +316,14 @@ def select_block_lists(
     kv_num, kv_full, kv_idx, bmask = outputs = _selection_outputs(bsz, hq, nb, q.device, return_block_mask)
     hp = permutation.shape[1]
     shape_args = (hq, nb, hq // hp, hp, n)
-    seg_args = (sc, float(threshold), block_size, segment_size, segment_size if mask_segment is None else mask_segment)
+    seg_args = (
+        sc,
+        float(threshold),
+        block_size,
+        segment_size,
+        segment_size if mask_segment is None else mask_segment,
+        nb if dense_from is None else min(max(int(dense_from), 0), nb),
+    )
     meta = _row_meta(nb, is_causal, exact, has_pad, return_block_mask, cut, strided, block_size)
     launch = _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta)
     if exact:
@@ -440,7 +452,7 @@ class _RowLaunch(NamedTuple):
 
     head_args: Tuple  # LENS, KCOUNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK
     shape_args: Tuple  # Hq, nB, G, Hp, N
-    seg_args: Tuple  # scale, threshold, block size, segment size, mask segment
+    seg_args: Tuple  # scale, threshold, block size, segment size, mask segment, first dense query block
     no_est: Tuple
     meta: dict
     bsz: int

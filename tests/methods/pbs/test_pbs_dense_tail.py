@@ -59,22 +59,39 @@ def test_reference_tail_rows_are_dense_and_the_rest_unchanged(n, tail, causal, p
     assert bool((plain_sel.key_mask(4)[:, :, start:] != vis[:, :, start:]).any())  # the tail had been sparse
 
 
-@pytest.mark.parametrize("backend", ["triton", "flex"])
-def test_backends_run_the_tail_like_the_reference(backend, monkeypatch):
+@pytest.mark.parametrize(
+    "backend, select",
+    [("triton", "reference"), ("triton", "triton"), ("flex", None)],
+    ids=["triton-torch-selection", "triton-kernel-selection", "flex"],
+)
+@pytest.mark.parametrize("scoring", ["mean", "sampled_rows"])
+@pytest.mark.parametrize("n, tail", [(96, 2), (100, 1)], ids=["n96-tail2", "n100-tail1"])
+def test_backends_run_the_tail_like_the_reference(backend, select, scoring, n, tail, monkeypatch):
+    kw = {}
     if backend == "triton":
         pytest.importorskip("triton")
+        from sparseflow import Tuning
         from sparseflow.methods.pbs import triton_attention as TA
 
         # the kernel's output starts as NaN: a row it leaves unwritten fails the comparison
         monkeypatch.setattr(TA, "_alloc_out", lambda q: torch.full_like(q, float("nan")))
-    q, k, v = _inputs(96, d=16)
-    pad = _left_padding(96)
-    cfg = PBSConfig(dense_tail_blocks=2, **SPARSE)
+        # "triton": the selection kernel keeps the tail's blocks and the attention kernel runs them
+        kw["tuning"] = Tuning(pbs_select=select)
+    q, k, v = _inputs(n, d=16)
+    pad = _left_padding(n)
+    cfg = PBSConfig(dense_tail_blocks=tail, scoring=scoring, **SPARSE)
     want, want_sel = R.pbs_attention(q, k, v, cfg, key_padding_mask=pad, return_selection=True)
+    plain, plain_sel = R.pbs_attention(
+        q, k, v, cfg.replace(dense_tail_blocks=0), key_padding_mask=pad, return_selection=True
+    )
     impl = ops._load("pbs", backend)
-    got, sel = impl(q, k, v, cfg, key_padding_mask=pad, is_causal=True, return_selection=True)
+    got, sel = impl(q, k, v, cfg, key_padding_mask=pad, is_causal=True, return_selection=True, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(sel.key_mask(4), want_sel.key_mask(4))
+    start = tail_start(n, 16, tail)
+    assert not torch.equal(
+        plain_sel.key_mask(4)[:, :, start:], want_sel.key_mask(4)[:, :, start:]
+    )  # it had been sparse
 
 
 def test_the_op_takes_the_field_and_gradients_flow_through_the_tail():
