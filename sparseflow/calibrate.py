@@ -1076,6 +1076,10 @@ def calibrate(
         "text": text,
         "heldout_text": heldout_text,
         "cost_model": s.cost,
+        # the dtype every KL and time above was measured in (a plan's fidelity is that dtype's)
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": str(next(model.parameters()).device),
+        "backend": backend,
         "safety": safety,
         "margin": margin,
         "calibration_target": budget * margin,

@@ -335,6 +335,9 @@ def test_time_cost_model(models, tmp_path, monkeypatch):
     res = _run(models["llama"], 1e-3, tmp_path, cost="time", choices=CHOICES[:2])
     per_layer = res.recipe.measured["per_layer"]
     assert res.recipe.measured["cost_model"] == "time"
+    # what the times and KLs were measured in travels with the plan
+    assert res.recipe.measured["dtype"] == str(next(models["llama"].parameters()).dtype).replace("torch.", "")
+    assert res.recipe.measured["device"] == "cpu" and res.recipe.measured["backend"] == "auto"
     assert all(r["cost"] > 0 for r in per_layer)
     assert qkv_runs == [0, 1, 2]  # one q/k/v capture per layer, shared by its choices
 
