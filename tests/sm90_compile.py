@@ -68,6 +68,9 @@ class _CompileOnlyDriver:
 COMPILED: list = []
 ERRORS: list = []
 _orig_run = _jit.JITFunction.run
+# False while an autotuner compiles its configs after the first: the fp64-scalar check is about how
+# a float argument is typed, which launch sizes do not change, so one config per call is checked
+_FP64_CHECK = [True]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -77,7 +80,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         ERRORS.append({"kernel": self.__name__, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
         return None
     COMPILED.append(self.__name__)
-    _compile_with_fp64_scalars(self, kernel)
+    if _FP64_CHECK[0]:
+        _compile_with_fp64_scalars(self, kernel)
     return kernel
 
 
@@ -114,8 +118,12 @@ def _autotune_all(self, *args, **kwargs):
     # compile every config that survives pruning (the GPU may pick any of them)
     self.nargs = dict(zip(self.arg_names, args))
     configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
-    for config in configs:
-        self.fn.run(*args, **kwargs, **config.all_kwargs())
+    try:
+        for i, config in enumerate(configs):
+            _FP64_CHECK[0] = i == 0
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+    finally:
+        _FP64_CHECK[0] = True
     self.nargs = None
 
 
