@@ -16,11 +16,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def tail_first_block(n: int, block_size: int, tail_blocks: int) -> int:
+    """The first query block of the dense tail (the number of blocks when there is none)."""
+    n_blocks = -(-n // block_size)
+    return n_blocks if tail_blocks <= 0 else max(0, n_blocks - tail_blocks)
+
+
 def tail_start(n: int, block_size: int, tail_blocks: int) -> int:
     """The first query row of the dense tail (``n`` when there is none)."""
-    if tail_blocks <= 0:
-        return n
-    return max(0, -(-n // block_size) - tail_blocks) * block_size
+    return n if tail_blocks <= 0 else tail_first_block(n, block_size, tail_blocks) * block_size
 
 
 def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32) -> Tensor:

@@ -35,7 +35,7 @@ from ...kernels._triton_env import interpreting
 from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .config import PBSConfig
-from .tail import apply_tail, tail_start
+from .tail import apply_tail, tail_first_block
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
@@ -439,7 +439,7 @@ def pbs_attention(
                 scoring=cfg.scoring,
                 antidiagonal_stride=cfg.antidiagonal_stride,
                 tuning=tuning,
-                dense_from=-(-tail_start(n, bs, cfg.dense_tail_blocks) // bs),  # no tail: every block
+                dense_from=tail_first_block(n, bs, cfg.dense_tail_blocks),
             )
             return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
         block_mask = _ref.select_blocks(

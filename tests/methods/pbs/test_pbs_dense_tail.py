@@ -9,7 +9,7 @@ import torch
 from sparseflow import ops
 from sparseflow.config import PBSConfig
 from sparseflow.methods.pbs import reference as R
-from sparseflow.methods.pbs.tail import tail_start
+from sparseflow.methods.pbs.tail import tail_first_block, tail_start
 from sparseflow.selection import visible_key_mask
 
 from test_pbs_reference import dense64
@@ -31,6 +31,9 @@ def _left_padding(n):
 def test_tail_start():
     assert tail_start(100, 16, 0) == 100 and tail_start(100, 16, 1) == 96 and tail_start(96, 16, 1) == 80
     assert tail_start(100, 16, 2) == 80 and tail_start(100, 16, 50) == 0
+    # blocks: 100 rows of 16 are 7 blocks, the last one ragged; no tail starts past every block
+    assert tail_first_block(100, 16, 0) == 7 and tail_first_block(100, 16, 1) == 6
+    assert tail_first_block(96, 16, 2) == 4 and tail_first_block(100, 16, 50) == 0
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
