@@ -259,7 +259,7 @@ def measure(
 def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> List[Dict[str, object]]:
     """Every row at one length; ``on_row`` sees each as it is measured (a long run that is cut
     short keeps what it measured)."""
-    factor = set_rope(model, rope, n)
+    factor = set_rope(model, rope, args.yarn_length or n)
     ids = repeated_tokens(tok, args.text, n).to(args.device)
     model.set_attn_implementation("sdpa")
     dense = _logits(model, ids, args.eval_positions)
@@ -418,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=_ints, default=[8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--ropes", default="plain,yarn", help="comma list of plain, yarn")
+    ap.add_argument(
+        "--yarn-length",
+        type=int,
+        default=None,
+        help="the yarn rows' model is extended to this many tokens at every N (e.g. 32768: YaRN x4 at 8K "
+        "too, so one model's KL is compared across lengths); default: each N's own",
+    )
     ap.add_argument("--text", default="pydoc_topics")
     ap.add_argument("--settings", type=parse_settings, default=parse_settings(DEFAULT_SETTINGS))
     ap.add_argument("--paths", default="converted,compile,compile_dense")
@@ -468,6 +475,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.compile_ns = list(args.ns)
     if args.compile_settings is None:
         args.compile_settings = list(args.settings)
+    if args.yarn_length is not None and args.yarn_length <= TRAINED_POSITIONS:
+        ap.error(f"--yarn-length must exceed the trained {TRAINED_POSITIONS} positions, got {args.yarn_length}")
     for name, val in (("--reps", args.reps), ("--warmup", args.warmup), ("--eval-positions", args.eval_positions)):
         if val < 1:
             ap.error(f"{name} must be >= 1, got {val}")
@@ -510,7 +519,7 @@ def main(argv=None) -> int:
 
     for n in args.ns:
         for rope in ropes:
-            if rope == "yarn" and n <= TRAINED_POSITIONS:
+            if rope == "yarn" and (args.yarn_length or n) <= TRAINED_POSITIONS:
                 continue
             run_length(model, tok, n, rope, args, on_row=keep)
             save()

@@ -416,6 +416,62 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
     assert cost > 0.3 and chosen != [a, a, a]
 
 
+def test_search_grows_while_the_measured_plan_has_headroom(monkeypatch):
+    """When the whole plan's KL is far below the sum of its single-layer KLs (bf16 floors that do
+    not add up), the first plan leaves most of the budget unused: the allowed sum grows until the
+    walk's cheapest plan that fits is found."""
+    from types import SimpleNamespace
+
+    a, b = cal.Choice((("threshold", 0.5),)), cal.Choice((("threshold", 0.9),))
+    layer = {
+        cal.DENSE: cal.Measurement(0.0, 1.0, 1.0, 1.0),
+        a: cal.Measurement(0.004, 0.9, 0.3, 0.3),
+        b: cal.Measurement(0.001, 0.99, 0.6, 0.6),
+    }
+    table = {0: layer, 1: layer, 2: layer}
+    measured = []
+
+    def whole_plan(s, chosen, progress):
+        kl = 0.25 * sum(layer[c].kl for c in chosen)
+        measured.append(kl)
+        return {"mean_kl": kl}
+
+    monkeypatch.setattr(cal, "_measured_plan", whole_plan)
+    chosen, fid, cost, steps = cal.search(
+        SimpleNamespace(n_layers=3), table, 0.01, safety=1.0, progress=None, say=lambda m: None
+    )
+    assert steps[0]["cost"] > 0.3 and measured[0] < 0.8 * 0.01  # the first plan: room left
+    assert chosen == [a, a, a] and cost == pytest.approx(0.3) and fid["mean_kl"] <= 0.01
+    assert len(steps) == 2
+
+
+def test_search_returns_the_cheapest_fitting_plan_it_measured(monkeypatch):
+    """Over random grids and whole-plan KLs that scale the prediction up or down, the search's
+    plan fits the budget and costs no more than any fitting plan it measured (in particular the
+    first), and it stops within its rounds."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(7)
+    for trial in range(40):
+        table, _ = _random_grid(rng, layers=5, per_layer=4)
+        scale = rng.choice([0.1, 0.3, 0.7, 1.5, 3.0])
+
+        def whole_plan(s, chosen, progress, table=table, scale=scale):
+            kl = scale * sum(table[i][c].kl for i, c in enumerate(chosen))
+            return {"mean_kl": kl}
+
+        monkeypatch.setattr(cal, "_measured_plan", whole_plan)
+        budget = rng.choice([1e-4, 1e-3, 3e-3])
+        chosen, fid, cost, steps = cal.search(
+            SimpleNamespace(n_layers=5), table, budget, safety=0.8, progress=None, say=lambda m: None
+        )
+        assert 1 <= len(steps) <= 8, trial
+        assert fid["mean_kl"] <= budget, trial
+        fitting = [st["cost"] for st in steps if st["measured_kl"] <= budget]
+        assert not fitting or cost <= min(fitting) + 1e-12, trial
+
+
 # --------------------------------------------------------------------------- measuring only what the search needs
 
 

@@ -33,7 +33,9 @@ def _plan_key(setting):
 def test_narrowed_compile_rows_and_checked_lists():
     args = e2e_prefill.parse_args(["--ns", "8192,32768", "--compile-ns", "32768", "--compile-settings", "pbs"])
     assert args.compile_ns == [32768] and args.compile_settings == ["pbs"] and args.ropes == ["plain", "yarn"]
-    for bad in (["--paths", "eager"], ["--ropes", "ntk"], ["--reps", "0"]):
+    assert args.yarn_length is None  # each length's own YaRN factor
+    assert e2e_prefill.parse_args(["--yarn-length", "32768"]).yarn_length == 32768
+    for bad in (["--paths", "eager"], ["--ropes", "ntk"], ["--reps", "0"], ["--yarn-length", "8192"]):
         with pytest.raises(SystemExit):
             e2e_prefill.parse_args(bad)
 
