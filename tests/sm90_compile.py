@@ -172,7 +172,10 @@ def run_pbs(cases):
 
     TI._use_kernels = lambda t: True
     tma_default = TA._tma_ok
-    for d, dtype, gqa, pad, causal, thr, tma, proxies in cases:
+    # CPU tensors launch head by head (triton_attention.heads_first); the first case also heads first
+    orders = [(case, None) for case in cases] + [(case, True) for case in cases[:1]]
+    for (d, dtype, gqa, pad, causal, thr, tma, proxies), order in orders:
+        TA.HEADS_FIRST = order
         TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
         q, k, v = _qkv(2, 8, 2, 700, d, dtype)
         TI.pbs_attention(
@@ -189,6 +192,7 @@ def run_pbs(cases):
             tuning=Tuning(pbs_select="triton"),
         )
     TA._tma_ok = tma_default
+    TA.HEADS_FIRST = None
 
 
 def run_pbs_strided(cases):

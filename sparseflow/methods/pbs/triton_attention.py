@@ -28,6 +28,7 @@ kernel), any N, any block size (blocks smaller than 16 run on masked 16-wide til
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -506,8 +507,37 @@ _pbs_fwd_autotuned = triton.autotune(
 # Fixed-config launches (benchmarks compare configurations side by side with these).
 _FIXED_CONFIG: Optional[dict] = None
 # launch order of the forward's programs: True issues every (batch, head)'s heaviest (latest)
-# query tile first; False issues one head's tiles after another's
-HEADS_FIRST = False
+# query tile first; False issues one head's tiles after another's; None picks per call
+# (:func:`heads_first`). A benchmark switch.
+HEADS_FIRST: Optional[bool] = None
+# Heads first keeps the GPU full from the first wave but has every head's K/V in flight at once;
+# head by head lets one head's tiles share its K/V in L2. On the H200 (50 MB L2; the PBS op,
+# benchmarks/pbs_tail.py --orders) heads first won with K/V of 19 and 75 MB (SmolLM2, 8K and 32K:
+# 1.09 vs 1.68 ms, 3.10 vs 3.27 ms) and lost with 537 MB (a Llama-8B shape at 32K: 19.0 vs
+# 16.7 ms); at 134 MB (that shape at 8K) neither
+# order won consistently.
+HEADS_FIRST_MAX_L2_MULTIPLE = 2.0
+
+
+def heads_first(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The launch order for K/V ``k``/``v`` as the kernel reads them: heads first while their
+    bytes are at most :data:`HEADS_FIRST_MAX_L2_MULTIPLE` x the GPU's L2 (:data:`HEADS_FIRST`
+    overrides; off the GPU, head by head)."""
+    if HEADS_FIRST is not None:
+        return bool(HEADS_FIRST)
+    if not k.is_cuda:
+        return False
+    return heads_first_fits((k.numel() + v.numel()) * k.element_size(), _l2_bytes(k.device.index))
+
+
+def heads_first_fits(kv_bytes: int, l2_bytes: int) -> bool:
+    return kv_bytes <= HEADS_FIRST_MAX_L2_MULTIPLE * l2_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: Optional[int]) -> int:
+    dev = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0))
 
 
 def set_fixed_config(cfg: Optional[dict]) -> None:
@@ -593,20 +623,20 @@ def pbs_block_sparse_fwd(
         IEEE=q.dtype == torch.float32,
         INTERP=interpreting(),
     )
-    _launch_fwd(args, meta, nqb, block_size, b * hq)
+    _launch_fwd(args, meta, nqb, block_size, b * hq, heads_first(k, v))
     return out
 
 
-def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int) -> None:
-    """The forward kernel over ``nqb`` sparse query blocks and ``rows`` (batch, head) pairs: with
-    the fixed config when one is set (``set_fixed_config``), else autotuned."""
+def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int, by_heads: bool) -> None:
+    """The forward kernel over ``nqb`` sparse query blocks and ``rows`` (batch, head) pairs, in
+    the :func:`heads_first` order ``by_heads``: with the fixed config when one is set
+    (``set_fixed_config``), else autotuned."""
     fixed = _FIXED_CONFIG
-    heads_first = HEADS_FIRST
-    meta = dict(meta, HEADS_FIRST=heads_first)
+    meta = dict(meta, HEADS_FIRST=by_heads)
 
     def tiles_and_rows(bm: int):
         tiles = nqb * triton.cdiv(block_size, bm)
-        return (rows, tiles) if heads_first else (tiles, rows)
+        return (rows, tiles) if by_heads else (tiles, rows)
 
     if fixed is not None:
         bm = fixed["BLOCK_M"]

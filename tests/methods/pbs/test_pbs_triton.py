@@ -534,3 +534,44 @@ def test_threshold_ties_go_to_lower_blocks(cut, thr):
     # the last query block has 8 candidates of 1/8 each: it keeps ceil(thr * 8) of them, the first ones
     kept = bm[0, 0, -1, :8].nonzero().squeeze(1).tolist()
     assert kept == list(range(math.ceil(thr * 8 - 1e-6)))
+
+
+HEADS_FIRST_CASES = [CASES[2], CASES[3], CASES[4], CASES[7]]
+
+
+@pytest.mark.parametrize("case", HEADS_FIRST_CASES, ids=[_case_id(c) for c in HEADS_FIRST_CASES])
+def test_heads_first_order_matches_reference(case, poisoned, monkeypatch):
+    """The other launch order (every head's heaviest tile first) writes every row, the same way."""
+    n, hq, hkv, d, dt, gqa, layout, pad, causal, bs, seg, thr = case
+    monkeypatch.setattr(TA, "HEADS_FIRST", True)
+    b = 2 if pad else 1
+    q, k, v = _qkv(b, hq, hkv, n, d, dt, seed=n * 31 + d)
+    kpm = _padding(b, n) if pad else None
+    perm, bm = _selection(q, k, kpm, bs=bs, seg=seg, thr=thr, causal=causal, gqa=gqa)
+    out = TI.attention_from_selection(
+        q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, layout=layout
+    )
+    assert not out.isnan().any(), "unwritten or NaN output rows"
+    ref = R.permuted_block_attention(
+        q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs
+    )
+    assert _rel(out, ref) <= 2 * _torch_error(q, k, v, perm, bm, kpm, causal, bs, ref) + 1e-6
+
+
+def test_launch_order_choice():
+    """Heads first while the K/V the kernel reads fit in twice the L2 (the H200's 50 MB: the
+    measured SmolLM2 shapes at 8K and 32K), head by head beyond (a Llama-8B shape at 32K); the
+    switch overrides; CPU tensors go head by head."""
+    mb = 1 << 20
+    l2 = 50 * mb
+    kv = lambda heads, n, d: heads * n * d * 2 * 2  # noqa: E731  (K and V, bf16)
+    assert TA.heads_first_fits(kv(9, 8192, 64), l2) and TA.heads_first_fits(kv(9, 32768, 64), l2)
+    assert not TA.heads_first_fits(kv(32, 32768, 128), l2)
+    k = torch.zeros(1, 2, 64, 16)
+    assert TA.heads_first(k, k) is False
+    for order in (True, False):
+        TA.HEADS_FIRST = order
+        try:
+            assert TA.heads_first(k, k) is order
+        finally:
+            TA.HEADS_FIRST = None
