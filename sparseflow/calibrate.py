@@ -14,10 +14,10 @@ carries a rounding floor that does not add up across layers (a 32K plan on SmolL
 0.0053 and measured 0.0022). So while the plan exceeds the calibration target the allowed sum
 shrinks by the measured / predicted ratio, while it stays under :data:`GROW_BELOW` of the target
 the sum grows by the headroom, and once plans on both sides are known it is bisected; the
-cheapest measured plan within the target is kept (all layers dense at worst). The budget is meant for the text the model will serve, not only the
-calibration text, so the target is ``margin`` x budget (default :data:`DEFAULT_MARGIN`) and the
-rest is headroom for text the plan was not calibrated on; the first allowed sum is ``safety`` x
-that target. Every plan on the walk costs more than the one before and the walk does not depend
+cheapest measured plan within the target is kept (all layers dense at worst). The budget is
+meant for the text the model will serve, not only the calibration text, so the target is
+``margin`` x budget (default :data:`DEFAULT_MARGIN`) and the rest is headroom for text the plan
+was not calibrated on; the first allowed sum is ``safety`` x that target. Every plan on the walk costs more than the one before and the walk does not depend
 on the budget, so a larger allowed sum stops earlier on it; the correcting rounds make that
 monotonicity in the budget a property of the measurements (tested), not a guarantee.
 
