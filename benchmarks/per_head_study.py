@@ -22,16 +22,18 @@ the heads their thresholds in one launch.
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
-import platform
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import env_info as common_env_info  # noqa: E402
 
 from sparseflow import calibrate as cal  # noqa: E402
 from sparseflow import recording  # noqa: E402
@@ -99,19 +101,11 @@ def _run(s, mix: HeadMix, start: Optional[int], input_ids=None, dense_ref=None):
     from sparseflow.eval.evaluate import _logits
 
     ids = s.input_ids if input_ids is None else input_ids
-    ctx = cal.start_at(s.model, start, s.hidden[start]) if start is not None else _null()
+    ctx = cal.start_at(s.model, start, s.hidden[start]) if start is not None else contextlib.nullcontext()
     with ctx, torch.no_grad():
         logits = _logits(s.model, ids, s.keep)
     ref = cal.dense_reference(s) if dense_ref is None else dense_ref
     return ref.compare(logits)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def measure_units(s, mix: HeadMix, choices: Sequence, heads: int, say) -> Tuple[dict, dict]:
@@ -183,18 +177,10 @@ def measure_mix(s, mix: HeadMix, layers: dict, input_ids=None, dense_ref=None) -
     return {"mean_kl": kl, "top1": top1, "density": density, "sparse_layers": len(layers)}
 
 
-def env_info() -> dict:
+def env_info(device: str) -> dict:
     import transformers
-    import triton
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return {**common_env_info("cuda" if device.startswith("cuda") else "cpu"), "transformers": transformers.__version__}
 
 
 def main(argv=None) -> int:
@@ -259,7 +245,7 @@ def main(argv=None) -> int:
     def save(rows):  # after the measurement and each plan: a run cut short keeps what it has
         if args.json:
             out = {
-                "env": env_info(),
+                "env": env_info(args.device),
                 "args": vars(args),
                 "rows": rows,
                 "layer_table": {str(k): {c.key: m.to_dict() for c, m in v.items()} for k, v in layer_table.items()},

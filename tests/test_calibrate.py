@@ -387,9 +387,10 @@ def test_smollm2_calibrate_short(tmp_path):
     assert plan.num_layers == 30
 
 
-def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
-    """When layers interact (the whole plan's KL is twice the sum of its single-layer KLs), the
-    first plan is over budget: the allowed sum shrinks until the measured KL fits."""
+def _search_three_layers(monkeypatch, interaction: float):
+    """``cal.search`` over three layers of (dense, a: KL 0.004 at cost 0.3, b: KL 0.001 at 0.6) at
+    budget 0.01, a whole plan measuring ``interaction`` x its single-layer KL sum. Returns
+    ``(a, layer, measured KLs in order, search's result)``."""
     from types import SimpleNamespace
 
     a, b = cal.Choice((("threshold", 0.5),)), cal.Choice((("threshold", 0.9),))
@@ -398,18 +399,24 @@ def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
         a: cal.Measurement(0.004, 0.9, 0.3, 0.3),
         b: cal.Measurement(0.001, 0.99, 0.6, 0.6),
     }
-    table = {0: layer, 1: layer, 2: layer}
     measured = []
 
     def whole_plan(s, chosen, progress):
-        kl = 2.0 * sum(layer[c].kl for c in chosen)
+        kl = interaction * sum(layer[c].kl for c in chosen)
         measured.append(kl)
         return {"mean_kl": kl}
 
     monkeypatch.setattr(cal, "_measured_plan", whole_plan)
-    chosen, fid, cost, steps = cal.search(
-        SimpleNamespace(n_layers=3), table, 0.01, safety=1.0, progress=None, say=lambda m: None
+    result = cal.search(
+        SimpleNamespace(n_layers=3), {0: layer, 1: layer, 2: layer}, 0.01, safety=1.0, progress=None, say=lambda m: None
     )
+    return a, layer, measured, result
+
+
+def test_search_tightens_until_the_measured_plan_fits(monkeypatch):
+    """When layers interact (the whole plan's KL is twice the sum of its single-layer KLs), the
+    first plan is over budget: the allowed sum shrinks until the measured KL fits."""
+    a, layer, measured, (chosen, fid, cost, steps) = _search_three_layers(monkeypatch, 2.0)
     assert measured[0] > 0.01  # the cheapest plan (0.012 predicted x 2) does not fit
     assert fid["mean_kl"] <= 0.01 and len(steps) >= 2
     assert fid["mean_kl"] == pytest.approx(2.0 * sum(layer[c].kl for c in chosen))
@@ -420,26 +427,7 @@ def test_search_grows_while_the_measured_plan_has_headroom(monkeypatch):
     """When the whole plan's KL is far below the sum of its single-layer KLs (bf16 floors that do
     not add up), the first plan leaves most of the budget unused: the allowed sum grows until the
     walk's cheapest plan that fits is found."""
-    from types import SimpleNamespace
-
-    a, b = cal.Choice((("threshold", 0.5),)), cal.Choice((("threshold", 0.9),))
-    layer = {
-        cal.DENSE: cal.Measurement(0.0, 1.0, 1.0, 1.0),
-        a: cal.Measurement(0.004, 0.9, 0.3, 0.3),
-        b: cal.Measurement(0.001, 0.99, 0.6, 0.6),
-    }
-    table = {0: layer, 1: layer, 2: layer}
-    measured = []
-
-    def whole_plan(s, chosen, progress):
-        kl = 0.25 * sum(layer[c].kl for c in chosen)
-        measured.append(kl)
-        return {"mean_kl": kl}
-
-    monkeypatch.setattr(cal, "_measured_plan", whole_plan)
-    chosen, fid, cost, steps = cal.search(
-        SimpleNamespace(n_layers=3), table, 0.01, safety=1.0, progress=None, say=lambda m: None
-    )
+    a, _, measured, (chosen, fid, cost, steps) = _search_three_layers(monkeypatch, 0.25)
     assert steps[0]["cost"] > 0.3 and measured[0] < 0.8 * 0.01  # the first plan: room left
     assert chosen == [a, a, a] and cost == pytest.approx(0.3) and fid["mean_kl"] <= 0.01
     assert len(steps) == 2

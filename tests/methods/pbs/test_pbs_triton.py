@@ -109,6 +109,10 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_attention_matches_reference(case, poisoned):
+    _check_attention_against_reference(case)
+
+
+def _check_attention_against_reference(case):
     n, hq, hkv, d, dt, gqa, layout, pad, causal, bs, seg, thr = case
     b = 2 if pad else 1
     q, k, v = _qkv(b, hq, hkv, n, d, dt, seed=n * 31 + d)
@@ -542,20 +546,8 @@ HEADS_FIRST_CASES = [CASES[2], CASES[3], CASES[4], CASES[7]]
 @pytest.mark.parametrize("case", HEADS_FIRST_CASES, ids=[_case_id(c) for c in HEADS_FIRST_CASES])
 def test_heads_first_order_matches_reference(case, poisoned, monkeypatch):
     """The other launch order (every head's heaviest tile first) writes every row, the same way."""
-    n, hq, hkv, d, dt, gqa, layout, pad, causal, bs, seg, thr = case
     monkeypatch.setattr(TA, "HEADS_FIRST", True)
-    b = 2 if pad else 1
-    q, k, v = _qkv(b, hq, hkv, n, d, dt, seed=n * 31 + d)
-    kpm = _padding(b, n) if pad else None
-    perm, bm = _selection(q, k, kpm, bs=bs, seg=seg, thr=thr, causal=causal, gqa=gqa)
-    out = TI.attention_from_selection(
-        q, k, v, perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, layout=layout
-    )
-    assert not out.isnan().any(), "unwritten or NaN output rows"
-    ref = R.permuted_block_attention(
-        q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs
-    )
-    assert _rel(out, ref) <= 2 * _torch_error(q, k, v, perm, bm, kpm, causal, bs, ref) + 1e-6
+    _check_attention_against_reference(case)
 
 
 def test_launch_order_choice():
