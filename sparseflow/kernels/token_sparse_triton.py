@@ -9,12 +9,15 @@ position ``p_i = i + Nk - Nq`` and sees key ``j`` iff ``j``'s block is among its
 ``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``. A query that sees no key
 outputs 0.
 
-Schedule. Queries are tiled by ``BLOCK_M`` rows; a tile loops over the union of its rows'
-blocks (``tile_block_lists``), loading each key block once for the whole tile, and tests
-membership per row against the rows' own ``K`` block ids kept in registers -- no selection table
-or score matrix is written. The backward runs one program per (query tile, query head) for dq,
-and one per (key block, KV head) for dk/dv over the query tiles whose union holds that block
-(the transposed lists, in CSR form), looping over the ``G`` query heads of the group.
+Schedule. The forward tiles queries by ``forward_token_tile(G)`` tokens and runs the ``G``
+query heads of a KV head in the same program (rows = tokens x heads; the heads share their
+token's blocks); a tile loops over the union of its tokens' blocks (``tile_block_lists``),
+loading each key block once for the whole tile and group, and tests membership per row against
+the row's own ``K`` block ids kept in registers -- no selection table or score matrix is
+written. The backward tiles ``BLOCK_M`` tokens per query head and runs one program per (query
+tile, query head) for dq, and one per (key block, KV head) for dk/dv over the query tiles whose
+union holds that block (the transposed lists, in CSR form), looping over the ``G`` query heads
+of the group.
 """
 
 from __future__ import annotations
@@ -129,6 +132,51 @@ def _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM: tl.constexpr):
 
 
 @triton.jit
+def _fwd_block(
+    acc,
+    l_i,
+    m_i,
+    kb_ptr,
+    q,
+    sel,
+    hz,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    kpm_ptr,
+    b,
+    Nk,
+    offs_c,
+    offs_d,
+    d_ok,
+    qk_scale,
+    C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """The online-softmax update of a tile's rows with key block ``*kb_ptr``."""
+    kb = tl.load(kb_ptr)
+    kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
+    kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
+    k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr,
     k_ptr,
@@ -161,83 +209,72 @@ def _fwd_kernel(
     LW,
     qk_scale,
     G: tl.constexpr,
+    GP: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     C: tl.constexpr,
     CP: tl.constexpr,
     TOPK: tl.constexpr,
     KP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
+    """One program per (tile of ``BLOCK_T`` query tokens, batch x KV head). Its rows are the
+    tile's tokens times the group's ``G`` query heads (padded to ``GP``), which share the
+    token's selection: each key block of the tile's union is loaded once for the whole group."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     qt = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
-    b = bh // HQ
-    h = bh % HQ
-    hkv = h // G
+    b = bh // HKV
+    hkv = bh % HKV
     nqt = tl.num_programs(0)
-    rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < Nq
-    hz = rows + Nk - Nq
+    r = tl.arange(0, BLOCK_T * GP)
+    tok = qt * BLOCK_T + r // GP
+    g = r % GP
+    h = hkv * G + g
+    row_ok = (tok < Nq) & (g < G)
+    hz = tok + Nk - Nq
     offs_d = tl.arange(0, DP)
     offs_c = tl.arange(0, CP)
     offs_k = tl.arange(0, KP)
     d_ok = offs_d < D
-    q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q_rows = q_ptr + b * stride_qb + h * stride_qh + tok.to(tl.int64) * stride_qn
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     sel = tl.load(
-        sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
+        sel_ptr + b * stride_sb + hkv * stride_sh + tok[:, None] * stride_sn + offs_k[None, :],
         mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
         other=-1,
     )
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DP], dtype=tl.float32)
-    lst = (b * HKV + hkv) * nqt + qt
+    m_i = tl.full([BLOCK_T * GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T * GP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * GP, DP], dtype=tl.float32)
+    lst = bh * nqt + qt
     n = tl.load(num_ptr + lst)
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
-    j = 0
-    while j < n:
-        kb = tl.load(list_ptr + lst * LW + j)
-        kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
-        kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
-        k_t = tl.load(
-            k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
-        )
-        s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(
-            v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
-        j += 1
+    step_args = (q, sel, hz, k_base, v_base, stride_kn, stride_vn, kpm_ptr, b, Nk, offs_c, offs_d, d_ok, qk_scale)
+    if INTERP:
+        # the CPU interpreter cannot take a loaded scalar as a range bound (NumPy >= 2.3 calls
+        # int() on a 1-element array); a while loop visits the same blocks
+        j = n * 0
+        while j < n:
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_ptr + lst * LW + j, *step_args, C, HAS_KPM, IS_CAUSAL, IEEE)
+            j += 1
+    else:
+        # a for loop, so the compiler pipelines the next block's loads behind this one's math
+        for j in range(0, n):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_ptr + lst * LW + j, *step_args, C, HAS_KPM, IS_CAUSAL, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(
-        o_ptr + b * stride_ob + h * stride_oh + rows.to(tl.int64)[:, None] * stride_on + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    o_rows = o_ptr + b * stride_ob + h * stride_oh + tok.to(tl.int64) * stride_on
+    tl.store(o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     # log2-domain LSE per row (+inf where the row sees nothing, so backward's p is 0 there)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("inf"))
-    tl.store(lse_ptr + (b * HQ + h) * Nq + rows, lse, mask=row_ok)
+    tl.store(lse_ptr + (b * HQ + h) * Nq + tok, lse, mask=row_ok)
 
 
 @triton.jit
@@ -459,6 +496,23 @@ def _bwd_dkdv_kernel(
 # --------------------------------------------------------------------------- ops
 
 
+FWD_ROWS = 64  # rows of a forward program: query tokens x the group's heads
+_FWD_LAUNCH = dict(num_warps=4, num_stages=2)
+
+
+def forward_token_tile(group: int) -> int:
+    """Query tokens per forward program for a GQA group of ``group`` query heads: ``FWD_ROWS``
+    rows of tokens x heads (the group padded to a power of two), at least one token."""
+    return max(1, FWD_ROWS // _p2(group, 1))
+
+
+def _fwd_meta(q, k, block_size, top_k):
+    g = q.shape[1] // k.shape[1]
+    meta = _meta(q, k, block_size, top_k)
+    del meta["BLOCK_M"]
+    return dict(meta, GP=_p2(g, 1), BLOCK_T=forward_token_tile(g), INTERP=interpreting())
+
+
 def _meta(q, k, block_size, top_k):
     d = q.shape[-1]
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is unreliable
@@ -495,7 +549,7 @@ def token_sparse_fwd(
     if n_q == 0:
         return out, lse
     nqt = num.shape[2]
-    wrap_triton(_fwd_kernel)[(nqt, b * hq)](
+    wrap_triton(_fwd_kernel)[(nqt, b * hkv)](
         q,
         k,
         v,
@@ -528,9 +582,8 @@ def token_sparse_fwd(
         scale * _LOG2E,
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
-        num_warps=4,
-        num_stages=2,
-        **_meta(q, k, block_size, sel.shape[-1]),
+        **_FWD_LAUNCH,
+        **_fwd_meta(q, k, block_size, sel.shape[-1]),
     )
     return out, lse
 
@@ -603,6 +656,10 @@ def _backward(ctx, grad_out, grad_lse):
     kpm = saved[8] if ctx.has_kpm else None
     scale, block_size, is_causal = ctx.args
     n_kb = max(1, -(-k.shape[2] // block_size))
+    if forward_token_tile(q.shape[1] // k.shape[1]) != BLOCK_M:
+        # the backward tiles BLOCK_M tokens per query head; the forward's lists tile fewer
+        with torch.no_grad():
+            num, lists = tile_block_lists(sel, BLOCK_M, n_kb)
     start, tiles = transpose_lists(num, lists, n_kb)
     dq, dk, dv = token_sparse_bwd(
         grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal
@@ -636,7 +693,7 @@ def token_sparse_attention(
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
-        num, lists = tile_block_lists(sel, BLOCK_M, n_kb)
+        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1]), n_kb)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     out, _ = token_sparse_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel, num, lists, kpm, sc, int(block_size), bool(is_causal)

@@ -162,6 +162,37 @@ def test_bsa_selection_equals_reference(case):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("ties", ["equal-blocks", "zero-query"])
+@pytest.mark.parametrize("bitonic", [True, False], ids=["bitonic", "rounds"])
+def test_bsa_selection_breaks_ties_like_the_reference(ties, bitonic, monkeypatch):
+    """Exactly tied scores go to the lower block id, and +0.0 ties -0.0 (a zero query scores
+    every block +-0), in both merges of the fused scan."""
+    from sparseflow.methods.bsa import triton_select
+
+    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "bitonic", bitonic)
+    q, k, _, _ = _inputs(1, 2, 1, 150, 150, 16, torch.float32, pad=False, seed=5)
+    if ties == "equal-blocks":
+        k = k[:, :, :8].repeat(1, 1, -(-150 // 8), 1)[:, :, :150].contiguous()  # every full block alike
+    else:
+        q = torch.zeros_like(q)
+    kw = dict(block_size=8, top_k=5)
+    want = bsa_ref.bsa_select(q, k, **kw)
+    got = triton_select.bsa_select(q, k, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", BSA_CASES.values(), ids=BSA_CASES.keys())
+def test_bsa_rounds_merge_equals_reference(case, monkeypatch):
+    """The K-rounds merge (kept for top_k > 64) selects what the reference selects too."""
+    from sparseflow.methods.bsa import triton_select
+
+    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "bitonic", False)
+    b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
+    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
+    kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk)
+    assert torch.equal(triton_select.bsa_select(q, k, **kw), bsa_ref.bsa_select(q, k, **kw))
+
+
 def test_bsa_selector_rejects_unknown_precision():
     from sparseflow.methods.bsa import triton_select
 
@@ -176,6 +207,7 @@ ATTN_CASES = {
     "g3-pad-b2-nq40-nk90": (2, 3, 1, 40, 90, 24, 16, 4, True, True, torch.float32),
     "noncausal-pad-c8": (1, 2, 2, 50, 50, 16, 8, 3, False, True, torch.float32),
     "bf16-n83": (1, 4, 2, 83, 83, 32, 16, 3, True, True, torch.bfloat16),
+    "g5-n37-causal": (1, 5, 1, 37, 37, 16, 8, 3, True, False, torch.float32),
 }
 
 

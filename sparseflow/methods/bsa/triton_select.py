@@ -5,9 +5,10 @@ Imported lazily; this module imports Triton.
 The group-summed score ``sum_h q_h . kbar_c * scale`` equals ``(sum_h q_h) . kbar_c * scale``, so
 one program per (query tile, batch x KV head) sums the tile's ``G`` query heads once and streams
 the leaf-block means in tiles of ``BLOCK_N`` blocks through one ``tl.dot`` each, keeping a
-running top-K (value, block id) per row in registers: no score matrix is ever written. A tile
-whose scores cannot enter any row's top-K (none above the row's current K-th best) is skipped
-without merging. Forced blocks enter with +inf, invisible ones never enter; ties go to the lower
+running top-K per row in registers: no score matrix is ever written. Each (score, block id) is
+one int64 key, so a chunk merges into the running top-K by two bitonic top-k passes
+(``tl.topk``) rather than K rounds of row maxima (kept for K > 64). A tile whose scores cannot
+enter any row's top-K (none above the row's current K-th best) is skipped without merging. Forced blocks enter with +inf, invisible ones never enter; ties go to the lower
 block id, as in the reference.
 
 ``precision="ieee"`` (default) scores in IEEE fp32 (selections equal the reference's up to fp32
@@ -34,6 +35,9 @@ __all__ = ["bsa_select", "PRECISIONS"]
 
 PRECISIONS = ("ieee", "bf16")
 _BIG_ID = 2**30
+# bitonic: merge each chunk into the running top-K with two bitonic top-k passes (top_k <= 64),
+# instead of top_k rounds of row maxima
+_SELECT_LAUNCH = dict(block_m=32, num_warps=4, bitonic=True)
 
 
 def _p2(x: int, lo: int = 16) -> int:
@@ -68,6 +72,27 @@ def _forced_leaves(
     prev = tl.where((prev >= 0) & (tl.load(lfv_base + tl.maximum(prev, 0), mask=row_ok, other=Nk) <= hz), prev, -1)
     sink = tl.where((sink >= 0) & (tl.load(lfv_base + tl.maximum(sink, 0), mask=row_ok, other=Nk) <= hz), sink, -1)
     return cur, prev, sink
+
+
+@triton.jit
+def _packed_keys(key, blk):
+    """int64 sort keys, descending = (score descending, block id ascending): the fp32 ``key``'s
+    bits made order-preserving as a signed int in the high word (-0.0 counted as +0.0, as a
+    float comparison does), ``2**31 - 1 - blk`` in the low word."""
+    key = tl.where(key == 0.0, 0.0, key)
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - blk).to(tl.int64)[None, :]
+
+
+@triton.jit
+def _merge_top_k_bitonic(top, packed, KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's best ``KP`` of its kept packed keys ``top [BLOCK_M, KP]`` and this chunk's
+    ``packed [BLOCK_M, BLOCK_N]`` (``-(2**63) + 1``, below every real key, where a block cannot
+    be kept): two bitonic top-k passes in registers, descending."""
+    best = tl.topk(packed, KP, dim=1)
+    both = tl.reshape(tl.join(top, best), [BLOCK_M, 2 * KP])
+    return tl.topk(both, KP, dim=1)
 
 
 @triton.jit
@@ -123,6 +148,7 @@ def _bsa_select_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
+    BITONIC: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     scale = tl.cast(scale, tl.float32)
@@ -151,12 +177,15 @@ def _bsa_select_kernel(
     cur, prev, sink = _forced_leaves(lfv_base, p, hz, row_ok, Nk, NB, C, FORCE_SINK, FORCE_PREV, BLOCK_M)
 
     offs_k = tl.arange(0, KP)
-    top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
-    top_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
     # blocks that can be visible to some row of the tile
     hz_max = tl.max(tl.where(row_ok, hz, -1), axis=0)
     nb_hi = tl.minimum(NB, hz_max // C + 1)
     offs_n = tl.arange(0, BLOCK_N)
+    if BITONIC:
+        top = tl.full([BLOCK_M, KP], -9223372036854775807, tl.int64)  # no block kept yet
+    else:
+        top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
+        top_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
     kb0 = 0
     while kb0 < nb_hi:
         blk = kb0 + offs_n
@@ -176,11 +205,21 @@ def _bsa_select_kernel(
         forced = (blk[None, :] == cur[:, None]) | (blk[None, :] == prev[:, None]) | (blk[None, :] == sink[:, None])
         key = tl.where(sc != sc, -3.0e38, tl.minimum(tl.maximum(sc, -3.0e38), 3.0e38))
         key = tl.where(forced & vis, float("inf"), key)
-        key = tl.where(vis, key, float("-inf"))
-        kth = tl.min(top_v, axis=1)
-        if tl.sum(tl.sum((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-            top_v, top_i = _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK, KP, BLOCK_M)
+        if BITONIC:
+            packed = tl.where(vis, _packed_keys(key, blk), -9223372036854775807)
+            kth = tl.min(top, axis=1)
+            if tl.sum(tl.sum((packed > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+                top = _merge_top_k_bitonic(top, packed, KP, BLOCK_M)
+        else:
+            key = tl.where(vis, key, float("-inf"))
+            kth = tl.min(top_v, axis=1)
+            if tl.sum(tl.sum((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
+                top_v, top_i = _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK, KP, BLOCK_M)
         kb0 += BLOCK_N
+    if BITONIC:
+        # the kept keys are sorted descending: the first TOPK are the row's choice
+        kept = (top != -9223372036854775807) & (offs_k[None, :] < TOPK)
+        top_i = tl.where(kept, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32), 1073741824)
     ids = tl.sort(top_i, dim=1)
     ids = tl.where(ids == 1073741824, -1, ids)
     tl.store(
@@ -210,7 +249,7 @@ def _bsa_select_fwd(
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    block_m = 64
+    block_m, num_warps = _SELECT_LAUNCH["block_m"], _SELECT_LAUNCH["num_warps"]
     wrap_triton(_bsa_select_kernel)[(triton.cdiv(n_q, block_m), b * hkv)](
         q,
         sums,
@@ -243,7 +282,8 @@ def _bsa_select_fwd(
         BLOCK_M=block_m,
         BLOCK_N=64,
         BF16=bf16,
-        num_warps=4,
+        BITONIC=_SELECT_LAUNCH["bitonic"] and _p2(top_k, 2) <= 64,
+        num_warps=num_warps,
     )
     return out
 
