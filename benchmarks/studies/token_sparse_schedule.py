@@ -35,12 +35,13 @@ def load_baseline(path: str):
     """The module at ``path`` with its op names moved to another namespace."""
     src = open(path).read().replace("sparseflow::token_sparse", "sfbaseline::token_sparse")
     src = src.replace("from ._triton_env", "from sparseflow.kernels._triton_env")
-    tmp = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    tmp.write(src)
-    tmp.close()
-    spec = importlib.util.spec_from_file_location("token_sparse_baseline", tmp.name)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "token_sparse_baseline.py")
+        with open(path, "w") as fh:
+            fh.write(src)
+        spec = importlib.util.spec_from_file_location("token_sparse_baseline", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # Triton reads a kernel's source when the module is loaded
     return mod
 
 

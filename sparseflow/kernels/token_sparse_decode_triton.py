@@ -30,6 +30,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ._triton_env import interpreting
+from .token_sparse_triton import online_softmax_step
 
 __all__ = ["token_sparse_decode", "token_sparse_decode_fwd", "decode_splits", "DECODE_ROWS"]
 
@@ -157,17 +158,8 @@ def _decode_split_kernel(
         else:
             s = tl.dot(q, k_t)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, vt, IEEE)
         j += NB
     # partials [groups, splits, G, (DP)]: this split's rows side by side
     part = (grp * n_split + split) * G + offs_g

@@ -162,13 +162,19 @@ def _fwd_block(
     kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
     k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
     s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
-    s = tl.where(ok, s, float("-inf"))
+    vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    return online_softmax_step(acc, l_i, m_i, tl.where(ok, s, float("-inf")), vt, IEEE)
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, s, vt, IEEE: tl.constexpr):
+    """Fold one tile into the rows' running ``(acc, l, m)``: ``s`` the tile's log2-scaled logits
+    (-inf where a row does not see the key), ``vt`` its values. Returns the new ``(acc, l, m)``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
     else:
@@ -508,9 +514,7 @@ def forward_token_tile(group: int) -> int:
 
 def _fwd_meta(q, k, block_size, top_k):
     g = q.shape[1] // k.shape[1]
-    meta = _meta(q, k, block_size, top_k)
-    del meta["BLOCK_M"]
-    return dict(meta, GP=_p2(g, 1), BLOCK_T=forward_token_tile(g), INTERP=interpreting())
+    return dict(_meta(q, k, block_size, top_k), GP=_p2(g, 1), BLOCK_T=forward_token_tile(g), INTERP=interpreting())
 
 
 def _meta(q, k, block_size, top_k):
@@ -524,7 +528,6 @@ def _meta(q, k, block_size, top_k):
         CP=_p2(block_size),
         TOPK=top_k,
         KP=_p2(top_k, 1),
-        BLOCK_M=BLOCK_M,
         IEEE=ieee,
     )
 
@@ -624,6 +627,7 @@ def token_sparse_bwd(
         IS_CAUSAL=is_causal,
         num_warps=4,
         num_stages=2,
+        BLOCK_M=BLOCK_M,
         **_meta(q, k, block_size, sel.shape[-1]),
     )
     kpm_arg = kpm if kpm is not None else num
