@@ -123,6 +123,9 @@ def launch_baseline_us(reps: int) -> dict:
     }
 
 
+LAUNCHED = sparseflow.Tuning(cuda_graphs=False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192])
@@ -158,6 +161,10 @@ def main(argv=None) -> int:
         ):
             variants[f"{method} auto"] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="auto")
             variants[f"{method} triton"] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton")
+            # every kernel launched each call (Tuning.cuda_graphs=False), the eager path before graph replay
+            variants[f"{method} launched"] = lambda c=cfg: sparseflow.attention(
+                q, k, v, config=c, backend="triton", tuning=LAUNCHED
+            )
             # the implementation alone, without the op's dispatch, validation and plan
             impl = sparseflow.ops._load(method, "triton")
             variants[f"{method} impl"] = lambda c=cfg, f=impl: f(q, k, v, c)

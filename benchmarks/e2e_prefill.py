@@ -163,7 +163,7 @@ def _replaced(cfg, fields: Dict[str, str]):
     return cfg.replace(**{k: parse_config_field(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
 
 
-def converted_plan(name: str, backend: str, n_layers: int):
+def converted_plan(name: str, backend: str, n_layers: int, cuda_graphs: bool = True):
     from sparseflow.hf import Plan
 
     method, cfg, dense, per_layer, recipe = plan_parts(name)
@@ -175,16 +175,22 @@ def converted_plan(name: str, backend: str, n_layers: int):
         layer_configs=per_layer,
         recipe=recipe,
         num_layers=n_layers,
+        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs),
     )
 
 
-def compile_kwargs(name: str, backend: str) -> Dict[str, object]:
+def compile_kwargs(name: str, backend: str, cuda_graphs: bool = True) -> Dict[str, object]:
     method, cfg, dense, per_layer, _ = plan_parts(name)
     layer_configs = dict(per_layer)
     layer_configs.update({i: None for i in dense})
     return dict(
-        method=method, config=cfg, backend=backend, layer_configs=layer_configs or None, recipe=None
-    )  # the named setting only, not a shipped recipe on top
+        method=method,
+        config=cfg,
+        backend=backend,
+        layer_configs=layer_configs or None,
+        recipe=None,  # the named setting only, not a shipped recipe on top
+        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs),
+    )
 
 
 # --------------------------------------------------------------------------- measuring
@@ -243,9 +249,18 @@ def _replays_cuda_graphs(mode: Optional[str]) -> bool:
 
 
 def measure(
-    model, ids, path: str, setting: Optional[str], dense_logits, args, backend: Optional[str] = None
+    model,
+    ids,
+    path: str,
+    setting: Optional[str],
+    dense_logits,
+    args,
+    backend: Optional[str] = None,
+    cuda_graphs: Optional[bool] = None,
 ) -> Dict[str, object]:
     row = {"path": path, "setting": setting, "backend": backend}
+    if cuda_graphs is not None:
+        row["cuda_graphs"] = cuda_graphs
     try:
         row.update(time_forward(model, ids, args.reps, args.warmup))
         if dense_logits is not None:
@@ -277,9 +292,10 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
     if "converted" in args.paths:
         for name in args.settings:
             for backend in args.backend:
-                sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers))
-                emit(measure(model, ids, "converted", name, dense, args, backend))
-                model.set_attn_implementation("sdpa")
+                for graphs in args.cuda_graphs:
+                    sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers, graphs))
+                    emit(measure(model, ids, "converted", name, dense, args, backend, graphs))
+                    model.set_attn_implementation("sdpa")
     if n in args.compile_ns:
         if "compile_dense" in args.paths:
             m = copy.deepcopy(model)
@@ -289,12 +305,13 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
         if "compile" in args.paths:
             for name in args.compile_settings:
                 for backend in args.backend:
-                    m = copy.deepcopy(model)
-                    sparseflow.compile(m, **compile_kwargs(name, backend), mode=args.compile_mode)
-                    emit(measure(m, ids, "compile", name, dense, args, backend))
-                    if args.show_report:
-                        print(sparseflow.report(m), flush=True)
-                    del m
+                    for graphs in args.cuda_graphs:
+                        m = copy.deepcopy(model)
+                        sparseflow.compile(m, **compile_kwargs(name, backend, graphs), mode=args.compile_mode)
+                        emit(measure(m, ids, "compile", name, dense, args, backend, graphs))
+                        if args.show_report:
+                            print(sparseflow.report(m), flush=True)
+                        del m
     torch.cuda.empty_cache() if ids.is_cuda else None
     dense_ms = rows[0].get("ms")
     for r in rows:
@@ -308,10 +325,11 @@ def format_row(r: Dict[str, object]) -> str:
         return f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting']):16s} ERROR {r['error']}"
     kl = f"KL {r['mean_kl']:.4f} top1 {r['top1']:.3f}" if "mean_kl" in r else ""
     dens = f"dens {r['density']:.3f}" if "density" in r else ""
+    launch = {True: "graphs", False: "launched"}.get(r.get("cuda_graphs"), "")
     ppl = f"ppl {r['ppl']:.2f}" if "ppl" in r else ""
     return (
         f"N={r['n']:6d} {r['rope']:5s} {r['path']:13s} {str(r['setting'] or '-'):16s} "
-        f"{r.get('backend') or '-':7s} {r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
+        f"{r.get('backend') or '-':7s} {launch:8s} {r['ms']:9.2f} ms  first {r['first_call_s']:6.1f}s  {dens}  {kl}  {ppl}"
         + (f"  ERROR {r['error']}" if "error" in r else "")
     )
 
@@ -328,7 +346,8 @@ def print_table(rows: List[Dict[str, object]]) -> None:
             continue
         print(
             f"| {r['n']} | {r['rope']}{'' if not r.get('yarn_factor') else ' x%g' % r['yarn_factor']} | "
-            f"{r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
+            f"{r['path']} | {r['setting'] or '-'} | {r.get('backend') or '-'}"
+            f"{' (launched)' if r.get('cuda_graphs') is False else ''} | {r['ms']:.1f} | {r.get('speedup', float('nan')):.2f}x | "
             f"{r.get('density', float('nan')):.3f} | {r.get('mean_kl', float('nan')):.4f} | "
             f"{r.get('top1', float('nan')):.3f} | {r.get('ppl', float('nan')):.2f} |"
         )
@@ -408,6 +427,14 @@ def _backends(s: str) -> List[str]:
     return names
 
 
+def _on_off(s: str) -> List[bool]:
+    values = {"on": True, "off": False}
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names or any(x not in values for x in names):
+        raise argparse.ArgumentTypeError(f"--cuda-graphs must be a comma list of on, off; got {s!r}")
+    return [values[x] for x in names]
+
+
 def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -448,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["default", "reduce-overhead", "max-autotune"],
         help="torch.compile mode of both compile paths (reduce-overhead: CUDA graphs)",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        type=_on_off,
+        default=[True],
+        help="Tuning.cuda_graphs of the sparse rows: on (the default), off, or on,off for both side by side",
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -2,7 +2,7 @@
 device the op runs on (issue 5), once per shape bucket.
 
 The first call of a (method, device, dtype, heads, head dim, config, length bucket) runs every
-candidate backend on the call's own inputs (a warm-up run, which also compiles flex, then
+candidate backend on the call's own inputs (warm-up runs, which also compile flex and record a CUDA graph, then
 timed runs with CUDA events) and keeps the fastest for later calls of that key; the choice is what
 the op's report shows as the call's backend. ``SPARSEFLOW_AUTO_BACKEND=<backend>`` skips the
 measurement and forces one. On the CPU ``auto`` is the reference: compiled flex costs seconds
@@ -34,28 +34,32 @@ def _bucket(n: int) -> int:
 
 
 class BackendChooser:
-    def __init__(self, reps: int = 3):
+    def __init__(self, reps: int = 3, warmups: int = 2):
         self.reps = int(reps)
+        # two: a call replayed from a CUDA graph runs eagerly once, then records its graph
+        self.warmups = int(warmups)
         self.choices: Dict[Tuple, str] = {}
         self.timings: Dict[Tuple, Dict[str, float]] = {}
         # the ops' per-call memo over choose(): (config, shape bucket, device, ...) -> (backend,
         # dense reason or None), so a decided call neither rebuilds the key below nor its reason
         self.decisions: Dict[Tuple, Tuple[str, Optional[str]]] = {}
-        # sparseflow.attention's memo of eager calls planned to dense SDPA, per call signature
-        # (config and tuning objects, shapes, dtypes, devices, flags): a repeat skips the planning
-        self.dense_calls: Dict[Tuple, Tuple[object, object, str]] = {}
+        # sparseflow.attention's memo of eager calls' plans (dense SDPA with its reason, or the
+        # sparse backend), per call signature (config and tuning objects, shapes, dtypes, devices,
+        # flags): a repeat skips validation and planning
+        self.planned_calls: Dict[Tuple, Tuple[object, object, object]] = {}
 
     def clear(self) -> None:
         self.choices.clear()
         self.timings.clear()
         self.decisions.clear()
-        self.dense_calls.clear()
+        self.planned_calls.clear()
 
     def _time(self, run: Callable[[str], torch.Tensor], name: str) -> float:
-        """Milliseconds per call after one warm-up call (which compiles / autotunes): CUDA events
-        on the GPU, the wall clock elsewhere."""
+        """Milliseconds per call after the warm-up calls (which compile / autotune / record a CUDA
+        graph): CUDA events on the GPU, the wall clock elsewhere."""
         with torch.no_grad():
-            out = run(name)  # warm-up
+            for _ in range(max(1, self.warmups)):
+                out = run(name)
             if out.is_cuda:
                 torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

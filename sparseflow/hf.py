@@ -25,6 +25,7 @@ to rewrite (its report shows 0 rewrites) while the recorded per-layer plan stays
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -36,6 +37,7 @@ import torch
 from . import ops as _ops
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
 from .methods import spec_for
+from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -64,7 +66,8 @@ class Plan:
     """Per-layer sparse attention settings of a converted model (serialised into config.json).
 
     ``config`` applies to every layer except ``dense_layers`` (run dense) and ``layer_configs``
-    (layer index -> its own config, any method).
+    (layer index -> its own config, any method). ``tuning``: the Triton backends' launch options
+    (:class:`sparseflow.Tuning`) for every layer.
     """
 
     method: str
@@ -75,8 +78,11 @@ class Plan:
     recipe: Optional[str] = None
     num_layers: Optional[int] = None
     source: Optional[str] = None
+    tuning: Tuning = DEFAULT_TUNING
 
     def __post_init__(self):
+        if not isinstance(self.tuning, Tuning):
+            raise TypeError(f"Plan.tuning must be a sparseflow.Tuning, got {type(self.tuning).__name__}")
         if not isinstance(self.config, AttentionConfig):
             raise TypeError(f"Plan.config must be a sparseflow config, got {type(self.config).__name__}")
         if self.config.method != self.method:
@@ -114,6 +120,7 @@ class Plan:
             "recipe": self.recipe,
             "num_layers": self.num_layers,
             "source": self.source,
+            "tuning": self.tuning.to_dict(),
         }
 
     @classmethod
@@ -133,7 +140,20 @@ class Plan:
             recipe=data.get("recipe"),
             num_layers=data.get("num_layers"),
             source=data.get("source"),
+            tuning=_tuning_from(data.get("tuning")),
         )
+
+
+def _tuning_from(raw: Any) -> Tuning:
+    if raw is None:
+        return DEFAULT_TUNING
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"a sparseflow plan's 'tuning' must be a dict, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(Tuning)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"a sparseflow plan's 'tuning' has unknown fields {unknown}; known: {sorted(known)}")
+    return Tuning(**raw)
 
 
 # --------------------------------------------------------------------------- runtime
@@ -180,6 +200,7 @@ class _Layer(NamedTuple):
     cfg: AttentionConfig
     backend: str  # the plan's backend for a sparse config; the dense op takes only 'auto'
     tag: str
+    tuning: Tuning
 
 
 _LAYER_ATTR = "_sparseflow_layer"  # where a module keeps its _Layer (in its __dict__, no nn.Module hooks)
@@ -197,7 +218,7 @@ def _layer_of(module) -> _Layer:
     plan = plan_of(config)
     cfg = plan.config_for(layer)
     tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
-    entry = _Layer(config, raw, layer, cfg, plan.backend if spec_for(cfg).sparse else "auto", tag)
+    entry = _Layer(config, raw, layer, cfg, plan.backend if spec_for(cfg).sparse else "auto", tag, plan.tuning)
     if not torch.compiler.is_compiling():  # module state written in a trace is a side effect the compiler replays
         module.__dict__[_LAYER_ATTR] = entry
     return entry
@@ -230,7 +251,15 @@ def sparseflow_attention_forward(
         causal = bool(query.shape[2] > 1 and causal)
         # a dense result keeps SDPA's [B, Nq, Hq, D] memory: the transpose below then copies nothing
         out = _ops.attention_any_layout(
-            query, key, value, config=entry.cfg, is_causal=causal, scale=scale, backend=entry.backend, tag=entry.tag
+            query,
+            key,
+            value,
+            config=entry.cfg,
+            is_causal=causal,
+            scale=scale,
+            backend=entry.backend,
+            tag=entry.tag,
+            tuning=entry.tuning,
         )
         return out.transpose(1, 2).contiguous(), None
     if attention_mask.dim() == 4:
@@ -245,6 +274,7 @@ def sparseflow_attention_forward(
         scale=scale,
         backend=entry.backend,
         tag=entry.tag,
+        tuning=entry.tuning,
     )
     return out.transpose(1, 2).contiguous(), None
 

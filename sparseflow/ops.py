@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from . import autobackend as _autobackend
 from . import decode_state as _decode_state
+from . import graph_replay as _graph_replay
 from . import methods as _methods
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, default_instance
@@ -349,8 +350,11 @@ def _decide(
     )
 
     def run(name: str):
+        # each candidate as it would run this call: a Triton call it may replay is timed replayed
         if name == DENSE_CHOICE:
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
+        if _replayable(name, entry, q, k, v, mask.key_padding_mask):
+            return _replayed_impl(method, name, entry, q, k, v, mask, scale)
         return _call_impl(method, name, entry, q, k, v, mask, scale, False)
 
     choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
@@ -503,9 +507,15 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     interceptor = _INTERCEPTOR.get()
     if interceptor is not None:
         return interceptor(method, args)
+    plan = _prepared_plan(method, args) or _checked_plan(method, args)
+    return _execute(method, plan, args, record=record, for_grad=for_grad, twice=twice)
+
+
+def _execute(method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: bool, twice: bool) -> torch.Tensor:
+    """Run ``args`` (validated) as ``plan`` says: dense SDPA with its reason, a decode step, or the
+    sparse backend; record the call in the active capture."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
-    plan = _prepared_plan(method, args) or _checked_plan(method, args)
     cap = _capture.active_capture() if record else None
     if plan.reason is not None:
         return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap)
@@ -521,12 +531,57 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
         out, sel = step(state, tag, plan.entry.cfg, plan.entry.tuning, q, k, v, scale, cap is not None)
         _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
         return out.contiguous()
-    result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
-    out, sel = result if isinstance(result, tuple) else (result, None)
+    if cap is None and not for_grad and _replayable(chosen, plan.entry, q, k, v, mask.key_padding_mask):
+        out, sel = _replayed_impl(method, chosen, plan.entry, q, k, v, mask, scale), None
+    else:
+        result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
+        out, sel = result if isinstance(result, tuple) else (result, None)
     _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
     if record:
         _capture.note_call(method, tag, True)
     return out.contiguous()
+
+
+def _replayable(chosen: str, entry: _ConfigEntry, q, k, v, kpm) -> bool:
+    """Whether this sparse call may replay from a CUDA graph: a Triton call on CUDA that the
+    tuning allows, without gradient or key padding, outside any other capture (which records it
+    as it is). Padded calls launch their kernels: the pipelines read the mask on the host (is
+    anything padded at all?), which a graph could not redo."""
+    if chosen != "triton" or not entry.tuning.cuda_graphs or not q.is_cuda or kpm is not None:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        # the kernels specialise on 16-byte alignment, which a graph's static inputs always have
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale) -> torch.Tensor:
+    """``_call_impl`` through the CUDA-graph cache (a call without key padding), keyed on
+    everything the pipeline's launches depend on besides the tensors' values."""
+    key = (
+        entry.serial,
+        chosen,
+        mask.is_causal,
+        scale,
+        torch.cuda.current_stream(q.device).cuda_stream,
+        q.device,
+        tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v)),
+    )
+    causal = mask.is_causal
+
+    def call(q_, k_, v_):
+        return _call_impl(method, chosen, entry, q_, k_, v_, _MaskView(None, causal), scale, False)
+
+    return _graph_replay.default_replays.run(key, call, (q, k, v))
+
+
+class _MaskView(NamedTuple):
+    """The two fields of a mask analysis that ``_call_impl`` reads."""
+
+    key_padding_mask: Optional[torch.Tensor]
+    is_causal: bool
 
 
 def _decode_of(method: str, chosen: str, q, k, v, mask) -> Optional[Tuple[Any, Callable]]:
@@ -682,12 +737,14 @@ def attention(
     return _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, True)
 
 
-def attention_any_layout(q, k, v, *, config, is_causal: bool, scale, backend: str, tag: str) -> torch.Tensor:
-    """:func:`attention` without a mask, context parallelism or tuning, for a caller that lays the
+def attention_any_layout(
+    q, k, v, *, config, is_causal: bool, scale, backend: str, tag: str, tuning: Tuning = DEFAULT_TUNING
+) -> torch.Tensor:
+    """:func:`attention` without a mask or context parallelism, for a caller that lays the
     result out itself (``sparseflow.hf``): a dense call returns SDPA's own layout, which for q/k/v
     viewed from ``[B, N, H, D]`` memory is that memory, so transposing back to it copies nothing."""
     _check_call_types(config, is_causal)
-    return _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, DEFAULT_TUNING, False)
+    return _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
 
 
 def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, contiguous):
@@ -695,17 +752,17 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
     result contiguous like the op's (else it keeps SDPA's layout)."""
     eager = _plain_eager(q, k, v, attn_mask)
     memo = (
-        _dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
+        _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
         if eager and attn_mask is None and context_parallel is None
         else None
     )
-    reason = None if memo is None else _memoized_dense_reason(memo, config, tuning)
-    if reason is not None:
+    plan = None if memo is None else _memoized_plan(memo, config, tuning)
+    if plan is not None and plan.reason is not None:
         # the same call signature was validated and planned to dense SDPA before
         out = _dense_sdpa(
             config.method,
             tag,
-            reason,
+            plan.reason,
             q,
             k,
             v,
@@ -716,8 +773,9 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
         )
         return out.contiguous() if contiguous else out
     method = config.method
-    validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
-    check_backend_dtype(method, backend, q.dtype)
+    if plan is None:
+        validate_inputs(method, q, k, v, attn_mask, scale, backend, tag)
+        check_backend_dtype(method, backend, q.dtype)
     scale = None if scale is None else float(scale)
     if context_parallel is not None:
         from . import context_parallel as _cp
@@ -740,7 +798,7 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
     values, entry = _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
-    return _eager_call(config, tuning, memo, args, entry, contiguous)
+    return _eager_call(config, tuning, memo, args, entry, contiguous, plan)
 
 
 def _check_call_types(config, is_causal) -> None:
@@ -750,28 +808,33 @@ def _check_call_types(config, is_causal) -> None:
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
 
 
-def _memoized_dense_reason(memo, config, tuning) -> Optional[str]:
-    """The dense plan's reason remembered under ``memo`` for this very config and tuning, or None."""
-    hit = _autobackend.default_chooser.dense_calls.get(memo)
+def _memoized_plan(memo, config, tuning) -> Optional[_Plan]:
+    """The plan remembered under ``memo`` for this very config and tuning, or None."""
+    hit = _autobackend.default_chooser.planned_calls.get(memo)
     if hit is not None and hit[0] is config and hit[1] is tuning:
         return hit[2]
     return None
 
 
-def _eager_call(config, tuning, memo, args, entry, contiguous: bool) -> torch.Tensor:
-    """A plain eager call with validated ``args`` (the op's arguments): planned here, run dense
-    directly when the plan says so (remembered under ``memo``; made contiguous when asked), else
-    through the op."""
+def _eager_call(config, tuning, memo, args, entry, contiguous: bool, plan: Optional[_Plan] = None) -> torch.Tensor:
+    """A plain eager call with validated ``args`` (the op's arguments): planned here (unless
+    ``plan`` was remembered under ``memo``; a new plan is remembered there), run dense directly
+    when the plan says so (made contiguous when asked), run sparse directly when nothing needs
+    the op's autograd, else through the op."""
     method = config.method
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
-    plan = _plan(method, args, entry)
-    if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
+    if plan is None:
+        plan = _plan(method, args, entry)
         if memo is not None:
-            _remember_dense(memo, config, tuning, plan.reason)
+            _remember_plan(memo, config, tuning, plan)
+    if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
         # exactly what the op computes and records for this plan, without the dispatcher's cost
         out = _dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
         return out.contiguous() if contiguous else out
+    if plan.reason is None and not _needs_autograd(q, k, v, attn_mask) and _INTERCEPTOR.get() is None:
+        # what the op's implementation runs for this plan, without the dispatcher's cost
+        return _execute(method, plan, args, record=True, for_grad=False, twice=False)
     token = _PREPARED.set((method, args, plan))
     try:
         return op_for(method)(*args)
@@ -779,19 +842,23 @@ def _eager_call(config, tuning, memo, args, entry, contiguous: bool) -> torch.Te
         _PREPARED.reset(token)
 
 
-def _remember_dense(memo, config, tuning, reason: str) -> None:
-    dense_calls = _autobackend.default_chooser.dense_calls
-    if len(dense_calls) >= _CACHE_LIMIT:
-        dense_calls.clear()
-    dense_calls[memo] = (config, tuning, reason)
+def _needs_autograd(q, k, v, attn_mask) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
+
+
+def _remember_plan(memo, config, tuning, plan: _Plan) -> None:
+    planned = _autobackend.default_chooser.planned_calls
+    if len(planned) >= _CACHE_LIMIT:
+        planned.clear()
+    planned[memo] = (config, tuning, plan)
 
 
 _CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods that have an op
 
 
-def _dense_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag):
+def _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag):
     """The key under which a plain eager call without a mask or context parallelism remembers
-    its dense plan, or None when an argument cannot be part of a key (those calls plan afresh).
+    its plan, or None when an argument cannot be part of a key (those calls plan afresh).
     Every input the validation and the plan read is in it; the config and tuning by identity
     (the memo keeps them alive and checks them on a hit)."""
     if type(tag) is not str or not (scale is None or type(scale) in (int, float)):

@@ -22,9 +22,12 @@ PISA_WALKS = ("auto", "per_token", "tiled")
 PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
 
 
-def _method(name: str, schema: str) -> Dict[str, str]:
-    # which op takes the field, and its type in that op's schema
+def _method(name: str, schema: str) -> Dict[str, Any]:
+    # which ops take the field (a method name, or a tuple of them), and its type in their schemas
     return {"method": name, "schema": schema}
+
+
+_SPARSE = ("pbs", "pisa", "bsa")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class Tuning:
     program per tile of consecutive queries sharing the scoring of each level
     (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
     ``"auto"``: per token for now.
+    ``cuda_graphs``: replay an eager ``backend="triton"`` call without gradient from a CUDA graph,
+    recorded on the second call of the same signature (method config, shapes, strides, dtypes,
+    device, stream), instead of launching its kernels one by one: the same kernels on the same
+    inputs, so the same result, at a fraction of the host cost (:mod:`sparseflow.graph_replay`).
+    False launches them every call. Calls inside another capture (``torch.cuda.graph``,
+    ``mode="reduce-overhead"``) are captured by it as they are.
     ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
     memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and
     16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200); the tiled walk takes
@@ -55,12 +64,17 @@ class Tuning:
     pisa_walk: str = field(default="auto", metadata=_method("pisa", "str"))
     pisa_warps: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
     pisa_leaf_bytes: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
+    cuda_graphs: bool = field(default=True, metadata=_method(_SPARSE, "bool"))
 
     def __post_init__(self):
         _check_choice("pbs_select", self.pbs_select, PBS_SELECT)
         _check_choice("pbs_kv_layout", self.pbs_kv_layout, PBS_KV_LAYOUTS)
         if not isinstance(self.pbs_tma, bool):
             raise TypeError(f"Tuning.pbs_tma must be a bool, got {type(self.pbs_tma).__name__} ({self.pbs_tma!r})")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(
+                f"Tuning.cuda_graphs must be a bool, got {type(self.cuda_graphs).__name__} ({self.cuda_graphs!r})"
+            )
         _check_choice("pisa_walk", self.pisa_walk, PISA_WALKS)
         _check_optional_int("pisa_warps", self.pisa_warps)
         if self.pisa_warps is not None and self.pisa_warps not in PISA_WARPS:
@@ -93,8 +107,9 @@ DEFAULT_TUNING = Tuning()
 # method -> ((field name, schema type), ...) in declaration order: the op arguments of that method
 _BY_METHOD: Dict[str, Tuple[Tuple[str, str], ...]] = {}
 for _f in dataclasses.fields(Tuning):
-    _BY_METHOD.setdefault(_f.metadata["method"], ())
-    _BY_METHOD[_f.metadata["method"]] += ((_f.name, _f.metadata["schema"]),)
+    _owners = _f.metadata["method"]
+    for _owner in (_owners,) if isinstance(_owners, str) else _owners:
+        _BY_METHOD[_owner] = _BY_METHOD.get(_owner, ()) + ((_f.name, _f.metadata["schema"]),)
 
 
 def fields_of(method: str) -> Tuple[Tuple[str, str], ...]:

@@ -21,9 +21,9 @@ def _qkv(n, d=16, dtype=torch.float32):
 
 @pytest.fixture(autouse=True)
 def _fresh_memo():
-    default_chooser.dense_calls.clear()
+    default_chooser.planned_calls.clear()
     yield
-    default_chooser.dense_calls.clear()
+    default_chooser.planned_calls.clear()
 
 
 CFG = PBSConfig(block_size=16, segment_size=32, min_seq_len=64)
@@ -38,7 +38,7 @@ def test_repeated_dense_call_is_remembered_and_equals_sdpa():
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         (rec,) = cap.calls
         assert (rec.sparse, rec.tag) == (False, "layer") and "min_seq_len" in rec.reason
-    assert len(default_chooser.dense_calls) == 1
+    assert len(default_chooser.planned_calls) == 1
 
 
 def test_longer_call_after_a_remembered_one_runs_sparse():
@@ -71,9 +71,9 @@ def test_mismatched_value_dtype_after_a_remembered_call_still_raises():
 
 def test_clearing_the_chooser_forgets_the_memo():
     sparseflow.attention(*_qkv(32), config=CFG, backend="reference")
-    assert default_chooser.dense_calls
+    assert default_chooser.planned_calls
     default_chooser.clear()
-    assert not default_chooser.dense_calls
+    assert not default_chooser.planned_calls
 
 
 def test_equal_config_objects_do_not_share_an_entry():
@@ -82,7 +82,7 @@ def test_equal_config_objects_do_not_share_an_entry():
     sparseflow.attention(q, k, v, config=CFG, backend="reference")
     other = PBSConfig(block_size=16, segment_size=32, min_seq_len=64)
     sparseflow.attention(q, k, v, config=other, backend="reference")
-    assert len(default_chooser.dense_calls) == 2
+    assert len(default_chooser.planned_calls) == 2
 
 
 def test_masked_and_traced_calls_are_not_remembered():
@@ -92,4 +92,4 @@ def test_masked_and_traced_calls_are_not_remembered():
     torch.compile(
         lambda a, b, c: sparseflow.attention(a, b, c, config=CFG, backend="reference"), backend="eager", fullgraph=True
     )(q, k, v)
-    assert not default_chooser.dense_calls
+    assert not default_chooser.planned_calls

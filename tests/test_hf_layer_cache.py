@@ -21,9 +21,9 @@ TAG = "model.layers.1.self_attn"
 
 @pytest.fixture(autouse=True)
 def _fresh_memo():
-    default_chooser.dense_calls.clear()
+    default_chooser.planned_calls.clear()
     yield
-    default_chooser.dense_calls.clear()
+    default_chooser.planned_calls.clear()
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_repeated_dense_calls_equal_sdpa_and_report_dense_with_the_reason(attn):
         assert got.is_contiguous()
         (rec,) = calls
         assert (rec.sparse, rec.tag, rec.method) == (False, TAG, "pbs") and "min_seq_len=64" in rec.reason
-    assert len(default_chooser.dense_calls) == 1
+    assert len(default_chooser.planned_calls) == 1
 
 
 def test_a_dense_result_keeps_sdpas_layout_so_the_transpose_back_copies_nothing():
@@ -124,7 +124,7 @@ def test_a_changed_dtype_or_length_is_planned_afresh(attn):
     got, want, calls = _both(attn, *_qkv(32, torch.float64))
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert len(default_chooser.dense_calls) == 2
+    assert len(default_chooser.planned_calls) == 2
     assert _both(attn, *_qkv(64))[2][-1].sparse  # now long enough for the plan
 
 

@@ -58,6 +58,8 @@ def test_defaults_are_the_former_environment_defaults():
         ("pbs_kv_layout", "copy", ValueError, ["pbs_kv_layout", "'permuted'", "'gather'"]),
         ("pbs_tma", 0, TypeError, ["pbs_tma", "bool"]),
         ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
+        ("cuda_graphs", 1, TypeError, ["cuda_graphs", "bool"]),
+        ("cuda_graphs", None, TypeError, ["cuda_graphs", "bool"]),
         ("pisa_warps", 3, ValueError, ["pisa_warps", "[1, 2, 4, 8, 16, 32]"]),
         ("pisa_warps", 4.0, TypeError, ["pisa_warps", "int"]),
         ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
@@ -87,14 +89,16 @@ def test_entry_points_refuse_a_non_tuning(plain_attention):
 
 def test_schemas_carry_each_methods_tuning_fields():
     schema = {m: str(ops.op_for(m)._schema) for m in ("dense", "pbs", "pisa", "bsa")}
-    assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, str backend" in schema["pbs"]
-    assert "int? pisa_warps, int? pisa_leaf_bytes, str backend" in schema["pisa"]
+    assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, bool cuda_graphs, str backend" in schema["pbs"]
+    assert "int? pisa_warps, int? pisa_leaf_bytes, bool cuda_graphs, str backend" in schema["pisa"]
+    assert "float? scale, int block_size" in schema["bsa"] and "bool cuda_graphs, str backend" in schema["bsa"]
     for m in ("dense", "bsa"):
         assert "pbs_" not in schema[m] and "pisa_" not in schema[m]
-    t = Tuning(pbs_kv_layout="gather", pisa_warps=2)
-    assert ops.op_args(PBS_SMALL, t)[-3:] == ["auto", "gather", True]
-    assert ops.op_args(PISA_SMALL, t)[-2:] == [2, None]
-    assert ops.op_args(PBS_SMALL)[-3:] == ["auto", "permuted", True]  # default: Tuning()
+    assert "cuda_graphs" not in schema["dense"]  # the dense op runs SDPA: nothing to replay
+    t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False)
+    assert ops.op_args(PBS_SMALL, t)[-4:] == ["auto", "gather", True, False]
+    assert ops.op_args(PISA_SMALL, t)[-3:] == [2, None, False]
+    assert ops.op_args(PBS_SMALL)[-4:] == ["auto", "permuted", True, True]  # default: Tuning()
 
 
 def test_compiled_graph_holds_the_tuning(plain_attention):
@@ -113,7 +117,7 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
     )
     torch.testing.assert_close(f(q, k, v), sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference"))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.op_for("pbs")]
-    assert len(calls) == 1 and list(calls[0].args[-5:-2]) == ["auto", "gather", False]
+    assert len(calls) == 1 and list(calls[0].args[-6:-2]) == ["auto", "gather", False, True]
 
 
 def test_rewrite_pass_carries_the_tuning(plain_attention):

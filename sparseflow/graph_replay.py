@@ -1,0 +1,147 @@
+"""Eager sparse calls replayed from CUDA graphs (issue 16).
+
+A sparse op's Triton pipeline launches 15-40 kernels per call; in eager mode at 4K-16K tokens
+their host cost (about 1 ms per call on the H200's host) exceeds the kernels' own time, so a
+model's eager forward waits on Python. The pipelines never synchronise with the host and read no
+data-dependent host value, so one call with given shapes records as a CUDA graph and replays
+exactly: the second call of a signature captures, later calls copy their inputs into the
+graph's static tensors, replay it and clone its output (three copies and one launch).
+
+What a signature is, and when a call may replay, is the caller's business (``sparseflow.ops``
+keys on the method's config and tuning, shapes, strides, dtypes, device, stream and flags, and
+replays only calls without gradient, outside any other capture). A capture that fails leaves
+its signature eager for good, logged once with the reason. The cache keeps the most recent
+``limit`` graphs; each holds its static inputs and its own memory pool (the pipeline's
+intermediates at that shape). ``clear()`` frees them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Callable, Hashable, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["GraphReplays", "default_replays"]
+
+_log = logging.getLogger("sparseflow")
+
+Inputs = Sequence[Optional[torch.Tensor]]
+
+
+class _Recorded(NamedTuple):
+    graph: "torch.cuda.CUDAGraph"
+    inputs: Tuple[Optional[torch.Tensor], ...]  # the static tensors the graph reads
+    output: torch.Tensor  # the static tensor the graph writes
+
+
+_SEEN = "seen"  # one eager call so far: it compiled and autotuned the kernels outside any capture
+_EAGER = "eager"  # the capture failed: this signature always runs eagerly
+
+
+class GraphReplays:
+    """Captures and replays ``fn(*inputs)`` per signature key; see the module docstring."""
+
+    def __init__(self, limit: int = 8):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        self.limit = limit
+        self._entries: "OrderedDict[Hashable, Union[str, _Recorded]]" = OrderedDict()
+        self._lock = threading.RLock()
+        self.captures = 0  # graphs recorded since the last clear (tests and benchmarks read it)
+        self.replays = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.captures = 0
+            self.replays = 0
+
+    def __len__(self) -> int:
+        return sum(isinstance(e, _Recorded) for e in self._entries.values())
+
+    def run(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: Inputs) -> torch.Tensor:
+        """``fn(*inputs)``: eagerly the first time ``key`` is seen, then from a graph recorded on
+        the second call (a fresh tensor each time, never the graph's static output)."""
+        with self._lock:  # static tensors are shared by every caller of a key
+            entry = self._entries.get(key)
+            if entry is None:
+                self._remember(key, _SEEN)
+                return fn(*inputs)
+            if entry is _EAGER:
+                return fn(*inputs)
+            self._entries.move_to_end(key)
+            if entry is _SEEN:
+                entry = self._record(key, fn, inputs)
+                if entry is None:
+                    return fn(*inputs)
+            else:
+                for static, given in zip(entry.inputs, inputs):
+                    if given is not None:
+                        static.copy_(given)
+            entry.graph.replay()
+            self.replays += 1
+            return entry.output.clone(memory_format=torch.contiguous_format)
+
+    def _remember(self, key: Hashable, entry: Union[str, _Recorded]) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while sum(isinstance(e, _Recorded) for e in self._entries.values()) > self.limit:
+            self._evict_oldest_graph()
+        while len(self._entries) > 8 * self.limit:  # markers of signatures seen once, eventually forgotten
+            self._entries.popitem(last=False)
+
+    def _evict_oldest_graph(self) -> None:
+        for key, entry in self._entries.items():
+            if isinstance(entry, _Recorded):
+                del self._entries[key]
+                return
+
+    def _record(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: Inputs) -> Optional[_Recorded]:
+        statics = tuple(None if t is None else torch.empty_like(t) for t in inputs)
+        for static, given in zip(statics, inputs):
+            if static is not None and static.stride() != given.stride():
+                # empty_like keeps the strides of dense, non-overlapping tensors only; the kernels
+                # compiled for the eager call's strides, so a graph on other strides is not that call
+                return self._give_up(key, f"input strides {tuple(given.stride())} are not dense")
+            if static is not None:
+                static.copy_(given)
+        try:
+            graph, output = self._capture(fn, statics)
+        except Exception as exc:  # an op that cannot be captured: this signature stays eager
+            return self._give_up(key, f"{type(exc).__name__}: {exc}")
+        if not isinstance(output, torch.Tensor):
+            return self._give_up(key, f"the call returned {type(output).__name__}, not a tensor")
+        recorded = _Recorded(graph, statics, output)
+        self._remember(key, recorded)
+        self.captures += 1
+        return recorded
+
+    @staticmethod
+    def _capture(fn: Callable[..., torch.Tensor], statics: Tuple[Optional[torch.Tensor], ...]):
+        """(graph, output) of ``fn`` on ``statics``, recorded on a side stream that waits for the
+        current one. Not ``torch.cuda.graph``: it synchronises the device and empties the
+        allocator's cache before every capture, which the next allocations then pay again."""
+        device = next(t.device for t in statics if t is not None)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(current)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            graph.capture_begin()
+            try:
+                output = fn(*statics)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return graph, output
+
+    def _give_up(self, key: Hashable, reason: str) -> None:
+        _log.warning("sparseflow: a sparse call could not be replayed from a CUDA graph; it runs eagerly: %s", reason)
+        self._entries[key] = _EAGER
+        return None
+
+
+default_replays = GraphReplays()

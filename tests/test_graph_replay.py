@@ -1,0 +1,188 @@
+"""Eager sparse calls replayed from CUDA graphs (``Tuning.cuda_graphs``, sparseflow.graph_replay).
+
+The replayed result must be exactly what launching the kernels gives on the same inputs, for
+fresh inputs every call; calls with gradient, inside another capture or with another signature
+must not replay a graph recorded for something else. GPU tests skip on the CPU; the cache's
+bookkeeping (first call eager, failed captures stay eager and are logged) is checked everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import sparseflow
+from sparseflow import BSAConfig, PBSConfig, PISAConfig, Tuning
+from sparseflow.graph_replay import GraphReplays, default_replays
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# small enough for a quick test, several blocks and a partial last one, sparse (not every block)
+_CONFIGS = {
+    "pbs": PBSConfig(block_size=64, segment_size=128, min_seq_len=0),
+    "pisa": PISAConfig(block_size=64, top_k=4, min_seq_len=0),
+    "bsa": BSAConfig(block_size=64, top_k=4, min_seq_len=0),
+}
+_NO_GRAPHS = Tuning(cuda_graphs=False)
+
+
+# --------------------------------------------------------------------------- the cache itself
+
+
+def test_limit_is_checked():
+    with pytest.raises(ValueError, match="limit must be an int >= 1"):
+        GraphReplays(limit=0)
+    with pytest.raises(ValueError, match="limit must be an int >= 1"):
+        GraphReplays(limit=True)
+
+
+def test_first_call_is_eager_and_a_failed_capture_stays_eager_and_is_logged(monkeypatch, caplog):
+    cache = GraphReplays()
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return x * 2
+
+    class Refused:
+        def __init__(self):
+            raise RuntimeError("capture refused by the test")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Refused)
+    x = torch.arange(4.0)
+    assert torch.equal(cache.run("key", fn, (x,)), x * 2)  # first call: eager, no capture tried
+    with caplog.at_level(logging.WARNING, logger="sparseflow"):
+        assert torch.equal(cache.run("key", fn, (x + 1,)), (x + 1) * 2)  # capture fails: eager
+    assert "could not be replayed from a CUDA graph" in caplog.text and "capture refused by the test" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sparseflow"):
+        assert torch.equal(cache.run("key", fn, (x + 2,)), (x + 2) * 2)  # remembered: eager, no retry
+    assert caplog.text == "" and len(calls) == 3 and len(cache) == 0 and cache.captures == 0
+
+
+def test_inputs_with_strides_empty_like_cannot_keep_stay_eager(caplog):
+    cache = GraphReplays()
+    x = torch.arange(4.0).expand(3, 4)  # stride 0: overlapping, empty_like lays it out afresh
+    cache.run("key", lambda t: t + 1, (x,))
+    with caplog.at_level(logging.WARNING, logger="sparseflow"):
+        assert torch.equal(cache.run("key", lambda t: t + 1, (x,)), x + 1)
+    assert "are not dense" in caplog.text and len(cache) == 0
+
+
+def test_cpu_calls_never_use_the_cache():
+    default_replays.clear()
+    q = torch.randn(1, 4, 256, 16)
+    k, v = torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
+    for _ in range(3):
+        sparseflow.attention(q, k, v, config=_CONFIGS["bsa"], backend="reference")
+    assert len(default_replays) == 0 and default_replays.captures == 0
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+
+def _hf_qkv(n: int, seed: int, batch: int = 1, hq: int = 6, hkv: int = 2, d: int = 64):
+    """q/k/v as a Llama layer hands them over: [B, N, H, D] memory viewed as [B, H, N, D]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def one(h):
+        return torch.randn(batch, n, h, d, generator=g, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+    return one(hq), one(hkv), one(hkv)
+
+
+@gpu
+@pytest.mark.parametrize("method", list(_CONFIGS))
+def test_replayed_calls_equal_launched_kernels_on_fresh_inputs(method):
+    default_replays.clear()
+    cfg = _CONFIGS[method]
+    with torch.no_grad():
+        results = []
+        for seed in range(4):
+            q, k, v = _hf_qkv(400, seed)
+            got = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+            want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert got.is_contiguous() and torch.isfinite(got).all()
+            assert torch.equal(got, want), f"{method}: call {seed} differs from its launched kernels"
+            results.append((got, got.clone()))
+    # calls 2-4 of the signature ran from one graph, and no result aliases the graph's output
+    assert default_replays.captures == 1 and default_replays.replays == 3
+    assert all(torch.equal(kept, copy) for kept, copy in results)
+    assert not torch.equal(results[-1][0], results[-2][0])
+
+
+@gpu
+def test_padded_calls_launch_their_kernels():
+    # the pipelines ask the host whether anything is padded: a graph could not redo that
+    default_replays.clear()
+    cfg = _CONFIGS["pbs"]
+    with torch.no_grad():
+        for valid in (400, 300, 173, 390):
+            q, k, v = _hf_qkv(400, valid, batch=2)
+            kpm = torch.ones(2, 400, dtype=torch.bool, device="cuda")
+            kpm[1, valid:] = False
+            mask = kpm[:, None, None, :]
+            got = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, backend="triton")
+            want = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(got, want), f"{valid} valid keys"
+    assert default_replays.captures == 0 and default_replays.replays == 0
+
+
+@gpu
+def test_other_signatures_get_their_own_graphs():
+    default_replays.clear()
+    cfg = _CONFIGS["bsa"]
+    with torch.no_grad():
+        for n in (400, 520, 400, 520, 400):
+            q, k, v = _hf_qkv(n, n)
+            got = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+            want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(got, want), f"n={n}"
+        q, k, v = _hf_qkv(400, 9)
+        causal = sparseflow.attention(q[:, :, :300], k, v, config=cfg, backend="triton", is_causal=False)
+        want = sparseflow.attention(
+            q[:, :, :300], k, v, config=cfg, backend="triton", is_causal=False, tuning=_NO_GRAPHS
+        )
+        assert torch.equal(causal, want)
+    assert default_replays.captures == 2 and len(default_replays) == 2
+
+
+@gpu
+def test_training_calls_give_the_launched_kernels_outputs_and_gradients():
+    # the op's autograd runs its forward without grad mode (it may replay); the backward
+    # recomputes through the launched kernels
+    default_replays.clear()
+    cfg = _CONFIGS["pisa"]
+    for seed in range(3):
+        runs = []
+        for tuning in (None, _NO_GRAPHS):
+            q, k, v = (t.detach().requires_grad_(True) for t in _hf_qkv(400, seed))
+            out = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=tuning)
+            out.float().square().sum().backward()
+            runs.append((out.detach(), q.grad, k.grad, v.grad))
+        assert torch.equal(runs[0][0], runs[1][0]), f"forward of call {seed}"
+        for name, got, want in zip("qkv", runs[0][1:], runs[1][1:]):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"d{name} of call {seed}")
+    assert default_replays.captures == 1 and default_replays.replays == 2
+
+
+@gpu
+def test_a_users_own_capture_records_the_kernels():
+    default_replays.clear()
+    cfg = _CONFIGS["pbs"]
+    q, k, v = (t.contiguous() for t in _hf_qkv(400, 0))
+    with torch.no_grad():
+        sparseflow.attention(q, k, v, config=cfg, backend="triton")  # compile and autotune outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+        for seed in (1, 2):
+            fresh = _hf_qkv(400, seed)
+            for static, new in zip((q, k, v), fresh):
+                static.copy_(new)
+            graph.replay()
+            want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(out, want)
+    assert default_replays.captures == 0
