@@ -3,8 +3,9 @@
     python benchmarks/auto_vs_dense.py --ns 4096,8192,16384 --json benchmarks/results/e2e_auto_interleaved_h200.json
 
 SmolLM2-135M-Instruct (real weights, ``pydoc_topics`` text, YaRN beyond the trained 8K), the
-converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS with
-``backend="triton"`` for scale, beside transformers' own SDPA. At these lengths the eager
+converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS and BSA
+with ``backend="triton"`` (replayed from CUDA graphs, and PBS with every kernel launched, the
+``Tuning.cuda_graphs=False`` path), beside transformers' own SDPA. At these lengths the eager
 forward is host-bound and drifts from run to run, so the variants take turns: each round times
 ``--calls`` forwards of every variant in a row, starting each round one variant further along
 (so no variant always follows the slow one), and the table gives each variant's median over
@@ -34,12 +35,14 @@ from sparseflow.checkpoints import load_smollm2  # noqa: E402
 from sparseflow.config import default_config  # noqa: E402
 from sparseflow.hf import Plan  # noqa: E402
 
-VARIANTS = {
+VARIANTS = {  # name -> None (transformers' SDPA) or (method, backend, Tuning.cuda_graphs)
     "dense": None,
-    "pbs auto": ("pbs", "auto"),
-    "pisa auto": ("pisa", "auto"),
-    "bsa auto": ("bsa", "auto"),
-    "pbs triton": ("pbs", "triton"),
+    "pbs auto": ("pbs", "auto", True),
+    "pisa auto": ("pisa", "auto", True),
+    "bsa auto": ("bsa", "auto", True),
+    "pbs triton": ("pbs", "triton", True),
+    "bsa triton": ("bsa", "triton", True),
+    "pbs launched": ("pbs", "triton", False),
 }
 
 
@@ -47,11 +50,15 @@ def use(model, variant) -> None:
     if variant is None:
         model.set_attn_implementation("sdpa")
         return
-    method, backend = variant
-    sparseflow.hf.apply_plan(
-        model,
-        Plan(method=method, config=default_config(method), backend=backend, num_layers=model.config.num_hidden_layers),
+    method, backend, graphs = variant
+    plan = Plan(
+        method=method,
+        config=default_config(method),
+        backend=backend,
+        num_layers=model.config.num_hidden_layers,
+        tuning=sparseflow.Tuning(cuda_graphs=graphs),
     )
+    sparseflow.hf.apply_plan(model, plan)
 
 
 def round_order(names, index: int):

@@ -5,14 +5,13 @@ their host cost (about 1 ms per call on the H200's host) exceeds the kernels' ow
 model's eager forward waits on Python. The pipelines never synchronise with the host and read no
 data-dependent host value, so one call with given shapes records as a CUDA graph and replays
 exactly: the second call of a signature captures, later calls copy their inputs into the
-graph's static tensors, replay it and clone its output (three copies and one launch).
+graph's static tensors, replay it and clone its output (four copies and one launch).
 
 What a signature is, and when a call may replay, is the caller's business (``sparseflow.ops``
 keys on the method's config and tuning, shapes, strides, dtypes, device, stream and flags, and
 replays only calls without gradient, outside any other capture). A capture that fails leaves
 its signature eager for good, logged once with the reason. The cache keeps the most recent
-``limit`` graphs; each holds its static inputs and its own memory pool (the pipeline's
-intermediates at that shape). ``clear()`` frees them.
+``limit`` graphs; see :class:`GraphReplays` for the memory they hold. ``clear()`` frees it.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Callable, Hashable, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -42,13 +41,22 @@ _EAGER = "eager"  # the capture failed: this signature always runs eagerly
 
 
 class GraphReplays:
-    """Captures and replays ``fn(*inputs)`` per signature key; see the module docstring."""
+    """Captures and replays ``fn(*inputs)`` per signature key; see the module docstring.
 
-    def __init__(self, limit: int = 8):
+    Memory: graphs recorded on one stream share one memory pool and, per input layout, one set
+    of static inputs. Both are safe because a stream runs its replays one after the other and
+    every replay's output is cloned (on that stream) before the next replay can start: what one
+    graph leaves in the pool is dead by then. So a model whose layers differ only in their
+    configs holds its intermediates once, not once per layer.
+    """
+
+    def __init__(self, limit: int = 64):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
         self.limit = limit
         self._entries: "OrderedDict[Hashable, Union[str, _Recorded]]" = OrderedDict()
+        self._statics: Dict[Hashable, Tuple[Optional[torch.Tensor], ...]] = {}
+        self._pools: Dict[Tuple[torch.device, int], Any] = {}
         self._lock = threading.RLock()
         self.captures = 0  # graphs recorded since the last clear (tests and benchmarks read it)
         self.replays = 0
@@ -56,6 +64,8 @@ class GraphReplays:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._statics.clear()
+            self._pools.clear()
             self.captures = 0
             self.replays = 0
 
@@ -64,7 +74,8 @@ class GraphReplays:
 
     def run(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: Inputs) -> torch.Tensor:
         """``fn(*inputs)``: eagerly the first time ``key`` is seen, then from a graph recorded on
-        the second call (a fresh tensor each time, never the graph's static output)."""
+        the second call (a fresh tensor each time, never the graph's static output). ``key`` must
+        identify the current stream (its graph replays there)."""
         with self._lock:  # static tensors are shared by every caller of a key
             entry = self._entries.get(key)
             if entry is None:
@@ -78,9 +89,7 @@ class GraphReplays:
                 if entry is None:
                     return fn(*inputs)
             else:
-                for static, given in zip(entry.inputs, inputs):
-                    if given is not None:
-                        static.copy_(given)
+                _copy_into(entry.inputs, inputs)
             entry.graph.replay()
             self.replays += 1
             return entry.output.clone(memory_format=torch.contiguous_format)
@@ -100,48 +109,68 @@ class GraphReplays:
                 return
 
     def _record(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: Inputs) -> Optional[_Recorded]:
-        statics = tuple(None if t is None else torch.empty_like(t) for t in inputs)
-        for static, given in zip(statics, inputs):
-            if static is not None and static.stride() != given.stride():
-                # empty_like keeps the strides of dense, non-overlapping tensors only; the kernels
-                # compiled for the eager call's strides, so a graph on other strides is not that call
-                return self._give_up(key, f"input strides {tuple(given.stride())} are not dense")
-            if static is not None:
-                static.copy_(given)
         try:
-            graph, output = self._capture(fn, statics)
-        except Exception as exc:  # an op that cannot be captured: this signature stays eager
+            recorded = self._capture_into_pool(fn, inputs)
+        except Exception as exc:  # a call that cannot be captured: this signature stays eager
             return self._give_up(key, f"{type(exc).__name__}: {exc}")
-        if not isinstance(output, torch.Tensor):
-            return self._give_up(key, f"the call returned {type(output).__name__}, not a tensor")
-        recorded = _Recorded(graph, statics, output)
         self._remember(key, recorded)
         self.captures += 1
         return recorded
 
-    @staticmethod
-    def _capture(fn: Callable[..., torch.Tensor], statics: Tuple[Optional[torch.Tensor], ...]):
-        """(graph, output) of ``fn`` on ``statics``, recorded on a side stream that waits for the
-        current one. Not ``torch.cuda.graph``: it synchronises the device and empties the
-        allocator's cache before every capture, which the next allocations then pay again."""
-        device = next(t.device for t in statics if t is not None)
-        graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(current)
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            graph.capture_begin()
-            try:
-                output = fn(*statics)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
-        return graph, output
+    def _capture_into_pool(self, fn: Callable[..., torch.Tensor], inputs: Inputs) -> _Recorded:
+        device = next(t.device for t in inputs if t is not None)
+        for given in inputs:
+            if given is not None and torch.empty_like(given).stride() != given.stride():
+                # empty_like keeps the strides of dense, non-overlapping tensors only; the kernels
+                # compiled for the eager call's strides, so a graph on other strides is not that call
+                raise _NotReplayable(f"input strides {tuple(given.stride())} are not dense")
+        stream = torch.cuda.current_stream(device)
+        layout = (device, stream.cuda_stream) + tuple(
+            None if t is None else (t.shape, t.stride(), t.dtype) for t in inputs
+        )
+        statics = self._statics.get(layout)
+        if statics is None:
+            statics = self._statics[layout] = tuple(None if t is None else torch.empty_like(t) for t in inputs)
+        _copy_into(statics, inputs)
+        pool = self._pools.get((device, stream.cuda_stream))
+        if pool is None:
+            pool = self._pools[(device, stream.cuda_stream)] = torch.cuda.graph_pool_handle()
+        graph, output = _capture(fn, statics, stream, pool)
+        if not isinstance(output, torch.Tensor):
+            raise _NotReplayable(f"the call returned {type(output).__name__}, not a tensor")
+        return _Recorded(graph, statics, output)
 
     def _give_up(self, key: Hashable, reason: str) -> None:
         _log.warning("sparseflow: a sparse call could not be replayed from a CUDA graph; it runs eagerly: %s", reason)
         self._entries[key] = _EAGER
         return None
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+def _copy_into(statics: Tuple[Optional[torch.Tensor], ...], inputs: Inputs) -> None:
+    for static, given in zip(statics, inputs):
+        if given is not None:
+            static.copy_(given)
+
+
+def _capture(fn: Callable[..., torch.Tensor], statics, stream, pool):
+    """(graph, output) of ``fn`` on ``statics``, recorded into ``pool`` on a side stream that
+    waits for ``stream`` (the current one). Not ``torch.cuda.graph``: it synchronises the device
+    and empties the allocator's cache before every capture, which later allocations pay again."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device=stream.device)
+    side.wait_stream(stream)
+    with torch.cuda.device(stream.device), torch.cuda.stream(side):
+        graph.capture_begin(pool=pool)
+        try:
+            output = fn(*statics)
+        finally:
+            graph.capture_end()
+    stream.wait_stream(side)
+    return graph, output
 
 
 default_replays = GraphReplays()

@@ -46,11 +46,10 @@ def test_first_call_is_eager_and_a_failed_capture_stays_eager_and_is_logged(monk
         calls.append(x)
         return x * 2
 
-    class Refused:
-        def __init__(self):
-            raise RuntimeError("capture refused by the test")
+    def refused(self, fn, inputs):
+        raise RuntimeError("capture refused by the test")
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Refused)
+    monkeypatch.setattr(GraphReplays, "_capture_into_pool", refused)
     x = torch.arange(4.0)
     assert torch.equal(cache.run("key", fn, (x,)), x * 2)  # first call: eager, no capture tried
     with caplog.at_level(logging.WARNING, logger="sparseflow"):
@@ -186,3 +185,21 @@ def test_a_users_own_capture_records_the_kernels():
             want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
             assert torch.equal(out, want)
     assert default_replays.captures == 0
+
+
+@gpu
+def test_graphs_of_one_stream_share_their_pool_and_inputs_and_stay_exact():
+    # layers with their own configs (a calibrated plan): one graph each, replayed in turn from one
+    # memory pool and one set of static inputs
+    default_replays.clear()
+    configs = [BSAConfig(block_size=64, top_k=t, min_seq_len=0) for t in (2, 3, 4, 5)]
+    configs += [PBSConfig(block_size=64, segment_size=128, threshold=t, min_seq_len=0) for t in (0.8, 0.9)]
+    with torch.no_grad():
+        for seed in range(3):
+            q, k, v = _hf_qkv(400, seed)
+            for cfg in configs:
+                got = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+                want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+                assert torch.equal(got, want), f"{cfg} on inputs {seed}"
+    assert default_replays.captures == len(configs) and len(default_replays) == len(configs)
+    assert len(default_replays._statics) == 1 and len(default_replays._pools) == 1
