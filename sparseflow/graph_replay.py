@@ -47,13 +47,17 @@ class GraphReplays:
     of static inputs. Both are safe because a stream runs its replays one after the other and
     every replay's output is cloned (on that stream) before the next replay can start: what one
     graph leaves in the pool is dead by then. So a model whose layers differ only in their
-    configs holds its intermediates once, not once per layer.
+    configs holds its intermediates once, not once per layer. What each graph keeps alive is its
+    output; with the static inputs these stay within ``max_bytes`` (the oldest graphs go first),
+    and at most ``limit`` graphs are kept.
     """
 
-    def __init__(self, limit: int = 64):
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+    def __init__(self, limit: int = 64, max_bytes: int = 2 << 30):
+        for name, value in (("limit", limit), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.limit = limit
+        self.max_bytes = max_bytes
         self._entries: "OrderedDict[Hashable, Union[str, _Recorded]]" = OrderedDict()
         self._statics: Dict[Hashable, Tuple[Optional[torch.Tensor], ...]] = {}
         self._pools: Dict[Tuple[torch.device, int], Any] = {}
@@ -94,10 +98,15 @@ class GraphReplays:
             self.replays += 1
             return entry.output.clone(memory_format=torch.contiguous_format)
 
+    def held_bytes(self) -> int:
+        """Bytes of the graphs' outputs and static inputs (not their pool's intermediates)."""
+        outputs = sum(_nbytes(e.output) for e in self._entries.values() if isinstance(e, _Recorded))
+        return outputs + sum(_nbytes(t) for statics in self._statics.values() for t in statics if t is not None)
+
     def _remember(self, key: Hashable, entry: Union[str, _Recorded]) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)
-        while sum(isinstance(e, _Recorded) for e in self._entries.values()) > self.limit:
+        while len(self) > self.limit or (len(self) > 1 and self.held_bytes() > self.max_bytes):
             self._evict_oldest_graph()
         while len(self._entries) > 8 * self.limit:  # markers of signatures seen once, eventually forgotten
             self._entries.popitem(last=False)
@@ -106,7 +115,13 @@ class GraphReplays:
         for key, entry in self._entries.items():
             if isinstance(entry, _Recorded):
                 del self._entries[key]
+                self._drop_unused_statics()
                 return
+
+    def _drop_unused_statics(self) -> None:
+        used = {id(e.inputs) for e in self._entries.values() if isinstance(e, _Recorded)}
+        for layout in [k for k, statics in self._statics.items() if id(statics) not in used]:
+            del self._statics[layout]
 
     def _record(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: Inputs) -> Optional[_Recorded]:
         try:
@@ -143,11 +158,16 @@ class GraphReplays:
     def _give_up(self, key: Hashable, reason: str) -> None:
         _log.warning("sparseflow: a sparse call could not be replayed from a CUDA graph; it runs eagerly: %s", reason)
         self._entries[key] = _EAGER
+        self._drop_unused_statics()
         return None
 
 
 class _NotReplayable(Exception):
     pass
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _copy_into(statics: Tuple[Optional[torch.Tensor], ...], inputs: Inputs) -> None:

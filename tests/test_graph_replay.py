@@ -36,6 +36,8 @@ def test_limit_is_checked():
         GraphReplays(limit=0)
     with pytest.raises(ValueError, match="limit must be an int >= 1"):
         GraphReplays(limit=True)
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 1"):
+        GraphReplays(max_bytes=0.5)
 
 
 def test_first_call_is_eager_and_a_failed_capture_stays_eager_and_is_logged(monkeypatch, caplog):
@@ -192,7 +194,7 @@ def test_graphs_of_one_stream_share_their_pool_and_inputs_and_stay_exact():
     # layers with their own configs (a calibrated plan): one graph each, replayed in turn from one
     # memory pool and one set of static inputs
     default_replays.clear()
-    configs = [BSAConfig(block_size=64, top_k=t, min_seq_len=0) for t in (2, 3, 4, 5)]
+    configs = [BSAConfig(block_size=64, top_k=t, min_seq_len=0) for t in (3, 4, 5, 6)]
     configs += [PBSConfig(block_size=64, segment_size=128, threshold=t, min_seq_len=0) for t in (0.8, 0.9)]
     with torch.no_grad():
         for seed in range(3):
@@ -203,3 +205,71 @@ def test_graphs_of_one_stream_share_their_pool_and_inputs_and_stay_exact():
                 assert torch.equal(got, want), f"{cfg} on inputs {seed}"
     assert default_replays.captures == len(configs) and len(default_replays) == len(configs)
     assert len(default_replays._statics) == 1 and len(default_replays._pools) == 1
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: a replay reruns the recorded call on the static
+    inputs into the recorded output, which is what a real replay does to their memory."""
+
+    def __init__(self, fn, statics, output):
+        self.fn, self.statics, self.output = fn, statics, output
+
+    def replay(self):
+        self.output.copy_(self.fn(*self.statics))
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    from sparseflow import graph_replay
+
+    class Stream:
+        cuda_stream = 7
+
+    def capture(fn, statics, stream, pool):
+        out = fn(*statics)
+        return _FakeGraph(fn, statics, out), out
+
+    monkeypatch.setattr(graph_replay, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+
+def test_replays_read_fresh_inputs_and_never_hand_out_the_static_output(fake_cuda_graphs):
+    cache = GraphReplays()
+    outs = [cache.run("k", lambda x: x * 3, (torch.full((4,), float(i)),)) for i in range(4)]
+    assert [o.tolist() for o in outs] == [[3.0 * i] * 4 for i in range(4)]
+    assert cache.captures == 1 and cache.replays == 3 and len(cache) == 1
+
+
+def test_oldest_graphs_go_past_the_limit_and_their_static_inputs_with_them(fake_cuda_graphs):
+    cache = GraphReplays(limit=2)
+    for n in (4, 5, 6):  # three layouts, each seen then captured
+        x = torch.ones(n)
+        for _ in range(2):
+            cache.run(("f", n), lambda t: t + 1, (x,))
+    assert len(cache) == 2 and cache.captures == 3
+    assert sorted(s[0].shape[0] for s in cache._statics.values()) == [5, 6]
+    # the evicted signature starts over: seen (eager), then recorded again
+    assert torch.equal(cache.run(("f", 4), lambda t: t + 1, (torch.zeros(4),)), torch.ones(4))
+    assert cache.captures == 3
+    cache.run(("f", 4), lambda t: t + 1, (torch.zeros(4),))
+    assert cache.captures == 4 and len(cache) == 2
+
+
+def test_graphs_past_the_byte_budget_go_oldest_first(fake_cuda_graphs):
+    cache = GraphReplays(max_bytes=3 * 1024 * 4)  # 3K floats: one graph's input plus output is 2K
+    for name in ("a", "b"):
+        for _ in range(2):
+            cache.run(name, lambda t: t * 2, (torch.ones(1024) if name == "a" else torch.ones(1024, 1),))
+    assert len(cache) == 1 and cache.held_bytes() <= cache.max_bytes
+    assert [k for k, e in cache._entries.items() if not isinstance(e, str)] == ["b"]
+
+
+def test_configs_sharing_a_layout_share_static_inputs(fake_cuda_graphs):
+    cache = GraphReplays()
+    for _ in range(3):
+        x = torch.randn(8)
+        for scale in (1.0, 2.0, 3.0):
+            got = cache.run(("f", scale), lambda t, s=scale: t * s, (x,))
+            assert torch.equal(got, x * scale)
+    assert cache.captures == 3 and len(cache._statics) == 1
