@@ -10,6 +10,8 @@ measured the same cell, the later run's row is kept.
         e2e_paths_*_h200.json e2e_auto_4k_8k_h200.json e2e_auto_16k_128k_yarn_h200.json
 
 (runs with random weights, CUDA graphs or another text are refused: they are not the same table).
+Rows with every kernel launched (``--cuda-graphs off``) are left out: the table is the default
+path's, which replays an eager sparse call's kernels from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _check_mergeable(name: str, run: Dict[str, object]) -> None:
 def _with_own_speedups(name: str, run: Dict[str, object]) -> List[Dict[str, object]]:
     """The run's measured rows, each with ``speedup`` over that run's dense row (a run cut short
     by its time limit never computed them) and the ``source`` file and date."""
-    rows = [r for r in run["rows"] if "ms" in r]
+    rows = [r for r in run["rows"] if "ms" in r and r.get("cuda_graphs") is not False]
     dense = {(r["n"], r["rope"]): r["ms"] for r in rows if r["path"] == "dense"}
     lone = sorted({(r["n"], r["rope"]) for r in rows} - set(dense))
     if lone:

@@ -56,6 +56,20 @@ def test_speedups_use_each_runs_own_dense_and_the_later_run_wins_a_cell():
     assert "| 32768 | yarn | pbs | 60.0 ms (2.00x), KL 0.090 / 83.0% | 52.0 ms (2.50x), KL 0.088 / 84.0% |" in md
 
 
+def test_rows_with_every_kernel_launched_are_left_out():
+    run = _run(
+        "2026-12-02T10:00",
+        [
+            _row(8192, "dense", None, 20.0),
+            _row(8192, "converted", "pbs", 21.5, "triton", cuda_graphs=True),
+            _row(8192, "converted", "pbs", 72.0, "triton", cuda_graphs=False),
+        ],
+    )
+    merged = e2e_merge.merge_runs({"graphs.json": run})
+    pbs = [r for r in merged["rows"] if r["setting"] == "pbs"]
+    assert len(pbs) == 1 and pbs[0]["ms"] == 21.5 and pbs[0]["speedup"] == pytest.approx(20.0 / 21.5)
+
+
 def test_a_run_that_recorded_its_backend_once_gives_it_to_its_sparse_rows():
     run = _run(
         "2026-12-01T08:00", [_row(8192, "dense", None, 30.0), _row(8192, "converted", "bsa", 60.0)], backend="triton"
