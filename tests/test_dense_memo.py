@@ -1,5 +1,7 @@
-"""sparseflow.attention remembers eager calls it planned to dense SDPA (per call signature) so
-that a repeat skips validation and planning; the memo must never change what a call computes."""
+"""sparseflow.attention remembers the plan of an eager call (dense SDPA with its reason, or the
+sparse backend) per call signature, so that a repeat skips validation and planning, and runs an
+eager sparse call without gradient without the op's dispatcher; neither may change what a call
+computes or records."""
 
 import pytest
 import torch
@@ -93,3 +95,27 @@ def test_masked_and_traced_calls_are_not_remembered():
         lambda a, b, c: sparseflow.attention(a, b, c, config=CFG, backend="reference"), backend="eager", fullgraph=True
     )(q, k, v)
     assert not default_chooser.planned_calls
+
+
+def test_repeated_sparse_call_is_remembered_and_skips_the_dispatcher_without_gradient(monkeypatch):
+    from sparseflow import ops
+
+    q, k, v = _qkv(128)
+    want = sparseflow.attention(q, k, v, config=CFG, backend="reference", tuning=sparseflow.Tuning(pbs_tma=False))
+    validated, dispatched = [], []
+    real_validate, real_op_for = ops.validate_inputs, ops.op_for
+    monkeypatch.setattr(ops, "validate_inputs", lambda *a: validated.append(a[0]) or real_validate(*a))
+    monkeypatch.setattr(ops, "op_for", lambda m: dispatched.append(m) or real_op_for(m))
+    for i in range(3):
+        with sparseflow.capture() as cap:
+            out = sparseflow.attention(q, k, v, config=CFG, backend="reference", tag="layer")
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        (rec,) = cap.calls
+        assert (rec.sparse, rec.tag, rec.backend) == (True, "layer", "reference") and rec.selection is not None
+    assert validated == ["pbs"] and dispatched == [] and len(default_chooser.planned_calls) == 2  # with `want`
+    # with gradient the op's autograd is needed: through the dispatcher, with the remembered plan
+    qg = q.clone().requires_grad_(True)
+    out = sparseflow.attention(qg, k, v, config=CFG, backend="reference")
+    out.sum().backward()
+    assert dispatched == ["pbs"] and validated.count("pbs") >= 1 and qg.grad is not None
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)

@@ -141,3 +141,23 @@ def test_a_layer_resolved_eagerly_compiles_in_one_graph(attn):
     )
     torch.testing.assert_close(fn(q, k, v), want)
     assert vars(attn)[sfhf._LAYER_ATTR] is kept
+
+
+def test_a_plans_tuning_round_trips_and_reaches_the_op(attn, monkeypatch):
+    tuning = sparseflow.Tuning(cuda_graphs=False, pbs_kv_layout="gather")
+    plan = sfhf.Plan(method="pbs", config=CFG, tuning=tuning)
+    assert sfhf.Plan.from_dict(plan.to_dict()).tuning == tuning
+    old = plan.to_dict()
+    del old["tuning"]  # a plan written before plans carried one
+    assert sfhf.Plan.from_dict(old).tuning == sparseflow.Tuning()
+    with pytest.raises(ValueError, match=r"unknown fields \['pbs_warp_count'\]"):
+        sfhf.Plan.from_dict({**plan.to_dict(), "tuning": {"pbs_warp_count": 4}})
+    with pytest.raises(TypeError, match="Plan.tuning must be a sparseflow.Tuning"):
+        sfhf.Plan(method="pbs", config=CFG, tuning={"cuda_graphs": False})
+    seen = []
+    real = sparseflow.ops._attention
+    monkeypatch.setattr(sparseflow.ops, "_attention", lambda *a: seen.append(a[10]) or real(*a))
+    setattr(attn.config, sfhf.PLAN_KEY, plan.to_dict())
+    q, k, v = _qkv(80)  # sparse at this length: min_seq_len is 64
+    sfhf.sparseflow_attention_forward(attn, q, k, v, None, scaling=attn.scaling)
+    assert seen == [tuning]
