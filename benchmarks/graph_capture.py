@@ -3,7 +3,7 @@
 For each method with ``backend="triton"`` on SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64,
 bf16, causal, no padding): does one call synchronise with the host
 (``torch.cuda.set_sync_debug_mode("error")``), can it be captured in a CUDA graph, and the time of
-an eager call against a graph replay. Then the same for the whole forward of a randomly
+an eager call with every kernel launched (``Tuning.cuda_graphs=False``) against a graph replay. Then the same for the whole forward of a randomly
 initialised SmolLM2-135M-shaped model through the converted path (transformers
 ``AttentionInterface``, PBS defaults).
 
@@ -31,6 +31,9 @@ from common import mean_ms_cuda_events as _ms  # noqa: E402
 
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ''}"
+
+
+LAUNCHED = sparseflow.Tuning(cuda_graphs=False)
 
 
 def check(fn):
@@ -97,7 +100,8 @@ def main(argv=None) -> int:
                 ("pisa", sparseflow.PISAConfig()),
                 ("bsa", sparseflow.BSAConfig()),
             ):
-                cases[method] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton")
+                # every kernel launched (no replay of sparseflow's own): what this study captures itself
+                cases[method] = lambda c=cfg: sparseflow.attention(q, k, v, config=c, backend="triton", tuning=LAUNCHED)
             for name, fn in cases.items():
                 row = {"n": n, "case": name}
                 try:
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
                 for setting in ("dense", "pbs"):
                     model.set_attn_implementation("sdpa")
                     if setting != "dense":
-                        sparseflow_hf.apply_plan(model, converted_plan(setting, "triton", 30))
+                        sparseflow_hf.apply_plan(model, converted_plan(setting, "triton", 30, cuda_graphs=False))
                     row = {"n": n, "case": f"model {setting}"}
                     try:
                         row.update(check(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)))
