@@ -2,9 +2,9 @@
 device the op runs on (issue 5), once per shape bucket.
 
 The first call of a (method, device, dtype, heads, head dim, config, length bucket) runs every
-candidate backend on the call's own inputs (warm-up runs, which also compile flex and record a CUDA graph, then
-timed runs with CUDA events) and keeps the fastest for later calls of that key; the choice is what
-the op's report shows as the call's backend. ``SPARSEFLOW_AUTO_BACKEND=<backend>`` skips the
+candidate backend on the call's own inputs (warm-up runs, which also compile flex and record a
+CUDA graph, then timed runs with CUDA events) and keeps the fastest for later calls of that key;
+the choice is what the op's report shows as the call's backend. ``SPARSEFLOW_AUTO_BACKEND=<backend>`` skips the
 measurement and forces one. On the CPU ``auto`` is the reference: compiled flex costs seconds
 per new shape there, and Triton runs only in its interpreter.
 

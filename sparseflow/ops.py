@@ -353,9 +353,7 @@ def _decide(
         # each candidate as it would run this call: a Triton call it may replay is timed replayed
         if name == DENSE_CHOICE:
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
-        if _replayable(name, entry, q, k, v, mask.key_padding_mask):
-            return _replayed_impl(method, name, entry, q, k, v, mask, scale)
-        return _call_impl(method, name, entry, q, k, v, mask, scale, False)
+        return _replayed_or_launched(method, name, entry, q, k, v, mask, scale)
 
     choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
     if choice != DENSE_CHOICE:
@@ -531,8 +529,8 @@ def _execute(method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: b
         out, sel = step(state, tag, plan.entry.cfg, plan.entry.tuning, q, k, v, scale, cap is not None)
         _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
         return out.contiguous()
-    if cap is None and not for_grad and _replayable(chosen, plan.entry, q, k, v, mask.key_padding_mask):
-        out, sel = _replayed_impl(method, chosen, plan.entry, q, k, v, mask, scale), None
+    if cap is None and not for_grad:
+        out, sel = _replayed_or_launched(method, chosen, plan.entry, q, k, v, mask, scale), None
     else:
         result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
         out, sel = result if isinstance(result, tuple) else (result, None)
@@ -542,6 +540,14 @@ def _execute(method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: b
     return out.contiguous()
 
 
+def _replayed_or_launched(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale) -> torch.Tensor:
+    """The implementation's output without a selection: from the CUDA-graph cache when the call
+    may replay, else by launching its kernels."""
+    if _replayable(chosen, entry, q, k, v, mask.key_padding_mask):
+        return _replayed_impl(method, chosen, entry, q, k, v, mask, scale)
+    return _call_impl(method, chosen, entry, q, k, v, mask, scale, False)
+
+
 def _replayable(chosen: str, entry: _ConfigEntry, q, k, v, kpm) -> bool:
     """Whether this sparse call may replay from a CUDA graph: a Triton call on CUDA that the
     tuning allows, without gradient or key padding, outside any other capture (which records it
@@ -549,7 +555,7 @@ def _replayable(chosen: str, entry: _ConfigEntry, q, k, v, kpm) -> bool:
     anything padded at all?), which a graph could not redo."""
     if chosen != "triton" or not entry.tuning.cuda_graphs or not q.is_cuda or kpm is not None:
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _needs_autograd(q, k, v, None):
         return False
     if any(t.data_ptr() % 16 for t in (q, k, v)):
         # the kernels specialise on 16-byte alignment, which a graph's static inputs always have

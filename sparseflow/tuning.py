@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WALKS", "PISA_WARPS"]
 
@@ -85,6 +85,18 @@ class Tuning:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "tuning") -> "Tuning":
+        """Inverse of ``to_dict``; ``where`` names the source in errors. Unknown fields are a
+        ``ValueError`` that names them (a field of a newer sparseflow is not silently dropped)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{where} must be a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where} has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
 
     def replace(self, **changes) -> "Tuning":
         return dataclasses.replace(self, **changes)

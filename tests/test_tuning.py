@@ -265,3 +265,12 @@ def test_context_parallel_pbs_selection_follows_the_tuning():
     assert cpm._pbs_kernels(q, Tuning(pbs_select="triton"))
     assert not cpm._pbs_kernels(q, Tuning(pbs_select="reference"))
     assert cpm._pbs_kernels(q) == (DEV == "cuda")  # the default: Triton on CUDA only
+
+
+def test_from_dict_inverts_to_dict_and_names_unknown_fields():
+    t = Tuning(pbs_kv_layout="gather", cuda_graphs=False)
+    assert Tuning.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match=r"tuning has unknown fields \['warps'\]"):
+        Tuning.from_dict({"warps": 4})
+    with pytest.raises(TypeError, match="tuning must be a dict, got str"):
+        Tuning.from_dict("gather")
