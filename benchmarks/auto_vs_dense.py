@@ -3,8 +3,9 @@
     python benchmarks/auto_vs_dense.py --ns 4096,8192,16384 --json benchmarks/results/e2e_auto_interleaved_h200.json
 
 SmolLM2-135M-Instruct (real weights, ``pydoc_topics`` text, YaRN beyond the trained 8K), the
-converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS and BSA
-with ``backend="triton"`` (replayed from CUDA graphs, and PBS with every kernel launched, the
+converted-checkpoint path with every method at its defaults and ``backend="auto"``, PBS, the
+``smollm2`` PBS recipe and BSA with ``backend="triton"`` (replayed from CUDA graphs; PBS also
+replayed from graphs on static inputs only, and with every kernel launched, the
 ``Tuning.cuda_graphs=False`` path), beside transformers' own SDPA. At these lengths the eager
 forward is host-bound and drifts from run to run, so the variants take turns: each round times
 ``--calls`` forwards of every variant in a row, starting each round one variant further along
@@ -20,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,35 +32,38 @@ sys.path.insert(0, HERE)
 import sparseflow  # noqa: E402
 import sparseflow.hf  # noqa: E402
 from common import mean_s_back_to_back  # noqa: E402
-from e2e_prefill import TRAINED_POSITIONS, _ints, env_info, repeated_tokens, set_rope  # noqa: E402
+from e2e_prefill import TRAINED_POSITIONS, _ints, converted_plan, env_info, repeated_tokens, set_rope  # noqa: E402
 from sparseflow.checkpoints import load_smollm2  # noqa: E402
-from sparseflow.config import default_config  # noqa: E402
-from sparseflow.hf import Plan  # noqa: E402
+from sparseflow.graph_replay import default_replays  # noqa: E402
 
-VARIANTS = {  # name -> None (transformers' SDPA) or (method, backend, Tuning.cuda_graphs)
+
+class Variant(NamedTuple):
+    setting: str  # an e2e_prefill setting: a method at its defaults, or recipe:method
+    backend: str
+    cuda_graphs: bool = True  # Tuning.cuda_graphs
+    in_place: bool = True  # replays may use graphs that read recurring input addresses in place
+
+
+VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
     "dense": None,
-    "pbs auto": ("pbs", "auto", True),
-    "pisa auto": ("pisa", "auto", True),
-    "bsa auto": ("bsa", "auto", True),
-    "pbs triton": ("pbs", "triton", True),
-    "bsa triton": ("bsa", "triton", True),
-    "pbs launched": ("pbs", "triton", False),
+    "pbs auto": Variant("pbs", "auto"),
+    "pisa auto": Variant("pisa", "auto"),
+    "bsa auto": Variant("bsa", "auto"),
+    "pbs triton": Variant("pbs", "triton"),
+    "recipe triton": Variant("smollm2:pbs", "triton"),
+    "bsa triton": Variant("bsa", "triton"),
+    "pbs copying": Variant("pbs", "triton", in_place=False),
+    "pbs launched": Variant("pbs", "triton", cuda_graphs=False),
 }
 
 
-def use(model, variant) -> None:
+def use(model, variant: Optional[Variant]) -> None:
     if variant is None:
         model.set_attn_implementation("sdpa")
         return
-    method, backend, graphs = variant
-    plan = Plan(
-        method=method,
-        config=default_config(method),
-        backend=backend,
-        num_layers=model.config.num_hidden_layers,
-        tuning=sparseflow.Tuning(cuda_graphs=graphs),
-    )
-    sparseflow.hf.apply_plan(model, plan)
+    default_replays.in_place = variant.in_place
+    n_layers = model.config.num_hidden_layers
+    sparseflow.hf.apply_plan(model, converted_plan(variant.setting, variant.backend, n_layers, variant.cuda_graphs))
 
 
 def round_order(names, index: int):
@@ -87,10 +92,10 @@ def run_length(model, tok, n: int, args):
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    for variant in VARIANTS.values():  # auto's decisions and autotuning happen before any timing
+    for variant in VARIANTS.values():  # auto's decisions, autotuning and captures happen before any timing
         use(model, variant)
-        forward()
-        forward()
+        for _ in range(4):  # in-place graphs are recorded on an address's second visit, in call 3
+            forward()
     times = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
         for name in round_order(VARIANTS, r):

@@ -255,6 +255,7 @@ class _ConfigEntry(NamedTuple):
     kwargs: Dict[str, Any]  # the implementation's keyword arguments (all fields but min_seq_len)
     serial: int  # never reused, so a key holding it can never mean another config
     tuning: Tuning
+    values: Tuple  # the op's flattened config and tuning arguments it was built from
 
 
 _CACHE_LIMIT = 512  # distinct configs per process; past it the caches start over (correct, slower)
@@ -273,7 +274,7 @@ def _config_entry(method: str, values: Tuple) -> _ConfigEntry:
         names = _NAMES[method]
         cfg = _methods.spec_for(method).config_type(**dict(zip(names, values)))
         tuning = Tuning(**dict(zip(_TUNING_NAMES[method], values[len(names) :])))
-        entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS), tuning)
+        entry = _ConfigEntry(cfg, _impl_kwargs(cfg), next(_SERIALS), tuning, values)
         if len(_BY_VALUES) >= _CACHE_LIMIT:
             _BY_VALUES.clear()
         _BY_VALUES[key] = entry
@@ -509,9 +510,13 @@ def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = Fals
     return _execute(method, plan, args, record=record, for_grad=for_grad, twice=twice)
 
 
-def _execute(method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: bool, twice: bool) -> torch.Tensor:
+def _execute(
+    method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: bool, twice: bool, contiguous: bool = True
+) -> torch.Tensor:
     """Run ``args`` (validated) as ``plan`` says: dense SDPA with its reason, a decode step, or the
-    sparse backend; record the call in the active capture."""
+    sparse backend; record the call in the active capture. ``contiguous=False``: a sparse result
+    may come in ``[B, N, H, D]`` memory order (a replay's copy lands there for free), for a
+    caller that transposes it back to that order."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
     cap = _capture.active_capture() if record else None
@@ -530,21 +535,28 @@ def _execute(method: str, plan: _Plan, args: Tuple, *, record: bool, for_grad: b
         _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
         return out.contiguous()
     if cap is None and not for_grad:
-        out, sel = _replayed_or_launched(method, chosen, plan.entry, q, k, v, mask, scale), None
+        layout = None if contiguous else _TOKENS_MAJOR
+        out, sel = _replayed_or_launched(method, chosen, plan.entry, q, k, v, mask, scale, layout), None
     else:
         result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
         out, sel = result if isinstance(result, tuple) else (result, None)
     _record_sparse(cap, tag, method, chosen, q, k, sel, want_sel)
     if record:
         _capture.note_call(method, tag, True)
-    return out.contiguous()
+    return out.contiguous() if contiguous else out
 
 
-def _replayed_or_launched(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale) -> torch.Tensor:
+_TOKENS_MAJOR = (0, 2, 1, 3)  # [B, H, N, D] held in [B, N, H, D] memory: what a model transposes back to
+
+
+def _replayed_or_launched(
+    method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale, out_layout: Optional[Tuple[int, ...]] = None
+) -> torch.Tensor:
     """The implementation's output without a selection: from the CUDA-graph cache when the call
-    may replay, else by launching its kernels."""
+    may replay (in ``out_layout``'s memory order, see ``GraphReplays.run``), else by launching its
+    kernels."""
     if _replayable(chosen, entry, q, k, v, mask.key_padding_mask):
-        return _replayed_impl(method, chosen, entry, q, k, v, mask, scale)
+        return _replayed_impl(method, chosen, entry, q, k, v, mask, scale, out_layout)
     return _call_impl(method, chosen, entry, q, k, v, mask, scale, False)
 
 
@@ -557,13 +569,13 @@ def _replayable(chosen: str, entry: _ConfigEntry, q, k, v, kpm) -> bool:
         return False
     if _needs_autograd(q, k, v, None):
         return False
-    if any(t.data_ptr() % 16 for t in (q, k, v)):
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         # the kernels specialise on 16-byte alignment, which a graph's static inputs always have
         return False
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale) -> torch.Tensor:
+def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask, scale, out_layout) -> torch.Tensor:
     """``_call_impl`` through the CUDA-graph cache (a call without key padding), keyed on
     everything the pipeline's launches depend on besides the tensors' values."""
     key = (
@@ -571,16 +583,16 @@ def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask,
         chosen,
         mask.is_causal,
         scale,
-        torch.cuda.current_stream(q.device).cuda_stream,
+        torch._C._cuda_getCurrentRawStream(q.device.index),  # what current_stream().cuda_stream is, 5 us cheaper
         q.device,
-        tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v)),
+        (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype),
     )
     causal = mask.is_causal
 
     def call(q_, k_, v_):
         return _call_impl(method, chosen, entry, q_, k_, v_, _MaskView(None, causal), scale, False)
 
-    return _graph_replay.default_replays.run(key, call, (q, k, v))
+    return _graph_replay.default_replays.run(key, call, (q, k, v), out_layout)
 
 
 class _MaskView(NamedTuple):
@@ -593,8 +605,10 @@ class _MaskView(NamedTuple):
 def _decode_of(method: str, chosen: str, q, k, v, mask) -> Optional[Tuple[Any, Callable]]:
     """(the model's decode state, the method's decode step) when this call is one generate()
     step the method's cache serves: one query over cached keys, no padding, no gradient."""
+    if q.shape[2] != 1 or k.shape[2] <= 1:  # a prefill: the common case, decided first
+        return None
     decode = _methods.spec_for(method).decode
-    if decode is None or chosen != decode.backend or q.shape[2] != 1 or k.shape[2] <= 1:
+    if decode is None or chosen != decode.backend:
         return None
     if mask.key_padding_mask is not None:
         return None
@@ -748,7 +762,8 @@ def attention_any_layout(
 ) -> torch.Tensor:
     """:func:`attention` without a mask or context parallelism, for a caller that lays the
     result out itself (``sparseflow.hf``): a dense call returns SDPA's own layout, which for q/k/v
-    viewed from ``[B, N, H, D]`` memory is that memory, so transposing back to it copies nothing."""
+    viewed from ``[B, N, H, D]`` memory is that memory, and a replayed sparse call returns
+    ``[B, N, H, D]`` memory, so transposing back to it copies nothing."""
     _check_call_types(config, is_causal)
     return _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
 
@@ -802,7 +817,8 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
     if not eager:
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
-    values, entry = _config_call(config, tuning)
+    # a remembered plan holds the entry _config_call would give (the memo checked config and tuning)
+    values, entry = (plan.entry.values, plan.entry) if plan is not None else _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
     return _eager_call(config, tuning, memo, args, entry, contiguous, plan)
 
@@ -840,7 +856,7 @@ def _eager_call(config, tuning, memo, args, entry, contiguous: bool, plan: Optio
         return out.contiguous() if contiguous else out
     if plan.reason is None and not _needs_autograd(q, k, v, attn_mask) and _INTERCEPTOR.get() is None:
         # what the op's implementation runs for this plan, without the dispatcher's cost
-        return _execute(method, plan, args, record=True, for_grad=False, twice=False)
+        return _execute(method, plan, args, record=True, for_grad=False, twice=False, contiguous=contiguous)
     token = _PREPARED.set((method, args, plan))
     try:
         return op_for(method)(*args)

@@ -48,7 +48,7 @@ def test_first_call_is_eager_and_a_failed_capture_stays_eager_and_is_logged(monk
         calls.append(x)
         return x * 2
 
-    def refused(self, fn, inputs):
+    def refused(self, fn, inputs, in_place):
         raise RuntimeError("capture refused by the test")
 
     monkeypatch.setattr(GraphReplays, "_capture_into_pool", refused)
@@ -112,6 +112,42 @@ def test_replayed_calls_equal_launched_kernels_on_fresh_inputs(method):
     assert default_replays.captures == 1 and default_replays.replays == 3
     assert all(torch.equal(kept, copy) for kept, copy in results)
     assert not torch.equal(results[-1][0], results[-2][0])
+
+
+@gpu
+def test_a_model_layers_replayed_result_is_already_in_its_token_major_memory():
+    # sparseflow.hf transposes the result back to [B, N, H, D]: a replay's one copy lands there
+    from sparseflow.ops import attention_any_layout
+
+    default_replays.clear()
+    cfg = _CONFIGS["pbs"]
+    with torch.no_grad():
+        for seed in range(3):
+            q, k, v = _hf_qkv(400, seed)
+            got = attention_any_layout(q, k, v, config=cfg, is_causal=True, scale=None, backend="triton", tag="t")
+            want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(got, want), f"call {seed}"
+            if seed:  # replayed
+                assert got.transpose(1, 2).is_contiguous(), got.stride()
+    assert default_replays.replays == 2
+
+
+@gpu
+@pytest.mark.parametrize("method", list(_CONFIGS))
+def test_inputs_at_recurring_addresses_replay_in_place_exactly(method):
+    # a model's layer gets q/k/v at the same addresses forward after forward: buffers refilled here
+    default_replays.clear()
+    cfg = _CONFIGS[method]
+    bufs = _hf_qkv(400, 0)
+    with torch.no_grad():
+        for seed in range(6):
+            for buf, new in zip(bufs, _hf_qkv(400, seed + 1)):
+                buf.copy_(new)
+            got = sparseflow.attention(*bufs, config=cfg, backend="triton")
+            want = sparseflow.attention(*bufs, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(got, want), f"{method}: call {seed}"
+    # one graph on static inputs (call 2), one that reads the buffers where they are (call 4)
+    assert default_replays.captures == 2 and default_replays.replays == 5
 
 
 @gpu
@@ -239,6 +275,44 @@ def test_replays_read_fresh_inputs_and_never_hand_out_the_static_output(fake_cud
     outs = [cache.run("k", lambda x: x * 3, (torch.full((4,), float(i)),)) for i in range(4)]
     assert [o.tolist() for o in outs] == [[3.0 * i] * 4 for i in range(4)]
     assert cache.captures == 1 and cache.replays == 3 and len(cache) == 1
+
+
+def test_a_replay_copies_its_output_into_the_memory_order_asked_for(fake_cuda_graphs):
+    cache = GraphReplays()
+    x = torch.arange(24.0).reshape(1, 2, 3, 4)
+    for layout in (None, None, (0, 2, 1, 3), None):
+        got = cache.run("k", lambda t: t * 2, (x,), layout)
+        assert torch.equal(got, x * 2)
+        assert got.is_contiguous() if layout is None else got.transpose(1, 2).is_contiguous()
+    assert cache.replays == 3
+
+
+def test_inputs_at_recurring_addresses_get_a_graph_that_reads_them_in_place(fake_cuda_graphs):
+    cache = GraphReplays()
+    x = torch.zeros(8)
+    for i in range(6):  # one buffer refilled each call, as a model's layer gets its q forward after forward
+        x.fill_(float(i))
+        assert torch.equal(cache.run("k", lambda t: t + 1, (x,)), x + 1), f"call {i}"
+    # call 1 eager, call 2 records the copying graph, call 3 first sees the address, call 4
+    # records the in-place graph, calls 5-6 replay it
+    assert cache.captures == 2 and cache.replays == 5 and len(cache) == 2
+    in_place = [e for k, e in cache._entries.items() if isinstance(k, tuple) and not isinstance(e, str)]
+    assert len(in_place) == 1 and in_place[0].inputs == ()  # it holds no static inputs (nor the caller's)
+    y = torch.full((8,), 7.0)  # another address: the copying graph serves it
+    assert torch.equal(cache.run("k", lambda t: t + 1, (y,)), y + 1) and cache.captures == 2
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [GraphReplays(in_place=False), GraphReplays(max_bytes=3 * 8 * 4), GraphReplays(limit=2)],
+    ids=["switched-off", "past-half-the-byte-budget", "no-room-under-the-limit"],
+)
+def test_in_place_graphs_are_recorded_only_where_asked_and_where_they_fit(fake_cuda_graphs, cache):
+    x = torch.zeros(8)
+    for i in range(6):
+        x.fill_(float(i))
+        assert torch.equal(cache.run("k", lambda t: t * 2, (x,)), x * 2)
+    assert cache.captures == 1 and len(cache) == 1
 
 
 def test_oldest_graphs_go_past_the_limit_and_their_static_inputs_with_them(fake_cuda_graphs):
