@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
+import sparseflow.graph_replay  # noqa: E402
 from common import mean_s_back_to_back  # noqa: E402
 
 
@@ -126,6 +127,16 @@ def launch_baseline_us(reps: int) -> dict:
 LAUNCHED = sparseflow.Tuning(cuda_graphs=False)
 
 
+def copying(call):
+    """``call()`` with the replay cache's in-place graphs switched off."""
+    replays = sparseflow.graph_replay.default_replays
+    replays.in_place = False
+    try:
+        return call()
+    finally:
+        replays.in_place = True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096, 8192])
@@ -165,6 +176,10 @@ def main(argv=None) -> int:
             variants[f"{method} launched"] = lambda c=cfg: sparseflow.attention(
                 q, k, v, config=c, backend="triton", tuning=LAUNCHED
             )
+            if method == "pbs":  # replays from the graph on static inputs only: three input copies a call
+                variants["pbs copying"] = lambda c=cfg: copying(
+                    lambda: sparseflow.attention(q, k, v, config=c, backend="triton")
+                )
             # the implementation alone, without the op's dispatch, validation and plan
             impl = sparseflow.ops._load(method, "triton")
             variants[f"{method} impl"] = lambda c=cfg, f=impl: f(q, k, v, c)

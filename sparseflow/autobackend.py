@@ -34,9 +34,11 @@ def _bucket(n: int) -> int:
 
 
 class BackendChooser:
-    def __init__(self, reps: int = 3, warmups: int = 2):
+    def __init__(self, reps: int = 3, warmups: int = 4):
         self.reps = int(reps)
-        # two: a call replayed from a CUDA graph runs eagerly once, then records its graph
+        # four: a call replayed from CUDA graphs runs eagerly once, records its graph on static
+        # inputs, then (its inputs at the same addresses) records one that reads them in place;
+        # a capture inside the timed calls would stall the GPU behind the host and lose the race
         self.warmups = int(warmups)
         self.choices: Dict[Tuple, str] = {}
         self.timings: Dict[Tuple, Dict[str, float]] = {}

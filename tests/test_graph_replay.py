@@ -347,3 +347,22 @@ def test_configs_sharing_a_layout_share_static_inputs(fake_cuda_graphs):
             got = cache.run(("f", scale), lambda t, s=scale: t * s, (x,))
             assert torch.equal(got, x * scale)
     assert cache.captures == 3 and len(cache._statics) == 1
+
+
+def test_auto_times_a_replayed_candidate_only_after_every_capture(fake_cuda_graphs):
+    # a capture among the timed calls would stall the GPU behind the host: auto would time that
+    from sparseflow.autobackend import BackendChooser
+
+    cache = GraphReplays()
+    x = torch.ones(8)
+    captures_seen = []
+
+    def run(name):
+        out = cache.run(name, lambda t: t * 2, (x,))
+        captures_seen.append(cache.captures)
+        return out
+
+    chooser = BackendChooser()
+    chooser._time(run, "triton")
+    timed = captures_seen[-chooser.reps :]
+    assert cache.captures == 2 and timed == [2] * chooser.reps, captures_seen
