@@ -151,10 +151,17 @@ class GraphReplays:
     def _remember(self, key: Hashable, entry: Union[str, _Recorded]) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)
-        while len(self) > self.limit or (len(self) > 1 and self.held_bytes() > self.max_bytes):
-            self._evict_oldest_graph()
-        while len(self._entries) > 8 * self.limit:  # markers of signatures seen once, eventually forgotten
-            self._entries.popitem(last=False)
+        if isinstance(entry, _Recorded):
+            while len(self) > self.limit or (len(self) > 1 and self.held_bytes() > self.max_bytes):
+                self._evict_oldest_graph()
+        elif len(self._entries) > 8 * self.limit:  # markers of signatures seen once, eventually forgotten
+            self._forget_oldest_marker()
+
+    def _forget_oldest_marker(self) -> None:
+        for key, entry in self._entries.items():
+            if not isinstance(entry, _Recorded):
+                del self._entries[key]
+                return
 
     def _evict_oldest_graph(self) -> None:
         for key, entry in self._entries.items():

@@ -366,3 +366,18 @@ def test_auto_times_a_replayed_candidate_only_after_every_capture(fake_cuda_grap
     chooser._time(run, "triton")
     timed = captures_seen[-chooser.reps :]
     assert cache.captures == 2 and timed == [2] * chooser.reps, captures_seen
+
+
+def test_markers_of_addresses_seen_once_are_forgotten_but_never_a_graph(fake_cuda_graphs):
+    cache = GraphReplays(limit=3)
+    for key in ("a", "b"):
+        for _ in range(2):  # each signature's graph on static inputs
+            cache.run(key, lambda t: t + 1, (torch.ones(4),))
+    kept = []  # fresh addresses for "b", each seen once (kept alive, so none is reused)
+    for i in range(40):
+        kept.append(torch.full((4,), float(i)))
+        assert torch.equal(cache.run("b", lambda t: t + 1, (kept[-1],)), kept[-1] + 1)
+    # "a" has not run since its capture, yet markers never push a graph out
+    assert len(cache._entries) <= 8 * cache.limit and len(cache) == 2 and cache.captures == 2
+    assert torch.equal(cache.run("a", lambda t: t + 1, (torch.zeros(4),)), torch.ones(4))
+    assert cache.captures == 2 and cache.replays == 2 + 40 + 1
