@@ -34,8 +34,12 @@ def _bucket(n: int) -> int:
 
 
 class BackendChooser:
-    def __init__(self, reps: int = 3, warmups: int = 4):
+    def __init__(self, reps: int = 3, warmups: int = 4, margin: float = 1.03):
         self.reps = int(reps)
+        # a preferred candidate (dense SDPA: exact) gives way only to one at least this many
+        # times faster, so a near-tie measured on one call never trades exactness for noise;
+        # 1.03 keeps auto within 3% of the fastest backend
+        self.margin = float(margin)
         # four: a call replayed from CUDA graphs runs eagerly once, records its graph on static
         # inputs, then (its inputs at the same addresses) records one that reads them in place;
         # a capture inside the timed calls would stall the GPU behind the host and lose the race
@@ -91,7 +95,11 @@ class BackendChooser:
             config_key,
         )
 
-    def choose(self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor]) -> str:
+    def choose(
+        self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor], prefer: Optional[str] = None
+    ) -> str:
+        """The fastest of ``candidates`` on ``run`` (measured once per key), where ``prefer``
+        keeps the choice unless the fastest beats it by :attr:`margin`."""
         forced = os.environ.get(ENV_OVERRIDE)
         if forced:
             if forced not in candidates:
@@ -117,6 +125,8 @@ class BackendChooser:
         if not times:
             raise RuntimeError(f"backend='auto': no backend among {list(candidates)} could run {key[0]}")
         best = min(times, key=times.get)
+        if prefer in times and times[best] * self.margin > times[prefer]:
+            best = prefer
         self.choices[key] = best
         self.timings[key] = times
         _log.info(

@@ -356,13 +356,18 @@ def _decide(
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
         return _replayed_or_launched(method, name, entry, q, k, v, mask, scale)
 
-    choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run)
+    choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run, prefer=DENSE_CHOICE)
     if choice != DENSE_CHOICE:
         return choice, None
     times = chooser.timings.get(key, {})
     others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
+    dense_ms = times.get(DENSE_CHOICE, float("nan"))
+    if any(t < dense_ms for b, t in times.items() if b != DENSE_CHOICE):
+        lead = f"{method} measured less than {chooser.margin:.2f}x faster than dense here (dense is exact)"
+    else:
+        lead = f"measured faster than {method} here"
     return choice, (
-        f"measured faster than {method} here: dense SDPA {times.get(DENSE_CHOICE, float('nan')):.3f} ms"
+        f"{lead}: dense SDPA {dense_ms:.3f} ms"
         f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})"
     )
 

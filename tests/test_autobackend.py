@@ -213,3 +213,34 @@ def test_config_cache_returns_equal_configs_for_equal_arguments_only():
         ops._config_entry("pbs", values[:i] + (1,) + values[i + 1 :])
     # an int threshold and a float one are one config, and the op's arguments are floats
     assert ops._config_call(PBSConfig(threshold=1))[0] == ops._config_call(PBSConfig(threshold=1.0))[0]
+
+
+@pytest.mark.parametrize(
+    ("sparse_ms", "chosen"),
+    [(0.99, "sdpa"), (0.975, "sdpa"), (0.96, "triton"), (0.5, "triton"), (1.2, "sdpa")],
+    ids=["1pct-faster", "2.5pct-faster", "4pct-faster", "2x-faster", "slower"],
+)
+def test_dense_gives_way_only_to_a_backend_beating_it_by_the_margin(monkeypatch, sparse_ms, chosen):
+    times = {"triton": sparse_ms, "sdpa": 1.0}
+    monkeypatch.setattr(BackendChooser, "_time", lambda self, run, name: times[name])
+    chooser = BackendChooser()
+    assert chooser.margin == 1.03
+    assert chooser.choose(("k",), ["triton", "sdpa"], run=None, prefer="sdpa") == chosen
+    assert BackendChooser().choose(("k",), ["triton", "sdpa"], run=None) == min(times, key=times.get)
+
+
+def test_a_dense_choice_by_the_margin_says_so(monkeypatch):
+    monkeypatch.setattr(
+        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+    )
+    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    monkeypatch.setattr(BackendChooser, "_time", lambda self, run, name: {"reference": 0.99, "sdpa": 1.0}[name])
+    default_chooser.clear()
+    try:
+        q, k, v = _qkv(300)
+        with sparseflow.capture() as cap:
+            sparseflow.attention(q, k, v, config=CFG, backend="auto")
+        assert cap.calls[-1].backend == "sdpa"
+        assert "pisa measured less than 1.03x faster than dense here (dense is exact)" in cap.calls[-1].reason
+    finally:
+        default_chooser.clear()
