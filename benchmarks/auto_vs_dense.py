@@ -126,6 +126,13 @@ def run_length(model, tok, n: int, args):
     return rows
 
 
+def auto_timings():
+    """What ``backend="auto"`` measured so far: per decision, the method, query length bucket and
+    each candidate's ms per call (op level, on the call that decided)."""
+    timings = sparseflow.autobackend.default_chooser.timings
+    return [{"method": key[0], "q_len_bucket": key[-3], "ms": dict(times)} for key, times in timings.items()]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ns", type=_ints, default=[4096, 8192, 16384])
@@ -144,8 +151,9 @@ def main(argv=None) -> int:
     for n in args.ns:
         rows += run_length(model, tok, n, args)
         if args.json:
+            out = {"env": env_info(), "args": vars(args), "rows": rows, "auto_timings": auto_timings()}
             with open(args.json, "w") as fh:
-                json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+                json.dump(out, fh, indent=1)
     return 0
 
 

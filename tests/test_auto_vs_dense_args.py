@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
@@ -26,3 +27,13 @@ def test_paired_ratios_cancel_drift_between_rounds():
     times["b"] = [5.0, 10.0, 20.0, 40.0, 10.0]  # per round: 2x, 2x, 0.5x, 0.5x and 1x as fast as dense
     med, lo, hi = auto_vs_dense.paired_ratios(times)["b"]
     assert (med, lo, hi) == (1.0, 0.5, 2.0)
+
+
+def test_auto_timings_report_each_decision_by_method_and_length_bucket(monkeypatch):
+    from sparseflow.autobackend import BackendChooser
+
+    chooser = BackendChooser()
+    key = chooser.key("pbs", torch.zeros(1, 9, 8192, 64), torch.zeros(1, 3, 8192, 64), ("cfg",))
+    chooser.timings[key] = {"triton": 0.3, "sdpa": 0.2}
+    monkeypatch.setattr(auto_vs_dense.sparseflow.autobackend, "default_chooser", chooser)
+    assert auto_vs_dense.auto_timings() == [{"method": "pbs", "q_len_bucket": 52, "ms": {"triton": 0.3, "sdpa": 0.2}}]
