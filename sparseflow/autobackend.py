@@ -53,8 +53,12 @@ class BackendChooser:
         # sparse backend), per call signature (config and tuning objects, shapes, dtypes, devices,
         # flags): a repeat skips validation and planning
         self.planned_calls: Dict[Tuple, Tuple[object, object, object]] = {}
+        # bumped by clear(): callers' notes of which calls run dense (ops.attention_any_layout's
+        # ``known``) hold the generation they were made in and count only in it
+        self.generation = 0
 
     def clear(self) -> None:
+        self.generation += 1
         self.choices.clear()
         self.timings.clear()
         self.decisions.clear()

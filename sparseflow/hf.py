@@ -193,6 +193,7 @@ class _Layer(NamedTuple):
     backend: str  # the plan's backend for a sparse config; the dense op takes only 'auto'
     tag: str
     tuning: Tuning
+    known: dict  # ops.attention_any_layout's notes of which call signatures run dense
 
 
 _LAYER_ATTR = "_sparseflow_layer"  # where a module keeps its _Layer (in its __dict__, no nn.Module hooks)
@@ -202,7 +203,11 @@ def _layer_of(module) -> _Layer:
     """The module's :class:`_Layer`: kept on the module while its config, that config's plan entry
     (by identity) and its layer index are the ones it was resolved from, resolved afresh otherwise."""
     config = module.config
-    raw = getattr(config, PLAN_KEY, None)
+    # the config's own attribute dict first: transformers' config __getattribute__ is Python (over
+    # 1 us) and this runs in every layer's every call
+    compiling = torch.compiler.is_compiling()  # Dynamo cannot trace object.__getattribute__
+    attrs = {} if compiling else object.__getattribute__(config, "__dict__")
+    raw = attrs[PLAN_KEY] if PLAN_KEY in attrs else getattr(config, PLAN_KEY, None)
     layer = _layer_index(module)
     kept = module.__dict__.get(_LAYER_ATTR)
     if kept is not None and kept.config is config and kept.raw is raw and kept.layer == layer:
@@ -210,8 +215,9 @@ def _layer_of(module) -> _Layer:
     plan = plan_of(config)
     cfg = plan.config_for(layer)
     tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
-    entry = _Layer(config, raw, layer, cfg, plan.backend if spec_for(cfg).sparse else "auto", tag, plan.tuning)
-    if not torch.compiler.is_compiling():  # module state written in a trace is a side effect the compiler replays
+    backend = plan.backend if spec_for(cfg).sparse else "auto"
+    entry = _Layer(config, raw, layer, cfg, backend, tag, plan.tuning, {})
+    if not compiling:  # module state written in a trace is a side effect the compiler replays
         module.__dict__[_LAYER_ATTR] = entry
     return entry
 
@@ -252,6 +258,7 @@ def sparseflow_attention_forward(
             backend=entry.backend,
             tag=entry.tag,
             tuning=entry.tuning,
+            known=entry.known,
         )
         return out.transpose(1, 2).contiguous(), None
     if attention_mask.dim() == 4:

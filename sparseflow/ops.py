@@ -763,14 +763,77 @@ def attention(
 
 
 def attention_any_layout(
-    q, k, v, *, config, is_causal: bool, scale, backend: str, tag: str, tuning: Tuning = DEFAULT_TUNING
+    q,
+    k,
+    v,
+    *,
+    config,
+    is_causal: bool,
+    scale,
+    backend: str,
+    tag: str,
+    tuning: Tuning = DEFAULT_TUNING,
+    known: Optional[Dict[Tuple, Tuple[int, Optional[str]]]] = None,
 ) -> torch.Tensor:
     """:func:`attention` without a mask or context parallelism, for a caller that lays the
     result out itself (``sparseflow.hf``): a dense call returns SDPA's own layout, which for q/k/v
     viewed from ``[B, N, H, D]`` memory is that memory, and a replayed sparse call returns
-    ``[B, N, H, D]`` memory, so transposing back to it copies nothing."""
+    ``[B, N, H, D]`` memory, so transposing back to it copies nothing.
+
+    ``known``: a dict the caller keeps for one (config, tuning, backend, tag) -- the same four on
+    every call that passes it -- where plain eager calls note whether their signature runs dense
+    SDPA, so a repeat of a dense call goes to SDPA from its signature alone (a converted layer
+    that ``auto`` keeps dense then costs about what transformers' own SDPA function does)."""
+    sig = None
+    if known is not None and (scale is None or type(scale) in (int, float)) and _plain_eager(q, k, v, None):
+        sig = _call_signature(q, k, v, is_causal, scale, backend)
+        hit = known.get(sig)
+        if hit is not None and hit[0] == _autobackend.default_chooser.generation:
+            if hit[1] is not None:
+                scale = None if scale is None else float(scale)
+                return _dense_sdpa(
+                    config.method, tag, hit[1], q, k, v, None, is_causal, scale, _capture.active_capture()
+                )
+            sig = None  # known to run sparse: nothing to learn
     _check_call_types(config, is_causal)
-    return _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
+    out = _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
+    if sig is not None:
+        _note_known(known, sig, config, tuning, q, k, v, is_causal, scale, backend, tag)
+    return out
+
+
+def _call_signature(q, k, v, is_causal, scale, backend) -> Tuple:
+    """What a call's plan depends on besides the config, tuning, backend and tag (cf.
+    :func:`_plan_memo_key`)."""
+    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
+    return (
+        is_causal,
+        scale,
+        override,
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+    )
+
+
+_KNOWN_LIMIT = 64  # signatures per caller (decode steps grow the key length: each is new)
+
+
+def _note_known(known, sig, config, tuning, q, k, v, is_causal, scale, backend, tag) -> None:
+    """Note in ``known`` the dense reason (None: sparse) of the plan the call just remembered."""
+    memo = _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
+    plan = None if memo is None else _memoized_plan(memo, config, tuning)
+    if plan is None:
+        return
+    if len(known) >= _KNOWN_LIMIT:
+        known.clear()
+    known[sig] = (_autobackend.default_chooser.generation, plan.reason)
 
 
 def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, contiguous):

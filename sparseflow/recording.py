@@ -129,7 +129,10 @@ def log_fallback(method: str, tag: str, reason: str) -> None:
     # First occurrence of a (method, layer, reason) at INFO, repeats at DEBUG: a generate() loop
     # would otherwise print one line per layer per token.
     key = (method, tag, reason)
-    level = logging.DEBUG if key in _LOGGED else logging.INFO
-    _LOGGED.add(key)
-    logger.log(level, "sparseflow: %s attention%s runs dense: %s", method, f" at {tag}" if tag else "", reason)
-    note_call(method, tag, False, reason)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("sparseflow: %s attention%s runs dense: %s", method, f" at {tag}" if tag else "", reason)
+    elif logger.isEnabledFor(logging.DEBUG):
+        logger.debug("sparseflow: %s attention%s runs dense: %s", method, f" at {tag}" if tag else "", reason)
+    if _TALLY.get() is not None:
+        note_call(method, tag, False, reason)

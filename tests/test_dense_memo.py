@@ -119,3 +119,92 @@ def test_repeated_sparse_call_is_remembered_and_skips_the_dispatcher_without_gra
     out.sum().backward()
     assert dispatched == ["pbs"] and validated.count("pbs") >= 1 and qg.grad is not None
     torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- a caller's notes (``known``)
+
+
+def _any_layout(q, k, v, known, scale=None, backend="reference"):
+    return sparseflow.ops.attention_any_layout(
+        q, k, v, config=CFG, is_causal=True, scale=scale, backend=backend, tag="layer", known=known
+    )
+
+
+def _no_planning(monkeypatch):
+    def planned(*a, **k):
+        raise AssertionError("a noted dense call was planned again")
+
+    monkeypatch.setattr(sparseflow.ops, "_attention", planned)
+
+
+def test_noted_dense_call_goes_to_sdpa_and_still_records(monkeypatch):
+    q, k, v = _qkv(32)  # below min_seq_len: dense
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    known = {}
+    torch.testing.assert_close(_any_layout(q, k, v, known), want, rtol=0, atol=0)
+    ((_, reason),) = known.values()
+    assert "min_seq_len" in reason
+    _no_planning(monkeypatch)
+    with sparseflow.capture() as cap:
+        out = _any_layout(q, k, v, known)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    (rec,) = cap.calls
+    assert (rec.sparse, rec.tag) == (False, "layer") and "min_seq_len" in rec.reason
+    with sparseflow.recording.tallying({}) as tally:
+        _any_layout(q, k, v, known)
+    assert tally == {("layer", "pbs"): {reason: 1}}
+
+
+def test_noted_sparse_call_is_planned_through_the_memo_and_stays_sparse():
+    q, k, v = _qkv(128)
+    known = {}
+    first = _any_layout(q, k, v, known)
+    assert list(known.values())[0][1] is None  # noted as sparse
+    with sparseflow.capture() as cap:
+        again = _any_layout(q, k, v, known)
+    assert cap.calls[-1].sparse
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["longer", "scale", "value-dtype", "chooser-cleared"],
+)
+def test_a_noted_dense_call_does_not_answer_another(monkeypatch, change):
+    q, k, v = _qkv(32)
+    known = {}
+    _any_layout(q, k, v, known)
+    if change == "longer":
+        q, k, v = _qkv(128)
+        with sparseflow.capture() as cap:
+            _any_layout(q, k, v, known)
+        assert cap.calls[-1].sparse
+    elif change == "scale":
+        with pytest.raises(ValueError, match="scale"):
+            _any_layout(q, k, v, known, scale=-1.0)
+    elif change == "value-dtype":
+        with pytest.raises(TypeError, match="share a dtype"):
+            _any_layout(q, k, v.double(), known)
+    else:
+        default_chooser.clear()
+        calls = []
+        real = sparseflow.ops._attention
+        monkeypatch.setattr(sparseflow.ops, "_attention", lambda *a: calls.append(1) or real(*a))
+        _any_layout(q, k, v, known)
+        assert calls == [1]
+
+
+def test_notes_are_not_read_or_written_under_compile():
+    q, k, v = _qkv(32)
+    known = {}
+    fn = torch.compile(lambda q, k, v: _any_layout(q, k, v, known), backend="eager", fullgraph=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(fn(q, k, v), want)
+    assert known == {}
+
+
+def test_notes_are_bounded():
+    known = {}
+    for n in range(8, 8 + sparseflow.ops._KNOWN_LIMIT + 3):
+        _any_layout(*_qkv(n), known)
+    assert 0 < len(known) <= sparseflow.ops._KNOWN_LIMIT

@@ -58,6 +58,9 @@ def test_repeated_dense_calls_equal_sdpa_and_report_dense_with_the_reason(attn):
         (rec,) = calls
         assert (rec.sparse, rec.tag, rec.method) == (False, TAG, "pbs") and "min_seq_len=64" in rec.reason
     assert len(default_chooser.planned_calls) == 1
+    # the module's entry noted the signature as dense: the repeats went to SDPA from it
+    ((_, reason),) = sfhf._layer_of(attn).known.values()
+    assert "min_seq_len=64" in reason
 
 
 def test_a_dense_result_keeps_sdpas_layout_so_the_transpose_back_copies_nothing():
