@@ -570,6 +570,7 @@ def _rewrite_sdpa(
     cfg, why = options.resolve(entry.tag, entry.layer)
     if cfg is None:
         entry.reason = why
+        _keep_sdpa_causal(graph, node, spec, call, entry)
         return
     entry.reason = _constant_args_reason(node, spec, call) or _tensor_args_reason(call, entry)
     if entry.reason:
@@ -581,6 +582,37 @@ def _rewrite_sdpa(
     _replace_with_op(graph, node, spec, cfg, call, heads, proven, entry, options, graph_kind)
     entry.rewritten, entry.reason = True, ""
     entry.method, entry.config = cfg.method, cfg.to_dict()
+
+
+def _keep_sdpa_causal(graph: fx.Graph, node: fx.Node, spec: _Target, call: _SdpaCall, entry: RewriteEntry) -> None:
+    """A call kept as SDPA whose materialised mask is proven purely causal gets ``is_causal=True``
+    in place of the mask (the same result): transformers hands a compiled model's every layer an
+    ``[N, N]`` mask, which SDPA would build and then run a masked kernel over all ``N x N`` (4x
+    the causal kernel's time at 128K on the H200). A mask with key padding is kept: SDPA cannot
+    take it together with ``is_causal``."""
+    if spec.returns_tuple or spec.mask_arg is None or call.mask is None or call.is_causal is not False:
+        return
+    proof = _proven_mask(call.mask, call.qf, call.kf)
+    if proof is None or not proof.causal or proof.key_padding is not None:
+        return
+    old_mask = call.mask
+    _set_node_arg(node, spec.schema, spec.mask_arg, None)
+    _set_node_arg(node, spec.schema, "is_causal", True)
+    entry.is_causal = True
+    entry.mask = _describe_proof(proof)
+    entry.notes.append("SDPA kept, with is_causal=True in place of its proven causal mask")
+    _erase_if_dead(graph, old_mask)
+
+
+def _set_node_arg(node: fx.Node, schema, name: str, value) -> None:
+    """Set argument ``name`` of ``node`` where the node passes it (positionally or by keyword)."""
+    index = [a.name for a in schema.arguments].index(name)
+    if index < len(node.args):
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
 
 
 @dataclass

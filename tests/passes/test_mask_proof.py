@@ -172,14 +172,15 @@ def test_padding_with_shifted_keys_is_not_proven():
 # --------------------------------------------------------------------------- through the rewrite
 
 
-def _rewritten_graph(model, config, **kwargs):
+def _rewritten_graph(model, config, layer_configs=None, **kwargs):
     """Capture the model's Dynamo graph, rewrite it, and run the rewritten graph eagerly."""
     from sparseflow.passes.sdpa_rewrite import RewriteOptions, rewrite_graph
 
     seen = {}
+    options = RewriteOptions(config=config, backend="reference", layer_configs=layer_configs or {})
 
     def backend(gm, example_inputs):
-        seen["entries"] = rewrite_graph(gm, RewriteOptions(config=config, backend="reference"))
+        seen["entries"] = rewrite_graph(gm, options)
         seen["gm"] = gm
         return gm.forward
 
@@ -224,6 +225,72 @@ def test_rewritten_graph_builds_no_square_mask_and_equals_dense(kind, padded):
         torch.testing.assert_close(out[valid], dense[valid], atol=2e-5, rtol=2e-5)
     else:
         torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
+
+
+def _sdpa_nodes(gm):
+    from sparseflow.passes.sdpa_rewrite import SDPA_TARGETS
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+
+
+def _sdpa_mask_and_causal(gm):
+    (node,) = _sdpa_nodes(gm)
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    return mask, node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+
+
+class _CausalMaskAttention(torch.nn.Module):
+    """SDPA with the causal mask built in the graph, as transformers 5.17 does under Dynamo."""
+
+    def forward(self, q, k, v):
+        pos = torch.arange(q.shape[2])
+        mask = pos[None, None, :, None] >= pos[None, None, None, :]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_call_kept_as_sdpa_runs_causal_without_the_square_mask():
+    # a call the options keep as SDPA (a recipe's dense layer) trades its proven causal mask for
+    # is_causal=True: same result, and the [N, N] mask is no longer built
+    from sparseflow import PBSConfig
+    from sparseflow.passes.sdpa_rewrite import RewriteOptions, rewrite_graph
+
+    n, seen = 40, {}
+    options = RewriteOptions(config=PBSConfig(), backend="reference", filter_fn=lambda tag: False)
+
+    def backend(gm, example_inputs):
+        seen["entries"], seen["gm"] = rewrite_graph(gm, options), gm
+        return gm.forward
+
+    q, k, v = (torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch._dynamo.reset()
+    out = torch.compile(_CausalMaskAttention(), backend=backend)(q, k, v)
+    (entry,) = seen["entries"]
+    assert not entry.rewritten and "filter_fn" in entry.reason and "proven from the graph" in entry.mask
+    assert _sdpa_mask_and_causal(seen["gm"]) == (None, True)
+    assert _square_tensors(seen["gm"], n) == []
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_padded_layer_kept_as_sdpa_keeps_its_mask(kind):
+    # key padding cannot go to SDPA beside is_causal: the kept layer keeps the mask, and the
+    # rewritten layer beside it still gets the padding
+    from sparseflow import PBSConfig
+
+    n = 40
+    ids = torch.randint(0, 50, (2, n), generator=torch.Generator().manual_seed(6))
+    am = torch.ones(2, n, dtype=torch.long)
+    am[1, :5] = 0
+    model = _model(kind, num_hidden_layers=2)
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=am).logits
+    exact = PBSConfig(block_size=16, segment_size=32, threshold=1.0)
+    gm, entries, out = _rewritten_graph(model, exact, layer_configs={0: None}, input_ids=ids, attention_mask=am)
+    kept, rewritten = entries
+    assert not kept.rewritten and "SDPA kept" in kept.reason and rewritten.rewritten
+    mask, is_causal = _sdpa_mask_and_causal(gm)
+    assert mask is not None and is_causal is False
+    torch.testing.assert_close(out[am.bool()], dense[am.bool()], atol=2e-5, rtol=2e-5)
 
 
 def test_padding_changes_the_rewritten_result():
