@@ -785,7 +785,8 @@ def attention_any_layout(
     SDPA, so a repeat of a dense call goes to SDPA from its signature alone (a converted layer
     that ``auto`` keeps dense then costs about what transformers' own SDPA function does)."""
     sig = None
-    if known is not None and (scale is None or type(scale) in (int, float)) and _plain_eager(q, k, v, None):
+    plain_args = type(is_causal) is bool and (scale is None or type(scale) in (int, float))
+    if known is not None and plain_args and _plain_eager(q, k, v, None):
         sig = _call_signature(q, k, v, is_causal, scale, backend)
         hit = known.get(sig)
         if hit is not None and hit[0] == _autobackend.default_chooser.generation:

@@ -168,7 +168,7 @@ def test_noted_sparse_call_is_planned_through_the_memo_and_stays_sparse():
 
 @pytest.mark.parametrize(
     "change",
-    ["longer", "scale", "value-dtype", "chooser-cleared"],
+    ["longer", "scale", "value-dtype", "is-causal-int", "chooser-cleared"],
 )
 def test_a_noted_dense_call_does_not_answer_another(monkeypatch, change):
     q, k, v = _qkv(32)
@@ -182,6 +182,11 @@ def test_a_noted_dense_call_does_not_answer_another(monkeypatch, change):
     elif change == "scale":
         with pytest.raises(ValueError, match="scale"):
             _any_layout(q, k, v, known, scale=-1.0)
+    elif change == "is-causal-int":
+        with pytest.raises(TypeError, match="is_causal"):
+            sparseflow.ops.attention_any_layout(
+                q, k, v, config=CFG, is_causal=1, scale=None, backend="reference", tag="layer", known=known
+            )
     elif change == "value-dtype":
         with pytest.raises(TypeError, match="share a dtype"):
             _any_layout(q, k, v.double(), known)
