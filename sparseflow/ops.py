@@ -799,7 +799,7 @@ def attention_any_layout(
     _check_call_types(config, is_causal)
     out = _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
     if sig is not None:
-        _note_known(known, sig, config, tuning, q, k, v, is_causal, scale, backend, tag)
+        _note_known(known, sig, config, tuning, backend, tag)
     return out
 
 
@@ -826,9 +826,10 @@ def _call_signature(q, k, v, is_causal, scale, backend) -> Tuple:
 _KNOWN_LIMIT = 64  # signatures per caller (decode steps grow the key length: each is new)
 
 
-def _note_known(known, sig, config, tuning, q, k, v, is_causal, scale, backend, tag) -> None:
-    """Note in ``known`` the dense reason (None: sparse) of the plan the call just remembered."""
-    memo = _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
+def _note_known(known, sig, config, tuning, backend, tag) -> None:
+    """Note in ``known`` the dense reason (None: sparse) of the plan the call just remembered
+    (under :func:`_plan_memo_key`, which is ``sig`` behind the caller's fixed arguments)."""
+    memo = None if type(tag) is not str else _memo_of(config, tuning, backend, tag, sig)
     plan = None if memo is None else _memoized_plan(memo, config, tuning)
     if plan is None:
         return
@@ -954,25 +955,11 @@ def _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag):
     (the memo keeps them alive and checks them on a hit)."""
     if type(tag) is not str or not (scale is None or type(scale) in (int, float)):
         return None
-    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
-    return (
-        id(config),
-        id(tuning),
-        backend,
-        tag,
-        is_causal,
-        scale,
-        override,
-        q.shape,
-        k.shape,
-        v.shape,
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
-    )
+    return _memo_of(config, tuning, backend, tag, _call_signature(q, k, v, is_causal, scale, backend))
+
+
+def _memo_of(config, tuning, backend, tag, sig: Tuple) -> Tuple:
+    return (id(config), id(tuning), backend, tag) + sig
 
 
 def _plain_eager(q, k, v, attn_mask) -> bool:
