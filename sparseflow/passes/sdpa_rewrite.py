@@ -608,11 +608,9 @@ def _set_node_arg(node: fx.Node, schema, name: str, value) -> None:
     """Set argument ``name`` of ``node`` where the node passes it (positionally or by keyword)."""
     index = [a.name for a in schema.arguments].index(name)
     if index < len(node.args):
-        args = list(node.args)
-        args[index] = value
-        node.args = tuple(args)
+        node.update_arg(index, value)
     else:
-        node.kwargs = {**node.kwargs, name: value}
+        node.update_kwarg(name, value)
 
 
 @dataclass
