@@ -234,6 +234,10 @@ def run_pisa_bsa(cases):
         out = PI.pisa_attention(q, k, v, key_padding_mask=kpm, block_size=64, top_k=top_k, beam=beam, score=score)
         out.float().sum().backward()
         BI.bsa_attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm, block_size=64, top_k=top_k)
+    # each tile's distinct blocks (on a GPU tile_block_lists launches this; here tensors are CPU)
+    for block_m, top_k in ((16, 8), (64, 16), (1, 6)):
+        sel = torch.zeros(2, 2, 900, top_k, dtype=torch.int32)
+        torch.ops.sparseflow.token_tile_lists(sel, block_m, 15)
 
 
 def run_pisa_tiled(cases):
@@ -260,11 +264,15 @@ def run_bsa_bf16():
     from sparseflow.methods.bsa import triton_select as BS
 
     q, k, _ = _qkv(1, 8, 2, 900, 64, torch.bfloat16)
-    for bf16 in (False, True):
+    for merge in ("packed", "bitonic", "rounds"):
+        saved = dict(BS._SELECT_LAUNCH)
+        BS._SELECT_LAUNCH.update(merge=merge, block_n=128 if merge == "packed" else 64)
         try:
-            BS.bsa_select(q, k, block_size=64, top_k=8, bf16=bf16)
-        except TypeError:  # older signature: precision chosen elsewhere
-            BS.bsa_select(q, k, block_size=64, top_k=8)
+            for precision in ("ieee", "bf16"):
+                BS.bsa_select(q, k, block_size=64, top_k=8, precision=precision)
+        finally:
+            BS._SELECT_LAUNCH.clear()
+            BS._SELECT_LAUNCH.update(saved)
 
 
 def run_decode(cases):
@@ -370,6 +378,7 @@ EXPECTED = {
     "_append_static_kernel",
     "_decode_split_kernel",
     "_decode_combine_kernel",
+    "_tile_lists_kernel",
 }
 
 

@@ -45,9 +45,30 @@ def _p2(x: int, lo: int = 16) -> int:
 # --------------------------------------------------------------------------- block lists (torch)
 
 
+# most entries one tile's lists kernel sorts in registers (block_m * next_pow2(K)); above, torch
+_LISTS_KERNEL_MAX = 4096
+
+
 def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``[B, Hkv, Nq, K]`` -> (``num [B, Hkv, nQT]`` int32, ``lists [B, Hkv, nQT, block_m*K]``
-    int32): each query tile's distinct selected blocks, ascending, then filler."""
+    int32): each query tile's distinct selected blocks, ascending, then filler ``n_blocks + 1``.
+    On a GPU (and under the interpreter) one Triton program per tile builds its list; elsewhere
+    :func:`tile_block_lists_torch`, the same result."""
+    kk = block_indices.shape[-1]
+    if block_indices.shape[2] == 1:  # decoding: one row, one tile of its own ids
+        block_m = 1
+    on_device = block_indices.device.type == "cuda" or interpreting()
+    fits = kk > 0 and block_m == _p2(block_m, 1) and block_m * _p2(kk, 1) <= _LISTS_KERNEL_MAX
+    if on_device and fits and block_indices.shape[2] > 0:
+        sel = block_indices.to(torch.int32).contiguous()
+        return torch.ops.sparseflow.token_tile_lists(sel, int(block_m), int(n_blocks))
+    return tile_block_lists_torch(block_indices, block_m, n_blocks)
+
+
+def tile_block_lists_torch(
+    block_indices: torch.Tensor, block_m: int, n_blocks: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tile_block_lists` in torch ops (two sorts per tile row)."""
     b, hkv, n_q, kk = block_indices.shape
     nqt = -(-n_q // block_m)
     pad = nqt * block_m - n_q
@@ -87,6 +108,93 @@ def transpose_lists(num: torch.Tensor, lists: torch.Tensor, n_blocks: int) -> Tu
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _distinct_combine(f1, l1, c1, f2, l2, c2):
+    """Scan combine of adjacent sorted runs summarised as (first, last, distinct real ids): a value
+    spanning the seam counts once; filler (``< 0`` after the flip below) counts never."""
+    return f1, l2, c1 + c2 - ((l1 == f2) & (f2 >= 0)).to(tl.int32)
+
+
+@triton.jit
+def _tile_lists_kernel(
+    sel_ptr,
+    num_ptr,
+    lists_ptr,
+    stride_sb,
+    stride_sh,
+    stride_sn,
+    Nq,
+    HKV,
+    NQT,
+    BIG,
+    WIDTH,
+    BLOCK_T: tl.constexpr,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+):
+    """One program per (query tile, batch x KV head): the tile's selected ids sorted, each
+    distinct one stored at its rank (duplicates store the same value to the same slot), then
+    filler up to ``WIDTH``."""
+    qt = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    rows = qt * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, KP)
+    ok = (rows < Nq)[:, None] & (offs_k < TOPK)[None, :]
+    ids = tl.load(
+        sel_ptr + b * stride_sb + h * stride_sh + rows[:, None] * stride_sn + offs_k[None, :], mask=ok, other=-1
+    )
+    # unused slots (-1) and rows past Nq sort last as BIG
+    srt = tl.sort(tl.reshape(tl.where(ids >= 0, ids, BIG), [BLOCK_T * KP]), 0)
+    real = srt < BIG
+    marked = tl.where(real, srt, -1)  # filler never counts in the scan
+    _, _, rank = tl.associative_scan((marked, marked, real.to(tl.int32)), 0, _distinct_combine)
+    out = lists_ptr + (bh.to(tl.int64) * NQT + qt) * WIDTH
+    tl.store(out + rank - 1, srt, mask=real)
+    count = tl.max(rank, 0)  # the ranks never decrease: the last is the number of distinct ids
+    slots = tl.arange(0, BLOCK_T * KP)
+    tl.store(out + slots, tl.full([BLOCK_T * KP], 0, tl.int32) + BIG, mask=(slots >= count) & (slots < WIDTH))
+    tl.store(num_ptr + bh * NQT + qt, count)
+
+
+@triton_op("sparseflow::token_tile_lists", mutates_args={})
+def token_tile_lists(sel: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The launch behind :func:`tile_block_lists` (``sel [B, Hkv, Nq, K]`` int32)."""
+    b, hkv, n_q, kk = sel.shape
+    nqt = -(-n_q // block_m)
+    width = block_m * kk
+    num = torch.empty(b, hkv, nqt, dtype=torch.int32, device=sel.device)
+    lists = torch.empty(b, hkv, nqt, width, dtype=torch.int32, device=sel.device)
+    if nqt == 0 or b * hkv == 0:
+        return num, lists
+    wrap_triton(_tile_lists_kernel)[(nqt, b * hkv)](
+        sel,
+        num,
+        lists,
+        sel.stride(0),
+        sel.stride(1),
+        sel.stride(2),
+        n_q,
+        hkv,
+        nqt,
+        n_blocks + 1,
+        width,
+        BLOCK_T=block_m,
+        TOPK=kk,
+        KP=_p2(kk, 1),
+        num_warps=4,
+    )
+    return num, lists
+
+
+@token_tile_lists.register_fake
+def _(sel, block_m, n_blocks):
+    b, hkv, n_q, kk = sel.shape
+    nqt = -(-n_q // block_m)
+    return sel.new_empty(b, hkv, nqt, dtype=torch.int32), sel.new_empty(b, hkv, nqt, block_m * kk, dtype=torch.int32)
 
 
 @triton.jit

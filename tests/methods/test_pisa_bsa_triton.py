@@ -162,14 +162,23 @@ def test_bsa_selection_equals_reference(case):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("ties", ["equal-blocks", "zero-query"])
-@pytest.mark.parametrize("bitonic", [True, False], ids=["bitonic", "rounds"])
-def test_bsa_selection_breaks_ties_like_the_reference(ties, bitonic, monkeypatch):
-    """Exactly tied scores go to the lower block id, and +0.0 ties -0.0 (a zero query scores
-    every block +-0), in both merges of the fused scan."""
+BSA_MERGES = ("packed", "bitonic", "rounds")
+
+
+def triton_select_default_merge() -> str:
     from sparseflow.methods.bsa import triton_select
 
-    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "bitonic", bitonic)
+    return triton_select._SELECT_LAUNCH["merge"]
+
+
+@pytest.mark.parametrize("ties", ["equal-blocks", "zero-query"])
+@pytest.mark.parametrize("merge", BSA_MERGES)
+def test_bsa_selection_breaks_ties_like_the_reference(ties, merge, monkeypatch):
+    """Exactly tied scores go to the lower block id, and +0.0 ties -0.0 (a zero query scores
+    every block +-0), in every merge of the fused scan."""
+    from sparseflow.methods.bsa import triton_select
+
+    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "merge", merge)
     q, k, _, _ = _inputs(1, 2, 1, 150, 150, 16, torch.float32, pad=False, seed=5)
     if ties == "equal-blocks":
         k = k[:, :, :8].repeat(1, 1, -(-150 // 8), 1)[:, :, :150].contiguous()  # every full block alike
@@ -182,11 +191,15 @@ def test_bsa_selection_breaks_ties_like_the_reference(ties, bitonic, monkeypatch
 
 
 @pytest.mark.parametrize("case", BSA_CASES.values(), ids=BSA_CASES.keys())
-def test_bsa_rounds_merge_equals_reference(case, monkeypatch):
-    """The K-rounds merge (kept for top_k > 64) selects what the reference selects too."""
+@pytest.mark.parametrize("merge", [m for m in BSA_MERGES if m != triton_select_default_merge()])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_bsa_other_merges_equal_reference(case, merge, block_n, monkeypatch):
+    """Every merge of a chunk into the running top-K, at one chunk or many per row, selects what
+    the reference selects (the default merge is checked above)."""
     from sparseflow.methods.bsa import triton_select
 
-    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "bitonic", False)
+    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "merge", merge)
+    monkeypatch.setitem(triton_select._SELECT_LAUNCH, "block_n", block_n)
     b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
     q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk)

@@ -35,9 +35,11 @@ __all__ = ["bsa_select", "PRECISIONS"]
 
 PRECISIONS = ("ieee", "bf16")
 _BIG_ID = 2**30
-# bitonic: merge each chunk into the running top-K with two bitonic top-k passes (top_k <= 64),
-# instead of top_k rounds of row maxima
-_SELECT_LAUNCH = dict(block_m=32, num_warps=4, bitonic=True)
+# merge: how a chunk of scores enters the rows' running top-K -- "packed" (top_k rounds of one
+# int64 row max over the packed keys), "bitonic" (two bitonic top-k passes, top_k <= 64) or
+# "rounds" (top_k rounds of fp32 row maxima with separate ids)
+_SELECT_LAUNCH = dict(block_m=32, block_n=64, num_warps=4, merge="bitonic")
+_MERGES = {"rounds": 0, "bitonic": 1, "packed": 2}
 
 
 def _p2(x: int, lo: int = 16) -> int:
@@ -96,6 +98,21 @@ def _merge_top_k_bitonic(top, packed, KP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _merge_top_k_packed(top, packed, offs_k, TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's best ``TOPK`` of its kept packed keys ``top [BLOCK_M, KP]`` and this chunk's
+    ``packed [BLOCK_M, BLOCK_N]``, descending: ``TOPK`` rounds of one int64 row max (a row's keys
+    are distinct, the block id being in the low word), each taking its winner out."""
+    none = -9223372036854775807
+    new = tl.full([BLOCK_M, KP], none, tl.int64)
+    for t in range(TOPK):
+        m = tl.maximum(tl.max(top, axis=1), tl.max(packed, axis=1))
+        new = tl.where(offs_k[None, :] == t, m[:, None], new)
+        top = tl.where(top == m[:, None], none, top)
+        packed = tl.where(packed == m[:, None], none, packed)
+    return new
+
+
+@triton.jit
 def _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Each row's best ``TOPK`` of its kept ``(top_v, top_i)`` and this chunk's ``key`` over
     blocks ``blk``: ``TOPK`` rounds of a row max, ties to the lower block id."""
@@ -148,7 +165,7 @@ def _bsa_select_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16: tl.constexpr,
-    BITONIC: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     scale = tl.cast(scale, tl.float32)
@@ -181,7 +198,7 @@ def _bsa_select_kernel(
     hz_max = tl.max(tl.where(row_ok, hz, -1), axis=0)
     nb_hi = tl.minimum(NB, hz_max // C + 1)
     offs_n = tl.arange(0, BLOCK_N)
-    if BITONIC:
+    if MERGE != 0:
         top = tl.full([BLOCK_M, KP], -9223372036854775807, tl.int64)  # no block kept yet
     else:
         top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
@@ -205,18 +222,21 @@ def _bsa_select_kernel(
         forced = (blk[None, :] == cur[:, None]) | (blk[None, :] == prev[:, None]) | (blk[None, :] == sink[:, None])
         key = tl.where(sc != sc, -3.0e38, tl.minimum(tl.maximum(sc, -3.0e38), 3.0e38))
         key = tl.where(forced & vis, float("inf"), key)
-        if BITONIC:
+        if MERGE != 0:
             packed = tl.where(vis, _packed_keys(key, blk), -9223372036854775807)
             kth = tl.min(top, axis=1)
             if tl.sum(tl.sum((packed > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
-                top = _merge_top_k_bitonic(top, packed, KP, BLOCK_M)
+                if MERGE == 1:
+                    top = _merge_top_k_bitonic(top, packed, KP, BLOCK_M)
+                else:
+                    top = _merge_top_k_packed(top, packed, offs_k, TOPK, KP, BLOCK_M)
         else:
             key = tl.where(vis, key, float("-inf"))
             kth = tl.min(top_v, axis=1)
             if tl.sum(tl.sum((key > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
                 top_v, top_i = _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK, KP, BLOCK_M)
         kb0 += BLOCK_N
-    if BITONIC:
+    if MERGE != 0:
         # the kept keys are sorted descending: the first TOPK are the row's choice
         kept = (top != -9223372036854775807) & (offs_k[None, :] < TOPK)
         top_i = tl.where(kept, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32), 1073741824)
@@ -227,6 +247,13 @@ def _bsa_select_kernel(
         ids,
         mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
     )
+
+
+def _merge_code(top_k: int) -> int:
+    merge = _SELECT_LAUNCH["merge"]
+    if merge == "bitonic" and _p2(top_k, 2) > 64:
+        merge = "rounds"
+    return _MERGES[merge]
 
 
 @triton_op("sparseflow::bsa_select_fwd", mutates_args={})
@@ -280,9 +307,9 @@ def _bsa_select_fwd(
         TOPK=top_k,
         KP=_p2(top_k, 2),
         BLOCK_M=block_m,
-        BLOCK_N=64,
+        BLOCK_N=_SELECT_LAUNCH["block_n"],
         BF16=bf16,
-        BITONIC=_SELECT_LAUNCH["bitonic"] and _p2(top_k, 2) <= 64,
+        MERGE=_merge_code(top_k),
         num_warps=num_warps,
     )
     return out

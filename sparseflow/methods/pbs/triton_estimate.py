@@ -71,6 +71,7 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+_LN2 = math.log(2.0)
 _PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
 
 
@@ -369,6 +370,8 @@ def _strided_estimate_kernel(
     NB,
     NROWS,
     NTILES,
+    SPAN,
+    LSE_SPLIT_STRIDE,
     qk_scale,
     segment_size,
     stride_qb,
@@ -393,14 +396,19 @@ def _strided_estimate_kernel(
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One program per (tile of BLOCK_M estimate rows, batch * head of the chunk ``[H0, H0+HC)``):
-    ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass and ``LSE [B*HC, NROWS]``."""
+    """One program per (batch * head of the chunk ``[H0, H0+HC)``, tile of BLOCK_M estimate rows,
+    span of ``SPAN`` key blocks): ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass (each
+    block's own, so spans write disjoint columns) and the rows' log2-mass over the span,
+    ``LSE [splits, B*HC, NROWS]`` (split ``s`` at ``s * LSE_SPLIT_STRIDE``; the caller sums the
+    splits). Splitting the keys keeps the GPU busy when there are few row tiles."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     # heads vary fastest (the query heads of a KV group stream the same keys together), tiles
     # from the longest (latest) down
     bh = tl.program_id(0)
     tile = NTILES - 1 - tl.program_id(1)
+    j_lo = tl.program_id(2) * SPAN
+    j_hi = tl.minimum(j_lo + SPAN, NB)
     b = bh // HC
     h = H0 + bh % HC
     p = h // HP_GROUP
@@ -417,6 +425,7 @@ def _strided_estimate_kernel(
         j_end = tl.minimum((tl.max(tl.where(r_ok, region_q, 0), 0) * segment_size) // BS, NB)
     else:
         j_end = NB + 0 * tile
+    j_stop = tl.minimum(j_end, j_hi)  # this span's last streamed block + 1
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b64 * stride_kb + p.to(tl.int64) * stride_kh
     kpos_base = KPOS + (b64 * HP + p) * N
@@ -442,9 +451,10 @@ def _strided_estimate_kernel(
     else:
         first_own = tl.min(tl.where(r_ok, (region_q * segment_size) // BS, NB), 0)
         j_mid = tl.minimum(tl.minimum(first_own, (N // BS)), j_end) // JB * JB
+    j_free = tl.maximum(j_lo, tl.minimum(j_mid, j_stop))  # (span starts are multiples of JB)
     m_run, l_run = _estimate_loop(
-        0,
-        j_mid,
+        j_lo,
+        j_free,
         q,
         q_base,
         k_base,
@@ -480,8 +490,8 @@ def _strided_estimate_kernel(
         False,
     )
     m_run, l_run = _estimate_loop(
-        j_mid,
-        j_end,
+        j_free,
+        j_stop,
         q,
         q_base,
         k_base,
@@ -516,26 +526,27 @@ def _strided_estimate_kernel(
         INTERP,
         True,
     )
-    _fill_unseen(lbm_ptr, r_ok, j_end, NB, BLOCK_M, JB, INTERP)
+    _fill_unseen(lbm_ptr, r_ok, tl.maximum(j_lo, j_end), j_hi, BLOCK_M, JB, INTERP)
     lse = tl.where(l_run > 0.0, m_run + tl.log2(tl.maximum(l_run, 1.0e-30)), float("-inf"))
-    tl.store(LSE + bh.to(tl.int64) * NROWS + rows, lse, mask=r_ok)
+    lse_ptr = LSE + tl.program_id(2).to(tl.int64) * LSE_SPLIT_STRIDE + bh.to(tl.int64) * NROWS + rows
+    tl.store(lse_ptr, lse, mask=r_ok)
 
 
 @triton.jit
-def _fill_unseen(lbm_ptr, r_ok, j_lo, NB, BLOCK_M: tl.constexpr, JB: tl.constexpr, INTERP: tl.constexpr):
-    """-inf (no mass) for the key blocks ``[j_lo, NB)`` the tile never streams (past its last
-    candidate), so every element of ``LBM`` is defined whatever reads it."""
+def _fill_unseen(lbm_ptr, r_ok, j_lo, j_hi, BLOCK_M: tl.constexpr, JB: tl.constexpr, INTERP: tl.constexpr):
+    """-inf (no mass) for the key blocks ``[j_lo, j_hi)`` of the span the tile never streams
+    (past its last candidate), so every element of ``LBM`` is defined whatever reads it."""
     none = tl.full([BLOCK_M, JB], float("-inf"), dtype=tl.float32)
     if INTERP:
         j0 = j_lo
-        while j0 < NB:
+        while j0 < j_hi:
             jb = j0 + tl.arange(0, JB)
-            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < NB)[None, :])
+            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < j_hi)[None, :])
             j0 += JB
     else:
-        for j0 in tl.range(j_lo, NB, JB):
+        for j0 in tl.range(j_lo, j_hi, JB):
             jb = j0 + tl.arange(0, JB)
-            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < NB)[None, :])
+            tl.store(lbm_ptr[:, None] + jb[None, :], none, mask=r_ok[:, None] & (jb < j_hi)[None, :])
 
 
 @triton.jit
@@ -682,12 +693,15 @@ def strided_estimate(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    key_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
     ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
     ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
-    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`).
+    ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`);
+    ``key_splits``: programs per row tile, each over its own span of key blocks (None: enough to
+    fill the GPU, :func:`key_split_count`).
     Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so the op's arguments
     are the whole launch)."""
     _check(scoring, block_size, stride)
@@ -696,6 +710,10 @@ def strided_estimate(
     block_n = _default_tile() if block_n is None else block_n
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if key_splits is None:
+        key_splits = key_split_count(q, scoring, stride, hc, block_size, block_m, plan["JB"])
+    elif type(key_splits) is not int or key_splits < 1:
+        raise ValueError(f"key_splits must be None or an int >= 1, got {key_splits!r}")
     return torch.ops.sparseflow.pbs_strided_estimate(
         q,
         k_perm,
@@ -715,7 +733,36 @@ def strided_estimate(
         block_n,
         plan["num_warps"],
         plan["num_stages"],
+        key_splits,
     )
+
+
+# programs the estimate aims for per streaming multiprocessor: enough to hide one program's
+# serial walk over its keys behind the others (the H200's 132 SMs at 8K tokens, Hq 9: 72 row
+# tiles alone left most of them idle)
+_PROGRAMS_PER_SM = 4
+
+
+def key_split_count(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int, block_m: int, jb: int) -> int:
+    """How many spans of key blocks each row tile's keys are split into: 1 off CUDA, else the
+    fewest that give about ``_PROGRAMS_PER_SM`` programs per SM (at most one span per loop step)."""
+    if q.device.type != "cuda" or interpreting():
+        return 1
+    (bsz_hc, nrows, nb), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
+    programs = bsz_hc * -(-nrows // block_m)
+    want = _sm_count(q.device) * _PROGRAMS_PER_SM
+    return max(1, min(-(-want // max(programs, 1)), -(-nb // jb)))
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _key_span(nb: int, jb: int, splits: int) -> int:
+    """Key blocks per split: a multiple of ``jb`` (so every span starts on a loop step)."""
+    per = -(-nb // max(splits, 1))
+    return max(jb, -(-per // jb) * jb)
 
 
 def _estimate_shapes(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int):
@@ -745,13 +792,14 @@ def pbs_strided_estimate(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    key_splits: int = 1,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch behind :func:`strided_estimate` (every argument resolved; ``scale`` is the
     softmax scale)."""
     # the settings that shape the kernel are compile-time constants: a symbolic one (Dynamo makes
     # Python ints of a closure symbols under dynamic=True) is specialised here, with a guard
-    stride, block_size, block_m, block_n, num_warps, num_stages = map(
-        int, (stride, block_size, block_m, block_n, num_warps, num_stages)
+    stride, block_size, block_m, block_n, num_warps, num_stages, key_splits = map(
+        int, (stride, block_size, block_m, block_n, num_warps, num_stages, key_splits)
     )
     bsz, hq, n, d = q.shape
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
@@ -764,17 +812,20 @@ def pbs_strided_estimate(
     if k_perm.stride(-1) != 1:
         k_perm = k_perm.contiguous()
     lbm = torch.empty(lbm_shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    span = _key_span(nb, plan["JB"], key_splits)
+    splits = -(-nb // span)
+    # the rows' log2-mass per span, summed below (one span: the result itself)
+    lse_parts = torch.empty(lse_shape if splits == 1 else (splits, *lse_shape), dtype=torch.float32, device=q.device)
     # (a separate placeholder for the unused padding pointers, so no input aliases an output)
     dummy = torch.empty(1, dtype=torch.int32, device=q.device) if not has_pad else None
-    wrap_triton(_strided_estimate_kernel)[(bsz * hc, ntiles)](
+    wrap_triton(_strided_estimate_kernel)[(bsz * hc, ntiles, splits)](
         q,
         k_perm,
         kpos if has_pad else dummy,
         qvalid if has_pad else dummy,
         lens if has_pad else dummy,
         lbm,
-        lse,
+        lse_parts,
         h0,
         hc,
         hq // hp,
@@ -783,6 +834,8 @@ def pbs_strided_estimate(
         nb,
         nrows,
         ntiles,
+        span,
+        bsz * hc * nrows,
         scale * _LOG2E,
         segment_size,
         q.stride(0),
@@ -803,7 +856,9 @@ def pbs_strided_estimate(
         INTERP=interpreting(),
         **plan,
     )
-    return lbm, lse
+    if splits == 1:
+        return lbm, lse_parts
+    return lbm, torch.logsumexp(lse_parts * _LN2, 0) / _LN2
 
 
 @pbs_strided_estimate.register_fake
@@ -826,6 +881,7 @@ def _(
     block_n,
     num_warps,
     num_stages,
+    key_splits=1,
 ):
     torch._check(q.dim() == 4 and k_perm.dim() == 4, lambda: "q and k_perm must be 4-D")
     torch._check(

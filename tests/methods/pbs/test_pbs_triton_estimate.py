@@ -181,6 +181,46 @@ def test_estimate_writes_every_row(poisoned):
         assert torch.isneginf(lse.view(2, 4, -1)[1]).all()
 
 
+@pytest.mark.parametrize("scoring", ["sampled_rows", "antidiagonal"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("splits", [2, 3, 50], ids=lambda s: f"splits{s}")
+def test_key_splits_equal_one_pass(poisoned, scoring, causal, pad, splits):
+    """Splitting each row tile's keys over programs changes no block's mass and sums the rows'
+    mass over the spans (splits=50: more spans than key blocks, clamped to one block each)."""
+    q, k, _ = _qkv(2, 4, 2, 100, 32, torch.float32, seed=8)
+    kpm = _padding("holes", 2, 100) if pad else None
+    perm = _perm(q, k, kpm, 16, 32, "kv_head")
+    kpos, lens, qvalid = E.padding_inputs(kpm, perm, 16)
+    kw = dict(scoring=scoring, stride=4, hp=2, block_size=16, segment_size=32, is_causal=causal, block_m=16, block_n=16)
+    args = (q, TI.permute_kv(k, perm), kpos, lens, qvalid)
+    lbm1, lse1 = poisoned(E.strided_estimate, *args, key_splits=1, **kw)
+    lbm, lse = poisoned(E.strided_estimate, *args, key_splits=splits, **kw)
+    assert not lbm.isnan().any() and not lse.isnan().any()
+    assert torch.equal(lbm, lbm1)
+    torch.testing.assert_close(lse, lse1, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse1))
+
+
+def test_key_splits_rejects_bad_values():
+    q, k, _ = _qkv(1, 2, 1, 40, 16, torch.float32, seed=1)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="key_splits"):
+            E.strided_estimate(
+                q,
+                k,
+                None,
+                None,
+                None,
+                scoring="sampled_rows",
+                stride=4,
+                hp=1,
+                block_size=16,
+                segment_size=32,
+                key_splits=bad,
+            )
+
+
 @pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
 def test_causal_estimate_defines_every_block(poisoned, pad):
     # causal tiles stream keys only up to their last candidate: the blocks after it must still be
@@ -474,6 +514,7 @@ def _opcheck(op, args):
 def test_opcheck_estimate_ops(scoring, pad):
     args = _est_op_args(scoring, pad)
     _opcheck(torch.ops.sparseflow.pbs_strided_estimate.default, args)
+    _opcheck(torch.ops.sparseflow.pbs_strided_estimate.default, (*args, 3))  # key blocks over 3 programs
     _opcheck(torch.ops.sparseflow.pbs_strided_probs.default, _probs_op_args(args))
 
 
