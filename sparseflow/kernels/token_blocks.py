@@ -364,3 +364,10 @@ def attend_selected_blocks(
             outs.append(chunk(*args))
     out = torch.cat(outs, dim=3)  # [B, Hkv, G, Nq, Dv]
     return out.flatten(1, 2).to(q.dtype)
+
+
+def check_index_dtype(index_dtype) -> None:
+    """A selector's ``index_dtype``: ``torch.long`` (the contract) or ``torch.int32`` (the
+    kernels' own), else a ValueError naming it."""
+    if index_dtype not in (torch.long, torch.int32):
+        raise ValueError(f"index_dtype must be torch.long or torch.int32, got {index_dtype!r}")

@@ -376,3 +376,20 @@ def test_generate_records_the_cached_decode_steps(tiny, keep):
         assert (c.method, c.backend, c.sparse, c.reason) == ("pisa", "triton", True, "")
         assert c.k_shape[2] > 40 and 0 < c.density <= 1
         assert (c.selection.block_indices is not None) == keep
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_selectors_return_int32_ids_on_request(method):
+    """``index_dtype=torch.int32`` (what the attention kernel reads) returns the same ids; any other
+    dtype is rejected by name."""
+    from sparseflow.methods.bsa import triton_select as bsa_sel
+    from sparseflow.methods.pisa import triton_select as pisa_sel
+
+    select = pisa_sel.pisa_select if method == "pisa" else bsa_sel.bsa_select
+    q, k, _, _ = _inputs(1, 4, 2, 150, 150, 16, torch.float32, pad=False, seed=9)
+    want = select(q, k, block_size=16, top_k=4)
+    got = select(q, k, block_size=16, top_k=4, index_dtype=torch.int32)
+    assert want.dtype == torch.long and got.dtype == torch.int32
+    assert torch.equal(got.long(), want)
+    with pytest.raises(ValueError, match="index_dtype"):
+        select(q, k, block_size=16, top_k=4, index_dtype=torch.int16)

@@ -45,6 +45,7 @@ def bsa_attention(
         top_k=top_k,
         force_sink=force_sink,
         force_previous=force_previous,
+        index_dtype=torch.int32,
     )
     out = token_sparse_attention(
         q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
@@ -52,5 +53,5 @@ def bsa_attention(
     if not return_selection:
         return out
     return out, tb.selection_for_indices(
-        "bsa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "bsa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
     )

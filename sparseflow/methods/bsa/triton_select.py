@@ -27,7 +27,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels.block_summaries_triton import leaf_sums
-from ...kernels.token_blocks import selection_width
+from ...kernels.token_blocks import check_index_dtype, selection_width
 from ...kernels._triton_env import interpreting
 from .config import BSAConfig
 
@@ -332,8 +332,11 @@ def bsa_select(
     force_sink: bool = BSAConfig.force_sink,
     force_previous: bool = BSAConfig.force_previous,
     precision: str = "ieee",
+    index_dtype: torch.dtype = torch.long,
 ) -> torch.Tensor:
-    """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64."""
+    """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64
+    (``index_dtype=torch.int32``: the kernel's own ids, what the attention kernel reads)."""
+    check_index_dtype(index_dtype)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -342,7 +345,7 @@ def bsa_select(
     n_k = k.shape[2]
     top_k = selection_width(top_k, n_k, block_size)
     if n_k == 0 or b == 0:
-        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=torch.long, device=q.device)
+        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=index_dtype, device=q.device)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     with torch.no_grad():
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
@@ -361,4 +364,4 @@ def bsa_select(
             bool(force_previous),
             precision == "bf16" and not interpreting(),
         )
-    return idx.long()
+    return idx.to(index_dtype)

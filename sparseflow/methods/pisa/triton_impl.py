@@ -53,6 +53,7 @@ def pisa_attention(
         force_previous=force_previous,
         beam=beam,
         tuning=tuning,
+        index_dtype=torch.int32,
     )
     out = token_sparse_attention(
         q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
@@ -60,5 +61,5 @@ def pisa_attention(
     if not return_selection:
         return out
     return out, tb.selection_for_indices(
-        "pisa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "pisa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
     )

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels.block_summaries_triton import leaf_sums
-from ...kernels.token_blocks import selection_width
+from ...kernels.token_blocks import check_index_dtype, selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
 from ...kernels._triton_env import interpreting
@@ -600,12 +600,16 @@ def pisa_select(
     force_previous: bool = PISAConfig.force_previous,
     beam: int = PISAConfig.beam,
     tuning: Tuning = DEFAULT_TUNING,
+    index_dtype: torch.dtype = torch.long,
 ) -> torch.Tensor:
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
-    (``pisa_walk``: per-token or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``)."""
+    (``pisa_walk``: per-token or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``).
+    ``index_dtype``: ``torch.int32`` returns the kernel's own ids (what the attention kernel
+    reads), saving a conversion each way."""
     check_beam(beam)
+    check_index_dtype(index_dtype)
     if score not in SCORE_CODES:
         raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
     if branching < 2:
@@ -616,7 +620,7 @@ def pisa_select(
     n_k = k.shape[2]
     top_k = selection_width(top_k, n_k, block_size)
     if n_k == 0 or b == 0:
-        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=torch.long, device=q.device)
+        return torch.full((b, k.shape[1], n_q, top_k), -1, dtype=index_dtype, device=q.device)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     with torch.no_grad():
         kc = k.detach()
@@ -648,7 +652,7 @@ def pisa_select(
             idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps)
         else:
             idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes)
-    return idx.long()
+    return idx.to(index_dtype)
 
 
 def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching: int) -> bool:
