@@ -693,27 +693,25 @@ def strided_estimate(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    key_splits: Optional[int] = None,
+    key_splits: int = 1,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
     ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
     ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
     ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`);
-    ``key_splits``: programs per row tile, each over its own span of key blocks (None: enough to
-    fill the GPU, :func:`key_split_count`).
+    ``block_m`` None: :func:`default_row_tile`. ``key_splits``: programs per row tile, each over
+    its own span of key blocks (their row masses summed after).
     Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so the op's arguments
     are the whole launch)."""
     _check(scoring, block_size, stride)
     hc = q.shape[1] - h0 if hc is None else hc
-    block_m = _default_tile() if block_m is None else block_m
+    block_m = default_row_tile(q, scoring, stride, hc, block_size) if block_m is None else block_m
     block_n = _default_tile() if block_n is None else block_n
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if key_splits is None:
-        key_splits = key_split_count(q, scoring, stride, hc, block_size, block_m, plan["JB"])
-    elif type(key_splits) is not int or key_splits < 1:
-        raise ValueError(f"key_splits must be None or an int >= 1, got {key_splits!r}")
+    if type(key_splits) is not int or key_splits < 1:
+        raise ValueError(f"key_splits must be an int >= 1, got {key_splits!r}")
     return torch.ops.sparseflow.pbs_strided_estimate(
         q,
         k_perm,
@@ -737,21 +735,22 @@ def strided_estimate(
     )
 
 
-# programs the estimate aims for per streaming multiprocessor: enough to hide one program's
-# serial walk over its keys behind the others (the H200's 132 SMs at 8K tokens, Hq 9: 72 row
-# tiles alone left most of them idle)
-_PROGRAMS_PER_SM = 4
+# programs below which the estimate halves its row tile (per SM): at 8K tokens and Hq 9 the
+# 128-row tiles make 72 programs for the H200's 132 SMs; 64-row tiles ran 164.6 us against 252.2
+# (key_splits > 1 instead ran slower, 324-680 us: benchmarks/results/select_kernels_8k_h200.log)
+_PROGRAMS_PER_SM = 2
 
 
-def key_split_count(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int, block_m: int, jb: int) -> int:
-    """How many spans of key blocks each row tile's keys are split into: 1 off CUDA, else the
-    fewest that give about ``_PROGRAMS_PER_SM`` programs per SM (at most one span per loop step)."""
+def default_row_tile(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int) -> int:
+    """Rows per estimate tile: ``_default_tile()``, halved (to 64) on a GPU where full tiles would
+    leave fewer than ``_PROGRAMS_PER_SM`` programs per SM."""
+    tile = _default_tile()
     if q.device.type != "cuda" or interpreting():
-        return 1
-    (bsz_hc, nrows, nb), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
-    programs = bsz_hc * -(-nrows // block_m)
-    want = _sm_count(q.device) * _PROGRAMS_PER_SM
-    return max(1, min(-(-want // max(programs, 1)), -(-nb // jb)))
+        return tile
+    (bsz_hc, nrows, _), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
+    if bsz_hc * -(-nrows // tile) < _sm_count(q.device) * _PROGRAMS_PER_SM:
+        return tile // 2
+    return tile
 
 
 def _sm_count(device: torch.device) -> int:

@@ -204,7 +204,7 @@ def test_key_splits_equal_one_pass(poisoned, scoring, causal, pad, splits):
 
 def test_key_splits_rejects_bad_values():
     q, k, _ = _qkv(1, 2, 1, 40, 16, torch.float32, seed=1)
-    for bad in (0, -1, 2.0, True):
+    for bad in (0, -1, 2.0, True, None):
         with pytest.raises(ValueError, match="key_splits"):
             E.strided_estimate(
                 q,
