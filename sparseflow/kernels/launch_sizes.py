@@ -9,7 +9,11 @@ compiled graph serves every length of the same bucket and a longer one recompile
 
 from __future__ import annotations
 
-__all__ = ["pow2_at_least"]
+import functools
+
+import torch
+
+__all__ = ["pow2_at_least", "sm_count"]
 
 
 def pow2_at_least(x, floor: int = 1) -> int:
@@ -20,3 +24,13 @@ def pow2_at_least(x, floor: int = 1) -> int:
     while p < x:
         p *= 2
     return p
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (its index, or the current device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

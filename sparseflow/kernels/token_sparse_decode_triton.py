@@ -20,7 +20,6 @@ output, row max and sum of exponentials; a second kernel merges the splits exact
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -30,6 +29,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ._triton_env import interpreting
+from .launch_sizes import sm_count
 from .token_sparse_triton import online_softmax_step
 
 __all__ = ["token_sparse_decode", "token_sparse_decode_fwd", "decode_splits", "DECODE_ROWS"]
@@ -44,11 +44,6 @@ def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def decode_splits(groups: int, n_slots: int, device: Optional[torch.device] = None) -> int:
     """How many splits of ``n_slots`` selected blocks the ``groups`` (batch * KV heads * query
     rows) get: about one program per SM in all, every split non-empty."""
@@ -56,8 +51,7 @@ def decode_splits(groups: int, n_slots: int, device: Optional[torch.device] = No
         return 1
     target = _DEFAULT_PROGRAMS
     if device is not None and torch.device(device).type == "cuda":
-        index = torch.device(device).index
-        target = _sm_count(torch.cuda.current_device() if index is None else index)
+        target = sm_count(torch.device(device))
     per = -(-n_slots // max(1, -(-target // max(1, groups))))
     return -(-n_slots // per)
 

@@ -113,7 +113,7 @@ def transpose_lists(num: torch.Tensor, lists: torch.Tensor, n_blocks: int) -> Tu
 @triton.jit
 def _distinct_combine(f1, l1, c1, f2, l2, c2):
     """Scan combine of adjacent sorted runs summarised as (first, last, distinct real ids): a value
-    spanning the seam counts once; filler (``< 0`` after the flip below) counts never."""
+    spanning the seam counts once; filler (marked ``-1`` by the caller) counts never."""
     return f1, l2, c1 + c2 - ((l1 == f2) & (f2 >= 0)).to(tl.int32)
 
 

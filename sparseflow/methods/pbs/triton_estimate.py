@@ -58,7 +58,7 @@ from torch.library import triton_op, wrap_triton
 
 from . import reference as _ref
 from ...kernels._triton_env import interpreting
-from ...kernels.launch_sizes import pow2_at_least
+from ...kernels.launch_sizes import pow2_at_least, sm_count
 from .config import PBSConfig
 
 __all__ = [
@@ -748,14 +748,9 @@ def default_row_tile(q: torch.Tensor, scoring: str, stride: int, hc: int, block_
     if q.device.type != "cuda" or interpreting():
         return tile
     (bsz_hc, nrows, _), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
-    if bsz_hc * -(-nrows // tile) < _sm_count(q.device) * _PROGRAMS_PER_SM:
+    if bsz_hc * -(-nrows // tile) < sm_count(q.device) * _PROGRAMS_PER_SM:
         return tile // 2
     return tile
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _key_span(nb: int, jb: int, splits: int) -> int:
