@@ -52,6 +52,7 @@ VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
     "pbs triton": Variant("pbs", "triton"),
     "recipe triton": Variant("smollm2:pbs", "triton"),
     "bsa triton": Variant("bsa", "triton"),
+    "pisa triton": Variant("pisa", "triton"),
     "pbs copying": Variant("pbs", "triton", in_place=False),
     "pbs launched": Variant("pbs", "triton", cuda_graphs=False),
 }
@@ -83,7 +84,7 @@ def paired_ratios(times, base: str = "dense"):
     return out
 
 
-def run_length(model, tok, n: int, args):
+def run_length(model, tok, n: int, args, variants):
     set_rope(model, "plain" if n <= TRAINED_POSITIONS else "yarn", n)
     ids = repeated_tokens(tok, args.text, n).to(args.device)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
@@ -92,14 +93,14 @@ def run_length(model, tok, n: int, args):
         with torch.inference_mode():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    for variant in VARIANTS.values():  # auto's decisions, autotuning and captures happen before any timing
+    for variant in variants.values():  # auto's decisions, autotuning and captures happen before any timing
         use(model, variant)
         for _ in range(4):  # in-place graphs are recorded on an address's second visit, in call 3
             forward()
-    times = {name: [] for name in VARIANTS}
+    times = {name: [] for name in variants}
     for r in range(args.rounds):
-        for name in round_order(VARIANTS, r):
-            use(model, VARIANTS[name])
+        for name in round_order(variants, r):
+            use(model, variants[name])
             times[name].append(mean_s_back_to_back(forward, args.calls, 1, sync) * 1e3)
     dense = statistics.median(times["dense"])
     paired = paired_ratios(times)
@@ -138,6 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ns", type=_ints, default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3, help="forwards per variant and round")
+    ap.add_argument(
+        "--variants",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=list(VARIANTS),
+        help=f"comma list of {', '.join(VARIANTS)} (dense is always timed)",
+    )
     ap.add_argument("--text", default="pydoc_topics")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
@@ -145,11 +152,15 @@ def main(argv=None) -> int:
     for name in ("rounds", "calls"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+    variants = {name: VARIANTS[name] for name in ["dense", *args.variants] if name in VARIANTS}
     model, tok = load_smollm2(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     model.to(args.device)
     rows = []
     for n in args.ns:
-        rows += run_length(model, tok, n, args)
+        rows += run_length(model, tok, n, args, variants)
         if args.json:
             out = {"env": env_info(), "args": vars(args), "rows": rows, "auto_timings": auto_timings()}
             with open(args.json, "w") as fh:

@@ -52,6 +52,9 @@ KINDS: Tuple[Tuple[str, str], ...] = (
 )
 
 
+TOP_KERNELS = 12  # kernels by name kept per setting (the profile's largest)
+
+
 def kind_of(kernel: str) -> str:
     for fragment, kind in KINDS:
         if fragment in kernel:
@@ -81,12 +84,15 @@ def profile_forward(forward) -> Dict[str, object]:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_kind: Dict[str, float] = {}
+    by_name: Dict[str, float] = {}
     for e in kernels:
-        kind = kind_of(e.name)
-        by_kind[kind] = by_kind.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + ms
+        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + ms
     return {
         "gpu_busy_ms": busy_us(intervals) / 1e3,
         "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]),
     }
 
 
@@ -107,6 +113,8 @@ def measure(model, ids, label: str) -> Dict[str, object]:
     row = {"setting": label, "wall_ms": statistics.median(walls), **profile_forward(forward)}
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in row["kernel_ms_by_kind"].items())
     print(f"{label:14s} wall {row['wall_ms']:6.2f} ms  GPU busy {row['gpu_busy_ms']:6.2f} ms | {kinds}", flush=True)
+    for name, ms in row["top_kernels_ms"].items():
+        print(f"    {ms:7.3f} ms  {name}", flush=True)
     return row
 
 

@@ -222,6 +222,23 @@ def run_pbs_strided(cases):
     q, k, _ = _qkv(1, 4, 2, 700, 128, torch.bfloat16)
     perm = torch.arange(700).expand(1, 2, 700).contiguous()
     TE.block_probabilities(q, k, perm, block_size=128, segment_size=256, scoring="antidiagonal", antidiagonal_stride=8)
+    # the GPU's default at short lengths: 64-row tiles, keys split over programs, their row masses combined
+    q, k, _ = _qkv(1, 9, 3, 2048, 64, torch.bfloat16)
+    for splits in (2, 4):
+        TE.strided_estimate(
+            q,
+            k,
+            None,
+            None,
+            None,
+            scoring="sampled_rows",
+            stride=8,
+            hp=3,
+            block_size=128,
+            segment_size=256,
+            block_m=64,
+            key_splits=splits,
+        )
 
 
 def run_pisa_bsa(cases):
@@ -374,6 +391,7 @@ EXPECTED = {
     "_bsa_select_kernel",
     "_strided_estimate_kernel",
     "_strided_probs_kernel",
+    "_split_lse_kernel",
     "_pisa_select_tiled_kernel",
     "_append_static_kernel",
     "_decode_split_kernel",

@@ -71,7 +71,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-_LN2 = math.log(2.0)
 _PAD_POS = tl.constexpr(2**31 - 1)  # triton_attention.PAD_POS: a padded slot in the key positions
 
 
@@ -550,6 +549,22 @@ def _fill_unseen(lbm_ptr, r_ok, j_lo, j_hi, BLOCK_M: tl.constexpr, JB: tl.conste
 
 
 @triton.jit
+def _split_lse_kernel(PARTS, LSE, TOTAL, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``LSE[i] = log2(sum_s exp2(PARTS[s, i]))`` over the key splits' row masses (log2 units;
+    -inf where every split is): one launch instead of a chain of torch reductions."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < TOTAL
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(PARTS + s * TOTAL + offs, mask=ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.exp2(tl.load(PARTS + s * TOTAL + offs, mask=ok, other=float("-inf")) - m_safe)
+    tl.store(LSE + offs, tl.where(acc > 0.0, m_safe + tl.log2(tl.maximum(acc, 1.0e-30)), float("-inf")), mask=ok)
+
+
+@triton.jit
 def _strided_prob_row(
     LBM,
     LSE,
@@ -693,7 +708,7 @@ def strided_estimate(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    key_splits: int = 1,
+    key_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
@@ -701,7 +716,7 @@ def strided_estimate(
     ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
     ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`);
     ``block_m`` None: :func:`default_row_tile`. ``key_splits``: programs per row tile, each over
-    its own span of key blocks (their row masses summed after).
+    its own span of key blocks (their row masses summed after); None: :func:`default_key_splits`.
     Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so the op's arguments
     are the whole launch)."""
     _check(scoring, block_size, stride)
@@ -710,8 +725,10 @@ def strided_estimate(
     block_n = _default_tile() if block_n is None else block_n
     plan = estimate_plan(scoring, block_size, stride, block_m, block_n, num_warps, num_stages)
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if type(key_splits) is not int or key_splits < 1:
-        raise ValueError(f"key_splits must be an int >= 1, got {key_splits!r}")
+    if key_splits is None:
+        key_splits = default_key_splits(q, scoring, stride, hc, block_size, block_m, plan["JB"])
+    elif type(key_splits) is not int or key_splits < 1:
+        raise ValueError(f"key_splits must be an int >= 1 or None, got {key_splits!r}")
     return torch.ops.sparseflow.pbs_strided_estimate(
         q,
         k_perm,
@@ -737,8 +754,13 @@ def strided_estimate(
 
 # programs below which the estimate halves its row tile (per SM): at 8K tokens and Hq 9 the
 # 128-row tiles make 72 programs for the H200's 132 SMs; 64-row tiles ran 164.6 us against 252.2
-# (key_splits > 1 instead ran slower, 324-680 us: benchmarks/results/select_kernels_8k_h200.log)
+# (benchmarks/results/select_kernels_8k_h200.log)
 _PROGRAMS_PER_SM = 2
+# programs (per SM) the key splits aim for: causal row tiles differ in length up to N/bs steps,
+# and the longest one bounds the launch unless its keys are split (H200, 8K, Hq 9: 64-row tiles
+# in 4 splits 33.4 us of kernel against 68.6 in one: benchmarks/results/estimate_splits_h200.log)
+_SPLIT_PROGRAMS_PER_SM = 4
+_MAX_KEY_SPLITS = 8
 
 
 def default_row_tile(q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int) -> int:
@@ -751,6 +773,25 @@ def default_row_tile(q: torch.Tensor, scoring: str, stride: int, hc: int, block_
     if bsz_hc * -(-nrows // tile) < sm_count(q.device) * _PROGRAMS_PER_SM:
         return tile // 2
     return tile
+
+
+def default_key_splits(
+    q: torch.Tensor, scoring: str, stride: int, hc: int, block_size: int, block_m: int, jb: int
+) -> int:
+    """Key splits per row tile: 1 off the GPU, else :func:`splits_for` of the launch."""
+    if q.device.type != "cuda" or interpreting():
+        return 1
+    (bsz_hc, nrows, nb), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
+    return splits_for(bsz_hc * -(-nrows // block_m), -(-nb // jb), sm_count(q.device))
+
+
+def splits_for(programs: int, steps: int, sms: int) -> int:
+    """The smallest power of two of key splits that gives ``_SPLIT_PROGRAMS_PER_SM`` programs per
+    SM, at most ``_MAX_KEY_SPLITS`` and no more than the row tile's key steps."""
+    splits = 1
+    while programs * splits < sms * _SPLIT_PROGRAMS_PER_SM and splits * 2 <= min(_MAX_KEY_SPLITS, steps):
+        splits *= 2
+    return splits
 
 
 def _key_span(nb: int, jb: int, splits: int) -> int:
@@ -852,7 +893,11 @@ def pbs_strided_estimate(
     )
     if splits == 1:
         return lbm, lse_parts
-    return lbm, torch.logsumexp(lse_parts * _LN2, 0) / _LN2
+    total = bsz * hc * nrows
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    block = 1024
+    wrap_triton(_split_lse_kernel)[(triton.cdiv(total, block),)](lse_parts, lse, total, SPLITS=splits, BLOCK=block)
+    return lbm, lse
 
 
 @pbs_strided_estimate.register_fake

@@ -202,9 +202,25 @@ def test_key_splits_equal_one_pass(poisoned, scoring, causal, pad, splits):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse1))
 
 
+@pytest.mark.parametrize(
+    "programs, steps, sms, want",
+    [(144, 64, 132, 4), (288, 128, 132, 2), (576, 256, 132, 1), (9, 3, 132, 2), (1, 1000, 132, 8), (72, 64, 1, 1)],
+    ids=["8k-smollm2", "16k", "32k-enough", "few-steps", "cap", "one-sm"],
+)
+def test_default_key_splits(programs, steps, sms, want):
+    """Splits aim at _SPLIT_PROGRAMS_PER_SM programs per SM, in powers of two, capped by the
+    key steps and _MAX_KEY_SPLITS."""
+    assert E.splits_for(programs, steps, sms) == want
+
+
+def test_default_key_splits_is_one_off_the_gpu():
+    q = torch.zeros(1, 9, 8192, 64)
+    assert E.default_key_splits(q, "sampled_rows", 8, 9, 128, 64, 1) == 1
+
+
 def test_key_splits_rejects_bad_values():
     q, k, _ = _qkv(1, 2, 1, 40, 16, torch.float32, seed=1)
-    for bad in (0, -1, 2.0, True, None):
+    for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="key_splits"):
             E.strided_estimate(
                 q,
