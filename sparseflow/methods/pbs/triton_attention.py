@@ -453,12 +453,16 @@ def _configs():
     # (H200, bf16, D=128, Hq=32/Hkv=8, 100% density; benchmarks/results/pbs_h200.json): 128x64, 4 warps,
     # 2 stages is best at 8K-128K (0.72-0.87x cuDNN); 128x128/8 warps next; 4 warps on 128x128 and
     # 64-row tiles are far behind; tl.range(warp_specialize=True) failed to compile for 128x64/4 warps
-    # on sm_90 and was slower for 128x128/8 warps (0.65-0.76x), so it is not used.
+    # on sm_90 and was slower for 128x128/8 warps (0.65-0.76x), so it is not used. At D=64
+    # (Hq=9/Hkv=3, SmolLM2) 128x128 on 4 warps is best: 0.907x / 0.887x cuDNN at 8K / 32K against
+    # 0.877x / 0.849x for 128x64 (pbs_variants_d64_h200.log); _prune keeps it to D <= 64.
     table = [
         (128, 64, 4, 2),
         (128, 64, 4, 3),
         (128, 128, 8, 2),
         (128, 128, 8, 3),
+        (128, 128, 4, 2),
+        (128, 128, 4, 3),
         (64, 64, 4, 3),
         (32, 32, 4, 2),
         (16, 16, 4, 2),
@@ -473,6 +477,10 @@ def _prune(configs, named_args, **kwargs):
     fitting = [c for c in configs if c.kwargs["BLOCK_M"] <= max(sb, 16) and c.kwargs["BLOCK_N"] <= max(sb, 16)]
     if tma:
         fitting = [c for c in fitting if sb % c.kwargs["BLOCK_N"] == 0]
+    if d is not None and d > 64:  # registers: a 128x128 tile needs 8 warps past D=64
+        fitting = [
+            c for c in fitting if not (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 128 * 128 and c.num_warps < 8)
+        ]
     if d is not None and d > 128:  # registers: keep tiles small for very large head dims
         fitting = [
             c for c in fitting if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 or c.kwargs["BLOCK_N"] <= 32

@@ -567,3 +567,20 @@ def test_launch_order_choice():
             assert TA.heads_first(k, k) is order
         finally:
             TA.HEADS_FIRST = None
+
+
+@pytest.mark.parametrize("block_d, kept", [(64, True), (128, False)], ids=["d64", "d128"])
+def test_autotune_keeps_128x128_on_4_warps_only_up_to_d64(block_d, kept):
+    """A 128x128 tile on 4 warps is the fastest at D=64 on the H200 but spills registers past it."""
+    import triton
+
+    from sparseflow.methods.pbs import triton_attention as TA
+
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
+        for m, n, w in ((128, 64, 4), (128, 128, 8), (128, 128, 4))
+    ]
+    got = TA._prune(configs, {"SPARSE_BLOCK": 128, "BLOCK_D": block_d, "USE_TMA": False})
+    shapes = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in got}
+    assert (128, 128, 8) in shapes and (128, 64, 4) in shapes
+    assert ((128, 128, 4) in shapes) == kept
