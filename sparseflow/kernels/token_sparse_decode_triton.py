@@ -30,7 +30,7 @@ from torch.library import triton_op, wrap_triton
 
 from ._triton_env import interpreting
 from .launch_sizes import sm_count
-from .token_sparse_triton import online_softmax_step
+from .token_sparse_triton import last_dim_contiguous, online_softmax_step
 
 __all__ = ["token_sparse_decode", "token_sparse_decode_fwd", "decode_splits", "DECODE_ROWS"]
 
@@ -332,10 +332,6 @@ def _check_inputs(q, k, v, block_indices, key_padding_mask, block_size, splits) 
         raise ValueError(f"splits must be a positive int or None (chosen for the device), got {splits}")
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def token_sparse_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,5 +357,5 @@ def token_sparse_decode(
         splits = decode_splits(b * k.shape[1] * n_q, kk, q.device)
     sel = block_indices.to(device=q.device, dtype=torch.int32)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-    q, k, v, sel = (_last_dim_contiguous(t) for t in (q, k, v, sel))
+    q, k, v, sel = (last_dim_contiguous(t) for t in (q, k, v, sel))
     return token_sparse_decode_fwd(q, k, v, sel, kpm, None, sc, int(block_size), bool(is_causal), min(int(splits), kk))

@@ -620,6 +620,11 @@ def forward_token_tile(group: int) -> int:
     return max(1, FWD_ROWS // _p2(group, 1))
 
 
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its head dim is contiguous (all the kernels need), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _fwd_meta(q, k, block_size, top_k):
     g = q.shape[1] // k.shape[1]
     return dict(_meta(q, k, block_size, top_k), GP=_p2(g, 1), BLOCK_T=forward_token_tile(g), INTERP=interpreting())
@@ -773,6 +778,10 @@ def _backward(ctx, grad_out, grad_lse):
         with torch.no_grad():
             num, lists = tile_block_lists(sel, BLOCK_M, n_kb)
     start, tiles = transpose_lists(num, lists, n_kb)
+    # the backward kernels index do / dq with q's strides and dk / dv with k's / v's, which
+    # empty_like (and the contiguous do) follow only for contiguous tensors; the forward read the
+    # caller's views in place
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = token_sparse_bwd(
         grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal
     )
@@ -807,7 +816,7 @@ def token_sparse_attention(
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
         num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1]), n_kb)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
-    out, _ = token_sparse_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), sel, num, lists, kpm, sc, int(block_size), bool(is_causal)
-    )
+    # the kernel reads any row strides (a model's [B, N, H, D] memory seen as [B, H, N, D] needs no copy)
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    out, _ = token_sparse_fwd(q, k, v, sel, num, lists, kpm, sc, int(block_size), bool(is_causal))
     return out
