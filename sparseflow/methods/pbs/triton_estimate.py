@@ -4,7 +4,8 @@
 One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]`` score matrix:
 
 * :func:`strided_estimate` -- one program per (tile of ``BLOCK_M`` consecutive estimate rows,
-  batch * query head). A row is a sampled query row (``I*bs + t*s``) or a strided row
+  batch * query head, span of key blocks: ``key_splits`` spans per tile, so that few long causal
+  tiles do not leave the GPU waiting on the longest; :func:`default_key_splits`). A row is a sampled query row (``I*bs + t*s``) or a strided row
   (queries ``I*bs + r*s + s-1-t``, ``t < s``, against the strided key columns
   ``J*bs + c*s + t`` of the permuted keys: ``s`` accumulated dots, the antidiagonal of each
   ``s x s`` tile, divided by its count of valid pairs). The program streams the permuted key
@@ -12,7 +13,8 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   past N) and writes, per row and key block, the block's log2-sum-exp2 of the row's logits
   (``lbm [B*HC, rows, nB]``, -inf where nothing is seen, the blocks past the tile's last
   candidate included; ``bs`` times smaller than the scores)
-  and each row's log2-sum-exp2 over every candidate key (``lse [B*HC, rows]``).
+  and each row's log2-sum-exp2 over every candidate key (``lse [B*HC, rows]``; with several
+  spans, ``_split_lse_kernel`` combines their partial row sums).
 * :func:`_strided_prob_row` -- the block probabilities of one query block from those: the mean
   over its rows that see a candidate key (and, for sampled rows, are valid query rows: the
   reference's ``_query_validity``) of ``exp2(lbm - lse)``. Used by ``triton_select``'s
