@@ -212,6 +212,22 @@ def bench(fn, rep_ms=200, warmup_ms=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def kernel_us_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3, name: str = "") -> float:
+    """Mean GPU time per call (us) of the CUDA kernels whose name contains ``name`` (all: ""),
+    from the profiler: the host's launch cost is not in it, as under CUDA graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
+    return sum(e.time_range.end - e.time_range.start for e in kernels) / reps
+
+
 def median_ms_per_call(call: Callable[[], object], reps: int, cuda: bool) -> Dict[str, float]:
     """Each of ``reps`` calls timed alone (CUDA events on ``cuda``, else wall clock): median and
     min ms. Warm-up is the caller's."""

@@ -33,27 +33,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from common import bench, env_info, pbs_kernel_call, pbs_kernel_inputs, sdpa_dense, structured_qkv  # noqa: E402
+from common import bench, env_info, kernel_us_per_call, pbs_kernel_call, pbs_kernel_inputs, sdpa_dense, structured_qkv  # noqa: E402
 from sparseflow.methods.pbs import reference as R  # noqa: E402
 
 KERNEL_NAME = "_permuted_block_sparse_attn_fwd"
 
 
 def profiled_kernel_ms(fn, name: str, reps: int = 5) -> float:
-    """Mean device time per call of the CUDA kernels whose name contains ``name``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = 0.0
-    for ev in prof.key_averages():
-        if name in ev.key:
-            total_us += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-    return total_us / 1e3 / reps
+    """Mean device time per call (ms) of the CUDA kernels whose name contains ``name``."""
+    return kernel_us_per_call(fn, reps=reps, warmup=1, name=name) / 1e3
 
 
 def public_density(pub, q, kr, bs, seg, thr) -> float:

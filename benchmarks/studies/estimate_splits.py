@@ -11,24 +11,14 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+from common import kernel_us_per_call  # noqa: E402
 from sparseflow.methods.pbs import triton_estimate as est  # noqa: E402
 
 B, HQ, HKV, D = 1, 9, 3, 64
-
-
-def kernel_us(fn, reps=10):
-    """Mean GPU kernel time per call (us) over ``reps`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum((e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type.name == "CUDA") / reps
 
 
 def run(n: int) -> None:
@@ -47,8 +37,8 @@ def run(n: int) -> None:
 
         lbm, lse = f()
         err = max((a - b).nan_to_num(0, 0, 0).abs().max().item() for a, b in zip((lbm, lse), ref))
-        rows.append((kernel_us(f), bm, w, st, sp, err))
-    default = kernel_us(lambda: est.strided_estimate(q, k, None, None, None, **kw))
+        rows.append((kernel_us_per_call(f), bm, w, st, sp, err))
+    default = kernel_us_per_call(lambda: est.strided_estimate(q, k, None, None, None, **kw))
     bm = est.default_row_tile(q, "sampled_rows", 8, HQ, 128)
     plan = est.estimate_plan("sampled_rows", 128, 8, bm)
     sp = est.default_key_splits(q, "sampled_rows", 8, HQ, 128, bm, plan["JB"])
