@@ -5,10 +5,11 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
 
 * :func:`strided_estimate` -- one program per (tile of ``BLOCK_M`` consecutive estimate rows,
   batch * query head, span of key blocks: ``key_splits`` spans per tile, so that few long causal
-  tiles do not leave the GPU waiting on the longest; :func:`default_key_splits`). A row is a sampled query row (``I*bs + t*s``) or a strided row
-  (queries ``I*bs + r*s + s-1-t``, ``t < s``, against the strided key columns
-  ``J*bs + c*s + t`` of the permuted keys: ``s`` accumulated dots, the antidiagonal of each
-  ``s x s`` tile, divided by its count of valid pairs). The program streams the permuted key
+  tiles do not leave the GPU waiting on the longest; :func:`default_key_splits`). A row is a
+  sampled query row (``I*bs + t*s``) or a strided row (queries ``I*bs + r*s + s-1-t``,
+  ``t < s``, against the strided key columns ``J*bs + c*s + t`` of the permuted keys: ``s``
+  accumulated dots, the antidiagonal of each ``s x s`` tile, divided by its count of valid
+  pairs). The program streams the permuted key
   blocks up to the tile's last candidate, masks per row (candidate region, key padding, slots
   past N) and writes, per row and key block, the block's log2-sum-exp2 of the row's logits
   (``lbm [B*HC, rows, nB]``, -inf where nothing is seen, the blocks past the tile's last
