@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["GraphReplays", "default_replays"]
+__all__ = ["GraphReplays", "ReplayHandle", "default_replays"]
 
 _log = logging.getLogger("sparseflow")
 
@@ -36,6 +36,16 @@ class _Recorded(NamedTuple):
     graph: "torch.cuda.CUDAGraph"
     inputs: Tuple[Optional[torch.Tensor], ...]  # the static tensors the graph reads
     output: torch.Tensor  # the static tensor the graph writes
+
+
+class ReplayHandle(NamedTuple):
+    """An in-place graph as :meth:`GraphReplays.in_place_handle` found it; it replays through
+    :meth:`GraphReplays.replay_handle` while no graph has left the cache since."""
+
+    key: Hashable  # the signature's key
+    at: Hashable  # the in-place graph's key: the signature's and its inputs' addresses
+    entry: _Recorded
+    version: int
 
 
 _SEEN = "seen"  # one eager call so far: it compiled and autotuned the kernels outside any capture
@@ -67,9 +77,11 @@ class GraphReplays:
         self._lock = threading.RLock()
         self.captures = 0  # graphs recorded since the last clear (tests and benchmarks read it)
         self.replays = 0
+        self._version = 0  # bumped whenever a graph leaves the cache: older handles stop replaying
 
     def clear(self) -> None:
         with self._lock:
+            self._version += 1
             self._entries.clear()
             self._statics.clear()
             self._pools.clear()
@@ -138,6 +150,26 @@ class GraphReplays:
             return None
         return self._record(at, fn, inputs, in_place=True)
 
+    def in_place_handle(self, key: Hashable, inputs: Inputs) -> Optional[ReplayHandle]:
+        """The in-place graph :meth:`run` has recorded for ``key`` on these inputs' addresses, as
+        a handle a caller may keep to replay it without looking it up, or None."""
+        at = (key, *[0 if t is None else t.data_ptr() for t in inputs])
+        with self._lock:
+            entry = self._entries.get(at)
+            return ReplayHandle(key, at, entry, self._version) if isinstance(entry, _Recorded) else None
+
+    def replay_handle(self, handle: ReplayHandle, out_layout: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
+        """What :meth:`run` returns for the key and inputs of ``handle`` (the caller has checked
+        that this call is such a call: same key, same input addresses), or None when a graph left
+        the cache since the handle was made (its pool memory may be another graph's now)."""
+        with self._lock:
+            if handle.version != self._version:
+                return None
+            if handle.key in self._entries:  # both graphs stay as recent as run() keeps them
+                self._entries.move_to_end(handle.key)
+            self._entries.move_to_end(handle.at)
+            return self._replay(handle.entry, out_layout)
+
     def _replay(self, entry: _Recorded, out_layout: Optional[Sequence[int]]) -> torch.Tensor:
         entry.graph.replay()
         self.replays += 1
@@ -167,6 +199,7 @@ class GraphReplays:
         for key, entry in self._entries.items():
             if isinstance(entry, _Recorded):
                 del self._entries[key]
+                self._version += 1
                 self._drop_unused_statics()
                 return
 

@@ -541,6 +541,9 @@ def _execute(
         return out.contiguous()
     if cap is None and not for_grad:
         layout = None if contiguous else _TOKENS_MAJOR
+        note = _REPLAY_NOTE.get()
+        if note:  # graphs that served backend='auto' while it timed the candidates did not serve this call
+            note.clear()
         out, sel = _replayed_or_launched(method, chosen, plan.entry, q, k, v, mask, scale, layout), None
     else:
         result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
@@ -597,7 +600,13 @@ def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask,
     def call(q_, k_, v_):
         return _call_impl(method, chosen, entry, q_, k_, v_, _MaskView(None, causal), scale, False)
 
-    return _graph_replay.default_replays.run(key, call, (q, k, v), out_layout)
+    out = _graph_replay.default_replays.run(key, call, (q, k, v), out_layout)
+    note = _REPLAY_NOTE.get()
+    if note is not None and out_layout == _TOKENS_MAJOR:
+        handle = _graph_replay.default_replays.in_place_handle(key, (q, k, v))
+        if handle is not None:
+            note.append(handle)
+    return out
 
 
 class _MaskView(NamedTuple):
@@ -785,8 +794,15 @@ def attention_any_layout(
     SDPA, so a repeat of a dense call goes to SDPA from its signature alone (a converted layer
     that ``auto`` keeps dense then costs about what transformers' own SDPA function does)."""
     sig = None
+    sparse_known = False
     plain_args = type(is_causal) is bool and (scale is None or type(scale) in (int, float))
     if known is not None and plain_args and _plain_eager(q, k, v, None):
+        last = known.get(_LAST_REPLAY)
+        if last is not None:
+            out = _replay_again(last, q, k, v, is_causal, scale, backend)
+            if out is not None:
+                _capture.note_call(config.method, tag, True)
+                return out
         sig = _call_signature(q, k, v, is_causal, scale, backend)
         hit = known.get(sig)
         if hit is not None and hit[0] == _autobackend.default_chooser.generation:
@@ -795,11 +811,87 @@ def attention_any_layout(
                 return _dense_sdpa(
                     config.method, tag, hit[1], q, k, v, None, is_causal, scale, _capture.active_capture()
                 )
-            sig = None  # known to run sparse: nothing to learn
+            sig, sparse_known = None, True  # known to run sparse: nothing to learn
     _check_call_types(config, is_causal)
+    if sparse_known:
+        return _attention_noting_replay(known, q, k, v, config, is_causal, scale, backend, tag, tuning)
     out = _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
     if sig is not None:
         _note_known(known, sig, config, tuning, backend, tag)
+    return out
+
+
+# A caller's repeat of a sparse call that replayed an in-place CUDA graph (a model's layer,
+# forward after forward) replays it again from what the call matches alone: the same tensors'
+# addresses, layouts and flags, on the same stream, in the same mode. Everything the full path
+# decides from is in that match or checked per call, so the result is the full path's; the
+# full path's own checks cost a replayed call more host time than its kernels' launch.
+_LAST_REPLAY = object()  # the key of a caller's _LastReplay in its ``known`` dict
+
+# set while attention_any_layout runs a call the full way: _replayed_impl notes the in-place
+# graph that served it
+_REPLAY_NOTE: contextvars.ContextVar[Optional[List]] = contextvars.ContextVar("sparseflow_replay_note", default=None)
+
+
+class _LastReplay(NamedTuple):
+    site: Tuple  # _replay_site of the call
+    handle: "_graph_replay.ReplayHandle"
+
+
+def _replay_site(q, k, v, is_causal, scale, backend) -> Tuple:
+    """Everything a plain eager sparse call's path to its graph depends on besides the caller's
+    fixed config, tuning, backend and tag: the inputs' addresses and layouts, the stream, the
+    flags, and what ``auto`` decides from (the chooser's generation, the override variable)."""
+    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
+    return (
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        q.shape,
+        k.shape,
+        v.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else None,
+        is_causal,
+        scale,
+        _autobackend.default_chooser.generation,
+        override,
+    )
+
+
+def _replay_again(last: _LastReplay, q, k, v, is_causal, scale, backend) -> Optional[torch.Tensor]:
+    """The output of ``last``'s graph when this call is its repeat and may replay (see
+    _replayable; what the key of _replayed_impl holds is in the site), else None."""
+    if _replay_site(q, k, v, is_causal, scale, backend) != last.site:
+        return None
+    if _needs_autograd(q, k, v, None) or _INTERCEPTOR.get() is not None or _capture.active_capture() is not None:
+        return None
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return _graph_replay.default_replays.replay_handle(last.handle, _TOKENS_MAJOR)
+
+
+def _attention_noting_replay(known, q, k, v, config, is_causal, scale, backend, tag, tuning) -> torch.Tensor:
+    """A call known to run sparse, the full way; the in-place graph that served it (if one did)
+    becomes the caller's last replay."""
+    note: List = []
+    token = _REPLAY_NOTE.set(note)
+    try:
+        out = _attention(q, k, v, config, None, is_causal, scale, backend, tag, None, tuning, False)
+    finally:
+        _REPLAY_NOTE.reset(token)
+    if len(note) == 1 and q.shape[2] > 1:  # a one-query call may be a decode step another time
+        known[_LAST_REPLAY] = _LastReplay(_replay_site(q, k, v, is_causal, scale, backend), note[-1])
+    else:
+        known.pop(_LAST_REPLAY, None)
     return out
 
 

@@ -8,6 +8,7 @@ bookkeeping (first call eager, failed captures stay eager and are logged) is che
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -381,3 +382,186 @@ def test_markers_of_addresses_seen_once_are_forgotten_but_never_a_graph(fake_cud
     assert len(cache._entries) <= 8 * cache.limit and len(cache) == 2 and cache.captures == 2
     assert torch.equal(cache.run("a", lambda t: t + 1, (torch.zeros(4),)), torch.ones(4))
     assert cache.captures == 2 and cache.replays == 2 + 40 + 1
+
+
+def test_a_handle_replays_its_in_place_graph_until_a_graph_leaves_the_cache(fake_cuda_graphs):
+    cache = GraphReplays(limit=3)
+    x = torch.zeros(8)
+    for i in range(4):  # call 4 records the graph that reads x in place
+        cache.run("k", lambda t: t + 1, (x,))
+    assert cache.in_place_handle("k", (torch.zeros(8),)) is None  # another address: no graph of its own
+    handle = cache.in_place_handle("k", (x,))
+    assert handle is not None and handle.entry.inputs == ()
+    x.fill_(5.0)
+    assert torch.equal(cache.replay_handle(handle, (0,)), torch.full((8,), 6.0)) and cache.replays == 4
+    for n in (3, 4):  # two more signatures' graphs: past the limit, the oldest graph goes
+        for _ in range(2):
+            cache.run(("other", n), lambda t: t * 2, (torch.ones(n),))
+    assert len(cache) == 3 and cache.replay_handle(handle) is None  # its pool memory may be reused now
+    fresh = cache.in_place_handle("k", (x,))
+    assert fresh is not None and torch.equal(cache.replay_handle(fresh), torch.full((8,), 6.0))
+    cache.clear()
+    assert cache.replay_handle(fresh) is None
+
+
+# --------------------------------------------------------------------------- a layer's repeat call
+
+
+@pytest.fixture
+def replayable_on_cpu(fake_cuda_graphs, monkeypatch):
+    """The reference backend on the CPU replays through fake graphs as the Triton one does on the
+    GPU, so the path a converted model's layer takes call after call runs here."""
+    from sparseflow import ops
+
+    def replayable(chosen, entry, q, k, v, kpm):
+        return entry.tuning.cuda_graphs and kpm is None and not ops._needs_autograd(q, k, v, None)
+
+    monkeypatch.setattr(ops, "_replayable", replayable)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    full_calls = []
+    real = ops._attention
+
+    def counted(*args):
+        if args[8] == "layer":  # the tag: calls of the layer under test, not the tests' references
+            full_calls.append(args[0].data_ptr())
+        return real(*args)
+
+    monkeypatch.setattr(ops, "_attention", counted)
+    default_replays.clear()
+    yield full_calls
+    default_replays.clear()
+
+
+def _layer_call(q, k, v, known, cfg=_CONFIGS["pbs"], tuning=sparseflow.Tuning()):
+    from sparseflow.ops import attention_any_layout
+
+    return attention_any_layout(
+        q, k, v, config=cfg, is_causal=True, scale=None, backend="reference", tag="layer", tuning=tuning, known=known
+    )
+
+
+def _refilled(bufs, seed):
+    g = torch.Generator().manual_seed(seed)
+    for buf in bufs:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    return bufs
+
+
+def _cpu_hf_qkv(n=256):
+    def one(h):
+        return torch.zeros(1, n, h, 16).transpose(1, 2)
+
+    return one(4), one(2), one(2)
+
+
+def _want(q, k, v):
+    return sparseflow.attention(
+        q, k, v, config=_CONFIGS["pbs"], backend="reference", tuning=Tuning(cuda_graphs=False)
+    ).transpose(1, 2)
+
+
+def test_a_layers_repeat_call_replays_its_graph_without_the_full_path(replayable_on_cpu):
+    full_calls, known, bufs = replayable_on_cpu, {}, _cpu_hf_qkv()
+    with torch.no_grad():
+        for seed in range(8):
+            q, k, v = _refilled(bufs, seed)
+            got = _layer_call(q, k, v, known).transpose(1, 2)
+            assert torch.equal(got, _want(q, k, v)), f"call {seed}"
+            assert got.is_contiguous() or not seed, "a replay's copy lands in [B, N, H, D] memory"
+    # calls 1-4: eager, copying graph, addresses seen, in-place graph; 5-8 replay it directly
+    assert len(full_calls) == 4 and default_replays.captures == 2 and default_replays.replays == 7
+    other = _refilled(_cpu_hf_qkv(), 9)  # other tensors: the full path, on the copying graph
+    assert torch.equal(_layer_call(*other, known).transpose(1, 2), _want(*other)) and len(full_calls) == 5
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["gradient", "recording", "intercepted", "chooser-cleared", "graph-evicted", "not-causal"],
+)
+def test_a_repeat_call_takes_the_full_path_when_anything_it_matched_on_changes(replayable_on_cpu, change):
+    from sparseflow import autobackend, ops
+
+    full_calls, known = replayable_on_cpu, {}
+    q, k, v = _refilled(_cpu_hf_qkv(), 0)
+    with torch.no_grad():
+        for _ in range(5):  # the fifth replays directly
+            _layer_call(q, k, v, known)
+    assert len(full_calls) == 4
+    scope = contextlib.nullcontext()
+    causal = True
+    if change == "gradient":
+        q.requires_grad_(True)
+    elif change == "recording":
+        scope = sparseflow.capture()
+    elif change == "intercepted":
+        scope = ops.intercepting(lambda method, args: torch.zeros_like(args[0]))
+    elif change == "chooser-cleared":
+        autobackend.default_chooser.clear()
+    elif change == "graph-evicted":
+        default_replays.clear()
+    else:
+        causal = False
+    with scope as cap:
+        from sparseflow.ops import attention_any_layout
+
+        got = attention_any_layout(
+            q,
+            k,
+            v,
+            config=_CONFIGS["pbs"],
+            is_causal=causal,
+            scale=None,
+            backend="reference",
+            tag="layer",
+            tuning=sparseflow.Tuning(),
+            known=known,
+        )
+    assert len(full_calls) == 5, f"{change}: the repeat replayed without the full path"
+    if change == "recording":
+        assert len(cap.calls) == 1 and cap.calls[0].tag == "layer"
+    elif change == "intercepted":
+        assert torch.equal(got, torch.zeros_like(q))
+    else:
+        want = sparseflow.attention(
+            q.detach(),
+            k,
+            v,
+            config=_CONFIGS["pbs"],
+            backend="reference",
+            is_causal=causal,
+            tuning=Tuning(cuda_graphs=False),
+        )
+        assert torch.equal(got.detach(), want)
+
+
+def test_a_repeat_call_is_counted_in_the_models_tally(replayable_on_cpu):
+    from sparseflow import recording
+
+    known, tally = {}, {}
+    q, k, v = _refilled(_cpu_hf_qkv(), 0)
+    with torch.no_grad(), recording.tallying(tally):
+        for _ in range(7):
+            _layer_call(q, k, v, known)
+    assert tally == {("layer", "pbs"): {"": 7}} and len(replayable_on_cpu) == 4
+
+
+@gpu
+@pytest.mark.parametrize("method", list(_CONFIGS))
+def test_a_layers_repeat_call_on_the_gpu_replays_directly_and_exactly(method, monkeypatch):
+    from sparseflow import ops
+
+    default_replays.clear()
+    full_calls = []
+    real = ops._attention
+    monkeypatch.setattr(ops, "_attention", lambda *a: full_calls.append(a[8]) or real(*a))
+    cfg, known, bufs = _CONFIGS[method], {}, _hf_qkv(400, 0)
+    with torch.no_grad():
+        for seed in range(7):
+            for buf, new in zip(bufs, _hf_qkv(400, seed + 1)):
+                buf.copy_(new)
+            got = ops.attention_any_layout(
+                *bufs, config=cfg, is_causal=True, scale=None, backend="triton", tag="layer", known=known
+            )
+            want = sparseflow.attention(*bufs, config=cfg, backend="triton", tuning=_NO_GRAPHS)
+            assert torch.equal(got, want), f"{method}: call {seed}"
+    assert full_calls.count("layer") == 4 and default_replays.captures == 2 and default_replays.replays == 6

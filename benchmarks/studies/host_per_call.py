@@ -89,6 +89,15 @@ for m in ("pbs", "bsa", "pisa"):
         .contiguous()
     )
 
+    layer_memo = {}  # what sparseflow.hf keeps per layer: its repeat calls replay their graph directly
+    variants[f"sf.any_layout {m} + T.contig, a layer's repeat"] = lambda c=c, memo=layer_memo: (
+        O.attention_any_layout(
+            q, k, v, config=c, is_causal=True, scale=None, backend="triton", tag="x", tuning=TUN, known=memo
+        )
+        .transpose(1, 2)
+        .contiguous()
+    )
+
 
 def copying(c):
     GR.default_replays.in_place = False
