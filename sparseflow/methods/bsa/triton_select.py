@@ -227,7 +227,8 @@ def _bsa_select_kernel(
         key = tl.where(forced & vis, float("inf"), key)
         if MERGE != 0:
             packed = tl.where(vis, _packed_keys(key, blk), -9223372036854775807)
-            kth = tl.min(top, axis=1)
+            # the row's TOPK-th best kept key (the slots past TOPK hold none)
+            kth = tl.min(tl.where(offs_k[None, :] < TOPK, top, 9223372036854775807), axis=1)
             if tl.sum(tl.sum((packed > kth[:, None]).to(tl.int32), axis=1), axis=0) > 0:
                 if MERGE == 1:
                     top = _merge_top_k_bitonic(top, packed, KP, BLOCK_M)
