@@ -1,9 +1,10 @@
 """The BSA selector's merge of each key chunk into the rows' running top-K, side by side: kernel
 time per call (CUDA events over back-to-back calls; the selector is GPU-bound at these lengths)
 for each merge, row tile and warp count, at SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64,
-C 64, bf16, causal), on keys with a positional drift (later blocks score higher: every chunk
-brings new entrants, the hard case for the "entrants" merge) and on plain Gaussian keys. Every
-variant's selection is checked equal to the first one's. Prints a table and writes JSON.
+C 64, bf16, causal), on keys with a positional drift (later blocks score higher, so every chunk
+brings a row new entrants) and on plain Gaussian keys. Every variant's selection is checked equal
+to the first one's. Prints a table and writes JSON. (``bsa_merge_h200.log`` also holds an
+"entrants" merge, measured at b081129 and dropped: docs/results.md.)
 
     python benchmarks/studies/bsa_merge.py --json benchmarks/results/bsa_merge_h200.json
 """
