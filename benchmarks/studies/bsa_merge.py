@@ -4,7 +4,7 @@ for each merge, row tile and warp count, at SmolLM2's attention shape (B 1, Hq 9
 C 64, bf16, causal), on keys with a positional drift (later blocks score higher, so every chunk
 brings a row new entrants) and on plain Gaussian keys. Every variant's selection is checked equal
 to the first one's. Prints a table and writes JSON. (``bsa_merge_h200.log`` also holds an
-"entrants" merge, measured at b081129 and dropped: docs/results.md.)
+"entrants" merge, measured on top of a0140c6 and dropped: docs/results.md.)
 
     python benchmarks/studies/bsa_merge.py --json benchmarks/results/bsa_merge_h200.json
 """
