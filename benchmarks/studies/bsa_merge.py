@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         q = torch.randn(1, 9, n, 64, device="cuda", dtype=torch.bfloat16)
         sums, cnt, lfv = leaf_sums(keys(n, drift), None, 64)
-        call = (q, sums, cnt, lfv, n, 0.125, True, 64, top_k, True, True, False)
+        call = (q, sums, cnt, lfv, n, 0.125, True, 64, top_k, True, True, "ieee")
         first = None
         for merge, block_m, num_warps in itertools.product(args.merges.split(","), (16, 32, 64), (4, 8)):
             bs._SELECT_LAUNCH.update(merge=merge, block_m=block_m, block_n=64, num_warps=num_warps)

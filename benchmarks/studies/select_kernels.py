@@ -53,7 +53,7 @@ best = None
 for topk in (8, 16):
     args = (q, sums, cnt, lfv, N, 0.125, True, 64, topk, True, True)
     bs._SELECT_LAUNCH.update(block_m=32, block_n=64, num_warps=4, merge="bitonic")
-    ref = bs._bsa_select_fwd(*args, False).clone()
+    ref = bs._bsa_select_fwd(*args, "ieee").clone()
     rows = []
     grid = list(itertools.product(("bitonic", "packed"), (16, 32, 64), (64, 128), (2, 4, 8)))
     if best is not None:
@@ -61,9 +61,9 @@ for topk in (8, 16):
     for merge, bm, bn, w in grid:
         bs._SELECT_LAUNCH.update(block_m=bm, block_n=bn, num_warps=w, merge=merge)
         try:
-            got = bs._bsa_select_fwd(*args, False)
+            got = bs._bsa_select_fwd(*args, "ieee")
             same = torch.equal(got, ref)
-            t = tm(lambda: bs._bsa_select_fwd(*args, False))
+            t = tm(lambda: bs._bsa_select_fwd(*args, "ieee"))
         except Exception as ex:
             print("fail", merge, bm, bn, w, type(ex).__name__, str(ex)[:100])
             continue
@@ -78,7 +78,7 @@ for topk in (8, 16):
             print(f"   default {r[0]:.1f} us")
     b = rows[0]
     bs._SELECT_LAUNCH.update(block_m=b[2], block_n=b[3], num_warps=b[4], merge=b[1])
-    print(f"   best + bf16: {tm(lambda: bs._bsa_select_fwd(*args, True)):.1f} us", flush=True)
+    print(f"   best + bf16: {tm(lambda: bs._bsa_select_fwd(*args, 'bf16')):.1f} us", flush=True)
     bs._SELECT_LAUNCH.update(block_m=32, block_n=64, num_warps=4, merge="bitonic")
 # ---------------- PBS strided estimate (recipe)
 rows = []

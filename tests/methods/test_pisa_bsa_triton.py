@@ -393,3 +393,19 @@ def test_selectors_return_int32_ids_on_request(method):
     assert torch.equal(got.long(), want)
     with pytest.raises(ValueError, match="index_dtype"):
         select(q, k, block_size=16, top_k=4, index_dtype=torch.int16)
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee", "bf16"])
+def test_bsa_selector_takes_each_precision(precision):
+    """Each precision reaches the kernel (on the GPU bf16 may pick another block where two nearly
+    tie; the interpreter's dots are fp32 whatever the precision, so the selection is exact there)."""
+    from sparseflow.methods.bsa import triton_select
+
+    assert precision in triton_select.PRECISIONS
+    q, k, _, _ = _inputs(1, 4, 2, 150, 150, 16, torch.float32, False, seed=3)
+    got = triton_select.bsa_select(q, k, block_size=16, top_k=4, precision=precision)
+    want = bsa_ref.bsa_select(q, k, block_size=16, top_k=4)
+    if precision == "bf16" and q.is_cuda:
+        assert (got == want).float().mean() > 0.9
+    else:
+        assert torch.equal(got, want)

@@ -1,6 +1,7 @@
 """BSA, ``backend="triton"``: same signature and result as ``reference.bsa_attention``.
 
-Selection: ``triton_select`` (the fused full-scan selector; selections equal the reference's).
+Selection: ``triton_select`` (the fused full-scan selector; selections equal the reference's up to
+fp32 rounding, see its ``precision``).
 Attention: ``token_sparse_triton`` (forward and dq/dk/dv backward in Triton), so training runs on
 the kernels end to end; the selection itself carries no gradient.
 """

@@ -6,14 +6,21 @@ The group-summed score ``sum_h q_h . kbar_c * scale`` equals ``(sum_h q_h) . kba
 one program per (query tile, batch x KV head) sums the tile's ``G`` query heads once and streams
 the leaf-block means in tiles of ``BLOCK_N`` blocks through one ``tl.dot`` each, keeping a
 running top-K per row in registers: no score matrix is ever written. Each (score, block id) is
-one int64 key, so a chunk merges into the running top-K by two bitonic top-k passes
-(``tl.topk``) rather than K rounds of row maxima (kept for K > 64). A tile whose scores cannot
-enter any row's top-K (none above the row's current K-th best) is skipped without merging. Forced blocks enter with +inf, invisible ones never enter; ties go to the lower
-block id, as in the reference.
+one int64 key, so a chunk merges into the running top-K by ``K`` rounds of one int64 row max
+(the other merges of ``_SELECT_LAUNCH`` are measured beside it). A tile whose scores cannot
+enter any row's top-K (none above the row's current K-th best) is skipped without merging.
+Forced blocks enter with +inf, invisible ones never enter; ties go to the lower block id, as in
+the reference.
 
-``precision="ieee"`` (default) scores in IEEE fp32 (selections equal the reference's up to fp32
-summation order); ``"bf16"`` rounds the summed queries and the means to bf16 for the tensor
-cores, the fastest variant, reported beside it in ``benchmarks/pisa.py``.
+``precision="tf32x3"`` (default) scores on the tensor cores from three tf32 products per fp32
+product (the high and low tf32 parts of each operand; what is dropped, the low parts' product, is
+about 2**-22 of it). That rounding is of the order of the differences fp32 summation order makes
+already, so selections equal the reference's except between blocks whose scores tie to about
+1e-6, as with any fp32 summation order; at twice the speed of ``"ieee"`` (IEEE fp32 on the CUDA
+cores). H200, SmolLM2's shape (``benchmarks/studies/bsa_dot_precision.py``): 57 us against 117 us
+at 8K, 578 against 1233 at 32K, with 1 row in 1e5 selecting otherwise than the reference on keys
+with a drift and none on Gaussian keys. ``"bf16"`` rounds the summed queries and the means to
+bf16: the fastest and the least faithful (1-4% of rows select another block).
 """
 
 from __future__ import annotations
@@ -33,14 +40,15 @@ from .config import BSAConfig
 
 __all__ = ["bsa_select", "PRECISIONS"]
 
-PRECISIONS = ("ieee", "bf16")
+PRECISIONS = ("tf32x3", "ieee", "bf16")
+_PRECISION_CODES = {"ieee": 0, "bf16": 1, "tf32x3": 2}
 _BIG_ID = 2**30
 # merge: how a chunk of scores enters the rows' running top-K -- "packed" (top_k rounds of one
 # int64 row max over the packed keys), "bitonic" (two bitonic top-k passes, top_k <= 64) or
 # "rounds" (top_k rounds of fp32 row maxima with separate ids)
-# Measured on the H200 (SmolLM2's shape at 8K: Hq 9, Hkv 3, D 64, C 64; kernel 163.5 us with the
-# bitonic merge and 4 warps): the packed merge with 8 warps 123.3 us at K=8, 4 warps 155.8 us at
-# K=16 (against 225.9). num_warps None: 8 up to K=8, else 4.
+# Measured on the H200 (SmolLM2's shape at 8K: Hq 9, Hkv 3, D 64, C 64; IEEE dots): the packed
+# merge with 8 warps 122.4 us at K=8, 4 warps 153.8 us at K=16 (benchmarks/results/bsa_merge_h200.log,
+# kernel time from a CUDA graph). num_warps None: see _bsa_select_fwd.
 _SELECT_LAUNCH = dict(block_m=32, block_n=64, num_warps=None, merge="packed")
 _MERGES = {"rounds": 0, "bitonic": 1, "packed": 2}
 
@@ -167,7 +175,7 @@ def _bsa_select_kernel(
     KP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
     MERGE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -217,8 +225,10 @@ def _bsa_select_kernel(
             other=0.0,
         )
         m_t = s_t / tl.maximum(cnt, 1).to(tl.float32)[None, :]
-        if BF16:
+        if PRECISION == 1:
             sc = tl.dot(qs.to(tl.bfloat16), m_t.to(tl.bfloat16))
+        elif PRECISION == 2:
+            sc = tl.dot(qs, m_t, input_precision="tf32x3")
         else:
             sc = tl.dot(qs, m_t, input_precision="ieee")
         vis = b_ok[None, :] & (tl.load(lfv_base + blk, mask=b_ok, other=Nk)[None, :] <= hz[:, None])
@@ -273,7 +283,7 @@ def _bsa_select_fwd(
     top_k: int,
     force_sink: bool,
     force_previous: bool,
-    bf16: bool,
+    precision: str,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, nb = sums.shape[1], sums.shape[2]
@@ -281,8 +291,8 @@ def _bsa_select_fwd(
     if n_q == 0:
         return out
     block_m, num_warps = _SELECT_LAUNCH["block_m"], _SELECT_LAUNCH["num_warps"]
-    if num_warps is None:
-        num_warps = 8 if top_k <= 8 else 4
+    if num_warps is None:  # (H200: IEEE dots at K <= 8 were fastest on 8 warps, tensor-core ones on 4)
+        num_warps = 8 if top_k <= 8 and precision == "ieee" else 4
     wrap_triton(_bsa_select_kernel)[(triton.cdiv(n_q, block_m), b * hkv)](
         q,
         sums,
@@ -314,7 +324,7 @@ def _bsa_select_fwd(
         KP=_p2(top_k, 2),
         BLOCK_M=block_m,
         BLOCK_N=_SELECT_LAUNCH["block_n"],
-        BF16=bf16,
+        PRECISION=_PRECISION_CODES[precision],
         MERGE=_merge_code(top_k),
         num_warps=num_warps,
     )
@@ -322,7 +332,7 @@ def _bsa_select_fwd(
 
 
 @_bsa_select_fwd.register_fake
-def _(q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, bf16):
+def _(q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, precision):
     return q.new_empty(q.shape[0], sums.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
@@ -337,7 +347,7 @@ def bsa_select(
     top_k: int = BSAConfig.top_k,
     force_sink: bool = BSAConfig.force_sink,
     force_previous: bool = BSAConfig.force_previous,
-    precision: str = "ieee",
+    precision: str = "tf32x3",
     index_dtype: torch.dtype = torch.long,
 ) -> torch.Tensor:
     """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64
@@ -368,6 +378,6 @@ def bsa_select(
             int(top_k),
             bool(force_sink),
             bool(force_previous),
-            precision == "bf16" and not interpreting(),
+            "ieee" if interpreting() else precision,  # the interpreter's dots are numpy's fp32
         )
     return idx.to(index_dtype)
