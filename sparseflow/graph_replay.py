@@ -135,7 +135,7 @@ class GraphReplays:
         tensors this very call was given. In-place graphs are recorded only while they fit in
         half the byte budget and leave room under the graph limit, so a model with more layers
         than fit keeps copying instead of evicting and recording graphs call after call."""
-        at = (key, *[0 if t is None else t.data_ptr() for t in inputs])
+        at = _at_addresses(key, inputs)
         entry = self._entries.get(at)
         if entry is None:
             self._remember(at, _SEEN)
@@ -153,7 +153,7 @@ class GraphReplays:
     def in_place_handle(self, key: Hashable, inputs: Inputs) -> Optional[ReplayHandle]:
         """The in-place graph :meth:`run` has recorded for ``key`` on these inputs' addresses, as
         a handle a caller may keep to replay it without looking it up, or None."""
-        at = (key, *[0 if t is None else t.data_ptr() for t in inputs])
+        at = _at_addresses(key, inputs)
         with self._lock:
             entry = self._entries.get(at)
             return ReplayHandle(key, at, entry, self._version) if isinstance(entry, _Recorded) else None
@@ -263,6 +263,11 @@ class GraphReplays:
 
 class _NotReplayable(Exception):
     pass
+
+
+def _at_addresses(key: Hashable, inputs: Inputs) -> Tuple:
+    """The key of ``key``'s in-place graph on these inputs: the signature and their addresses."""
+    return (key, *[0 if t is None else t.data_ptr() for t in inputs])
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -541,9 +541,6 @@ def _execute(
         return out.contiguous()
     if cap is None and not for_grad:
         layout = None if contiguous else _TOKENS_MAJOR
-        note = _REPLAY_NOTE.get()
-        if note:  # graphs that served backend='auto' while it timed the candidates did not serve this call
-            note.clear()
         out, sel = _replayed_or_launched(method, chosen, plan.entry, q, k, v, mask, scale, layout), None
     else:
         result = _call_impl(method, chosen, plan.entry, q, k, v, mask, scale, cap is not None)
@@ -602,6 +599,7 @@ def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask,
 
     out = _graph_replay.default_replays.run(key, call, (q, k, v), out_layout)
     note = _REPLAY_NOTE.get()
+    # only the call that serves attention_any_layout asks for this layout (auto's timing runs do not)
     if note is not None and out_layout == _TOKENS_MAJOR:
         handle = _graph_replay.default_replays.in_place_handle(key, (q, k, v))
         if handle is not None:
@@ -840,30 +838,18 @@ class _LastReplay(NamedTuple):
 
 def _replay_site(q, k, v, is_causal, scale, backend) -> Tuple:
     """Everything a plain eager sparse call's path to its graph depends on besides the caller's
-    fixed config, tuning, backend and tag: the inputs' addresses and layouts, the stream, the
-    flags, and what ``auto`` decides from (the chooser's generation, the override variable)."""
-    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
-    return (
+    fixed config, tuning, backend and tag: the plan's signature (:func:`_call_signature`), the
+    inputs' addresses and strides, the stream and the chooser's generation."""
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else None
+    return _call_signature(q, k, v, is_causal, scale, backend) + (
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
-        q.shape,
-        k.shape,
-        v.shape,
         q.stride(),
         k.stride(),
         v.stride(),
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
-        torch._C._cuda_getCurrentRawStream(q.device.index) if q.is_cuda else None,
-        is_causal,
-        scale,
+        stream,
         _autobackend.default_chooser.generation,
-        override,
     )
 
 
