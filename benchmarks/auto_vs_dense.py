@@ -42,6 +42,7 @@ class Variant(NamedTuple):
     backend: str
     cuda_graphs: bool = True  # Tuning.cuda_graphs
     in_place: bool = True  # replays may use graphs that read recurring input addresses in place
+    pisa_walk: str = "auto"  # Tuning.pisa_walk
 
 
 VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
@@ -53,6 +54,7 @@ VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
     "recipe triton": Variant("smollm2:pbs", "triton"),
     "bsa triton": Variant("bsa", "triton"),
     "pisa triton": Variant("pisa", "triton"),
+    "pisa per-token": Variant("pisa", "triton", pisa_walk="per_token"),
     "pbs copying": Variant("pbs", "triton", in_place=False),
     "pbs launched": Variant("pbs", "triton", cuda_graphs=False),
 }
@@ -64,7 +66,8 @@ def use(model, variant: Optional[Variant]) -> None:
         return
     default_replays.in_place = variant.in_place
     n_layers = model.config.num_hidden_layers
-    sparseflow.hf.apply_plan(model, converted_plan(variant.setting, variant.backend, n_layers, variant.cuda_graphs))
+    plan = converted_plan(variant.setting, variant.backend, n_layers, variant.cuda_graphs, variant.pisa_walk)
+    sparseflow.hf.apply_plan(model, plan)
 
 
 def round_order(names, index: int):

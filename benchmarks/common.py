@@ -38,6 +38,8 @@ __all__ = [
     "bench",
     "median_ms_per_call",
     "mean_s_back_to_back",
+    "kernel_us_by_name",
+    "graph_us_per_call",
     "mean_ms_cuda_events",
 ]
 
@@ -212,9 +214,9 @@ def bench(fn, rep_ms=200, warmup_ms=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def kernel_us_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3, name: str = "") -> float:
-    """Mean GPU time per call (us) of the CUDA kernels whose name contains ``name`` (all: ""),
-    from the profiler: the host's launch cost is not in it, as under CUDA graphs."""
+def kernel_us_by_name(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, float]:
+    """Mean GPU time per call (us) of each CUDA kernel name ``fn`` launches, from the profiler:
+    the host's launch cost is not in it, as under CUDA graphs."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -224,8 +226,36 @@ def kernel_us_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
-    return sum(e.time_range.end - e.time_range.start for e in kernels) / reps
+    per_name: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per_name[e.name] = per_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / reps
+    return per_name
+
+
+def kernel_us_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3, name: str = "") -> float:
+    """Mean GPU time per call (us) of the CUDA kernels whose name contains ``name`` (all: "")."""
+    return sum(us for kernel, us in kernel_us_by_name(fn, reps, warmup).items() if name in kernel)
+
+
+def graph_us_per_call(fn: Callable[[], object], calls: int = 10, replays: int = 3, warmup: int = 3) -> float:
+    """Mean time per call (us) of ``fn`` replayed from a CUDA graph of ``calls`` calls: GPU time
+    with no host time in it (``fn`` must be capturable)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (replays * calls) * 1e3
 
 
 def median_ms_per_call(call: Callable[[], object], reps: int, cuda: bool) -> Dict[str, float]:

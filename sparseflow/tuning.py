@@ -18,7 +18,7 @@ __all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUT
 
 PBS_SELECT = ("auto", "triton", "reference")
 PBS_KV_LAYOUTS = ("permuted", "gather")
-PISA_WALKS = ("auto", "per_token", "tiled")
+PISA_WALKS = ("auto", "per_token", "tiled", "scan")
 PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
 
 
@@ -45,7 +45,10 @@ class Tuning:
     ``"per_token"``, one program per query token (``methods/pisa/triton_select``); ``"tiled"``, one
     program per tile of consecutive queries sharing the scoring of each level
     (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
-    ``"auto"``: per token for now.
+    ``"scan"``, query tiles score every node above the leaves and then the union of their leaf
+    candidates, the per-token walk between them (``methods/pisa/triton_select_scan``; calls it
+    does not cover run per token, logged); ``"auto"``: the scan on CUDA where it applies (faster
+    at every shape timed on the H200), else per token.
     ``cuda_graphs``: replay an eager ``backend="triton"`` call without gradient from a CUDA graph,
     recorded on the second call of the same signature (method config, shapes, strides, dtypes,
     device, stream), instead of launching its kernels one by one: the same kernels on the same

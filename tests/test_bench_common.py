@@ -39,7 +39,18 @@ def test_seeded_inputs_repeat_and_follow_the_generator_device():
     assert bm.shape == sel.shape and not (sel & ~bm).any()  # forced blocks only, inside the causal mask
 
 
-@pytest.mark.parametrize("name", ["mean_ms_cuda_events", "bench", "env_info", "sdpa_dense", "pbs_kernel_inputs"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mean_ms_cuda_events",
+        "bench",
+        "env_info",
+        "sdpa_dense",
+        "pbs_kernel_inputs",
+        "kernel_us_by_name",
+        "graph_us_per_call",
+    ],
+)
 def test_cuda_helpers_are_exported(name):
     assert callable(getattr(common, name)) and name in common.__all__
 

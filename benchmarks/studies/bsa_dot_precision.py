@@ -19,28 +19,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from common import graph_us_per_call  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.kernels.block_summaries_triton import leaf_sums  # noqa: E402
 from sparseflow.methods.bsa import reference as bsa_ref  # noqa: E402
 from sparseflow.methods.bsa import triton_select as bs  # noqa: E402
-
-
-def graph_us(fn, calls: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (3 * calls) * 1e3
 
 
 def main(argv=None) -> int:
@@ -64,7 +47,7 @@ def main(argv=None) -> int:
             call = (q, sums, cnt, lfv, n, 0.125, True, 64, args.top_k, True, True, precision)
             try:
                 got = bs._bsa_select_fwd(*call).long()
-                us = graph_us(lambda: bs._bsa_select_fwd(*call))
+                us = graph_us_per_call(lambda: bs._bsa_select_fwd(*call))
             finally:
                 bs._SELECT_LAUNCH["num_warps"] = None
             differ = (got != want).any(-1).float().mean().item()

@@ -283,6 +283,13 @@ def _pisa_select_kernel(
     T,
     HKV,
     qk_scale,
+    pre_ptr,
+    cand_ptr,
+    stride_pbh,
+    stride_pn,
+    pre_col0,
+    stride_cbh,
+    stride_cn,
     N_LEVELS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -304,7 +311,14 @@ def _pisa_select_kernel(
     LC: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
     HAS_LEN: tl.constexpr,
+    PRE_SCORES: tl.constexpr = False,
+    LEAF_OUT: tl.constexpr = False,
 ):
+    # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
+    # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
+    # instead of computing it; LEAF_OUT stops at the leaf level and writes the leaf candidates
+    # (-1 invalid, id | 2**30 forced, else id) to cand_ptr ([B*Hkv, Nq, CW]) for the tiled leaf
+    # scoring, which writes the selection.
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     if HAS_LEN:
@@ -380,9 +394,19 @@ def _pisa_select_kernel(
         forced = forced & valid
         n_valid = tl.sum(valid.to(tl.int32), axis=0)
         width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
-        if n_valid > width:
+        scoring = n_valid > width
+        if LEAF_OUT:
+            if lv == 0:
+                enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+                tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+            scoring = scoring & (lv > 0)
+        if scoring:
             score = tl.zeros([CW], dtype=tl.float32)
-            if SCORE == 1:
+            if PRE_SCORES:
+                # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
+                pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
+                score = tl.load(pre_row + off + cand, mask=valid, other=0.0)
+            elif SCORE == 1:
                 # PISA-1: q . mean(node) * scale
                 s_t = tl.load(
                     # 64-bit: a node id times its row stride can pass 2**31 elements
@@ -468,9 +492,10 @@ def _pisa_select_kernel(
         else:
             keep = valid
         kept, ok = _compact(cand, keep, ar_kp, ar_cw)
-    out = tl.where(ok, kept, -1)
-    dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
-    tl.store(dst + ar_kp, out, mask=ar_kp < TOPK)
+    if not LEAF_OUT:
+        out = tl.where(ok, kept, -1)
+        dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
+        tl.store(dst + ar_kp, out, mask=ar_kp < TOPK)
 
 
 @triton_op("sparseflow::pisa_select_fwd", mutates_args={})
@@ -522,9 +547,18 @@ def _pisa_select_fwd(
         LC=lc,
         IEEE_KEYS=ieee,
         HAS_LEN=length is not None,
+        **no_scan_args(nfv),
         num_warps=warps,
     )
     return out
+
+
+def no_scan_args(placeholder: torch.Tensor) -> dict:
+    """The scan walk's kernel arguments for a walk that reads no precomputed scores and writes no
+    leaf candidates (``placeholder``: any tensor of the call, never read)."""
+    return dict(
+        pre_ptr=placeholder, cand_ptr=placeholder, stride_pbh=0, stride_pn=0, pre_col0=0, stride_cbh=0, stride_cn=0
+    )
 
 
 def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
@@ -646,7 +680,11 @@ def pisa_select(
             bool(force_previous),
             int(beam),
         )
-        if _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
+        if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k):
+            from .triton_select_scan import pisa_select_scan_fwd
+
+            idx = pisa_select_scan_fwd(*args)
+        elif _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 
             idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps)
@@ -665,4 +703,26 @@ def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching
     why = tiled_covers(group, beam, top_k, branching)
     if why is not None:
         _log.info("PISA selection: pisa_walk='tiled' runs the per-token walk: %s", why)
+    return why is None
+
+
+def _use_scan_walk(tuning: Tuning, q, k, summ, score: int, block_size: int, top_k: int) -> bool:
+    """Whether ``tuning.pisa_walk`` asks for the scan walk (``"scan"``, or ``"auto"`` on CUDA:
+    faster than the per-token walk at every shape timed on the H200, pisa_scan_walk_h200.log) and
+    it covers the call; a call it does not cover runs per token, logged."""
+    auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
+    if tuning.pisa_walk != "scan" and not auto:
+        return False
+    from .triton_select_scan import scan_covers, table_shape
+
+    n_leaves = max(1, -(-k.shape[2] // block_size))
+    rows, n_q, cols, _ = table_shape(q.shape[0], k.shape[1], q.shape[2], n_leaves, summ.shape[2], score)
+    why = scan_covers(n_leaves, top_k, 4 * rows * n_q * cols)
+    if why is not None:
+        _log.log(
+            logging.DEBUG if auto else logging.INFO,
+            "PISA selection: pisa_walk=%r runs the per-token walk: %s",
+            tuning.pisa_walk,
+            why,
+        )
     return why is None

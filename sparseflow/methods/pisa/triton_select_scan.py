@@ -1,0 +1,536 @@
+"""The scan PISA walk (``Tuning(pisa_walk="scan")``; ``"auto"`` on CUDA): the per-token walk's
+selection in four launches, so that what the per-token walk loads once per query token is loaded
+once per tile of queries (node summaries) or per leaf (raw keys).
+
+1. ``_node_scan_kernel``: one program per (tile of ``BQ`` consecutive queries, batch x KV head)
+   scores every node of every level the walk may score (levels wider than their kept width) for
+   all the tile's queries at once: ``[BQ * G, D] x [D, nodes]`` dots of the queries with the
+   fp32 summaries (tf32x3 on the tensor cores), the reference's per-node score (LSE or mean +
+   var/2 over the children's logits, or the node's own logit for PISA-1) summed over the group's
+   heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node is scored only for queries it
+   lies entirely before (others force it or drop it), so its children's visibility is whether
+   they hold a valid key, the same for every query of the tile.
+2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
+   scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
+   query's leaf candidates.
+3. :func:`leaf_pair_index` sorts the scored (query, leaf) pairs by leaf (torch, on the device) and
+   ``_leaf_pairs_kernel`` scores them in chunks of one leaf: the leaf's raw keys loaded once, the
+   chunk's query rows gathered, one ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype
+   (exact products), the exact LSE (or mean + var/2) per pair.
+4. ``_leaf_keep_kernel``: each query keeps its forced leaves plus its best-scoring others,
+   ``top_k`` in total, as the per-token walk does.
+
+The table costs ``4 * Nq * nodes`` bytes per batch x KV head (``nodes`` about ``N / C``) and the
+node scan grows as ``N**2``, so the scan serves short and middle lengths; :func:`scan_covers` says
+where it applies.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ...kernels._triton_env import interpreting
+from .triton_select import _launch, _leaf_chunk, _p2, walk_args, walk_meta
+from .triton_select_tiled import _group_sum, _reduce, _rows_compact, _rows_top_k_keep
+
+__all__ = ["scan_covers", "scan_rows", "pisa_select_scan_fwd", "MAX_TABLE_BYTES"]
+
+# the node-score table's budget: 8K tokens x 3 KV heads x ~128 scored nodes is 12.6 MB
+MAX_TABLE_BYTES = 1 << 30
+# launch settings (a study may sweep them): dot rows of a node-scan tile and of a leaf-pair chunk
+# (queries x the group's heads, padded to a power of two) and the leaf scorer's warps; measured on
+# the H200 (pisa_scan_launch_h200.log): 128 rows beat 64 in both, 4 warps beat 8 for the pairs
+LAUNCH = {"rows": 128, "pair_rows": 128, "leaf_warps": 4}
+
+
+def scan_rows(group: int) -> int:
+    """Queries per tile: about ``LAUNCH["rows"]`` dot rows, at least 16 (tl.dot's minimum)."""
+    gp = _p2(group)
+    return max(_p2(-(-16 // gp)), LAUNCH["rows"] // gp, 1)
+
+
+def pair_chunk(group: int) -> int:
+    """(query, leaf) pairs per leaf-scoring program: about ``LAUNCH["pair_rows"]`` dot rows, at
+    least 16 (tl.dot's minimum)."""
+    gp = _p2(group)
+    return max(_p2(-(-16 // gp)), LAUNCH["pair_rows"] // gp, 1)
+
+
+def scan_covers(n_leaves: int, top_k: int, table_bytes: int) -> Optional[str]:
+    """None when the scan walk takes the call, else why not (for the fallback's log)."""
+    if n_leaves <= top_k:
+        return f"{n_leaves} leaf blocks <= top_k={top_k}: no leaf is scored"
+    if table_bytes > MAX_TABLE_BYTES:
+        return f"its node-score table would take {table_bytes / 2**20:.0f} MiB (> {MAX_TABLE_BYTES >> 20} MiB)"
+    return None
+
+
+def table_shape(b: int, hkv: int, n_q: int, n_leaves: int, total_nodes: int, score: int) -> tuple:
+    """``(rows, queries, columns, first column)`` of the node-score table: every node above the
+    leaves (the leaves too for PISA-1, ``score == 1``, whose leaves are scored by their means)."""
+    col0 = 0 if score == 1 else n_leaves
+    return b * hkv, n_q, total_nodes - col0, col0
+
+
+# --------------------------------------------------------------------------- stage 1
+
+
+@triton.jit
+def _node_scan_kernel(
+    q_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    pre_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_pbh,
+    stride_pn,
+    Nq,
+    Nk,
+    T,
+    HKV,
+    pre_col0,
+    qk_scale,
+    N_LEVELS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SCORE: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    TOPK: tl.constexpr,
+    WIDE: tl.constexpr,
+    BQ: tl.constexpr,
+    NB: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Scores of every node the walk may score, for the tile's queries (see the module doc)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
+    b = bh // HKV
+    hkv = bh % HKV
+    R: tl.constexpr = BQ * GP
+    rows = tl.arange(0, R)
+    qi = tile * BQ + rows // GP
+    g_row = rows % GP
+    offs_d = tl.arange(0, DP)
+    q = tl.load(
+        q_ptr
+        + b * stride_qb
+        + (hkv * G + g_row)[:, None] * stride_qh
+        + qi.to(tl.int64)[:, None] * stride_qn
+        + offs_d[None, :],
+        mask=((g_row < G) & (qi < Nq))[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    ar_t = tl.arange(0, BQ)
+    t_ok = tile * BQ + ar_t < Nq
+    g_ok = tl.arange(0, GP) < G
+    ar_nb = tl.arange(0, NB)
+    # the tile's last query position bounds the nodes it can score (a scored node lies entirely
+    # before its query: a node holding the query's position is forced, later ones are dropped)
+    if IS_CAUSAL:
+        hz = tl.minimum(tile * BQ + BQ, Nq) - 1 + Nk - Nq
+    else:
+        hz = Nk - 1
+    summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
+    nfv_base = nfv_ptr + b * T
+    pre_rows = pre_ptr + bh * stride_pbh + (tile * BQ + ar_t).to(tl.int64)[:, None] * stride_pn - pre_col0
+    for lv in range(0, N_LEVELS - 1):
+        off = tl.load(lvl_off_ptr + lv)
+        n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+        span = tl.load(lvl_span_ptr + lv).to(tl.int64)
+        width = tl.where(lv > 0, WIDE, TOPK)
+        n_hi = tl.minimum(n_lv, (tl.maximum(hz, 0) // (span * C)).to(tl.int32) + 1)
+        todo = (n_lv > width) & (hz >= 0)
+        if SCORE != 1:
+            todo = todo & (lv > 0)  # the leaves are scored over their raw keys, in stage 3
+        if todo:
+            u0 = 0
+            while u0 < n_hi:  # (while: the interpreter cannot range() over a runtime bound)
+                u = u0 + ar_nb
+                u_ok = u < n_hi
+                if SCORE == 1:
+                    # PISA-1: q . mean(node) * scale
+                    s_t = tl.load(
+                        summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=u_ok[None, :] & (offs_d < D)[:, None],
+                        other=0.0,
+                    )
+                    per_head = tl.dot(q, s_t, input_precision=PREC) * qk_scale  # [R, NB]
+                else:
+                    coff = tl.load(lvl_off_ptr + lv - 1)
+                    ar_ch = tl.arange(0, NB * BRP)
+                    owner = u0 + ar_ch // BRP
+                    jc = ar_ch % BRP
+                    child = owner * BR + jc
+                    c_ok = (jc < BR) & (owner < n_hi) & (child < off - coff)
+                    child = tl.where(c_ok, child, 0)
+                    # a scored node's children are all before its query: visible iff they hold a valid key
+                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
+                    s_t = tl.load(
+                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=c_ok[None, :] & (offs_d < D)[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q, s_t, input_precision=PREC) * qk_scale  # [R, NB * BRP]
+                    logit = tl.reshape(logit, (R, NB, BRP))
+                    okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
+                    per_head = _reduce(logit, okc, SCORE)
+                per = tl.reshape(per_head, (BQ, GP, NB))
+                score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
+                tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
+                u0 += NB
+
+
+# --------------------------------------------------------------------------- stage 3
+
+
+@triton.jit
+def _tile_candidates(
+    cand_ptr, bh, tile, stride_cbh, stride_cn, Nq, TOPK: tl.constexpr, BQ: tl.constexpr, CW: tl.constexpr
+):
+    """The tile's leaf candidates as the walk wrote them: ``(ids, valid, forced, scored, rows)``,
+    ``[BQ, CW]`` (scored: a valid, unforced candidate of a row with more valid ones than TOPK,
+    as :func:`leaf_pair_index` counts them)."""
+    rows = (tile * BQ + tl.arange(0, BQ)).to(tl.int64)
+    enc = tl.load(
+        cand_ptr + bh * stride_cbh + rows[:, None] * stride_cn + tl.arange(0, CW)[None, :],
+        mask=(rows < Nq)[:, None],
+        other=-1,
+    )
+    valid = enc >= 0
+    forced = valid & (enc >= (1 << 30))
+    cand = tl.where(valid, enc & ((1 << 30) - 1), 0)
+    n_valid = tl.sum(valid.to(tl.int32), axis=1)
+    scored = valid & (~forced) & (n_valid > TOPK)[:, None]
+    return cand, valid, forced, scored, rows
+
+
+@triton.jit
+def _leaf_pairs_kernel(
+    q_ptr,
+    k_ptr,
+    kpm_ptr,
+    order_ptr,
+    seg_ptr,
+    chunk_end_ptr,
+    prog_seg_ptr,
+    score_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    Nq,
+    Nk,
+    HKV,
+    n_leaves,
+    n_segments,
+    qk_scale,
+    HAS_KPM: tl.constexpr,
+    SCORE: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    CW: tl.constexpr,
+    QB: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+):
+    """Program p scores one chunk of ``QB`` (query, leaf) pairs of one segment (batch x KV head,
+    leaf): the leaf's keys loaded once, the chunk's query rows gathered, one dot; each pair's
+    score written at its candidate slot (``order`` holds the flat slot index of every scored
+    pair, sorted by segment; ``seg`` the segments' starts, ``chunk_end`` their inclusive chunk
+    counts, ``prog_seg`` each program's segment, ``n_segments`` past the last chunk)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    p = tl.program_id(0)
+    sg = tl.load(prog_seg_ptr + p)
+    if sg < n_segments:
+        first_chunk = tl.load(chunk_end_ptr + sg - 1, mask=sg > 0, other=0)
+        start = tl.load(seg_ptr + sg) + (p - first_chunk) * QB
+        stop = tl.load(seg_ptr + sg + 1)
+        bh = (sg // n_leaves).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
+        leaf = sg % n_leaves
+        b = bh // HKV
+        hkv = bh % HKV
+        ar_e = start + tl.arange(0, QB)
+        e_ok = ar_e < stop
+        flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
+        row = (flat // CW) % Nq
+        R: tl.constexpr = QB * GP
+        ar_r = tl.arange(0, R)
+        r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
+        r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+        offs_d = tl.arange(0, DP)
+        q = tl.load(
+            q_ptr
+            + b * stride_qb
+            + (hkv * G + ar_r % GP)[:, None] * stride_qh
+            + r_row.to(tl.int64)[:, None] * stride_qn
+            + offs_d[None, :],
+            mask=r_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        offs_c = tl.arange(0, CP)
+        pos = leaf * C + offs_c
+        # a scored leaf lies before its queries' positions: all its valid keys are visible
+        kok = (offs_c < C) & (pos < Nk)
+        if HAS_KPM:
+            kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+        k_t = tl.load(
+            k_ptr + b * stride_kb + hkv * stride_kh + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+            mask=kok[None, :] & (offs_d < D)[:, None],
+            other=0.0,
+        )
+        if IEEE_KEYS:
+            logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
+        else:
+            logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+        per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
+        s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
+        tl.store(score_ptr + flat, s_e, mask=e_ok)
+
+
+def leaf_pair_index(cand: torch.Tensor, top_k: int, n_leaves: int, qb: int):
+    """The scored (query, leaf) pairs of ``cand`` ([B*Hkv, Nq, CW], the walk's encoding) grouped
+    by segment = (batch x KV head, leaf), on the device (no host sync): ``(order, seg, chunk_end,
+    prog_seg)`` for :func:`_leaf_pairs_kernel`, whose grid is ``prog_seg``'s length (an upper
+    bound on the chunks of ``qb`` pairs; programs past the last chunk return at once)."""
+    rows, n_q, cw = cand.shape
+    n_seg = rows * n_leaves
+    valid = cand >= 0
+    scored = valid & (cand < (1 << 30)) & (valid.sum(-1, keepdim=True) > top_k)
+    bh = torch.arange(rows, device=cand.device, dtype=torch.int32).view(rows, 1, 1)
+    key = torch.where(scored, bh * n_leaves + cand, n_seg).view(-1)
+    sorted_key, order = torch.sort(key)
+    seg = torch.searchsorted(sorted_key, torch.arange(n_seg + 1, device=cand.device, dtype=key.dtype))
+    chunks = torch.div(seg[1:] - seg[:-1] + qb - 1, qb, rounding_mode="floor")
+    chunk_end = torch.cumsum(chunks, 0)
+    bound = key.numel() // qb + n_seg
+    prog_seg = torch.searchsorted(chunk_end, torch.arange(bound, device=cand.device, dtype=chunk_end.dtype), right=True)
+    return order.to(torch.int32), seg.to(torch.int32), chunk_end.to(torch.int32), prog_seg.to(torch.int32)
+
+
+@triton.jit
+def _leaf_keep_kernel(
+    cand_ptr,
+    score_ptr,
+    out_ptr,
+    stride_cbh,
+    stride_cn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    HKV,
+    TOPK: tl.constexpr,
+    KP: tl.constexpr,
+    CW: tl.constexpr,
+    BQ: tl.constexpr,
+):
+    """Each row of the tile keeps its forced leaves and its best-scoring others, TOPK in total
+    (ties to the lower id), written ascending and -1 padded: the selection."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    hkv = bh % HKV
+    cand, valid, forced, scored, rows = _tile_candidates(cand_ptr, bh, tile, stride_cbh, stride_cn, Nq, TOPK, BQ, CW)
+    ar_cw = tl.arange(0, CW)
+    ar_kp = tl.arange(0, KP)
+    score = tl.load(score_ptr + bh * stride_cbh + rows[:, None] * stride_cn + ar_cw[None, :], mask=scored, other=0.0)
+    keep = _rows_top_k_keep(valid, forced, score, ar_cw, TOPK)
+    kept, ok = _rows_compact(cand, keep, ar_kp)
+    dst = out_ptr + b * stride_ob + hkv * stride_oh + rows[:, None] * stride_on + ar_kp[None, :]
+    tl.store(dst, tl.where(ok, kept, -1), mask=(rows < Nq)[:, None] & (ar_kp < TOPK)[None, :])
+
+
+# --------------------------------------------------------------------------- the op
+
+
+@triton_op("sparseflow::pisa_select_scan_fwd", mutates_args={})
+def pisa_select_scan_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+) -> torch.Tensor:
+    from .triton_select import _pisa_select_kernel
+
+    b, hq, n_q, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
+    if n_q == 0:
+        return out
+    n_leaves = max(1, -(-k.shape[2] // block_size))
+    rows, _, cols, col0 = table_shape(b, hkv, n_q, n_leaves, summ.shape[2], score)
+    pre = torch.empty(rows, n_q, cols, dtype=torch.float32, device=q.device)
+    cw = max(16, _p2(beam * top_k) * _p2(branching))
+    cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
+    ieee = q.dtype == torch.float32 or interpreting()
+    meta = walk_meta(
+        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+    )
+    group = hq // hkv
+    bq = scan_rows(group)
+    tiles = (triton.cdiv(n_q, bq), b * hkv)
+    wrap_triton(_node_scan_kernel)[tiles](
+        q,
+        summ,
+        nfv,
+        lvl_off,
+        lvl_span,
+        pre,
+        *q.stride()[:3],
+        *summ.stride()[:3],
+        pre.stride(0),
+        pre.stride(1),
+        n_q,
+        k.shape[2],
+        summ.shape[2],
+        hkv,
+        col0,
+        scale,
+        N_LEVELS=meta["N_LEVELS"],
+        IS_CAUSAL=is_causal,
+        SCORE=score,
+        G=group,
+        GP=_p2(group),
+        D=d,
+        DP=meta["DP"],
+        C=block_size,
+        BR=branching,
+        BRP=meta["BRP"],
+        TOPK=top_k,
+        WIDE=beam * top_k,
+        BQ=bq,
+        NB=max(1, 64 // meta["BRP"]),
+        PREC="ieee" if interpreting() else "tf32x3",
+        num_warps=8,
+    )
+    leaf_out = score != 1
+    warps, leaf_bytes = _launch(cw)
+    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
+    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
+        *args[:8],
+        nfv,  # no device length
+        *args[8:],
+        pre_ptr=pre,
+        cand_ptr=cand,
+        stride_pbh=pre.stride(0),
+        stride_pn=pre.stride(1),
+        pre_col0=col0,
+        stride_cbh=cand.stride(0),
+        stride_cn=cand.stride(1),
+        **meta,
+        GP=_p2(group, 16),
+        CW=cw,
+        LC=_leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes),
+        IEEE_KEYS=ieee,
+        HAS_LEN=False,
+        PRE_SCORES=True,
+        LEAF_OUT=leaf_out,
+        num_warps=warps,
+    )
+    if leaf_out:
+        scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
+        qb = pair_chunk(group)
+        order, seg, chunk_end, prog_seg = leaf_pair_index(cand, top_k, n_leaves, qb)
+        wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
+            q,
+            k,
+            kpm if kpm is not None else nfv,
+            order,
+            seg,
+            chunk_end,
+            prog_seg,
+            scores,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            n_q,
+            k.shape[2],
+            hkv,
+            n_leaves,
+            rows * n_leaves,
+            scale,
+            HAS_KPM=kpm is not None,
+            SCORE=score,
+            G=group,
+            GP=_p2(group),
+            D=d,
+            DP=meta["DP"],
+            C=block_size,
+            CP=meta["CP"],
+            CW=cw,
+            QB=qb,
+            IEEE_KEYS=ieee,
+            num_warps=LAUNCH["leaf_warps"],
+        )
+        wrap_triton(_leaf_keep_kernel)[tiles](
+            cand,
+            scores,
+            out,
+            cand.stride(0),
+            cand.stride(1),
+            *out.stride()[:3],
+            n_q,
+            hkv,
+            TOPK=top_k,
+            KP=meta["KP"],
+            CW=cw,
+            BQ=bq,
+            num_warps=4,
+        )
+    return out
+
+
+@pisa_select_scan_fwd.register_fake
+def _(
+    q,
+    k,
+    kpm,
+    summ,
+    nfv,
+    lvl_off,
+    lvl_span,
+    scale,
+    is_causal,
+    score,
+    block_size,
+    branching,
+    top_k,
+    force_sink,
+    force_previous,
+    beam,
+):
+    return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -1,0 +1,207 @@
+"""The scan PISA walk (``Tuning.pisa_walk="scan"``) against the reference, on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) on small, odd shapes; the same
+tests run compiled on CUDA. Selections must equal the reference's exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import sparseflow
+from sparseflow import Tuning
+from sparseflow.methods.pisa import reference as pisa_ref
+
+triton = pytest.importorskip("triton")
+from sparseflow.methods.pisa import triton_select  # noqa: E402  (imports triton)
+from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCAN = Tuning(pisa_walk="scan")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
+    kpm = None
+    if pad:
+        kpm = torch.ones(b, nk, dtype=torch.bool)
+        kpm[0, :11] = False  # leading padding (left-padded batch row)
+        kpm[-1, nk - 17 :] = False  # trailing padding
+        kpm = kpm.to(DEVICE)
+    return q.to(DEVICE), k.to(DEVICE), kpm
+
+
+@pytest.fixture
+def scan_calls(monkeypatch):
+    """Counts the scan walk's launches."""
+    calls = []
+    real = scan.pisa_select_scan_fwd
+
+    def op(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(scan, "pisa_select_scan_fwd", op)
+    return calls
+
+
+# id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype, beam)
+CASES = {
+    "lse-bf16-g2-nq40-nk133": (1, 2, 1, 40, 133, 32, 16, 3, 2, "lse", True, False, BF16, 1),
+    "lse-fp16-g3-hq9-pad-nq29-nk83": (1, 9, 3, 29, 83, 16, 8, 3, 2, "lse", True, True, F16, 1),
+    "mean_var-g3-br3-pad-b2-nq30-nk97": (2, 3, 1, 30, 97, 24, 8, 5, 3, "mean_var", True, True, F32, 1),
+    "mean-g1-noncausal-pad-nq25-nk77": (1, 2, 2, 25, 77, 16, 8, 3, 2, "mean", False, True, F32, 1),
+    "lse-beam2-g2-nq40-nk150": (1, 4, 2, 40, 150, 16, 8, 5, 2, "lse", True, False, F32, 2),
+    "mean_var-beam2-g4-noncausal-nq21-nk101": (1, 8, 2, 21, 101, 16, 8, 3, 2, "mean_var", False, False, F32, 2),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_scan_selection_equals_reference(case, scan_calls):
+    b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
+    q, k, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
+    kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
+    assert len(scan_calls) == 1, "the scan walk must have run"
+    assert got.dtype == torch.long and got.shape == want.shape
+    assert len(triton_select.level_sizes(-(-nk // c), g)) >= 3, "the case must exercise scored intermediate levels"
+    assert ((want >= 0).sum(-1) < -(-nk // c)).any(), "the case must be sparse somewhere"
+    assert torch.equal(got, want)
+
+
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch):
+    """16-row node tiles and leaf-pair chunks of 16 pairs (a leaf's pairs span several programs):
+    still the reference's selection."""
+    monkeypatch.setitem(scan.LAUNCH, "rows", 16)
+    monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
+    q, k, _ = _inputs(1, 1, 1, 40, 120, 16, F32, False, seed=4)
+    kw = dict(is_causal=True, block_size=8, top_k=3)
+    assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
+    assert len(scan_calls) == 1
+
+
+def test_auto_runs_the_scan_on_cuda_only(scan_calls):
+    """``"auto"`` takes the scan where it was timed (CUDA); interpreted, the per-token walk."""
+    q, k, _ = _inputs(1, 2, 1, 12, 70, 16, F32, False)
+    kw = dict(block_size=8, top_k=3)
+    got = triton_select.pisa_select(q, k, tuning=Tuning(), **kw)
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+    assert len(scan_calls) == (1 if DEVICE == "cuda" else 0)
+    triton_select.pisa_select(q, k, tuning=Tuning(pisa_walk="per_token"), **kw)
+    assert len(scan_calls) == (1 if DEVICE == "cuda" else 0)
+
+
+def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
+    """The index alone: every scored slot once, grouped by (row block, leaf), the chunks covering
+    each group and the programs past the last chunk marked with the segment count."""
+    g = torch.Generator().manual_seed(2)
+    rows, n_q, cw, n_leaves, top_k, qb = 2, 9, 8, 6, 2, 2
+    cand = torch.randint(0, n_leaves, (rows, n_q, cw), generator=g, dtype=torch.int32)
+    cand[torch.rand(rows, n_q, cw, generator=g) < 0.3] = -1
+    cand[0, :, 0] = cand[0, :, 0].clamp_min(0) | (1 << 30)  # forced
+    cand[1, 3, 2:] = -1  # a row with no more valid candidates than top_k: nothing to score
+    order, seg, chunk_end, prog_seg = scan.leaf_pair_index(cand, top_k, n_leaves, qb)
+    valid = cand >= 0
+    scored = valid & (cand < (1 << 30)) & (valid.sum(-1, keepdim=True) > top_k)
+    flat = cand.view(-1)
+    assert sorted(order[: int(seg[-1])].tolist()) == scored.view(-1).nonzero().view(-1).tolist()
+    for s in range(rows * n_leaves):
+        members = order[seg[s] : seg[s + 1]].long()
+        assert (members // (n_q * cw) == s // n_leaves).all() and (flat[members] == s % n_leaves).all()
+    counts = (seg[1:] - seg[:-1]).long()
+    assert torch.equal(chunk_end.long(), torch.cumsum((counts + qb - 1) // qb, 0))
+    n_chunks = int(chunk_end[-1])
+    assert (prog_seg[n_chunks:] == rows * n_leaves).all() and (prog_seg[:n_chunks] < rows * n_leaves).all()
+    assert torch.equal(
+        prog_seg[:n_chunks].long(), torch.repeat_interleave(torch.arange(rows * n_leaves), (counts + qb - 1) // qb)
+    )
+
+
+def test_queries_before_every_key_select_nothing(scan_calls):
+    """Causal with more queries than keys: the first queries see no key (all -1)."""
+    q, k, _ = _inputs(1, 2, 1, 70, 40, 16, F32, False)
+    kw = dict(is_causal=True, block_size=4, top_k=3)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
+    assert len(scan_calls) == 1 and (want[..., :30, :] == -1).all()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("score", ["lse", "mean_var"])
+def test_ties_go_to_the_lower_block(score, scan_calls):
+    """Every leaf block holds the same keys: all scores tie, at every level, and each row keeps
+    the lowest ids (the reference's order)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 30, 16, generator=g).to(DEVICE)
+    k = torch.randn(1, 1, 8, 16, generator=g).repeat(1, 1, 12, 1)[:, :, :93].to(DEVICE)  # 12 blocks, the last short
+    kw = dict(is_causal=True, block_size=8, top_k=3, score=score, force_sink=False, force_previous=False)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
+    assert len(scan_calls) == 1 and (want[..., -1, :2] == torch.tensor([0, 1], device=DEVICE)).all()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "nk,top_k,table_limit,words",
+    [(40, 8, None, "5 leaf blocks <= top_k=5"), (200, 3, 1000, "node-score table")],
+    ids=["nothing-to-score", "table-too-large"],
+)
+def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, table_limit, words, scan_calls, monkeypatch, caplog):
+    if table_limit is not None:
+        monkeypatch.setattr(scan, "MAX_TABLE_BYTES", table_limit)
+    q, k, _ = _inputs(1, 2, 1, 12, nk, 16, F32, False)
+    kw = dict(block_size=8, top_k=top_k)
+    with caplog.at_level(logging.INFO, logger="sparseflow"):
+        got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
+    assert scan_calls == []
+    assert "per-token walk" in caplog.text and words in caplog.text
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+
+
+def test_op_carries_the_walk_to_the_kernel(scan_calls):
+    """Through sparseflow.attention (the op's flattened tuning arguments), eager: the same output."""
+    q, k, v = (t.to(DEVICE) for t in (torch.randn(1, 2, 24, 16), torch.randn(1, 1, 24, 16), torch.randn(1, 1, 24, 16)))
+    cfg = sparseflow.PISAConfig(block_size=4, top_k=3)
+    want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=Tuning(pisa_walk="per_token"))
+    assert scan_calls == []
+    got = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=SCAN)
+    assert len(scan_calls) == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_walk_choice_lists_scan():
+    with pytest.raises(ValueError) as info:
+        Tuning(pisa_walk="scans")
+    assert "'scan'" in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_scan_opcheck_and_compile():
+    """The op's schema and fake, and the walk under torch.compile(fullgraph=True): the eager selection."""
+    q, k = (torch.randn(1, h, 700, 64, device="cuda", dtype=torch.bfloat16) for h in (6, 2))
+    kw = dict(block_size=64, top_k=4, is_causal=True)
+    want = triton_select.pisa_select(q, k, **kw)
+    fn = torch.compile(lambda q, k: triton_select.pisa_select(q, k, tuning=SCAN, **kw), fullgraph=True)
+    assert torch.equal(fn(q, k), want)
+    summ, nfv, _, lvl_off, lvl_span = triton_select.build_pyramid(k, block_size=64, branching=2)
+    args = (q, k, None, summ, nfv, lvl_off, lvl_span, 0.125, True, 0, 64, 2, 4, True, True, 1)
+    torch.library.opcheck(torch.ops.sparseflow.pisa_select_scan_fwd.default, args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_scan_selection_has_no_host_sync():
+    q, k, v = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    run = lambda: sparseflow.pisa_attention(q, k, v, is_causal=True, backend="triton", tuning=SCAN)  # noqa: E731
+    run()  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
