@@ -68,6 +68,12 @@ def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def candidate_width(beam: int, top_k: int, branching: int) -> int:
+    """Candidate slots of one row of the walk (``CW``): the children of the kept nodes, at least
+    the 16 columns a dot needs."""
+    return max(16, _p2(beam * top_k) * _p2(branching))
+
+
 def _leaf_chunk(cw: int, cp: int, dp: int, elem_bytes: int, budget: int = 65536) -> int:
     """Candidate leaves scored per dot at the leaf level: their keys (LC * CP rows of DP) stay
     within ``budget`` bytes of shared memory (fp32 keys at D=128 need smaller chunks)."""
@@ -527,7 +533,7 @@ def _pisa_select_fwd(
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    cw = max(16, _p2(beam * top_k) * _p2(branching))
+    cw = candidate_width(beam, top_k, branching)
     warps, leaf_bytes = _launch(cw, warps, leaf_bytes)
     # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
@@ -680,7 +686,7 @@ def pisa_select(
             bool(force_previous),
             int(beam),
         )
-        if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k):
+        if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k, beam, branching):
             from .triton_select_scan import pisa_select_scan_fwd
 
             idx = pisa_select_scan_fwd(*args)
@@ -706,7 +712,9 @@ def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching
     return why is None
 
 
-def _use_scan_walk(tuning: Tuning, q, k, summ, score: int, block_size: int, top_k: int) -> bool:
+def _use_scan_walk(
+    tuning: Tuning, q, k, summ, score: int, block_size: int, top_k: int, beam: int, branching: int
+) -> bool:
     """Whether ``tuning.pisa_walk`` asks for the scan walk (``"scan"``, or ``"auto"`` on CUDA:
     faster than the per-token walk at every shape timed on the H200, pisa_scan_walk_h200.log) and
     it covers the call; a call it does not cover runs per token, logged."""
@@ -717,7 +725,8 @@ def _use_scan_walk(tuning: Tuning, q, k, summ, score: int, block_size: int, top_
 
     n_leaves = max(1, -(-k.shape[2] // block_size))
     rows, n_q, cols, _ = table_shape(q.shape[0], k.shape[1], q.shape[2], n_leaves, summ.shape[2], score)
-    why = scan_covers(n_leaves, top_k, 4 * rows * n_q * cols)
+    cw = candidate_width(beam, top_k, branching)
+    why = scan_covers(n_leaves, top_k, 4 * rows * n_q * cols, rows * n_q * cw)
     if why is not None:
         _log.log(
             logging.DEBUG if auto else logging.INFO,

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import _launch, _leaf_chunk, _p2, walk_args, walk_meta
+from .triton_select import _launch, _leaf_chunk, _p2, candidate_width, walk_args, walk_meta
 from .triton_select_tiled import _group_sum, _reduce, _rows_compact, _rows_top_k_keep
 
 __all__ = ["scan_covers", "scan_rows", "pisa_select_scan_fwd", "MAX_TABLE_BYTES"]
@@ -61,10 +61,13 @@ def pair_chunk(group: int) -> int:
     return max(_p2(-(-16 // gp)), LAUNCH["pair_rows"] // gp, 1)
 
 
-def scan_covers(n_leaves: int, top_k: int, table_bytes: int) -> Optional[str]:
-    """None when the scan walk takes the call, else why not (for the fallback's log)."""
+def scan_covers(n_leaves: int, top_k: int, table_bytes: int, candidate_slots: int) -> Optional[str]:
+    """None when the scan walk takes the call, else why not (for the fallback's log).
+    ``candidate_slots``: ``B * Hkv * Nq * CW``, indexed in int32 by the leaf-pair index."""
     if n_leaves <= top_k:
         return f"{n_leaves} leaf blocks <= top_k={top_k}: no leaf is scored"
+    if candidate_slots >= 2**31:
+        return f"{candidate_slots} leaf candidate slots exceed the pair index's int32"
     if table_bytes > MAX_TABLE_BYTES:
         return f"its node-score table would take {table_bytes / 2**20:.0f} MiB (> {MAX_TABLE_BYTES >> 20} MiB)"
     return None
@@ -395,7 +398,7 @@ def pisa_select_scan_fwd(
     n_leaves = max(1, -(-k.shape[2] // block_size))
     rows, _, cols, col0 = table_shape(b, hkv, n_q, n_leaves, summ.shape[2], score)
     pre = torch.empty(rows, n_q, cols, dtype=torch.float32, device=q.device)
-    cw = max(16, _p2(beam * top_k) * _p2(branching))
+    cw = candidate_width(beam, top_k, branching)
     cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
     ieee = q.dtype == torch.float32 or interpreting()
     meta = walk_meta(

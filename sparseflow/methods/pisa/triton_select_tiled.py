@@ -69,7 +69,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import walk_args, walk_meta
+from .triton_select import candidate_width, walk_args, walk_meta
 
 __all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 
@@ -86,11 +86,6 @@ _LOGITS = 8192  # fp32 logits of one leaf-level dot (BQ * GP rows x UL * CP keys
 
 def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
-
-
-def candidate_width(beam: int, top_k: int, branching: int) -> int:
-    """Candidate slots of one row (the per-token walk's ``CW``)."""
-    return max(16, _p2(beam * top_k) * _p2(branching))
 
 
 def tiled_covers(group: int, beam: int, top_k: int, branching: int) -> Optional[str]:

@@ -164,6 +164,13 @@ def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, table_limit, word
     assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
 
 
+def test_covers_names_each_reason():
+    assert scan.scan_covers(20, 8, 1000, 1000) is None
+    assert "int32" in scan.scan_covers(20, 8, 1000, 2**31)
+    assert "MiB" in scan.scan_covers(20, 8, scan.MAX_TABLE_BYTES + 1, 1000)
+    assert "top_k=8" in scan.scan_covers(8, 8, 1000, 1000)
+
+
 def test_op_carries_the_walk_to_the_kernel(scan_calls):
     """Through sparseflow.attention (the op's flattened tuning arguments), eager: the same output."""
     q, k, v = (t.to(DEVICE) for t in (torch.randn(1, 2, 24, 16), torch.randn(1, 1, 24, 16), torch.randn(1, 1, 24, 16)))
