@@ -35,10 +35,10 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import _launch, _leaf_chunk, _p2, candidate_width, walk_args, walk_meta
+from .triton_select import _launch, _leaf_chunk, _p2, _pisa_select_kernel, candidate_width, walk_args, walk_meta
 from .triton_select_tiled import _group_sum, _reduce, _rows_compact, _rows_top_k_keep
 
-__all__ = ["scan_covers", "scan_rows", "pisa_select_scan_fwd", "MAX_TABLE_BYTES"]
+__all__ = ["scan_covers", "queries_per_program", "leaf_pair_index", "pisa_select_scan_fwd", "MAX_TABLE_BYTES", "LAUNCH"]
 
 # the node-score table's budget: 8K tokens x 3 KV heads x ~128 scored nodes is 12.6 MB
 MAX_TABLE_BYTES = 1 << 30
@@ -48,17 +48,11 @@ MAX_TABLE_BYTES = 1 << 30
 LAUNCH = {"rows": 128, "pair_rows": 128, "leaf_warps": 4}
 
 
-def scan_rows(group: int) -> int:
-    """Queries per tile: about ``LAUNCH["rows"]`` dot rows, at least 16 (tl.dot's minimum)."""
+def queries_per_program(group: int, rows: int) -> int:
+    """Queries of a node-scan tile or a leaf-pair chunk: about ``rows`` dot rows (queries x the
+    group's heads padded to a power of two), at least 16 (tl.dot's minimum)."""
     gp = _p2(group)
-    return max(_p2(-(-16 // gp)), LAUNCH["rows"] // gp, 1)
-
-
-def pair_chunk(group: int) -> int:
-    """(query, leaf) pairs per leaf-scoring program: about ``LAUNCH["pair_rows"]`` dot rows, at
-    least 16 (tl.dot's minimum)."""
-    gp = _p2(group)
-    return max(_p2(-(-16 // gp)), LAUNCH["pair_rows"] // gp, 1)
+    return max(_p2(-(-16 // gp)), rows // gp, 1)
 
 
 def scan_covers(n_leaves: int, top_k: int, table_bytes: int, candidate_slots: int) -> Optional[str]:
@@ -388,8 +382,6 @@ def pisa_select_scan_fwd(
     force_previous: bool,
     beam: int,
 ) -> torch.Tensor:
-    from .triton_select import _pisa_select_kernel
-
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
@@ -405,7 +397,7 @@ def pisa_select_scan_fwd(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     group = hq // hkv
-    bq = scan_rows(group)
+    bq = queries_per_program(group, LAUNCH["rows"])
     tiles = (triton.cdiv(n_q, bq), b * hkv)
     wrap_triton(_node_scan_kernel)[tiles](
         q,
@@ -467,7 +459,7 @@ def pisa_select_scan_fwd(
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
-        qb = pair_chunk(group)
+        qb = queries_per_program(group, LAUNCH["pair_rows"])
         order, seg, chunk_end, prog_seg = leaf_pair_index(cand, top_k, n_leaves, qb)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
