@@ -18,9 +18,10 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   own 16-bit dtype, whose products are exact in fp32).
   No query-key score matrix is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
 
-``Tuning(pisa_walk="tiled")`` runs the walk by tiles of consecutive queries instead
-(``triton_select_tiled``: the same selection, the scoring shared by the tile); the default
-(``"auto"``) is the per-token walk.
+``Tuning(pisa_walk="scan")`` (and ``"auto"`` on CUDA) runs this kernel as the middle stage of
+``triton_select_scan``: the node scores from a scan by query tiles, the leaves scored by pairs
+grouped per leaf. ``Tuning(pisa_walk="tiled")`` runs the walk by tiles of consecutive queries
+(``triton_select_tiled``). All three select the same blocks.
 
 The same kernel serves decoding (``Nq = 1``): the walk costs ``O(g * beam * K * log(N / C))`` per
 token.
@@ -323,8 +324,8 @@ def _pisa_select_kernel(
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
     # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
     # instead of computing it; LEAF_OUT stops at the leaf level and writes the leaf candidates
-    # (-1 invalid, id | 2**30 forced, else id) to cand_ptr ([B*Hkv, Nq, CW]) for the tiled leaf
-    # scoring, which writes the selection.
+    # (-1 invalid, id | 2**30 forced, else id) to cand_ptr ([B*Hkv, Nq, CW]) for the scan's
+    # leaf-pair scoring and keep, which write the selection.
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     if HAS_LEN:
