@@ -646,7 +646,7 @@ def pisa_select(
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
-    (``pisa_walk``: per-token or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``).
+    (``pisa_walk``: per-token, scan or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``).
     ``index_dtype``: ``torch.int32`` returns the kernel's own ids (what the attention kernel
     reads), saving a conversion each way."""
     check_beam(beam)
