@@ -277,6 +277,26 @@ def run_pisa_tiled(cases):
         )
 
 
+def run_pisa_scan(cases):
+    from sparseflow import Tuning
+    from sparseflow.methods.pisa import triton_select as PT
+
+    for hq, hkv, d, dtype, pad, top_k, beam, score, causal, branching, n in cases:
+        q, k, _ = _qkv(1, hq, hkv, n, d, dtype)
+        PT.pisa_select(
+            q,
+            k,
+            key_padding_mask=_pad(1, n) if pad else None,
+            is_causal=causal,
+            block_size=64,
+            top_k=top_k,
+            beam=beam,
+            score=score,
+            branching=branching,
+            tuning=Tuning(pisa_walk="scan"),
+        )
+
+
 def run_bsa_bf16():
     from sparseflow.methods.bsa import triton_select as BS
 
@@ -393,6 +413,9 @@ EXPECTED = {
     "_strided_probs_kernel",
     "_split_lse_kernel",
     "_pisa_select_tiled_kernel",
+    "_tile_walk_kernel",
+    "_leaf_pairs_kernel",
+    "_leaf_keep_kernel",
     "_append_static_kernel",
     "_decode_split_kernel",
     "_decode_combine_kernel",
@@ -400,7 +423,7 @@ EXPECTED = {
 }
 
 
-ENTRIES = ["pbs", "pbs_strided", "pisa_bsa", "pisa_tiled", "bsa_select", "decode", "split_decode"]
+ENTRIES = ["pbs", "pbs_strided", "pisa_bsa", "pisa_tiled", "pisa_scan", "bsa_select", "decode", "split_decode"]
 
 
 def main(argv=None) -> int:
@@ -439,6 +462,15 @@ def main(argv=None) -> int:
         (4, 64, torch.float32, True, 8, 1, "mean", False),
         (2, 64, bf16, False, 16, 2, "lse", True),
     ]
+    # the scan walk: Hq, Hkv, D, dtype, padding, K, beam, score, causal, g, N (SmolLM2's 8K and 32K
+    # shapes first: leaf grids of 128 and 512 columns, the latter scored in chunks)
+    scan = [
+        (9, 3, 64, bf16, False, 8, 1, "lse", True, 2, 8192),
+        (9, 3, 64, bf16, False, 8, 1, "lse", True, 2, 32768),
+        (32, 2, 64, bf16, True, 8, 2, "mean_var", True, 2, 2000),
+        (4, 2, 128, fp16, False, 8, 1, "mean", False, 2, 2000),
+        (2, 2, 64, torch.float32, True, 4, 1, "lse", True, 3, 900),
+    ]
     # n, d, dtype, gqa, padding, causal, scoring, stride (n = 768: every query and key valid, EXACT_CNT)
     strided = [
         (700, 128, bf16, "kv_head", False, True, "sampled_rows", 8),
@@ -449,12 +481,13 @@ def main(argv=None) -> int:
         (700, 128, bf16, "query_head", False, True, "sampled_rows", 3),
     ]
     if args.quick:
-        pbs, pisa, dec, strided, tiled = pbs[:1], pisa[:1], dec[:1], strided[:1], tiled[:1]
+        pbs, pisa, dec, strided, tiled, scan = pbs[:1], pisa[:1], dec[:1], strided[:1], tiled[:1], scan[:1]
     runs = {
         "pbs": lambda: run_pbs(pbs),
         "pbs_strided": lambda: run_pbs_strided(strided),
         "pisa_bsa": lambda: run_pisa_bsa(pisa),
         "pisa_tiled": lambda: run_pisa_tiled(tiled),
+        "pisa_scan": lambda: run_pisa_scan(scan),
         "bsa_select": run_bsa_bf16,
         "decode": lambda: run_decode(dec),
         "split_decode": lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]),

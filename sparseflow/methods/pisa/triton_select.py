@@ -722,12 +722,11 @@ def _use_scan_walk(
     auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
     if tuning.pisa_walk != "scan" and not auto:
         return False
-    from .triton_select_scan import scan_covers, table_shape
+    from .triton_select_scan import scan_covers
 
     n_leaves = max(1, -(-k.shape[2] // block_size))
-    rows, n_q, cols, _ = table_shape(q.shape[0], k.shape[1], q.shape[2], n_leaves, summ.shape[2], score)
-    cw = candidate_width(beam, top_k, branching)
-    why = scan_covers(n_leaves, top_k, 4 * rows * n_q * cols, rows * n_q * cw)
+    slots = q.shape[0] * k.shape[1] * q.shape[2] * candidate_width(beam, top_k, branching)
+    why = scan_covers(n_leaves, top_k, branching, slots)
     if why is not None:
         _log.log(
             logging.DEBUG if auto else logging.INFO,
