@@ -413,7 +413,7 @@ EXPECTED = {
     "_strided_probs_kernel",
     "_split_lse_kernel",
     "_pisa_select_tiled_kernel",
-    "_tile_walk_kernel",
+    "_node_scan_kernel",
     "_leaf_pairs_kernel",
     "_leaf_keep_kernel",
     "_append_static_kernel",
@@ -463,7 +463,7 @@ def main(argv=None) -> int:
         (2, 64, bf16, False, 16, 2, "lse", True),
     ]
     # the scan walk: Hq, Hkv, D, dtype, padding, K, beam, score, causal, g, N (SmolLM2's 8K and 32K
-    # shapes first: leaf grids of 128 and 512 columns, the latter scored in chunks)
+    # shapes first)
     scan = [
         (9, 3, 64, bf16, False, 8, 1, "lse", True, 2, 8192),
         (9, 3, 64, bf16, False, 8, 1, "lse", True, 2, 32768),

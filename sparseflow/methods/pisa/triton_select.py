@@ -297,6 +297,8 @@ def _pisa_select_kernel(
     pre_col0,
     stride_cbh,
     stride_cn,
+    count_ptr,
+    rank_ptr,
     N_LEVELS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -320,12 +322,17 @@ def _pisa_select_kernel(
     HAS_LEN: tl.constexpr,
     PRE_SCORES: tl.constexpr = False,
     LEAF_OUT: tl.constexpr = False,
+    PAIR_RANKS: tl.constexpr = False,
 ):
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
     # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
     # instead of computing it; LEAF_OUT stops at the leaf level and writes the leaf candidates
     # (-1 invalid, id | 2**30 forced, else id) to cand_ptr ([B*Hkv, Nq, CW]) for the scan's
     # leaf-pair scoring and keep, which write the selection.
+    # PAIR_RANKS (with LEAF_OUT): each scored leaf candidate (valid, unforced, in a row with more
+    # valid ones than TOPK) takes the next rank of its (batch x KV head, leaf) counter
+    # (count_ptr, [B*Hkv * n_leaves], zeroed), stored at its slot of rank_ptr (cand_ptr's layout):
+    # where the scan's pair index places it, with no sort.
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     if HAS_LEN:
@@ -406,6 +413,10 @@ def _pisa_select_kernel(
             if lv == 0:
                 enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
                 tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+                if PAIR_RANKS:
+                    pair = valid & ~forced & (n_valid > TOPK)
+                    rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                    tl.store(rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, rank, mask=pair)
             scoring = scoring & (lv > 0)
         if scoring:
             score = tl.zeros([CW], dtype=tl.float32)
@@ -564,7 +575,15 @@ def no_scan_args(placeholder: torch.Tensor) -> dict:
     """The scan walk's kernel arguments for a walk that reads no precomputed scores and writes no
     leaf candidates (``placeholder``: any tensor of the call, never read)."""
     return dict(
-        pre_ptr=placeholder, cand_ptr=placeholder, stride_pbh=0, stride_pn=0, pre_col0=0, stride_cbh=0, stride_cn=0
+        pre_ptr=placeholder,
+        cand_ptr=placeholder,
+        stride_pbh=0,
+        stride_pn=0,
+        pre_col0=0,
+        stride_cbh=0,
+        stride_cn=0,
+        count_ptr=placeholder,
+        rank_ptr=placeholder,
     )
 
 
@@ -722,11 +741,12 @@ def _use_scan_walk(
     auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
     if tuning.pisa_walk != "scan" and not auto:
         return False
-    from .triton_select_scan import scan_covers
+    from .triton_select_scan import scan_covers, table_shape
 
     n_leaves = max(1, -(-k.shape[2] // block_size))
-    slots = q.shape[0] * k.shape[1] * q.shape[2] * candidate_width(beam, top_k, branching)
-    why = scan_covers(n_leaves, top_k, branching, slots)
+    rows, n_q, cols, _ = table_shape(q.shape[0], k.shape[1], q.shape[2], n_leaves, summ.shape[2], score)
+    cw = candidate_width(beam, top_k, branching)
+    why = scan_covers(n_leaves, top_k, 4 * rows * n_q * cols, rows * n_q * cw)
     if why is not None:
         _log.log(
             logging.DEBUG if auto else logging.INFO,

@@ -75,31 +75,15 @@ def test_scan_selection_equals_reference(case, scan_calls):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("score", ["lse", "mean"])
-def test_small_tiles_chunked_dots_and_pair_chunks(score, scan_calls, monkeypatch):
-    """16-row tiles halved again by a small grid budget, level scores in dots of 16 summary
-    columns (a 64-column leaf grid: several chunks per level), leaf-pair chunks of 16 pairs (a
-    leaf's pairs span several programs): still the reference's selection."""
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch):
+    """16-row node tiles and leaf-pair chunks of 16 pairs (a leaf's pairs span several programs):
+    still the reference's selection."""
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
-    monkeypatch.setitem(scan.LAUNCH, "cells", 256)
-    monkeypatch.setitem(scan.LAUNCH, "cols", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
-    assert scan.tile_queries(1, 64) == 16 and scan.tile_queries(2, 64) == 8
-    q, k, _ = _inputs(1, 2, 1, 40, 300, 16, F32, False, seed=4)
-    kw = dict(is_causal=True, block_size=8, top_k=3, score=score)
-    assert scan.level_grid(38, 2, 3, 1, True)["width"] == 64
+    q, k, _ = _inputs(1, 1, 1, 40, 120, 16, F32, False, seed=4)
+    kw = dict(is_causal=True, block_size=8, top_k=3)
     assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
     assert len(scan_calls) == 1
-
-
-def test_level_grid_lists_the_levels_top_down():
-    """13 leaves, g 3: levels 13 / 5 / 2 / 1 on grids of 4 / 16 / 64 columns; the leaves are
-    scored in the kernel only for PISA-1 (leaf_out False), a level only when it holds more
-    nodes than it keeps."""
-    grid = scan.level_grid(13, 3, 4, 1, True)
-    assert grid == dict(ids=(2, 1, 0), parents=(1, 4, 16), scored=(False, True, False), width=64)
-    assert scan.level_grid(13, 3, 4, 1, False)["scored"] == (False, True, True)
-    assert scan.level_grid(13, 3, 2, 2, True)["scored"] == (False, True, False)
 
 
 def test_auto_runs_the_scan_on_cuda_only(scan_calls):
@@ -114,25 +98,39 @@ def test_auto_runs_the_scan_on_cuda_only(scan_calls):
 
 
 def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
-    """The index alone: every scored slot once, grouped by (row block, leaf), the chunks covering
-    each group and the programs past the last chunk marked with the segment count."""
+    """The index alone, from candidates, per-segment counts and ranks as the walk leaves them
+    (ranks in a random order, as atomics hand them out): every scored slot once, grouped by
+    (row block, leaf), the chunks covering each group and the programs past the last chunk marked
+    with the segment count."""
     g = torch.Generator().manual_seed(2)
     rows, n_q, cw, n_leaves, top_k, qb = 2, 9, 8, 6, 2, 2
     cand = torch.randint(0, n_leaves, (rows, n_q, cw), generator=g, dtype=torch.int32)
     cand[torch.rand(rows, n_q, cw, generator=g) < 0.3] = -1
     cand[0, :, 0] = cand[0, :, 0].clamp_min(0) | (1 << 30)  # forced
     cand[1, 3, 2:] = -1  # a row with no more valid candidates than top_k: nothing to score
-    order, seg, chunk_end, prog_seg = scan.leaf_pair_index(cand, top_k, n_leaves, qb)
     valid = cand >= 0
     scored = valid & (cand < (1 << 30)) & (valid.sum(-1, keepdim=True) > top_k)
+    seg_of = (torch.arange(rows).view(rows, 1, 1) * n_leaves + cand).view(-1)
+    counts = torch.zeros(rows * n_leaves, dtype=torch.int32)
+    rank = torch.full((rows * n_q * cw,), -7, dtype=torch.int32)
+    for slot in torch.randperm(rank.numel(), generator=g).tolist():
+        if scored.view(-1)[slot]:
+            rank[slot] = counts[seg_of[slot]]
+            counts[seg_of[slot]] += 1
+    seg_end, chunk_end, prog_seg = scan.leaf_pair_index(counts.to(DEVICE), cand.numel(), qb)
+    order = scan.pair_order(cand.to(DEVICE), rank.view(cand.shape).to(DEVICE), seg_end, top_k, n_leaves, 4).cpu()
+    seg = torch.cat([torch.zeros(1, dtype=torch.long), seg_end.cpu().long()])
     flat = cand.view(-1)
     assert sorted(order[: int(seg[-1])].tolist()) == scored.view(-1).nonzero().view(-1).tolist()
     for s in range(rows * n_leaves):
         members = order[seg[s] : seg[s + 1]].long()
         assert (members // (n_q * cw) == s // n_leaves).all() and (flat[members] == s % n_leaves).all()
-    counts = (seg[1:] - seg[:-1]).long()
-    assert torch.equal(chunk_end.long(), torch.cumsum((counts + qb - 1) // qb, 0))
+    counts = counts.long()
+    assert torch.equal(seg[1:], torch.cumsum(counts, 0))
+    assert torch.equal(chunk_end.cpu().long(), torch.cumsum((counts + qb - 1) // qb, 0))
     n_chunks = int(chunk_end[-1])
+    prog_seg = prog_seg.cpu()
+    assert prog_seg.numel() >= n_chunks and prog_seg.dtype == torch.int32
     assert (prog_seg[n_chunks:] == rows * n_leaves).all() and (prog_seg[:n_chunks] < rows * n_leaves).all()
     assert torch.equal(
         prog_seg[:n_chunks].long(), torch.repeat_interleave(torch.arange(rows * n_leaves), (counts + qb - 1) // qb)
@@ -164,13 +162,13 @@ def test_ties_go_to_the_lower_block(score, scan_calls):
 
 
 @pytest.mark.parametrize(
-    "nk,top_k,max_grid,words",
-    [(40, 8, None, "5 leaf blocks <= top_k=5"), (200, 3, 16, "leaf grid of 32 columns")],
-    ids=["nothing-to-score", "grid-too-wide"],
+    "nk,top_k,table_limit,words",
+    [(40, 8, None, "5 leaf blocks <= top_k=5"), (200, 3, 1000, "node-score table")],
+    ids=["nothing-to-score", "table-too-large"],
 )
-def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, max_grid, words, scan_calls, monkeypatch, caplog):
-    if max_grid is not None:
-        monkeypatch.setattr(scan, "MAX_GRID", max_grid)
+def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, table_limit, words, scan_calls, monkeypatch, caplog):
+    if table_limit is not None:
+        monkeypatch.setattr(scan, "MAX_TABLE_BYTES", table_limit)
     q, k, _ = _inputs(1, 2, 1, 12, nk, 16, F32, False)
     kw = dict(block_size=8, top_k=top_k)
     with caplog.at_level(logging.INFO, logger="sparseflow"):
@@ -181,12 +179,10 @@ def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, max_grid, words, 
 
 
 def test_covers_names_each_reason():
-    assert scan.scan_covers(20, 8, 2, 1000) is None
-    assert "int32" in scan.scan_covers(20, 8, 2, 2**31)
-    assert "exceeds 1024" in scan.scan_covers(1025, 8, 2, 1000)
-    assert scan.scan_covers(1024, 8, 2, 1000) is None
-    assert "4096 columns" in scan.scan_covers(244, 8, 3, 1000)  # 244 leaves: 7 levels of g 3 -> 4**6
-    assert "top_k=8" in scan.scan_covers(8, 8, 2, 1000)
+    assert scan.scan_covers(20, 8, 1000, 1000) is None
+    assert "int32" in scan.scan_covers(20, 8, 1000, 2**31)
+    assert "MiB" in scan.scan_covers(20, 8, scan.MAX_TABLE_BYTES + 1, 1000)
+    assert "top_k=8" in scan.scan_covers(8, 8, 1000, 1000)
 
 
 def test_op_carries_the_walk_to_the_kernel(scan_calls):
