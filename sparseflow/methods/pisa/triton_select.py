@@ -383,133 +383,148 @@ def _pisa_select_kernel(
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)
     top = N_LEVELS - 1
-    root_ok = tl.load(nfv_base + tl.load(lvl_off_ptr + top)) <= hz
-    kept = tl.zeros([KP], dtype=tl.int32)
-    ok = (ar_kp == 0) & root_ok
+    # a level no wider than what it keeps keeps every visible node, and so does every level above
+    # it (sizes shrink upward, widths do not): the walk starts at the lowest such level with its
+    # visible nodes, skipping the unscored levels above (the root when none fits)
+    start = top
+    for lv in range(0, N_LEVELS - 1):
+        n_lv = tl.load(lvl_off_ptr + lv + 1) - tl.load(lvl_off_ptr + lv)
+        start = tl.where((n_lv <= tl.where(lv > 0, WIDE, TOPK)) & (start == top), lv, start)
+    s_off = tl.load(lvl_off_ptr + start)
+    s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
+    s_vis = s_in & (tl.load(nfv_base + s_off + ar_kp, mask=s_in, other=Nk) <= hz)
+    kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
     for it in range(0, N_LEVELS - 1):
         lv = top - 1 - it
-        off = tl.load(lvl_off_ptr + lv)
-        n_lv = tl.load(lvl_off_ptr + lv + 1) - off
-        span = tl.load(lvl_span_ptr + lv)
-        par = ar_cw // BRP
-        j = ar_cw % BRP
-        par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
-        par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
-        cand = par_id * BR + j
-        valid = par_ok & (j < BR) & (cand < n_lv)
-        cand = tl.where(valid, cand, 0)
-        valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
-        forced = (cand == tl.where(cur_f >= 0, cur_f // span, -1)) | (cand == tl.where(prev_f >= 0, prev_f // span, -1))
-        forced = (
-            forced
-            | (cand == tl.where(sink_f >= 0, sink_f // span, -1))
-            | (cand == tl.where(here >= 0, here // span, -1))
-        )
-        forced = forced & valid
-        n_valid = tl.sum(valid.to(tl.int32), axis=0)
-        width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
-        scoring = n_valid > width
-        if LEAF_OUT:
-            if lv == 0:
-                enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
-                tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
-                if PAIR_RANKS:
-                    pair = valid & ~forced & (n_valid > TOPK)
-                    rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
-                    tl.store(rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, rank, mask=pair)
-            scoring = scoring & (lv > 0)
-        if scoring:
-            score = tl.zeros([CW], dtype=tl.float32)
-            if PRE_SCORES:
-                # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
-                pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
-                score = tl.load(pre_row + off + cand, mask=valid, other=0.0)
-            elif SCORE == 1:
-                # PISA-1: q . mean(node) * scale
-                s_t = tl.load(
-                    # 64-bit: a node id times its row stride can pass 2**31 elements
-                    summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                    mask=valid[None, :] & d_ok[:, None],
-                    other=0.0,
-                )
-                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
-                score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
-            elif lv > 0:
-                # intermediate node: LSE (or mean + var/2) over its visible children's summaries
-                coff = tl.load(lvl_off_ptr + lv - 1)
-                n_ch = off - coff
-                ar_ch = tl.arange(0, CW * BRP)
-                owner = ar_ch // BRP
-                jc = ar_ch % BRP
-                own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
-                own_ok = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
-                child = own_id * BR + jc
-                c_ok = own_ok & (jc < BR) & (child < n_ch)
-                child = tl.where(c_ok, child, 0)
-                c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
-                s_t = tl.load(
-                    # 64-bit: a node id times its row stride can pass 2**31 elements
-                    summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                    mask=c_ok[None, :] & d_ok[:, None],
-                    other=0.0,
-                )
-                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
-                logit = tl.reshape(logit, (GP, CW, BRP))
-                okc = tl.reshape(c_ok, (CW, BRP))[None, :, :]
-                if SCORE == 0:
-                    mx = tl.max(tl.where(okc, logit, float("-inf")), axis=2)
-                    mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-                    se = tl.sum(tl.where(okc, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
-                    per_head = mx_s + tl.log(se)
+        if lv < start:
+            off = tl.load(lvl_off_ptr + lv)
+            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+            span = tl.load(lvl_span_ptr + lv)
+            par = ar_cw // BRP
+            j = ar_cw % BRP
+            par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
+            par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
+            cand = par_id * BR + j
+            valid = par_ok & (j < BR) & (cand < n_lv)
+            cand = tl.where(valid, cand, 0)
+            valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
+            forced = (cand == tl.where(cur_f >= 0, cur_f // span, -1)) | (
+                cand == tl.where(prev_f >= 0, prev_f // span, -1)
+            )
+            forced = (
+                forced
+                | (cand == tl.where(sink_f >= 0, sink_f // span, -1))
+                | (cand == tl.where(here >= 0, here // span, -1))
+            )
+            forced = forced & valid
+            n_valid = tl.sum(valid.to(tl.int32), axis=0)
+            width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
+            scoring = n_valid > width
+            if LEAF_OUT:
+                if lv == 0:
+                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+                    tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+                    if PAIR_RANKS:
+                        pair = valid & ~forced & (n_valid > TOPK)
+                        rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                        tl.store(rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, rank, mask=pair)
+                scoring = scoring & (lv > 0)
+            if scoring:
+                score = tl.zeros([CW], dtype=tl.float32)
+                if PRE_SCORES:
+                    # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
+                    pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
+                    score = tl.load(pre_row + off + cand, mask=valid, other=0.0)
+                elif SCORE == 1:
+                    # PISA-1: q . mean(node) * scale
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=valid[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
+                    score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
+                elif lv > 0:
+                    # intermediate node: LSE (or mean + var/2) over its visible children's summaries
+                    coff = tl.load(lvl_off_ptr + lv - 1)
+                    n_ch = off - coff
+                    ar_ch = tl.arange(0, CW * BRP)
+                    owner = ar_ch // BRP
+                    jc = ar_ch % BRP
+                    own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
+                    own_ok = (
+                        tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
+                    )
+                    child = own_id * BR + jc
+                    c_ok = own_ok & (jc < BR) & (child < n_ch)
+                    child = tl.where(c_ok, child, 0)
+                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=c_ok[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
+                    logit = tl.reshape(logit, (GP, CW, BRP))
+                    okc = tl.reshape(c_ok, (CW, BRP))[None, :, :]
+                    if SCORE == 0:
+                        mx = tl.max(tl.where(okc, logit, float("-inf")), axis=2)
+                        mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+                        se = tl.sum(tl.where(okc, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
+                        per_head = mx_s + tl.log(se)
+                    else:
+                        nc = tl.maximum(tl.sum(okc.to(tl.float32), axis=2), 1.0)
+                        mean = tl.sum(tl.where(okc, logit, 0.0), axis=2) / nc
+                        dev = tl.where(okc, logit - mean[:, :, None], 0.0)
+                        per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                    score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
                 else:
-                    nc = tl.maximum(tl.sum(okc.to(tl.float32), axis=2), 1.0)
-                    mean = tl.sum(tl.where(okc, logit, 0.0), axis=2) / nc
-                    dev = tl.where(okc, logit - mean[:, :, None], 0.0)
-                    per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
-                score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+                    # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
+                    # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
+                    offs_c = tl.arange(0, CP)
+                    ar_lc = tl.arange(0, LC)
+                    for c0 in range(0, CW, LC):
+                        sub = c0 + ar_lc
+                        pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
+                        leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
+                        l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+                        if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
+                            pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
+                            kok = (
+                                tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
+                            )
+                            if HAS_KPM:
+                                kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+                            k_t = tl.load(
+                                # 64-bit: a key position times a row stride can pass 2**31 elements
+                                k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                                mask=kok[None, :] & d_ok[:, None],
+                                other=0.0,
+                            )
+                            if IEEE_KEYS:
+                                logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+                            else:
+                                logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+                            logit = tl.reshape(logit, (GP, LC, CP))
+                            okk = tl.reshape(kok, (LC, CP))[None, :, :]
+                            if SCORE == 0:
+                                mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
+                                mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+                                se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
+                                per_head = mx_s + tl.log(se)
+                            else:
+                                nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
+                                mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
+                                dev = tl.where(okk, logit - mean[:, :, None], 0.0)
+                                per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                            s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
+                            score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
+                keep = _top_k_keep(cand, valid, forced, score, ar_cw, width, CW)
             else:
-                # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
-                # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
-                offs_c = tl.arange(0, CP)
-                ar_lc = tl.arange(0, LC)
-                for c0 in range(0, CW, LC):
-                    sub = c0 + ar_lc
-                    pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
-                    leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
-                    l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
-                    if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
-                        pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
-                        kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
-                        if HAS_KPM:
-                            kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
-                        k_t = tl.load(
-                            # 64-bit: a key position times a row stride can pass 2**31 elements
-                            k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-                            mask=kok[None, :] & d_ok[:, None],
-                            other=0.0,
-                        )
-                        if IEEE_KEYS:
-                            logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
-                        else:
-                            logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-                        logit = tl.reshape(logit, (GP, LC, CP))
-                        okk = tl.reshape(kok, (LC, CP))[None, :, :]
-                        if SCORE == 0:
-                            mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
-                            mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-                            se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
-                            per_head = mx_s + tl.log(se)
-                        else:
-                            nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
-                            mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
-                            dev = tl.where(okk, logit - mean[:, :, None], 0.0)
-                            per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
-                        s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
-                        score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-            keep = _top_k_keep(cand, valid, forced, score, ar_cw, width, CW)
-        else:
-            keep = valid
-        kept, ok = _compact(cand, keep, ar_kp, ar_cw)
+                keep = valid
+            kept, ok = _compact(cand, keep, ar_kp, ar_cw)
     if not LEAF_OUT:
         out = tl.where(ok, kept, -1)
         dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
