@@ -53,9 +53,11 @@ __all__ = [
 # the node-score table's budget: 8K tokens x 3 KV heads x ~128 scored nodes is 12.6 MB
 MAX_TABLE_BYTES = 1 << 30
 # launch settings (a study may sweep them): dot rows of a node-scan tile and of a leaf-pair chunk
-# (queries x the group's heads, padded to a power of two) and the leaf scorer's warps; measured on
-# the H200 (pisa_scan_launch_h200.log): 128 rows beat 64 in both, 4 warps beat 8 for the pairs
-LAUNCH = {"rows": 128, "pair_rows": 128, "leaf_warps": 4}
+# (queries x the group's heads, padded to a power of two), the node scan's summary columns per dot
+# and warps, the leaf scorer's warps; measured on the H200 (pisa_scan_launch_h200.log: 128 rows
+# beat 64 in both, 4 warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and
+# 128, 8 warps tie 4)
+LAUNCH = {"rows": 128, "pair_rows": 128, "scan_cols": 32, "scan_warps": 8, "leaf_warps": 4}
 
 
 def queries_per_program(group: int, rows: int) -> int:
@@ -186,15 +188,17 @@ def _node_scan_kernel(
                     owner = u0 + ar_ch // BRP
                     jc = ar_ch % BRP
                     child = owner * BR + jc
-                    c_ok = (jc < BR) & (owner < n_hi) & (child < off - coff)
-                    child = tl.where(c_ok, child, 0)
-                    # a scored node's children are all before its query: visible iff they hold a valid key
-                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
+                    in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
+                    child = tl.where(in_lv, child, 0)
+                    # the summaries load whatever the children hold (an empty node's mean is 0), so
+                    # that this load need not wait for the next one
                     s_t = tl.load(
                         summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                        mask=c_ok[None, :] & (offs_d < D)[:, None],
+                        mask=in_lv[None, :] & (offs_d < D)[:, None],
                         other=0.0,
                     )
+                    # a scored node's children are all before its query: visible iff they hold a valid key
+                    c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
                     logit = tl.dot(q, s_t, input_precision=PREC) * qk_scale  # [R, NB * BRP]
                     logit = tl.reshape(logit, (R, NB, BRP))
                     okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
@@ -279,24 +283,8 @@ def _leaf_pairs_kernel(
         leaf = sg % n_leaves
         b = bh // HKV
         hkv = bh % HKV
-        ar_e = start + tl.arange(0, QB)
-        e_ok = ar_e < stop
-        flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
-        row = (flat // CW) % Nq
-        R: tl.constexpr = QB * GP
-        ar_r = tl.arange(0, R)
-        r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
-        r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+        # the leaf's keys first: their load depends on the segment only, not on the pair order
         offs_d = tl.arange(0, DP)
-        q = tl.load(
-            q_ptr
-            + b * stride_qb
-            + (hkv * G + ar_r % GP)[:, None] * stride_qh
-            + r_row.to(tl.int64)[:, None] * stride_qn
-            + offs_d[None, :],
-            mask=r_ok[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )
         offs_c = tl.arange(0, CP)
         pos = leaf * C + offs_c
         # a scored leaf lies before its queries' positions: all its valid keys are visible
@@ -306,6 +294,23 @@ def _leaf_pairs_kernel(
         k_t = tl.load(
             k_ptr + b * stride_kb + hkv * stride_kh + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
             mask=kok[None, :] & (offs_d < D)[:, None],
+            other=0.0,
+        )
+        ar_e = start + tl.arange(0, QB)
+        e_ok = ar_e < stop
+        flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
+        row = (flat // CW) % Nq
+        R: tl.constexpr = QB * GP
+        ar_r = tl.arange(0, R)
+        r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
+        r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+        q = tl.load(
+            q_ptr
+            + b * stride_qb
+            + (hkv * G + ar_r % GP)[:, None] * stride_qh
+            + r_row.to(tl.int64)[:, None] * stride_qn
+            + offs_d[None, :],
+            mask=r_ok[:, None] & (offs_d < D)[None, :],
             other=0.0,
         )
         if IEEE_KEYS:
@@ -474,9 +479,9 @@ def pisa_select_scan_fwd(
         TOPK=top_k,
         WIDE=beam * top_k,
         BQ=bq,
-        NB=max(1, 64 // meta["BRP"]),
+        NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC="ieee" if interpreting() else "tf32x3",
-        num_warps=8,
+        num_warps=LAUNCH["scan_warps"],
     )
     warps, leaf_bytes = _launch(cw)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)

@@ -76,10 +76,11 @@ def test_scan_selection_equals_reference(case, scan_calls):
 
 
 def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch):
-    """16-row node tiles and leaf-pair chunks of 16 pairs (a leaf's pairs span several programs):
-    still the reference's selection."""
+    """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 pairs (a
+    leaf's pairs span several programs): still the reference's selection."""
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
+    monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
     q, k, _ = _inputs(1, 1, 1, 40, 120, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=3)
     assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
