@@ -45,10 +45,11 @@ class Tuning:
     ``"per_token"``, one program per query token (``methods/pisa/triton_select``); ``"tiled"``, one
     program per tile of consecutive queries sharing the scoring of each level
     (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
-    ``"scan"``, query tiles score every node above the leaves and then the union of their leaf
-    candidates, the per-token walk between them (``methods/pisa/triton_select_scan``; calls it
-    does not cover run per token, logged); ``"auto"``: the scan on CUDA where it applies (faster
-    at every shape timed on the H200), else per token.
+    ``"scan"``, query tiles score every node above the leaves, the per-token walk reads those
+    scores down to its leaf candidates, and the (query, leaf) pairs are scored a leaf at a time
+    (``methods/pisa/triton_select_scan``; calls it does not cover run per token, logged);
+    ``"auto"``: the scan on CUDA where it applies (faster at every shape timed on the H200), else
+    per token.
     ``cuda_graphs``: replay an eager ``backend="triton"`` call without gradient from a CUDA graph,
     recorded on the second call of the same signature (method config, shapes, strides, dtypes,
     device, stream), instead of launching its kernels one by one: the same kernels on the same
