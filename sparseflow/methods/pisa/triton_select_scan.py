@@ -1,5 +1,5 @@
 """The scan PISA walk (``Tuning(pisa_walk="scan")``; ``"auto"`` on CUDA): the per-token walk's
-selection in four launches, so that what the per-token walk loads once per query token is loaded
+selection in four stages, so that what the per-token walk loads once per query token is loaded
 once per tile of queries (node summaries) or per leaf (raw keys).
 
 1. ``_node_scan_kernel``: one program per (tile of ``BQ`` consecutive queries, batch x KV head)
@@ -13,12 +13,13 @@ once per tile of queries (node summaries) or per leaf (raw keys).
 2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
    scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
    query's leaf candidates.
-3. the walk counts each leaf's scored (query, leaf) pairs with atomics, giving every pair its
-   rank in the leaf's segment; :func:`leaf_pair_index` turns the counts into chunks (two cumsums
-   and a searchsorted, on the device), ``_pair_order_kernel`` places each pair at its segment's
-   start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of one leaf: the leaf's raw keys loaded once, the
-   chunk's query rows gathered, one ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype
-   (exact products), the exact LSE (or mean + var/2) per pair.
+3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
+   giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
+   into chunks (two cumsums and a searchsorted, on the device), :func:`pair_order` places each
+   pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
+   one leaf: the leaf's raw keys loaded once, the chunk's query rows gathered, one
+   ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype (exact products), the exact LSE (or
+   mean + var/2) per pair.
 4. ``_leaf_keep_kernel``: each query keeps its forced leaves plus its best-scoring others,
    ``top_k`` in total, as the per-token walk does.
 
