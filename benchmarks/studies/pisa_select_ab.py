@@ -1,0 +1,119 @@
+"""PISA's selection at an earlier commit against the tree's, side by side in one process: time per
+call (the pyramid build included; CUDA graphs, so no host time), the kernels by name (profiler) at
+8K, and whether the two select the same blocks, for the scan and the per-token walk.
+
+The earlier commit's ``triton_select.py`` and ``triton_select_scan.py`` are read from a folder
+(the device machine has no git history) and loaded beside the tree's under private module names,
+their ops renamed into the ``sparseflow_ab`` namespace so that both sets of ops can be registered:
+
+    mkdir -p .ab && for f in triton_select triton_select_scan; do
+        git show d268b9f:sparseflow/methods/pisa/$f.py > .ab/$f.py; done
+    python benchmarks/studies/pisa_select_ab.py --old .ab --json benchmarks/results/pisa_select_session_h200.json
+
+Shapes: SmolLM2's attention (B 1, Hq 9, Hkv 3) and the paper's (Hq 32, Hkv 2); D 64, C 64, K 8,
+g 2, bf16, causal.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import types
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import sparseflow  # noqa: E402
+
+PACKAGE = "sparseflow.methods.pisa"
+# the modules an earlier commit may hold, in import order (the scan imports the walk's module)
+OLD_MODULES = ("triton_select", "triton_select_scan")
+
+
+def load_old(folder: str) -> types.ModuleType:
+    """The earlier ``triton_select`` module from ``folder`` (with its scan module, if there), each
+    imported as ``sparseflow.methods.pisa._ab_<name>`` with its imports of the other redirected
+    and its ops registered as ``sparseflow_ab::...``."""
+    folder = os.path.abspath(folder)
+    names = [m for m in OLD_MODULES if os.path.exists(os.path.join(folder, m + ".py"))]
+    if "triton_select" not in names:
+        raise FileNotFoundError(f"{folder} holds no triton_select.py")
+    first = sys.modules.get(f"{PACKAGE}._ab_triton_select")
+    if first is not None:  # its ops are registered for good: one earlier commit per process
+        if os.path.dirname(first.__file__) != folder:
+            raise ValueError(f"an earlier commit is already loaded from {os.path.dirname(first.__file__)}")
+        return first
+    loaded = {}
+    for name in names:
+        with open(os.path.join(folder, name + ".py")) as fh:
+            src = fh.read().replace('"sparseflow::', '"sparseflow_ab::')
+        for other in names:
+            src = src.replace(f"from .{other} import", f"from ._ab_{other} import")
+        full = f"{PACKAGE}._ab_{name}"
+        spec = importlib.util.spec_from_loader(full, loader=None)
+        module = importlib.util.module_from_spec(spec)
+        module.__package__ = PACKAGE
+        module.__file__ = os.path.join(folder, name + ".py")
+        sys.modules[full] = module
+        exec(compile(src, module.__file__, "exec"), module.__dict__)
+        loaded[name] = module
+    return loaded["triton_select"]
+
+
+SHAPES = {"smollm2": (9, 3), "paper": (32, 2)}
+
+
+def main(argv=None) -> int:
+    from common import graph_us_per_call, kernel_us_by_name
+    from e2e_prefill import env_info
+    from sparseflow.methods.pisa import triton_select as new
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="folder holding the earlier commit's triton_select(_scan).py")
+    ap.add_argument("--cases", default="smollm2:4096,smollm2:8192,smollm2:32768,paper:8192", help="shape:N, comma list")
+    ap.add_argument("--per-token-max", type=int, default=8192, help="time the per-token walk up to this length")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    old = load_old(args.old)
+    rows = []
+    for case in args.cases.split(","):
+        shape, n = case.split(":")
+        hq, hkv = SHAPES[shape]
+        n = int(n)
+        torch.manual_seed(0)
+        q = torch.randn(1, hq, n, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, hkv, n, 64, device="cuda", dtype=torch.bfloat16)
+        kw = dict(block_size=64, top_k=8, is_causal=True, index_dtype=torch.int32)
+        for walk in ("scan", "per_token"):
+            if walk == "per_token" and n > args.per_token_max:
+                continue
+            tuning = sparseflow.Tuning(pisa_walk=walk, cuda_graphs=False)
+            row = dict(shape=shape, n=n, walk=walk)
+            row["same"] = bool(
+                torch.equal(old.pisa_select(q, k, tuning=tuning, **kw), new.pisa_select(q, k, tuning=tuning, **kw))
+            )
+            for name, mod in (("old", old), ("new", new)):
+                row[f"{name}_us"] = graph_us_per_call(lambda: mod.pisa_select(q, k, tuning=tuning, **kw))
+                if n == 8192 and walk == "scan":
+                    per = kernel_us_by_name(lambda: mod.pisa_select(q, k, tuning=tuning, **kw), 5, 2)
+                    row[f"{name}_kernels_us"] = {
+                        kn[:40]: round(us, 1) for kn, us in sorted(per.items(), key=lambda x: -x[1])[:6]
+                    }
+            rows.append(row)
+            print(
+                f"{shape:8s} N={n:6d} {walk:9s} old {row['old_us']:8.1f} us  new {row['new_us']:8.1f} us  "
+                f"({row['old_us'] / row['new_us']:.2f}x)  same selection: {row['same']}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
