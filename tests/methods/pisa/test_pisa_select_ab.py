@@ -10,13 +10,14 @@ import torch
 
 pytest.importorskip("triton")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "benchmarks", "studies"))
+ROOT = os.path.join(HERE, "..", "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "studies"))
 
 import pisa_select_ab as ab  # noqa: E402
 from sparseflow import Tuning  # noqa: E402
 from sparseflow.methods.pisa import triton_select  # noqa: E402
 
-PISA_DIR = os.path.join(HERE, "..", "sparseflow", "methods", "pisa")
+PISA_DIR = os.path.join(ROOT, "sparseflow", "methods", "pisa")
 
 
 def test_earlier_modules_load_beside_the_tree_and_select_alike(tmp_path):
