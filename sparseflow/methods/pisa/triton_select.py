@@ -236,6 +236,21 @@ def build_pyramid(k: torch.Tensor, *, block_size: int, branching: int, key_paddi
 
 
 @triton.jit
+def _reduce(logit, okk, SCORE: tl.constexpr):
+    """Per-head score ``[M, U]`` of ``logit [M, U, J]`` over the entries where ``okk [1, U, J]``:
+    LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2)."""
+    if SCORE == 0:
+        mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
+        mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+        se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
+        return mx_s + tl.log(se)
+    nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
+    mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
+    dev = tl.where(okk, logit - mean[:, :, None], 0.0)
+    return mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+
+
+@triton.jit
 def _top_k_keep(cand, valid, forced, score, ar, width, CW: tl.constexpr):
     """Keep the forced entries and the best-scoring others, ``width`` (<= CW, a runtime value:
     the level's width) in total (ties to the lower position, i.e. the lower node id): returns
@@ -468,17 +483,7 @@ def _pisa_select_kernel(
                     )
                     logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
                     logit = tl.reshape(logit, (GP, CW, BRP))
-                    okc = tl.reshape(c_ok, (CW, BRP))[None, :, :]
-                    if SCORE == 0:
-                        mx = tl.max(tl.where(okc, logit, float("-inf")), axis=2)
-                        mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-                        se = tl.sum(tl.where(okc, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
-                        per_head = mx_s + tl.log(se)
-                    else:
-                        nc = tl.maximum(tl.sum(okc.to(tl.float32), axis=2), 1.0)
-                        mean = tl.sum(tl.where(okc, logit, 0.0), axis=2) / nc
-                        dev = tl.where(okc, logit - mean[:, :, None], 0.0)
-                        per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
                     score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
                 else:
                     # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
@@ -508,17 +513,7 @@ def _pisa_select_kernel(
                             else:
                                 logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
                             logit = tl.reshape(logit, (GP, LC, CP))
-                            okk = tl.reshape(kok, (LC, CP))[None, :, :]
-                            if SCORE == 0:
-                                mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
-                                mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-                                se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
-                                per_head = mx_s + tl.log(se)
-                            else:
-                                nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
-                                mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
-                                dev = tl.where(okk, logit - mean[:, :, None], 0.0)
-                                per_head = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+                            per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
                             s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
                 keep = _top_k_keep(cand, valid, forced, score, ar_cw, width, CW)

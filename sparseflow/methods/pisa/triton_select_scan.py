@@ -38,8 +38,17 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import _launch, _leaf_chunk, _p2, _pisa_select_kernel, candidate_width, walk_args, walk_meta
-from .triton_select_tiled import _group_sum, _reduce, _rows_compact, _rows_top_k_keep
+from .triton_select import (
+    _launch,
+    _leaf_chunk,
+    _p2,
+    _pisa_select_kernel,
+    _reduce,
+    candidate_width,
+    walk_args,
+    walk_meta,
+)
+from .triton_select_tiled import _group_sum, _rows_compact, _rows_top_k_keep
 
 __all__ = [
     "scan_covers",

@@ -69,7 +69,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import candidate_width, walk_args, walk_meta
+from .triton_select import _reduce, candidate_width, walk_args, walk_meta
 
 __all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
 
@@ -192,21 +192,6 @@ def _spread(ids, ok, R: tl.constexpr, U: tl.constexpr):
         tl.sum(tl.where(hit, ids[None, :], 0), axis=1),
         tl.sum(tl.where(hit, ok[None, :].to(tl.int32), 0), axis=1) > 0,
     )
-
-
-@triton.jit
-def _reduce(logit, okk, SCORE: tl.constexpr):
-    """Per-head score ``[M, U]`` of ``logit [M, U, J]`` over the entries where ``okk [1, U, J]``:
-    LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2)."""
-    if SCORE == 0:
-        mx = tl.max(tl.where(okk, logit, float("-inf")), axis=2)
-        mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-        se = tl.sum(tl.where(okk, tl.exp(logit - mx_s[:, :, None]), 0.0), axis=2)
-        return mx_s + tl.log(se)
-    nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
-    mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
-    dev = tl.where(okk, logit - mean[:, :, None], 0.0)
-    return mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
 
 
 @triton.jit
