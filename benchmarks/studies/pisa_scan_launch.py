@@ -25,19 +25,41 @@ from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa import triton_select as ts  # noqa: E402
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
 
-SETTINGS = [  # (node-scan rows, leaf-pair rows, leaf-pair warps)
-    (128, 128, 4),
-    (128, 128, 8),
-    (64, 128, 4),
-    (128, 64, 4),
+# each setting: LAUNCH entries that differ from the defaults ({}: the defaults)
+SETTINGS = [
+    {},
+    {"walk_rows": 1},
+    {"walk_rows": 4},
+    {"walk_rows": 16},
+    {"walk_rows": 16, "walk_warps": 2},
+    {"walk_rows": 32, "walk_warps": 4},
+    {"pair_rows": 256, "leaf_warps": 8},
+    {"pair_rows": 256, "leaf_warps": 4},
 ]
+
+
+def parse_settings(text: str) -> list:
+    """``"walk_rows=4+walk_warps=2;pair_rows=256"`` -> ``[{"walk_rows": 4, "walk_warps": 2},
+    {"pair_rows": 256}]`` (an empty item: the defaults)."""
+    out = []
+    for item in text.split(";"):
+        setting = {}
+        for pair in filter(None, item.split("+")):
+            key, _, value = pair.partition("=")
+            if key not in scan.LAUNCH:
+                raise ValueError(f"--settings: {key!r} is not a LAUNCH entry ({sorted(scan.LAUNCH)})")
+            setting[key] = int(value) if value.lstrip("-").isdigit() else value
+        out.append(setting)
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="9:3:8192,9:3:32768,32:2:8192", help="Hq:Hkv:N, comma separated")
+    ap.add_argument("--settings", help="LAUNCH overrides: key=value joined by '+', settings by ';'")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    settings = parse_settings(args.settings) if args.settings else SETTINGS
     rows = []
     defaults = dict(scan.LAUNCH)
     for case in args.cases.split(","):
@@ -48,10 +70,10 @@ def main(argv=None) -> int:
         kw = dict(block_size=64, top_k=8, is_causal=True)
         per_token = sparseflow.Tuning(pisa_walk="per_token")
         base = ts.pisa_select(q, k, tuning=per_token, **kw)
-        variants = [("per_token", None)] + [("scan", s) for s in SETTINGS]
+        variants = [("per_token", None)] + [("scan", s) for s in settings]
         for walk, setting in variants:
             if setting is not None:
-                scan.LAUNCH.update(rows=setting[0], pair_rows=setting[1], leaf_warps=setting[2])
+                scan.LAUNCH.update(setting)
             tuning = sparseflow.Tuning(pisa_walk=walk)
             try:
                 differ = (ts.pisa_select(q, k, tuning=tuning, **kw) != base).any(-1).float().mean().item()
@@ -62,7 +84,9 @@ def main(argv=None) -> int:
                 scan.LAUNCH.update(defaults)
             total = sum(per_kernel.values())
             top = ", ".join(f"{name[:40]} {us:.0f}" for name, us in per_kernel.most_common(5))
-            label = walk if setting is None else f"scan rows {setting[0]} pairs {setting[1]} warps {setting[2]}"
+            label = (
+                walk if setting is None else "scan " + (" ".join(f"{k}={v}" for k, v in setting.items()) or "defaults")
+            )
             print(
                 f"Hq {hq:2d} Hkv {hkv} N {n:6d} {label:34s} {total:8.0f} us | {top} | differ {differ:.1e}", flush=True
             )

@@ -10,10 +10,11 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node is scored only for queries it
    lies entirely before (others force it or drop it), so its children's visibility is whether
    they hold a valid key, the same for every query of the tile.
-2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
-   scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
-   query's leaf candidates.
-3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
+2. ``_walk_rows_kernel`` walks a few consecutive queries per program by the per-token walk's
+   rules (``triton_select._pisa_select_kernel``), each row on its own, reading the scores from
+   that table instead of computing them, and stops at the leaves, writing each query's leaf
+   candidates.
+3. it also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
    giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
    into chunks (two cumsums and a searchsorted, on the device), :func:`pair_order` places each
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
@@ -38,17 +39,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import (
-    _launch,
-    _leaf_chunk,
-    _p2,
-    _pisa_select_kernel,
-    _reduce,
-    candidate_width,
-    walk_args,
-    walk_meta,
-)
-from .triton_select_tiled import _group_sum, _rows_compact, _rows_top_k_keep
+from .triton_select import _p2, _reduce, candidate_width, walk_meta
+from .triton_select_tiled import _anc, _group_sum, _rows_children, _rows_compact, _rows_top_k_keep
 
 __all__ = [
     "scan_covers",
@@ -67,7 +59,28 @@ MAX_TABLE_BYTES = 1 << 30
 # and warps, the leaf scorer's warps; measured on the H200 (pisa_scan_launch_h200.log: 128 rows
 # beat 64 in both, 4 warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and
 # 128, 8 warps tie 4)
-LAUNCH = {"rows": 128, "pair_rows": 128, "scan_cols": 32, "scan_warps": 8, "leaf_warps": 4}
+LAUNCH = {
+    "rows": 128,
+    "pair_rows": 128,
+    "scan_cols": 32,
+    "scan_warps": 8,
+    "leaf_warps": 4,
+    "walk_rows": 4,
+    "walk_warps": 1,
+    "scan_stages": 1,
+    "scan_dot": "tf32x3",
+}
+
+
+def scan_dot(dtype: torch.dtype) -> str:
+    """The node scan's dot of queries and fp32 summaries: IEEE fp32 interpreted, else
+    ``LAUNCH["scan_dot"]`` ("bf16x3" for bf16 queries only; "tf32x3" otherwise)."""
+    if interpreting():
+        return "ieee"
+    choice = LAUNCH["scan_dot"]
+    if choice not in ("tf32x3", "bf16x3"):
+        raise ValueError(f'LAUNCH["scan_dot"] must be "tf32x3" or "bf16x3", got {choice!r}')
+    return choice if dtype == torch.bfloat16 else "tf32x3"
 
 
 def queries_per_program(group: int, rows: int) -> int:
@@ -136,6 +149,8 @@ def _node_scan_kernel(
     BQ: tl.constexpr,
     NB: tl.constexpr,
     PREC: tl.constexpr,
+    STAGES: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Scores of every node the walk may score, for the tile's queries (see the module doc)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -156,11 +171,12 @@ def _node_scan_kernel(
         + offs_d[None, :],
         mask=((g_row < G) & (qi < Nq))[:, None] & (offs_d < D)[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if PREC != "bf16x3":  # bf16x3 takes the 16-bit queries as they are
+        q = q.to(tl.float32)
     ar_t = tl.arange(0, BQ)
     t_ok = tile * BQ + ar_t < Nq
     g_ok = tl.arange(0, GP) < G
-    ar_nb = tl.arange(0, NB)
     # the tile's last query position bounds the nodes it can score (a scored node lies entirely
     # before its query: a node holding the query's position is forced, later ones are dropped)
     if IS_CAUSAL:
@@ -180,43 +196,269 @@ def _node_scan_kernel(
         if SCORE != 1:
             todo = todo & (lv > 0)  # the leaves are scored over their raw keys, in stage 3
         if todo:
-            u0 = 0
-            while u0 < n_hi:  # (while: the interpreter cannot range() over a runtime bound)
-                u = u0 + ar_nb
-                u_ok = u < n_hi
-                if SCORE == 1:
-                    # PISA-1: q . mean(node) * scale
-                    s_t = tl.load(
-                        summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                        mask=u_ok[None, :] & (offs_d < D)[:, None],
-                        other=0.0,
+            if INTERP:  # the interpreter cannot range() over a runtime bound
+                u0 = 0
+                while u0 < n_hi:
+                    _scan_chunk(
+                        q,
+                        u0,
+                        n_hi,
+                        lv,
+                        off,
+                        summ_base,
+                        nfv_base,
+                        lvl_off_ptr,
+                        pre_rows,
+                        t_ok,
+                        g_ok,
+                        offs_d,
+                        stride_mt,
+                        Nk,
+                        qk_scale,
+                        SCORE,
+                        GP,
+                        D,
+                        BR,
+                        BRP,
+                        BQ,
+                        NB,
+                        PREC,
                     )
-                    per_head = tl.dot(q, s_t, input_precision=PREC) * qk_scale  # [R, NB]
-                else:
-                    coff = tl.load(lvl_off_ptr + lv - 1)
-                    ar_ch = tl.arange(0, NB * BRP)
-                    owner = u0 + ar_ch // BRP
-                    jc = ar_ch % BRP
-                    child = owner * BR + jc
-                    in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
-                    child = tl.where(in_lv, child, 0)
-                    # the summaries load whatever the children hold (an empty node's mean is 0), so
-                    # that this load need not wait for the next one
-                    s_t = tl.load(
-                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                        mask=in_lv[None, :] & (offs_d < D)[:, None],
-                        other=0.0,
+                    u0 += NB
+            else:
+                for u0 in tl.range(0, n_hi, NB, num_stages=STAGES):
+                    _scan_chunk(
+                        q,
+                        u0,
+                        n_hi,
+                        lv,
+                        off,
+                        summ_base,
+                        nfv_base,
+                        lvl_off_ptr,
+                        pre_rows,
+                        t_ok,
+                        g_ok,
+                        offs_d,
+                        stride_mt,
+                        Nk,
+                        qk_scale,
+                        SCORE,
+                        GP,
+                        D,
+                        BR,
+                        BRP,
+                        BQ,
+                        NB,
+                        PREC,
                     )
-                    # a scored node's children are all before its query: visible iff they hold a valid key
-                    c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
-                    logit = tl.dot(q, s_t, input_precision=PREC) * qk_scale  # [R, NB * BRP]
-                    logit = tl.reshape(logit, (R, NB, BRP))
-                    okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
-                    per_head = _reduce(logit, okc, SCORE)
-                per = tl.reshape(per_head, (BQ, GP, NB))
-                score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
-                tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
-                u0 += NB
+
+
+@triton.jit
+def _summary_dot(q, s_t, PREC: tl.constexpr):
+    """``q @ s_t`` for fp32 summaries ``s_t`` near fp32 accuracy on the tensor cores: "tf32x3"
+    (Triton's three tf32 dots) or, for bf16 queries, "bf16x3": the summaries split into three
+    bf16 parts (together about fp32's 24 bits) dotted with the queries, whose bf16 products are
+    exact in the fp32 accumulator ("ieee": the interpreter's)."""
+    if PREC == "bf16x3":
+        s_hi = s_t.to(tl.bfloat16)
+        rest = s_t - s_hi.to(tl.float32)
+        s_mid = rest.to(tl.bfloat16)
+        s_lo = (rest - s_mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(q, s_lo, out_dtype=tl.float32)  # smallest part first
+        acc = tl.dot(q, s_mid, acc, out_dtype=tl.float32)
+        return tl.dot(q, s_hi, acc, out_dtype=tl.float32)
+    else:
+        return tl.dot(q, s_t, input_precision=PREC)
+
+
+@triton.jit
+def _scan_chunk(
+    q,
+    u0,
+    n_hi,
+    lv,
+    off,
+    summ_base,
+    nfv_base,
+    lvl_off_ptr,
+    pre_rows,
+    t_ok,
+    g_ok,
+    offs_d,
+    stride_mt,
+    Nk,
+    qk_scale,
+    SCORE: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    BQ: tl.constexpr,
+    NB: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The scores of level ``lv``'s nodes ``u0 .. u0 + NB - 1`` (those below ``n_hi``) for the
+    tile's queries, stored in its rows of the table."""
+    R: tl.constexpr = BQ * GP
+    u = u0 + tl.arange(0, NB)
+    u_ok = u < n_hi
+    if SCORE == 1:
+        # PISA-1: q . mean(node) * scale
+        s_t = tl.load(
+            summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+            mask=u_ok[None, :] & (offs_d < D)[:, None],
+            other=0.0,
+        )
+        per_head = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB]
+    else:
+        coff = tl.load(lvl_off_ptr + lv - 1)
+        ar_ch = tl.arange(0, NB * BRP)
+        owner = u0 + ar_ch // BRP
+        jc = ar_ch % BRP
+        child = owner * BR + jc
+        in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
+        child = tl.where(in_lv, child, 0)
+        # the summaries load whatever the children hold (an empty node's mean is 0), so that this
+        # load need not wait for the next one
+        s_t = tl.load(
+            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+            mask=in_lv[None, :] & (offs_d < D)[:, None],
+            other=0.0,
+        )
+        # a scored node's children are all before its query: visible iff they hold a valid key
+        c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
+        logit = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB * BRP]
+        logit = tl.reshape(logit, (R, NB, BRP))
+        okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
+        per_head = _reduce(logit, okc, SCORE)
+    per = tl.reshape(per_head, (BQ, GP, NB))
+    score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
+    tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
+
+
+# --------------------------------------------------------------------------- stage 2
+
+
+@triton.jit
+def _walk_rows_kernel(
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    pre_ptr,
+    cand_ptr,
+    count_ptr,
+    rank_ptr,
+    out_ptr,
+    stride_pbh,
+    stride_pn,
+    pre_col0,
+    stride_cbh,
+    stride_cn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    T,
+    HKV,
+    N_LEVELS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    C: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    TOPK: tl.constexpr,
+    WIDE: tl.constexpr,
+    KP: tl.constexpr,
+    CW: tl.constexpr,
+    BQ: tl.constexpr,
+    LEAF_OUT: tl.constexpr,
+):
+    """The walk of ``BQ`` consecutive queries of one batch x KV head over the node-score table:
+    every row keeps its own nodes (``[BQ, KP]``) and candidates (``[BQ, CW]``) by the per-token
+    walk's rules, its scores read from ``pre`` (``[B*Hkv, Nq, T - pre_col0]``). With ``LEAF_OUT``
+    it stops at the leaves and writes each row's leaf candidates to ``cand`` (-1 invalid,
+    ``id | 2**30`` forced, else ``id``), every scored one (valid, unforced, in a row with more
+    valid ones than TOPK) taking the next rank of its (batch x KV head, leaf) counter in
+    ``count`` (zeroed), stored at its slot of ``rank``: its place in the leaf-pair index, no
+    sort. Without it (PISA-1, whose leaves the table scores too) it writes the selection."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
+    b = bh // HKV
+    hkv = bh % HKV
+    i = tile * BQ + tl.arange(0, BQ)
+    row_ok = i < Nq
+    p = i + Nk - Nq  # query positions (bottom-right aligned)
+    if IS_CAUSAL:
+        hz = p
+    else:
+        hz = tl.zeros([BQ], dtype=tl.int32) + (Nk - 1)
+    nfv_base = nfv_ptr + b * T
+    # forced leaves of every row (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
+    n_leaves = tl.load(lvl_off_ptr + 1)
+    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
+    prev = tl.full([BQ], -1, dtype=tl.int32)
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = tl.full([BQ], -1, dtype=tl.int32)
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    cur_f = tl.where((cur >= 0) & (tl.load(nfv_base + tl.maximum(cur, 0)) <= hz), cur, -1)
+    prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
+    sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
+    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+
+    ar_kp = tl.arange(0, KP)
+    ar_cw = tl.arange(0, CW)
+    j = ar_cw % BRP
+    top = N_LEVELS - 1
+    # the walk starts at the lowest level no wider than what it keeps (see the per-token walk)
+    start = top
+    for lv in range(0, N_LEVELS - 1):
+        n_lv = tl.load(lvl_off_ptr + lv + 1) - tl.load(lvl_off_ptr + lv)
+        start = tl.where((n_lv <= tl.where(lv > 0, WIDE, TOPK)) & (start == top), lv, start)
+    s_off = tl.load(lvl_off_ptr + start)
+    s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
+    s_first = tl.load(nfv_base + s_off + ar_kp, mask=s_in, other=Nk)
+    s_vis = row_ok[:, None] & s_in[None, :] & (s_first[None, :] <= hz[:, None])
+    kept, ok = _rows_compact(tl.broadcast_to(ar_kp[None, :], (BQ, KP)), s_vis, ar_kp)
+    pre_rows = pre_ptr + bh * stride_pbh + i.to(tl.int64)[:, None] * stride_pn - pre_col0
+    slots = bh * stride_cbh + i.to(tl.int64)[:, None] * stride_cn + ar_cw[None, :]
+    for it in range(0, N_LEVELS - 1):
+        lv = top - 1 - it
+        if lv < start:
+            off = tl.load(lvl_off_ptr + lv)
+            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+            span = tl.load(lvl_span_ptr + lv)
+            par_id, par_ok = _rows_children(kept, ok, ar_kp, ar_cw, BR, BRP)
+            cand = par_id * BR + j[None, :]
+            valid = par_ok & (j < BR)[None, :] & (cand < n_lv)
+            cand = tl.where(valid, cand, 0)
+            valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz[:, None])
+            forced = (cand == _anc(cur_f, span)[:, None]) | (cand == _anc(prev_f, span)[:, None])
+            forced = forced | (cand == _anc(sink_f, span)[:, None]) | (cand == _anc(here, span)[:, None])
+            forced = forced & valid
+            width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
+            scoring = tl.sum(valid.to(tl.int32), axis=1) > width  # [BQ]
+            if LEAF_OUT:
+                if lv == 0:
+                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+                    tl.store(cand_ptr + slots, enc, mask=row_ok[:, None])
+                    pair = valid & ~forced & scoring[:, None]
+                    rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                    tl.store(rank_ptr + slots, rank, mask=pair)
+                scoring = scoring & (lv > 0)
+            # this node's score for this row, from the tile scan (the leaves' too for PISA-1)
+            score = tl.load(pre_rows + off + cand, mask=valid & scoring[:, None], other=0.0)
+            keep = tl.where(scoring[:, None], _rows_top_k_keep(valid, forced, score, ar_cw, width), valid)
+            kept, ok = _rows_compact(cand, keep, ar_kp)
+    if not LEAF_OUT:
+        dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64)[:, None] * stride_on + ar_kp[None, :]
+        tl.store(dst, tl.where(ok, kept, -1), mask=row_ok[:, None] & (ar_kp[None, :] < TOPK))
 
 
 # --------------------------------------------------------------------------- stage 3
@@ -490,34 +732,44 @@ def pisa_select_scan_fwd(
         WIDE=beam * top_k,
         BQ=bq,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
-        PREC="ieee" if interpreting() else "tf32x3",
+        PREC=scan_dot(q.dtype),
+        STAGES=LAUNCH["scan_stages"],
+        INTERP=interpreting(),
         num_warps=LAUNCH["scan_warps"],
     )
-    warps, leaf_bytes = _launch(cw)
-    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
-    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
-        *args[:8],
-        nfv,  # no device length
-        *args[8:],
-        pre_ptr=pre,
-        cand_ptr=cand,
-        stride_pbh=pre.stride(0),
-        stride_pn=pre.stride(1),
-        pre_col0=col0,
-        stride_cbh=cand.stride(0),
-        stride_cn=cand.stride(1),
-        count_ptr=counts if leaf_out else cand,
-        rank_ptr=rank,
-        **meta,
-        GP=_p2(group, 16),
+    wrap_triton(_walk_rows_kernel)[(triton.cdiv(n_q, LAUNCH["walk_rows"]), b * hkv)](
+        nfv,
+        lvl_off,
+        lvl_span,
+        pre,
+        cand,
+        counts if leaf_out else cand,
+        rank,
+        out,
+        pre.stride(0),
+        pre.stride(1),
+        col0,
+        cand.stride(0),
+        cand.stride(1),
+        *out.stride()[:3],
+        n_q,
+        k.shape[2],
+        summ.shape[2],
+        hkv,
+        N_LEVELS=meta["N_LEVELS"],
+        IS_CAUSAL=is_causal,
+        FORCE_SINK=force_sink,
+        FORCE_PREV=force_previous,
+        C=block_size,
+        BR=branching,
+        BRP=meta["BRP"],
+        TOPK=top_k,
+        WIDE=beam * top_k,
+        KP=meta["KP"],
         CW=cw,
-        LC=_leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes),
-        IEEE_KEYS=ieee,
-        HAS_LEN=False,
-        PRE_SCORES=True,
+        BQ=LAUNCH["walk_rows"],
         LEAF_OUT=leaf_out,
-        PAIR_RANKS=leaf_out,
-        num_warps=warps,
+        num_warps=LAUNCH["walk_warps"],
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)

@@ -87,6 +87,19 @@ def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch):
     assert len(scan_calls) == 1
 
 
+@pytest.mark.parametrize("walk_rows", [1, 2, 16], ids=lambda r: f"walk-rows{r}")
+@pytest.mark.parametrize("score", ["lse", "mean"])
+def test_walk_rows_per_program(scan_calls, monkeypatch, walk_rows, score):
+    """The middle walk with 1, 2 or 16 queries per program (37 queries: the last program's rows
+    pass Nq and must neither write nor count pairs): still the reference's selection, for a score
+    whose leaves the pairs kernel scores (lse) and one whose leaves the table scores (mean)."""
+    monkeypatch.setitem(scan.LAUNCH, "walk_rows", walk_rows)
+    q, k, _ = _inputs(1, 2, 1, 37, 101, 16, F32, False, seed=5)
+    kw = dict(is_causal=True, block_size=8, top_k=3, score=score)
+    assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
+    assert len(scan_calls) == 1
+
+
 def test_auto_runs_the_scan_on_cuda_only(scan_calls):
     """``"auto"`` takes the scan where it was timed (CUDA); interpreted, the per-token walk."""
     q, k, _ = _inputs(1, 2, 1, 12, 70, 16, F32, False)
