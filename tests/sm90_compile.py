@@ -416,7 +416,6 @@ EXPECTED = {
     "_node_scan_kernel",
     "_leaf_pairs_kernel",
     "_leaf_keep_kernel",
-    "_walk_rows_kernel",
     "_append_static_kernel",
     "_decode_split_kernel",
     "_decode_combine_kernel",

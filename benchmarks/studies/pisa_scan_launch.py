@@ -28,19 +28,14 @@ from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
 # each setting: LAUNCH entries that differ from the defaults ({}: the defaults)
 SETTINGS = [
     {},
-    {"walk_rows": 1},
-    {"walk_rows": 4},
-    {"walk_rows": 16},
-    {"walk_rows": 16, "walk_warps": 2},
-    {"walk_rows": 32, "walk_warps": 4},
+    {"scan_dot": "tf32x3"},
     {"pair_rows": 256, "leaf_warps": 8},
-    {"pair_rows": 256, "leaf_warps": 4},
 ]
 
 
 def parse_settings(text: str) -> list:
-    """``"walk_rows=4+walk_warps=2;pair_rows=256"`` -> ``[{"walk_rows": 4, "walk_warps": 2},
-    {"pair_rows": 256}]`` (an empty item: the defaults)."""
+    """``"pair_rows=256+leaf_warps=8;scan_dot=tf32x3"`` -> ``[{"pair_rows": 256, "leaf_warps": 8},
+    {"scan_dot": "tf32x3"}]`` (an empty item: the defaults)."""
     out = []
     for item in text.split(";"):
         setting = {}

@@ -5,16 +5,15 @@ once per tile of queries (node summaries) or per leaf (raw keys).
 1. ``_node_scan_kernel``: one program per (tile of ``BQ`` consecutive queries, batch x KV head)
    scores every node of every level the walk may score (levels wider than their kept width) for
    all the tile's queries at once: ``[BQ * G, D] x [D, nodes]`` dots of the queries with the
-   fp32 summaries (tf32x3 on the tensor cores), the reference's per-node score (LSE or mean +
-   var/2 over the children's logits, or the node's own logit for PISA-1) summed over the group's
-   heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node is scored only for queries it
+   fp32 summaries (near fp32 accuracy on the tensor cores: :func:`scan_dot`), the reference's
+   per-node score (LSE or mean + var/2 over the children's logits, or the node's own logit for
+   PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node is scored only for queries it
    lies entirely before (others force it or drop it), so its children's visibility is whether
    they hold a valid key, the same for every query of the tile.
-2. ``_walk_rows_kernel`` walks a few consecutive queries per program by the per-token walk's
-   rules (``triton_select._pisa_select_kernel``), each row on its own, reading the scores from
-   that table instead of computing them, and stops at the leaves, writing each query's leaf
-   candidates.
-3. it also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
+2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
+   scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
+   query's leaf candidates.
+3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
    giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
    into chunks (two cumsums and a searchsorted, on the device), :func:`pair_order` places each
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
@@ -39,8 +38,17 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import _p2, _reduce, candidate_width, walk_meta
-from .triton_select_tiled import _anc, _group_sum, _rows_children, _rows_compact, _rows_top_k_keep
+from .triton_select import (
+    _launch,
+    _leaf_chunk,
+    _p2,
+    _pisa_select_kernel,
+    _reduce,
+    candidate_width,
+    walk_args,
+    walk_meta,
+)
+from .triton_select_tiled import _group_sum, _rows_compact, _rows_top_k_keep
 
 __all__ = [
     "scan_covers",
@@ -55,26 +63,28 @@ __all__ = [
 # the node-score table's budget: 8K tokens x 3 KV heads x ~128 scored nodes is 12.6 MB
 MAX_TABLE_BYTES = 1 << 30
 # launch settings (a study may sweep them): dot rows of a node-scan tile and of a leaf-pair chunk
-# (queries x the group's heads, padded to a power of two), the node scan's summary columns per dot
-# and warps, the leaf scorer's warps; measured on the H200 (pisa_scan_launch_h200.log: 128 rows
-# beat 64 in both, 4 warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and
-# 128, 8 warps tie 4)
+# (queries x the group's heads, padded to a power of two), the node scan's summary columns per dot,
+# warps and dot precision (:func:`scan_dot`), the leaf scorer's warps, chunks per program and
+# pipeline stages; measured on the H200 (pisa_scan_launch_h200.log: 128 rows beat 64 in both, 4
+# warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and 128, 8 warps tie 4;
+# pisa_scan_launch_dot_h200: bf16x3 takes half tf32x3's time; pisa_pair_chunks_h200: 4 chunks a
+# program beat 1, 2, 8 and 16 at SmolLM2's 8K, pipelining them gains nothing there)
 LAUNCH = {
     "rows": 128,
     "pair_rows": 128,
     "scan_cols": 32,
     "scan_warps": 8,
     "leaf_warps": 4,
-    "walk_rows": 4,
-    "walk_warps": 1,
-    "scan_stages": 1,
-    "scan_dot": "tf32x3",
+    "scan_dot": "bf16x3",
+    "pair_chunks": 4,
+    "pair_stages": 1,
 }
 
 
 def scan_dot(dtype: torch.dtype) -> str:
-    """The node scan's dot of queries and fp32 summaries: IEEE fp32 interpreted, else
-    ``LAUNCH["scan_dot"]`` ("bf16x3" for bf16 queries only; "tf32x3" otherwise)."""
+    """The node scan's dot of the queries and the fp32 summaries: IEEE fp32 interpreted, else
+    ``LAUNCH["scan_dot"]`` ("bf16x3" applies to bf16 queries only: fp16 ones are not exact in
+    bf16; "tf32x3" for the others)."""
     if interpreting():
         return "ieee"
     choice = LAUNCH["scan_dot"]
@@ -113,6 +123,30 @@ def table_shape(b: int, hkv: int, n_q: int, n_leaves: int, total_nodes: int, sco
 
 
 @triton.jit
+def _bf16x3_parts(s):
+    """``s`` (fp32) as three bf16 parts whose sum keeps about fp32's 24 bits."""
+    hi = s.to(tl.bfloat16)
+    rest = s - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _summary_dot(q, s_t, PREC: tl.constexpr):
+    """``q @ s_t`` for fp32 summaries ``s_t`` near fp32 accuracy on the tensor cores. "bf16x3"
+    (bf16 queries): each of the summaries' three bf16 parts dotted with the queries, whose bf16
+    products are exact in the fp32 accumulator; half the time of "tf32x3" (Triton's three tf32
+    dots, for other dtypes) on the H200. "ieee": the interpreter's."""
+    if PREC == "bf16x3":
+        s_hi, s_mid, s_lo = _bf16x3_parts(s_t)
+        acc = tl.dot(q, s_lo, out_dtype=tl.float32)  # the smallest part first
+        acc = tl.dot(q, s_mid, acc, out_dtype=tl.float32)
+        return tl.dot(q, s_hi, acc, out_dtype=tl.float32)
+    else:
+        return tl.dot(q, s_t, input_precision=PREC)
+
+
+@triton.jit
 def _node_scan_kernel(
     q_ptr,
     summ_ptr,
@@ -135,6 +169,7 @@ def _node_scan_kernel(
     pre_col0,
     qk_scale,
     N_LEVELS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     SCORE: tl.constexpr,
     G: tl.constexpr,
@@ -149,8 +184,6 @@ def _node_scan_kernel(
     BQ: tl.constexpr,
     NB: tl.constexpr,
     PREC: tl.constexpr,
-    STAGES: tl.constexpr,
-    INTERP: tl.constexpr,
 ):
     """Scores of every node the walk may score, for the tile's queries (see the module doc)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -177,6 +210,7 @@ def _node_scan_kernel(
     ar_t = tl.arange(0, BQ)
     t_ok = tile * BQ + ar_t < Nq
     g_ok = tl.arange(0, GP) < G
+    ar_nb = tl.arange(0, NB)
     # the tile's last query position bounds the nodes it can score (a scored node lies entirely
     # before its query: a node holding the query's position is forced, later ones are dropped)
     if IS_CAUSAL:
@@ -196,269 +230,46 @@ def _node_scan_kernel(
         if SCORE != 1:
             todo = todo & (lv > 0)  # the leaves are scored over their raw keys, in stage 3
         if todo:
-            if INTERP:  # the interpreter cannot range() over a runtime bound
-                u0 = 0
-                while u0 < n_hi:
-                    _scan_chunk(
-                        q,
-                        u0,
-                        n_hi,
-                        lv,
-                        off,
-                        summ_base,
-                        nfv_base,
-                        lvl_off_ptr,
-                        pre_rows,
-                        t_ok,
-                        g_ok,
-                        offs_d,
-                        stride_mt,
-                        Nk,
-                        qk_scale,
-                        SCORE,
-                        GP,
-                        D,
-                        BR,
-                        BRP,
-                        BQ,
-                        NB,
-                        PREC,
+            u0 = 0
+            while u0 < n_hi:  # (while: the interpreter cannot range() over a runtime bound)
+                u = u0 + ar_nb
+                u_ok = u < n_hi
+                if SCORE == 1:
+                    # PISA-1: q . mean(node) * scale
+                    s_t = tl.load(
+                        summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=u_ok[None, :] & (offs_d < D)[:, None],
+                        other=0.0,
                     )
-                    u0 += NB
-            else:
-                for u0 in tl.range(0, n_hi, NB, num_stages=STAGES):
-                    _scan_chunk(
-                        q,
-                        u0,
-                        n_hi,
-                        lv,
-                        off,
-                        summ_base,
-                        nfv_base,
-                        lvl_off_ptr,
-                        pre_rows,
-                        t_ok,
-                        g_ok,
-                        offs_d,
-                        stride_mt,
-                        Nk,
-                        qk_scale,
-                        SCORE,
-                        GP,
-                        D,
-                        BR,
-                        BRP,
-                        BQ,
-                        NB,
-                        PREC,
+                    per_head = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB]
+                else:
+                    coff = tl.load(lvl_off_ptr + lv - 1)
+                    ar_ch = tl.arange(0, NB * BRP)
+                    owner = u0 + ar_ch // BRP
+                    jc = ar_ch % BRP
+                    child = owner * BR + jc
+                    in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
+                    child = tl.where(in_lv, child, 0)
+                    # the summaries load whatever the children hold (an empty node's mean is 0), so
+                    # that this load need not wait for the next one
+                    s_t = tl.load(
+                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=in_lv[None, :] & (offs_d < D)[:, None],
+                        other=0.0,
                     )
-
-
-@triton.jit
-def _summary_dot(q, s_t, PREC: tl.constexpr):
-    """``q @ s_t`` for fp32 summaries ``s_t`` near fp32 accuracy on the tensor cores: "tf32x3"
-    (Triton's three tf32 dots) or, for bf16 queries, "bf16x3": the summaries split into three
-    bf16 parts (together about fp32's 24 bits) dotted with the queries, whose bf16 products are
-    exact in the fp32 accumulator ("ieee": the interpreter's)."""
-    if PREC == "bf16x3":
-        s_hi = s_t.to(tl.bfloat16)
-        rest = s_t - s_hi.to(tl.float32)
-        s_mid = rest.to(tl.bfloat16)
-        s_lo = (rest - s_mid.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(q, s_lo, out_dtype=tl.float32)  # smallest part first
-        acc = tl.dot(q, s_mid, acc, out_dtype=tl.float32)
-        return tl.dot(q, s_hi, acc, out_dtype=tl.float32)
-    else:
-        return tl.dot(q, s_t, input_precision=PREC)
-
-
-@triton.jit
-def _scan_chunk(
-    q,
-    u0,
-    n_hi,
-    lv,
-    off,
-    summ_base,
-    nfv_base,
-    lvl_off_ptr,
-    pre_rows,
-    t_ok,
-    g_ok,
-    offs_d,
-    stride_mt,
-    Nk,
-    qk_scale,
-    SCORE: tl.constexpr,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    BR: tl.constexpr,
-    BRP: tl.constexpr,
-    BQ: tl.constexpr,
-    NB: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The scores of level ``lv``'s nodes ``u0 .. u0 + NB - 1`` (those below ``n_hi``) for the
-    tile's queries, stored in its rows of the table."""
-    R: tl.constexpr = BQ * GP
-    u = u0 + tl.arange(0, NB)
-    u_ok = u < n_hi
-    if SCORE == 1:
-        # PISA-1: q . mean(node) * scale
-        s_t = tl.load(
-            summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-            mask=u_ok[None, :] & (offs_d < D)[:, None],
-            other=0.0,
-        )
-        per_head = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB]
-    else:
-        coff = tl.load(lvl_off_ptr + lv - 1)
-        ar_ch = tl.arange(0, NB * BRP)
-        owner = u0 + ar_ch // BRP
-        jc = ar_ch % BRP
-        child = owner * BR + jc
-        in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
-        child = tl.where(in_lv, child, 0)
-        # the summaries load whatever the children hold (an empty node's mean is 0), so that this
-        # load need not wait for the next one
-        s_t = tl.load(
-            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-            mask=in_lv[None, :] & (offs_d < D)[:, None],
-            other=0.0,
-        )
-        # a scored node's children are all before its query: visible iff they hold a valid key
-        c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
-        logit = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB * BRP]
-        logit = tl.reshape(logit, (R, NB, BRP))
-        okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
-        per_head = _reduce(logit, okc, SCORE)
-    per = tl.reshape(per_head, (BQ, GP, NB))
-    score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
-    tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
-
-
-# --------------------------------------------------------------------------- stage 2
-
-
-@triton.jit
-def _walk_rows_kernel(
-    nfv_ptr,
-    lvl_off_ptr,
-    lvl_span_ptr,
-    pre_ptr,
-    cand_ptr,
-    count_ptr,
-    rank_ptr,
-    out_ptr,
-    stride_pbh,
-    stride_pn,
-    pre_col0,
-    stride_cbh,
-    stride_cn,
-    stride_ob,
-    stride_oh,
-    stride_on,
-    Nq,
-    Nk,
-    T,
-    HKV,
-    N_LEVELS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    FORCE_SINK: tl.constexpr,
-    FORCE_PREV: tl.constexpr,
-    C: tl.constexpr,
-    BR: tl.constexpr,
-    BRP: tl.constexpr,
-    TOPK: tl.constexpr,
-    WIDE: tl.constexpr,
-    KP: tl.constexpr,
-    CW: tl.constexpr,
-    BQ: tl.constexpr,
-    LEAF_OUT: tl.constexpr,
-):
-    """The walk of ``BQ`` consecutive queries of one batch x KV head over the node-score table:
-    every row keeps its own nodes (``[BQ, KP]``) and candidates (``[BQ, CW]``) by the per-token
-    walk's rules, its scores read from ``pre`` (``[B*Hkv, Nq, T - pre_col0]``). With ``LEAF_OUT``
-    it stops at the leaves and writes each row's leaf candidates to ``cand`` (-1 invalid,
-    ``id | 2**30`` forced, else ``id``), every scored one (valid, unforced, in a row with more
-    valid ones than TOPK) taking the next rank of its (batch x KV head, leaf) counter in
-    ``count`` (zeroed), stored at its slot of ``rank``: its place in the leaf-pair index, no
-    sort. Without it (PISA-1, whose leaves the table scores too) it writes the selection."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
-    b = bh // HKV
-    hkv = bh % HKV
-    i = tile * BQ + tl.arange(0, BQ)
-    row_ok = i < Nq
-    p = i + Nk - Nq  # query positions (bottom-right aligned)
-    if IS_CAUSAL:
-        hz = p
-    else:
-        hz = tl.zeros([BQ], dtype=tl.int32) + (Nk - 1)
-    nfv_base = nfv_ptr + b * T
-    # forced leaves of every row (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
-    n_leaves = tl.load(lvl_off_ptr + 1)
-    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
-    prev = tl.full([BQ], -1, dtype=tl.int32)
-    if FORCE_PREV:
-        prev = tl.where(cur >= 1, cur - 1, -1)
-    sink = tl.full([BQ], -1, dtype=tl.int32)
-    if FORCE_SINK:
-        sink = tl.where(cur != 0, 0, -1)
-        if FORCE_PREV:
-            sink = tl.where(prev == 0, -1, sink)
-    cur_f = tl.where((cur >= 0) & (tl.load(nfv_base + tl.maximum(cur, 0)) <= hz), cur, -1)
-    prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
-    sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
-    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
-
-    ar_kp = tl.arange(0, KP)
-    ar_cw = tl.arange(0, CW)
-    j = ar_cw % BRP
-    top = N_LEVELS - 1
-    # the walk starts at the lowest level no wider than what it keeps (see the per-token walk)
-    start = top
-    for lv in range(0, N_LEVELS - 1):
-        n_lv = tl.load(lvl_off_ptr + lv + 1) - tl.load(lvl_off_ptr + lv)
-        start = tl.where((n_lv <= tl.where(lv > 0, WIDE, TOPK)) & (start == top), lv, start)
-    s_off = tl.load(lvl_off_ptr + start)
-    s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
-    s_first = tl.load(nfv_base + s_off + ar_kp, mask=s_in, other=Nk)
-    s_vis = row_ok[:, None] & s_in[None, :] & (s_first[None, :] <= hz[:, None])
-    kept, ok = _rows_compact(tl.broadcast_to(ar_kp[None, :], (BQ, KP)), s_vis, ar_kp)
-    pre_rows = pre_ptr + bh * stride_pbh + i.to(tl.int64)[:, None] * stride_pn - pre_col0
-    slots = bh * stride_cbh + i.to(tl.int64)[:, None] * stride_cn + ar_cw[None, :]
-    for it in range(0, N_LEVELS - 1):
-        lv = top - 1 - it
-        if lv < start:
-            off = tl.load(lvl_off_ptr + lv)
-            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
-            span = tl.load(lvl_span_ptr + lv)
-            par_id, par_ok = _rows_children(kept, ok, ar_kp, ar_cw, BR, BRP)
-            cand = par_id * BR + j[None, :]
-            valid = par_ok & (j < BR)[None, :] & (cand < n_lv)
-            cand = tl.where(valid, cand, 0)
-            valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz[:, None])
-            forced = (cand == _anc(cur_f, span)[:, None]) | (cand == _anc(prev_f, span)[:, None])
-            forced = forced | (cand == _anc(sink_f, span)[:, None]) | (cand == _anc(here, span)[:, None])
-            forced = forced & valid
-            width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
-            scoring = tl.sum(valid.to(tl.int32), axis=1) > width  # [BQ]
-            if LEAF_OUT:
-                if lv == 0:
-                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
-                    tl.store(cand_ptr + slots, enc, mask=row_ok[:, None])
-                    pair = valid & ~forced & scoring[:, None]
-                    rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
-                    tl.store(rank_ptr + slots, rank, mask=pair)
-                scoring = scoring & (lv > 0)
-            # this node's score for this row, from the tile scan (the leaves' too for PISA-1)
-            score = tl.load(pre_rows + off + cand, mask=valid & scoring[:, None], other=0.0)
-            keep = tl.where(scoring[:, None], _rows_top_k_keep(valid, forced, score, ar_cw, width), valid)
-            kept, ok = _rows_compact(cand, keep, ar_kp)
-    if not LEAF_OUT:
-        dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64)[:, None] * stride_on + ar_kp[None, :]
-        tl.store(dst, tl.where(ok, kept, -1), mask=row_ok[:, None] & (ar_kp[None, :] < TOPK))
+                    # a scored node's children are all before its query: visible iff they hold a valid key
+                    if HAS_KPM:
+                        c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
+                    else:  # without key padding every node of a level holds a valid key
+                        c_ok = in_lv
+                    logit = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB * BRP]
+                    logit = tl.reshape(logit, (R, NB, BRP))
+                    okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
+                    per_head = _reduce(logit, okc, SCORE)
+                per = tl.reshape(per_head, (BQ, GP, NB))
+                score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
+                tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
+                u0 += NB
 
 
 # --------------------------------------------------------------------------- stage 3
@@ -517,20 +328,24 @@ def _leaf_pairs_kernel(
     CP: tl.constexpr,
     CW: tl.constexpr,
     QB: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    STAGES: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
-    """Program p scores one chunk of ``QB`` (query, leaf) pairs of one segment (batch x KV head,
-    leaf): the leaf's keys loaded once, the chunk's query rows gathered, one dot; each pair's
-    score written at its candidate slot (``order`` holds the flat slot index of every scored
-    pair, grouped by segment; ``seg_end`` and ``chunk_end`` the segments' inclusive pair and chunk
-    counts, ``prog_seg`` each program's segment, ``n_segments`` past the last chunk)."""
+    """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, leaf) pairs of one segment
+    (batch x KV head, leaf): the leaf's keys loaded once, then per chunk its query rows gathered
+    and one dot (the chunks' loads pipelined over ``STAGES``); each pair's score written at its
+    candidate slot (``order`` holds the flat slot index of every scored pair, grouped by segment;
+    ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
+    each program's segment, ``n_segments`` past the last program's work)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
     sg = tl.load(prog_seg_ptr + p)
     if sg < n_segments:
         first_chunk = tl.load(chunk_end_ptr + sg - 1, mask=sg > 0, other=0)
-        start = tl.load(seg_end_ptr + sg - 1, mask=sg > 0, other=0) + (p - first_chunk) * QB
-        stop = tl.load(seg_end_ptr + sg)
+        start = tl.load(seg_end_ptr + sg - 1, mask=sg > 0, other=0) + (p - first_chunk) * (QB * CHUNKS)
+        stop = tl.minimum(tl.load(seg_end_ptr + sg), start + QB * CHUNKS)
         bh = (sg // n_leaves).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
         leaf = sg % n_leaves
         b = bh // HKV
@@ -548,30 +363,118 @@ def _leaf_pairs_kernel(
             mask=kok[None, :] & (offs_d < D)[:, None],
             other=0.0,
         )
-        ar_e = start + tl.arange(0, QB)
-        e_ok = ar_e < stop
-        flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
-        row = (flat // CW) % Nq
-        R: tl.constexpr = QB * GP
-        ar_r = tl.arange(0, R)
-        r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
-        r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
-        q = tl.load(
-            q_ptr
-            + b * stride_qb
-            + (hkv * G + ar_r % GP)[:, None] * stride_qh
-            + r_row.to(tl.int64)[:, None] * stride_qn
-            + offs_d[None, :],
-            mask=r_ok[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )
-        if IEEE_KEYS:
-            logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
+        n_run = tl.cdiv(stop - start, QB)
+        if INTERP:  # the interpreter cannot range() over a runtime bound
+            for c in range(0, CHUNKS):
+                if c < n_run:
+                    _score_pair_chunk(
+                        q_ptr,
+                        score_ptr,
+                        order_ptr,
+                        k_t,
+                        kok,
+                        start + c * QB,
+                        stop,
+                        b,
+                        hkv,
+                        stride_qb,
+                        stride_qh,
+                        stride_qn,
+                        Nq,
+                        qk_scale,
+                        SCORE,
+                        G,
+                        GP,
+                        D,
+                        DP,
+                        CP,
+                        CW,
+                        QB,
+                        IEEE_KEYS,
+                    )
         else:
-            logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-        per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
-        s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
-        tl.store(score_ptr + flat, s_e, mask=e_ok)
+            for c in tl.range(0, n_run, num_stages=STAGES):
+                _score_pair_chunk(
+                    q_ptr,
+                    score_ptr,
+                    order_ptr,
+                    k_t,
+                    kok,
+                    start + c * QB,
+                    stop,
+                    b,
+                    hkv,
+                    stride_qb,
+                    stride_qh,
+                    stride_qn,
+                    Nq,
+                    qk_scale,
+                    SCORE,
+                    G,
+                    GP,
+                    D,
+                    DP,
+                    CP,
+                    CW,
+                    QB,
+                    IEEE_KEYS,
+                )
+
+
+@triton.jit
+def _score_pair_chunk(
+    q_ptr,
+    score_ptr,
+    order_ptr,
+    k_t,
+    kok,
+    e0,
+    stop,
+    b,
+    hkv,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    Nq,
+    qk_scale,
+    SCORE: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    CP: tl.constexpr,
+    CW: tl.constexpr,
+    QB: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+):
+    """The pairs ``e0 .. min(e0 + QB, stop) - 1`` of the order scored against one leaf's keys
+    ``k_t`` (``[DP, CP]``, valid where ``kok``): their query rows gathered, one dot, each pair's
+    score stored at its candidate slot."""
+    R: tl.constexpr = QB * GP
+    ar_r = tl.arange(0, R)
+    offs_d = tl.arange(0, DP)
+    ar_e = e0 + tl.arange(0, QB)
+    e_ok = ar_e < stop
+    flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
+    row = (flat // CW) % Nq
+    r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
+    r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+    q = tl.load(
+        q_ptr
+        + b * stride_qb
+        + (hkv * G + ar_r % GP)[:, None] * stride_qh
+        + r_row.to(tl.int64)[:, None] * stride_qn
+        + offs_d[None, :],
+        mask=r_ok[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    if IEEE_KEYS:
+        logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
+    else:
+        logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+    per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
+    s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
+    tl.store(score_ptr + flat, s_e, mask=e_ok)
 
 
 def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int):
@@ -719,6 +622,7 @@ def pisa_select_scan_fwd(
         col0,
         scale,
         N_LEVELS=meta["N_LEVELS"],
+        HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
         SCORE=score,
         G=group,
@@ -733,48 +637,38 @@ def pisa_select_scan_fwd(
         BQ=bq,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype),
-        STAGES=LAUNCH["scan_stages"],
-        INTERP=interpreting(),
         num_warps=LAUNCH["scan_warps"],
     )
-    wrap_triton(_walk_rows_kernel)[(triton.cdiv(n_q, LAUNCH["walk_rows"]), b * hkv)](
-        nfv,
-        lvl_off,
-        lvl_span,
-        pre,
-        cand,
-        counts if leaf_out else cand,
-        rank,
-        out,
-        pre.stride(0),
-        pre.stride(1),
-        col0,
-        cand.stride(0),
-        cand.stride(1),
-        *out.stride()[:3],
-        n_q,
-        k.shape[2],
-        summ.shape[2],
-        hkv,
-        N_LEVELS=meta["N_LEVELS"],
-        IS_CAUSAL=is_causal,
-        FORCE_SINK=force_sink,
-        FORCE_PREV=force_previous,
-        C=block_size,
-        BR=branching,
-        BRP=meta["BRP"],
-        TOPK=top_k,
-        WIDE=beam * top_k,
-        KP=meta["KP"],
+    warps, leaf_bytes = _launch(cw)
+    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
+    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
+        *args[:8],
+        nfv,  # no device length
+        *args[8:],
+        pre_ptr=pre,
+        cand_ptr=cand,
+        stride_pbh=pre.stride(0),
+        stride_pn=pre.stride(1),
+        pre_col0=col0,
+        stride_cbh=cand.stride(0),
+        stride_cn=cand.stride(1),
+        count_ptr=counts if leaf_out else cand,
+        rank_ptr=rank,
+        **meta,
+        GP=_p2(group, 16),
         CW=cw,
-        BQ=LAUNCH["walk_rows"],
+        LC=_leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes),
+        IEEE_KEYS=ieee,
+        HAS_LEN=False,
+        PRE_SCORES=True,
         LEAF_OUT=leaf_out,
-        num_warps=LAUNCH["walk_warps"],
+        PAIR_RANKS=leaf_out,
+        num_warps=warps,
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
         qb = queries_per_program(group, LAUNCH["pair_rows"])
-        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb)
+        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"])
         order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
@@ -803,7 +697,10 @@ def pisa_select_scan_fwd(
             CP=meta["CP"],
             CW=cw,
             QB=qb,
+            CHUNKS=LAUNCH["pair_chunks"],
+            STAGES=LAUNCH["pair_stages"],
             IEEE_KEYS=ieee,
+            INTERP=interpreting(),
             num_warps=LAUNCH["leaf_warps"],
         )
         wrap_triton(_leaf_keep_kernel)[tiles](

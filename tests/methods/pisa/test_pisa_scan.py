@@ -17,6 +17,7 @@ from sparseflow.methods.pisa import reference as pisa_ref
 triton = pytest.importorskip("triton")
 from sparseflow.methods.pisa import triton_select  # noqa: E402  (imports triton)
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCAN = Tuning(pisa_walk="scan")
@@ -75,28 +76,29 @@ def test_scan_selection_equals_reference(case, scan_calls):
     assert torch.equal(got, want)
 
 
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch):
-    """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 pairs (a
-    leaf's pairs span several programs): still the reference's selection."""
+@pytest.mark.parametrize("chunks", [1, 3], ids=lambda c: f"{c}-chunks-per-program")
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks):
+    """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 pairs, one
+    or three per program (a leaf's pairs span several programs, and a program's last chunk or
+    chunks run past its segment's end): still the reference's selection. Fresh float buffers
+    come NaN-filled, so a pair left unscored cannot pass for a scored one."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
+    monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
     monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
-    q, k, _ = _inputs(1, 1, 1, 40, 120, 16, F32, False, seed=4)
-    kw = dict(is_causal=True, block_size=8, top_k=3)
-    assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
-    assert len(scan_calls) == 1
-
-
-@pytest.mark.parametrize("walk_rows", [1, 2, 16], ids=lambda r: f"walk-rows{r}")
-@pytest.mark.parametrize("score", ["lse", "mean"])
-def test_walk_rows_per_program(scan_calls, monkeypatch, walk_rows, score):
-    """The middle walk with 1, 2 or 16 queries per program (37 queries: the last program's rows
-    pass Nq and must neither write nor count pairs): still the reference's selection, for a score
-    whose leaves the pairs kernel scores (lse) and one whose leaves the table scores (mean)."""
-    monkeypatch.setitem(scan.LAUNCH, "walk_rows", walk_rows)
-    q, k, _ = _inputs(1, 2, 1, 37, 101, 16, F32, False, seed=5)
-    kw = dict(is_causal=True, block_size=8, top_k=3, score=score)
-    assert torch.equal(triton_select.pisa_select(q, k, tuning=SCAN, **kw), pisa_ref.pisa_select(q, k, **kw))
+    q, k, _ = _inputs(1, 1, 1, 160, 190, 16, F32, False, seed=4)
+    kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
+    want = pisa_ref.pisa_select(q, k, **kw)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
+    monkeypatch.undo()
+    assert torch.equal(got, want)
     assert len(scan_calls) == 1
 
 
@@ -240,3 +242,61 @@ def test_cuda_scan_selection_has_no_host_sync():
         run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@triton.jit
+def _parts_probe(s_ptr, out_ptr, N: tl.constexpr):
+    ar = tl.arange(0, N)
+    hi, mid, lo = scan._bf16x3_parts(tl.load(s_ptr + ar))
+    tl.store(out_ptr + ar, hi.to(tl.float32))
+    tl.store(out_ptr + N + ar, mid.to(tl.float32))
+    tl.store(out_ptr + 2 * N + ar, lo.to(tl.float32))
+
+
+def test_bf16x3_parts_keep_fp32s_bits():
+    """The node scan's bf16x3 dot splits each fp32 summary into three bf16 parts: each part is a
+    bf16 value and their sum is the summary to within 2**-20 of its size (2**-24 when the
+    conversion rounds to nearest, as on the GPU; the interpreter truncates), where one bf16
+    keeps only 2**-8."""
+    g = torch.Generator().manual_seed(3)
+    n = 256
+    s = torch.randn(n, generator=g) * torch.logspace(-6, 4, n)
+    out = torch.empty(3 * n, device=DEVICE)
+    _parts_probe[(1,)](s.to(DEVICE), out, N=n)
+    parts = out.cpu().view(3, n)
+    assert torch.equal(parts.to(BF16).float(), parts), "every part must be a bf16 value"
+    rel = ((parts.double().sum(0) - s.double()).abs() / s.double().abs()).max().item()
+    one = ((s.to(BF16).double() - s.double()).abs() / s.double().abs()).max().item()
+    assert rel <= 2.0**-20, rel
+    assert one > 2.0**-10, "a single bf16 part must be visibly coarser (the check can fail)"
+
+
+@triton.jit
+def _summary_dot_probe(q_ptr, s_ptr, out_ptr, M: tl.constexpr, D: tl.constexpr, U: tl.constexpr, PREC: tl.constexpr):
+    ar_m, ar_d, ar_u = tl.arange(0, M), tl.arange(0, D), tl.arange(0, U)
+    q = tl.load(q_ptr + ar_m[:, None] * D + ar_d[None, :])
+    s_t = tl.load(s_ptr + ar_d[:, None] * U + ar_u[None, :])
+    tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], scan._summary_dot(q, s_t, PREC))
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="the interpreter's bf16 tl.dot is not the hardware's (the CPU checks the parts)"
+)
+@pytest.mark.parametrize("prec", ["bf16x3", "tf32x3"])
+def test_summary_dot_is_near_fp32(prec):
+    """The node scan's dot of bf16 queries with fp32 summaries (magnitudes 1e-4 to 1e2 here) is
+    within twice a plain fp32 matmul's error of the fp64 product (a single bf16 dot would be
+    ~100x off)."""
+    g = torch.Generator().manual_seed(7)
+    m, d, u = 32, 64, 32
+    q = torch.randn(m, d, generator=g).to(BF16)
+    s = torch.randn(d, u, generator=g) * torch.logspace(-4, 2, u)[None, :]
+    want = q.double() @ s.double()
+    fp32_err = (q.float() @ s - want).abs().max().item()
+    bf16_err = (q.float() @ s.to(BF16).float() - want).abs().max().item()
+    out = torch.empty(m, u, device=DEVICE)
+    q_in = q if prec == "bf16x3" else q.float()
+    _summary_dot_probe[(1,)](q_in.to(DEVICE), s.to(DEVICE), out, M=m, D=d, U=u, PREC=prec)
+    err = (out.cpu().double() - want).abs().max().item()
+    assert err <= 2 * fp32_err + 1e-6, (err, fp32_err)
+    assert bf16_err > 50 * max(err, 1e-7), "a single bf16 dot must be visibly worse (the check can fail)"
