@@ -415,16 +415,11 @@ def _pisa_select_kernel(
             off = tl.load(lvl_off_ptr + lv)
             n_lv = tl.load(lvl_off_ptr + lv + 1) - off
             span = tl.load(lvl_span_ptr + lv)
+            par = ar_cw // BRP
             j = ar_cw % BRP
-            if CW == KP * BRP:
-                # slot = parent * BRP + j: the kept row expanded in place (a reshape, no gather)
-                cand = tl.reshape(kept[:, None] * BR + tl.arange(0, BRP)[None, :], (CW,))
-                par_ok = tl.reshape(tl.broadcast_to(ok[:, None], (KP, BRP)), (CW,))
-            else:
-                par = ar_cw // BRP
-                par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
-                par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
-                cand = par_id * BR + j
+            par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
+            par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
+            cand = par_id * BR + j
             valid = par_ok & (j < BR) & (cand < n_lv)
             cand = tl.where(valid, cand, 0)
             valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
