@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from _pisa_walk_inputs import qkv_inputs
 
 import sparseflow
 from sparseflow.kernels import token_blocks as tb
@@ -20,20 +21,6 @@ from sparseflow.methods.pisa import reference as pisa_ref
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    kpm = None
-    if pad:
-        kpm = torch.ones(b, nk, dtype=torch.bool)
-        kpm[0, :11] = False  # leading padding (left-padded batch row)
-        kpm[-1, nk - 17 :] = False  # trailing padding
-    mv = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return mv(q), mv(k), mv(v), mv(kpm)
 
 
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype)
@@ -50,7 +37,7 @@ def test_pisa_selection_equals_reference(case):
     from sparseflow.methods.pisa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype = case
-    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
+    q, k, _, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, **kw)
@@ -76,7 +63,7 @@ def test_pisa_beam_selection_equals_reference(case):
     from sparseflow.methods.pisa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
-    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=beam)
+    q, k, _, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=beam)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score)
     want = pisa_ref.pisa_select(q, k, beam=beam, **kw)
     got = triton_select.pisa_select(q, k, beam=beam, **kw)
@@ -124,7 +111,7 @@ def test_pisa_walk_reads_queries_and_keys_past_int32_elements(layout):
 
     b, hq, nq, nk, d, specs = layout
     k_far, q_far = _far_views(specs, torch.float16)
-    q, k, _, _ = _inputs(b, hq, 1, nq, nk, d, torch.float16, pad=False, seed=3)
+    q, k, _, _ = qkv_inputs(b, hq, 1, nq, nk, d, torch.float16, pad=False, seed=3)
     k_far.copy_(k)
     q_far.copy_(q)
     c, g, kk = 4, 2, 3
@@ -154,7 +141,7 @@ def test_bsa_selection_equals_reference(case):
     from sparseflow.methods.bsa import triton_select
 
     b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
-    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
+    q, k, _, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk)
     want = bsa_ref.bsa_select(q, k, **kw)
     got = triton_select.bsa_select(q, k, **kw)
@@ -179,7 +166,7 @@ def test_bsa_selection_breaks_ties_like_the_reference(ties, merge, monkeypatch):
     from sparseflow.methods.bsa import triton_select
 
     monkeypatch.setitem(triton_select._SELECT_LAUNCH, "merge", merge)
-    q, k, _, _ = _inputs(1, 2, 1, 150, 150, 16, torch.float32, pad=False, seed=5)
+    q, k, _, _ = qkv_inputs(1, 2, 1, 150, 150, 16, torch.float32, pad=False, seed=5)
     if ties == "equal-blocks":
         k = k[:, :, :8].repeat(1, 1, -(-150 // 8), 1)[:, :, :150].contiguous()  # every full block alike
     else:
@@ -201,7 +188,7 @@ def test_bsa_other_merges_equal_reference(case, merge, block_n, monkeypatch):
     monkeypatch.setitem(triton_select._SELECT_LAUNCH, "merge", merge)
     monkeypatch.setitem(triton_select._SELECT_LAUNCH, "block_n", block_n)
     b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
-    q, k, _, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad)
+    q, k, _, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk)
     assert torch.equal(triton_select.bsa_select(q, k, **kw), bsa_ref.bsa_select(q, k, **kw))
 
@@ -209,7 +196,7 @@ def test_bsa_other_merges_equal_reference(case, merge, block_n, monkeypatch):
 def test_bsa_selector_rejects_unknown_precision():
     from sparseflow.methods.bsa import triton_select
 
-    q, k, _, _ = _inputs(1, 2, 1, 20, 20, 16, torch.float32, False)
+    q, k, _, _ = qkv_inputs(1, 2, 1, 20, 20, 16, torch.float32, False)
     with pytest.raises(ValueError, match="precision"):
         triton_select.bsa_select(q, k, block_size=8, top_k=2, precision="fp8")
 
@@ -233,7 +220,7 @@ def test_token_sparse_attention_forward_backward(case):
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
     b, hq, hkv, nq, nk, d, c, kk, causal, pad, dtype = case
-    q, k, v, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=1)
+    q, k, v, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=1)
     idx = pisa_ref.pisa_select(q, k, key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c)
 
@@ -261,7 +248,7 @@ def test_op_triton_backend_matches_reference_and_reports_selection(method):
         if method == "pisa"
         else sparseflow.BSAConfig(block_size=16, top_k=3)
     )
-    q, k, v, _ = _inputs(1, 4, 2, 70, 70, 16, torch.float32, False, seed=3)
+    q, k, v, _ = qkv_inputs(1, 4, 2, 70, 70, 16, torch.float32, False, seed=3)
     q.requires_grad_(True)
     with sparseflow.capture(keep_selections=True) as cap:
         out = sparseflow.attention(q, k, v, config=cfg, backend="triton")
@@ -280,7 +267,7 @@ def test_decode_pyramid_cache_matches_reference_selection_and_attention():
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     c, kk, n0, steps = 8, 3, 37, 6
-    q, k, v, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=5)
+    q, k, v, _ = qkv_inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=5)
     cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 30, block_size=c, branching=2)
     for t in range(n0, n0 + steps):
         n = t + 1
@@ -299,7 +286,7 @@ def test_decode_pyramid_cache_beam_matches_reference_selection():
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     c, kk, n0, steps, beam = 4, 4, 61, 3, 2
-    q, k, _, _ = _inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=6)
+    q, k, _, _ = qkv_inputs(1, 4, 2, n0 + steps, n0 + steps, 16, torch.float32, False, seed=6)
     cache = PyramidCache(k[:, :, :n0], capacity=n0 + steps + 20, block_size=c, branching=2)
     differs = False
     for t in range(n0, n0 + steps):
@@ -386,7 +373,7 @@ def test_selectors_return_int32_ids_on_request(method):
     from sparseflow.methods.pisa import triton_select as pisa_sel
 
     select = pisa_sel.pisa_select if method == "pisa" else bsa_sel.bsa_select
-    q, k, _, _ = _inputs(1, 4, 2, 150, 150, 16, torch.float32, pad=False, seed=9)
+    q, k, _, _ = qkv_inputs(1, 4, 2, 150, 150, 16, torch.float32, pad=False, seed=9)
     want = select(q, k, block_size=16, top_k=4)
     got = select(q, k, block_size=16, top_k=4, index_dtype=torch.int32)
     assert want.dtype == torch.long and got.dtype == torch.int32
@@ -402,7 +389,7 @@ def test_bsa_selector_takes_each_precision(precision):
     from sparseflow.methods.bsa import triton_select
 
     assert precision in triton_select.PRECISIONS
-    q, k, _, _ = _inputs(1, 4, 2, 150, 150, 16, torch.float32, False, seed=3)
+    q, k, _, _ = qkv_inputs(1, 4, 2, 150, 150, 16, torch.float32, False, seed=3)
     got = triton_select.bsa_select(q, k, block_size=16, top_k=4, precision=precision)
     want = bsa_ref.bsa_select(q, k, block_size=16, top_k=4)
     if precision == "bf16" and q.is_cuda:

@@ -40,7 +40,6 @@ from torch.library import triton_op, wrap_triton
 from ...kernels._triton_env import interpreting
 from .triton_select import (
     _launch,
-    _leaf_chunk,
     _p2,
     _pisa_select_kernel,
     _reduce,
@@ -363,118 +362,33 @@ def _leaf_pairs_kernel(
             mask=kok[None, :] & (offs_d < D)[:, None],
             other=0.0,
         )
-        n_run = tl.cdiv(stop - start, QB)
-        if INTERP:  # the interpreter cannot range() over a runtime bound
-            for c in range(0, CHUNKS):
-                if c < n_run:
-                    _score_pair_chunk(
-                        q_ptr,
-                        score_ptr,
-                        order_ptr,
-                        k_t,
-                        kok,
-                        start + c * QB,
-                        stop,
-                        b,
-                        hkv,
-                        stride_qb,
-                        stride_qh,
-                        stride_qn,
-                        Nq,
-                        qk_scale,
-                        SCORE,
-                        G,
-                        GP,
-                        D,
-                        DP,
-                        CP,
-                        CW,
-                        QB,
-                        IEEE_KEYS,
-                    )
-        else:
-            for c in tl.range(0, n_run, num_stages=STAGES):
-                _score_pair_chunk(
-                    q_ptr,
-                    score_ptr,
-                    order_ptr,
-                    k_t,
-                    kok,
-                    start + c * QB,
-                    stop,
-                    b,
-                    hkv,
-                    stride_qb,
-                    stride_qh,
-                    stride_qn,
-                    Nq,
-                    qk_scale,
-                    SCORE,
-                    G,
-                    GP,
-                    D,
-                    DP,
-                    CP,
-                    CW,
-                    QB,
-                    IEEE_KEYS,
-                )
-
-
-@triton.jit
-def _score_pair_chunk(
-    q_ptr,
-    score_ptr,
-    order_ptr,
-    k_t,
-    kok,
-    e0,
-    stop,
-    b,
-    hkv,
-    stride_qb,
-    stride_qh,
-    stride_qn,
-    Nq,
-    qk_scale,
-    SCORE: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    CP: tl.constexpr,
-    CW: tl.constexpr,
-    QB: tl.constexpr,
-    IEEE_KEYS: tl.constexpr,
-):
-    """The pairs ``e0 .. min(e0 + QB, stop) - 1`` of the order scored against one leaf's keys
-    ``k_t`` (``[DP, CP]``, valid where ``kok``): their query rows gathered, one dot, each pair's
-    score stored at its candidate slot."""
-    R: tl.constexpr = QB * GP
-    ar_r = tl.arange(0, R)
-    offs_d = tl.arange(0, DP)
-    ar_e = e0 + tl.arange(0, QB)
-    e_ok = ar_e < stop
-    flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
-    row = (flat // CW) % Nq
-    r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
-    r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
-    q = tl.load(
-        q_ptr
-        + b * stride_qb
-        + (hkv * G + ar_r % GP)[:, None] * stride_qh
-        + r_row.to(tl.int64)[:, None] * stride_qn
-        + offs_d[None, :],
-        mask=r_ok[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
-    if IEEE_KEYS:
-        logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
-    else:
-        logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-    per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
-    s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
-    tl.store(score_ptr + flat, s_e, mask=e_ok)
+        R: tl.constexpr = QB * GP
+        ar_r = tl.arange(0, R)
+        # (the interpreter cannot range() over a runtime bound: it runs every chunk, those past the
+        # segment's end masked out)
+        for c in tl.range(0, CHUNKS if INTERP else tl.cdiv(stop - start, QB), num_stages=STAGES):
+            ar_e = start + c * QB + tl.arange(0, QB)
+            e_ok = ar_e < stop
+            flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
+            row = (flat // CW) % Nq
+            r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
+            r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+            q = tl.load(
+                q_ptr
+                + b * stride_qb
+                + (hkv * G + ar_r % GP)[:, None] * stride_qh
+                + r_row.to(tl.int64)[:, None] * stride_qn
+                + offs_d[None, :],
+                mask=r_ok[:, None] & (offs_d < D)[None, :],
+                other=0.0,
+            )
+            if IEEE_KEYS:
+                logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
+            else:
+                logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+            per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
+            s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
+            tl.store(score_ptr + flat, s_e, mask=e_ok)
 
 
 def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int):
@@ -639,7 +553,7 @@ def pisa_select_scan_fwd(
         PREC=scan_dot(q.dtype),
         num_warps=LAUNCH["scan_warps"],
     )
-    warps, leaf_bytes = _launch(cw)
+    warps, _ = _launch(cw)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
@@ -657,8 +571,8 @@ def pisa_select_scan_fwd(
         **meta,
         GP=_p2(group, 16),
         CW=cw,
-        LC=_leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes),
-        IEEE_KEYS=ieee,
+        LC=1,  # LC and IEEE_KEYS set the leaf scoring, which PRE_SCORES compiles out
+        IEEE_KEYS=False,
         HAS_LEN=False,
         PRE_SCORES=True,
         LEAF_OUT=leaf_out,

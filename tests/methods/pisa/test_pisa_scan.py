@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from _pisa_walk_inputs import walk_inputs
 
 import sparseflow
 from sparseflow import Tuning
@@ -22,19 +23,6 @@ import triton.language as tl  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCAN = Tuning(pisa_walk="scan")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-
-def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    kpm = None
-    if pad:
-        kpm = torch.ones(b, nk, dtype=torch.bool)
-        kpm[0, :11] = False  # leading padding (left-padded batch row)
-        kpm[-1, nk - 17 :] = False  # trailing padding
-        kpm = kpm.to(DEVICE)
-    return q.to(DEVICE), k.to(DEVICE), kpm
 
 
 @pytest.fixture
@@ -65,7 +53,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_scan_selection_equals_reference(case, scan_calls):
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
-    q, k, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
+    q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
@@ -92,7 +80,7 @@ def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks):
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
     monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
-    q, k, _ = _inputs(1, 1, 1, 160, 190, 16, F32, False, seed=4)
+    q, k, _ = walk_inputs(1, 1, 1, 160, 190, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
     want = pisa_ref.pisa_select(q, k, **kw)
     monkeypatch.setattr(torch, "empty", nan_empty)
@@ -104,7 +92,7 @@ def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks):
 
 def test_auto_runs_the_scan_on_cuda_only(scan_calls):
     """``"auto"`` takes the scan where it was timed (CUDA); interpreted, the per-token walk."""
-    q, k, _ = _inputs(1, 2, 1, 12, 70, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 12, 70, 16, F32, False)
     kw = dict(block_size=8, top_k=3)
     got = triton_select.pisa_select(q, k, tuning=Tuning(), **kw)
     assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
@@ -155,7 +143,7 @@ def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
 
 def test_queries_before_every_key_select_nothing(scan_calls):
     """Causal with more queries than keys: the first queries see no key (all -1)."""
-    q, k, _ = _inputs(1, 2, 1, 70, 40, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 70, 40, 16, F32, False)
     kw = dict(is_causal=True, block_size=4, top_k=3)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
@@ -185,7 +173,7 @@ def test_ties_go_to_the_lower_block(score, scan_calls):
 def test_uncovered_call_runs_per_token_and_says_why(nk, top_k, table_limit, words, scan_calls, monkeypatch, caplog):
     if table_limit is not None:
         monkeypatch.setattr(scan, "MAX_TABLE_BYTES", table_limit)
-    q, k, _ = _inputs(1, 2, 1, 12, nk, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 12, nk, 16, F32, False)
     kw = dict(block_size=8, top_k=top_k)
     with caplog.at_level(logging.INFO, logger="sparseflow"):
         got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)

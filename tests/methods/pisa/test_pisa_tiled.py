@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from _pisa_walk_inputs import walk_inputs
 
 import sparseflow
 from sparseflow import Tuning
@@ -21,19 +22,6 @@ from sparseflow.methods.pisa import triton_select_tiled as tiled  # noqa: E402  
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILED = Tuning(pisa_walk="tiled")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-
-def _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype)
-    kpm = None
-    if pad:
-        kpm = torch.ones(b, nk, dtype=torch.bool)
-        kpm[0, :11] = False  # leading padding (left-padded batch row)
-        kpm[-1, nk - 17 :] = False  # trailing padding
-        kpm = kpm.to(DEVICE)
-    return q.to(DEVICE), k.to(DEVICE), kpm
 
 
 def _spy_walks(monkeypatch, block_q=None):
@@ -73,7 +61,7 @@ def test_tiled_selection_equals_reference(case, monkeypatch):
 
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam, block_q = case
     calls = _spy_walks(monkeypatch, block_q)
-    q, k, kpm = _inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
+    q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, tuning=TILED, **kw)
@@ -89,7 +77,7 @@ def test_queries_before_every_key_select_nothing(monkeypatch):
     from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
-    q, k, _ = _inputs(1, 2, 1, 90, 40, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 90, 40, 16, F32, False)
     kw = dict(is_causal=True, block_size=4, top_k=3)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, tuning=TILED, **kw)
@@ -118,7 +106,7 @@ def test_auto_and_per_token_keep_the_per_token_walk(monkeypatch):
     from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
-    q, k, _ = _inputs(1, 2, 1, 20, 70, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 20, 70, 16, F32, False)
     kw = dict(block_size=8, top_k=3)
     want = pisa_ref.pisa_select(q, k, **kw)
     for tuning in (Tuning(), Tuning(pisa_walk="per_token")):
@@ -130,7 +118,7 @@ def test_uncovered_shape_runs_per_token_and_says_why(monkeypatch, caplog):
     from sparseflow.methods.pisa import triton_select
 
     calls = _spy_walks(monkeypatch)
-    q, k, _ = _inputs(1, 2, 1, 6, 300, 16, F32, False)
+    q, k, _ = walk_inputs(1, 2, 1, 6, 300, 16, F32, False)
     kw = dict(block_size=4, top_k=24, beam=2)  # 64 kept nodes x 2 children: 128 candidates per row
     with caplog.at_level(logging.INFO, logger="sparseflow"):
         got = triton_select.pisa_select(q, k, tuning=TILED, **kw)
