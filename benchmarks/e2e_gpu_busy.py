@@ -46,7 +46,7 @@ KINDS: Tuple[Tuple[str, str], ...] = (
     ("_leaf_keep", "pisa selection"),
     ("_pair_order", "pisa selection"),
     ("_node_kernel", "pisa pyramid"),
-    ("_leaf_kernel", "pisa pyramid"),
+    ("_leaf_kernel", "block summaries"),  # the leaf means BSA and PISA share
     ("_fwd_kernel", "token-sparse attention"),
     ("flash", "sdpa"),
     ("cudnn", "sdpa"),

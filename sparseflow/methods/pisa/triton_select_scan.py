@@ -7,9 +7,9 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    all the tile's queries at once: ``[BQ * G, D] x [D, nodes]`` dots of the queries with the
    fp32 summaries (near fp32 accuracy on the tensor cores: :func:`scan_dot`), the reference's
    per-node score (LSE or mean + var/2 over the children's logits, or the node's own logit for
-   PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node is scored only for queries it
-   lies entirely before (others force it or drop it), so its children's visibility is whether
-   they hold a valid key, the same for every query of the tile.
+   PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node
+   is scored only for queries it lies entirely before (others force it or drop it), so its
+   children's visibility is whether they hold a valid key, the same for every query of the tile.
 2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
    scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
    query's leaf candidates.
