@@ -167,12 +167,53 @@ def pyramid_tables(n_leaves: int, branching: int, device) -> Tuple[List[int], Li
 def _device_tables(n_leaves: int, branching: int, levels: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The level offsets and leaf spans computed on ``device`` (a host list copied there would be
     a pageable copy: a host sync, and no CUDA-graph capture). Level ``i`` has
-    ``ceil(n_leaves / g**i)`` nodes (repeated ceil-division), the same as :func:`level_sizes`."""
+    ``ceil(n_leaves / g**i)`` nodes (repeated ceil-division), the same as :func:`level_sizes`.
+    On a GPU (and under the interpreter) one Triton program writes both (torch takes nine small
+    launches, a measurable share of a short layer's selection)."""
+    if torch.device(device).type == "cuda" or interpreting():
+        return torch.ops.sparseflow.pisa_level_tables(n_leaves, branching, levels, torch.device(device))
+    return _device_tables_torch(n_leaves, branching, levels, device)
+
+
+def _device_tables_torch(n_leaves: int, branching: int, levels: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_device_tables` in torch ops."""
     span = torch.pow(branching, torch.arange(levels, device=device, dtype=torch.int64))
     counts = torch.div(n_leaves + span - 1, span, rounding_mode="floor").clamp_min(1)
     offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     # spans of the top levels exceed int32 only for absurd lengths; clamp
     return offs.to(torch.int32), span.clamp_max(2**30).to(torch.int32)
+
+
+@triton.jit
+def _level_tables_kernel(offs_ptr, span_ptr, n_leaves, branching, levels, LP: tl.constexpr):
+    """``offs[i]`` (``i <= levels``): the nodes of the levels below ``i``; ``span[i]`` (``i <
+    levels``): ``branching**i`` clamped to 2**30. Spans saturate at 2**31 while they are
+    multiplied (every level at or above ``n_leaves`` has one node either way)."""
+    ar = tl.arange(0, LP)
+    span = tl.full([LP], 1, tl.int64)
+    for lv in range(1, LP):  # LP (> levels) is a constant bound: the interpreter needs one
+        span = tl.where(ar >= lv, tl.minimum(span * branching, 1 << 31), span)
+    counts = tl.where(ar < levels, tl.maximum((n_leaves + span - 1) // span, 1), 0)
+    tl.store(offs_ptr + ar, (tl.cumsum(counts, axis=0) - counts).to(tl.int32), mask=ar <= levels)
+    tl.store(span_ptr + ar, tl.minimum(span, 1 << 30).to(tl.int32), mask=ar < levels)
+
+
+@triton_op("sparseflow::pisa_level_tables", mutates_args={})
+def _level_tables(
+    n_leaves: int, branching: int, levels: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    offs = torch.empty(levels + 1, dtype=torch.int32, device=device)
+    span = torch.empty(levels, dtype=torch.int32, device=device)
+    wrap_triton(_level_tables_kernel)[(1,)](offs, span, n_leaves, branching, levels, LP=_p2(levels + 1, 16))
+    return offs, span
+
+
+@_level_tables.register_fake
+def _(n_leaves, branching, levels, device):
+    return (
+        torch.empty(levels + 1, dtype=torch.int32, device=device),
+        torch.empty(levels, dtype=torch.int32, device=device),
+    )
 
 
 @triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})

@@ -391,18 +391,86 @@ def _leaf_pairs_kernel(
             tl.store(score_ptr + flat, s_e, mask=e_ok)
 
 
+# most segments the one-program pair index holds in registers; above, torch
+_PAIR_INDEX_MAX_SEGMENTS = 4096
+
+
 def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int):
     """The chunks of the scored (query, leaf) pairs, from the walk's per-segment pair counts
     (``counts [B*Hkv * n_leaves]``, segment = (batch x KV head, leaf)), on the device (no host
     sync): ``(seg_end, chunk_end, prog_seg)``, the inclusive pair and chunk counts per segment
     and each program's segment for :func:`_leaf_pairs_kernel`, whose grid is ``prog_seg``'s
     length (an upper bound on the chunks of ``qb`` pairs for ``slots`` candidate slots; programs
-    past the last chunk hold the segment count and return at once)."""
+    past the last chunk hold the segment count and return at once). One Triton program on a GPU
+    and under the interpreter up to ``_PAIR_INDEX_MAX_SEGMENTS`` segments (torch takes about ten
+    launches, a measurable share of a short layer's selection); :func:`leaf_pair_index_torch`
+    otherwise."""
+    n_seg = counts.numel()
+    if not (counts.is_cuda or interpreting()) or n_seg > _PAIR_INDEX_MAX_SEGMENTS:
+        return leaf_pair_index_torch(counts, slots, qb)
+    seg_end = torch.empty(n_seg, dtype=torch.int32, device=counts.device)
+    chunk_end = torch.empty_like(seg_end)
+    prog_seg = torch.empty(slots // qb + n_seg, dtype=torch.int32, device=counts.device)
+    wrap_triton(_pair_index_kernel)[(1,)](
+        counts,
+        seg_end,
+        chunk_end,
+        prog_seg,
+        n_seg,
+        prog_seg.numel(),
+        qb,
+        SEG_P=_p2(n_seg, 16),
+        LOG_SEG=_p2(n_seg, 16).bit_length() - 1,
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return seg_end, chunk_end, prog_seg
+
+
+def leaf_pair_index_torch(counts: torch.Tensor, slots: int, qb: int):
+    """:func:`leaf_pair_index` in torch ops (two cumsums and a searchsorted)."""
     seg_end = torch.cumsum(counts, 0, dtype=torch.int32)
     chunk_end = torch.cumsum(torch.div(counts + (qb - 1), qb, rounding_mode="floor"), 0, dtype=torch.int32)
     bound = torch.arange(slots // qb + counts.numel(), device=counts.device, dtype=torch.int32)
     prog_seg = torch.searchsorted(chunk_end, bound, right=True, out_int32=True)
     return seg_end, chunk_end, prog_seg
+
+
+@triton.jit
+def _pair_index_kernel(
+    counts_ptr,
+    seg_end_ptr,
+    chunk_end_ptr,
+    prog_seg_ptr,
+    n_segments,
+    n_programs,
+    QB,
+    SEG_P: tl.constexpr,
+    LOG_SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """:func:`leaf_pair_index` in one program, every segment in registers. A program's segment
+    is the number of segments whose chunks end at or before it (``searchsorted(right=True)``),
+    found by a binary search over the chunk ends gathered in registers, a block of programs at a
+    time."""
+    ar = tl.arange(0, SEG_P)
+    ok = ar < n_segments
+    c = tl.load(counts_ptr + ar, mask=ok, other=0)
+    ends = tl.cumsum((c + QB - 1) // QB, axis=0)
+    tl.store(seg_end_ptr + ar, tl.cumsum(c, axis=0), mask=ok)
+    tl.store(chunk_end_ptr + ar, ends, mask=ok)
+    ends = tl.where(ok, ends, 2**31 - 1)  # past the last segment: after every program
+    ar_b = tl.arange(0, BLOCK)
+    p0 = tl.zeros([], dtype=tl.int32)
+    while p0 < n_programs:
+        prog = p0 + ar_b
+        below = tl.zeros([BLOCK], dtype=tl.int32)  # segments known to end at or before prog
+        for i in tl.static_range(LOG_SEG + 1):
+            probe = below + (SEG_P >> i)  # does the probe-th segment end at or before prog?
+            end = tl.gather(ends, tl.minimum(probe, SEG_P) - 1, 0)
+            below = tl.where((probe <= SEG_P) & (end <= prog), probe, below)
+        tl.store(prog_seg_ptr + prog, below, mask=prog < n_programs)
+        p0 += BLOCK
 
 
 @triton.jit

@@ -141,6 +141,28 @@ def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
     )
 
 
+@pytest.mark.parametrize(
+    "n_seg,qb,most",
+    [(1, 4, 3), (7, 2, 5), (300, 8, 0), (1500, 128, 700), (2049, 16, 40), (4096, 2, 9), (5000, 4, 3)],
+    ids=lambda v: str(v),
+)
+def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, monkeypatch):
+    """The one-program index (GPU / interpreter) equals the torch ops' on random counts: empty
+    segments, segments of many chunks, programs over several blocks, no pair at all, the most
+    segments one program holds (4096) and more (torch). Its fresh buffers are poisoned with -7,
+    so a slot it fails to write shows."""
+    g = torch.Generator().manual_seed(n_seg)
+    counts = torch.randint(0, most + 1, (n_seg,), generator=g, dtype=torch.int32)
+    counts[::7] = 0
+    slots = int(counts.sum()) + 5 * qb + 3
+    want = scan.leaf_pair_index_torch(counts, slots, qb)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))
+    got = scan.leaf_pair_index(counts.to(DEVICE), slots, qb)
+    for name, w, o in zip(("seg_end", "chunk_end", "prog_seg"), want, got):
+        assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
+
+
 def test_queries_before_every_key_select_nothing(scan_calls):
     """Causal with more queries than keys: the first queries see no key (all -1)."""
     q, k, _ = walk_inputs(1, 2, 1, 70, 40, 16, F32, False)

@@ -1,0 +1,149 @@
+"""One PISA attention layer (selection + token-sparse attention, ``backend="triton"``) beside
+SDPA at the same shape: the whole op's time from a CUDA graph (no host time, as in the
+converted-checkpoint path), and every kernel it launches with its launches and GPU time per
+call (profiler), so that the launch count and the small kernels show beside the big ones.
+
+    python benchmarks/studies/pisa_layer_kernels.py --json benchmarks/results/pisa_layer_kernels_8k_h200.json
+    python benchmarks/studies/pisa_layer_kernels.py --real 3,15,27 --attn-rows 32,64,128
+
+SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64), C 64, K 8, bf16, causal, PISA's defaults.
+Inputs: structured random q/k/v, or with ``--real`` the q/k/v that SmolLM2-135M-Instruct's
+listed layers see on real text (``pydoc_topics``; the selections, and so the attention's tile
+unions, differ a lot from random ones). ``--attn-rows`` times the token-sparse attention with
+other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, Dict, Tuple
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import sparseflow  # noqa: E402,F401
+from common import graph_us_per_call, qkv, sdpa_dense  # noqa: E402
+from e2e_prefill import env_info  # noqa: E402
+from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
+from sparseflow.methods.pisa.triton_select import pisa_select  # noqa: E402
+from sparseflow.kernels import token_sparse_triton as tst  # noqa: E402
+from sparseflow.kernels.token_sparse_triton import token_sparse_attention  # noqa: E402
+
+
+def kernels_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, Tuple[float, float]]:
+    """kernel name -> (launches per call, GPU us per call), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: Dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            row = out.setdefault(e.name[:90], [0.0, 0.0])
+            row[0] += 1 / reps
+            row[1] += (e.time_range.end - e.time_range.start) / reps
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def measure(n, label, q, k, v, attn_rows):
+    sdpa, _ = sdpa_dense(q, k, v, "cudnn")
+    idx = pisa_select(q, k, index_dtype=torch.int32)
+    calls = {
+        "sdpa (cudnn)": sdpa,
+        "pisa op": lambda: pisa_attention(q, k, v),
+        "pisa selection": lambda: pisa_select(q, k, index_dtype=torch.int32),
+        "token-sparse attention": lambda: token_sparse_attention(q, k, v, idx, block_size=64),
+    }
+    graph = {name: graph_us_per_call(fn) for name, fn in calls.items()}
+    default_rows = tst.FWD_ROWS
+    want = token_sparse_attention(q, k, v, idx, block_size=64)
+    try:
+        for rows in attn_rows:
+            tst.FWD_ROWS = rows
+            same = torch.equal(token_sparse_attention(q, k, v, idx, block_size=64), want)
+            graph[f"attention, {rows} rows{'' if same else ' (output differs)'}"] = graph_us_per_call(
+                calls["token-sparse attention"]
+            )
+    finally:
+        tst.FWD_ROWS = default_rows
+    kernels = kernels_per_call(calls["pisa op"])
+    density = float((idx >= 0).sum()) * 64 / (q.shape[2] * (q.shape[2] + 1) / 2) / k.shape[1]
+    print(
+        f"N={n} {label}  Hq={q.shape[1]} Hkv={k.shape[1]}  kept keys / causal keys {density:.3f}; CUDA graph us per call:"
+    )
+    for name, us in graph.items():
+        print(f"  {name:34s} {us:9.1f}  ({us / graph['sdpa (cudnn)']:.2f}x sdpa)")
+    print(
+        f"  pisa op kernels ({sum(c for c, _ in kernels.values()):.0f} launches, "
+        f"{sum(u for _, u in kernels.values()):.1f} us GPU):"
+    )
+    for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {us:8.1f} us  x{count:4.1f}  {name}")
+    return {"n": n, "inputs": label, "graph_us": graph, "kernels": {k_: list(v_) for k_, v_ in kernels.items()}}
+
+
+def real_layer_qkv(n: int, layers, text: str = "pydoc_topics", device: str = "cuda"):
+    """{layer: (q, k, v)}: what SmolLM2-135M-Instruct's attention sees at those layers on ``n``
+    tokens of real text (bf16, CUDA; one dense forward through a recording attention function)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from e2e_prefill import repeated_tokens
+    from sparseflow.checkpoints import load_smollm2
+
+    model, tok = load_smollm2(dtype=torch.bfloat16)
+    model.to(device)
+    ids = repeated_tokens(tok, text, n).to(device)
+    got = {}
+
+    def record(module, query, key, value, *args, **kwargs):
+        if module.layer_idx in layers:
+            got[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("sf_study_record", record)
+    AttentionMaskInterface.register("sf_study_record", sdpa_mask)
+    model.set_attn_implementation("sf_study_record")
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    del model
+    return got
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ns", default="8192", help="sequence lengths, comma list")
+    ap.add_argument("--heads", default="9:3", help="Hq:Hkv")
+    ap.add_argument("--real", default="", help="SmolLM2 layers whose real q/k/v to use, comma list (default: random)")
+    ap.add_argument("--attn-rows", default="", help="token-sparse attention rows per program to compare, comma list")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in args.heads.split(":"))
+    result = {"env": env_info(), "args": vars(args), "cases": []}
+    layers = [int(x) for x in args.real.split(",") if x]
+    for n in (int(x) for x in args.ns.split(",")):
+        if layers:
+            inputs = {f"layer {i}": qkv_ for i, qkv_ in real_layer_qkv(n, layers).items()}
+        else:
+            inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
+        for label, (q, k, v) in inputs.items():
+            result["cases"].append(measure(n, label, q, k, v, [int(x) for x in args.attn_rows.split(",") if x]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print("wrote", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
