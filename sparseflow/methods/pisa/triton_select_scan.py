@@ -15,7 +15,7 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    query's leaf candidates.
 3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
    giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
-   into chunks (two cumsums and a searchsorted, on the device), :func:`pair_order` places each
+   into chunks (two cumsums and a search, one program on the device), :func:`pair_order` places each
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
    one leaf: the leaf's raw keys loaded once, the chunk's query rows gathered, one
    ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype (exact products), the exact LSE (or
