@@ -18,6 +18,7 @@ from sparseflow import Tuning  # noqa: E402
 from sparseflow.methods.pisa import triton_select  # noqa: E402
 
 PISA_DIR = os.path.join(ROOT, "sparseflow", "methods", "pisa")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
 
 
 def test_earlier_modules_load_beside_the_tree_and_select_alike(tmp_path):
@@ -35,7 +36,7 @@ def test_earlier_modules_load_beside_the_tree_and_select_alike(tmp_path):
     with pytest.raises(ValueError, match="already loaded"):
         ab.load_old(str(elsewhere))
     g = torch.Generator().manual_seed(3)
-    q, k = torch.randn(1, 4, 90, 16, generator=g), torch.randn(1, 2, 90, 16, generator=g)
+    q, k = (torch.randn(1, h, 90, 16, generator=g).to(DEVICE) for h in (4, 2))
     kw = dict(block_size=8, top_k=3, is_causal=True)
     for walk in ("per_token", "scan"):
         tuning = Tuning(pisa_walk=walk)
