@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 from typing import Dict, List, Optional
@@ -39,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
+from common import env_info as common_env_info  # noqa: E402
 from common import median_ms_per_call  # noqa: E402
 from sparseflow.checkpoints import load_smollm2, real_text  # noqa: E402
 from sparseflow.eval.evaluate import _logits  # noqa: E402
@@ -49,25 +48,12 @@ TRAINED_POSITIONS = 8192
 DEFAULT_SETTINGS = "pbs,pisa,bsa,smollm2:pbs,smollm2:pisa,smollm2:bsa,smollm2-code:pbs"
 
 
-def env_info() -> Dict[str, object]:
+def env_info(device: str = "auto") -> Dict[str, object]:
+    """:func:`common.env_info` (device, torch / Triton / CUDA / cuDNN versions, date) with the
+    transformers version the whole-model runs depend on."""
     import transformers
 
-    info = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if torch.cuda.is_available():
-        import triton
-
-        info.update(
-            gpu=torch.cuda.get_device_name(),
-            triton=triton.__version__,
-            cuda=torch.version.cuda,
-            cudnn=torch.backends.cudnn.version(),
-        )
-    return info
+    return {**common_env_info(device), "transformers": transformers.__version__}
 
 
 # --------------------------------------------------------------------------- inputs and model

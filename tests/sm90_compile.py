@@ -255,6 +255,26 @@ def run_pisa_bsa(cases):
     for block_m, top_k in ((16, 8), (64, 16), (1, 6)):
         sel = torch.zeros(2, 2, 900, top_k, dtype=torch.int32)
         torch.ops.sparseflow.token_tile_lists(sel, block_m, 15)
+    # the pyramid's level tables and the scan's leaf-pair index (on a GPU the selection launches
+    # these one-program kernels; CPU tensors take their torch forms)
+    from sparseflow.methods.pisa import triton_select_scan as PS
+
+    torch.ops.sparseflow.pisa_level_tables(15, 2, 5, torch.device("cpu"))
+    for n_seg in (384, 4096):
+        seg_end, chunk_end, prog_seg = (torch.empty(n, dtype=torch.int32) for n in (n_seg, n_seg, 2 * n_seg))
+        PS._pair_index_kernel[(1,)](
+            torch.zeros(n_seg, dtype=torch.int32),
+            seg_end,
+            chunk_end,
+            prog_seg,
+            n_seg,
+            prog_seg.numel(),
+            128,
+            SEG_P=triton.next_power_of_2(n_seg),
+            LOG_SEG=triton.next_power_of_2(n_seg).bit_length() - 1,
+            BLOCK=1024,
+            num_warps=4,
+        )
 
 
 def run_pisa_tiled(cases):
@@ -420,6 +440,9 @@ EXPECTED = {
     "_decode_split_kernel",
     "_decode_combine_kernel",
     "_tile_lists_kernel",
+    "_pair_order_kernel",
+    "_level_tables_kernel",
+    "_pair_index_kernel",
 }
 
 

@@ -62,3 +62,18 @@ def test_a_recipe_file_is_a_setting(tmp_path):
         e2e_prefill.plan_parts("auto:pbs")
     with pytest.raises(ValueError, match="missing.json"):
         e2e_prefill.plan_parts(f"{tmp_path / 'missing.json'}:pbs")
+
+
+def test_env_info_is_the_common_one_with_transformers():
+    """The whole-model scripts' env: every field of benchmarks/common.py's (the same device rule)
+    plus the transformers version."""
+    import common
+    import transformers
+
+    env = e2e_prefill.env_info("cpu")
+    base = common.env_info("cpu")
+    assert env["transformers"] == transformers.__version__
+    assert set(env) == set(base) | {"transformers"}
+    assert {k: v for k, v in env.items() if k not in ("date", "transformers")} == {
+        k: v for k, v in base.items() if k != "date"
+    }
