@@ -295,18 +295,35 @@ def _reduce(logit, okk, SCORE: tl.constexpr):
 def _top_k_keep(cand, valid, forced, score, ar, width, CW: tl.constexpr):
     """Keep the forced entries and the best-scoring others, ``width`` (<= CW, a runtime value:
     the level's width) in total (ties to the lower position, i.e. the lower node id): returns
-    the kept flags. One bitonic sort of 64-bit keys (order-preserving score bits, then the
-    reversed position) replaces ``width`` argmax passes."""
+    the kept flags. One bitonic sort of the scores' order-preserving bits finds the width-th
+    best score; entries above it are kept, and of those equal to it the first ones in position
+    order fill the rest (a sort of 64-bit keys carrying the position took more instructions, in
+    a walk that is instruction-bound)."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
     key = tl.where(valid, key, float("-inf"))
     bits = key.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
-    k64 = (ordered.to(tl.int64) << 32) + (CW - 1 - ar).to(tl.int64)  # distinct; lower position wins ties
-    srt = tl.sort(k64, 0, descending=True)
-    kth = tl.sum(tl.where(ar == width - 1, srt, 0), axis=0)
-    return valid & (k64 >= kth)
+    srt = tl.sort(ordered, 0, descending=True)
+    kth = tl.gather(srt, tl.zeros_like(ar) + (width - 1), 0)  # the width-th best, in every lane
+    above = ordered > kth
+    tied = ordered == kth
+    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+    return valid & (above | (tied & (tied_before < width - tl.sum(above.to(tl.int32), axis=0))))
+
+
+@triton.jit
+def _ancestor(leaf, lv, span, BR: tl.constexpr):
+    """The level-``lv`` ancestor of ``leaf`` (``-1`` stays ``-1``): ``leaf // span`` (``span =
+    BR**lv``), a shift when ``BR`` is a power of two (a division by a runtime value costs tens of
+    instructions, four times per level of a walk that is instruction-bound)."""
+    up = leaf // span
+    if (BR & (BR - 1)) == 0:
+        if BR <= 128:
+            log_br: tl.constexpr = (BR > 1) + (BR > 2) + (BR > 4) + (BR > 8) + (BR > 16) + (BR > 32) + (BR > 64)
+            up = leaf >> tl.minimum(lv * log_br, 31)  # a leaf id is below 2**31
+    return tl.where(leaf >= 0, up, -1)
 
 
 @triton.jit
@@ -458,20 +475,16 @@ def _pisa_select_kernel(
             span = tl.load(lvl_span_ptr + lv)
             par = ar_cw // BRP
             j = ar_cw % BRP
-            par_id = tl.sum(tl.where(par[:, None] == ar_kp[None, :], kept[None, :], 0), axis=1)
-            par_ok = tl.sum(tl.where(par[:, None] == ar_kp[None, :], ok[None, :].to(tl.int32), 0), axis=1) > 0
+            # each candidate's parent, gathered within the warp (-1: no kept parent)
+            par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
+            par_ok = (par < KP) & (par_enc >= 0)
+            par_id = tl.where(par_ok, par_enc, 0)
             cand = par_id * BR + j
             valid = par_ok & (j < BR) & (cand < n_lv)
             cand = tl.where(valid, cand, 0)
             valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
-            forced = (cand == tl.where(cur_f >= 0, cur_f // span, -1)) | (
-                cand == tl.where(prev_f >= 0, prev_f // span, -1)
-            )
-            forced = (
-                forced
-                | (cand == tl.where(sink_f >= 0, sink_f // span, -1))
-                | (cand == tl.where(here >= 0, here // span, -1))
-            )
+            forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
+            forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
             forced = forced & valid
             n_valid = tl.sum(valid.to(tl.int32), axis=0)
             width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level

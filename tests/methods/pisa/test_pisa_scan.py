@@ -176,7 +176,8 @@ def test_queries_before_every_key_select_nothing(scan_calls):
 @pytest.mark.parametrize("score", ["lse", "mean_var"])
 def test_ties_go_to_the_lower_block(score, scan_calls):
     """Every leaf block holds the same keys: all scores tie, at every level, and each row keeps
-    the lowest ids (the reference's order)."""
+    the lowest ids (the reference's order), in the scan and in the per-token walk (whose keep
+    breaks ties at every level, the leaves included)."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 30, 16, generator=g).to(DEVICE)
     k = torch.randn(1, 1, 8, 16, generator=g).repeat(1, 1, 12, 1)[:, :, :93].to(DEVICE)  # 12 blocks, the last short
@@ -185,6 +186,7 @@ def test_ties_go_to_the_lower_block(score, scan_calls):
     got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
     assert len(scan_calls) == 1 and (want[..., -1, :2] == torch.tensor([0, 1], device=DEVICE)).all()
     assert torch.equal(got, want)
+    assert torch.equal(triton_select.pisa_select(q, k, tuning=Tuning(pisa_walk="per_token"), **kw), want)
 
 
 @pytest.mark.parametrize(
