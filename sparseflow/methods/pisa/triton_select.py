@@ -292,13 +292,13 @@ def _reduce(logit, okk, SCORE: tl.constexpr):
 
 
 @triton.jit
-def _top_k_keep(cand, valid, forced, score, ar, width, CW: tl.constexpr):
-    """Keep the forced entries and the best-scoring others, ``width`` (<= CW, a runtime value:
-    the level's width) in total (ties to the lower position, i.e. the lower node id): returns
-    the kept flags. One bitonic sort of the scores' order-preserving bits finds the width-th
-    best score; entries above it are kept, and of those equal to it the first ones in position
-    order fill the rest (a sort of 64-bit keys carrying the position took more instructions, in
-    a walk that is instruction-bound)."""
+def _top_k_keep(valid, forced, score, ar, width):
+    """Keep the forced entries and the best-scoring others, ``width`` (at most the row's length,
+    a runtime value: the level's width) in total (ties to the lower position, i.e. the lower node
+    id): returns the kept flags. One bitonic sort of the scores' 32-bit order-preserving bits
+    finds the width-th best score; entries above it are kept, and of those equal to it the first
+    ones in position order fill the rest (sorting 64-bit keys that carry the position costs more
+    instructions, and the walk is bound by its instructions)."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
@@ -570,7 +570,7 @@ def _pisa_select_kernel(
                             per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
                             s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-                keep = _top_k_keep(cand, valid, forced, score, ar_cw, width, CW)
+                keep = _top_k_keep(valid, forced, score, ar_cw, width)
             else:
                 keep = valid
             kept, ok = _compact(cand, keep, ar_kp, ar_cw)
