@@ -14,7 +14,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ __all__ = [
     "median_ms_per_call",
     "mean_s_back_to_back",
     "kernel_us_by_name",
+    "kernel_launches_and_us",
     "graph_us_per_call",
     "mean_ms_cuda_events",
 ]
@@ -214,9 +215,9 @@ def bench(fn, rep_ms=200, warmup_ms=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def kernel_us_by_name(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, float]:
-    """Mean GPU time per call (us) of each CUDA kernel name ``fn`` launches, from the profiler:
-    the host's launch cost is not in it, as under CUDA graphs."""
+def kernel_launches_and_us(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, Tuple[float, float]]:
+    """Each CUDA kernel name ``fn`` launches -> (launches per call, mean GPU time per call in us),
+    from the profiler: the host's launch cost is not in it, as under CUDA graphs."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -226,11 +227,18 @@ def kernel_us_by_name(fn: Callable[[], object], reps: int = 10, warmup: int = 3)
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    per_name: Dict[str, float] = {}
+    per_name: Dict[str, Tuple[float, float]] = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            per_name[e.name] = per_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / reps
+            count, us = per_name.get(e.name, (0.0, 0.0))
+            per_name[e.name] = (count + 1 / reps, us + (e.time_range.end - e.time_range.start) / reps)
     return per_name
+
+
+def kernel_us_by_name(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, float]:
+    """Mean GPU time per call (us) of each CUDA kernel name ``fn`` launches
+    (:func:`kernel_launches_and_us`)."""
+    return {name: us for name, (_, us) in kernel_launches_and_us(fn, reps, warmup).items()}
 
 
 def kernel_us_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3, name: str = "") -> float:

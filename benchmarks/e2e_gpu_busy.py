@@ -45,7 +45,9 @@ KINDS: Tuple[Tuple[str, str], ...] = (
     ("_leaf_pairs", "pisa selection"),
     ("_leaf_keep", "pisa selection"),
     ("_pair_order", "pisa selection"),
+    ("_pair_index", "pisa selection"),
     ("_node_kernel", "pisa pyramid"),
+    ("_level_tables", "pisa pyramid"),
     ("_leaf_kernel", "block summaries"),  # the leaf means BSA and PISA share
     ("_fwd_kernel", "token-sparse attention"),
     ("flash", "sdpa"),

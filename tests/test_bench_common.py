@@ -48,6 +48,7 @@ def test_seeded_inputs_repeat_and_follow_the_generator_device():
         "sdpa_dense",
         "pbs_kernel_inputs",
         "kernel_us_by_name",
+        "kernel_launches_and_us",
         "graph_us_per_call",
     ],
 )

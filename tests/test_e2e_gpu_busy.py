@@ -27,6 +27,8 @@ def test_pisa_scan_kernels_count_as_its_selection():
     for name in ("_pisa_select_kernel", "_node_scan_kernel", "_leaf_pairs_kernel", "_leaf_keep_kernel"):
         assert e2e_gpu_busy.kind_of(name) == "pisa selection", name
     assert e2e_gpu_busy.kind_of("_pair_order_kernel") == "pisa selection"
+    assert e2e_gpu_busy.kind_of("_pair_index_kernel") == "pisa selection"
     assert e2e_gpu_busy.kind_of("_node_kernel") == "pisa pyramid"
+    assert e2e_gpu_busy.kind_of("_level_tables_kernel") == "pisa pyramid"
     assert e2e_gpu_busy.kind_of("_leaf_kernel") == "block summaries"
     assert e2e_gpu_busy.kind_of("_bsa_select_kernel") == "bsa selection"

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -26,32 +25,12 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402,F401
-from common import graph_us_per_call, qkv, sdpa_dense  # noqa: E402
+from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
 from sparseflow.methods.pisa.triton_select import pisa_select  # noqa: E402
 from sparseflow.kernels import token_sparse_triton as tst  # noqa: E402
 from sparseflow.kernels.token_sparse_triton import token_sparse_attention  # noqa: E402
-
-
-def kernels_per_call(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, Tuple[float, float]]:
-    """kernel name -> (launches per call, GPU us per call), from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: Dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            row = out.setdefault(e.name[:90], [0.0, 0.0])
-            row[0] += 1 / reps
-            row[1] += (e.time_range.end - e.time_range.start) / reps
-    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def measure(n, label, q, k, v, attn_rows):
@@ -75,7 +54,7 @@ def measure(n, label, q, k, v, attn_rows):
             )
     finally:
         tst.FWD_ROWS = default_rows
-    kernels = kernels_per_call(calls["pisa op"])
+    kernels = kernel_launches_and_us(calls["pisa op"])
     density = float((idx >= 0).sum()) * 64 / (q.shape[2] * (q.shape[2] + 1) / 2) / k.shape[1]
     print(
         f"N={n} {label}  Hq={q.shape[1]} Hkv={k.shape[1]}  kept keys / causal keys {density:.3f}; CUDA graph us per call:"
@@ -87,7 +66,7 @@ def measure(n, label, q, k, v, attn_rows):
         f"{sum(u for _, u in kernels.values()):.1f} us GPU):"
     )
     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-        print(f"    {us:8.1f} us  x{count:4.1f}  {name}")
+        print(f"    {us:8.1f} us  x{count:4.1f}  {name[:90]}")
     return {"n": n, "inputs": label, "graph_us": graph, "kernels": {k_: list(v_) for k_, v_ in kernels.items()}}
 
 
