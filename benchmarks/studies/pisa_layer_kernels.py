@@ -10,7 +10,14 @@ SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64), C 64, K 8, bf16, causal, PIS
 Inputs: structured random q/k/v, or with ``--real`` the q/k/v that SmolLM2-135M-Instruct's
 listed layers see on real text (``pydoc_topics``; the selections, and so the attention's tile
 unions, differ a lot from random ones). ``--attn-rows`` times the token-sparse attention with
-other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection.
+other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection. ``--old FOLDER``
+also times an earlier commit's selection (``triton_select.py``, ``triton_select_scan.py``) and
+token-sparse attention (``token_sparse_triton.py``) read from FOLDER, on the same inputs, and
+checks that they select and output what the tree's do (see ``pisa_select_ab.py``):
+
+    mkdir -p .ab && git show HEAD:sparseflow/kernels/token_sparse_triton.py > .ab/token_sparse_triton.py
+    for f in triton_select triton_select_scan; do git show HEAD:sparseflow/methods/pisa/$f.py > .ab/$f.py; done
+    python benchmarks/studies/pisa_layer_kernels.py --real 3,15,27 --old .ab
 """
 
 import argparse
@@ -33,7 +40,16 @@ from sparseflow.kernels import token_sparse_triton as tst  # noqa: E402
 from sparseflow.kernels.token_sparse_triton import token_sparse_attention  # noqa: E402
 
 
-def measure(n, label, q, k, v, attn_rows):
+def load_old(folder: str):
+    """(selection module, attention module or None) of an earlier commit, from ``folder``."""
+    from pisa_select_ab import exec_renamed, load_old as load_old_selection
+
+    path = os.path.join(os.path.abspath(folder), "token_sparse_triton.py")
+    attention = exec_renamed(path, "sparseflow.kernels", "token_sparse_triton") if os.path.exists(path) else None
+    return load_old_selection(folder), attention
+
+
+def measure(n, label, q, k, v, attn_rows, old=None):
     sdpa, _ = sdpa_dense(q, k, v, "cudnn")
     idx = pisa_select(q, k, index_dtype=torch.int32)
     calls = {
@@ -42,6 +58,16 @@ def measure(n, label, q, k, v, attn_rows):
         "pisa selection": lambda: pisa_select(q, k, index_dtype=torch.int32),
         "token-sparse attention": lambda: token_sparse_attention(q, k, v, idx, block_size=64),
     }
+    checks = {}
+    if old is not None:
+        old_select, old_attention = old
+        calls["old selection"] = lambda: old_select.pisa_select(q, k, index_dtype=torch.int32)
+        checks["old selection equal"] = bool(torch.equal(calls["old selection"](), idx))
+        if old_attention is not None:
+            calls["old attention"] = lambda: old_attention.token_sparse_attention(q, k, v, idx, block_size=64)
+            checks["old attention output equal"] = bool(
+                torch.equal(calls["old attention"](), calls["token-sparse attention"]())
+            )
     graph = {name: graph_us_per_call(fn) for name, fn in calls.items()}
     default_rows = tst.FWD_ROWS
     want = token_sparse_attention(q, k, v, idx, block_size=64)
@@ -61,13 +87,21 @@ def measure(n, label, q, k, v, attn_rows):
     )
     for name, us in graph.items():
         print(f"  {name:34s} {us:9.1f}  ({us / graph['sdpa (cudnn)']:.2f}x sdpa)")
+    for name, ok in checks.items():
+        print(f"  {name}: {ok}")
     print(
         f"  pisa op kernels ({sum(c for c, _ in kernels.values()):.0f} launches, "
         f"{sum(u for _, u in kernels.values()):.1f} us GPU):"
     )
     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
         print(f"    {us:8.1f} us  x{count:4.1f}  {name[:90]}")
-    return {"n": n, "inputs": label, "graph_us": graph, "kernels": {k_: list(v_) for k_, v_ in kernels.items()}}
+    return {
+        "n": n,
+        "inputs": label,
+        "graph_us": graph,
+        "checks": checks,
+        "kernels": {k_: list(v_) for k_, v_ in kernels.items()},
+    }
 
 
 def real_layer_qkv(n: int, layers, text: str = "pydoc_topics", device: str = "cuda"):
@@ -105,8 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="9:3", help="Hq:Hkv")
     ap.add_argument("--real", default="", help="SmolLM2 layers whose real q/k/v to use, comma list (default: random)")
     ap.add_argument("--attn-rows", default="", help="token-sparse attention rows per program to compare, comma list")
+    ap.add_argument("--old", help="folder holding an earlier commit's selection and attention modules")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    old = load_old(args.old) if args.old else None
     hq, hkv = (int(x) for x in args.heads.split(":"))
     result = {"env": env_info(), "args": vars(args), "cases": []}
     layers = [int(x) for x in args.real.split(",") if x]
@@ -116,7 +152,8 @@ def main(argv=None) -> int:
         else:
             inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
         for label, (q, k, v) in inputs.items():
-            result["cases"].append(measure(n, label, q, k, v, [int(x) for x in args.attn_rows.split(",") if x]))
+            rows = [int(x) for x in args.attn_rows.split(",") if x]
+            result["cases"].append(measure(n, label, q, k, v, rows, old))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -34,6 +34,28 @@ PACKAGE = "sparseflow.methods.pisa"
 OLD_MODULES = ("triton_select", "triton_select_scan")
 
 
+def exec_renamed(path: str, package: str, name: str, siblings=()) -> types.ModuleType:
+    """``path`` imported as ``<package>._ab_<name>``, its imports of ``siblings`` redirected to
+    their ``_ab_`` copies and its ops registered (and called) as ``sparseflow_ab::...``, so that
+    an earlier commit's module runs beside the tree's."""
+    with open(path) as fh:
+        src = (
+            fh.read()
+            .replace('"sparseflow::', '"sparseflow_ab::')
+            .replace("torch.ops.sparseflow.", "torch.ops.sparseflow_ab.")
+        )
+    for other in siblings:
+        src = src.replace(f"from .{other} import", f"from ._ab_{other} import")
+    full = f"{package}._ab_{name}"
+    spec = importlib.util.spec_from_loader(full, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = package
+    module.__file__ = path
+    sys.modules[full] = module
+    exec(compile(src, path, "exec"), module.__dict__)
+    return module
+
+
 def load_old(folder: str) -> types.ModuleType:
     """The earlier ``triton_select`` module from ``folder`` (with its scan module, if there), each
     imported as ``sparseflow.methods.pisa._ab_<name>`` with its imports of the other redirected
@@ -47,20 +69,7 @@ def load_old(folder: str) -> types.ModuleType:
         if os.path.dirname(first.__file__) != folder:
             raise ValueError(f"an earlier commit is already loaded from {os.path.dirname(first.__file__)}")
         return first
-    loaded = {}
-    for name in names:
-        with open(os.path.join(folder, name + ".py")) as fh:
-            src = fh.read().replace('"sparseflow::', '"sparseflow_ab::')
-        for other in names:
-            src = src.replace(f"from .{other} import", f"from ._ab_{other} import")
-        full = f"{PACKAGE}._ab_{name}"
-        spec = importlib.util.spec_from_loader(full, loader=None)
-        module = importlib.util.module_from_spec(spec)
-        module.__package__ = PACKAGE
-        module.__file__ = os.path.join(folder, name + ".py")
-        sys.modules[full] = module
-        exec(compile(src, module.__file__, "exec"), module.__dict__)
-        loaded[name] = module
+    loaded = {name: exec_renamed(os.path.join(folder, name + ".py"), PACKAGE, name, names) for name in names}
     return loaded["triton_select"]
 
 

@@ -45,7 +45,7 @@ def _p2(x: int, lo: int = 16) -> int:
 # --------------------------------------------------------------------------- block lists (torch)
 
 
-# most entries one tile's lists kernel sorts in registers (block_m * next_pow2(K)); above, torch
+# most entries one tile's lists kernel sorts in registers (next_pow2(block_m) * next_pow2(K)); above, torch
 _LISTS_KERNEL_MAX = 4096
 
 
@@ -58,7 +58,7 @@ def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -
     if block_indices.shape[2] == 1:  # decoding: one row, one tile of its own ids
         block_m = 1
     on_device = block_indices.device.type == "cuda" or interpreting()
-    fits = kk > 0 and block_m == _p2(block_m, 1) and block_m * _p2(kk, 1) <= _LISTS_KERNEL_MAX
+    fits = kk > 0 and _p2(block_m, 1) * _p2(kk, 1) <= _LISTS_KERNEL_MAX
     if on_device and fits and block_indices.shape[2] > 0:
         sel = block_indices.to(torch.int32).contiguous()
         return torch.ops.sparseflow.token_tile_lists(sel, int(block_m), int(n_blocks))
@@ -131,32 +131,34 @@ def _tile_lists_kernel(
     BIG,
     WIDTH,
     BLOCK_T: tl.constexpr,
+    BLOCK_TP: tl.constexpr,
     TOPK: tl.constexpr,
     KP: tl.constexpr,
 ):
-    """One program per (query tile, batch x KV head): the tile's selected ids sorted, each
-    distinct one stored at its rank (duplicates store the same value to the same slot), then
-    filler up to ``WIDTH``."""
+    """One program per (query tile of ``BLOCK_T`` rows, any count, batch x KV head): the tile's
+    selected ids sorted, each distinct one stored at its rank (duplicates store the same value to
+    the same slot), then filler up to ``WIDTH``."""
     qt = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
-    rows = qt * BLOCK_T + tl.arange(0, BLOCK_T)
+    ar_t = tl.arange(0, BLOCK_TP)
+    rows = qt * BLOCK_T + ar_t
     offs_k = tl.arange(0, KP)
-    ok = (rows < Nq)[:, None] & (offs_k < TOPK)[None, :]
+    ok = ((ar_t < BLOCK_T) & (rows < Nq))[:, None] & (offs_k < TOPK)[None, :]
     ids = tl.load(
         sel_ptr + b * stride_sb + h * stride_sh + rows[:, None] * stride_sn + offs_k[None, :], mask=ok, other=-1
     )
     # unused slots (-1) and rows past Nq sort last as BIG
-    srt = tl.sort(tl.reshape(tl.where(ids >= 0, ids, BIG), [BLOCK_T * KP]), 0)
+    srt = tl.sort(tl.reshape(tl.where(ids >= 0, ids, BIG), [BLOCK_TP * KP]), 0)
     real = srt < BIG
     marked = tl.where(real, srt, -1)  # filler never counts in the scan
     _, _, rank = tl.associative_scan((marked, marked, real.to(tl.int32)), 0, _distinct_combine)
     out = lists_ptr + (bh.to(tl.int64) * NQT + qt) * WIDTH
     tl.store(out + rank - 1, srt, mask=real)
     count = tl.max(rank, 0)  # the ranks never decrease: the last is the number of distinct ids
-    slots = tl.arange(0, BLOCK_T * KP)
-    tl.store(out + slots, tl.full([BLOCK_T * KP], 0, tl.int32) + BIG, mask=(slots >= count) & (slots < WIDTH))
+    slots = tl.arange(0, BLOCK_TP * KP)
+    tl.store(out + slots, tl.full([BLOCK_TP * KP], 0, tl.int32) + BIG, mask=(slots >= count) & (slots < WIDTH))
     tl.store(num_ptr + bh * NQT + qt, count)
 
 
@@ -183,6 +185,7 @@ def token_tile_lists(sel: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[to
         n_blocks + 1,
         width,
         BLOCK_T=block_m,
+        BLOCK_TP=_p2(block_m, 1),
         TOPK=kk,
         KP=_p2(kk, 1),
         num_warps=4,
@@ -323,7 +326,6 @@ def _fwd_kernel(
     LW,
     qk_scale,
     G: tl.constexpr,
-    GP: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     C: tl.constexpr,
@@ -331,14 +333,16 @@ def _fwd_kernel(
     TOPK: tl.constexpr,
     KP: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    R: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """One program per (tile of ``BLOCK_T`` query tokens, batch x KV head). Its rows are the
-    tile's tokens times the group's ``G`` query heads (padded to ``GP``), which share the
-    token's selection: each key block of the tile's union is loaded once for the whole group."""
+    """One program per (tile of ``BLOCK_T`` query tokens, batch x KV head). Its ``R`` rows are
+    the tile's tokens times the group's ``G`` query heads, packed (row ``i * G + g``: head ``g``
+    of token ``i``; the rest idle), which share the token's selection: each key block of the
+    tile's union is loaded once for the whole group."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     qt = tl.program_id(0)
@@ -346,11 +350,10 @@ def _fwd_kernel(
     b = bh // HKV
     hkv = bh % HKV
     nqt = tl.num_programs(0)
-    r = tl.arange(0, BLOCK_T * GP)
-    tok = qt * BLOCK_T + r // GP
-    g = r % GP
-    h = hkv * G + g
-    row_ok = (tok < Nq) & (g < G)
+    r = tl.arange(0, R)
+    tok = qt * BLOCK_T + r // G
+    h = hkv * G + r % G
+    row_ok = (r < BLOCK_T * G) & (tok < Nq)
     hz = tok + Nk - Nq
     offs_d = tl.arange(0, DP)
     offs_c = tl.arange(0, CP)
@@ -363,9 +366,9 @@ def _fwd_kernel(
         mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
         other=-1,
     )
-    m_i = tl.full([BLOCK_T * GP], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_T * GP], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T * GP, DP], dtype=tl.float32)
+    m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([R], dtype=tl.float32)
+    acc = tl.zeros([R, DP], dtype=tl.float32)
     lst = bh * nqt + qt
     n = tl.load(num_ptr + lst)
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
@@ -615,9 +618,10 @@ _FWD_LAUNCH = dict(num_warps=4, num_stages=2)
 
 
 def forward_token_tile(group: int) -> int:
-    """Query tokens per forward program for a GQA group of ``group`` query heads: ``FWD_ROWS``
-    rows of tokens x heads (the group padded to a power of two), at least one token."""
-    return max(1, FWD_ROWS // _p2(group, 1))
+    """Query tokens per forward program for a GQA group of ``group`` query heads: as many as
+    fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group of 3,
+    where a group padded to 4 rows fits 16), at least one token."""
+    return max(1, FWD_ROWS // group)
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -627,7 +631,8 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _fwd_meta(q, k, block_size, top_k):
     g = q.shape[1] // k.shape[1]
-    return dict(_meta(q, k, block_size, top_k), GP=_p2(g, 1), BLOCK_T=forward_token_tile(g), INTERP=interpreting())
+    tokens = forward_token_tile(g)
+    return dict(_meta(q, k, block_size, top_k), BLOCK_T=tokens, R=_p2(tokens * g), INTERP=interpreting())
 
 
 def _meta(q, k, block_size, top_k):

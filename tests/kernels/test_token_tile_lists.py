@@ -27,6 +27,7 @@ def _selection(b, hkv, n_q, k, n_blocks, unused, seed):
 # id: (B, Hkv, Nq, K, block_m, n_blocks, share of unused slots)
 CASES = {
     "k8-tile16": (1, 3, 64, 8, 16, 128, 0.0),
+    "k8-tile21-packed-group-of-3": (1, 3, 100, 8, 21, 128, 0.1),
     "k5-ragged-tail": (2, 2, 37, 5, 16, 9, 0.3),
     "k16-tile64-many-blocks": (1, 1, 130, 16, 64, 300, 0.1),
     "k1": (1, 2, 20, 1, 8, 4, 0.0),

@@ -47,11 +47,12 @@ from .triton_select import (
     walk_args,
     walk_meta,
 )
-from .triton_select_tiled import _group_sum, _rows_compact, _rows_top_k_keep
+from .triton_select_tiled import _rows_compact, _rows_top_k_keep
 
 __all__ = [
     "scan_covers",
     "queries_per_program",
+    "packed_rows",
     "leaf_pair_index",
     "pair_order",
     "pisa_select_scan_fwd",
@@ -93,10 +94,21 @@ def scan_dot(dtype: torch.dtype) -> str:
 
 
 def queries_per_program(group: int, rows: int) -> int:
-    """Queries of a node-scan tile or a leaf-pair chunk: about ``rows`` dot rows (queries x the
-    group's heads padded to a power of two), at least 16 (tl.dot's minimum)."""
+    """Queries of a keep or pair-order tile: about ``rows`` queries x the group's heads padded
+    to a power of two, at least 16 (a power of two: the tile is a ``tl.arange``)."""
     gp = _p2(group)
     return max(_p2(-(-16 // gp)), rows // gp, 1)
+
+
+def packed_rows(group: int, rows: int) -> tuple:
+    """``(queries, dot rows)`` of a node-scan tile or a leaf-pair chunk whose dot rows are its
+    queries' heads packed without padding (row ``i * group + g``: head ``g`` of query ``i``): as
+    many queries as fill ``rows`` (a power of two, at least 16, tl.dot's minimum), at least one.
+    A group of 3 heads fills 126 of 128 rows with 42 queries where padding each query to 4 rows
+    fits 32."""
+    rows = max(16, _p2(rows))
+    queries = max(1, rows // group)
+    return queries, max(rows, _p2(queries * group))
 
 
 def scan_covers(n_leaves: int, top_k: int, table_bytes: int, candidate_slots: int) -> Optional[str]:
@@ -146,6 +158,20 @@ def _summary_dot(q, s_t, PREC: tl.constexpr):
 
 
 @triton.jit
+def _sum_packed_heads(per_head, G: tl.constexpr, R: tl.constexpr, U: tl.constexpr, QP: tl.constexpr):
+    """``[R, U]`` per-head scores in packed rows (row ``i * G + g``: head ``g`` of query ``i``)
+    -> ``[QP, U]`` summed over each query's ``G`` heads in head order. Rows past the last whole
+    query read a clipped row: the callers mask those queries out."""
+    if G == 1 and QP == R:
+        return per_head
+    first = tl.arange(0, QP)[:, None] * G + tl.zeros([QP, U], dtype=tl.int32)
+    total = tl.gather(per_head, tl.minimum(first, R - 1), 0)
+    for g in tl.static_range(1, G):
+        total += tl.gather(per_head, tl.minimum(first + g, R - 1), 0)
+    return total
+
+
+@triton.jit
 def _node_scan_kernel(
     q_ptr,
     summ_ptr,
@@ -172,7 +198,6 @@ def _node_scan_kernel(
     IS_CAUSAL: tl.constexpr,
     SCORE: tl.constexpr,
     G: tl.constexpr,
-    GP: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     C: tl.constexpr,
@@ -181,19 +206,21 @@ def _node_scan_kernel(
     TOPK: tl.constexpr,
     WIDE: tl.constexpr,
     BQ: tl.constexpr,
+    BQP: tl.constexpr,
+    R: tl.constexpr,
     NB: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Scores of every node the walk may score, for the tile's queries (see the module doc)."""
+    """Scores of every node the walk may score, for the tile's ``BQ`` queries, whose heads fill
+    the ``R`` dot rows packed (:func:`packed_rows`; see the module doc)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
     b = bh // HKV
     hkv = bh % HKV
-    R: tl.constexpr = BQ * GP
     rows = tl.arange(0, R)
-    qi = tile * BQ + rows // GP
-    g_row = rows % GP
+    qi = tile * BQ + rows // G
+    g_row = rows % G
     offs_d = tl.arange(0, DP)
     q = tl.load(
         q_ptr
@@ -201,14 +228,13 @@ def _node_scan_kernel(
         + (hkv * G + g_row)[:, None] * stride_qh
         + qi.to(tl.int64)[:, None] * stride_qn
         + offs_d[None, :],
-        mask=((g_row < G) & (qi < Nq))[:, None] & (offs_d < D)[None, :],
+        mask=((rows < BQ * G) & (qi < Nq))[:, None] & (offs_d < D)[None, :],
         other=0.0,
     )
     if PREC != "bf16x3":  # bf16x3 takes the 16-bit queries as they are
         q = q.to(tl.float32)
-    ar_t = tl.arange(0, BQ)
-    t_ok = tile * BQ + ar_t < Nq
-    g_ok = tl.arange(0, GP) < G
+    ar_t = tl.arange(0, BQP)
+    t_ok = (ar_t < BQ) & (tile * BQ + ar_t < Nq)
     ar_nb = tl.arange(0, NB)
     # the tile's last query position bounds the nodes it can score (a scored node lies entirely
     # before its query: a node holding the query's position is forced, later ones are dropped)
@@ -265,8 +291,7 @@ def _node_scan_kernel(
                     logit = tl.reshape(logit, (R, NB, BRP))
                     okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
                     per_head = _reduce(logit, okc, SCORE)
-                per = tl.reshape(per_head, (BQ, GP, NB))
-                score = tl.sum(tl.where(g_ok[None, :, None], per, 0.0), axis=1)  # [BQ, NB]
+                score = _sum_packed_heads(per_head, G, R, NB, BQP)  # [BQP, NB]
                 tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
                 u0 += NB
 
@@ -320,21 +345,23 @@ def _leaf_pairs_kernel(
     HAS_KPM: tl.constexpr,
     SCORE: tl.constexpr,
     G: tl.constexpr,
-    GP: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
     C: tl.constexpr,
     CP: tl.constexpr,
     CW: tl.constexpr,
     QB: tl.constexpr,
+    QBP: tl.constexpr,
+    R: tl.constexpr,
     CHUNKS: tl.constexpr,
     STAGES: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, leaf) pairs of one segment
-    (batch x KV head, leaf): the leaf's keys loaded once, then per chunk its query rows gathered
-    and one dot (the chunks' loads pipelined over ``STAGES``); each pair's score written at its
+    (batch x KV head, leaf): the leaf's keys loaded once, then per chunk its queries' heads
+    gathered into the ``R`` dot rows packed (:func:`packed_rows`) and one dot (the chunks' loads
+    pipelined over ``STAGES``); each pair's score written at its
     candidate slot (``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
     each program's segment, ``n_segments`` past the last program's work)."""
@@ -362,21 +389,21 @@ def _leaf_pairs_kernel(
             mask=kok[None, :] & (offs_d < D)[:, None],
             other=0.0,
         )
-        R: tl.constexpr = QB * GP
         ar_r = tl.arange(0, R)
+        r_pair = ar_r // G  # the row's pair in the chunk
+        r_head = hkv * G + ar_r % G
+        ar_e = tl.arange(0, QBP)
         # (the interpreter cannot range() over a runtime bound: it runs every chunk, those past the
         # segment's end masked out)
         for c in tl.range(0, CHUNKS if INTERP else tl.cdiv(stop - start, QB), num_stages=STAGES):
-            ar_e = start + c * QB + tl.arange(0, QB)
-            e_ok = ar_e < stop
-            flat = tl.load(order_ptr + ar_e, mask=e_ok, other=0)  # the pair's slot in [B*Hkv, Nq, CW]
-            row = (flat // CW) % Nq
-            r_row = tl.reshape(tl.broadcast_to(row[:, None], (QB, GP)), (R,))
-            r_ok = tl.reshape(tl.broadcast_to(e_ok[:, None], (QB, GP)), (R,)) & (ar_r % GP < G)
+            first = start + c * QB
+            r_ok = (r_pair < QB) & (first + r_pair < stop)
+            # the pair's slot in [B*Hkv, Nq, CW], read by each of its head rows (L1 serves the repeats)
+            r_row = (tl.load(order_ptr + first + r_pair, mask=r_ok, other=0) // CW) % Nq
             q = tl.load(
                 q_ptr
                 + b * stride_qb
-                + (hkv * G + ar_r % GP)[:, None] * stride_qh
+                + r_head[:, None] * stride_qh
                 + r_row.to(tl.int64)[:, None] * stride_qn
                 + offs_d[None, :],
                 mask=r_ok[:, None] & (offs_d < D)[None, :],
@@ -387,7 +414,9 @@ def _leaf_pairs_kernel(
             else:
                 logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
             per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
-            s_e = tl.reshape(_group_sum(per_head, QB, GP, G, 1), (QB,))
+            s_e = tl.reshape(_sum_packed_heads(per_head, G, R, 1, QBP), (QBP,))
+            e_ok = (ar_e < QB) & (first + ar_e < stop)
+            flat = tl.load(order_ptr + first + ar_e, mask=e_ok, other=0)
             tl.store(score_ptr + flat, s_e, mask=e_ok)
 
 
@@ -584,9 +613,8 @@ def pisa_select_scan_fwd(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     group = hq // hkv
-    bq = queries_per_program(group, LAUNCH["rows"])
-    tiles = (triton.cdiv(n_q, bq), b * hkv)
-    wrap_triton(_node_scan_kernel)[tiles](
+    scan_q, scan_rows = packed_rows(group, LAUNCH["rows"])
+    wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
         summ,
         nfv,
@@ -608,7 +636,6 @@ def pisa_select_scan_fwd(
         IS_CAUSAL=is_causal,
         SCORE=score,
         G=group,
-        GP=_p2(group),
         D=d,
         DP=meta["DP"],
         C=block_size,
@@ -616,7 +643,9 @@ def pisa_select_scan_fwd(
         BRP=meta["BRP"],
         TOPK=top_k,
         WIDE=beam * top_k,
-        BQ=bq,
+        BQ=scan_q,
+        BQP=_p2(scan_q, 1),
+        R=scan_rows,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype),
         num_warps=LAUNCH["scan_warps"],
@@ -649,8 +678,11 @@ def pisa_select_scan_fwd(
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
-        qb = queries_per_program(group, LAUNCH["pair_rows"])
+        qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
         seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"])
+        # the keep's and the pair order's tiles: queries padded to a power of two of rows
+        bq = queries_per_program(group, LAUNCH["rows"])
+        tiles = (triton.cdiv(n_q, bq), b * hkv)
         order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
@@ -672,13 +704,14 @@ def pisa_select_scan_fwd(
             HAS_KPM=kpm is not None,
             SCORE=score,
             G=group,
-            GP=_p2(group),
             D=d,
             DP=meta["DP"],
             C=block_size,
             CP=meta["CP"],
             CW=cw,
             QB=qb,
+            QBP=_p2(qb, 1),
+            R=pair_rows,
             CHUNKS=LAUNCH["pair_chunks"],
             STAGES=LAUNCH["pair_stages"],
             IEEE_KEYS=ieee,

@@ -64,12 +64,14 @@ def test_scan_selection_equals_reference(case, scan_calls):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("group", [1, 3], ids=lambda g: f"group-{g}")
 @pytest.mark.parametrize("chunks", [1, 3], ids=lambda c: f"{c}-chunks-per-program")
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks):
-    """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 pairs, one
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks, group):
+    """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
-    chunks run past its segment's end): still the reference's selection. Fresh float buffers
-    come NaN-filled, so a pair left unscored cannot pass for a scored one."""
+    chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
+    5 queries (15 rows) into a tile or chunk of 16 rows. Fresh float buffers come NaN-filled, so
+    a pair left unscored cannot pass for a scored one."""
     real_empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -80,7 +82,8 @@ def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks):
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
     monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
-    q, k, _ = walk_inputs(1, 1, 1, 160, 190, 16, F32, False, seed=4)
+    assert scan.packed_rows(group, 16) == (16 // group, 16)
+    q, k, _ = walk_inputs(1, group, 1, 160, 190, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
     want = pisa_ref.pisa_select(q, k, **kw)
     monkeypatch.setattr(torch, "empty", nan_empty)
