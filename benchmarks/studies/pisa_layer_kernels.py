@@ -10,7 +10,8 @@ SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64), C 64, K 8, bf16, causal, PIS
 Inputs: structured random q/k/v, or with ``--real`` the q/k/v that SmolLM2-135M-Instruct's
 listed layers see on real text (``pydoc_topics``; the selections, and so the attention's tile
 unions, differ a lot from random ones). ``--attn-rows`` times the token-sparse attention with
-other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection. ``--old FOLDER``
+other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection, ``--scan-launch``
+the selection with other launch settings (``triton_select_scan.LAUNCH``). ``--old FOLDER``
 also times an earlier commit's selection (``triton_select.py``, ``triton_select_scan.py``) and
 token-sparse attention (``token_sparse_triton.py``) read from FOLDER, on the same inputs, and
 checks that they select and output what the tree's do (see ``pisa_select_ab.py``):
@@ -35,6 +36,7 @@ import sparseflow  # noqa: E402,F401
 from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
+from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
 from sparseflow.methods.pisa.triton_select import pisa_select  # noqa: E402
 from sparseflow.kernels import token_sparse_triton as tst  # noqa: E402
 from sparseflow.kernels.token_sparse_triton import token_sparse_attention  # noqa: E402
@@ -49,7 +51,23 @@ def load_old(folder: str):
     return load_old_selection(folder), attention
 
 
-def measure(n, label, q, k, v, attn_rows, old=None):
+def attention_launch(text: str):
+    """``"rows[:warps[:stages]]"`` -> ``(rows, warps, stages)``, the attention's defaults filling in."""
+    parts = [int(x) for x in text.split(":")]
+    defaults = (tst.FWD_ROWS, tst._FWD_LAUNCH["num_warps"], tst._FWD_LAUNCH["num_stages"])
+    return tuple(parts + list(defaults[len(parts) :]))
+
+
+def parse_launches(text: str):
+    """``"rows=64;pair_rows=64,pair_chunks=8"`` -> ``[{"rows": 64}, {"pair_rows": 64, "pair_chunks": 8}]``."""
+    out = []
+    for variant in (v for v in text.split(";") if v.strip()):
+        pairs = (kv.split("=") for kv in variant.split(","))
+        out.append({key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs})
+    return out
+
+
+def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=()):
     sdpa, _ = sdpa_dense(q, k, v, "cudnn")
     idx = pisa_select(q, k, index_dtype=torch.int32)
     calls = {
@@ -69,17 +87,28 @@ def measure(n, label, q, k, v, attn_rows, old=None):
                 torch.equal(calls["old attention"](), calls["token-sparse attention"]())
             )
     graph = {name: graph_us_per_call(fn) for name, fn in calls.items()}
-    default_rows = tst.FWD_ROWS
+    default_rows, default_launch = tst.FWD_ROWS, tst._FWD_LAUNCH
     want = token_sparse_attention(q, k, v, idx, block_size=64)
     try:
-        for rows in attn_rows:
+        for rows, warps, stages in attn_rows:
             tst.FWD_ROWS = rows
+            tst._FWD_LAUNCH = dict(num_warps=warps, num_stages=stages)
             same = torch.equal(token_sparse_attention(q, k, v, idx, block_size=64), want)
-            graph[f"attention, {rows} rows{'' if same else ' (output differs)'}"] = graph_us_per_call(
-                calls["token-sparse attention"]
+            graph[f"attention, {rows} rows, {warps} warps, {stages} stages{'' if same else ' (output differs)'}"] = (
+                graph_us_per_call(calls["token-sparse attention"])
             )
     finally:
-        tst.FWD_ROWS = default_rows
+        tst.FWD_ROWS, tst._FWD_LAUNCH = default_rows, default_launch
+    for overrides in scan_launches:
+        saved = dict(scan.LAUNCH)
+        scan.LAUNCH.update(overrides)
+        try:
+            same = torch.equal(calls["pisa selection"](), idx)
+            name = "selection, " + ",".join(f"{k_}={v_}" for k_, v_ in overrides.items())
+            graph[name + ("" if same else " (selection differs)")] = graph_us_per_call(calls["pisa selection"])
+        finally:
+            scan.LAUNCH.clear()
+            scan.LAUNCH.update(saved)
     kernels = kernel_launches_and_us(calls["pisa op"])
     density = float((idx >= 0).sum()) * 64 / (q.shape[2] * (q.shape[2] + 1) / 2) / k.shape[1]
     print(
@@ -138,7 +167,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ns", default="8192", help="sequence lengths, comma list")
     ap.add_argument("--heads", default="9:3", help="Hq:Hkv")
     ap.add_argument("--real", default="", help="SmolLM2 layers whose real q/k/v to use, comma list (default: random)")
-    ap.add_argument("--attn-rows", default="", help="token-sparse attention rows per program to compare, comma list")
+    ap.add_argument(
+        "--attn-rows", default="", help="token-sparse attention launches to compare: rows[:warps[:stages]], comma list"
+    )
+    ap.add_argument(
+        "--scan-launch",
+        default="",
+        help='selection launch settings to compare, e.g. "rows=64;pair_rows=64,pair_chunks=8"',
+    )
     ap.add_argument("--old", help="folder holding an earlier commit's selection and attention modules")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -152,8 +188,8 @@ def main(argv=None) -> int:
         else:
             inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
         for label, (q, k, v) in inputs.items():
-            rows = [int(x) for x in args.attn_rows.split(",") if x]
-            result["cases"].append(measure(n, label, q, k, v, rows, old))
+            rows = [attention_launch(x) for x in args.attn_rows.split(",") if x]
+            result["cases"].append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch)))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

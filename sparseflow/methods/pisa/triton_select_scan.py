@@ -63,7 +63,8 @@ __all__ = [
 # the node-score table's budget: 8K tokens x 3 KV heads x ~128 scored nodes is 12.6 MB
 MAX_TABLE_BYTES = 1 << 30
 # launch settings (a study may sweep them): dot rows of a node-scan tile and of a leaf-pair chunk
-# (queries x the group's heads, padded to a power of two), the node scan's summary columns per dot,
+# (queries x the group's heads, packed: :func:`packed_rows`), rows of a keep tile (queries x the
+# group padded to a power of two), the node scan's summary columns per dot,
 # warps and dot precision (:func:`scan_dot`), the leaf scorer's warps, chunks per program and
 # pipeline stages; measured on the H200 (pisa_scan_launch_h200.log: 128 rows beat 64 in both, 4
 # warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and 128, 8 warps tie 4;
@@ -71,6 +72,7 @@ MAX_TABLE_BYTES = 1 << 30
 # program beat 1, 2, 8 and 16 at SmolLM2's 8K, pipelining them gains nothing there)
 LAUNCH = {
     "rows": 128,
+    "keep_rows": 128,
     "pair_rows": 128,
     "scan_cols": 32,
     "scan_warps": 8,
@@ -681,7 +683,7 @@ def pisa_select_scan_fwd(
         qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
         seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"])
         # the keep's and the pair order's tiles: queries padded to a power of two of rows
-        bq = queries_per_program(group, LAUNCH["rows"])
+        bq = queries_per_program(group, LAUNCH["keep_rows"])
         tiles = (triton.cdiv(n_q, bq), b * hkv)
         order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
