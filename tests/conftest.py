@@ -122,3 +122,24 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Inside ``poisoned(fn)``, every tensor ``torch.empty`` allocates starts as NaN (floats), -7
+    (ints) or True (bools): an element a kernel leaves unwritten shows up in the result."""
+
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        t = real_empty(*size, dtype=dtype, device=device, **kw)
+        if t.dtype.is_floating_point:
+            return t.fill_(float("nan"))
+        return t.fill_(True) if t.dtype == torch.bool else t.fill_(-7)
+
+    def call(fn, *a, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", empty)
+            return fn(*a, **kw)
+
+    return call

@@ -37,20 +37,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_lists_equal_torch(case, monkeypatch):
+def test_kernel_lists_equal_torch(case, poisoned):
     from sparseflow.kernels import token_sparse_triton as ts
 
     b, hkv, n_q, k, block_m, n_blocks, unused = case
     sel = _selection(b, hkv, n_q, k, n_blocks, unused, seed=n_q + k)
     want_num, want_lists = ts.tile_block_lists_torch(sel, block_m, n_blocks)
-    real_empty = torch.empty
-
-    def poisoned_empty(*size, **kw):
-        return real_empty(*size, **kw).fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    num, lists = ts.tile_block_lists(sel, block_m, n_blocks)
-    monkeypatch.undo()
+    num, lists = poisoned(ts.tile_block_lists, sel, block_m, n_blocks)
     assert torch.equal(num, want_num)
     assert torch.equal(lists, want_lists)
     if unused < 1:

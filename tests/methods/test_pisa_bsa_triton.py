@@ -321,15 +321,13 @@ def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
 
 @pytest.mark.parametrize("n_leaves", [1, 2, 7, 64, 100, 4097, 2**20 + 3])
 @pytest.mark.parametrize("branching", [2, 3, 8, 1000])
-def test_pyramid_tables_on_device_match_level_sizes(n_leaves, branching, monkeypatch):
+def test_pyramid_tables_on_device_match_level_sizes(n_leaves, branching, poisoned):
     """The level tables from the Triton program (GPU / interpreter) and from torch ops: the host's
     level sizes and offsets, spans ``g**i`` clamped to 2**30. The program's fresh buffers are
     poisoned with -7, so an entry it fails to write shows."""
     from sparseflow.methods.pisa import triton_select as ts
 
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))
-    sizes, offs, dev_offs, dev_spans = ts.pyramid_tables(n_leaves, branching, DEVICE)
+    sizes, offs, dev_offs, dev_spans = poisoned(ts.pyramid_tables, n_leaves, branching, DEVICE)
     assert sizes == ts.level_sizes(n_leaves, branching)
     spans = [min(branching**i, 2**30) for i in range(len(sizes))]
     torch_offs, torch_spans = ts._device_tables_torch(n_leaves, branching, len(sizes), "cpu")

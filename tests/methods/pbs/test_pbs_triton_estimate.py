@@ -58,27 +58,6 @@ def _perm(q, k, kpm, bs, seg, gqa):
     return R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Inside ``poisoned(fn)``, every tensor ``torch.empty`` allocates starts as NaN (floats), -7
-    (ints) or True (bools): an element a kernel leaves unwritten shows up in the result."""
-
-    real_empty = torch.empty
-
-    def empty(*size, dtype=None, device=None, **kw):
-        t = real_empty(*size, dtype=dtype, device=device, **kw)
-        if t.dtype.is_floating_point:
-            return t.fill_(float("nan"))
-        return t.fill_(True) if t.dtype == torch.bool else t.fill_(-7)
-
-    def call(fn, *a, **kw):
-        with monkeypatch.context() as m:
-            m.setattr(torch, "empty", empty)
-            return fn(*a, **kw)
-
-    return call
-
-
 # scoring, stride, n, hq, hkv, gqa, padding, causal, block, segment, b
 PROB_CASES = [
     ("sampled_rows", 1, 100, 4, 2, "query_head", "none", True, 16, 32, 1),

@@ -66,18 +66,12 @@ def test_scan_selection_equals_reference(case, scan_calls):
 
 @pytest.mark.parametrize("group", [1, 3], ids=lambda g: f"group-{g}")
 @pytest.mark.parametrize("chunks", [1, 3], ids=lambda c: f"{c}-chunks-per-program")
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks, group):
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
     chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
-    5 queries (15 rows) into a tile or chunk of 16 rows. Fresh float buffers come NaN-filled, so
-    a pair left unscored cannot pass for a scored one."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
+    5 queries (15 rows) into a tile or chunk of 16 rows. Fresh buffers come poisoned (floats
+    NaN), so a pair left unscored cannot pass for a scored one."""
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
@@ -86,9 +80,7 @@ def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, chunks, group):
     q, k, _ = walk_inputs(1, group, 1, 160, 190, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
     want = pisa_ref.pisa_select(q, k, **kw)
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    got = triton_select.pisa_select(q, k, tuning=SCAN, **kw)
-    monkeypatch.undo()
+    got = poisoned(triton_select.pisa_select, q, k, tuning=SCAN, **kw)
     assert torch.equal(got, want)
     assert len(scan_calls) == 1
 
@@ -149,7 +141,7 @@ def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
     [(1, 4, 3), (7, 2, 5), (300, 8, 0), (1500, 128, 700), (2049, 16, 40), (4096, 2, 9), (5000, 4, 3)],
     ids=lambda v: str(v),
 )
-def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, monkeypatch):
+def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, poisoned):
     """The one-program index (GPU / interpreter) equals the torch ops' on random counts: empty
     segments, segments of many chunks, programs over several blocks, no pair at all, the most
     segments one program holds (4096) and more (torch). Its fresh buffers are poisoned with -7,
@@ -159,9 +151,7 @@ def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, monkeypatch):
     counts[::7] = 0
     slots = int(counts.sum()) + 5 * qb + 3
     want = scan.leaf_pair_index_torch(counts, slots, qb)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))
-    got = scan.leaf_pair_index(counts.to(DEVICE), slots, qb)
+    got = poisoned(scan.leaf_pair_index, counts.to(DEVICE), slots, qb)
     for name, w, o in zip(("seg_end", "chunk_end", "prog_seg"), want, got):
         assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
 
