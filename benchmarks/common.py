@@ -9,6 +9,7 @@ path first. Nothing here is part of the installed package.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -79,6 +80,15 @@ def env_info(device: str = "auto") -> Dict[str, object]:
 
 
 # --------------------------------------------------------------------------- inputs
+
+
+def write_result(path: str, env: Dict[str, object], args=None, **measured) -> None:
+    """A benchmark's JSON at ``path``: ``{"env": env, "args": vars(args), **measured}`` (``env``:
+    the GPU, versions and date, from :func:`env_info` or ``e2e_prefill.env_info``; ``args``: the
+    parsed command line, left out when None)."""
+    out = {"env": env, **({} if args is None else {"args": vars(args)}), **measured}
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
 
 
 def qkv(b, hq, hkv, n, d, dtype, seed=0, structured=False, device="cuda"):

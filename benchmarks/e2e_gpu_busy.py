@@ -13,7 +13,6 @@ host; the profiler itself slows the host, so only its GPU columns are read.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import sparseflow.hf  # noqa: E402
+from common import write_result  # noqa: E402
 from e2e_prefill import converted_plan, env_info, repeated_tokens  # noqa: E402
 from sparseflow.checkpoints import load_smollm2  # noqa: E402
 
@@ -146,8 +146,7 @@ def main(argv=None) -> int:
         rows.append(measure(model, ids, name))
         model.set_attn_implementation("sdpa")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
         print(f"wrote {args.json}")
     return 0
 

@@ -69,3 +69,20 @@ def test_env_info_names_the_device_it_ran_on(monkeypatch):
     assert bare["device"] == "cpu" and bare["triton"] is None
     with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
         common.env_info("tpu")
+
+
+def test_write_result_keeps_env_args_and_what_was_measured(tmp_path):
+    import argparse
+    import json
+
+    path = tmp_path / "r.json"
+    args = argparse.Namespace(ns=[8192], json=str(path))
+    common.write_result(str(path), {"gpu": "X", "date": "d"}, args, rows=[{"ms": 1.5}], launch={"rows": 64})
+    assert json.loads(path.read_text()) == {
+        "env": {"gpu": "X", "date": "d"},
+        "args": {"ns": [8192], "json": str(path)},
+        "rows": [{"ms": 1.5}],
+        "launch": {"rows": 64},
+    }
+    common.write_result(str(path), {"gpu": "X"}, rows=[])
+    assert json.loads(path.read_text()) == {"env": {"gpu": "X"}, "rows": []}

@@ -9,7 +9,6 @@ Prints a table and writes JSON.
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from common import graph_us_per_call  # noqa: E402
+from common import graph_us_per_call, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.kernels.block_summaries_triton import leaf_sums  # noqa: E402
 from sparseflow.methods.bsa import reference as bsa_ref  # noqa: E402
@@ -59,8 +58,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
         print(f"wrote {args.json}")
     return 0
 

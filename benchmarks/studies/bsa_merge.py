@@ -11,7 +11,6 @@ to the first one's. Prints a table and writes JSON. (``bsa_merge_h200.log`` also
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from common import mean_ms_cuda_events  # noqa: E402
+from common import mean_ms_cuda_events, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.kernels.block_summaries_triton import leaf_sums  # noqa: E402
 from sparseflow.methods.bsa import triton_select as bs  # noqa: E402
@@ -91,8 +90,7 @@ def main(argv=None) -> int:
             best_of.setdefault(r["merge"], r)
         print("   best per merge: " + ", ".join(f"{m} {r['us']:.1f}" for m, r in best_of.items()), flush=True)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "launch": saved, "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, launch=saved, rows=rows)
         print(f"wrote {args.json}")
     return 0
 

@@ -22,7 +22,6 @@ checks that they select and output what the tree's do (see ``pisa_select_ab.py``
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402,F401
-from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense  # noqa: E402
+from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     old = load_old(args.old) if args.old else None
     hq, hkv = (int(x) for x in args.heads.split(":"))
-    result = {"env": env_info(), "args": vars(args), "cases": []}
+    env, cases = env_info(), []
     layers = [int(x) for x in args.real.split(",") if x]
     for n in (int(x) for x in args.ns.split(",")):
         if layers:
@@ -189,10 +188,9 @@ def main(argv=None) -> int:
             inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
         for label, (q, k, v) in inputs.items():
             rows = [attention_launch(x) for x in args.attn_rows.split(",") if x]
-            result["cases"].append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch)))
+            cases.append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch)))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_result(args.json, env, args, cases=cases)
         print("wrote", args.json)
     return 0
 

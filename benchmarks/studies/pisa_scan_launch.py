@@ -9,7 +9,6 @@ bf16, causal.
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402
-from common import kernel_us_by_name  # noqa: E402
+from common import kernel_us_by_name, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa import triton_select as ts  # noqa: E402
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
                 )
             )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
     return 0
 
 

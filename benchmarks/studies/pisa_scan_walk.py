@@ -9,7 +9,6 @@ Hkv 3, D 64) and the paper's latency setting (Hq 32, Hkv 2, D 64); C 64, K 8, g 
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402
-from common import graph_us_per_call  # noqa: E402
+from common import graph_us_per_call, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa import reference as pisa_ref  # noqa: E402
 from sparseflow.methods.pisa import triton_select as ts  # noqa: E402
@@ -80,8 +79,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
     return 0
 
 

@@ -16,7 +16,6 @@ g 2, bf16, causal.
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import types
@@ -77,7 +76,7 @@ SHAPES = {"smollm2": (9, 3), "paper": (32, 2)}
 
 
 def main(argv=None) -> int:
-    from common import graph_us_per_call, kernel_us_by_name
+    from common import graph_us_per_call, kernel_us_by_name, write_result
     from e2e_prefill import env_info
     from sparseflow.methods.pisa import triton_select as new
 
@@ -119,8 +118,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # benchmarks/, for common
 
-from common import env_info, mean_ms_cuda_events, structured_qkv  # noqa: E402
+from common import env_info, mean_ms_cuda_events, structured_qkv, write_result  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "g16": (32, 2, 64)}
 
@@ -169,8 +168,7 @@ def main(argv=None) -> int:
                         flush=True,
                     )
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"env": env_info(), "args": vars(args), "rows": rows}, fh, indent=1)
+        write_result(args.json, env_info(), args, rows=rows)
     return 0
 
 
