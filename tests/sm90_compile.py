@@ -71,6 +71,10 @@ _orig_run = _jit.JITFunction.run
 # False while an autotuner compiles its configs after the first: the fp64-scalar check is about how
 # a float argument is typed, which launch sizes do not change, so one config per call is checked
 _FP64_CHECK = [True]
+# the shared memory a program may take on the H200 (227 KiB); an autotuner drops configs that need
+# more at run time, so only launches without one are held to it
+SHARED_LIMIT = 227 * 1024
+_SHARED_CHECK = [True]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -80,6 +84,13 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         ERRORS.append({"kernel": self.__name__, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
         return None
     COMPILED.append(self.__name__)
+    if _SHARED_CHECK[0] and kernel.metadata.shared > SHARED_LIMIT:
+        ERRORS.append(
+            {
+                "kernel": self.__name__,
+                "error": f"needs {kernel.metadata.shared} B of shared memory, over the H200's {SHARED_LIMIT}",
+            }
+        )
     if _FP64_CHECK[0]:
         _compile_with_fp64_scalars(self, kernel)
     return kernel
@@ -118,12 +129,14 @@ def _autotune_all(self, *args, **kwargs):
     # compile every config that survives pruning (the GPU may pick any of them)
     self.nargs = dict(zip(self.arg_names, args))
     configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+    _SHARED_CHECK[0] = False
     try:
         for i, config in enumerate(configs):
             _FP64_CHECK[0] = i == 0
             self.fn.run(*args, **kwargs, **config.all_kwargs())
     finally:
         _FP64_CHECK[0] = True
+        _SHARED_CHECK[0] = True
     self.nargs = None
 
 
@@ -251,6 +264,12 @@ def run_pisa_bsa(cases):
         out = PI.pisa_attention(q, k, v, key_padding_mask=kpm, block_size=64, top_k=top_k, beam=beam, score=score)
         out.float().sum().backward()
         BI.bsa_attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm, block_size=64, top_k=top_k)
+    # the attention's largest key/value blocks: its pipeline stages must fit the shared memory
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    for d, c, dtype in ((256, 128, torch.bfloat16), (128, 128, torch.float32), (128, 64, torch.bfloat16)):
+        q, k, v = _qkv(1, 4, 1, 300, d, dtype)
+        token_sparse_attention(q, k, v, torch.zeros(1, 1, 300, 4, dtype=torch.int32), block_size=c)
     # each tile's distinct blocks (on a GPU tile_block_lists launches this; here tensors are CPU)
     for block_m, top_k in ((16, 8), (64, 16), (1, 6)):
         sel = torch.zeros(2, 2, 900, top_k, dtype=torch.int32)
@@ -397,8 +416,17 @@ def selftest() -> int:
             i += 1
         tl.store(X + tl.arange(0, 16), acc)
 
+    @triton.jit
+    def _large_tiles(X):
+        # two 256 x 256 fp32 operands of one dot: more shared memory than a program may take
+        offs = tl.arange(0, 256)[:, None] * 256 + tl.arange(0, 256)[None, :]
+        tl.store(X + offs, tl.dot(tl.load(X + offs), tl.load(X + 65536 + offs)))
+
     _fp64_constant[(1,)](torch.zeros(16), 3)
     _float_scalar[(1,)](torch.zeros(16), 0.5, 3)
+    _large_tiles[(1,)](torch.zeros(2 * 65536))
+    too_big = [e for e in ERRORS if e["kernel"] == "_large_tiles" and "shared memory" in e["error"]]
+    print("selftest: the large-tile kernel", "was held to the shared memory" if too_big else "PASSED (checker broken)")
     caught = [e for e in ERRORS if e["kernel"] == "_fp64_constant" and "fp64" in e["error"]]
     print(
         "selftest: the fp64-constant kernel", "failed to compile, as it must" if caught else "COMPILED (checker broken)"
@@ -411,7 +439,7 @@ def selftest() -> int:
         if as_jit and as_inductor
         else "was not caught (checker broken)",
     )
-    return 0 if caught and as_jit and as_inductor else 1
+    return 0 if caught and as_jit and as_inductor and too_big else 1
 
 
 EXPECTED = {

@@ -86,3 +86,14 @@ def test_write_result_keeps_env_args_and_what_was_measured(tmp_path):
     }
     common.write_result(str(path), {"gpu": "X"}, rows=[])
     assert json.loads(path.read_text()) == {"env": {"gpu": "X"}, "rows": []}
+
+
+def test_tile_unions_count_each_tiles_rows_times_its_distinct_blocks():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "studies"))
+    import pisa_tile_unions
+
+    # 3 rows keeping 2 blocks each (-1 unused). Tiles of 2 rows: {0, 1, 2} x 2 rows + {3} x 1 row
+    sel = torch.tensor([[[[0, 1], [1, 2], [3, -1]]]], dtype=torch.int32)
+    assert [pisa_tile_unions.union_rows_blocks(sel, t) for t in (1, 2, 3)] == [5, 7, 12]
+    other_head = torch.tensor([[[[5, 6], [5, 6], [5, 6]]]], dtype=torch.int32)  # the same 2 blocks
+    assert pisa_tile_unions.union_rows_blocks(torch.cat([sel, other_head], dim=1), 2) == 7 + 2 * 2 + 2 * 1

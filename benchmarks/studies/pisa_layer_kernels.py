@@ -62,7 +62,11 @@ def parse_launches(text: str):
     out = []
     for variant in (v for v in text.split(";") if v.strip()):
         pairs = (kv.split("=") for kv in variant.split(","))
-        out.append({key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs})
+        overrides = {key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs}
+        unknown = sorted(set(overrides) - set(scan.LAUNCH))
+        if unknown:
+            raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
+        out.append(overrides)
     return out
 
 

@@ -618,12 +618,24 @@ def _bwd_dkdv_kernel(
 # by 4-5%, and 8 warps were slower
 FWD_ROWS = 64
 _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
+# each stage past the first holds one more key block and value block in shared memory: the most
+# bytes such a pair may take for 3 stages, and for 2 (sm_90 compiles: 64 x 64 bf16 blocks at 3
+# stages take 56 KiB; 128 x 128 fp32 ones 320 KiB at 3 and 192 at 2, of the H200's 227 KiB a
+# program; 128 keys x 256 dims in bf16 288 KiB at 2 and 96 at 1)
+_FWD_STAGE_PAIR_BYTES = {3: 32 * 1024, 2: 64 * 1024}
+
+
+def _fwd_launch(k: torch.Tensor, block_size: int) -> dict:
+    """``_FWD_LAUNCH`` with its stages capped where a key/value block pair is large."""
+    pair_bytes = 2 * _p2(block_size) * _p2(k.shape[-1]) * k.element_size()
+    stages = next((s for s, most in _FWD_STAGE_PAIR_BYTES.items() if pair_bytes <= most), 1)
+    return dict(_FWD_LAUNCH, num_stages=min(stages, _FWD_LAUNCH["num_stages"]))
 
 
 def forward_token_tile(group: int) -> int:
     """Query tokens per forward program for a GQA group of ``group`` query heads: as many as
-    fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group of 3,
-    where a group padded to 4 rows fits 16), at least one token."""
+    fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group of 3), at
+    least one token."""
     return max(1, FWD_ROWS // group)
 
 
@@ -706,7 +718,7 @@ def token_sparse_fwd(
         scale * _LOG2E,
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
-        **_FWD_LAUNCH,
+        **_fwd_launch(k, block_size),
         **_fwd_meta(q, k, block_size, sel.shape[-1]),
     )
     return out, lse
@@ -781,7 +793,7 @@ def _backward(ctx, grad_out, grad_lse):
     kpm = saved[8] if ctx.has_kpm else None
     scale, block_size, is_causal = ctx.args
     n_kb = max(1, -(-k.shape[2] // block_size))
-    if forward_token_tile(q.shape[1] // k.shape[1]) != BLOCK_M:
+    if lists.shape[-1] != BLOCK_M * sel.shape[-1]:
         # the backward tiles BLOCK_M tokens per query head; the forward's lists tile fewer
         with torch.no_grad():
             num, lists = tile_block_lists(sel, BLOCK_M, n_kb)

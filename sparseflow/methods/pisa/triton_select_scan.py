@@ -30,7 +30,7 @@ where it applies.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -102,12 +102,11 @@ def queries_per_program(group: int, rows: int) -> int:
     return max(_p2(-(-16 // gp)), rows // gp, 1)
 
 
-def packed_rows(group: int, rows: int) -> tuple:
+def packed_rows(group: int, rows: int) -> Tuple[int, int]:
     """``(queries, dot rows)`` of a node-scan tile or a leaf-pair chunk whose dot rows are its
     queries' heads packed without padding (row ``i * group + g``: head ``g`` of query ``i``): as
-    many queries as fill ``rows`` (a power of two, at least 16, tl.dot's minimum), at least one.
-    A group of 3 heads fills 126 of 128 rows with 42 queries where padding each query to 4 rows
-    fits 32."""
+    many queries as fill ``rows`` (a power of two, at least 16, tl.dot's minimum), at least one
+    (a group of 3 heads fills 126 of 128 rows with 42 queries)."""
     rows = max(16, _p2(rows))
     queries = max(1, rows // group)
     return queries, max(rows, _p2(queries * group))
@@ -164,12 +163,12 @@ def _sum_packed_heads(per_head, G: tl.constexpr, R: tl.constexpr, U: tl.constexp
     """``[R, U]`` per-head scores in packed rows (row ``i * G + g``: head ``g`` of query ``i``)
     -> ``[QP, U]`` summed over each query's ``G`` heads in head order. Rows past the last whole
     query read a clipped row: the callers mask those queries out."""
-    if G == 1 and QP == R:
-        return per_head
-    first = tl.arange(0, QP)[:, None] * G + tl.zeros([QP, U], dtype=tl.int32)
-    total = tl.gather(per_head, tl.minimum(first, R - 1), 0)
+    if QP * G == R:  # a power-of-two group fills the rows exactly: one reduction
+        return tl.sum(tl.reshape(per_head, (QP, G, U)), axis=1)
+    head0_row = tl.arange(0, QP)[:, None] * G + tl.zeros([QP, U], dtype=tl.int32)
+    total = tl.gather(per_head, tl.minimum(head0_row, R - 1), 0)
     for g in tl.static_range(1, G):
-        total += tl.gather(per_head, tl.minimum(first + g, R - 1), 0)
+        total += tl.gather(per_head, tl.minimum(head0_row + g, R - 1), 0)
     return total
 
 
@@ -398,10 +397,10 @@ def _leaf_pairs_kernel(
         # (the interpreter cannot range() over a runtime bound: it runs every chunk, those past the
         # segment's end masked out)
         for c in tl.range(0, CHUNKS if INTERP else tl.cdiv(stop - start, QB), num_stages=STAGES):
-            first = start + c * QB
-            r_ok = (r_pair < QB) & (first + r_pair < stop)
+            chunk_start = start + c * QB
+            r_ok = (r_pair < QB) & (chunk_start + r_pair < stop)
             # the pair's slot in [B*Hkv, Nq, CW], read by each of its head rows (L1 serves the repeats)
-            r_row = (tl.load(order_ptr + first + r_pair, mask=r_ok, other=0) // CW) % Nq
+            r_row = (tl.load(order_ptr + chunk_start + r_pair, mask=r_ok, other=0) // CW) % Nq
             q = tl.load(
                 q_ptr
                 + b * stride_qb
@@ -417,8 +416,8 @@ def _leaf_pairs_kernel(
                 logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
             per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
             s_e = tl.reshape(_sum_packed_heads(per_head, G, R, 1, QBP), (QBP,))
-            e_ok = (ar_e < QB) & (first + ar_e < stop)
-            flat = tl.load(order_ptr + first + ar_e, mask=e_ok, other=0)
+            e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
+            flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
             tl.store(score_ptr + flat, s_e, mask=e_ok)
 
 

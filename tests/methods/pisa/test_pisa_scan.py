@@ -64,19 +64,19 @@ def test_scan_selection_equals_reference(case, scan_calls):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("group", [1, 3], ids=lambda g: f"group-{g}")
+@pytest.mark.parametrize("group", [1, 3, 17], ids=lambda g: f"group-{g}")
 @pytest.mark.parametrize("chunks", [1, 3], ids=lambda c: f"{c}-chunks-per-program")
 def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
     chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
-    5 queries (15 rows) into a tile or chunk of 16 rows. Fresh buffers come poisoned (floats
+    5 queries (15 rows) into a tile or chunk of 16 rows; a group of 17, one query in 32 rows. Fresh buffers come poisoned (floats
     NaN), so a pair left unscored cannot pass for a scored one."""
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
     monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
-    assert scan.packed_rows(group, 16) == (16 // group, 16)
+    assert scan.packed_rows(group, 16) == {1: (16, 16), 3: (5, 16), 17: (1, 32)}[group]
     q, k, _ = walk_inputs(1, group, 1, 160, 190, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
     want = pisa_ref.pisa_select(q, k, **kw)
