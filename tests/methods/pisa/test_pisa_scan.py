@@ -64,8 +64,12 @@ def test_scan_selection_equals_reference(case, scan_calls):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("group", [1, 3, 17], ids=lambda g: f"group-{g}")
-@pytest.mark.parametrize("chunks", [1, 3], ids=lambda c: f"{c}-chunks-per-program")
+SMALL_TILE_CASES = [(1, 1), (3, 1), (1, 3), (3, 3), (3, 17)]  # (chunks per program, heads per KV head)
+
+
+@pytest.mark.parametrize(
+    "chunks, group", SMALL_TILE_CASES, ids=[f"{c}-chunks-per-program-group-{g}" for c, g in SMALL_TILE_CASES]
+)
 def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
