@@ -28,6 +28,7 @@ from sparseflow.bench import structured_qkv  # noqa: E402
 
 __all__ = [
     "env_info",
+    "write_result",
     "structured_qkv",
     "qkv",
     "sdpa_dense",
@@ -79,9 +80,6 @@ def env_info(device: str = "auto") -> Dict[str, object]:
     }
 
 
-# --------------------------------------------------------------------------- inputs
-
-
 def write_result(path: str, env: Dict[str, object], args=None, **measured) -> None:
     """A benchmark's JSON at ``path``: ``{"env": env, "args": vars(args), **measured}`` (``env``:
     the GPU, versions and date, from :func:`env_info` or ``e2e_prefill.env_info``; ``args``: the
@@ -89,6 +87,9 @@ def write_result(path: str, env: Dict[str, object], args=None, **measured) -> No
     out = {"env": env, **({} if args is None else {"args": vars(args)}), **measured}
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
+
+
+# --------------------------------------------------------------------------- inputs
 
 
 def qkv(b, hq, hkv, n, d, dtype, seed=0, structured=False, device="cuda"):

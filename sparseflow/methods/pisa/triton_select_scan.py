@@ -96,8 +96,8 @@ def scan_dot(dtype: torch.dtype) -> str:
 
 
 def queries_per_program(group: int, rows: int) -> int:
-    """Queries of a keep or pair-order tile: about ``rows`` queries x the group's heads padded
-    to a power of two, at least 16 (a power of two: the tile is a ``tl.arange``)."""
+    """Queries of a keep or pair-order tile (a power of two: the tile is a ``tl.arange``): about
+    ``rows`` rows of queries x the group's heads padded to a power of two, at least 16 rows."""
     gp = _p2(group)
     return max(_p2(-(-16 // gp)), rows // gp, 1)
 
