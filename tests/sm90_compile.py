@@ -336,6 +336,45 @@ def run_pisa_scan(cases):
         )
 
 
+def run_pdl_chain():
+    """The scan's and the attention's kernels launched as links of a PDL chain (kernels.pdl):
+    their griddepcontrol instructions are GPU-only PTX."""
+    from sparseflow import Tuning
+    from sparseflow.kernels import pdl
+    from sparseflow.kernels import token_sparse_triton as TS
+    from sparseflow.methods.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select_scan as PS
+
+    saved = pdl.device_supports, PS.LAUNCH["pdl"], TS.PDL_CHAIN
+    pdl.device_supports = lambda t: True
+    PS.LAUNCH["pdl"], TS.PDL_CHAIN = 1, True
+    try:
+        q, k, v = _qkv(1, 9, 3, 2048, 64, torch.bfloat16)
+        idx = PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="scan"), index_dtype=torch.int32)
+        TS.token_sparse_attention(q, k, v, idx, block_size=64)
+        sel = torch.zeros(1, 3, 2048, 8, dtype=torch.int32)
+        torch.ops.sparseflow.token_tile_lists(sel, 21, 32)
+        n_seg = 384
+        seg_end, chunk_end, prog_seg = (torch.empty(n, dtype=torch.int32) for n in (n_seg, n_seg, 2 * n_seg))
+        PS._pair_index_kernel[(1,)](
+            torch.zeros(n_seg, dtype=torch.int32),
+            seg_end,
+            chunk_end,
+            prog_seg,
+            n_seg,
+            prog_seg.numel(),
+            128,
+            SEG_P=512,
+            LOG_SEG=9,
+            BLOCK=1024,
+            num_warps=4,
+            PDL=True,
+            launch_pdl=True,
+        )
+    finally:
+        pdl.device_supports, PS.LAUNCH["pdl"], TS.PDL_CHAIN = saved
+
+
 def run_bsa_bf16():
     from sparseflow.methods.bsa import triton_select as BS
 
@@ -538,7 +577,7 @@ def main(argv=None) -> int:
         "pbs_strided": lambda: run_pbs_strided(strided),
         "pisa_bsa": lambda: run_pisa_bsa(pisa),
         "pisa_tiled": lambda: run_pisa_tiled(tiled),
-        "pisa_scan": lambda: run_pisa_scan(scan),
+        "pisa_scan": lambda: (run_pisa_scan(scan), run_pdl_chain()),
         "bsa_select": run_bsa_bf16,
         "decode": lambda: run_decode(dec),
         "split_decode": lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]),

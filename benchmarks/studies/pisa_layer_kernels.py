@@ -70,7 +70,21 @@ def parse_launches(text: str):
     return out
 
 
-def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=()):
+def with_pdl_chain(fn):
+    """``fn`` run with every kernel of the op launched as a link of a PDL chain (kernels.pdl)."""
+
+    def run():
+        saved = scan.LAUNCH["pdl"], tst.PDL_CHAIN
+        scan.LAUNCH["pdl"], tst.PDL_CHAIN = 1, True
+        try:
+            return fn()
+        finally:
+            scan.LAUNCH["pdl"], tst.PDL_CHAIN = saved
+
+    return run
+
+
+def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False):
     sdpa, _ = sdpa_dense(q, k, v, "cudnn")
     idx = pisa_select(q, k, index_dtype=torch.int32)
     calls = {
@@ -81,6 +95,12 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=()):
     }
     attention_out = calls["token-sparse attention"]()
     checks = {}
+    if pdl:
+        calls["pisa op, pdl chain"] = with_pdl_chain(calls["pisa op"])
+        calls["pisa selection, pdl chain"] = with_pdl_chain(calls["pisa selection"])
+        calls["token-sparse attention, pdl chain"] = with_pdl_chain(calls["token-sparse attention"])
+        checks["pdl chain selection equal"] = bool(torch.equal(calls["pisa selection, pdl chain"](), idx))
+        checks["pdl chain op output equal"] = bool(torch.equal(calls["pisa op, pdl chain"](), calls["pisa op"]()))
     if old is not None:
         old_select, old_attention = old
         calls["old selection"] = lambda: old_select.pisa_select(q, k, index_dtype=torch.int32)
@@ -177,6 +197,7 @@ def main(argv=None) -> int:
         help='selection launch settings to compare, e.g. "rows=64;pair_rows=64,pair_chunks=8"',
     )
     ap.add_argument("--old", help="folder holding an earlier commit's selection and attention modules")
+    ap.add_argument("--pdl", action="store_true", help="also time the op with its kernels chained by PDL")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     old = load_old(args.old) if args.old else None
@@ -190,7 +211,7 @@ def main(argv=None) -> int:
             inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
         for label, (q, k, v) in inputs.items():
             rows = [attention_launch(x) for x in args.attn_rows.split(",") if x]
-            cases.append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch)))
+            cases.append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch), args.pdl))
     if args.json:
         write_result(args.json, env, args, cases=cases)
         print("wrote", args.json)

@@ -31,6 +31,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ._triton_env import interpreting
+from .pdl import pdl_launch, pdl_start
 
 __all__ = ["tile_block_lists", "transpose_lists", "token_sparse_attention", "BLOCK_M"]
 
@@ -134,10 +135,12 @@ def _tile_lists_kernel(
     BLOCK_TP: tl.constexpr,
     TOPK: tl.constexpr,
     KP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (query tile of ``BLOCK_T`` rows, any count, batch x KV head): the tile's
     selected ids sorted, each distinct one stored at its rank (duplicates store the same value to
     the same slot), then filler up to ``WIDTH``."""
+    pdl_start(PDL)
     qt = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -189,6 +192,7 @@ def token_tile_lists(sel: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[to
         TOPK=kk,
         KP=_p2(kk, 1),
         num_warps=4,
+        **pdl_launch(sel, PDL_CHAIN),
     )
     return num, lists
 
@@ -338,11 +342,13 @@ def _fwd_kernel(
     IS_CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (tile of ``BLOCK_T`` query tokens, batch x KV head). Its ``R`` rows are
     the tile's tokens times the group's ``G`` query heads, packed (row ``i * G + g``: head ``g``
     of token ``i``; the rest idle), which share the token's selection: each key block of the
     tile's union is loaded once for the whole group."""
+    pdl_start(PDL)
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     qt = tl.program_id(0)
@@ -618,6 +624,8 @@ def _bwd_dkdv_kernel(
 # by 4-5%, and 8 warps were slower
 FWD_ROWS = 64
 _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
+# the tile lists and the forward launched as links of a programmatic-dependent chain (kernels.pdl)
+PDL_CHAIN = False
 # each stage past the first holds one more key block and value block in shared memory: the most
 # bytes such a pair may take for 3 stages, and for 2 (sm_90 compiles: 64 x 64 bf16 blocks at 3
 # stages take 56 KiB; 128 x 128 fp32 ones 320 KiB at 3 and 192 at 2, of the H200's 227 KiB a
@@ -720,6 +728,7 @@ def token_sparse_fwd(
         IS_CAUSAL=is_causal,
         **_fwd_launch(k, block_size),
         **_fwd_meta(q, k, block_size, sel.shape[-1]),
+        **pdl_launch(q, PDL_CHAIN),
     )
     return out, lse
 

@@ -43,6 +43,7 @@ from ...kernels.token_blocks import check_index_dtype, selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
 from ...kernels._triton_env import interpreting
+from ...kernels.pdl import pdl_start
 from .config import PISAConfig
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables", "SCORE_CODES"]
@@ -396,6 +397,7 @@ def _pisa_select_kernel(
     PRE_SCORES: tl.constexpr = False,
     LEAF_OUT: tl.constexpr = False,
     PAIR_RANKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
     # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
@@ -406,6 +408,8 @@ def _pisa_select_kernel(
     # valid ones than TOPK) takes the next rank of its (batch x KV head, leaf) counter
     # (count_ptr, [B*Hkv * n_leaves], zeroed), stored at its slot of rank_ptr (cand_ptr's layout):
     # where the scan's pair index places it, with no sort.
+    # PDL: launched as a link of a programmatic-dependent chain (kernels.pdl)
+    pdl_start(PDL)
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     if HAS_LEN:

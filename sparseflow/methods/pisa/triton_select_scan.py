@@ -38,6 +38,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
+from ...kernels.pdl import pdl_launch, pdl_start
 from .triton_select import (
     _launch,
     _p2,
@@ -80,6 +81,7 @@ LAUNCH = {
     "scan_dot": "bf16x3",
     "pair_chunks": 4,
     "pair_stages": 1,
+    "pdl": 0,
 }
 
 
@@ -211,9 +213,11 @@ def _node_scan_kernel(
     R: tl.constexpr,
     NB: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Scores of every node the walk may score, for the tile's ``BQ`` queries, whose heads fill
     the ``R`` dot rows packed (:func:`packed_rows`; see the module doc)."""
+    pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
@@ -358,6 +362,7 @@ def _leaf_pairs_kernel(
     STAGES: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, leaf) pairs of one segment
     (batch x KV head, leaf): the leaf's keys loaded once, then per chunk its queries' heads
@@ -366,6 +371,7 @@ def _leaf_pairs_kernel(
     candidate slot (``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
     each program's segment, ``n_segments`` past the last program's work)."""
+    pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
     sg = tl.load(prog_seg_ptr + p)
@@ -425,7 +431,7 @@ def _leaf_pairs_kernel(
 _PAIR_INDEX_MAX_SEGMENTS = 4096
 
 
-def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int):
+def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, pdl: Optional[dict] = None):
     """The chunks of the scored (query, leaf) pairs, from the walk's per-segment pair counts
     (``counts [B*Hkv * n_leaves]``, segment = (batch x KV head, leaf)), on the device (no host
     sync): ``(seg_end, chunk_end, prog_seg)``, the inclusive pair and chunk counts per segment
@@ -453,6 +459,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int):
         LOG_SEG=_p2(n_seg, 16).bit_length() - 1,
         BLOCK=1024,
         num_warps=4,
+        **(pdl or {}),
     )
     return seg_end, chunk_end, prog_seg
 
@@ -478,11 +485,13 @@ def _pair_index_kernel(
     SEG_P: tl.constexpr,
     LOG_SEG: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """:func:`leaf_pair_index` in one program, every segment in registers. A program's segment
     is the number of segments whose chunks end at or before it (``searchsorted(right=True)``),
     found by a binary search over the chunk ends gathered in registers, a block of programs at a
     time."""
+    pdl_start(PDL)
     ar = tl.arange(0, SEG_P)
     ok = ar < n_segments
     c = tl.load(counts_ptr + ar, mask=ok, other=0)
@@ -516,9 +525,11 @@ def _pair_order_kernel(
     TOPK: tl.constexpr,
     CW: tl.constexpr,
     BQ: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Every scored pair's flat candidate slot written at its place in ``order``: its segment's
     start plus the rank the walk gave it (``cand`` / ``rank``: ``[B*Hkv, Nq, CW]``, contiguous)."""
+    pdl_start(PDL)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     cand, valid, forced, scored, rows = _tile_candidates(cand_ptr, bh, tile, stride_cbh, stride_cn, Nq, TOPK, BQ, CW)
@@ -529,13 +540,32 @@ def _pair_order_kernel(
     tl.store(order_ptr + start + rank, slot.to(tl.int32), mask=scored)
 
 
-def pair_order(cand: torch.Tensor, rank: torch.Tensor, seg_end: torch.Tensor, top_k: int, n_leaves: int, bq: int):
+def pair_order(
+    cand: torch.Tensor,
+    rank: torch.Tensor,
+    seg_end: torch.Tensor,
+    top_k: int,
+    n_leaves: int,
+    bq: int,
+    pdl: Optional[dict] = None,
+):
     """``order [cand.numel()]``: the flat slots of the scored pairs grouped by segment (the first
     ``seg_end[-1]`` entries; the rest unwritten), by tiles of ``bq`` queries."""
     rows, n_q, cw = cand.shape
     order = torch.empty(cand.numel(), dtype=torch.int32, device=cand.device)
     wrap_triton(_pair_order_kernel)[(triton.cdiv(n_q, bq), rows)](
-        cand, rank, seg_end, order, cand.stride(0), cand.stride(1), n_q, n_leaves, TOPK=top_k, CW=cw, BQ=bq
+        cand,
+        rank,
+        seg_end,
+        order,
+        cand.stride(0),
+        cand.stride(1),
+        n_q,
+        n_leaves,
+        TOPK=top_k,
+        CW=cw,
+        BQ=bq,
+        **(pdl or {}),
     )
     return order
 
@@ -556,9 +586,11 @@ def _leaf_keep_kernel(
     KP: tl.constexpr,
     CW: tl.constexpr,
     BQ: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Each row of the tile keeps its forced leaves and its best-scoring others, TOPK in total
     (ties to the lower id), written ascending and -1 padded: the selection."""
+    pdl_start(PDL)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HKV
@@ -614,6 +646,7 @@ def pisa_select_scan_fwd(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     group = hq // hkv
+    pdl = pdl_launch(q, LAUNCH["pdl"])
     scan_q, scan_rows = packed_rows(group, LAUNCH["rows"])
     wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
@@ -650,6 +683,7 @@ def pisa_select_scan_fwd(
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype),
         num_warps=LAUNCH["scan_warps"],
+        **pdl,
     )
     warps, _ = _launch(cw)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
@@ -676,15 +710,16 @@ def pisa_select_scan_fwd(
         LEAF_OUT=leaf_out,
         PAIR_RANKS=leaf_out,
         num_warps=warps,
+        **pdl,
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
         qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
-        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"])
+        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"], pdl)
         # the keep's and the pair order's tiles: queries padded to a power of two of rows
         bq = queries_per_program(group, LAUNCH["keep_rows"])
         tiles = (triton.cdiv(n_q, bq), b * hkv)
-        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq)
+        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, pdl)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
             k,
@@ -718,6 +753,7 @@ def pisa_select_scan_fwd(
             IEEE_KEYS=ieee,
             INTERP=interpreting(),
             num_warps=LAUNCH["leaf_warps"],
+            **pdl,
         )
         wrap_triton(_leaf_keep_kernel)[tiles](
             cand,
@@ -733,6 +769,7 @@ def pisa_select_scan_fwd(
             CW=cw,
             BQ=bq,
             num_warps=4,
+            **pdl,
         )
     return out
 

@@ -253,6 +253,35 @@ def test_cuda_scan_selection_has_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
+)
+def test_cuda_pdl_chain_computes_the_plain_launches_output(monkeypatch):
+    """The op with its kernels chained by programmatic dependent launch (kernels.pdl), eager and
+    replayed from a CUDA graph: bitwise the plain launches' output."""
+    from sparseflow.kernels import token_sparse_triton as tst
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(1, h, 3000, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (9, 3, 3))
+    run = lambda: sparseflow.pisa_attention(q, k, v, is_causal=True, backend="triton", tuning=SCAN)  # noqa: E731
+    plain = run()
+    monkeypatch.setitem(scan.LAUNCH, "pdl", 1)
+    monkeypatch.setattr(tst, "PDL_CHAIN", True)
+    assert torch.equal(run(), plain)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+
+
 @triton.jit
 def _parts_probe(s_ptr, out_ptr, N: tl.constexpr):
     ar = tl.arange(0, N)
