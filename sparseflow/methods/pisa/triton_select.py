@@ -328,6 +328,17 @@ def _ancestor(leaf, lv, span, BR: tl.constexpr):
 
 
 @triton.jit
+def _first_valid(nfv_base, off, u, span, Nk, C: tl.constexpr, LOADED: tl.constexpr):
+    """First valid key position of node ``u`` (in range) of the level at ``off`` whose nodes
+    cover ``span`` leaves: read from the table when ``LOADED`` (key padding or a device length),
+    else computed, the node's first key (one dependent load fewer per level of the walk)."""
+    if LOADED:
+        return tl.load(nfv_base + off + u)
+    first = u * (span * C)
+    return tl.where(first < Nk, first, Nk)
+
+
+@triton.jit
 def _compact(cand, keep, ar_kp, ar_cw):
     """Kept candidates (ascending in ``cand`` order) packed into the first slots of a [KP] row."""
     slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
@@ -452,9 +463,10 @@ def _pisa_select_kernel(
         sink = tl.where(cur != 0, 0, -1)
         if FORCE_PREV:
             sink = tl.where(prev == 0, -1, sink)
-    cur_f = tl.where((cur >= 0) & (tl.load(nfv_base + tl.maximum(cur, 0)) <= hz), cur, -1)
-    prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
-    sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
+    LOADED: tl.constexpr = HAS_KPM or HAS_LEN  # else a node's first valid key is its first key
+    cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
+    prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
+    sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
     here = tl.where((p >= 0) & (p < Nk), p // C, -1)
 
     ar_kp = tl.arange(0, KP)
@@ -469,7 +481,8 @@ def _pisa_select_kernel(
         start = tl.where((n_lv <= tl.where(lv > 0, WIDE, TOPK)) & (start == top), lv, start)
     s_off = tl.load(lvl_off_ptr + start)
     s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
-    s_vis = s_in & (tl.load(nfv_base + s_off + ar_kp, mask=s_in, other=Nk) <= hz)
+    s_span = tl.load(lvl_span_ptr + start)
+    s_vis = s_in & (_first_valid(nfv_base, s_off, tl.where(s_in, ar_kp, 0), s_span, Nk, C, LOADED) <= hz)
     kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
     for it in range(0, N_LEVELS - 1):
         lv = top - 1 - it
@@ -486,7 +499,7 @@ def _pisa_select_kernel(
             cand = par_id * BR + j
             valid = par_ok & (j < BR) & (cand < n_lv)
             cand = tl.where(valid, cand, 0)
-            valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz)
+            valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
             forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
             forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
             forced = forced & valid
