@@ -19,6 +19,10 @@ checks that they select and output what the tree's do (see ``pisa_select_ab.py``
     mkdir -p .ab && git show HEAD:sparseflow/kernels/token_sparse_triton.py > .ab/token_sparse_triton.py
     for f in triton_select triton_select_scan; do git show HEAD:sparseflow/methods/pisa/$f.py > .ab/$f.py; done
     python benchmarks/studies/pisa_layer_kernels.py --real 3,15,27 --old .ab
+
+``--pdl`` also times the op, the selection and the attention with their kernels chained by
+programmatic dependent launch (``sparseflow.kernels.pdl``), and checks that they output what the
+plain launches do.
 """
 
 import argparse
