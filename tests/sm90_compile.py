@@ -254,6 +254,28 @@ def run_pbs_strided(cases):
         )
 
 
+def _pair_index(n_seg, **launch):
+    """The scan's one-program pair index for ``n_seg`` segments (CPU tensors: the selection would
+    take its torch form), with extra ``launch`` arguments."""
+    from sparseflow.methods.pisa import triton_select_scan as PS
+
+    seg_end, chunk_end, prog_seg = (torch.empty(n, dtype=torch.int32) for n in (n_seg, n_seg, 2 * n_seg))
+    PS._pair_index_kernel[(1,)](
+        torch.zeros(n_seg, dtype=torch.int32),
+        seg_end,
+        chunk_end,
+        prog_seg,
+        n_seg,
+        prog_seg.numel(),
+        128,
+        SEG_P=triton.next_power_of_2(n_seg),
+        LOG_SEG=triton.next_power_of_2(n_seg).bit_length() - 1,
+        BLOCK=1024,
+        num_warps=4,
+        **launch,
+    )
+
+
 def run_pisa_bsa(cases):
     from sparseflow.methods.bsa import triton_impl as BI
     from sparseflow.methods.pisa import triton_impl as PI
@@ -276,24 +298,10 @@ def run_pisa_bsa(cases):
         torch.ops.sparseflow.token_tile_lists(sel, block_m, 15)
     # the pyramid's level tables and the scan's leaf-pair index (on a GPU the selection launches
     # these one-program kernels; CPU tensors take their torch forms)
-    from sparseflow.methods.pisa import triton_select_scan as PS
 
     torch.ops.sparseflow.pisa_level_tables(15, 2, 5, torch.device("cpu"))
     for n_seg in (384, 4096):
-        seg_end, chunk_end, prog_seg = (torch.empty(n, dtype=torch.int32) for n in (n_seg, n_seg, 2 * n_seg))
-        PS._pair_index_kernel[(1,)](
-            torch.zeros(n_seg, dtype=torch.int32),
-            seg_end,
-            chunk_end,
-            prog_seg,
-            n_seg,
-            prog_seg.numel(),
-            128,
-            SEG_P=triton.next_power_of_2(n_seg),
-            LOG_SEG=triton.next_power_of_2(n_seg).bit_length() - 1,
-            BLOCK=1024,
-            num_warps=4,
-        )
+        _pair_index(n_seg)
 
 
 def run_pisa_tiled(cases):
@@ -354,23 +362,7 @@ def run_pdl_chain():
         TS.token_sparse_attention(q, k, v, idx, block_size=64)
         sel = torch.zeros(1, 3, 2048, 8, dtype=torch.int32)
         torch.ops.sparseflow.token_tile_lists(sel, 21, 32)
-        n_seg = 384
-        seg_end, chunk_end, prog_seg = (torch.empty(n, dtype=torch.int32) for n in (n_seg, n_seg, 2 * n_seg))
-        PS._pair_index_kernel[(1,)](
-            torch.zeros(n_seg, dtype=torch.int32),
-            seg_end,
-            chunk_end,
-            prog_seg,
-            n_seg,
-            prog_seg.numel(),
-            128,
-            SEG_P=512,
-            LOG_SEG=9,
-            BLOCK=1024,
-            num_warps=4,
-            PDL=True,
-            launch_pdl=True,
-        )
+        _pair_index(384, PDL=True, launch_pdl=True)
     finally:
         pdl.device_supports, PS.LAUNCH["pdl"], TS.PDL_CHAIN = saved
 
