@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
 import sparseflow.graph_replay  # noqa: E402
-from common import mean_s_back_to_back  # noqa: E402
+from common import graph_us_per_call, mean_s_back_to_back  # noqa: E402
 
 
 def per_call_us(fn, reps: int) -> float:
@@ -52,7 +52,7 @@ def profile_calls(fn, calls: int = 100) -> str:
 def host_and_gpu_us(fn, calls: int = 20) -> dict:
     """Host microseconds per call to enqueue ``calls`` calls after a sync (few enough that the
     launch queue never fills), and device microseconds per call from one CUDA graph replay of
-    ``calls`` calls (None when the call cannot be captured)."""
+    ``calls`` calls (the error, as text, when the call cannot be captured)."""
     import time
 
     fn()
@@ -62,25 +62,8 @@ def host_and_gpu_us(fn, calls: int = 20) -> dict:
         fn()
     host = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
-    gpu = None
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        gpu = start.elapsed_time(end) * 1e3 / calls
+        gpu = graph_us_per_call(fn, calls=calls, replays=1, warmup=1)
     except Exception as exc:  # report, do not fail the run
         gpu = f"{type(exc).__name__}: {exc}"[:160]
     return {"host_us": host, "gpu_us": gpu}

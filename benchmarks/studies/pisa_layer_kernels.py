@@ -100,11 +100,15 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False)
     attention_out = calls["token-sparse attention"]()
     checks = {}
     if pdl:
+        op_out = calls["pisa op"]()
         calls["pisa op, pdl chain"] = with_pdl_chain(calls["pisa op"])
         calls["pisa selection, pdl chain"] = with_pdl_chain(calls["pisa selection"])
         calls["token-sparse attention, pdl chain"] = with_pdl_chain(calls["token-sparse attention"])
         checks["pdl chain selection equal"] = bool(torch.equal(calls["pisa selection, pdl chain"](), idx))
-        checks["pdl chain op output equal"] = bool(torch.equal(calls["pisa op, pdl chain"](), calls["pisa op"]()))
+        checks["pdl chain attention output equal"] = bool(
+            torch.equal(calls["token-sparse attention, pdl chain"](), attention_out)
+        )
+        checks["pdl chain op output equal"] = bool(torch.equal(calls["pisa op, pdl chain"](), op_out))
     if old is not None:
         old_select, old_attention = old
         calls["old selection"] = lambda: old_select.pisa_select(q, k, index_dtype=torch.int32)
