@@ -4,8 +4,9 @@ device the op runs on (issue 5), once per shape bucket.
 The first call of a (method, device, dtype, heads, head dim, config, length bucket) runs every
 candidate backend on the call's own inputs (warm-up runs, which also compile flex and record a
 CUDA graph, then timed runs with CUDA events) and keeps the fastest for later calls of that key;
-the choice is what the op's report shows as the call's backend. ``SPARSEFLOW_AUTO_BACKEND=<backend>`` skips the
-measurement and forces one. On the CPU ``auto`` is the reference: compiled flex costs seconds
+the choice is what the op's report shows as the call's backend. ``chooser.force(<backend>)`` (or
+``SPARSEFLOW_AUTO_BACKEND=<backend>`` in the environment) skips the measurement and forces one;
+both are read when a key is decided, so a decided call costs no lookup of them. On the CPU ``auto`` is the reference: compiled flex costs seconds
 per new shape there, and Triton runs only in its interpreter.
 
 The choices live in a ``BackendChooser`` that a caller may own; the default one is per process,
@@ -34,8 +35,10 @@ def _bucket(n: int) -> int:
 
 
 class BackendChooser:
-    def __init__(self, reps: int = 3, warmups: int = 4, margin: float = 1.03):
+    def __init__(self, reps: int = 3, warmups: int = 4, margin: float = 1.03, forced: Optional[str] = None):
         self.reps = int(reps)
+        # the backend every decision takes without measuring (None: measure); see force()
+        self.forced = _checked_forced(forced)
         # a preferred candidate (dense SDPA: exact) gives way only to one at least this many
         # times faster, so a near-tie measured on one call never trades exactness for noise;
         # 1.03 keeps auto within 3% of the fastest backend
@@ -63,6 +66,22 @@ class BackendChooser:
         self.timings.clear()
         self.decisions.clear()
         self.planned_calls.clear()
+
+    def force(self, backend: Optional[str]) -> None:
+        """Every later decision takes ``backend`` without measuring (``None``: measure again).
+        The decisions made so far are forgotten (:meth:`clear`), so the next calls decide anew;
+        a backend a call cannot run is refused with a ``ValueError`` when that call decides."""
+        forced = _checked_forced(backend)
+        self.clear()
+        self.forced = forced
+
+    def forcing(self) -> Optional[Tuple[str, str]]:
+        """``(backend, where it was set)`` when decisions are forced (:meth:`force` first, then
+        the environment), else None."""
+        if self.forced:
+            return self.forced, "BackendChooser.force"
+        env = os.environ.get(ENV_OVERRIDE)
+        return (env, ENV_OVERRIDE) if env else None
 
     def _time(self, run: Callable[[str], torch.Tensor], name: str) -> float:
         """Milliseconds per call after the warm-up calls (which compile / autotune / record a CUDA
@@ -104,10 +123,11 @@ class BackendChooser:
     ) -> str:
         """The fastest of ``candidates`` on ``run`` (measured once per key), where ``prefer``
         keeps the choice unless the fastest beats it by :attr:`margin`."""
-        forced = os.environ.get(ENV_OVERRIDE)
-        if forced:
+        forcing = self.forcing()
+        if forcing is not None:
+            forced, source = forcing
             if forced not in candidates:
-                raise ValueError(f"{ENV_OVERRIDE} must be one of {list(candidates)} for {key[0]}, got {forced!r}")
+                raise ValueError(f"{source} must be one of {list(candidates)} for {key[0]}, got {forced!r}")
             return forced
         if key in self.choices:
             return self.choices[key]
@@ -140,6 +160,12 @@ class BackendChooser:
             ", ".join(f"{n}={t:.3f}" for n, t in times.items()),
         )
         return best
+
+
+def _checked_forced(backend: Optional[str]) -> Optional[str]:
+    if backend is not None and (type(backend) is not str or not backend):
+        raise TypeError(f"a forced backend must be a backend name (str) or None, got {backend!r}")
+    return backend
 
 
 default_chooser = BackendChooser()

@@ -25,7 +25,6 @@ import importlib.util
 import inspect
 import itertools
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -319,7 +318,6 @@ def _auto_key(entry: _ConfigEntry, q, k, mask) -> Tuple:
         _autobackend._bucket(k.shape[2]),
         mask.is_causal,
         mask.key_padding_mask is not None,
-        os.environ.get(_autobackend.ENV_OVERRIDE),
     )
 
 
@@ -359,7 +357,11 @@ def _decide(
     choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run, prefer=DENSE_CHOICE)
     if choice != DENSE_CHOICE:
         return choice, None
-    times = chooser.timings.get(key, {})
+    forcing = chooser.forcing()
+    times = None if forcing else chooser.timings.get(key)
+    if not times:  # decided without measuring
+        how = f"forced by {forcing[1]}" if forcing else f"no sparse backend can run {method} here"
+        return choice, f"backend='auto' runs dense SDPA, {how} (on {_device_name(q.device)})"
     others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
     dense_ms = times.get(DENSE_CHOICE, float("nan"))
     if any(t < dense_ms for b, t in times.items() if b != DENSE_CHOICE):
@@ -884,11 +886,9 @@ def _attention_noting_replay(known, q, k, v, config, is_causal, scale, backend, 
 def _call_signature(q, k, v, is_causal, scale, backend) -> Tuple:
     """What a call's plan depends on besides the config, tuning, backend and tag (cf.
     :func:`_plan_memo_key`)."""
-    override = os.environ.get(_autobackend.ENV_OVERRIDE) if backend == "auto" else None
     return (
         is_causal,
         scale,
-        override,
         q.shape,
         k.shape,
         v.shape,

@@ -336,6 +336,43 @@ def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
         default_chooser.clear()
 
 
+def test_auto_forced_backend_is_typed_taken_without_measuring_and_reported(monkeypatch):
+    import sparseflow.ops as ops
+    from sparseflow.autobackend import BackendChooser, default_chooser
+
+    with pytest.raises(TypeError, match="forced backend"):
+        BackendChooser(forced=3)
+    with pytest.raises(TypeError, match="forced backend"):
+        BackendChooser().force("")
+    monkeypatch.setattr(
+        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+    )
+    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    q, k, v = (torch.randn(1, h, 300, 16) for h in (4, 2, 2))
+    cfg = PISAConfig(block_size=16, top_k=3)
+
+    def backend_and_reason():
+        with sparseflow.capture() as cap:
+            sparseflow.attention(q, k, v, config=cfg, backend="auto")
+        return cap.calls[-1].backend, cap.calls[-1].reason
+
+    try:
+        default_chooser.force("sdpa")
+        backend, reason = backend_and_reason()
+        assert backend == "sdpa" and "forced by BackendChooser.force" in reason
+        assert not default_chooser.timings  # nothing was measured
+        default_chooser.force("reference")  # forgets the decision made under the other force
+        assert backend_and_reason()[0] == "reference"
+        default_chooser.force("cuda-graphs")
+        with pytest.raises(ValueError, match="BackendChooser.force must be one of"):
+            backend_and_reason()
+        default_chooser.force(None)  # measures again
+        backend_and_reason()
+        assert default_chooser.timings
+    finally:
+        default_chooser.force(None)
+
+
 def test_auto_backend_is_reference_on_cpu_and_recorded():
     q = torch.randn(1, 2, 300, 16)
     k = torch.randn(1, 1, 300, 16)
