@@ -155,6 +155,38 @@ def test_noted_dense_call_goes_to_sdpa_and_still_records(monkeypatch):
     assert tally == {("layer", "pbs"): {reason: 1}}
 
 
+class _CountingEnviron(dict):
+    """os.environ's stand-in that counts the reads a call makes."""
+
+    reads = 0
+
+    def get(self, key, default=None):
+        type(self).reads += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        type(self).reads += 1
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        type(self).reads += 1
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_noted_dense_call_reads_nothing_from_the_environment(monkeypatch, backend):
+    # a decided call must cost what SDPA costs: an environment read was 1-4 us a layer
+    import os
+
+    q, k, v = _qkv(32)
+    known = {}
+    _any_layout(q, k, v, known, backend=backend)
+    monkeypatch.setattr(os, "environ", _CountingEnviron(os.environ))
+    _CountingEnviron.reads = 0
+    _any_layout(q, k, v, known, backend=backend)
+    assert _CountingEnviron.reads == 0
+
+
 def test_noted_sparse_call_is_planned_through_the_memo_and_stays_sparse():
     q, k, v = _qkv(128)
     known = {}
