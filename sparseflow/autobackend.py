@@ -6,8 +6,9 @@ candidate backend on the call's own inputs (warm-up runs, which also compile fle
 CUDA graph, then timed runs with CUDA events) and keeps the fastest for later calls of that key;
 the choice is what the op's report shows as the call's backend. ``chooser.force(<backend>)`` (or
 ``SPARSEFLOW_AUTO_BACKEND=<backend>`` in the environment) skips the measurement and forces one;
-both are read when a key is decided, so a decided call costs no lookup of them. On the CPU ``auto`` is the reference: compiled flex costs seconds
-per new shape there, and Triton runs only in its interpreter.
+both are read when a key is decided, so a decided call costs no lookup of them. On the CPU
+``auto`` is the reference: compiled flex costs seconds per new shape there, and Triton runs only
+in its interpreter.
 
 The choices live in a ``BackendChooser`` that a caller may own; the default one is per process,
 like Triton's autotuning cache, and ``clear()`` empties it.
@@ -37,8 +38,9 @@ def _bucket(n: int) -> int:
 class BackendChooser:
     def __init__(self, reps: int = 3, warmups: int = 4, margin: float = 1.03, forced: Optional[str] = None):
         self.reps = int(reps)
-        # the backend every decision takes without measuring (None: measure); see force()
-        self.forced = _checked_forced(forced)
+        # the backend every decision takes without measuring (None: measure); set through force(),
+        # which also forgets the decisions made before it
+        self._forced = _checked_forced(forced)
         # a preferred candidate (dense SDPA: exact) gives way only to one at least this many
         # times faster, so a near-tie measured on one call never trades exactness for noise;
         # 1.03 keeps auto within 3% of the fastest backend
@@ -73,13 +75,13 @@ class BackendChooser:
         a backend a call cannot run is refused with a ``ValueError`` when that call decides."""
         forced = _checked_forced(backend)
         self.clear()
-        self.forced = forced
+        self._forced = forced
 
     def forcing(self) -> Optional[Tuple[str, str]]:
         """``(backend, where it was set)`` when decisions are forced (:meth:`force` first, then
         the environment), else None."""
-        if self.forced:
-            return self.forced, "BackendChooser.force"
+        if self._forced:
+            return self._forced, "BackendChooser.force"
         env = os.environ.get(ENV_OVERRIDE)
         return (env, ENV_OVERRIDE) if env else None
 
