@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from _cuda_graphs import capture
 
 import sparseflow
 from sparseflow import BSAConfig, PBSConfig, PISAConfig, Tuning
@@ -212,10 +213,7 @@ def test_a_users_own_capture_records_the_kernels():
     cfg = _CONFIGS["pbs"]
     q, k, v = (t.contiguous() for t in _hf_qkv(400, 0))
     with torch.no_grad():
-        sparseflow.attention(q, k, v, config=cfg, backend="triton")  # compile and autotune outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+        graph, out = capture(lambda: sparseflow.attention(q, k, v, config=cfg, backend="triton"))
         for seed in (1, 2):
             fresh = _hf_qkv(400, seed)
             for static, new in zip((q, k, v), fresh):

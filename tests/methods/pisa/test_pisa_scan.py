@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from _cuda_graphs import capture
 from _pisa_walk_inputs import walk_inputs
 
 import sparseflow
@@ -268,14 +269,7 @@ def test_cuda_pdl_chain_computes_the_plain_launches_output(monkeypatch):
     monkeypatch.setitem(scan.LAUNCH, "pdl", 1)
     monkeypatch.setattr(tst, "PDL_CHAIN", True)
     assert torch.equal(run(), plain)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture(run)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
