@@ -125,12 +125,24 @@ class BackendChooser:
     ) -> str:
         """The fastest of ``candidates`` on ``run`` (measured once per key), where ``prefer``
         keeps the choice unless the fastest beats it by :attr:`margin`."""
+        return self.decide(key, candidates, run, prefer)[0]
+
+    def decide(
+        self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor], prefer: Optional[str] = None
+    ) -> Tuple[str, Optional[Tuple[str, str]]]:
+        """:meth:`choose`'s choice with the :meth:`forcing` it obeyed (None when it measured or
+        recalled), so that a caller reporting why need not read the override again."""
         forcing = self.forcing()
         if forcing is not None:
             forced, source = forcing
             if forced not in candidates:
                 raise ValueError(f"{source} must be one of {list(candidates)} for {key[0]}, got {forced!r}")
-            return forced
+            return forced, forcing
+        return self._measured_choice(key, candidates, run, prefer), None
+
+    def _measured_choice(
+        self, key: Tuple, candidates: Sequence[str], run: Callable[[str], torch.Tensor], prefer: Optional[str]
+    ) -> str:
         if key in self.choices:
             return self.choices[key]
         if len(candidates) == 1:

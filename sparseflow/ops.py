@@ -354,10 +354,10 @@ def _decide(
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
         return _replayed_or_launched(method, name, entry, q, k, v, mask, scale)
 
-    choice = chooser.choose(key, _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE], run, prefer=DENSE_CHOICE)
+    candidates = _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE]
+    choice, forcing = chooser.decide(key, candidates, run, prefer=DENSE_CHOICE)
     if choice != DENSE_CHOICE:
         return choice, None
-    forcing = chooser.forcing()
     times = None if forcing else chooser.timings.get(key)
     if not times:  # decided without measuring
         how = f"forced by {forcing[1]}" if forcing else f"no sparse backend can run {method} here"

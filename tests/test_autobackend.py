@@ -38,11 +38,11 @@ def measured(monkeypatch):
         ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
     )
     monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
-    real_choose, real_name = BackendChooser.choose, ops._device_name
+    real_decide, real_name = BackendChooser.decide, ops._device_name
 
-    def choose(self, *a, **kw):
+    def decide(self, *a, **kw):
         counts["choose"] += 1
-        return real_choose(self, *a, **kw)
+        return real_decide(self, *a, **kw)
 
     def time_(self, run, name):
         counts["time"] += 1
@@ -52,7 +52,7 @@ def measured(monkeypatch):
         counts["device_name"] += 1
         return real_name(device)
 
-    monkeypatch.setattr(BackendChooser, "choose", choose)
+    monkeypatch.setattr(BackendChooser, "decide", decide)
     monkeypatch.setattr(BackendChooser, "_time", time_)
     monkeypatch.setattr(ops, "_device_name", device_name)
     default_chooser.clear()

@@ -373,6 +373,27 @@ def test_auto_forced_backend_is_typed_taken_without_measuring_and_reported(monke
         default_chooser.force(None)
 
 
+def test_auto_reads_the_override_once_when_it_decides(monkeypatch):
+    # the decision and its report come from one read of the override
+    import sparseflow.ops as ops
+    from sparseflow.autobackend import ENV_OVERRIDE, default_chooser
+
+    monkeypatch.setattr(
+        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+    )
+    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    reads = []
+    forcing = default_chooser.forcing
+    monkeypatch.setattr(default_chooser, "forcing", lambda: reads.append(1) or forcing())
+    monkeypatch.setenv(ENV_OVERRIDE, "sdpa")
+    default_chooser.clear()
+    q, k, v = (torch.randn(1, h, 300, 16) for h in (4, 2, 2))
+    with sparseflow.capture() as cap:
+        sparseflow.attention(q, k, v, config=PISAConfig(block_size=16, top_k=3), backend="auto")
+    assert cap.calls[-1].backend == "sdpa" and f"forced by {ENV_OVERRIDE}" in cap.calls[-1].reason
+    assert len(reads) == 1
+
+
 def test_auto_backend_is_reference_on_cpu_and_recorded():
     q = torch.randn(1, 2, 300, 16)
     k = torch.randn(1, 1, 300, 16)
