@@ -1,0 +1,144 @@
+"""What each Triton kernel of one PISA, BSA or PBS call asks of an H200's multiprocessor, compiled
+for sm_90 on a machine without a GPU (tests/sm90_compile.py's driver): registers a thread,
+local memory (spills), shared memory, warps, and the programs an SM can hold with what limits
+them. A kernel whose registers allow two programs an SM hides latency worse than one that
+allows eight; this says which, before any device time is spent.
+
+    python benchmarks/studies/kernel_resources.py --method pisa --n 8192 --json benchmarks/results/kernel_resources_pisa_8k_cpu.json
+
+SmolLM2's attention shape (B 1, Hq 9, Hkv 3, D 64), bf16, causal, each method's defaults.
+Nothing runs: the kernels' launch sizes are the ones the call picks for that shape, but a launch
+whose size depends on what an earlier kernel wrote (the scan's leaf-pair chunks) sees zeros.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
+
+# an H200 multiprocessor (sm_90): what the programs resident on it share
+SM_REGISTERS = 65536
+REGISTER_UNIT = 256  # registers are given to a warp in multiples of this
+SM_WARPS = 64
+SM_BLOCKS = 32
+SM_SHARED = 233472  # 228 KiB, of which each program's launch reserves 1 KiB
+SHARED_RESERVED = 1024
+
+
+def programs_per_sm(registers: int, warps: int, shared: int) -> Dict[str, int]:
+    """Programs one SM can hold: ``"by"`` each limit (``registers`` a thread, ``warps`` a
+    program, ``shared`` bytes a program), ``"programs"`` the smallest, ``"limit"`` its name."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT if registers else 0
+    by = {
+        "registers": (SM_REGISTERS // per_warp) // warps if per_warp else SM_BLOCKS,
+        "warps": SM_WARPS // warps,
+        "shared": SM_SHARED // (shared + SHARED_RESERVED),
+        "blocks": SM_BLOCKS,
+    }
+    low = min(by.values())
+    return {"by": by, "programs": low, "limit": "=".join(name for name, n in by.items() if n == low)}
+
+
+def cubin_usage(cubin: bytes, cuobjdump: str) -> Dict[str, int]:
+    """``REG`` and ``LOCAL`` (spill and stack bytes a thread) of a cubin, from ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {key: int(val) for key, val in re.findall(r"(REG|LOCAL|STACK):(\d+)", text)}
+    return {"registers": usage.get("REG", 0), "local": usage.get("LOCAL", 0) + usage.get("STACK", 0)}
+
+
+def drive(method: str, n: int) -> None:
+    import torch
+
+    import sm90_compile as S
+
+    q, k, v = S._qkv(1, 9, 3, n, 64, torch.bfloat16)
+    if method == "pisa":
+        from sparseflow import Tuning
+        from sparseflow.methods.pisa import triton_impl
+
+        triton_impl.pisa_attention(q, k, v, tuning=Tuning(pisa_walk="scan"))  # "auto" picks it on CUDA
+        # on a GPU the selection launches these; CPU tensors take their torch forms
+        torch.ops.sparseflow.token_tile_lists(torch.zeros(1, 3, n, 8, dtype=torch.int32), 21, -(-n // 64))
+        S._pair_index(3 * -(-n // 64))
+    elif method == "bsa":
+        from sparseflow.methods.bsa import triton_impl
+
+        triton_impl.bsa_attention(q, k, v)
+        torch.ops.sparseflow.token_tile_lists(torch.zeros(1, 3, n, 8, dtype=torch.int32), 21, -(-n // 64))
+    else:
+        from sparseflow.methods.pbs import triton_impl
+
+        triton_impl._use_kernels = lambda t: True
+        triton_impl.pbs_attention(q, k, v)
+
+
+def collect(method: str, n: int) -> List[Dict[str, object]]:
+    import triton
+
+    import sm90_compile as S
+
+    seen: Dict[str, Dict[str, object]] = {}
+    compile_only = S._orig_run
+
+    def keep(self, *args, grid, warmup, **kwargs):
+        kernel = compile_only(self, *args, grid=grid, warmup=True, **kwargs)
+        seen.setdefault(f"{self.__name__} {kernel.hash[:8]}", {"name": self.__name__, "kernel": kernel})
+        return kernel
+
+    S._orig_run = keep
+    S.install()
+    drive(method, n)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    rows = []
+    for entry in seen.values():
+        kernel = entry["kernel"]
+        md = kernel.metadata
+        usage = cubin_usage(kernel.asm["cubin"], cuobjdump)
+        fit = programs_per_sm(usage["registers"], md.num_warps, md.shared)
+        rows.append(
+            {
+                "kernel": entry["name"],
+                "warps": md.num_warps,
+                "stages": md.num_stages,
+                "shared": md.shared,
+                **usage,
+                **fit,
+            }
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", choices=("pisa", "bsa", "pbs"), default="pisa")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = collect(args.method, args.n)
+    print(f"{args.method} at N={args.n}, sm_90 (H200: 64K registers, 64 warps, 32 programs, 228 KiB shared an SM)")
+    print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM")
+    for r in rows:
+        print(
+            f"{r['kernel'][:34]:34s} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} {r['local']:6d} "
+            f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d}"
+        )
+    if args.json:
+        from common import env_info, write_result
+
+        write_result(args.json, env_info("cpu"), args, target="sm_90 (compiled on the CPU)", kernels=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""benchmarks/studies/kernel_resources.py: the programs an H200 SM holds, by registers, warps,
+shared memory and the program cap, with the limit (or tied limits) named."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "studies"))
+
+import kernel_resources as kr  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "registers, warps, shared, programs, limit",
+    [
+        (96, 8, 28672, 2, "registers"),  # 3072 registers a warp: 21 warps, two 8-warp programs
+        (63, 1, 64, 32, "registers=blocks"),  # rounded to 64 a thread: 32 one-warp programs, the cap too
+        (32, 4, 200 * 1024, 1, "shared"),
+        (16, 32, 0, 2, "warps"),
+        (168, 4, 24576, 3, "registers"),  # 168 x 32 = 5376 a warp: 12 warps
+    ],
+    ids=["node-scan", "walk-tie", "shared-bound", "warp-bound", "leaf-pairs"],
+)
+def test_programs_an_sm_holds_and_what_limits_them(registers, warps, shared, programs, limit):
+    got = kr.programs_per_sm(registers, warps, shared)
+    assert (got["programs"], got["limit"]) == (programs, limit)
+    assert got["programs"] == min(got["by"].values())
