@@ -345,26 +345,26 @@ def run_pisa_scan(cases):
 
 
 def run_pdl_chain():
-    """The scan's and the attention's kernels launched as links of a PDL chain (kernels.pdl):
-    their griddepcontrol instructions are GPU-only PTX."""
+    """The scan's and the attention's kernels launched as links of a PDL chain (``Tuning(pdl=True)``,
+    kernels.pdl): their griddepcontrol instructions are GPU-only PTX."""
     from sparseflow import Tuning
     from sparseflow.kernels import pdl
     from sparseflow.kernels import token_sparse_triton as TS
-    from sparseflow.methods.pisa import triton_select as PT
-    from sparseflow.methods.pisa import triton_select_scan as PS
+    from sparseflow.methods.bsa import triton_impl as BI
+    from sparseflow.methods.pisa import triton_impl as PI
 
-    saved = pdl.device_supports, PS.LAUNCH["pdl"], TS.PDL_CHAIN
+    saved = pdl.device_supports
     pdl.device_supports = lambda t: True
-    PS.LAUNCH["pdl"], TS.PDL_CHAIN = 1, True
     try:
         q, k, v = _qkv(1, 9, 3, 2048, 64, torch.bfloat16)
-        idx = PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="scan"), index_dtype=torch.int32)
-        TS.token_sparse_attention(q, k, v, idx, block_size=64)
+        PI.pisa_attention(q, k, v, block_size=64, top_k=8, tuning=Tuning(pisa_walk="scan", pdl=True))
+        BI.bsa_attention(q, k, v, block_size=64, top_k=8, tuning=Tuning(pdl=True))
         sel = torch.zeros(1, 3, 2048, 8, dtype=torch.int32)
-        torch.ops.sparseflow.token_tile_lists(sel, 21, 32)
+        torch.ops.sparseflow.token_tile_lists(sel, 21, 32, True)
+        TS.token_sparse_attention(q, k, v, sel, block_size=64, pdl=True)
         _pair_index(384, PDL=True, launch_pdl=True)
     finally:
-        pdl.device_supports, PS.LAUNCH["pdl"], TS.PDL_CHAIN = saved
+        pdl.device_supports = saved
 
 
 def run_bsa_bf16():

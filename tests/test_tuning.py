@@ -60,6 +60,7 @@ def test_defaults_are_the_former_environment_defaults():
         ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
         ("cuda_graphs", 1, TypeError, ["cuda_graphs", "bool"]),
         ("cuda_graphs", None, TypeError, ["cuda_graphs", "bool"]),
+        ("pdl", 1, TypeError, ["pdl", "bool"]),
         ("pisa_warps", 3, ValueError, ["pisa_warps", "[1, 2, 4, 8, 16, 32]"]),
         ("pisa_warps", 4.0, TypeError, ["pisa_warps", "int"]),
         ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
@@ -90,14 +91,17 @@ def test_entry_points_refuse_a_non_tuning(plain_attention):
 def test_schemas_carry_each_methods_tuning_fields():
     schema = {m: str(ops.op_for(m)._schema) for m in ("dense", "pbs", "pisa", "bsa")}
     assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, bool cuda_graphs, str backend" in schema["pbs"]
-    assert "int? pisa_warps, int? pisa_leaf_bytes, bool cuda_graphs, str backend" in schema["pisa"]
-    assert "float? scale, int block_size" in schema["bsa"] and "bool cuda_graphs, str backend" in schema["bsa"]
+    assert "int? pisa_warps, int? pisa_leaf_bytes, bool cuda_graphs, bool pdl, str backend" in schema["pisa"]
+    assert (
+        "float? scale, int block_size" in schema["bsa"] and "bool cuda_graphs, bool pdl, str backend" in schema["bsa"]
+    )
     for m in ("dense", "bsa"):
         assert "pbs_" not in schema[m] and "pisa_" not in schema[m]
     assert "cuda_graphs" not in schema["dense"]  # the dense op runs SDPA: nothing to replay
-    t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False)
+    assert "pdl" not in schema["pbs"] and "pdl" not in schema["dense"]  # their kernels do not chain
+    t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False, pdl=True)
     assert ops.op_args(PBS_SMALL, t)[-4:] == ["auto", "gather", True, False]
-    assert ops.op_args(PISA_SMALL, t)[-3:] == [2, None, False]
+    assert ops.op_args(PISA_SMALL, t)[-4:] == [2, None, False, True]
     assert ops.op_args(PBS_SMALL)[-4:] == ["auto", "permuted", True, True]  # default: Tuning()
 
 

@@ -21,8 +21,8 @@ checks that they select and output what the tree's do (see ``pisa_select_ab.py``
     python benchmarks/studies/pisa_layer_kernels.py --real 3,15,27 --old .ab
 
 ``--pdl`` also times the op, the selection and the attention with their kernels chained by
-programmatic dependent launch (``sparseflow.kernels.pdl``), and checks that they output what the
-plain launches do.
+programmatic dependent launch (``Tuning(pdl=True)``, ``sparseflow.kernels.pdl``), and checks that
+they output what the plain launches do.
 """
 
 import argparse
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402,F401
+from sparseflow import Tuning  # noqa: E402
 from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense, write_result  # noqa: E402
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
@@ -74,18 +75,7 @@ def parse_launches(text: str):
     return out
 
 
-def with_pdl_chain(fn):
-    """``fn`` run with every kernel of the op launched as a link of a PDL chain (kernels.pdl)."""
-
-    def run():
-        saved = scan.LAUNCH["pdl"], tst.PDL_CHAIN
-        scan.LAUNCH["pdl"], tst.PDL_CHAIN = 1, True
-        try:
-            return fn()
-        finally:
-            scan.LAUNCH["pdl"], tst.PDL_CHAIN = saved
-
-    return run
+CHAINED = Tuning(pdl=True)
 
 
 def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False):
@@ -101,9 +91,11 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False)
     checks = {}
     if pdl:
         op_out = calls["pisa op"]()
-        calls["pisa op, pdl chain"] = with_pdl_chain(calls["pisa op"])
-        calls["pisa selection, pdl chain"] = with_pdl_chain(calls["pisa selection"])
-        calls["token-sparse attention, pdl chain"] = with_pdl_chain(calls["token-sparse attention"])
+        calls["pisa op, pdl chain"] = lambda: pisa_attention(q, k, v, tuning=CHAINED)
+        calls["pisa selection, pdl chain"] = lambda: pisa_select(q, k, index_dtype=torch.int32, tuning=CHAINED)
+        calls["token-sparse attention, pdl chain"] = lambda: token_sparse_attention(
+            q, k, v, idx, block_size=64, pdl=True
+        )
         checks["pdl chain selection equal"] = bool(torch.equal(calls["pisa selection, pdl chain"](), idx))
         checks["pdl chain attention output equal"] = bool(
             torch.equal(calls["token-sparse attention, pdl chain"](), attention_out)

@@ -12,6 +12,7 @@ every boundary. Imported lazily; this module imports Triton.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
@@ -21,6 +22,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._triton_env import interpreting
 
 __all__ = ["pdl_start", "pdl_launch", "device_supports"]
+
+_log = logging.getLogger("sparseflow")
 
 
 @triton.jit
@@ -44,6 +47,16 @@ def device_supports(t: torch.Tensor) -> bool:
 
 def pdl_launch(t: torch.Tensor, wanted: bool) -> dict:
     """The launch arguments of a PDL-capable kernel working on ``t``'s device: ``PDL`` and
-    ``launch_pdl``, on when ``wanted`` and :func:`device_supports` (else the plain launch)."""
+    ``launch_pdl``, on when ``wanted`` and :func:`device_supports` (else the plain launch).
+    Traced by ``torch.compile`` the launch is plain (logged once): Inductor launches a user
+    kernel through its own launcher, which has not been checked with the launch attribute."""
     on = bool(wanted) and device_supports(t)
+    if on and torch.compiler.is_compiling():
+        _note_plain_under_compile()
+        on = False
     return {"PDL": on, "launch_pdl": on}
+
+
+@functools.lru_cache(maxsize=1)
+def _note_plain_under_compile() -> None:
+    _log.info("sparseflow: Tuning(pdl=True) launches plainly inside torch.compile (eager calls and CUDA graphs chain)")

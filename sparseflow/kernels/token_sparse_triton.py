@@ -50,11 +50,14 @@ def _p2(x: int, lo: int = 16) -> int:
 _LISTS_KERNEL_MAX = 4096
 
 
-def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def tile_block_lists(
+    block_indices: torch.Tensor, block_m: int, n_blocks: int, pdl: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``[B, Hkv, Nq, K]`` -> (``num [B, Hkv, nQT]`` int32, ``lists [B, Hkv, nQT, block_m*K]``
     int32): each query tile's distinct selected blocks, ascending, then filler ``n_blocks + 1``.
     On a GPU (and under the interpreter) one Triton program per tile builds its list; elsewhere
-    :func:`tile_block_lists_torch`, the same result."""
+    :func:`tile_block_lists_torch`, the same result. ``pdl``: the program is launched as a link
+    of a programmatic-dependent chain (kernels.pdl)."""
     kk = block_indices.shape[-1]
     if block_indices.shape[2] == 1:  # decoding: one row, one tile of its own ids
         block_m = 1
@@ -62,7 +65,7 @@ def tile_block_lists(block_indices: torch.Tensor, block_m: int, n_blocks: int) -
     fits = kk > 0 and _p2(block_m, 1) * _p2(kk, 1) <= _LISTS_KERNEL_MAX
     if on_device and fits and block_indices.shape[2] > 0:
         sel = block_indices.to(torch.int32).contiguous()
-        return torch.ops.sparseflow.token_tile_lists(sel, int(block_m), int(n_blocks))
+        return torch.ops.sparseflow.token_tile_lists(sel, int(block_m), int(n_blocks), bool(pdl))
     return tile_block_lists_torch(block_indices, block_m, n_blocks)
 
 
@@ -166,7 +169,9 @@ def _tile_lists_kernel(
 
 
 @triton_op("sparseflow::token_tile_lists", mutates_args={})
-def token_tile_lists(sel: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def token_tile_lists(
+    sel: torch.Tensor, block_m: int, n_blocks: int, pdl: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch behind :func:`tile_block_lists` (``sel [B, Hkv, Nq, K]`` int32)."""
     b, hkv, n_q, kk = sel.shape
     nqt = -(-n_q // block_m)
@@ -192,13 +197,13 @@ def token_tile_lists(sel: torch.Tensor, block_m: int, n_blocks: int) -> Tuple[to
         TOPK=kk,
         KP=_p2(kk, 1),
         num_warps=4,
-        **pdl_launch(sel, PDL_CHAIN),
+        **pdl_launch(sel, pdl),
     )
     return num, lists
 
 
 @token_tile_lists.register_fake
-def _(sel, block_m, n_blocks):
+def _(sel, block_m, n_blocks, pdl=False):
     b, hkv, n_q, kk = sel.shape
     nqt = -(-n_q // block_m)
     return sel.new_empty(b, hkv, nqt, dtype=torch.int32), sel.new_empty(b, hkv, nqt, block_m * kk, dtype=torch.int32)
@@ -624,8 +629,6 @@ def _bwd_dkdv_kernel(
 # by 4-5%, and 8 warps were slower
 FWD_ROWS = 64
 _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
-# the tile lists and the forward launched as links of a programmatic-dependent chain (kernels.pdl)
-PDL_CHAIN = False
 # each stage past the first holds one more key block and value block in shared memory: the most
 # bytes such a pair may take for 3 stages, and for 2 (sm_90 compiles: 64 x 64 bf16 blocks at 3
 # stages take 56 KiB; 128 x 128 fp32 ones 320 KiB at 3 and 192 at 2, of the H200's 227 KiB a
@@ -685,6 +688,7 @@ def token_sparse_fwd(
     scale: float,
     block_size: int,
     is_causal: bool,
+    pdl: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -728,13 +732,13 @@ def token_sparse_fwd(
         IS_CAUSAL=is_causal,
         **_fwd_launch(k, block_size),
         **_fwd_meta(q, k, block_size, sel.shape[-1]),
-        **pdl_launch(q, PDL_CHAIN),
+        **pdl_launch(q, pdl),
     )
     return out, lse
 
 
 @token_sparse_fwd.register_fake
-def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal):
+def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, pdl=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -789,7 +793,7 @@ def _(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, bl
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, sel, num, lists, kpm, scale, block_size, is_causal = inputs
+    q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, *_ = inputs  # (pdl: the forward's launch only)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sel, num, lists, *([kpm] if kpm is not None else []))
     ctx.has_kpm = kpm is not None
@@ -814,7 +818,7 @@ def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv = token_sparse_bwd(
         grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 token_sparse_fwd.register_autograd(_backward, setup_context=_setup)
@@ -830,8 +834,10 @@ def token_sparse_attention(
     is_causal: bool = True,
     scale: Optional[float] = None,
     block_size: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """``attend_selected_blocks``'s contract (differentiable in q, k, v) on the Triton kernels."""
+    """``attend_selected_blocks``'s contract (differentiable in q, k, v) on the Triton kernels.
+    ``pdl``: the forward's kernels launch as links of a programmatic-dependent chain (kernels.pdl)."""
     b, hq, n_q, d = q.shape
     if v.shape[-1] != d:
         raise ValueError(f"the Triton token-sparse kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
@@ -843,9 +849,9 @@ def token_sparse_attention(
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
-        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1]), n_kb)
+        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1]), n_kb, pdl)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     # the kernel reads any row strides (a model's [B, N, H, D] memory seen as [B, H, N, D] needs no copy)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    out, _ = token_sparse_fwd(q, k, v, sel, num, lists, kpm, sc, int(block_size), bool(is_causal))
+    out, _ = token_sparse_fwd(q, k, v, sel, num, lists, kpm, sc, int(block_size), bool(is_causal), bool(pdl))
     return out

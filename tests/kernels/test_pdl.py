@@ -20,3 +20,38 @@ def test_a_capable_device_chains_when_asked(monkeypatch, wanted):
     monkeypatch.setattr(pdl, "device_supports", lambda t: True)
     on = bool(wanted)
     assert pdl.pdl_launch(torch.zeros(1), wanted) == {"PDL": on, "launch_pdl": on}
+
+
+def test_a_call_traced_by_torch_compile_launches_plainly_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(pdl, "device_supports", lambda t: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    pdl._note_plain_under_compile.cache_clear()
+    with caplog.at_level("INFO", logger="sparseflow"):
+        assert pdl.pdl_launch(torch.zeros(1), True) == {"PDL": False, "launch_pdl": False}
+    assert "launches plainly inside torch.compile" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+@pytest.mark.parametrize("chained", [True, False], ids=["pdl", "plain"])
+def test_tuning_pdl_reaches_every_chainable_launch(monkeypatch, method, chained):
+    """``Tuning(pdl=...)`` through the public op reaches the launches of PISA's scan walk and of
+    the token-sparse attention (PISA's and BSA's), and only as asked."""
+    import sparseflow
+    from sparseflow.kernels import token_sparse_triton as tst
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    asked = []
+
+    def record(t, wanted):
+        asked.append(bool(wanted))
+        return {"PDL": False, "launch_pdl": False}  # the interpreter runs no griddepcontrol
+
+    monkeypatch.setattr(scan, "pdl_launch", record)
+    monkeypatch.setattr(tst, "pdl_launch", record)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 80, 16, generator=g) for h in (4, 2, 2))
+    cfg = {"pisa": sparseflow.PISAConfig, "bsa": sparseflow.BSAConfig}[method](block_size=16, top_k=3)
+    tuning = sparseflow.Tuning(pisa_walk="scan", pdl=chained, cuda_graphs=False)
+    sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=tuning)
+    # PISA: the scan (one decision for its six kernels) and the attention's two; BSA: the attention's two
+    assert asked == [chained] * (3 if method == "pisa" else 2)

@@ -16,6 +16,7 @@ from ...config import backend_config
 from .config import BSAConfig
 from ...kernels import token_blocks as tb
 from ...kernels.token_sparse_triton import token_sparse_attention
+from ...tuning import DEFAULT_TUNING, Tuning
 from .triton_select import bsa_select
 
 __all__ = ["bsa_attention"]
@@ -31,8 +32,10 @@ def bsa_attention(
     is_causal: bool = True,
     scale: Optional[float] = None,
     return_selection: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
     **fields,
 ):
+    """``tuning``: whether the attention's kernels chain (``pdl``, :class:`sparseflow.Tuning`)."""
     cfg = backend_config(BSAConfig, config, fields)
     block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
     force_previous = cfg.force_previous
@@ -49,7 +52,15 @@ def bsa_attention(
         index_dtype=torch.int32,
     )
     out = token_sparse_attention(
-        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
+        q,
+        k,
+        v,
+        idx,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        pdl=tuning.pdl,
     )
     if not return_selection:
         return out

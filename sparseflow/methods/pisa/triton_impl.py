@@ -34,7 +34,8 @@ def pisa_attention(
     tuning: Tuning = DEFAULT_TUNING,
     **fields,
 ):
-    """``tuning``: the selection walk's launch settings (:class:`sparseflow.Tuning`)."""
+    """``tuning``: the selection walk's launch settings and whether the kernels chain
+    (:class:`sparseflow.Tuning`)."""
     cfg = backend_config(PISAConfig, config, fields)
     block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
     score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
@@ -56,7 +57,15 @@ def pisa_attention(
         index_dtype=torch.int32,
     )
     out = token_sparse_attention(
-        q, k, v, idx, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=block_size
+        q,
+        k,
+        v,
+        idx,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        pdl=tuning.pdl,
     )
     if not return_selection:
         return out

@@ -790,7 +790,7 @@ def pisa_select(
         if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k, beam, branching):
             from .triton_select_scan import pisa_select_scan_fwd
 
-            idx = pisa_select_scan_fwd(*args)
+            idx = pisa_select_scan_fwd(*args, tuning.pdl)
         elif _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 

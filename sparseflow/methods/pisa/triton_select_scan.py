@@ -81,7 +81,6 @@ LAUNCH = {
     "scan_dot": "bf16x3",
     "pair_chunks": 4,
     "pair_stages": 1,
-    "pdl": 0,
 }
 
 
@@ -626,6 +625,7 @@ def pisa_select_scan_fwd(
     force_sink: bool,
     force_previous: bool,
     beam: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
@@ -646,7 +646,7 @@ def pisa_select_scan_fwd(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     group = hq // hkv
-    pdl = pdl_launch(q, LAUNCH["pdl"])
+    chain = pdl_launch(q, pdl)
     scan_q, scan_rows = packed_rows(group, LAUNCH["rows"])
     wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
@@ -683,7 +683,7 @@ def pisa_select_scan_fwd(
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype),
         num_warps=LAUNCH["scan_warps"],
-        **pdl,
+        **chain,
     )
     warps, _ = _launch(cw)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
@@ -710,16 +710,16 @@ def pisa_select_scan_fwd(
         LEAF_OUT=leaf_out,
         PAIR_RANKS=leaf_out,
         num_warps=warps,
-        **pdl,
+        **chain,
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
         qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
-        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"], pdl)
+        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"], chain)
         # the keep's and the pair order's tiles: queries padded to a power of two of rows
         bq = queries_per_program(group, LAUNCH["keep_rows"])
         tiles = (triton.cdiv(n_q, bq), b * hkv)
-        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, pdl)
+        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, chain)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
             k,
@@ -753,7 +753,7 @@ def pisa_select_scan_fwd(
             IEEE_KEYS=ieee,
             INTERP=interpreting(),
             num_warps=LAUNCH["leaf_warps"],
-            **pdl,
+            **chain,
         )
         wrap_triton(_leaf_keep_kernel)[tiles](
             cand,
@@ -769,7 +769,7 @@ def pisa_select_scan_fwd(
             CW=cw,
             BQ=bq,
             num_warps=4,
-            **pdl,
+            **chain,
         )
     return out
 
@@ -792,5 +792,6 @@ def _(
     force_sink,
     force_previous,
     beam,
+    pdl=False,
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -257,23 +257,28 @@ def test_cuda_scan_selection_has_no_host_sync():
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
 )
-def test_cuda_pdl_chain_computes_the_plain_launches_output(monkeypatch):
-    """The op with its kernels chained by programmatic dependent launch (kernels.pdl), eager and
-    replayed from a CUDA graph: bitwise the plain launches' output."""
-    from sparseflow.kernels import token_sparse_triton as tst
-
+@pytest.mark.parametrize("method", ["pisa", "bsa"])
+def test_cuda_pdl_chain_computes_the_plain_launches_output(method):
+    """The op with its kernels chained by programmatic dependent launch (``Tuning(pdl=True)``,
+    kernels.pdl), eager, replayed from a CUDA graph and under torch.compile (which launches
+    plainly): bitwise the plain launches' output."""
     g = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = (torch.randn(1, h, 3000, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (9, 3, 3))
-    run = lambda: sparseflow.pisa_attention(q, k, v, is_causal=True, backend="triton", tuning=SCAN)  # noqa: E731
-    plain = run()
-    monkeypatch.setitem(scan.LAUNCH, "pdl", 1)
-    monkeypatch.setattr(tst, "PDL_CHAIN", True)
-    assert torch.equal(run(), plain)
-    graph, out = capture(run)
+    op = getattr(sparseflow, f"{method}_attention")
+
+    def run(tuning):
+        return op(q, k, v, is_causal=True, backend="triton", tuning=tuning)
+
+    chained = SCAN.replace(pdl=True, cuda_graphs=False)
+    plain = run(SCAN.replace(cuda_graphs=False))
+    assert torch.equal(run(chained), plain)
+    graph, out = capture(lambda: run(chained))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, plain)
+    compiled = torch.compile(lambda: run(chained), fullgraph=True)
+    assert torch.equal(compiled(), plain)
 
 
 @triton.jit
