@@ -43,6 +43,7 @@ class Variant(NamedTuple):
     cuda_graphs: bool = True  # Tuning.cuda_graphs
     in_place: bool = True  # replays may use graphs that read recurring input addresses in place
     pisa_walk: str = "auto"  # Tuning.pisa_walk
+    pdl: bool = False  # Tuning.pdl
 
 
 VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
@@ -55,6 +56,8 @@ VARIANTS = {  # name -> None (transformers' SDPA) or a Variant
     "bsa triton": Variant("bsa", "triton"),
     "pisa triton": Variant("pisa", "triton"),
     "pisa per-token": Variant("pisa", "triton", pisa_walk="per_token"),
+    "pisa pdl": Variant("pisa", "triton", pdl=True),
+    "bsa pdl": Variant("bsa", "triton", pdl=True),
     "pbs copying": Variant("pbs", "triton", in_place=False),
     "pbs launched": Variant("pbs", "triton", cuda_graphs=False),
 }
@@ -66,7 +69,9 @@ def use(model, variant: Optional[Variant]) -> None:
         return
     default_replays.in_place = variant.in_place
     n_layers = model.config.num_hidden_layers
-    plan = converted_plan(variant.setting, variant.backend, n_layers, variant.cuda_graphs, variant.pisa_walk)
+    plan = converted_plan(
+        variant.setting, variant.backend, n_layers, variant.cuda_graphs, variant.pisa_walk, variant.pdl
+    )
     sparseflow.hf.apply_plan(model, plan)
 
 

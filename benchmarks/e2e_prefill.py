@@ -149,7 +149,9 @@ def _replaced(cfg, fields: Dict[str, str]):
     return cfg.replace(**{k: parse_config_field(cfg.method, k, v) for k, v in fields.items()}) if fields else cfg
 
 
-def converted_plan(name: str, backend: str, n_layers: int, cuda_graphs: bool = True, pisa_walk: str = "auto"):
+def converted_plan(
+    name: str, backend: str, n_layers: int, cuda_graphs: bool = True, pisa_walk: str = "auto", pdl: bool = False
+):
     from sparseflow.hf import Plan
 
     method, cfg, dense, per_layer, recipe = plan_parts(name)
@@ -161,7 +163,7 @@ def converted_plan(name: str, backend: str, n_layers: int, cuda_graphs: bool = T
         layer_configs=per_layer,
         recipe=recipe,
         num_layers=n_layers,
-        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs, pisa_walk=pisa_walk),
+        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs, pisa_walk=pisa_walk, pdl=pdl),
     )
 
 

@@ -37,3 +37,17 @@ def test_auto_timings_report_each_decision_by_method_and_length_bucket(monkeypat
     chooser.timings[key] = {"triton": 0.3, "sdpa": 0.2}
     monkeypatch.setattr(auto_vs_dense.sparseflow.autobackend, "default_chooser", chooser)
     assert auto_vs_dense.auto_timings() == [{"method": "pbs", "q_len_bucket": 52, "ms": {"triton": 0.3, "sdpa": 0.2}}]
+
+
+@pytest.mark.parametrize("name, pdl", [("pisa pdl", True), ("bsa pdl", True), ("pisa triton", False)])
+def test_pdl_variants_apply_a_plan_that_chains(monkeypatch, name, pdl):
+    applied = []
+    monkeypatch.setattr(auto_vs_dense.sparseflow.hf, "apply_plan", lambda model, plan: applied.append(plan))
+
+    class Model:
+        class config:
+            num_hidden_layers = 2
+
+    auto_vs_dense.use(Model(), auto_vs_dense.VARIANTS[name])
+    (plan,) = applied
+    assert plan.tuning.pdl is pdl and plan.backend == "triton" and plan.method == name.split()[0]
