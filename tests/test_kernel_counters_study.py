@@ -34,6 +34,14 @@ ROWS = [
 ]
 
 
+SASS = [
+    ["# Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)"],
+    ["7f00", "LDG.E R4, desc[UR4][R2.64]", "1,210", "1,100"],
+    ["7f10", "HMMA.16816.F32.BF16 R8, R12, R16, R8", "3,400", "3,000"],
+    ["7f20", "EXIT", "", ""],
+]
+
+
 def _csv(rows) -> str:
     return "\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n"
 
@@ -65,17 +73,30 @@ def test_profiles_itself_under_ncu_then_reads_the_report(tmp_path, monkeypatch, 
     fake.write_text(
         "#!/bin/sh\n"
         f'echo "$@" >> {log}\n'
+        'case "$*" in *"--page source"*) cat ' + str(tmp_path / "sass.csv") + "; exit 0;; esac\n"
         'if [ "$1" = "--import" ]; then cat ' + str(tmp_path / "raw.csv") + "; exit 0; fi\n"
         'while [ "$1" != "-o" ]; do shift; done; touch "$2.ncu-rep"\n'
     )
     fake.chmod(0o755)
     (tmp_path / "raw.csv").write_text(_csv([HEAD, UNITS] + ROWS))
+    (tmp_path / "sass.csv").write_text(_csv(SASS))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     rep = tmp_path / "layer15"
-    assert counters.main(["--real", "15", "--n", "4096", "--rep", str(rep), "--json", str(tmp_path / "out.json")]) == 0
-    profile, export = log.read_text().splitlines()
+    argv = ["--real", "15", "--n", "4096", "--rep", str(rep), "--json", str(tmp_path / "out.json")]
+    assert counters.main(argv + ["--source", "_node_scan_kernel"]) == 0
+    profile, export, source = log.read_text().splitlines()
     assert "--clock-control none --profile-from-start off" in profile
     assert profile.endswith("--inner --n 4096 --real 15") and "--json" not in profile
     assert export.startswith(f"--import {rep}.ncu-rep --csv --page raw")
-    assert "_pisa_select_kernel" in capsys.readouterr().out
+    assert "--page source --print-source sass --kernel-name _node_scan_kernel" in source
+    out = capsys.readouterr().out
+    assert "_pisa_select_kernel" in out and "HMMA" in out
     assert '"_node_scan_kernel"' in (tmp_path / "out.json").read_text()
+    assert (tmp_path / "layer15__node_scan_kernel_sass.csv").read_text() == _csv(SASS)
+
+
+def test_hot_sass_lines_rank_instructions_by_stall_samples():
+    got = counters.hot_sass_lines("a line before the table\n" + _csv(SASS), most=5)
+    assert [line["address"] for line in got] == ["7f10", "7f00"]  # the EXIT line has no samples
+    assert got[0]["samples"] == 3400.0 and got[0]["source"].startswith("HMMA")
+    assert counters.hot_sass_lines(_csv([["# Address", "Source"], ["7f00", "EXIT"]])) == []

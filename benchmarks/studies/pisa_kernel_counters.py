@@ -1,7 +1,8 @@
 """Nsight Compute's counters for one PISA layer's kernels, with cuDNN SDPA's beside them: time,
 registers, occupancy and what limits it, waves, SM and memory throughput, issue-slot use, and
-the reasons warps stall most. CUDA events give the kernels' times (pisa_layer_kernels.py); these
-counters say why they take that long.
+the reasons warps stall most; and for the kernels named by ``--source``, the SASS instructions
+warps stall at most (sampled, with their share). CUDA events give the kernels' times
+(pisa_layer_kernels.py); these counters say why they take that long.
 
     python benchmarks/studies/pisa_kernel_counters.py --real 15 --json benchmarks/results/pisa_kernel_counters_8k_h200.json
 
@@ -25,7 +26,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats", "MemoryWorkloadAnalysis")
+SECTIONS = (
+    "SpeedOfLight",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "SchedulerStats",
+    "MemoryWorkloadAnalysis",
+    "SourceCounters",
+)
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 # the table's columns: (heading, raw metric)
@@ -110,6 +119,28 @@ def table(kernels: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def hot_sass_lines(text: str, most: int = 12) -> List[Dict[str, object]]:
+    """``ncu --import R --page source --csv --print-source sass`` of one kernel -> its ``most``
+    instructions with the most warp-stall samples: ``address``, ``source`` (the SASS) and
+    ``samples``, largest first (empty when the page has no stall-sampling column)."""
+    rows = [r for r in csv.reader(io.StringIO(text)) if r]
+    start = next((i for i, r in enumerate(rows) if "Source" in r), None)
+    if start is None:
+        return []
+    head = rows[start]
+    sampled = next((c for c in head if c.startswith("Warp Stall Sampling (All")), None)
+    if sampled is None:
+        return []
+    address = next((c for c in head if "Address" in c), None)
+    lines = []
+    for r in rows[start + 1 :]:
+        cells = dict(zip(head, r))
+        samples = number(cells.get(sampled, ""))
+        if samples:
+            lines.append({"address": cells.get(address, ""), "source": cells["Source"].strip(), "samples": samples})
+    return sorted(lines, key=lambda line: -line["samples"])[:most]
+
+
 def inner(args) -> None:
     """The profiled process: the op and SDPA warmed up, then one call of each between
     cudaProfilerStart and Stop (ncu runs with --profile-from-start off)."""
@@ -160,8 +191,22 @@ def outer(args) -> int:
     label = f"SmolLM2 layer {args.real}" if args.real is not None else "structured random"
     print(f"N={args.n} {label}: one PISA op (backend='triton', defaults) and one cuDNN SDPA, ncu counters")
     print(table(kernels))
+    hot = {}
+    for name in [n.strip() for n in args.source.split(",") if n.strip()]:
+        page = [ncu, "--import", rep + ".ncu-rep", "--csv", "--page", "source", "--print-source", "sass"]
+        page += ["--kernel-name", name]
+        text = subprocess.run(page, capture_output=True, text=True).stdout
+        with open(f"{rep}_{name}_sass.csv", "w") as f:
+            f.write(text)
+        hot[name] = hot_sass_lines(text)
+        total = sum(line["samples"] for line in hot[name]) or 1
+        print(f"{name}: the instructions warps stall at most (samples, share of the top {len(hot[name])})")
+        for line in hot[name]:
+            print(f"  {line['samples']:8.0f} {line['samples'] / total:6.1%}  {line['address']}  {line['source'][:90]}")
     if args.json:
-        write_result(args.json, env_info(), args, inputs=label, kernels=kernels, ncu_report=rep + ".ncu-rep")
+        write_result(
+            args.json, env_info(), args, inputs=label, kernels=kernels, hot_sass=hot, ncu_report=rep + ".ncu-rep"
+        )
     return 0
 
 
@@ -171,6 +216,11 @@ def main(argv=None) -> int:
     ap.add_argument("--real", type=int, default=None, help="a SmolLM2 layer whose real q/k/v to use (default: random)")
     ap.add_argument("--json")
     ap.add_argument("--rep", default="pisa_kernel_counters.ncu-rep", help="where ncu's report goes")
+    ap.add_argument(
+        "--source",
+        default="_node_scan_kernel,_pisa_select_kernel,_leaf_pairs_kernel,_fwd_kernel",
+        help="kernels whose SASS lines with the most stall samples to list, comma list ('' for none)",
+    )
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.inner:
