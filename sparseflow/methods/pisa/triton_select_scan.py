@@ -430,7 +430,7 @@ def _leaf_pairs_kernel(
 _PAIR_INDEX_MAX_SEGMENTS = 4096
 
 
-def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, pdl: Optional[dict] = None):
+def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, chain: Optional[dict] = None):
     """The chunks of the scored (query, leaf) pairs, from the walk's per-segment pair counts
     (``counts [B*Hkv * n_leaves]``, segment = (batch x KV head, leaf)), on the device (no host
     sync): ``(seg_end, chunk_end, prog_seg)``, the inclusive pair and chunk counts per segment
@@ -439,7 +439,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, pdl: Optional[dic
     past the last chunk hold the segment count and return at once). One Triton program on a GPU
     and under the interpreter up to ``_PAIR_INDEX_MAX_SEGMENTS`` segments (torch takes about ten
     launches, a measurable share of a short layer's selection); :func:`leaf_pair_index_torch`
-    otherwise."""
+    otherwise. ``chain``: the launch arguments of a link of a PDL chain (:func:`pdl_launch`)."""
     n_seg = counts.numel()
     if not (counts.is_cuda or interpreting()) or n_seg > _PAIR_INDEX_MAX_SEGMENTS:
         return leaf_pair_index_torch(counts, slots, qb)
@@ -458,7 +458,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, pdl: Optional[dic
         LOG_SEG=_p2(n_seg, 16).bit_length() - 1,
         BLOCK=1024,
         num_warps=4,
-        **(pdl or {}),
+        **(chain or {}),
     )
     return seg_end, chunk_end, prog_seg
 
@@ -546,10 +546,11 @@ def pair_order(
     top_k: int,
     n_leaves: int,
     bq: int,
-    pdl: Optional[dict] = None,
+    chain: Optional[dict] = None,
 ):
     """``order [cand.numel()]``: the flat slots of the scored pairs grouped by segment (the first
-    ``seg_end[-1]`` entries; the rest unwritten), by tiles of ``bq`` queries."""
+    ``seg_end[-1]`` entries; the rest unwritten), by tiles of ``bq`` queries. ``chain``: as for
+    :func:`leaf_pair_index`."""
     rows, n_q, cw = cand.shape
     order = torch.empty(cand.numel(), dtype=torch.int32, device=cand.device)
     wrap_triton(_pair_order_kernel)[(triton.cdiv(n_q, bq), rows)](
@@ -564,7 +565,7 @@ def pair_order(
         TOPK=top_k,
         CW=cw,
         BQ=bq,
-        **(pdl or {}),
+        **(chain or {}),
     )
     return order
 
