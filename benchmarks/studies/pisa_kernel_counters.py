@@ -48,6 +48,8 @@ COLUMNS = (
     ("memory %", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
     ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
 )
+# ncu's base units (--print-units base) to the table's: nanoseconds to microseconds
+TO_TABLE_UNITS = {"gpu__time_duration.sum": 1e-3}
 LIMITS = {
     "registers": "launch__occupancy_limit_registers",
     "shared": "launch__occupancy_limit_shared_mem",
@@ -108,11 +110,10 @@ def table(kernels: List[Dict[str, object]]) -> str:
     ]
     for k in kernels:
         m = k["metrics"]
-        ns_to_us = {"gpu__time_duration.sum": 1e-3}
         cells = ""
         for h, key in COLUMNS:
             val = m.get(key)
-            cells += ("-" if val is None else f"{val * ns_to_us.get(key, 1):.1f}").rjust(len(h) + 2)
+            cells += ("-" if val is None else f"{val * TO_TABLE_UNITS.get(key, 1):.1f}").rjust(len(h) + 2)
         stalls = ", ".join(f"{r} {v:.2f}" for r, v in list(k["stalls"].items())[:4])
         per_sm = "-" if k["blocks_per_sm"] is None else f"{k['blocks_per_sm']:.0f} ({k['limit']})"
         lines.append(f"{k['name'][:34]:34s}{cells}  {per_sm:17s}  {stalls}")
