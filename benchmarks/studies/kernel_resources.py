@@ -57,6 +57,18 @@ def cubin_usage(cubin: bytes, cuobjdump: str) -> Dict[str, int]:
     return {"registers": usage.get("REG", 0), "local": usage.get("LOCAL", 0) + usage.get("STACK", 0)}
 
 
+def parse_scan_launch(text: str) -> Dict[str, object]:
+    """``"pair_unit=siblings,leaf_warps=8"`` -> settings of PISA's scan (``LAUNCH``), checked by name."""
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    pairs = (kv.split("=", 1) for kv in text.split(",") if kv.strip())
+    out = {key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs}
+    unknown = sorted(set(out) - set(scan.LAUNCH))
+    if unknown:
+        raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
+    return out
+
+
 def drive(method: str, n: int) -> None:
     import torch
 
@@ -83,8 +95,10 @@ def drive(method: str, n: int) -> None:
         triton_impl.pbs_attention(q, k, v)
 
 
-def collect(method: str, n: int) -> List[Dict[str, object]]:
+def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Dict[str, object]]:
     import triton
+
+    from sparseflow.methods.pisa import triton_select_scan as scan
 
     import sm90_compile as S
 
@@ -98,7 +112,12 @@ def collect(method: str, n: int) -> List[Dict[str, object]]:
 
     S._orig_run = keep
     S.install()
-    drive(method, n)
+    saved = dict(scan.LAUNCH)
+    scan.LAUNCH.update(scan_launch)
+    try:
+        drive(method, n)
+    finally:
+        scan.LAUNCH.update(saved)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
     for entry in seen.values():
@@ -123,10 +142,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", choices=("pisa", "bsa", "pbs"), default="pisa")
     ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--scan-launch", default="", help='PISA scan settings, e.g. "pair_unit=siblings,leaf_warps=8"')
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows = collect(args.method, args.n)
-    print(f"{args.method} at N={args.n}, sm_90 (H200: 64K registers, 64 warps, 32 programs, 228 KiB shared an SM)")
+    rows = collect(args.method, args.n, parse_scan_launch(args.scan_launch))
+    settings = f" ({args.scan_launch})" if args.scan_launch else ""
+    print(
+        f"{args.method} at N={args.n}{settings}, sm_90 (H200: 64K registers, 64 warps, 32 programs, 228 KiB shared an SM)"
+    )
     print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM")
     for r in rows:
         print(

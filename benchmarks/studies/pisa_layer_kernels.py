@@ -120,6 +120,7 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False)
             )
     finally:
         tst.FWD_ROWS, tst._FWD_LAUNCH = default_rows, default_launch
+    variant_kernels = {}
     for overrides in scan_launches:
         saved = dict(scan.LAUNCH)
         scan.LAUNCH.update(overrides)
@@ -127,6 +128,7 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False)
             same = torch.equal(calls["pisa selection"](), idx)
             name = "selection, " + ",".join(f"{k_}={v_}" for k_, v_ in overrides.items())
             graph[name + ("" if same else " (selection differs)")] = graph_us_per_call(calls["pisa selection"])
+            variant_kernels[name] = kernel_launches_and_us(calls["pisa selection"])
         finally:
             scan.LAUNCH.clear()
             scan.LAUNCH.update(saved)
@@ -145,12 +147,17 @@ def measure(n, label, q, k, v, attn_rows, old=None, scan_launches=(), pdl=False)
     )
     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
         print(f"    {us:8.1f} us  x{count:4.1f}  {name[:90]}")
+    for variant, launched in variant_kernels.items():
+        print(f"  {variant} kernels:")
+        for name, (count, us) in sorted(launched.items(), key=lambda kv: -kv[1][1])[:6]:
+            print(f"    {us:8.1f} us  x{count:4.1f}  {name[:90]}")
     return {
         "n": n,
         "inputs": label,
         "graph_us": graph,
         "checks": checks,
         "kernels": {k_: list(v_) for k_, v_ in kernels.items()},
+        "variant_kernels": {v: {k_: list(v_) for k_, v_ in ks.items()} for v, ks in variant_kernels.items()},
     }
 
 

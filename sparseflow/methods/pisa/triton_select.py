@@ -408,6 +408,7 @@ def _pisa_select_kernel(
     PRE_SCORES: tl.constexpr = False,
     LEAF_OUT: tl.constexpr = False,
     PAIR_RANKS: tl.constexpr = False,
+    PAIR_SIBLINGS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
@@ -418,7 +419,9 @@ def _pisa_select_kernel(
     # PAIR_RANKS (with LEAF_OUT): each scored leaf candidate (valid, unforced, in a row with more
     # valid ones than TOPK) takes the next rank of its (batch x KV head, leaf) counter
     # (count_ptr, [B*Hkv * n_leaves], zeroed), stored at its slot of rank_ptr (cand_ptr's layout):
-    # where the scan's pair index places it, with no sort.
+    # where the scan's pair index places it, with no sort. PAIR_SIBLINGS: the counter is the
+    # (batch x KV head, parent) one of each kept parent with a scored child ([B*Hkv * parents]),
+    # and the rank is stored at the parent's first child slot: its children are scored together.
     # PDL: launched as a link of a programmatic-dependent chain (kernels.pdl)
     pdl_start(PDL)
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -512,8 +515,17 @@ def _pisa_select_kernel(
                     tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
                     if PAIR_RANKS:
                         pair = valid & ~forced & (n_valid > TOPK)
-                        rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
-                        tl.store(rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, rank, mask=pair)
+                        rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
+                        if PAIR_SIBLINGS:
+                            # a kept parent's children hold slots par * BRP + j: one rank per parent
+                            n_par = tl.load(lvl_off_ptr + 2) - n_leaves
+                            grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
+                            parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
+                            rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
+                            tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
+                        else:
+                            rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                            tl.store(rank_row + ar_cw, rank, mask=pair)
                 scoring = scoring & (lv > 0)
             if scoring:
                 score = tl.zeros([CW], dtype=tl.float32)

@@ -19,7 +19,9 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
    one leaf: the leaf's raw keys loaded once, the chunk's query rows gathered, one
    ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype (exact products), the exact LSE (or
-   mean + var/2) per pair.
+   mean + var/2) per pair. With ``LAUNCH["pair_unit"] = "siblings"`` a pair is a query and a kept
+   parent, whose children the walk writes to consecutive slots: one counter, one index slot and
+   one query gather score all of them (:func:`pair_unit`).
 4. ``_leaf_keep_kernel``: each query keeps its forced leaves plus its best-scoring others,
    ``top_k`` in total, as the per-token walk does.
 
@@ -54,6 +56,7 @@ __all__ = [
     "scan_covers",
     "queries_per_program",
     "packed_rows",
+    "pair_unit",
     "leaf_pair_index",
     "pair_order",
     "pisa_select_scan_fwd",
@@ -81,7 +84,22 @@ LAUNCH = {
     "scan_dot": "bf16x3",
     "pair_chunks": 4,
     "pair_stages": 1,
+    "pair_unit": "leaf",
 }
+
+
+def pair_unit(branching: int) -> Tuple[int, int]:
+    """``(leaves, candidate slots)`` one scored pair covers, by ``LAUNCH["pair_unit"]``:
+    ``"leaf"``, one leaf (``(1, 1)``); ``"siblings"``, a kept parent's children, which the walk
+    writes to consecutive slots (``(branching, next power of two)``). Siblings share the query
+    gather, the pair index and the walk's counter; a sibling that is forced, dropped or absent for
+    the query is scored too and never read."""
+    choice = LAUNCH["pair_unit"]
+    if choice == "leaf":
+        return 1, 1
+    if choice == "siblings":
+        return branching, _p2(branching)
+    raise ValueError(f'LAUNCH["pair_unit"] must be "leaf" or "siblings", got {choice!r}')
 
 
 def scan_dot(dtype: torch.dtype) -> str:
@@ -343,7 +361,7 @@ def _leaf_pairs_kernel(
     Nq,
     Nk,
     HKV,
-    n_leaves,
+    n_units,
     n_segments,
     qk_scale,
     HAS_KPM: tl.constexpr,
@@ -354,6 +372,8 @@ def _leaf_pairs_kernel(
     C: tl.constexpr,
     CP: tl.constexpr,
     CW: tl.constexpr,
+    UN: tl.constexpr,
+    UP: tl.constexpr,
     QB: tl.constexpr,
     QBP: tl.constexpr,
     R: tl.constexpr,
@@ -363,11 +383,12 @@ def _leaf_pairs_kernel(
     INTERP: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, leaf) pairs of one segment
-    (batch x KV head, leaf): the leaf's keys loaded once, then per chunk its queries' heads
-    gathered into the ``R`` dot rows packed (:func:`packed_rows`) and one dot (the chunks' loads
-    pipelined over ``STAGES``); each pair's score written at its
-    candidate slot (``order`` holds the flat slot index of every scored pair, grouped by segment;
+    """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, unit) pairs of one segment
+    (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
+    once, then per chunk its queries' heads gathered into the ``R`` dot rows packed
+    (:func:`packed_rows`) and one dot (the chunks' loads pipelined over ``STAGES``); each pair's
+    ``UN`` leaf scores written from its unit's first candidate slot on (a sibling that is not
+    scored for the query gets a score the keep never reads; ``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
     each program's segment, ``n_segments`` past the last program's work)."""
     pdl_start(PDL)
@@ -378,16 +399,18 @@ def _leaf_pairs_kernel(
         first_chunk = tl.load(chunk_end_ptr + sg - 1, mask=sg > 0, other=0)
         start = tl.load(seg_end_ptr + sg - 1, mask=sg > 0, other=0) + (p - first_chunk) * (QB * CHUNKS)
         stop = tl.minimum(tl.load(seg_end_ptr + sg), start + QB * CHUNKS)
-        bh = (sg // n_leaves).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
-        leaf = sg % n_leaves
+        bh = (sg // n_units).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
+        unit = sg % n_units
         b = bh // HKV
         hkv = bh % HKV
-        # the leaf's keys first: their load depends on the segment only, not on the pair order
+        # the unit's keys first: their load depends on the segment only, not on the pair order
         offs_d = tl.arange(0, DP)
-        offs_c = tl.arange(0, CP)
-        pos = leaf * C + offs_c
+        ar_k = tl.arange(0, UP * CP)
+        child = ar_k // CP
+        offs_c = ar_k % CP
+        pos = (unit * UN + child) * C + offs_c
         # a scored leaf lies before its queries' positions: all its valid keys are visible
-        kok = (offs_c < C) & (pos < Nk)
+        kok = (child < UN) & (offs_c < C) & (pos < Nk)
         if HAS_KPM:
             kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
         k_t = tl.load(
@@ -419,11 +442,12 @@ def _leaf_pairs_kernel(
                 logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
             else:
                 logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-            per_head = _reduce(tl.reshape(logit, (R, 1, CP)), tl.reshape(kok, (1, 1, CP)), SCORE)
-            s_e = tl.reshape(_sum_packed_heads(per_head, G, R, 1, QBP), (QBP,))
+            per_head = _reduce(tl.reshape(logit, (R, UP, CP)), tl.reshape(kok, (1, UP, CP)), SCORE)
+            s_e = _sum_packed_heads(per_head, G, R, UP, QBP)  # [QBP, UP]
             e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
             flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
-            tl.store(score_ptr + flat, s_e, mask=e_ok)
+            ar_u = tl.arange(0, UP)
+            tl.store(score_ptr + flat[:, None] + ar_u[None, :], s_e, mask=e_ok[:, None] & (ar_u < UN)[None, :])
 
 
 # most segments the one-program pair index holds in registers; above, torch
@@ -524,17 +548,28 @@ def _pair_order_kernel(
     TOPK: tl.constexpr,
     CW: tl.constexpr,
     BQ: tl.constexpr,
+    UN: tl.constexpr,
+    UP: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Every scored pair's flat candidate slot written at its place in ``order``: its segment's
-    start plus the rank the walk gave it (``cand`` / ``rank``: ``[B*Hkv, Nq, CW]``, contiguous)."""
+    start plus the rank the walk gave it (``cand`` / ``rank``: ``[B*Hkv, Nq, CW]``, contiguous).
+    A pair is a (query, unit of ``UN`` sibling leaves) whose ``UP`` candidate slots hold a scored
+    leaf: one leaf (``UN == UP == 1``) or a parent's children (``BR``, ``BRP``); its slot is the
+    unit's first, its segment the unit's (batch x KV head, leaf // UN)."""
     pdl_start(PDL)
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     cand, valid, forced, scored, rows = _tile_candidates(cand_ptr, bh, tile, stride_cbh, stride_cn, Nq, TOPK, BQ, CW)
-    slot = bh * stride_cbh + rows[:, None] * stride_cn + tl.arange(0, CW)[None, :]
+    if UP > 1:
+        scored = tl.max(tl.reshape(scored.to(tl.int32), (BQ, CW // UP, UP)), axis=2) > 0
+        unit = tl.max(tl.reshape(tl.where(valid, cand // UN, 0), (BQ, CW // UP, UP)), axis=2)
+    else:
+        unit = cand
+    n_units = tl.cdiv(n_leaves, UN)
+    slot = bh * stride_cbh + rows[:, None] * stride_cn + (tl.arange(0, CW // UP) * UP)[None, :]
     rank = tl.load(rank_ptr + slot, mask=scored, other=0)
-    sg = bh * n_leaves + cand
+    sg = bh * n_units + unit
     start = tl.load(seg_end_ptr + sg - 1, mask=scored & (sg > 0), other=0)
     tl.store(order_ptr + start + rank, slot.to(tl.int32), mask=scored)
 
@@ -547,12 +582,14 @@ def pair_order(
     n_leaves: int,
     bq: int,
     chain: Optional[dict] = None,
+    unit: Tuple[int, int] = (1, 1),
 ):
-    """``order [cand.numel()]``: the flat slots of the scored pairs grouped by segment (the first
-    ``seg_end[-1]`` entries; the rest unwritten), by tiles of ``bq`` queries. ``chain``: as for
+    """``order [cand.numel() // unit[1]]``: the flat slots of the scored pairs grouped by segment
+    (the first ``seg_end[-1]`` entries; the rest unwritten), by tiles of ``bq`` queries.
+    ``unit``: ``(leaves, slots)`` a pair covers (:func:`pair_unit`). ``chain``: as for
     :func:`leaf_pair_index`."""
     rows, n_q, cw = cand.shape
-    order = torch.empty(cand.numel(), dtype=torch.int32, device=cand.device)
+    order = torch.empty(cand.numel() // unit[1], dtype=torch.int32, device=cand.device)
     wrap_triton(_pair_order_kernel)[(triton.cdiv(n_q, bq), rows)](
         cand,
         rank,
@@ -565,6 +602,8 @@ def pair_order(
         TOPK=top_k,
         CW=cw,
         BQ=bq,
+        UN=unit[0],
+        UP=unit[1],
         **(chain or {}),
     )
     return order
@@ -639,8 +678,10 @@ def pisa_select_scan_fwd(
     cw = candidate_width(beam, top_k, branching)
     cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
     leaf_out = score != 1
-    # the walk's per-(batch x KV head, leaf) counters of scored pairs, and each pair's rank in its segment
-    counts = torch.zeros(rows * n_leaves if leaf_out else 0, dtype=torch.int32, device=q.device)
+    unit = pair_unit(branching)
+    n_units = -(-n_leaves // unit[0])
+    # the walk's per-(batch x KV head, unit) counters of scored pairs, and each pair's rank in its segment
+    counts = torch.zeros(rows * n_units if leaf_out else 0, dtype=torch.int32, device=q.device)
     rank = torch.empty_like(cand) if leaf_out else cand
     ieee = q.dtype == torch.float32 or interpreting()
     meta = walk_meta(
@@ -710,17 +751,19 @@ def pisa_select_scan_fwd(
         PRE_SCORES=True,
         LEAF_OUT=leaf_out,
         PAIR_RANKS=leaf_out,
+        PAIR_SIBLINGS=unit[1] > 1,
         num_warps=warps,
         **chain,
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
         qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
-        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, cand.numel(), qb * LAUNCH["pair_chunks"], chain)
+        n_pairs = cand.numel() // unit[1]  # at most one pair a unit's slots
+        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, n_pairs, qb * LAUNCH["pair_chunks"], chain)
         # the keep's and the pair order's tiles: queries padded to a power of two of rows
         bq = queries_per_program(group, LAUNCH["keep_rows"])
         tiles = (triton.cdiv(n_q, bq), b * hkv)
-        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, chain)
+        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, chain, unit)
         wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
             q,
             k,
@@ -735,8 +778,8 @@ def pisa_select_scan_fwd(
             n_q,
             k.shape[2],
             hkv,
-            n_leaves,
-            rows * n_leaves,
+            n_units,
+            rows * n_units,
             scale,
             HAS_KPM=kpm is not None,
             SCORE=score,
@@ -746,6 +789,8 @@ def pisa_select_scan_fwd(
             C=block_size,
             CP=meta["CP"],
             CW=cw,
+            UN=unit[0],
+            UP=unit[1],
             QB=qb,
             QBP=_p2(qb, 1),
             R=pair_rows,

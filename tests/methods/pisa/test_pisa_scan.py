@@ -40,6 +40,13 @@ def scan_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["leaf", "siblings"])
+def pair_unit(request, monkeypatch):
+    """Scored pairs of one leaf, or of a kept parent's children (``LAUNCH["pair_unit"]``)."""
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", request.param)
+    return request.param
+
+
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype, beam)
 CASES = {
     "lse-bf16-g2-nq40-nk133": (1, 2, 1, 40, 133, 32, 16, 3, 2, "lse", True, False, BF16, 1),
@@ -52,7 +59,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_scan_selection_equals_reference(case, scan_calls):
+def test_scan_selection_equals_reference(case, scan_calls, pair_unit):
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
     q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
@@ -71,7 +78,7 @@ SMALL_TILE_CASES = [(1, 1), (3, 1), (1, 3), (3, 3), (3, 17)]  # (chunks per prog
 @pytest.mark.parametrize(
     "chunks, group", SMALL_TILE_CASES, ids=[f"{c}-chunks-per-program-group-{g}" for c, g in SMALL_TILE_CASES]
 )
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group):
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group, pair_unit):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
     chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
@@ -101,44 +108,65 @@ def test_auto_runs_the_scan_on_cuda_only(scan_calls):
     assert len(scan_calls) == (1 if DEVICE == "cuda" else 0)
 
 
-def test_leaf_pair_index_groups_the_scored_pairs_by_leaf():
+UNITS = {"one-leaf": (1, 1), "sibling-pairs": (2, 2), "three-siblings-in-4-slots": (3, 4)}
+
+
+@pytest.mark.parametrize("unit", UNITS.values(), ids=UNITS.keys())
+def test_leaf_pair_index_groups_the_scored_pairs_by_unit(unit):
     """The index alone, from candidates, per-segment counts and ranks as the walk leaves them
-    (ranks in a random order, as atomics hand them out): every scored slot once, grouped by
-    (row block, leaf), the chunks covering each group and the programs past the last chunk marked
-    with the segment count."""
+    (ranks in a random order, as atomics hand them out): every unit holding a scored slot once, by
+    its first slot, grouped by (row block, unit), the chunks covering each group and the programs
+    past the last chunk marked with the segment count. A unit is one leaf, or a kept parent's
+    ``leaves`` children in ``slots`` consecutive slots (some of them invalid or forced)."""
+    leaves, slots = unit
     g = torch.Generator().manual_seed(2)
-    rows, n_q, cw, n_leaves, top_k, qb = 2, 9, 8, 6, 2, 2
-    cand = torch.randint(0, n_leaves, (rows, n_q, cw), generator=g, dtype=torch.int32)
-    cand[torch.rand(rows, n_q, cw, generator=g) < 0.3] = -1
+    rows, n_q, cw, n_leaves, top_k, qb = 2, 9, 8, 7, 2, 2
+    n_units = -(-n_leaves // leaves)
+    parent = torch.randint(0, n_units, (rows, n_q, cw // slots), generator=g, dtype=torch.int32)
+    child = torch.arange(slots, dtype=torch.int32).repeat(cw // slots)
+    cand = parent.repeat_interleave(slots, -1) * leaves + child
+    cand[(child >= leaves).expand_as(cand) | (cand >= n_leaves) | (torch.rand(cand.shape, generator=g) < 0.3)] = -1
     cand[0, :, 0] = cand[0, :, 0].clamp_min(0) | (1 << 30)  # forced
     cand[1, 3, 2:] = -1  # a row with no more valid candidates than top_k: nothing to score
     valid = cand >= 0
     scored = valid & (cand < (1 << 30)) & (valid.sum(-1, keepdim=True) > top_k)
-    seg_of = (torch.arange(rows).view(rows, 1, 1) * n_leaves + cand).view(-1)
-    counts = torch.zeros(rows * n_leaves, dtype=torch.int32)
-    rank = torch.full((rows * n_q * cw,), -7, dtype=torch.int32)
-    for slot in torch.randperm(rank.numel(), generator=g).tolist():
-        if scored.view(-1)[slot]:
-            rank[slot] = counts[seg_of[slot]]
-            counts[seg_of[slot]] += 1
-    seg_end, chunk_end, prog_seg = scan.leaf_pair_index(counts.to(DEVICE), cand.numel(), qb)
-    order = scan.pair_order(cand.to(DEVICE), rank.view(cand.shape).to(DEVICE), seg_end, top_k, n_leaves, 4).cpu()
+    unit_scored = scored.view(rows, n_q, cw // slots, slots).any(-1).view(-1)
+    seg_of = (torch.arange(rows).view(rows, 1, 1) * n_units + parent).view(-1)
+    first_slot = torch.arange(cand.numel()).view(-1, slots)[:, 0]
+    counts = torch.zeros(rows * n_units, dtype=torch.int32)
+    rank = torch.full((cand.numel(),), -7, dtype=torch.int32)
+    for u in torch.randperm(unit_scored.numel(), generator=g).tolist():
+        if unit_scored[u]:
+            rank[first_slot[u]] = counts[seg_of[u]]
+            counts[seg_of[u]] += 1
+    assert (counts > 1).any() and unit_scored.any() and not unit_scored.all()
+    seg_end, chunk_end, prog_seg = scan.leaf_pair_index(counts.to(DEVICE), cand.numel() // slots, qb)
+    order = scan.pair_order(
+        cand.to(DEVICE), rank.view(cand.shape).to(DEVICE), seg_end, top_k, n_leaves, 4, unit=unit
+    ).cpu()
     seg = torch.cat([torch.zeros(1, dtype=torch.long), seg_end.cpu().long()])
-    flat = cand.view(-1)
-    assert sorted(order[: int(seg[-1])].tolist()) == scored.view(-1).nonzero().view(-1).tolist()
-    for s in range(rows * n_leaves):
+    assert sorted(order[: int(seg[-1])].tolist()) == first_slot[unit_scored].tolist()
+    for s in range(rows * n_units):
         members = order[seg[s] : seg[s + 1]].long()
-        assert (members // (n_q * cw) == s // n_leaves).all() and (flat[members] == s % n_leaves).all()
+        assert (members // (n_q * cw) == s // n_units).all() and (seg_of[members // slots] == s).all()
     counts = counts.long()
     assert torch.equal(seg[1:], torch.cumsum(counts, 0))
     assert torch.equal(chunk_end.cpu().long(), torch.cumsum((counts + qb - 1) // qb, 0))
     n_chunks = int(chunk_end[-1])
     prog_seg = prog_seg.cpu()
     assert prog_seg.numel() >= n_chunks and prog_seg.dtype == torch.int32
-    assert (prog_seg[n_chunks:] == rows * n_leaves).all() and (prog_seg[:n_chunks] < rows * n_leaves).all()
+    assert (prog_seg[n_chunks:] == rows * n_units).all() and (prog_seg[:n_chunks] < rows * n_units).all()
     assert torch.equal(
-        prog_seg[:n_chunks].long(), torch.repeat_interleave(torch.arange(rows * n_leaves), (counts + qb - 1) // qb)
+        prog_seg[:n_chunks].long(), torch.repeat_interleave(torch.arange(rows * n_units), (counts + qb - 1) // qb)
     )
+
+
+def test_pair_unit_names_the_expected_values(monkeypatch):
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", "siblings")
+    assert scan.pair_unit(3) == (3, 4) and scan.pair_unit(2) == (2, 2)
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", "parent")
+    with pytest.raises(ValueError, match=r'LAUNCH\["pair_unit"\] must be "leaf" or "siblings", got \'parent\''):
+        scan.pair_unit(2)
 
 
 @pytest.mark.parametrize(
