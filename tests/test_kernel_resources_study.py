@@ -28,3 +28,24 @@ def test_programs_an_sm_holds_and_what_limits_them(registers, warps, shared, pro
     got = kr.programs_per_sm(registers, warps, shared)
     assert (got["programs"], got["limit"]) == (programs, limit)
     assert got["programs"] == min(got["by"].values())
+
+
+def test_sass_instructions_counts_instruction_lines_only(tmp_path):
+    """The static count reads nvdisasm's listing: instruction lines (their address comment, then
+    an opcode, predicated or not) count; headers, labels and blank lines do not."""
+    listing = "\n".join(
+        [
+            '\t.headerflags\t@"EF_CUDA_SM90"',
+            "        .text._leaf_pairs_kernel:",
+            "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+            ".L_x_3:",
+            "        /*0010*/                   S2R R0, SR_CTAID.X ;",
+            "",
+            "        /*0020*/               @P0 EXIT ;",
+            "        /*0030*/                   BRA 0x30;",
+        ]
+    )
+    fake = tmp_path / "nvdisasm"
+    fake.write_text(f"#!/bin/sh\ncat <<'LISTING'\n{listing}\nLISTING\n")
+    fake.chmod(0o755)
+    assert kr.sass_instructions(b"\x7fELF", str(fake)) == 4

@@ -57,6 +57,16 @@ def cubin_usage(cubin: bytes, cuobjdump: str) -> Dict[str, int]:
     return {"registers": usage.get("REG", 0), "local": usage.get("LOCAL", 0) + usage.get("STACK", 0)}
 
 
+def sass_instructions(cubin: bytes, nvdisasm: str) -> int:
+    """Static SASS instruction count of a cubin (``nvdisasm``): for kernels bound by what they
+    issue, fewer instructions in the hot loop is the CPU's proxy for time."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in text.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
+
+
 def parse_scan_launch(text: str) -> Dict[str, object]:
     """``"pair_unit=siblings,leaf_warps=8"`` -> settings of PISA's scan (``LAUNCH``), checked by name."""
     from sparseflow.methods.pisa import triton_select_scan as scan
@@ -118,7 +128,8 @@ def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Di
         drive(method, n)
     finally:
         scan.LAUNCH.update(saved)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump, nvdisasm = os.path.join(tools, "cuobjdump"), os.path.join(tools, "nvdisasm")
     rows = []
     for entry in seen.values():
         kernel = entry["kernel"]
@@ -131,6 +142,7 @@ def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Di
                 "warps": md.num_warps,
                 "stages": md.num_stages,
                 "shared": md.shared,
+                "instructions": sass_instructions(kernel.asm["cubin"], nvdisasm),
                 **usage,
                 **fit,
             }
@@ -150,11 +162,11 @@ def main(argv=None) -> int:
     print(
         f"{args.method} at N={args.n}{settings}, sm_90 (H200: 64K registers, 64 warps, 32 programs, 228 KiB shared an SM)"
     )
-    print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM")
+    print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM  SASS")
     for r in rows:
         print(
             f"{r['kernel'][:34]:34s} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} {r['local']:6d} "
-            f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d}"
+            f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d} {r['instructions']:5d}"
         )
     if args.json:
         from common import env_info, write_result

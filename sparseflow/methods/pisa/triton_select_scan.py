@@ -47,6 +47,7 @@ from .triton_select import (
     _pisa_select_kernel,
     _reduce,
     candidate_width,
+    log2_scale,
     walk_args,
     walk_meta,
 )
@@ -312,7 +313,7 @@ def _node_scan_kernel(
                     logit = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB * BRP]
                     logit = tl.reshape(logit, (R, NB, BRP))
                     okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
-                    per_head = _reduce(logit, okc, SCORE)
+                    per_head = _reduce(logit, okc, SCORE, LOG2=True)
                 score = _sum_packed_heads(per_head, G, R, NB, BQP)  # [BQP, NB]
                 tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
                 u0 += NB
@@ -442,7 +443,7 @@ def _leaf_pairs_kernel(
                 logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
             else:
                 logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-            per_head = _reduce(tl.reshape(logit, (R, UP, CP)), tl.reshape(kok, (1, UP, CP)), SCORE)
+            per_head = _reduce(tl.reshape(logit, (R, UP, CP)), tl.reshape(kok, (1, UP, CP)), SCORE, LOG2=True)
             s_e = _sum_packed_heads(per_head, G, R, UP, QBP)  # [QBP, UP]
             e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
             flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
@@ -706,7 +707,7 @@ def pisa_select_scan_fwd(
         summ.shape[2],
         hkv,
         col0,
-        scale,
+        log2_scale(scale, score),  # the LSE's exponentials in base 2
         N_LEVELS=meta["N_LEVELS"],
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
@@ -780,7 +781,7 @@ def pisa_select_scan_fwd(
             hkv,
             n_units,
             rows * n_units,
-            scale,
+            log2_scale(scale, score),
             HAS_KPM=kpm is not None,
             SCORE=score,
             G=group,
