@@ -344,15 +344,17 @@ def run_pisa_scan(cases):
         )
 
 
-def run_pisa_scan_siblings(cases):
-    """The scan with each pair covering a kept parent's children (``LAUNCH["pair_unit"]``): the
-    walk's per-parent counters and the leaf-pair kernel's sibling keys in one dot."""
+def run_pisa_scan_layouts(cases):
+    """The scan's other layouts (``LAUNCH``): each pair covering a kept parent's children (the
+    walk's per-parent counters, the sibling keys in one dot), one dot a head instead of the
+    group's heads packed into the rows, and both."""
     from sparseflow.methods.pisa import triton_select_scan as scan
 
     saved = dict(scan.LAUNCH)
-    scan.LAUNCH["pair_unit"] = "siblings"
     try:
-        run_pisa_scan(cases)
+        for unit, heads in (("siblings", "packed"), ("leaf", "loop"), ("siblings", "loop")):
+            scan.LAUNCH.update(pair_unit=unit, heads=heads)
+            run_pisa_scan(cases)
     finally:
         scan.LAUNCH.clear()
         scan.LAUNCH.update(saved)
@@ -583,7 +585,7 @@ def main(argv=None) -> int:
         "pbs_strided": lambda: run_pbs_strided(strided),
         "pisa_bsa": lambda: run_pisa_bsa(pisa),
         "pisa_tiled": lambda: run_pisa_tiled(tiled),
-        "pisa_scan": lambda: (run_pisa_scan(scan), run_pisa_scan_siblings(scan[::2]), run_pdl_chain()),
+        "pisa_scan": lambda: (run_pisa_scan(scan), run_pisa_scan_layouts(scan[::2]), run_pdl_chain()),
         "bsa_select": run_bsa_bf16,
         "decode": lambda: run_decode(dec),
         "split_decode": lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]),

@@ -49,3 +49,10 @@ def test_sass_instructions_counts_instruction_lines_only(tmp_path):
     fake.write_text(f"#!/bin/sh\ncat <<'LISTING'\n{listing}\nLISTING\n")
     fake.chmod(0o755)
     assert kr.sass_instructions(b"\x7fELF", str(fake)) == 4
+
+
+def test_scan_launch_settings_are_parsed_and_checked_by_name():
+    assert kr.parse_scan_launch("pair_unit=siblings, pair_rows=64") == {"pair_unit": "siblings", "pair_rows": 64}
+    assert kr.parse_scan_launch("") == {}
+    with pytest.raises(ValueError, match=r"unknown settings \['pair_size'\]"):
+        kr.parse_scan_launch("pair_size=2")

@@ -150,28 +150,49 @@ def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Di
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--method", choices=("pisa", "bsa", "pbs"), default="pisa")
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--scan-launch", default="", help='PISA scan settings, e.g. "pair_unit=siblings,leaf_warps=8"')
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rows = collect(args.method, args.n, parse_scan_launch(args.scan_launch))
-    settings = f" ({args.scan_launch})" if args.scan_launch else ""
-    print(
-        f"{args.method} at N={args.n}{settings}, sm_90 (H200: 64K registers, 64 warps, 32 programs, 228 KiB shared an SM)"
-    )
+def print_rows(title: str, rows: List[Dict[str, object]]) -> None:
+    print(title)
     print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM  SASS")
     for r in rows:
         print(
             f"{r['kernel'][:34]:34s} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} {r['local']:6d} "
-            f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d} {r['instructions']:5d}"
+            f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d} "
+            f"{r['instructions']:5d}"
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", choices=("pisa", "bsa", "pbs"), default="pisa")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument(
+        "--scan-launch",
+        default="",
+        help='PISA scan settings to compile, ";" between variants, e.g. "pair_unit=siblings;heads=loop,pair_rows=64"',
+    )
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    variants = []
+    for text in args.scan_launch.split(";") if args.scan_launch else [""]:
+        rows = collect(args.method, args.n, parse_scan_launch(text))
+        variants.append({"settings": text.strip(), "kernels": rows})
+        settings = f" ({text.strip()})" if text.strip() else ""
+        print_rows(
+            f"{args.method} at N={args.n}{settings}, sm_90 (H200: 64K registers, 64 warps, 32 programs, "
+            "228 KiB shared an SM)",
+            rows,
         )
     if args.json:
         from common import env_info, write_result
 
-        write_result(args.json, env_info("cpu"), args, target="sm_90 (compiled on the CPU)", kernels=rows)
+        write_result(
+            args.json,
+            env_info("cpu"),
+            args,
+            target="sm_90 (compiled on the CPU)",
+            kernels=variants[0]["kernels"],
+            variants=variants,
+        )
     return 0
 
 

@@ -25,6 +25,10 @@ once per tile of queries (node summaries) or per leaf (raw keys).
 4. ``_leaf_keep_kernel``: each query keeps its forced leaves plus its best-scoring others,
    ``top_k`` in total, as the per-token walk does.
 
+Stages 1 and 3 pack a query's group of heads into consecutive dot rows and sum each query's
+rows with a gather (``LAUNCH["heads"] = "packed"``), or run one dot a head over the queries' rows
+and sum the heads in registers (``"loop"``: no gather, no padding, fewer registers).
+
 The table costs ``4 * Nq * nodes`` bytes per batch x KV head (``nodes`` about ``N / C``) and the
 node scan grows as ``N**2``, so the scan serves short and middle lengths; :func:`scan_covers` says
 where it applies.
@@ -57,6 +61,7 @@ __all__ = [
     "scan_covers",
     "queries_per_program",
     "packed_rows",
+    "dot_rows",
     "pair_unit",
     "leaf_pair_index",
     "pair_order",
@@ -86,7 +91,23 @@ LAUNCH = {
     "pair_chunks": 4,
     "pair_stages": 1,
     "pair_unit": "leaf",
+    "heads": "packed",
 }
+
+
+def dot_rows(group: int, rows: int) -> Tuple[int, int, bool]:
+    """``(queries, dot rows, head loop)`` of a node-scan tile or a leaf-pair chunk, by
+    ``LAUNCH["heads"]``: ``"packed"``, the group's heads packed into about ``rows`` rows
+    (:func:`packed_rows`, one dot, each query's rows summed by a gather); ``"loop"``, one dot a
+    head over the queries' rows (queries: ``rows / group`` rounded up to a power of two, at least
+    16), summed in registers with no gather."""
+    choice = LAUNCH["heads"]
+    if choice == "packed":
+        return (*packed_rows(group, rows), False)
+    if choice == "loop":
+        queries = max(16, _p2(-(-rows // group)))
+        return queries, queries, True
+    raise ValueError(f'LAUNCH["heads"] must be "packed" or "loop", got {choice!r}')
 
 
 def pair_unit(branching: int) -> Tuple[int, int]:
@@ -193,6 +214,117 @@ def _sum_packed_heads(per_head, G: tl.constexpr, R: tl.constexpr, U: tl.constexp
 
 
 @triton.jit
+def _dot_rows_queries(
+    q_ptr,
+    row_q,
+    q_ok,
+    b,
+    hkv,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    offs_d,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    HEAD_LOOP: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The queries' rows of the dots, a tuple: the ``G`` heads packed into one ``[R, DP]`` block
+    (row ``i * G + g``: head ``g`` of query ``row_q[i * G + g]``), or with ``HEAD_LOOP`` one
+    ``[R, DP]`` block a head (row ``i``: query ``row_q[i]``). ``q_ok`` masks the rows."""
+    qs = ()
+    rows = tl.arange(0, R)
+    if HEAD_LOOP:
+        for g in tl.static_range(G):
+            q = tl.load(
+                q_ptr
+                + b * stride_qb
+                + (hkv * G + g) * stride_qh
+                + row_q.to(tl.int64)[:, None] * stride_qn
+                + offs_d[None, :],
+                mask=q_ok[:, None] & (offs_d < D)[None, :],
+                other=0.0,
+            )
+            qs = qs + (_dot_operand(q, PREC),)
+    else:
+        q = tl.load(
+            q_ptr
+            + b * stride_qb
+            + (hkv * G + rows % G)[:, None] * stride_qh
+            + row_q.to(tl.int64)[:, None] * stride_qn
+            + offs_d[None, :],
+            mask=q_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        qs = qs + (_dot_operand(q, PREC),)
+    return qs
+
+
+@triton.jit
+def _dot_operand(x, PREC: tl.constexpr):
+    """``x`` as :func:`_rows_dot` takes it: fp32 for the fp32 dots, as loaded for the 16-bit ones
+    (bf16x3 and exact16 take 16-bit queries as they are)."""
+    if PREC == "tf32x3" or PREC == "ieee":
+        out = x.to(tl.float32)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def _rows_dot(q, k_t, PREC: tl.constexpr):
+    """``q @ k_t`` in fp32: "exact16", two 16-bit operands (exact products); otherwise
+    :func:`_summary_dot`'s precisions."""
+    if PREC == "exact16":
+        out = tl.dot(q, k_t, out_dtype=tl.float32)
+    else:
+        out = _summary_dot(q, k_t, PREC)
+    return out
+
+
+@triton.jit
+def _group_scores(
+    qs,
+    k_t,
+    okk,
+    qk_scale,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    U: tl.constexpr,
+    W: tl.constexpr,
+    QP: tl.constexpr,
+    SCORE: tl.constexpr,
+    HEAD_LOOP: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``[QP, U]``: each query's score of ``U`` units of ``W`` columns of ``k_t`` (children's
+    summaries or raw keys; ``okk [1, U, W]`` the valid ones), summed over the group's heads in
+    head order: per-head dots then a sum in registers (``HEAD_LOOP``), or one dot over the packed
+    rows then a gather of each query's rows (:func:`_sum_packed_heads`). ``W == 0``: PISA-1, the
+    unit's own logit."""
+    if HEAD_LOOP:
+        total = tl.zeros([QP, U], dtype=tl.float32)
+        for g in tl.static_range(G):
+            total += _head_scores(_rows_dot(qs[g], k_t, PREC) * qk_scale, okk, R, U, W, SCORE)
+    else:
+        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC) * qk_scale, okk, R, U, W, SCORE)
+        total = _sum_packed_heads(per_head, G, R, U, QP)
+    return total
+
+
+@triton.jit
+def _head_scores(logit, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr):
+    """``[R, U]`` per-row scores of ``U`` units of ``W`` logit columns (``W == 0``: the logits
+    themselves, PISA-1's)."""
+    if W == 0:
+        out = logit
+    else:
+        out = _reduce(tl.reshape(logit, (R, U, W)), okk, SCORE, LOG2=True)
+    return out
+
+
+@triton.jit
 def _node_scan_kernel(
     q_ptr,
     summ_ptr,
@@ -231,10 +363,12 @@ def _node_scan_kernel(
     R: tl.constexpr,
     NB: tl.constexpr,
     PREC: tl.constexpr,
+    HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Scores of every node the walk may score, for the tile's ``BQ`` queries, whose heads fill
-    the ``R`` dot rows packed (:func:`packed_rows`; see the module doc)."""
+    the ``R`` dot rows packed (:func:`packed_rows`), or one dot a head (``HEAD_LOOP``, ``R`` rows
+    a query each; see the module doc)."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
@@ -242,20 +376,14 @@ def _node_scan_kernel(
     b = bh // HKV
     hkv = bh % HKV
     rows = tl.arange(0, R)
-    qi = tile * BQ + rows // G
-    g_row = rows % G
     offs_d = tl.arange(0, DP)
-    q = tl.load(
-        q_ptr
-        + b * stride_qb
-        + (hkv * G + g_row)[:, None] * stride_qh
-        + qi.to(tl.int64)[:, None] * stride_qn
-        + offs_d[None, :],
-        mask=((rows < BQ * G) & (qi < Nq))[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )
-    if PREC != "bf16x3":  # bf16x3 takes the 16-bit queries as they are
-        q = q.to(tl.float32)
+    if HEAD_LOOP:
+        qi = tile * BQ + rows
+        q_ok = (rows < BQ) & (qi < Nq)
+    else:
+        qi = tile * BQ + rows // G
+        q_ok = (rows < BQ * G) & (qi < Nq)
+    qs = _dot_rows_queries(q_ptr, qi, q_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC)
     ar_t = tl.arange(0, BQP)
     t_ok = (ar_t < BQ) & (tile * BQ + ar_t < Nq)
     ar_nb = tl.arange(0, NB)
@@ -289,7 +417,7 @@ def _node_scan_kernel(
                         mask=u_ok[None, :] & (offs_d < D)[:, None],
                         other=0.0,
                     )
-                    per_head = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB]
+                    score = _group_scores(qs, s_t, u_ok, qk_scale, G, R, NB, 0, BQP, SCORE, HEAD_LOOP, PREC)
                 else:
                     coff = tl.load(lvl_off_ptr + lv - 1)
                     ar_ch = tl.arange(0, NB * BRP)
@@ -310,11 +438,8 @@ def _node_scan_kernel(
                         c_ok = in_lv & (tl.load(nfv_base + coff + child, mask=in_lv, other=Nk) < Nk)
                     else:  # without key padding every node of a level holds a valid key
                         c_ok = in_lv
-                    logit = _summary_dot(q, s_t, PREC) * qk_scale  # [R, NB * BRP]
-                    logit = tl.reshape(logit, (R, NB, BRP))
                     okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
-                    per_head = _reduce(logit, okc, SCORE, LOG2=True)
-                score = _sum_packed_heads(per_head, G, R, NB, BQP)  # [BQP, NB]
+                    score = _group_scores(qs, s_t, okc, qk_scale, G, R, NB, BRP, BQP, SCORE, HEAD_LOOP, PREC)
                 tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
                 u0 += NB
 
@@ -380,14 +505,16 @@ def _leaf_pairs_kernel(
     R: tl.constexpr,
     CHUNKS: tl.constexpr,
     STAGES: tl.constexpr,
-    IEEE_KEYS: tl.constexpr,
+    PREC: tl.constexpr,
     INTERP: tl.constexpr,
+    HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, unit) pairs of one segment
     (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
     once, then per chunk its queries' heads gathered into the ``R`` dot rows packed
-    (:func:`packed_rows`) and one dot (the chunks' loads pipelined over ``STAGES``); each pair's
+    (:func:`packed_rows`) and one dot, or one dot a head (``HEAD_LOOP``; the chunks' loads
+    pipelined over ``STAGES``); each pair's
     ``UN`` leaf scores written from its unit's first candidate slot on (a sibling that is not
     scored for the query gets a score the keep never reads; ``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
@@ -419,9 +546,10 @@ def _leaf_pairs_kernel(
             mask=kok[None, :] & (offs_d < D)[:, None],
             other=0.0,
         )
+        k_t = _dot_operand(k_t, PREC)
+        okk = tl.reshape(kok, (1, UP, CP))
         ar_r = tl.arange(0, R)
-        r_pair = ar_r // G  # the row's pair in the chunk
-        r_head = hkv * G + ar_r % G
+        r_pair = ar_r if HEAD_LOOP else ar_r // G  # the row's pair in the chunk
         ar_e = tl.arange(0, QBP)
         # (the interpreter cannot range() over a runtime bound: it runs every chunk, those past the
         # segment's end masked out)
@@ -430,21 +558,10 @@ def _leaf_pairs_kernel(
             r_ok = (r_pair < QB) & (chunk_start + r_pair < stop)
             # the pair's slot in [B*Hkv, Nq, CW], read by each of its head rows (L1 serves the repeats)
             r_row = (tl.load(order_ptr + chunk_start + r_pair, mask=r_ok, other=0) // CW) % Nq
-            q = tl.load(
-                q_ptr
-                + b * stride_qb
-                + r_head[:, None] * stride_qh
-                + r_row.to(tl.int64)[:, None] * stride_qn
-                + offs_d[None, :],
-                mask=r_ok[:, None] & (offs_d < D)[None, :],
-                other=0.0,
+            qs = _dot_rows_queries(
+                q_ptr, r_row, r_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC
             )
-            if IEEE_KEYS:
-                logit = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
-            else:
-                logit = tl.dot(q, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-            per_head = _reduce(tl.reshape(logit, (R, UP, CP)), tl.reshape(kok, (1, UP, CP)), SCORE, LOG2=True)
-            s_e = _sum_packed_heads(per_head, G, R, UP, QBP)  # [QBP, UP]
+            s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC)  # [QBP, UP]
             e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
             flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
             ar_u = tl.arange(0, UP)
@@ -690,7 +807,7 @@ def pisa_select_scan_fwd(
     )
     group = hq // hkv
     chain = pdl_launch(q, pdl)
-    scan_q, scan_rows = packed_rows(group, LAUNCH["rows"])
+    scan_q, scan_rows, head_loop = dot_rows(group, LAUNCH["rows"])
     wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
         summ,
@@ -725,6 +842,7 @@ def pisa_select_scan_fwd(
         R=scan_rows,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype),
+        HEAD_LOOP=head_loop,
         num_warps=LAUNCH["scan_warps"],
         **chain,
     )
@@ -758,7 +876,7 @@ def pisa_select_scan_fwd(
     )
     if leaf_out:
         scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
-        qb, pair_rows = packed_rows(group, LAUNCH["pair_rows"])
+        qb, pair_rows, _ = dot_rows(group, LAUNCH["pair_rows"])
         n_pairs = cand.numel() // unit[1]  # at most one pair a unit's slots
         seg_end, chunk_end, prog_seg = leaf_pair_index(counts, n_pairs, qb * LAUNCH["pair_chunks"], chain)
         # the keep's and the pair order's tiles: queries padded to a power of two of rows
@@ -797,8 +915,9 @@ def pisa_select_scan_fwd(
             R=pair_rows,
             CHUNKS=LAUNCH["pair_chunks"],
             STAGES=LAUNCH["pair_stages"],
-            IEEE_KEYS=ieee,
+            PREC="ieee" if ieee else "exact16",
             INTERP=interpreting(),
+            HEAD_LOOP=head_loop,
             num_warps=LAUNCH["leaf_warps"],
             **chain,
         )

@@ -40,10 +40,21 @@ def scan_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["leaf", "siblings"])
+LAYOUTS = {  # (LAUNCH["pair_unit"], LAUNCH["heads"])
+    "leaf-pairs-packed-heads": ("leaf", "packed"),
+    "sibling-pairs-packed-heads": ("siblings", "packed"),
+    "leaf-pairs-head-loop": ("leaf", "loop"),
+    "sibling-pairs-head-loop": ("siblings", "loop"),
+}
+
+
+@pytest.fixture(params=LAYOUTS.values(), ids=LAYOUTS.keys())
 def pair_unit(request, monkeypatch):
-    """Scored pairs of one leaf, or of a kept parent's children (``LAUNCH["pair_unit"]``)."""
-    monkeypatch.setitem(scan.LAUNCH, "pair_unit", request.param)
+    """Scored pairs of one leaf or of a kept parent's children (``LAUNCH["pair_unit"]``), and a
+    group's heads packed into one dot's rows or one dot a head (``LAUNCH["heads"]``)."""
+    unit, heads = request.param
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", unit)
+    monkeypatch.setitem(scan.LAUNCH, "heads", heads)
     return request.param
 
 
@@ -159,6 +170,16 @@ def test_leaf_pair_index_groups_the_scored_pairs_by_unit(unit):
     assert torch.equal(
         prog_seg[:n_chunks].long(), torch.repeat_interleave(torch.arange(rows * n_units), (counts + qb - 1) // qb)
     )
+
+
+def test_dot_rows_of_each_head_layout(monkeypatch):
+    monkeypatch.setitem(scan.LAUNCH, "heads", "loop")
+    assert [scan.dot_rows(g, 128) for g in (1, 3, 16)] == [(128, 128, True), (64, 64, True), (16, 16, True)]
+    monkeypatch.setitem(scan.LAUNCH, "heads", "packed")
+    assert scan.dot_rows(3, 128) == (42, 128, False)
+    monkeypatch.setitem(scan.LAUNCH, "heads", "padded")
+    with pytest.raises(ValueError, match=r'LAUNCH\["heads"\] must be "packed" or "loop", got \'padded\''):
+        scan.dot_rows(3, 128)
 
 
 def test_pair_unit_names_the_expected_values(monkeypatch):
