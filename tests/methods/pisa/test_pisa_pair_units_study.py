@@ -13,7 +13,7 @@ from _pisa_walk_inputs import walk_inputs
 
 from sparseflow import Tuning
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "studies"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "studies"))
 
 import pisa_pair_units as study  # noqa: E402
 
