@@ -48,14 +48,28 @@ LAYOUTS = {  # (LAUNCH["pair_unit"], LAUNCH["heads"])
 }
 
 
+def _use_layout(monkeypatch, layout):
+    unit, heads = layout
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", unit)
+    monkeypatch.setitem(scan.LAUNCH, "heads", heads)
+    return layout
+
+
 @pytest.fixture(params=LAYOUTS.values(), ids=LAYOUTS.keys())
 def pair_unit(request, monkeypatch):
     """Scored pairs of one leaf or of a kept parent's children (``LAUNCH["pair_unit"]``), and a
     group's heads packed into one dot's rows or one dot a head (``LAUNCH["heads"]``)."""
-    unit, heads = request.param
-    monkeypatch.setitem(scan.LAUNCH, "pair_unit", unit)
-    monkeypatch.setitem(scan.LAUNCH, "heads", heads)
-    return request.param
+    return _use_layout(monkeypatch, request.param)
+
+
+# the small tiles run the default and the layout with both changes (each change alone runs the
+# reference cases), to keep the interpreter's time in CI down
+EDGE_LAYOUTS = {k: LAYOUTS[k] for k in ("leaf-pairs-packed-heads", "sibling-pairs-head-loop")}
+
+
+@pytest.fixture(params=EDGE_LAYOUTS.values(), ids=EDGE_LAYOUTS.keys())
+def edge_layout(request, monkeypatch):
+    return _use_layout(monkeypatch, request.param)
 
 
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype, beam)
@@ -89,7 +103,7 @@ SMALL_TILE_CASES = [(1, 1), (3, 1), (1, 3), (3, 3), (3, 17)]  # (chunks per prog
 @pytest.mark.parametrize(
     "chunks, group", SMALL_TILE_CASES, ids=[f"{c}-chunks-per-program-group-{g}" for c, g in SMALL_TILE_CASES]
 )
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group, pair_unit):
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group, edge_layout):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
     chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
