@@ -15,7 +15,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,23 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- environment
+
+
+def parse_scan_launches(text: str) -> List[Dict[str, object]]:
+    """``"rows=64;pair_rows=64,pair_chunks=8"`` -> ``[{"rows": 64}, {"pair_rows": 64, "pair_chunks": 8}]``:
+    variants (``;`` between them) of PISA's scan settings (``triton_select_scan.LAUNCH``), checked
+    by name; digits become ints."""
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    out = []
+    for variant in (v for v in text.split(";") if v.strip()):
+        pairs = (kv.split("=", 1) for kv in variant.split(",") if kv.strip())
+        overrides = {key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs}
+        unknown = sorted(set(overrides) - set(scan.LAUNCH))
+        if unknown:
+            raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
+        out.append(overrides)
+    return out
 
 
 def env_info(device: str = "auto") -> Dict[str, object]:

@@ -52,7 +52,10 @@ def test_sass_instructions_counts_instruction_lines_only(tmp_path):
 
 
 def test_scan_launch_settings_are_parsed_and_checked_by_name():
-    assert kr.parse_scan_launch("pair_unit=siblings, pair_rows=64") == {"pair_unit": "siblings", "pair_rows": 64}
-    assert kr.parse_scan_launch("") == {}
+    from common import parse_scan_launches  # benchmarks/common.py: kernel_resources and pisa_layer_kernels share it
+
+    assert parse_scan_launches("pair_unit=siblings, pair_rows=64") == [{"pair_unit": "siblings", "pair_rows": 64}]
+    assert parse_scan_launches("heads=loop;pair_unit=siblings") == [{"heads": "loop"}, {"pair_unit": "siblings"}]
+    assert parse_scan_launches("") == []
     with pytest.raises(ValueError, match=r"unknown settings \['pair_size'\]"):
-        kr.parse_scan_launch("pair_size=2")
+        parse_scan_launches("pair_size=2")

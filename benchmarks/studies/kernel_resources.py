@@ -67,18 +67,6 @@ def sass_instructions(cubin: bytes, nvdisasm: str) -> int:
     return sum(1 for line in text.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
 
 
-def parse_scan_launch(text: str) -> Dict[str, object]:
-    """``"pair_unit=siblings,leaf_warps=8"`` -> settings of PISA's scan (``LAUNCH``), checked by name."""
-    from sparseflow.methods.pisa import triton_select_scan as scan
-
-    pairs = (kv.split("=", 1) for kv in text.split(",") if kv.strip())
-    out = {key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs}
-    unknown = sorted(set(out) - set(scan.LAUNCH))
-    if unknown:
-        raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
-    return out
-
-
 def drive(method: str, n: int) -> None:
     import torch
 
@@ -172,11 +160,14 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    from common import parse_scan_launches
+
     variants = []
-    for text in args.scan_launch.split(";") if args.scan_launch else [""]:
-        rows = collect(args.method, args.n, parse_scan_launch(text))
-        variants.append({"settings": text.strip(), "kernels": rows})
-        settings = f" ({text.strip()})" if text.strip() else ""
+    for launch in parse_scan_launches(args.scan_launch) or [{}]:
+        rows = collect(args.method, args.n, launch)
+        text = ",".join(f"{key}={val}" for key, val in launch.items())
+        variants.append({"settings": text, "kernels": rows})
+        settings = f" ({text})" if text else ""
         print_rows(
             f"{args.method} at N={args.n}{settings}, sm_90 (H200: 64K registers, 64 warps, 32 programs, "
             "228 KiB shared an SM)",

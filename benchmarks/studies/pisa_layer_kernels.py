@@ -37,7 +37,14 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import sparseflow  # noqa: E402,F401
 from sparseflow import Tuning  # noqa: E402
-from common import graph_us_per_call, kernel_launches_and_us, qkv, sdpa_dense, write_result  # noqa: E402
+from common import (  # noqa: E402
+    graph_us_per_call,
+    kernel_launches_and_us,
+    parse_scan_launches,
+    qkv,
+    sdpa_dense,
+    write_result,
+)
 from e2e_prefill import env_info  # noqa: E402
 from sparseflow.methods.pisa.triton_impl import pisa_attention  # noqa: E402
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
@@ -60,19 +67,6 @@ def attention_launch(text: str):
     parts = [int(x) for x in text.split(":")]
     defaults = (tst.FWD_ROWS, tst._FWD_LAUNCH["num_warps"], tst._FWD_LAUNCH["num_stages"])
     return tuple(parts + list(defaults[len(parts) :]))
-
-
-def parse_launches(text: str):
-    """``"rows=64;pair_rows=64,pair_chunks=8"`` -> ``[{"rows": 64}, {"pair_rows": 64, "pair_chunks": 8}]``."""
-    out = []
-    for variant in (v for v in text.split(";") if v.strip()):
-        pairs = (kv.split("=") for kv in variant.split(","))
-        overrides = {key.strip(): int(val) if val.strip().isdigit() else val.strip() for key, val in pairs}
-        unknown = sorted(set(overrides) - set(scan.LAUNCH))
-        if unknown:
-            raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
-        out.append(overrides)
-    return out
 
 
 CHAINED = Tuning(pdl=True)
@@ -218,7 +212,7 @@ def main(argv=None) -> int:
             inputs = {"structured": qkv(1, hq, hkv, n, 64, torch.bfloat16, structured=True)}
         for label, (q, k, v) in inputs.items():
             rows = [attention_launch(x) for x in args.attn_rows.split(",") if x]
-            cases.append(measure(n, label, q, k, v, rows, old, parse_launches(args.scan_launch), args.pdl))
+            cases.append(measure(n, label, q, k, v, rows, old, parse_scan_launches(args.scan_launch), args.pdl))
     if args.json:
         write_result(args.json, env, args, cases=cases)
         print("wrote", args.json)

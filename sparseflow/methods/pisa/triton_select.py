@@ -293,19 +293,21 @@ def _reduce(logit, okk, SCORE: tl.constexpr, LOG2: tl.constexpr = False):
     LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2). ``LOG2`` (SCORE 0): the logits
     are in base-2 units (:func:`log2_scale`), so each exponential is one ex2 with no multiply;
     the LSE comes back in natural units."""
+    # (if/else throughout: Triton also traces the statements after a return in a constexpr branch)
     if SCORE == 0:
         masked = tl.where(okk, logit, float("-inf"))  # exp(-inf - max) is 0: no second mask
         mx = tl.max(masked, axis=2)
         mx_s = tl.where(mx == float("-inf"), 0.0, mx)
         if LOG2:
-            se2 = tl.sum(tl.exp2(masked - mx_s[:, :, None]), axis=2)
-            return (mx_s + tl.log2(se2)) * _LN2
-        se = tl.sum(tl.exp(masked - mx_s[:, :, None]), axis=2)
-        return mx_s + tl.log(se)
-    nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
-    mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
-    dev = tl.where(okk, logit - mean[:, :, None], 0.0)
-    return mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+            out = (mx_s + tl.log2(tl.sum(tl.exp2(masked - mx_s[:, :, None]), axis=2))) * _LN2
+        else:
+            out = mx_s + tl.log(tl.sum(tl.exp(masked - mx_s[:, :, None]), axis=2))
+    else:
+        nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
+        mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
+        dev = tl.where(okk, logit - mean[:, :, None], 0.0)
+        out = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+    return out
 
 
 @triton.jit

@@ -234,7 +234,6 @@ def _dot_rows_queries(
     (row ``i * G + g``: head ``g`` of query ``row_q[i * G + g]``), or with ``HEAD_LOOP`` one
     ``[R, DP]`` block a head (row ``i``: query ``row_q[i]``). ``q_ok`` masks the rows."""
     qs = ()
-    rows = tl.arange(0, R)
     if HEAD_LOOP:
         for g in tl.static_range(G):
             q = tl.load(
@@ -251,7 +250,7 @@ def _dot_rows_queries(
         q = tl.load(
             q_ptr
             + b * stride_qb
-            + (hkv * G + rows % G)[:, None] * stride_qh
+            + (hkv * G + tl.arange(0, R) % G)[:, None] * stride_qh
             + row_q.to(tl.int64)[:, None] * stride_qn
             + offs_d[None, :],
             mask=q_ok[:, None] & (offs_d < D)[None, :],
@@ -514,11 +513,11 @@ def _leaf_pairs_kernel(
     (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
     once, then per chunk its queries' heads gathered into the ``R`` dot rows packed
     (:func:`packed_rows`) and one dot, or one dot a head (``HEAD_LOOP``; the chunks' loads
-    pipelined over ``STAGES``); each pair's
-    ``UN`` leaf scores written from its unit's first candidate slot on (a sibling that is not
-    scored for the query gets a score the keep never reads; ``order`` holds the flat slot index of every scored pair, grouped by segment;
+    pipelined over ``STAGES``). Each pair's ``UN`` leaf scores are written from its unit's first
+    candidate slot on (a sibling that is not scored for the query gets a score the keep never
+    reads). ``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
-    each program's segment, ``n_segments`` past the last program's work)."""
+    each program's segment, ``n_segments`` past the last program's work."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
