@@ -31,7 +31,7 @@ sys.path.insert(0, HERE)
 
 import sparseflow  # noqa: E402
 import sparseflow.hf  # noqa: E402
-from common import mean_s_back_to_back  # noqa: E402
+from common import mean_s_back_to_back, use_scan_launch  # noqa: E402
 from e2e_prefill import TRAINED_POSITIONS, _ints, converted_plan, env_info, repeated_tokens, set_rope  # noqa: E402
 from sparseflow.checkpoints import load_smollm2  # noqa: E402
 from sparseflow.graph_replay import default_replays  # noqa: E402
@@ -157,6 +157,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--text", default="pydoc_topics")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--scan-launch",
+        default="",
+        help='PISA scan settings for the whole run (triton_select_scan.LAUNCH), e.g. "heads=loop,pair_unit=siblings"',
+    )
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     for name in ("rounds", "calls"):
@@ -166,13 +171,23 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; expected names from {list(VARIANTS)}")
     variants = {name: VARIANTS[name] for name in ["dense", *args.variants] if name in VARIANTS}
+    try:
+        scan_launch = use_scan_launch(args.scan_launch)
+    except ValueError as err:
+        ap.error(str(err))
     model, tok = load_smollm2(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     model.to(args.device)
     rows = []
     for n in args.ns:
         rows += run_length(model, tok, n, args, variants)
         if args.json:
-            out = {"env": env_info(), "args": vars(args), "rows": rows, "auto_timings": auto_timings()}
+            out = {
+                "env": env_info(),
+                "args": vars(args),
+                "scan_launch": scan_launch,
+                "rows": rows,
+                "auto_timings": auto_timings(),
+            }
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1)
     return 0

@@ -44,6 +44,8 @@ __all__ = [
     "kernel_launches_and_us",
     "graph_us_per_call",
     "mean_ms_cuda_events",
+    "parse_scan_launches",
+    "use_scan_launch",
 ]
 
 
@@ -65,6 +67,21 @@ def parse_scan_launches(text: str) -> List[Dict[str, object]]:
             raise ValueError(f"--scan-launch: unknown settings {unknown}; expected some of {sorted(scan.LAUNCH)}")
         out.append(overrides)
     return out
+
+
+def use_scan_launch(text: str) -> Dict[str, object]:
+    """Apply one variant of PISA's scan settings (:func:`parse_scan_launches`; ``""``: none) to
+    ``triton_select_scan.LAUNCH`` for the rest of the process, and return the whole dict as it
+    then stands, for the result's JSON. An end-to-end run that times a non-default layout takes
+    it for every PISA call (a study setting, not a user option)."""
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    variants = parse_scan_launches(text)
+    if len(variants) > 1:
+        raise ValueError(f"--scan-launch: one variant for a whole run, got {len(variants)} (';' separates variants)")
+    for overrides in variants:
+        scan.LAUNCH.update(overrides)
+    return dict(scan.LAUNCH)
 
 
 def env_info(device: str = "auto") -> Dict[str, object]:

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
 from common import env_info as common_env_info  # noqa: E402
-from common import median_ms_per_call  # noqa: E402
+from common import median_ms_per_call, use_scan_launch  # noqa: E402
 from sparseflow.checkpoints import load_smollm2, real_text  # noqa: E402
 from sparseflow.eval.evaluate import _logits  # noqa: E402
 from sparseflow.eval.fidelity import compare_logits  # noqa: E402
@@ -482,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
         "graph checks without the checkpoint; densities and fidelity are not the model's)",
     )
     ap.add_argument("--show-report", action="store_true", help="print sparseflow.report after each compile row")
+    ap.add_argument(
+        "--scan-launch",
+        default="",
+        help='PISA scan settings for the whole run (triton_select_scan.LAUNCH), e.g. "heads=loop,pair_unit=siblings"',
+    )
     ap.add_argument("--json")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
     return ap
@@ -517,6 +522,7 @@ def main(argv=None) -> int:
         print(plot(args.plot))
         return 0
     ropes = args.ropes
+    scan_launch = use_scan_launch(args.scan_launch)
     import sparseflow.hf  # noqa: F401  (registers the attention function on first apply_plan)
 
     t0 = time.perf_counter()
@@ -527,7 +533,12 @@ def main(argv=None) -> int:
     model.to(args.device)
     print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s on {args.device}", flush=True)
     rows: List[Dict[str, object]] = []
-    out = {"env": env_info(), "args": {k: v for k, v in vars(args).items() if k != "plot"}, "rows": rows}
+    out = {
+        "env": env_info(),
+        "args": {k: v for k, v in vars(args).items() if k != "plot"},
+        "scan_launch": scan_launch,
+        "rows": rows,
+    }
 
     def save():
         if args.json:

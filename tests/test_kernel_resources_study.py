@@ -59,3 +59,20 @@ def test_scan_launch_settings_are_parsed_and_checked_by_name():
     assert parse_scan_launches("") == []
     with pytest.raises(ValueError, match=r"unknown settings \['pair_size'\]"):
         parse_scan_launches("pair_size=2")
+
+
+def test_one_scan_layout_applies_to_a_whole_run(monkeypatch):
+    from common import use_scan_launch  # e2e_prefill's and auto_vs_dense's --scan-launch
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    monkeypatch.setattr(scan, "LAUNCH", dict(scan.LAUNCH))  # the test's own copy of the process-wide dict
+    before = dict(scan.LAUNCH)
+    assert use_scan_launch("") == before
+    applied = use_scan_launch("heads=loop,pair_unit=siblings")
+    assert applied == dict(before, heads="loop", pair_unit="siblings") == scan.LAUNCH
+    assert scan.dot_rows(3, scan.LAUNCH["rows"])[2] is True  # the kernels' launch helpers read it
+    assert scan.pair_unit(2) == (2, 2)
+    with pytest.raises(ValueError, match="one variant for a whole run, got 2"):
+        use_scan_launch("heads=loop;pair_unit=siblings")
+    with pytest.raises(ValueError, match=r"unknown settings \['pair_size'\]"):
+        use_scan_launch("pair_size=2")
