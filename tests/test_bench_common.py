@@ -97,3 +97,17 @@ def test_tile_unions_count_each_tiles_rows_times_its_distinct_blocks():
     assert [pisa_tile_unions.union_rows_blocks(sel, t) for t in (1, 2, 3)] == [5, 7, 12]
     other_head = torch.tensor([[[[5, 6], [5, 6], [5, 6]]]], dtype=torch.int32)  # the same 2 blocks
     assert pisa_tile_unions.union_rows_blocks(torch.cat([sel, other_head], dim=1), 2) == 7 + 2 * 2 + 2 * 1
+
+
+def test_whole_block_share_counts_listed_blocks_before_each_tiles_first_row():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "studies"))
+    import pisa_tile_unions
+
+    # blocks of 2 keys, tiles of 2 rows: tile 0 (rows 0-1) lists {0}, which holds row 0 itself;
+    # tile 1 (rows 2-3) lists {0, 1}: block 0 (keys 0-1) lies wholly before row 2, block 1 does not;
+    # tile 2 (row 4) lists {0, 2}: block 0 is whole, block 2 (keys 4-5) holds row 4
+    sel = torch.tensor([[[[0, -1], [0, -1], [0, 1], [1, -1], [0, 2]]]], dtype=torch.int32)
+    assert pisa_tile_unions.whole_block_share(sel, 2, 2) == 2 / 5
+    # one row a tile: row 1 sees block 0 whole, rows 2 and 4 block 0, row 3 block 1; row 0 and the
+    # blocks holding rows 2 and 4 do not
+    assert pisa_tile_unions.whole_block_share(sel, 1, 2) == 4 / 7

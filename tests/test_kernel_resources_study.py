@@ -51,6 +51,26 @@ def test_sass_instructions_counts_instruction_lines_only(tmp_path):
     assert kr.sass_instructions(b"\x7fELF", str(fake)) == 4
 
 
+def test_sass_loops_count_each_loop_from_its_label_to_its_last_branch_back():
+    listing = "\n".join(
+        [
+            "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+            ".L_x_1:",
+            "        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], RZ ;",
+            ".L_x_2:",
+            "        /*0020*/                   MUFU.EX2 R26, R26 ;",
+            "        /*0030*/               @P1 BRA `(.L_x_2) ;",
+            "        /*0040*/               @P2 BRA `(.L_x_1) ;",
+            "        /*0050*/               @P3 BRA `(.L_x_3) ;",
+            "        /*0060*/                   FADD R1, R1, R2 ;",
+            ".L_x_3:",
+            "        /*0070*/                   EXIT ;",
+        ]
+    )
+    # the outer loop holds the inner one; a forward branch (to .L_x_3) is no loop
+    assert kr.sass_loops(listing) == [4, 2]
+
+
 def test_scan_launch_settings_are_parsed_and_checked_by_name():
     from common import parse_scan_launches  # benchmarks/common.py: kernel_resources and pisa_layer_kernels share it
 

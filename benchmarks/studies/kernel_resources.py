@@ -57,14 +57,36 @@ def cubin_usage(cubin: bytes, cuobjdump: str) -> Dict[str, int]:
     return {"registers": usage.get("REG", 0), "local": usage.get("LOCAL", 0) + usage.get("STACK", 0)}
 
 
-def sass_instructions(cubin: bytes, nvdisasm: str) -> int:
-    """Static SASS instruction count of a cubin (``nvdisasm``): for kernels bound by what they
-    issue, fewer instructions in the hot loop is the CPU's proxy for time."""
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+\S")
+
+
+def sass_listing(cubin: bytes, nvdisasm: str) -> str:
+    """A cubin's SASS as ``nvdisasm -c`` lists it."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return sum(1 for line in text.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_instructions(cubin: bytes, nvdisasm: str) -> int:
+    """Static SASS instruction count of a cubin (``nvdisasm``): for kernels bound by what they
+    issue, fewer instructions in the hot loop is the CPU's proxy for time."""
+    return sum(1 for line in sass_listing(cubin, nvdisasm).splitlines() if _INSTRUCTION.match(line))
+
+
+def sass_loops(listing: str) -> List[int]:
+    """Instructions in each loop of a SASS listing, in listing order: from a label to the last
+    branch back to it (an outer loop counts its inner ones). One trip through a kernel's main loop
+    issues about that many instructions a thread."""
+    lines = listing.splitlines()
+    labels = {line.split(":")[0]: i for i, line in enumerate(lines) if re.match(r"\.L_x_\d+:", line)}
+    ends: Dict[str, int] = {}
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if target and labels.get(target.group(1), i) < i:
+            ends[target.group(1)] = i
+    spans = sorted((labels[name], end) for name, end in ends.items())
+    return [sum(1 for line in lines[a : b + 1] if _INSTRUCTION.match(line)) for a, b in spans]
 
 
 def drive(method: str, n: int) -> None:
@@ -131,6 +153,7 @@ def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Di
                 "stages": md.num_stages,
                 "shared": md.shared,
                 "instructions": sass_instructions(kernel.asm["cubin"], nvdisasm),
+                "loops": [n for n in sass_loops(sass_listing(kernel.asm["cubin"], nvdisasm)) if n > 1],
                 **usage,
                 **fit,
             }
@@ -140,12 +163,13 @@ def collect(method: str, n: int, scan_launch: Dict[str, object] = {}) -> List[Di
 
 def print_rows(title: str, rows: List[Dict[str, object]]) -> None:
     print(title)
-    print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM  SASS")
+    print(f"{'kernel':34s} warps stages  regs  local  shared  programs/SM (limit)  warps/SM  SASS  (loops)")
     for r in rows:
+        loops = "/".join(str(n) for n in r["loops"])
         print(
             f"{r['kernel'][:34]:34s} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} {r['local']:6d} "
             f"{r['shared']:7d}  {r['programs']:3d} {'(' + r['limit'] + ')':17s} {r['programs'] * r['warps']:5d} "
-            f"{r['instructions']:5d}"
+            f"{r['instructions']:5d}  {loops}"
         )
 
 

@@ -23,9 +23,9 @@ from common import env_info, write_result  # noqa: E402
 from sparseflow.methods.pisa import reference as pisa_ref  # noqa: E402
 
 
-def union_rows_blocks(sel: torch.Tensor, tile: int) -> int:
-    """The row-blocks a tiled walk visits: each tile of ``tile`` consecutive rows times the
-    distinct blocks its rows keep, summed (``sel [B, Hkv, Nq, K]``, ``-1`` unused)."""
+def _tile_distinct(sel: torch.Tensor, tile: int):
+    """``(sorted ids, first-of-a-run flags)`` of each tile's kept blocks, ``[B, Hkv, tiles,
+    tile * K]`` (unused slots sort last and are never first)."""
     b, hkv, n, k = sel.shape
     pad = -n % tile
     ids = torch.nn.functional.pad(sel, (0, 0, 0, pad), value=-1).reshape(b, hkv, -1, tile * k)
@@ -33,10 +33,27 @@ def union_rows_blocks(sel: torch.Tensor, tile: int) -> int:
     srt = torch.where(ids >= 0, ids, big).sort(-1).values
     first = torch.ones_like(srt, dtype=torch.bool)
     first[..., 1:] = srt[..., 1:] != srt[..., :-1]
-    distinct = (first & (srt != big)).sum(-1)  # [B, Hkv, tiles]
+    return srt, first & (srt != big)
+
+
+def union_rows_blocks(sel: torch.Tensor, tile: int) -> int:
+    """The row-blocks a tiled walk visits: each tile of ``tile`` consecutive rows times the
+    distinct blocks its rows keep, summed (``sel [B, Hkv, Nq, K]``, ``-1`` unused)."""
+    n = sel.shape[2]
+    _, first = _tile_distinct(sel, tile)
+    distinct = first.sum(-1)  # [B, Hkv, tiles]
     rows = torch.full((distinct.shape[-1],), tile)
     rows[-1] = n - tile * (distinct.shape[-1] - 1)
     return int((distinct * rows).sum())
+
+
+def whole_block_share(sel: torch.Tensor, tile: int, block_size: int) -> float:
+    """Of the blocks the causal tiles list (``Nq == Nk``), the share that lie wholly before each
+    tile's first row: the attention's trips that need no per-key causal test."""
+    srt, first = _tile_distinct(sel, tile)
+    first_row = torch.arange(srt.shape[2]) * tile
+    whole = first & (srt < ((first_row + 1) // block_size)[:, None])
+    return int(whole.sum()) / max(1, int(first.sum()))
 
 
 def main(argv=None) -> int:
@@ -56,10 +73,15 @@ def main(argv=None) -> int:
         sel = pisa_ref.pisa_select(q.float(), k.float(), block_size=64, top_k=8)
         kept = int((sel >= 0).sum())
         factors = {t: union_rows_blocks(sel, t) / kept for t in tiles}
-        rows.append({"layer": layer, "kept_blocks": kept, "union_over_kept": factors})
+        whole = {t: whole_block_share(sel, t, 64) for t in tiles}
+        rows.append({"layer": layer, "kept_blocks": kept, "union_over_kept": factors, "whole_block_share": whole})
         print(
             f"layer {layer:2d}: row-blocks visited / blocks kept, by tile height "
             + ", ".join(f"{t}: {f:.2f}x" for t, f in factors.items())
+        )
+        print(
+            f"layer {layer:2d}: listed blocks wholly before the tile's first row, by tile height "
+            + ", ".join(f"{t}: {f:.1%}" for t, f in whole.items())
         )
     if args.json:
         write_result(args.json, env_info(args.device), args, rows=rows)

@@ -14,7 +14,9 @@ query heads of a KV head in the same program (rows = tokens x heads; the heads s
 token's blocks); a tile loops over the union of its tokens' blocks (``tile_block_lists``),
 loading each key block once for the whole tile and group, and tests membership per row against
 the row's own ``K`` block ids kept in registers -- no selection table or score matrix is
-written. The backward tiles ``BLOCK_M`` tokens per query head and runs one program per (query
+written. A list is ascending, so the blocks every row of the tile sees whole (all keys in range
+and, causally, before the tile's first row) lead it; they run without per-key tests (a row mask
+and one fused multiply-add a logit), the last one or two with them. The backward tiles ``BLOCK_M`` tokens per query head and runs one program per (query
 tile, query head) for dq, and one per (key block, KV head) for dk/dv over the query tiles whose
 union holds that block (the transposed lists, in CSR form), looping over the ``G`` query heads
 of the group.
@@ -227,19 +229,61 @@ def _scores(
     IEEE: tl.constexpr,
 ):
     """log2-scaled logits of a query tile against key block ``kb`` and the element mask."""
+    s = _logits(q, k_t, IEEE) * qk_scale
+    return s, _visible(kb, sel, rows_hz, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, False)
+
+
+@triton.jit
+def _logits(q, k_t, IEEE: tl.constexpr):
+    """The unscaled logits ``q @ k_t`` in fp32."""
     if IEEE:
-        s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+        return tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
     else:
-        s = tl.dot(q, k_t)
-    s = s * qk_scale
+        return tl.dot(q, k_t)
+
+
+@triton.jit
+def _visible(
+    kb,
+    sel,
+    rows_hz,
+    kpm_ptr,
+    b,
+    Nk,
+    offs_c,
+    C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WHOLE: tl.constexpr,
+):
+    """Which rows see which keys of block ``kb``: the rows that selected it, at its valid keys
+    (in range, not padding) and, causally, the keys at or before each row's position. ``WHOLE``:
+    the caller knows every key of the block is in range and at or before every row's position
+    (:func:`_whole_blocks`), so only the selection and the padding are tested."""
     kpos = kb * C + offs_c
     member = tl.sum((sel == kb).to(tl.int32), axis=1) > 0
-    ok = member[:, None] & ((offs_c < C) & (kpos < Nk))[None, :]
-    if IS_CAUSAL:
-        ok = ok & (kpos[None, :] <= rows_hz[:, None])
+    if WHOLE:
+        ok = member[:, None] & (offs_c < C)[None, :]
+    else:
+        ok = member[:, None] & ((offs_c < C) & (kpos < Nk))[None, :]
+        if IS_CAUSAL:
+            ok = ok & (kpos[None, :] <= rows_hz[:, None])
     if HAS_KPM:
         ok = ok & (tl.load(kpm_ptr + b * Nk + kpos, mask=kpos < Nk, other=0) != 0)[None, :]
-    return s, ok
+    return ok
+
+
+@triton.jit
+def _whole_blocks(list_row, n, first_hz, Nk, C: tl.constexpr, LWP: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """How many of a tile's ``n`` listed blocks (ascending) lie wholly in range and, causally, at
+    or before the tile's first row (``first_hz``, the lowest position of its rows): the leading
+    blocks that need no per-key range or causal test."""
+    last = Nk // C - 1  # the last block whose keys are all in range
+    if IS_CAUSAL:
+        last = tl.minimum(last, tl.where(first_hz >= 0, (first_hz + 1) // C - 1, -1))
+    ar = tl.arange(0, LWP)
+    ids = tl.load(list_row + ar, mask=ar < n, other=last + 1)
+    return tl.sum((ids <= last).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -272,18 +316,63 @@ def _fwd_block(
     d_ok,
     qk_scale,
     C: tl.constexpr,
+    CP: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
-    """The online-softmax update of a tile's rows with key block ``*kb_ptr``."""
+    """The online-softmax update of a tile's rows with key block ``*kb_ptr`` (``WHOLE``: see
+    :func:`_visible`)."""
     kb = tl.load(kb_ptr)
     kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
-    kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
-    k_t = tl.load(k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-    s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
-    vt = tl.load(v_base + kpos[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-    return online_softmax_step(acc, l_i, m_i, tl.where(ok, s, float("-inf")), vt, IEEE)
+    if WHOLE:
+        in_range = offs_c < C
+    else:
+        in_range = (offs_c < C) & (kpos < Nk)
+    kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, in_range, HAS_KPM)
+    # a block's keys are C consecutive rows: its first row's offset (a scalar) plus offsets the
+    # same for every block
+    k_t = tl.load(
+        k_base + kb.to(tl.int64) * C * stride_kn + (offs_c.to(tl.int64)[None, :] * stride_kn + offs_d[:, None]),
+        mask=kv_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    if WHOLE and not HAS_KPM and C == CP:
+        # every key of the block is real and seen by the rows that selected it: a row mask, no
+        # per-key one (the other rows' logits stay finite and get no weight)
+        s = _logits(q, k_t, IEEE)
+        rows_on = tl.sum((sel == kb).to(tl.int32), axis=1) > 0
+    else:
+        ok = _visible(kb, sel, hz, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, WHOLE)
+        s = tl.where(ok, _logits(q, k_t, IEEE), float("-inf"))
+        rows_on = tl.full([s.shape[0]], True, tl.int1)
+    vt = tl.load(
+        v_base + kb.to(tl.int64) * C * stride_vn + (offs_c.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]),
+        mask=kv_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    return _online_softmax_scaled(acc, l_i, m_i, s, rows_on, qk_scale, vt, IEEE)
+
+
+@triton.jit
+def _online_softmax_scaled(acc, l_i, m_i, s, rows_on, qk_scale, vt, IEEE: tl.constexpr):
+    """:func:`online_softmax_step` on unscaled logits ``s`` (-inf where masked) of the rows
+    ``rows_on``: the others' maxima are left alone and their exponentials subtract +inf, so their
+    finite logits get no weight (a NaN or infinite logit, from a key the row does not select but
+    dense attention would see, still reaches it). The scale (positive, log2 units) multiplies the row maxima
+    only and joins each logit's subtraction in one fused multiply-add, so no logit is scaled on
+    its own."""
+    m_new = tl.maximum(m_i, tl.where(rows_on, tl.max(s, axis=1) * qk_scale, float("-inf")))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(tl.fma(s, qk_scale, -tl.where(rows_on, m_safe, float("inf"))[:, None]))
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -343,6 +432,7 @@ def _fwd_kernel(
     KP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     R: tl.constexpr,
+    LWP: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     IEEE: tl.constexpr,
@@ -385,17 +475,26 @@ def _fwd_kernel(
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
     step_args = (q, sel, hz, k_base, v_base, stride_kn, stride_vn, kpm_ptr, b, Nk, offs_c, offs_d, d_ok, qk_scale)
+    list_row = list_ptr + lst * LW
+    # the leading blocks every row sees whole skip the per-key range and causal tests (all but
+    # the last one or two of a causal tile's list)
+    n_whole = _whole_blocks(list_row, n, qt * BLOCK_T + Nk - Nq, Nk, C, LWP, IS_CAUSAL)
     if INTERP:
         # the CPU interpreter cannot take a loaded scalar as a range bound (NumPy >= 2.3 calls
-        # int() on a 1-element array); a while loop visits the same blocks
+        # int() on a 1-element array); while loops visit the same blocks
         j = n * 0
+        while j < n_whole:
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, True)
+            j += 1
         while j < n:
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_ptr + lst * LW + j, *step_args, C, HAS_KPM, IS_CAUSAL, IEEE)
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, False)
             j += 1
     else:
-        # a for loop, so the compiler pipelines the next block's loads behind this one's math
-        for j in range(0, n):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_ptr + lst * LW + j, *step_args, C, HAS_KPM, IS_CAUSAL, IEEE)
+        # for loops, so the compiler pipelines the next block's loads behind this one's math
+        for j in range(0, n_whole):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, True)
+        for j in range(n_whole, n):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, False)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_rows = o_ptr + b * stride_ob + h * stride_oh + tok.to(tl.int64) * stride_on
@@ -732,6 +831,7 @@ def token_sparse_fwd(
         IS_CAUSAL=is_causal,
         **_fwd_launch(k, block_size),
         **_fwd_meta(q, k, block_size, sel.shape[-1]),
+        LWP=_p2(lists.shape[-1], 1),
         **pdl_launch(q, pdl),
     )
     return out, lse

@@ -208,6 +208,9 @@ ATTN_CASES = {
     "noncausal-pad-c8": (1, 2, 2, 50, 50, 16, 8, 3, False, True, torch.float32),
     "bf16-n83": (1, 4, 2, 83, 83, 32, 16, 3, True, True, torch.bfloat16),
     "g5-n37-causal": (1, 5, 1, 37, 37, 16, 8, 3, True, False, torch.float32),
+    # no padding, a partial last block: the blocks a tile sees whole take a row mask only
+    "noncausal-n45-c8": (1, 2, 1, 45, 45, 16, 8, 3, False, False, torch.float32),
+    "g3-nq30-nk75-causal": (1, 3, 1, 30, 75, 16, 16, 3, True, False, torch.float32),
 }
 
 
