@@ -311,6 +311,17 @@ def _reduce(logit, okk, SCORE: tl.constexpr, LOG2: tl.constexpr = False):
 
 
 @triton.jit
+def _lse2_scaled(logit, okk, scale):
+    """:func:`_reduce`'s base-2 LSE (in natural units) of ``logit * scale`` (``scale > 0``, from
+    :func:`log2_scale`) over the entries where ``okk``, from the unscaled logits: the scale
+    multiplies the maxima only and joins each logit's subtraction in one fused multiply-add."""
+    masked = tl.where(okk, logit, float("-inf"))
+    mx = tl.max(masked, axis=2) * scale
+    mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+    return (mx_s + tl.log2(tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2))) * _LN2
+
+
+@triton.jit
 def _top_k_keep(valid, forced, score, ar, width):
     """Keep the forced entries and the best-scoring others, ``width`` (at most the row's length,
     a runtime value: the level's width) in total (ties to the lower position, i.e. the lower node

@@ -48,6 +48,7 @@ from ...kernels.pdl import pdl_launch, pdl_start
 from .triton_select import (
     _launch,
     _p2,
+    _lse2_scaled,
     _pisa_select_kernel,
     _reduce,
     candidate_width,
@@ -305,21 +306,23 @@ def _group_scores(
     if HEAD_LOOP:
         total = tl.zeros([QP, U], dtype=tl.float32)
         for g in tl.static_range(G):
-            total += _head_scores(_rows_dot(qs[g], k_t, PREC) * qk_scale, okk, R, U, W, SCORE)
+            total += _head_scores(_rows_dot(qs[g], k_t, PREC), qk_scale, okk, R, U, W, SCORE)
     else:
-        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC) * qk_scale, okk, R, U, W, SCORE)
+        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC), qk_scale, okk, R, U, W, SCORE)
         total = _sum_packed_heads(per_head, G, R, U, QP)
     return total
 
 
 @triton.jit
-def _head_scores(logit, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr):
-    """``[R, U]`` per-row scores of ``U`` units of ``W`` logit columns (``W == 0``: the logits
-    themselves, PISA-1's)."""
+def _head_scores(logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr):
+    """``[R, U]`` per-row scores of ``U`` units of ``W`` columns of unscaled logits (``W == 0``:
+    the scaled logits themselves, PISA-1's); ``qk_scale`` from :func:`log2_scale`."""
     if W == 0:
-        out = logit
+        out = logit * qk_scale
+    elif SCORE == 0:
+        out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale)
     else:
-        out = _reduce(tl.reshape(logit, (R, U, W)), okk, SCORE, LOG2=True)
+        out = _reduce(tl.reshape(logit * qk_scale, (R, U, W)), okk, SCORE, LOG2=True)
     return out
 
 

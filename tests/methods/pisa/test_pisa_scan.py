@@ -411,6 +411,35 @@ def _reduce_probe(x_ptr, ok_ptr, out_ptr, M: tl.constexpr, U: tl.constexpr, J: t
     tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], out)
 
 
+@triton.jit
+def _lse2_probe(x_ptr, ok_ptr, out_ptr, scale, M: tl.constexpr, U: tl.constexpr, J: tl.constexpr):
+    ar_m, ar_u, ar_j = tl.arange(0, M), tl.arange(0, U), tl.arange(0, J)
+    flat = ar_m[:, None, None] * (U * J) + ar_u[None, :, None] * J + ar_j[None, None, :]
+    ok = tl.load(ok_ptr + ar_u[:, None] * J + ar_j[None, :]) != 0
+    out = triton_select._lse2_scaled(tl.load(x_ptr + flat), ok[None, :, :], scale)
+    tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], out)
+
+
+def test_lse_of_unscaled_logits_scales_them_in_the_exponent():
+    """The leaf pairs' and node scan's LSE takes the dot's unscaled logits and the base-2 scale
+    (one fused multiply-add a logit): the natural LSE of the scaled logits, -inf for none."""
+    g = torch.Generator().manual_seed(6)
+    m, u, j, scale = 16, 4, 32, 0.125
+    x = torch.randn(m, u, j, generator=g) * 200
+    ok = torch.rand(u, j, generator=g) < 0.7
+    ok[2] = False
+    ok[0, 0] = True
+    want = torch.where(ok, x.double() * scale, float("-inf")).logsumexp(-1)
+    out = torch.empty(m, u, device=DEVICE)
+    _lse2_probe[(1,)](
+        x.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, triton_select.log2_scale(scale, 0), M=m, U=u, J=j
+    )
+    got = out.cpu().double()
+    assert torch.equal(torch.isinf(got[:, 2]) & (got[:, 2] < 0), torch.ones(m, dtype=torch.bool))
+    fin = torch.isfinite(want)
+    assert torch.allclose(got[fin], want[fin], rtol=2e-6, atol=1e-5), (got[fin] - want[fin]).abs().max()
+
+
 @pytest.mark.parametrize("log2", [False, True], ids=["natural-units", "base-2-units"])
 def test_lse_in_base_2_units_is_the_natural_lse(log2):
     """The scan's LSE scores take logits in base-2 units (the scale times log2(e), so each
