@@ -111,3 +111,16 @@ def test_whole_block_share_counts_listed_blocks_before_each_tiles_first_row():
     # one row a tile: row 1 sees block 0 whole, rows 2 and 4 block 0, row 3 block 1; row 0 and the
     # blocks holding rows 2 and 4 do not
     assert pisa_tile_unions.whole_block_share(sel, 1, 2) == 4 / 7
+
+
+def test_token_sparse_baseline_loads_beside_the_package_with_its_ops_renamed():
+    """token_sparse_schedule --baseline loads an earlier token_sparse_triton.py, whose relative
+    imports (._triton_env, .pdl) must resolve outside the package, under its own op namespace."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "studies"))
+    import token_sparse_schedule
+
+    import sparseflow.kernels.token_sparse_triton as current
+
+    baseline = token_sparse_schedule.load_baseline(current.__file__)
+    assert baseline.__name__ == "token_sparse_baseline" and baseline is not current
+    assert hasattr(torch.ops.sfbaseline, "token_sparse_fwd") and hasattr(torch.ops.sparseflow, "token_sparse_fwd")

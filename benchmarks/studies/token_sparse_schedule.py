@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 
@@ -31,9 +32,10 @@ SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "g16": (32, 2, 64)}
 
 
 def load_baseline(path: str):
-    """The module at ``path`` with its op names moved to another namespace."""
+    """The module at ``path`` (an earlier ``sparseflow/kernels/token_sparse_triton.py``) with its
+    op names moved to another namespace and its relative imports made absolute."""
     src = open(path).read().replace("sparseflow::token_sparse", "sfbaseline::token_sparse")
-    src = src.replace("from ._triton_env", "from sparseflow.kernels._triton_env")
+    src = re.sub(r"^(\s*)from \.(\w)", r"\1from sparseflow.kernels.\2", src, flags=re.M)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "token_sparse_baseline.py")
         with open(path, "w") as fh:
