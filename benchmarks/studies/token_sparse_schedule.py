@@ -31,11 +31,19 @@ from common import env_info, mean_ms_cuda_events, structured_qkv, write_result  
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "g16": (32, 2, 64)}
 
 
+def baseline_source(src: str) -> str:
+    """An earlier ``sparseflow/kernels/token_sparse_triton.py``'s source, runnable beside the
+    package: every op it registers and calls moved to another namespace (a second registration
+    under the package's names would replace the package's ops for the whole process) and its
+    relative imports made absolute."""
+    src = src.replace('"sparseflow::', '"sfbaseline::').replace("torch.ops.sparseflow.", "torch.ops.sfbaseline.")
+    return re.sub(r"^(\s*)from \.(\w)", r"\1from sparseflow.kernels.\2", src, flags=re.M)
+
+
 def load_baseline(path: str):
-    """The module at ``path`` (an earlier ``sparseflow/kernels/token_sparse_triton.py``) with its
-    op names moved to another namespace and its relative imports made absolute."""
-    src = open(path).read().replace("sparseflow::token_sparse", "sfbaseline::token_sparse")
-    src = re.sub(r"^(\s*)from \.(\w)", r"\1from sparseflow.kernels.\2", src, flags=re.M)
+    """The module at ``path`` (see :func:`baseline_source`)."""
+    with open(path) as fh:
+        src = baseline_source(fh.read())
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "token_sparse_baseline.py")
         with open(path, "w") as fh:
