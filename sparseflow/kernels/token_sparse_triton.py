@@ -243,6 +243,22 @@ def _logits(q, k_t, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _selected_rows(kb, sel):
+    """The tile's rows that listed key block ``kb`` among their selected blocks."""
+    return tl.sum((sel == kb).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _keys_in_range(kpos, offs_c, Nk, C: tl.constexpr, WHOLE: tl.constexpr):
+    """A key block's slots that hold a key: within its ``C`` (the padded width may be wider) and
+    before ``Nk`` (``WHOLE``: the caller knows the whole block is)."""
+    if WHOLE:
+        return offs_c < C
+    else:
+        return (offs_c < C) & (kpos < Nk)
+
+
+@triton.jit
 def _visible(
     kb,
     sel,
@@ -261,13 +277,9 @@ def _visible(
     the caller knows every key of the block is in range and at or before every row's position
     (:func:`_whole_blocks`), so only the selection and the padding are tested."""
     kpos = kb * C + offs_c
-    member = tl.sum((sel == kb).to(tl.int32), axis=1) > 0
-    if WHOLE:
-        ok = member[:, None] & (offs_c < C)[None, :]
-    else:
-        ok = member[:, None] & ((offs_c < C) & (kpos < Nk))[None, :]
-        if IS_CAUSAL:
-            ok = ok & (kpos[None, :] <= rows_hz[:, None])
+    ok = _selected_rows(kb, sel)[:, None] & _keys_in_range(kpos, offs_c, Nk, C, WHOLE)[None, :]
+    if IS_CAUSAL and not WHOLE:
+        ok = ok & (kpos[None, :] <= rows_hz[:, None])
     if HAS_KPM:
         ok = ok & (tl.load(kpm_ptr + b * Nk + kpos, mask=kpos < Nk, other=0) != 0)[None, :]
     return ok
@@ -326,11 +338,7 @@ def _fwd_block(
     :func:`_visible`)."""
     kb = tl.load(kb_ptr)
     kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
-    if WHOLE:
-        in_range = offs_c < C
-    else:
-        in_range = (offs_c < C) & (kpos < Nk)
-    kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, in_range, HAS_KPM)
+    kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, _keys_in_range(kpos, offs_c, Nk, C, WHOLE), HAS_KPM)
     # a block's keys are C consecutive rows: its first row's offset (a scalar) plus offsets the
     # same for every block
     k_t = tl.load(
@@ -342,7 +350,7 @@ def _fwd_block(
         # every key of the block is real and seen by the rows that selected it: a row mask, no
         # per-key one (the other rows' logits stay finite and get no weight)
         s = _logits(q, k_t, IEEE)
-        rows_on = tl.sum((sel == kb).to(tl.int32), axis=1) > 0
+        rows_on = _selected_rows(kb, sel)
     else:
         ok = _visible(kb, sel, hz, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, WHOLE)
         s = tl.where(ok, _logits(q, k_t, IEEE), float("-inf"))
@@ -584,7 +592,7 @@ def _bwd_dq_kernel(
     while j < n:
         kb = tl.load(list_ptr + lst * LW + j)
         kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
-        kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, (offs_c < C) & (kpos < Nk), HAS_KPM)
+        kv_ok = _loadable_keys(kpm_ptr, b, Nk, kpos, _keys_in_range(kpos, offs_c, Nk, C, False), HAS_KPM)
         k_t = tl.load(
             k_base + kpos[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
         )
@@ -665,7 +673,7 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     d_ok = offs_d < D
     kpos = kb.to(tl.int64) * C + offs_c  # 64-bit: a key position times a row stride can pass 2**31 elements
-    kv_ok = (offs_c < C) & (kpos < Nk)  # the stores: padded keys get their zero gradient too
+    kv_ok = _keys_in_range(kpos, offs_c, Nk, C, False)  # the stores: padded keys get their zero gradient too
     kv_load = _loadable_keys(kpm_ptr, b, Nk, kpos, kv_ok, HAS_KPM)
     k_t = tl.load(
         k_ptr + b * stride_kb + hkv * stride_kh + kpos[None, :] * stride_kn + offs_d[:, None],
