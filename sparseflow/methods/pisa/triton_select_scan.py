@@ -374,6 +374,10 @@ def _node_scan_kernel(
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
+    if IS_CAUSAL:
+        # causally a later tile scores more nodes (up to about twice an early one's work): the
+        # heaviest start first, so the launch's last wave holds the lightest
+        tile = tl.num_programs(0) - 1 - tile
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements
     b = bh // HKV
     hkv = bh % HKV
