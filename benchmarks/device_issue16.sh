@@ -5,12 +5,14 @@
 #   then, on the device, in this order (carry what each step names):
 #   gguf1    carry .device_in/gguf1,.whl     the GGUF's first half to /tmp/sf, the wheels to /tmp/site
 #   layers   carry .device_in/gguf2,.device_in/ab
-#            the second half joined, then PISA's layer on SmolLM2's real layers 3/15/27 at 8K beside
-#            the baseline commit's selection and attention (same inputs), the scan layouts, PDL; and
-#            the token-sparse attention beside the baseline's on the same selections, 8K and 32K
+#            the second half joined, then the token-sparse attention beside the baseline commit's
+#            on the same selections (8K and 32K), and PISA's layer on SmolLM2's real layers
+#            3/15/27 at 8K beside the baseline's selection and attention (same inputs), with the
+#            scan layouts and PDL
 #   e2e      end to end at 8K, interleaved: PISA, BSA, PBS, the recipe (backend="triton") and PISA
-#            with PDL against dense SDPA, then PISA's and BSA's fidelity and the compile paths
-#            (sparseflow.compile in reduce-overhead mode beside the converted path and compile(dense))
+#            with PDL against dense SDPA
+#   compile  PISA's and BSA's fidelity at 8K (KL, top-1), and their sparseflow.compile in
+#            reduce-overhead mode beside the converted path and compile(dense)
 #   auto     backend="auto" against dense at 4K and 8K, interleaved
 #   tests    the PISA, BSA, token-sparse and PDL GPU tests
 #
@@ -72,18 +74,21 @@ gguf1)
     ;;
 layers)
     device_env
+    run_logged "token_sparse_vs_${BASE}_h200" python benchmarks/studies/token_sparse_schedule.py \
+        --baseline $IN/ab/token_sparse_triton.py --ns 8192,32768 --ks 8 --parts attention \
+        --json "$OUT/token_sparse_vs_${BASE}_h200.json"
     run_logged "pisa_layer_kernels_vs_${BASE}_h200" python benchmarks/studies/pisa_layer_kernels.py \
         --real 3,15,27 --old $IN/ab --pdl \
         --scan-launch "heads=loop;pair_unit=siblings;heads=loop,pair_unit=siblings" \
         --json "$OUT/pisa_layer_kernels_vs_${BASE}_h200.json"
-    run_logged "token_sparse_vs_${BASE}_h200" python benchmarks/studies/token_sparse_schedule.py \
-        --baseline $IN/ab/token_sparse_triton.py --ns 8192,32768 --ks 8 --parts attention \
-        --json "$OUT/token_sparse_vs_${BASE}_h200.json"
     ;;
 e2e)
     device_env
     run_logged e2e_triton_8k_h200 python benchmarks/auto_vs_dense.py --ns 8192 \
         --variants "pisa triton,bsa triton,pbs triton,recipe triton,pisa pdl" --json "$OUT/e2e_triton_8k_h200.json"
+    ;;
+compile)
+    device_env
     run_logged e2e_pisa_bsa_compile_8k_h200 python benchmarks/e2e_prefill.py --ns 8192 --ropes plain \
         --settings pisa,bsa --paths converted,compile,compile_dense --compile-mode reduce-overhead \
         --json "$OUT/e2e_pisa_bsa_compile_8k_h200.json"
@@ -99,7 +104,7 @@ tests)
         tests/methods/test_pisa_bsa_triton.py tests/kernels
     ;;
 *)
-    sed -n '2,19p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
     ;;
 esac
