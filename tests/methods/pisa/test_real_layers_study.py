@@ -1,0 +1,36 @@
+"""benchmarks/studies/real_layers_interpreted.py: one layer's row (the scan's selection against the
+reference's, the forward's error against fp64 beside plain torch's), on small random inputs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the study is the interpreter's: it switches Triton to it on import
+    pytest.skip("a CPU study (Triton's interpreter)", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "studies"))
+
+import real_layers_interpreted as study  # noqa: E402
+
+
+def _qkv(n=256, hq=3, hkv=1, d=16):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, h, n, d, generator=g) for h in (hq, hkv, hkv))
+
+
+def test_a_layers_row_compares_selection_and_errors():
+    row = study.check_layer(*_qkv(), block_size=16)
+    assert row["scan selection equal"] is True and row["rows"] == 256
+    assert not row["bfloat16 kernel NaN"] and not row["float32 kernel NaN"]
+    assert 0 < row["float32 kernel error"] < 1e-4
+    assert 0 < row["bfloat16 kernel error"] < 4 * row["bfloat16 plain torch error"]
+
+
+def test_a_wrong_forward_shows_in_its_error(monkeypatch):
+    monkeypatch.setattr(study, "token_sparse_attention", lambda q, k, v, sel, **kw: torch.zeros_like(q))
+    row = study.check_layer(*_qkv(), block_size=16)
+    assert row["float32 kernel error"] > 100 * row["float32 plain torch error"]
