@@ -16,10 +16,10 @@ loading each key block once for the whole tile and group, and tests membership p
 the row's own ``K`` block ids kept in registers -- no selection table or score matrix is
 written. A list is ascending, so the blocks every row of the tile sees whole (all keys in range
 and, causally, before the tile's first row) lead it; they run without per-key tests (a row mask
-and one fused multiply-add a logit), the last one or two with them. The backward tiles ``BLOCK_M`` tokens per query head and runs one program per (query
-tile, query head) for dq, and one per (key block, KV head) for dk/dv over the query tiles whose
-union holds that block (the transposed lists, in CSR form), looping over the ``G`` query heads
-of the group.
+and one fused multiply-add a logit), the last one or two with them. The backward tiles
+``BLOCK_M`` tokens per query head and runs one program per (query tile, query head) for dq, and
+one per (key block, KV head) for dk/dv over the query tiles whose union holds that block (the
+transposed lists, in CSR form), looping over the ``G`` query heads of the group.
 """
 
 from __future__ import annotations

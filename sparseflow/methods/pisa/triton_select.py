@@ -282,26 +282,22 @@ _LN2 = tl.constexpr(0.6931471805599453)  # a kernel reads only constexpr globals
 
 
 def log2_scale(scale: float, score: int) -> float:
-    """The dot's scale for :func:`_reduce` with ``LOG2`` (LSE scores, ``score == 0``): the
-    softmax scale times log2(e); other scores take the plain scale."""
+    """The dot's scale for :func:`_lse2_scaled` (LSE scores, ``score == 0``): the softmax scale
+    times log2(e); other scores take the plain scale."""
     return scale * LOG2E if score == 0 else scale
 
 
 @triton.jit
-def _reduce(logit, okk, SCORE: tl.constexpr, LOG2: tl.constexpr = False):
+def _reduce(logit, okk, SCORE: tl.constexpr):
     """Per-head score ``[M, U]`` of ``logit [M, U, J]`` over the entries where ``okk [1, U, J]``:
-    LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2). ``LOG2`` (SCORE 0): the logits
-    are in base-2 units (:func:`log2_scale`), so each exponential is one ex2 with no multiply;
-    the LSE comes back in natural units."""
+    LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2). (The scan's base-2 LSE of
+    unscaled logits is :func:`_lse2_scaled`.)"""
     # (if/else throughout: Triton also traces the statements after a return in a constexpr branch)
     if SCORE == 0:
         masked = tl.where(okk, logit, float("-inf"))  # exp(-inf - max) is 0: no second mask
         mx = tl.max(masked, axis=2)
         mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-        if LOG2:
-            out = (mx_s + tl.log2(tl.sum(tl.exp2(masked - mx_s[:, :, None]), axis=2))) * _LN2
-        else:
-            out = mx_s + tl.log(tl.sum(tl.exp(masked - mx_s[:, :, None]), axis=2))
+        out = mx_s + tl.log(tl.sum(tl.exp(masked - mx_s[:, :, None]), axis=2))
     else:
         nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
         mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc

@@ -322,7 +322,7 @@ def _head_scores(logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.c
     elif SCORE == 0:
         out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale)
     else:
-        out = _reduce(tl.reshape(logit * qk_scale, (R, U, W)), okk, SCORE, LOG2=True)
+        out = _reduce(tl.reshape(logit * qk_scale, (R, U, W)), okk, SCORE)
     return out
 
 

@@ -403,11 +403,11 @@ def test_summary_dot_is_near_fp32(prec):
 
 
 @triton.jit
-def _reduce_probe(x_ptr, ok_ptr, out_ptr, M: tl.constexpr, U: tl.constexpr, J: tl.constexpr, LOG2: tl.constexpr):
+def _reduce_probe(x_ptr, ok_ptr, out_ptr, M: tl.constexpr, U: tl.constexpr, J: tl.constexpr):
     ar_m, ar_u, ar_j = tl.arange(0, M), tl.arange(0, U), tl.arange(0, J)
     flat = ar_m[:, None, None] * (U * J) + ar_u[None, :, None] * J + ar_j[None, None, :]
     ok = tl.load(ok_ptr + ar_u[:, None] * J + ar_j[None, :]) != 0
-    out = triton_select._reduce(tl.load(x_ptr + flat), ok[None, :, :], 0, LOG2)
+    out = triton_select._reduce(tl.load(x_ptr + flat), ok[None, :, :], 0)
     tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], out)
 
 
@@ -440,11 +440,10 @@ def test_lse_of_unscaled_logits_scales_them_in_the_exponent():
     assert torch.allclose(got[fin], want[fin], rtol=2e-6, atol=1e-5), (got[fin] - want[fin]).abs().max()
 
 
-@pytest.mark.parametrize("log2", [False, True], ids=["natural-units", "base-2-units"])
-def test_lse_in_base_2_units_is_the_natural_lse(log2):
-    """The scan's LSE scores take logits in base-2 units (the scale times log2(e), so each
-    exponential is one ex2) and return natural units: within fp32 rounding of the fp64 LSE over
-    the unmasked entries, -inf where a row has none, large logits included."""
+def test_lse_is_the_natural_lse():
+    """The per-token walk's LSE scores: within fp32 rounding of the fp64 LSE over the unmasked
+    entries, -inf where a row has none, large logits included (the scan's base-2 form is
+    checked by :func:`test_lse_of_unscaled_logits_scales_them_in_the_exponent`)."""
     g = torch.Generator().manual_seed(5)
     m, u, j = 16, 4, 32
     x = torch.randn(m, u, j, generator=g) * 30
@@ -452,10 +451,9 @@ def test_lse_in_base_2_units_is_the_natural_lse(log2):
     ok[3] = False  # a unit with no valid entry
     ok[0, 0] = True
     want = torch.where(ok, x.double(), float("-inf")).logsumexp(-1)
-    scaled = x * triton_select.log2_scale(1.0, 0) if log2 else x
     assert triton_select.log2_scale(0.5, 2) == 0.5, "other scores keep the plain scale"
     out = torch.empty(m, u, device=DEVICE)
-    _reduce_probe[(1,)](scaled.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, M=m, U=u, J=j, LOG2=log2)
+    _reduce_probe[(1,)](x.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, M=m, U=u, J=j)
     got = out.cpu().double()
     assert torch.equal(torch.isinf(got[:, 3]) & (got[:, 3] < 0), torch.ones(m, dtype=torch.bool))
     fin = torch.isfinite(want)
