@@ -113,20 +113,20 @@ def test_whole_block_share_counts_listed_blocks_before_each_tiles_first_row():
     assert pisa_tile_unions.whole_block_share(sel, 1, 2) == 4 / 7
 
 
-def test_token_sparse_baseline_source_renames_every_op_and_import():
-    """token_sparse_schedule --baseline runs an earlier token_sparse_triton.py beside the package:
-    none of its ops may keep the package's names (it would replace them for the process) and its
-    relative imports (._triton_env, .pdl) must resolve outside the package. Checked on the source
-    text, so nothing is registered here."""
+def test_an_earlier_modules_source_renames_every_op_and_sibling_import():
+    """An earlier commit's module (pisa_select_ab, token_sparse_schedule --baseline, --old) runs
+    beside the package: none of its ops may keep the package's names (it would replace them for
+    the process), and its imports of the other earlier modules go to their copies. Checked on the
+    source text, so nothing is registered here."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "studies"))
-    import token_sparse_schedule
+    import pisa_select_ab
 
     import sparseflow.kernels.token_sparse_triton as current
 
     with open(current.__file__) as fh:
         src = fh.read()
     assert '"sparseflow::token_tile_lists"' in src and "from .pdl import" in src, "the check must cover both"
-    out = token_sparse_schedule.baseline_source(src)
-    assert "sparseflow::" not in out.replace("sfbaseline::", "") and "torch.ops.sparseflow." not in out
-    assert '"sfbaseline::token_tile_lists"' in out and "torch.ops.sfbaseline.token_tile_lists" in out
-    assert "from sparseflow.kernels.pdl import" in out and "from ." not in out
+    out = pisa_select_ab.renamed_source(src, siblings=("pdl",))
+    assert "sparseflow::" not in out.replace("sparseflow_ab::", "") and "torch.ops.sparseflow." not in out
+    assert '"sparseflow_ab::token_tile_lists"' in out and "torch.ops.sparseflow_ab.token_tile_lists" in out
+    assert "from ._ab_pdl import" in out and "from .pdl import" not in out

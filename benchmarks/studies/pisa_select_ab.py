@@ -33,18 +33,22 @@ PACKAGE = "sparseflow.methods.pisa"
 OLD_MODULES = ("triton_select", "triton_select_scan")
 
 
-def exec_renamed(path: str, package: str, name: str, siblings=()) -> types.ModuleType:
-    """``path`` imported as ``<package>._ab_<name>``, its imports of ``siblings`` redirected to
-    their ``_ab_`` copies and its ops registered (and called) as ``sparseflow_ab::...``, so that
-    an earlier commit's module runs beside the tree's."""
-    with open(path) as fh:
-        src = (
-            fh.read()
-            .replace('"sparseflow::', '"sparseflow_ab::')
-            .replace("torch.ops.sparseflow.", "torch.ops.sparseflow_ab.")
-        )
+def renamed_source(src: str, siblings=()) -> str:
+    """An earlier module's source with every op it registers and calls moved to
+    ``sparseflow_ab::`` (a second registration under the package's names would replace the
+    package's ops for the whole process) and its imports of ``siblings`` redirected to their
+    ``_ab_`` copies."""
+    src = src.replace('"sparseflow::', '"sparseflow_ab::').replace("torch.ops.sparseflow.", "torch.ops.sparseflow_ab.")
     for other in siblings:
         src = src.replace(f"from .{other} import", f"from ._ab_{other} import")
+    return src
+
+
+def exec_renamed(path: str, package: str, name: str, siblings=()) -> types.ModuleType:
+    """``path`` (:func:`renamed_source`) imported as ``<package>._ab_<name>``, so that an earlier
+    commit's module runs beside the tree's; its other relative imports resolve in ``package``."""
+    with open(path) as fh:
+        src = renamed_source(fh.read(), siblings)
     full = f"{package}._ab_{name}"
     spec = importlib.util.spec_from_loader(full, loader=None)
     module = importlib.util.module_from_spec(spec)

@@ -14,11 +14,8 @@ selection; its output is compared with the first variant's (max abs difference) 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import re
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -31,27 +28,11 @@ from common import env_info, mean_ms_cuda_events, structured_qkv, write_result  
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128), "g16": (32, 2, 64)}
 
 
-def baseline_source(src: str) -> str:
-    """An earlier ``sparseflow/kernels/token_sparse_triton.py``'s source, runnable beside the
-    package: every op it registers and calls moved to another namespace (a second registration
-    under the package's names would replace the package's ops for the whole process) and its
-    relative imports made absolute."""
-    src = src.replace('"sparseflow::', '"sfbaseline::').replace("torch.ops.sparseflow.", "torch.ops.sfbaseline.")
-    return re.sub(r"^(\s*)from \.(\w)", r"\1from sparseflow.kernels.\2", src, flags=re.M)
-
-
 def load_baseline(path: str):
-    """The module at ``path`` (see :func:`baseline_source`)."""
-    with open(path) as fh:
-        src = baseline_source(fh.read())
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "token_sparse_baseline.py")
-        with open(path, "w") as fh:
-            fh.write(src)
-        spec = importlib.util.spec_from_file_location("token_sparse_baseline", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)  # Triton reads a kernel's source when the module is loaded
-    return mod
+    """The earlier module at ``path``, beside the package's (``pisa_select_ab.exec_renamed``)."""
+    from pisa_select_ab import exec_renamed
+
+    return exec_renamed(path, "sparseflow.kernels", "token_sparse_triton")
 
 
 def variants(baseline):
