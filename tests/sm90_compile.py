@@ -383,6 +383,28 @@ def run_pdl_chain():
         pdl.device_supports = saved
 
 
+# prompts shorter than, equal to and just past one block (a pyramid of one leaf takes its own
+# compile-time path: its walk has no level below the start)
+SHORT_LENGTHS = (1, 2, 3, 5, 64, 65)
+
+
+def run_short_prompts():
+    """PISA (every walk), BSA and PBS on prompts of a few tokens: q ``[1, 7, N, 64]`` fp16 with one
+    KV head, block 64, K 3 (the launch shapes of a chat's first turn)."""
+    from sparseflow import Tuning
+    from sparseflow.methods.bsa import triton_impl as BI
+    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pisa import triton_impl as PI
+
+    TI._use_kernels = lambda t: True
+    for n in SHORT_LENGTHS:
+        q, k, v = _qkv(1, 7, 1, n, 64, torch.float16)
+        for walk in ("auto", "per_token", "tiled", "scan"):
+            PI.pisa_attention(q, k, v, block_size=64, top_k=3, tuning=Tuning(pisa_walk=walk))
+        BI.bsa_attention(q, k, v, block_size=64, top_k=3)
+        TI.pbs_attention(q, k, v, block_size=64, segment_size=128, tuning=Tuning(pbs_select="triton"))
+
+
 def run_bsa_bf16():
     from sparseflow.methods.bsa import triton_select as BS
 
@@ -521,7 +543,17 @@ EXPECTED = {
 }
 
 
-ENTRIES = ["pbs", "pbs_strided", "pisa_bsa", "pisa_tiled", "pisa_scan", "bsa_select", "decode", "split_decode"]
+ENTRIES = [
+    "pbs",
+    "pbs_strided",
+    "pisa_bsa",
+    "pisa_tiled",
+    "pisa_scan",
+    "bsa_select",
+    "decode",
+    "split_decode",
+    "short",
+]
 
 
 def main(argv=None) -> int:
@@ -587,6 +619,7 @@ def main(argv=None) -> int:
         "pisa_tiled": lambda: run_pisa_tiled(tiled),
         "pisa_scan": lambda: (run_pisa_scan(scan), run_pisa_scan_layouts(scan[::2]), run_pdl_chain()),
         "bsa_select": run_bsa_bf16,
+        "short": run_short_prompts,
         "decode": lambda: run_decode(dec),
         "split_decode": lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]),
     }

@@ -70,10 +70,17 @@ def _p2(x: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+def kept_slots(beam: int, top_k: int) -> int:
+    """Kept-node slots of one row of the walk (``KP``): a power of two holding ``beam * top_k``,
+    at least 2 (a one-element block -- one leaf, a prompt of at most one block -- fails Triton's
+    coalesce pass on sm_90)."""
+    return _p2(beam * top_k, 2)
+
+
 def candidate_width(beam: int, top_k: int, branching: int) -> int:
     """Candidate slots of one row of the walk (``CW``): the children of the kept nodes, at least
     the 16 columns a dot needs."""
-    return max(16, _p2(beam * top_k) * _p2(branching))
+    return max(16, kept_slots(beam, top_k) * _p2(branching))
 
 
 def _leaf_chunk(cw: int, cp: int, dp: int, elem_bytes: int, budget: int = 65536) -> int:
@@ -514,122 +521,127 @@ def _pisa_select_kernel(
     kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
     # from the level below the start down to the leaves (a loop over these levels only: a branch
     # around a level body that skips the others costs ptxas's divergence handling)
-    lv = start - 1
-    while lv >= 0:
-        off = tl.load(lvl_off_ptr + lv)
-        n_lv = tl.load(lvl_off_ptr + lv + 1) - off
-        span = tl.load(lvl_span_ptr + lv)
-        par = ar_cw // BRP
-        j = ar_cw % BRP
-        # each candidate's parent, gathered within the warp (-1: no kept parent)
-        par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
-        par_ok = (par < KP) & (par_enc >= 0)
-        par_id = tl.where(par_ok, par_enc, 0)
-        cand = par_id * BR + j
-        valid = par_ok & (j < BR) & (cand < n_lv)
-        cand = tl.where(valid, cand, 0)
-        valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
-        forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
-        forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
-        forced = forced & valid
-        n_valid = tl.sum(valid.to(tl.int32), axis=0)
-        width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
-        scoring = n_valid > width
-        if LEAF_OUT:
-            if lv == 0:
-                enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
-                tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
-                if PAIR_RANKS:
-                    pair = valid & ~forced & (n_valid > TOPK)
-                    rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
-                    if PAIR_SIBLINGS:
-                        # a kept parent's children hold slots par * BRP + j: one rank per parent
-                        n_par = tl.load(lvl_off_ptr + 2) - n_leaves
-                        grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
-                        parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
-                        rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
-                        tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
-                    else:
-                        rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
-                        tl.store(rank_row + ar_cw, rank, mask=pair)
-            scoring = scoring & (lv > 0)
-        # the scan's walk (PRE_SCORES) runs every level's keep unbranched: a level that needs no
-        # scoring (no more valid candidates than its width) keeps them all either way, and a
-        # branch around the keep's warp shuffles costs ptxas's divergence handling (a third of
-        # the walk's instructions)
-        if scoring or PRE_SCORES:
-            score = tl.zeros([CW], dtype=tl.float32)
-            if PRE_SCORES:
-                # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
-                pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
-                score = tl.load(pre_row + off + cand, mask=valid & scoring, other=0.0)
-            elif SCORE == 1:
-                # PISA-1: q . mean(node) * scale
-                s_t = tl.load(
-                    # 64-bit: a node id times its row stride can pass 2**31 elements
-                    summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                    mask=valid[None, :] & d_ok[:, None],
-                    other=0.0,
-                )
-                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
-                score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
-            elif lv > 0:
-                # intermediate node: LSE (or mean + var/2) over its visible children's summaries
-                coff = tl.load(lvl_off_ptr + lv - 1)
-                n_ch = off - coff
-                ar_ch = tl.arange(0, CW * BRP)
-                owner = ar_ch // BRP
-                jc = ar_ch % BRP
-                own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
-                own_ok = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
-                child = own_id * BR + jc
-                c_ok = own_ok & (jc < BR) & (child < n_ch)
-                child = tl.where(c_ok, child, 0)
-                c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
-                s_t = tl.load(
-                    # 64-bit: a node id times its row stride can pass 2**31 elements
-                    summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                    mask=c_ok[None, :] & d_ok[:, None],
-                    other=0.0,
-                )
-                logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
-                logit = tl.reshape(logit, (GP, CW, BRP))
-                per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
-                score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
-            else:
-                # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
-                # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
-                offs_c = tl.arange(0, CP)
-                ar_lc = tl.arange(0, LC)
-                for c0 in range(0, CW, LC):
-                    sub = c0 + ar_lc
-                    pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
-                    leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
-                    l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
-                    if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
-                        pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
-                        kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
-                        if HAS_KPM:
-                            kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
-                        k_t = tl.load(
-                            # 64-bit: a key position times a row stride can pass 2**31 elements
-                            k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-                            mask=kok[None, :] & d_ok[:, None],
-                            other=0.0,
-                        )
-                        if IEEE_KEYS:
-                            logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+    if N_LEVELS > 1:  # one leaf: the start level is the leaves
+        lv = start - 1
+        while lv >= 0:
+            off = tl.load(lvl_off_ptr + lv)
+            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+            span = tl.load(lvl_span_ptr + lv)
+            par = ar_cw // BRP
+            j = ar_cw % BRP
+            # each candidate's parent, gathered within the warp (-1: no kept parent)
+            par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
+            par_ok = (par < KP) & (par_enc >= 0)
+            par_id = tl.where(par_ok, par_enc, 0)
+            cand = par_id * BR + j
+            valid = par_ok & (j < BR) & (cand < n_lv)
+            cand = tl.where(valid, cand, 0)
+            valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
+            forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
+            forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
+            forced = forced & valid
+            n_valid = tl.sum(valid.to(tl.int32), axis=0)
+            width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
+            scoring = n_valid > width
+            if LEAF_OUT:
+                if lv == 0:
+                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+                    tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+                    if PAIR_RANKS:
+                        pair = valid & ~forced & (n_valid > TOPK)
+                        rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
+                        if PAIR_SIBLINGS:
+                            # a kept parent's children hold slots par * BRP + j: one rank per parent
+                            n_par = tl.load(lvl_off_ptr + 2) - n_leaves
+                            grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
+                            parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
+                            rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
+                            tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
                         else:
-                            logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-                        logit = tl.reshape(logit, (GP, LC, CP))
-                        per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
-                        s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
-                        score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-            keep = _top_k_keep(valid, forced, score, ar_cw, width)
-        else:
-            keep = valid
-        kept, ok = _compact(cand, keep, ar_kp, ar_cw)
-        lv -= 1
+                            rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                            tl.store(rank_row + ar_cw, rank, mask=pair)
+                scoring = scoring & (lv > 0)
+            # the scan's walk (PRE_SCORES) runs every level's keep unbranched: a level that needs no
+            # scoring (no more valid candidates than its width) keeps them all either way, and a
+            # branch around the keep's warp shuffles costs ptxas's divergence handling (a third of
+            # the walk's instructions)
+            if scoring or PRE_SCORES:
+                score = tl.zeros([CW], dtype=tl.float32)
+                if PRE_SCORES:
+                    # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
+                    pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
+                    score = tl.load(pre_row + off + cand, mask=valid & scoring, other=0.0)
+                elif SCORE == 1:
+                    # PISA-1: q . mean(node) * scale
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=valid[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
+                    score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
+                elif lv > 0:
+                    # intermediate node: LSE (or mean + var/2) over its visible children's summaries
+                    coff = tl.load(lvl_off_ptr + lv - 1)
+                    n_ch = off - coff
+                    ar_ch = tl.arange(0, CW * BRP)
+                    owner = ar_ch // BRP
+                    jc = ar_ch % BRP
+                    own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
+                    own_ok = (
+                        tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
+                    )
+                    child = own_id * BR + jc
+                    c_ok = own_ok & (jc < BR) & (child < n_ch)
+                    child = tl.where(c_ok, child, 0)
+                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=c_ok[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
+                    logit = tl.reshape(logit, (GP, CW, BRP))
+                    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
+                    score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+                else:
+                    # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
+                    # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
+                    offs_c = tl.arange(0, CP)
+                    ar_lc = tl.arange(0, LC)
+                    for c0 in range(0, CW, LC):
+                        sub = c0 + ar_lc
+                        pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
+                        leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
+                        l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+                        if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
+                            pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
+                            kok = (
+                                tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
+                            )
+                            if HAS_KPM:
+                                kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+                            k_t = tl.load(
+                                # 64-bit: a key position times a row stride can pass 2**31 elements
+                                k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                                mask=kok[None, :] & d_ok[:, None],
+                                other=0.0,
+                            )
+                            if IEEE_KEYS:
+                                logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+                            else:
+                                logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+                            logit = tl.reshape(logit, (GP, LC, CP))
+                            per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
+                            s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
+                            score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
+                keep = _top_k_keep(valid, forced, score, ar_cw, width)
+            else:
+                keep = valid
+            kept, ok = _compact(cand, keep, ar_kp, ar_cw)
+            lv -= 1
     if not LEAF_OUT:
         out = tl.where(ok, kept, -1)
         dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
@@ -736,7 +748,7 @@ def walk_meta(
         BRP=_p2(branching),
         TOPK=top_k,
         WIDE=beam * top_k,
-        KP=_p2(beam * top_k),
+        KP=kept_slots(beam, top_k),
     )
 
 
