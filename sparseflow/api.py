@@ -794,8 +794,11 @@ def _install_compiled_call(
                 "or call the model outside capture()"
             )
         # the model's PISA decode state (per-layer pyramids across generate() steps) and the
-        # report's run-time tally are active only while this model runs: no process-global state
-        with decode_state.active(state), _recording.tallying(rep.runtime):
+        # report's run-time tally are active only while this model runs: no process-global state.
+        # Under Inductor's CUDA graphs there is no decode state: a replay runs no op's Python, so
+        # it would not keep the pyramids, and a pyramid built while Inductor warms up would stay
+        # in its memory pool (each decode step then builds its pyramid afresh)
+        with decode_state.active(state if cuda_graphs is None else None), _recording.tallying(rep.runtime):
             out = compiled(*args, **kwargs)
         rep.check_attention_found()
         return out

@@ -70,7 +70,7 @@ def current() -> Optional[DecodeState]:
 
 
 @contextlib.contextmanager
-def active(state: DecodeState) -> Iterator[DecodeState]:
+def active(state: Optional[DecodeState]) -> Iterator[Optional[DecodeState]]:
     token = _ACTIVE.set(state)
     try:
         yield state

@@ -964,6 +964,8 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
         )
     if not eager:
         # traced, transformed or intercepted calls see exactly the op (op_args stays traceable)
+        if torch.compiler.is_compiling():
+            tuning = tuning.traced()
         return op_for(method)(q, k, v, attn_mask, is_causal, scale, *op_args(config, tuning), backend, tag)
     # a remembered plan holds the entry _config_call would give (the memo checked config and tuning)
     values, entry = (plan.entry.values, plan.entry) if plan is not None else _config_call(config, tuning)

@@ -54,8 +54,9 @@ class Tuning:
     recorded on the second call of the same signature (method config, shapes, strides, dtypes,
     device, stream), instead of launching its kernels one by one: the same kernels on the same
     inputs, so the same result, at a fraction of the host cost (:mod:`sparseflow.graph_replay`).
-    False launches them every call. Calls inside another capture (``torch.cuda.graph``,
-    ``mode="reduce-overhead"``) are captured by it as they are.
+    False launches them every call. Calls inside another capture (``torch.cuda.graph``) are
+    captured by it as they are, and calls traced by ``torch.compile`` never replay (see
+    :meth:`Tuning.traced`).
     ``pdl``: launch PISA's scan walk and the token-sparse attention (PISA's and BSA's) as links
     of a programmatic-dependent-launch chain (:mod:`sparseflow.kernels.pdl`; Hopper or newer,
     compiled Triton), so that each kernel is scheduled while the one before it drains: 1-6 us a
@@ -109,6 +110,13 @@ class Tuning:
 
     def replace(self, **changes) -> "Tuning":
         return dataclasses.replace(self, **changes)
+
+    def traced(self) -> "Tuning":
+        """This tuning for a call that ``torch.compile`` traces into its graph: no op-level CUDA
+        graphs. The compiled graph is Inductor's to capture (``mode="reduce-overhead"``), and an
+        op-level graph recorded while Inductor warms its graphs up would leave the graph's static
+        inputs in Inductor's memory pool, which Inductor refuses at the first call."""
+        return self if not self.cuda_graphs else dataclasses.replace(self, cuda_graphs=False)
 
 
 def _check_choice(name: str, value: Any, choices: Tuple) -> None:

@@ -40,3 +40,73 @@ def test_cuda_compile_dynamic_lengths_equal_dense(name):
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=f"{name} at n={n}")
     assert sparseflow.report(model).num_rewritten == 2
+
+
+# sparse settings (a few blocks of each row kept) on both kernel paths a user gets: triton named,
+# and auto (which times the backends during Inductor's warm-up run)
+_REDUCE_OVERHEAD = {
+    "pbs-triton": (PBSConfig(block_size=64, segment_size=128), "triton"),
+    "pbs-auto": (PBSConfig(block_size=64, segment_size=128), "auto"),
+    "pisa-triton": (PISAConfig(block_size=64, top_k=4), "triton"),
+    "bsa-triton": (BSAConfig(block_size=64, top_k=4), "triton"),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_REDUCE_OVERHEAD))
+def test_cuda_reduce_overhead_runs_from_the_first_call(name):
+    # Inductor's CUDA-graph trees warm up in their own memory pool and refuse a graph that leaves
+    # a tensor there which is not an output: the ops' own CUDA-graph replays (their static inputs)
+    # and any device tensor an op keeps between calls would do that. Four layers of one shape: the
+    # second layer's call is the repeat that would record an op-level graph.
+    torch._dynamo.reset()
+    cfg, backend = _REDUCE_OVERHEAD[name]
+    method = name.split("-")[0]
+    model = make_tiny("llama", layers=4).to("cuda", torch.bfloat16).eval()
+    sparseflow.compile(model, method=method, config=cfg, backend=backend, mode="reduce-overhead")
+    ids = torch.randint(0, 128, (1, 1000), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        outs = [model(ids).logits.float().clone() for _ in range(3)]  # warm-up, record, replay
+    if backend == "triton":  # the same kernels run eagerly (auto may choose otherwise there)
+        eager = make_tiny("llama", layers=4).to("cuda", torch.bfloat16).eval()
+        sparseflow.compile(eager, method=method, config=cfg, backend=backend, inner_backend="eager")
+        with torch.no_grad():
+            outs.append(eager(ids).logits.float())
+    for i, got in enumerate(outs):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, outs[-1], atol=3e-2, rtol=3e-2, msg=f"{name}, call {i + 1}")
+    assert sparseflow.report(model).num_rewritten == 4
+
+
+def _smollm2_shaped(seed: int = 0):
+    """SmolLM2-135M's architecture with random weights (the shipped recipe accepts its config)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+    return tf.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+
+
+@gpu
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa"])
+def test_cuda_reduce_overhead_smollm2_shape_8k(method):
+    # the README's call: the shipped recipe (recipe="auto") at 8K, mode="reduce-overhead"
+    torch._dynamo.reset()
+    model = _smollm2_shaped()
+    sparseflow.compile(model, method=method, mode="reduce-overhead")
+    ids = torch.randint(0, 49152, (1, 8192), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        outs = [model(ids, logits_to_keep=1).logits.float().clone() for _ in range(3)]
+    for got in outs:
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, outs[0], atol=1e-2, rtol=1e-2)

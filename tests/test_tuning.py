@@ -121,7 +121,44 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
     )
     torch.testing.assert_close(f(q, k, v), sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference"))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.op_for("pbs")]
-    assert len(calls) == 1 and list(calls[0].args[-6:-2]) == ["auto", "gather", False, True]
+    # cuda_graphs off in the traced call: the compiled graph is Inductor's to capture
+    assert len(calls) == 1 and list(calls[0].args[-6:-2]) == ["auto", "gather", False, False]
+
+
+def _cuda_graphs_arg(method, args):
+    """The ``cuda_graphs`` value of an op call's ``args`` (as the op receives them)."""
+    first_tuning = 6 + len(ops._NAMES[method])
+    return args[first_tuning + ops._TUNING_NAMES[method].index("cuda_graphs")]
+
+
+def _dense_answer(seen):
+    def answer(method, args):
+        seen.append(_cuda_graphs_arg(method, args))
+        q, k, v, _, is_causal, scale = args[:6]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True
+        ).contiguous()
+
+    return answer
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_model_calls_replay_no_op_level_graph(plain_attention, mode):
+    # what an op keeps between the calls of a compiled graph: no CUDA graph of its own (whose
+    # static inputs would stay in the memory pool of Inductor's graphs), whatever the mode
+    model = plain_attention()
+    sparseflow.compile(model, method="pbs", config=PBS_SMALL, backend="reference", mode=mode, tuning=Tuning())
+    seen = []
+    with ops.intercepting(_dense_answer(seen)):
+        model(torch.randn(1, 64, 48))
+    assert seen and not any(seen)
+
+
+def test_exported_program_keeps_the_tuning(plain_attention):
+    # an exported program runs eagerly: its calls may replay their own graphs
+    ep = sparseflow.export(plain_attention(), (torch.randn(1, 64, 48),), method="pbs", config=PBS_SMALL)
+    calls = [n for n in ep.graph.nodes if n.op == "call_function" and "sparseflow" in str(n.target)]
+    assert calls and all(_cuda_graphs_arg("pbs", n.args) is True for n in calls)
 
 
 def test_rewrite_pass_carries_the_tuning(plain_attention):

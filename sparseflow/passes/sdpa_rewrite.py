@@ -769,7 +769,7 @@ def _replace_with_op(
         mask,
         is_causal,
         None if scale is None else float(scale),
-        *op_args(cfg, options.tuning),
+        *op_args(cfg, options.tuning if graph_kind == "export" else options.tuning.traced()),
         options.backend,
         entry.tag,
     )
@@ -844,7 +844,7 @@ def _rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) ->
             "merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
             "(causal / key padding / both run sparse, anything else dense, logged)"
         )
-    spec = (cfg.method, tuple(op_args(cfg, options.tuning)), options.backend, entry.tag)
+    spec = (cfg.method, tuple(op_args(cfg, options.tuning.traced())), options.backend, entry.tag)
     node.target = mha_forward_routed
     node.args = (spec,) + tuple(node.args)
     entry.rewritten, entry.reason = True, ""

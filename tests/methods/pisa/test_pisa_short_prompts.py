@@ -17,6 +17,7 @@ from sparseflow.methods.pisa import reference as pisa_ref
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 WALKS = ("per_token", "tiled", "scan")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("walk", WALKS)
@@ -25,9 +26,7 @@ def test_short_prompt_selection_and_output(walk, n):
     from sparseflow.methods.pisa import triton_select
 
     g = torch.Generator().manual_seed(n)
-    q = torch.randn(1, 6, n, 32, generator=g)
-    k = torch.randn(1, 2, n, 32, generator=g)
-    v = torch.randn(1, 2, n, 32, generator=g)
+    q, k, v = (torch.randn(1, h, n, 32, generator=g).to(DEVICE) for h in (6, 2, 2))
     kw = dict(is_causal=True, block_size=16, top_k=3)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = triton_select.pisa_select(q, k, tuning=sparseflow.Tuning(pisa_walk=walk), **kw)
