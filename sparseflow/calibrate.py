@@ -1048,8 +1048,8 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
 
 
 def check_budget(budget) -> float:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (float(budget) > 0.0):
-        raise ValueError(f"kl_budget must be a positive number of nats (e.g. 0.01), got {budget!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (0.0 < float(budget) < math.inf):
+        raise ValueError(f"kl_budget must be a positive, finite number of nats (e.g. 0.01), got {budget!r}")
     return float(budget)
 
 

@@ -108,9 +108,31 @@ def resolve_source(src: Union[str, os.PathLike]) -> Source:
     raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model folder: missing {' and '.join(missing)}")
 
 
+def _check_gguf(path: Path) -> None:
+    """Name an unreadable GGUF file as such (transformers would report its broken metadata as an
+    invalid config file): the magic first, then the whole header through the gguf reader."""
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ConversionError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers needs gguf to load the file and says so itself
+        return
+    try:
+        GGUFReader(str(path))
+    except Exception as exc:  # the reader raises several types for a corrupt or truncated header
+        raise ConversionError(
+            f"{str(path)!r} is a corrupt or truncated GGUF file: reading its header failed "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
+
+
 def _load_config(source: Source):
     from transformers import AutoConfig
 
+    if source.kind == "gguf":
+        _check_gguf(source.folder / source.gguf_file)
     try:
         return AutoConfig.from_pretrained(str(source.folder), **source.load_kwargs())
     except Exception as exc:  # transformers raises many types for unreadable/unsupported configs

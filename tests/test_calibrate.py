@@ -277,8 +277,10 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--kl-budget", "0"], "--kl-budget must be a positive mean KL"),
-        (["--kl-budget", "-0.5"], "--kl-budget must be a positive mean KL"),
+        (["--kl-budget", "0"], "--kl-budget must be a positive, finite mean KL"),
+        (["--kl-budget", "-0.5"], "--kl-budget must be a positive, finite mean KL"),
+        (["--kl-budget", "inf"], "--kl-budget must be a positive, finite mean KL"),
+        (["--kl-budget", "nan"], "--kl-budget must be a positive, finite mean KL"),
         (["--kl-budget", "0.01", "--safety", "1.5"], "--safety must be in (0, 1]"),
         (["--kl-budget", "0.01", "--margin", "0"], "--margin must be in (0, 1]"),
         (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
@@ -315,8 +317,9 @@ def test_cli_missing_model_and_unknown_method(tmp_path, capsys):
         main(["calibrate", str(tmp_path), "--method", "nsa", "--kl-budget", "0.01", "--out", str(tmp_path / "r.json")])
     assert exc.value.code == 2
     assert "invalid choice: 'nsa'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="kl_budget must be a positive"):
-        cal.check_budget(float("nan"))
+    for budget in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kl_budget must be a positive, finite"):
+            cal.check_budget(budget)
 
 
 @pytest.mark.parametrize("method, base", [("pisa", PISAConfig(block_size=16)), ("bsa", BSAConfig(block_size=16))])

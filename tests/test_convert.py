@@ -178,6 +178,23 @@ def test_missing_and_wrong_sources(tmp_path, src):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (b"GGUF" + bytes(range(256)) * 8, "corrupt or truncated GGUF file"),
+        (b"GGUF", "corrupt or truncated GGUF file"),
+        (b"PK\x03\x04not a gguf", "is not a GGUF file: it starts with b'PK"),
+    ],
+    ids=["magic-then-garbage", "magic-only", "zip-named-gguf"],
+)
+def test_corrupt_gguf_is_named_as_such(tmp_path, body, words):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(body)
+    with pytest.raises(ConversionError, match=words):
+        convert(bad, tmp_path / "out", "pbs")
+    assert not (tmp_path / "out").exists()
+
+
 def test_unsupported_architecture(tmp_path):
     import conftest
 

@@ -4,6 +4,7 @@ KL budget, written as a recipe file (the logic is :func:`sparseflow.calibrate.ca
 from __future__ import annotations
 
 import argparse
+import math
 
 from .common import (
     BACKENDS,
@@ -139,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if not (args.kl_budget > 0.0):
-        raise UsageError(f"--kl-budget must be a positive mean KL in nats (e.g. 0.01), got {args.kl_budget:g}")
+    if not (0.0 < args.kl_budget < math.inf):
+        raise UsageError(f"--kl-budget must be a positive, finite mean KL in nats (e.g. 0.01), got {args.kl_budget:g}")
     if not (0.0 < args.safety <= 1.0):
         raise UsageError(
             f"--safety must be in (0, 1] (the share of the calibration target the single-layer KLs may sum to), "
