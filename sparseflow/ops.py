@@ -919,6 +919,9 @@ def _note_known(known, sig, config, tuning, backend, tag) -> None:
 def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, contiguous):
     """:func:`attention` after its type checks (``tuning`` a Tuning); ``contiguous``: make a dense
     result contiguous like the op's (else it keeps SDPA's layout)."""
+    if q.is_meta:  # shape inference (a model built on the meta device): SDPA's meta output
+        validate_inputs(config.method, q, k, v, attn_mask, scale, backend, tag)
+        return _meta_output(q, v)
     eager = _plain_eager(q, k, v, attn_mask)
     memo = (
         _plan_memo_key(config, tuning, q, k, v, is_causal, scale, backend, tag)
@@ -971,6 +974,12 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
     values, entry = (plan.entry.values, plan.entry) if plan is not None else _config_call(config, tuning)
     args = (q, k, v, attn_mask, is_causal, scale) + values + (backend, tag)
     return _eager_call(config, tuning, memo, args, entry, contiguous, plan)
+
+
+def _meta_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The op's output for meta inputs: ``[B, Hq, Nq, Dv]``, contiguous, in q's dtype (no values
+    to select from, so no method or backend runs; what SDPA answers for meta inputs)."""
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 
 def _check_call_types(config, is_causal) -> None:

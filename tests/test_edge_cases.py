@@ -380,3 +380,41 @@ def test_docs_state_the_causal_proxy_guarantee_not_strict_causality():
         flat = " ".join(text.split())
         assert "strictly causal" not in flat
         assert "causal in keys" in flat and "KL" in flat
+
+
+# --------------------------------------------------------------------------- meta tensors
+
+_META_MASKS = {
+    "causal": (None, True),
+    "none": (None, False),
+    "bool-4d": (torch.ones(2, 1, 70, 70, dtype=torch.bool), False),
+    "key-padding": (torch.ones(2, 1, 1, 70, dtype=torch.bool), False),
+    "float-4d": (torch.zeros(2, 1, 70, 70), False),
+}
+
+
+@pytest.mark.parametrize("mask", list(_META_MASKS))
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton", "flex"])
+@pytest.mark.parametrize("method", ["pbs", "pisa", "bsa", "dense"])
+def test_meta_inputs_give_sdpas_meta_output(method, backend, mask):
+    # shape inference and models built on the meta device: no values, so no selection runs
+    cfg = sparseflow.methods.spec_for(method).config_type()
+    q = torch.empty(2, 6, 70, 32, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 70, 32, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 2, 70, 16, device="meta", dtype=torch.bfloat16)
+    m, causal = _META_MASKS[mask]
+    m = None if m is None else m.to("meta")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=True)
+    got = sparseflow.attention(q, k, v, config=cfg, attn_mask=m, is_causal=causal, backend=backend)
+    assert got.device.type == "meta" and got.shape == want.shape and got.dtype == want.dtype
+    via_op = ops.op_for(method)(q, k, v, m, causal, None, *ops.op_args(cfg), backend, "meta")
+    assert via_op.device.type == "meta" and via_op.shape == want.shape
+
+
+def test_meta_inputs_still_get_the_argument_checks():
+    q = torch.empty(1, 6, 70, 32, device="meta")
+    kv = torch.empty(1, 4, 70, 32, device="meta")
+    with pytest.raises(ValueError, match="multiple"):
+        sparseflow.attention(q, kv, kv, config=PBSConfig())
+    with pytest.raises(ValueError, match="device"):
+        sparseflow.attention(q, torch.empty(1, 2, 70, 32), torch.empty(1, 2, 70, 32), config=PBSConfig())
