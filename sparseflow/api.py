@@ -9,9 +9,11 @@ before handing it on. The model's :class:`RewriteReport` therefore fills up as t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import itertools
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -446,7 +448,7 @@ def _check_not_transformed(model: nn.Module) -> None:
     # _compiled_call_impl when pickled) runs plain SDPA again and may be compiled afresh.
     for name, mod in model.named_modules():
         marker = mod.__dict__.get(_CONFIG_ATTR)
-        if marker is not None and mod._compiled_call_impl is not None:
+        if marker is not None and _is_compiled(mod):
             where = "this model" if not name else f"its submodule {name!r}"
             raise RuntimeError(
                 f"sparseflow.compile: {where} was already transformed by sparseflow "
@@ -743,7 +745,7 @@ def _check_compilable(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_not_transformed(model)
-    if model._compiled_call_impl is not None:
+    if _is_compiled(model):
         raise RuntimeError(
             "model already has torch.compile applied (Module.compile); sparseflow.compile would replace "
             "those settings. Pass a model that has not been compiled."
@@ -805,6 +807,46 @@ def _install_compiled_call(
 
     model._compiled_call_impl = sparseflow_forward
     setattr(model, DECODE_STATE_ATTR, state)
+    model.__dict__[_COPY_GUARD_ATTR] = _CopyGuard(model)
+
+
+# A model copied with copy.deepcopy, pickle or torch.save/torch.load loses its compiled call
+# (Module.__getstate__ drops it) and runs dense SDPA. The guard in its __dict__ is rebuilt with the
+# copy, before the copy's state is set, and gives the copy a call of its own: the first call
+# warns that the compilation was lost, then the copy runs as the plain module it now is. (A
+# forward hook would do the same, but any hook turns off nn.TransformerEncoderLayer's fused path.)
+_COPY_GUARD_ATTR = "_sparseflow_copy_guard"
+
+
+class _CopyGuard:
+    __slots__ = ("model",)
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __reduce__(self):
+        return (_guarded_copy, (self.model,))
+
+
+def _guarded_copy(model: nn.Module) -> _CopyGuard:
+    # Module.__setstate__ keeps a _compiled_call_impl already in the copy's __dict__
+    model.__dict__["_compiled_call_impl"] = functools.partial(_lost_compilation_call, model)
+    return _CopyGuard(model)
+
+
+def _lost_compilation_call(model: nn.Module, *args, **kwargs):
+    model._compiled_call_impl = None
+    rep = getattr(model, _REPORT_ATTR, None)
+    if rep is not None:
+        rep.lost = _LOST_MODEL
+    warnings.warn(f"sparseflow: {_LOST_MODEL}", RuntimeWarning, stacklevel=3)
+    return model._call_impl(*args, **kwargs)
+
+
+def _is_compiled(mod: nn.Module) -> bool:
+    """Whether ``mod`` still holds a compiled call (a copy's first-call warning is not one)."""
+    impl = mod._compiled_call_impl
+    return impl is not None and not (isinstance(impl, functools.partial) and impl.func is _lost_compilation_call)
 
 
 # --------------------------------------------------------------------------- export
@@ -885,7 +927,7 @@ def report(obj) -> RewriteReport:
             f"{type(obj).__name__} was not transformed by sparseflow: call sparseflow.compile(model, ...) "
             "or sparseflow.export(model, ...) first"
         )
-    if isinstance(obj, nn.Module) and obj._compiled_call_impl is None:
+    if isinstance(obj, nn.Module) and not _is_compiled(obj):
         rep.mark_lost(_LOST_MODEL)
     return rep
 

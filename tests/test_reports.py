@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import warnings
 
 import pytest
 import torch
@@ -137,6 +138,33 @@ def test_copy_of_compiled_model_says_compilation_lost(plain_attention, how, capl
         torch.testing.assert_close(twin(x), y, atol=1e-5, rtol=1e-5)
     # the original is untouched and still compiled
     assert not sparseflow.report(model).lost and "compilation lost" not in str(sparseflow.report(model))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
+def test_copy_of_compiled_model_warns_once_at_its_first_call(plain_attention, how):
+    model, x, _ = _compiled_plain(plain_attention)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="runs dense SDPA") as got:
+            twin(x)
+        assert len([w for w in got if "sparseflow" in str(w.message)]) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            twin(x)  # once only
+            model(x)  # the compiled original never warns
+    # compiled afresh, before or after its first call, a copy runs its rewrite without a warning
+    for again in (twin, copy.deepcopy(model)):
+        sparseflow.compile(again, method="dense", inner_backend="eager")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again(x)
+        assert not sparseflow.report(again).lost
 
 
 def test_recompiled_copy_has_a_fresh_report(plain_attention):
