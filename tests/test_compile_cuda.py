@@ -42,13 +42,14 @@ def test_cuda_compile_dynamic_lengths_equal_dense(name):
     assert sparseflow.report(model).num_rewritten == 2
 
 
-# sparse settings (a few blocks of each row kept) on both kernel paths a user gets: triton named,
-# and auto (which times the backends during Inductor's warm-up run)
+# sparse settings (a few blocks of each row kept) on both kernel paths a user gets, triton named
+# and auto (which times the backends during Inductor's warm-up run), and one exact setting
 _REDUCE_OVERHEAD = {
     "pbs-triton": (PBSConfig(block_size=64, segment_size=128), "triton"),
     "pbs-auto": (PBSConfig(block_size=64, segment_size=128), "auto"),
     "pisa-triton": (PISAConfig(block_size=64, top_k=4), "triton"),
     "bsa-triton": (BSAConfig(block_size=64, top_k=4), "triton"),
+    "bsa-exact": (BSAConfig(block_size=64, top_k=16), "triton"),
 }
 
 
@@ -61,20 +62,20 @@ def test_cuda_reduce_overhead_runs_from_the_first_call(name):
     # second layer's call is the repeat that would record an op-level graph.
     torch._dynamo.reset()
     cfg, backend = _REDUCE_OVERHEAD[name]
-    method = name.split("-")[0]
     model = make_tiny("llama", layers=4).to("cuda", torch.bfloat16).eval()
-    sparseflow.compile(model, method=method, config=cfg, backend=backend, mode="reduce-overhead")
+    sparseflow.compile(model, method=name.split("-")[0], config=cfg, backend=backend, mode="reduce-overhead")
     ids = torch.randint(0, 128, (1, 1000), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         outs = [model(ids).logits.float().clone() for _ in range(3)]  # warm-up, record, replay
-    if backend == "triton":  # the same kernels run eagerly (auto may choose otherwise there)
-        eager = make_tiny("llama", layers=4).to("cuda", torch.bfloat16).eval()
-        sparseflow.compile(eager, method=method, config=cfg, backend=backend, inner_backend="eager")
-        with torch.no_grad():
-            outs.append(eager(ids).logits.float())
+    # the three runs of one compiled graph agree (a top-k selection on a random model is not
+    # compared with an eager run: Inductor's rounding of the layers before it can flip near-ties)
     for i, got in enumerate(outs):
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, outs[-1], atol=3e-2, rtol=3e-2, msg=f"{name}, call {i + 1}")
+        torch.testing.assert_close(got, outs[0], atol=1e-2, rtol=1e-2, msg=f"{name}, call {i + 1}")
+    if name.endswith("exact"):
+        dense = make_tiny("llama", layers=4).to("cuda", torch.bfloat16).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(outs[0], dense(ids).logits.float(), atol=3e-2, rtol=3e-2)
     assert sparseflow.report(model).num_rewritten == 4
 
 
