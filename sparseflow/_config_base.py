@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
 __all__ = ["AttentionConfig", "TopKConfig", "BACKENDS"]
@@ -33,10 +33,36 @@ def _check_choice(name: str, value: Any, choices) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Base class: serialisation shared by all configs."""
+    """Base class: the local window every method takes, validation and serialisation.
+
+    A local window is part of what a layer computes, so every config carries one; the rewrite
+    sets it from the model (a sliding-window or chunked layer), and 0 means none.
+    ``sliding_window = W``: the query at position ``p`` sees the keys ``p - W < j <= p`` (W keys,
+    itself included). ``chunk_size = C``: it sees the keys of its own chunk, ``j // C == p // C``,
+    up to itself. Both hold with causality only. A window is exact block-sparse attention: with a
+    method, a query's blocks are the method's selection intersected with its window; with the
+    dense method the layer runs the window exactly.
+    """
 
     method: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    sliding_window: int = field(default=0, kw_only=True)
+    chunk_size: int = field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_int("sliding_window", self.sliding_window, 0)
+        _check_int("chunk_size", self.chunk_size, 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        """A method's own checks of its fields (none here)."""
+
+    @property
+    def has_window(self) -> bool:
+        return bool(self.sliding_window or self.chunk_size)
+
+    def without_window(self) -> "AttentionConfig":
+        return self if not self.has_window else dataclasses.replace(self, sliding_window=0, chunk_size=0)
 
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -77,8 +77,14 @@ def _config_fields(method: str) -> List[Tuple[str, type]]:
     return list(_FIELDS[method])
 
 
+def _node_fields(method: str) -> List[Tuple[str, type]]:
+    """The config fields a node carries as attributes: all but the window's (a windowed config is
+    refused before export, see ``OnnxBody.refuse``)."""
+    return [(name, kind) for name, kind in _config_fields(method) if name not in ("sliding_window", "chunk_size")]
+
+
 def _attr_names(method: str) -> List[str]:
-    return ["is_causal", "scale"] + [name for name, _ in _config_fields(method)]
+    return ["is_causal", "scale"] + [name for name, _ in _node_fields(method)]
 
 
 # --------------------------------------------------------------------------- function bodies
@@ -199,7 +205,7 @@ def register_schemas() -> None:
             defs.OpSchema.Attribute("scale", AT.FLOAT, "Softmax scale applied to q.k."),
         ] + [
             defs.OpSchema.Attribute(name, _attr_type(kind), f"{METHODS[method].__name__}.{name}")
-            for name, kind in _config_fields(method)
+            for name, kind in _node_fields(method)
         ]
         schema = defs.OpSchema(
             op_type,
@@ -331,8 +337,10 @@ def _make_translation(method: str, plans: Dict[str, _CallPlan], default_scales: 
             kpm = _key_padding_of(op, attn_mask, q, k, plan.mask_rank)
         sc = float(scale) if scale is not None else default_scales[tag]
         attrs: Dict[str, Any] = {"is_causal": int(causal), "scale": sc}
+        attributes = dict(_node_fields(method))
         for (name, kind), val in zip(fields, cfg_vals):
-            attrs[name] = int(val) if kind is bool else (float(val) if kind is float else val)
+            if name in attributes:
+                attrs[name] = int(val) if kind is bool else (float(val) if kind is float else val)
         return getattr(sf, NODE_TYPES[method])(q, k, v, kpm, **attrs)
 
     return translate

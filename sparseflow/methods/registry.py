@@ -83,6 +83,9 @@ class Backend:
         return self.differentiable == "always" or (self.differentiable == "cuda" and device_type == "cuda")
 
 
+_WINDOW_FIELDS = frozenset({"sliding_window", "chunk_size"})  # every config's; refused above while set
+
+
 @dataclass(frozen=True)
 class OnnxBody:
     """The method's ONNX node: its op type, the opset-23 text computing its attention mask
@@ -104,10 +107,15 @@ class OnnxBody:
     def refuse(self, cfg: AttentionConfig) -> str:
         """Why ``cfg`` has no faithful body ("" when it has): a setting the body does not
         reproduce, or a config field it does not know."""
+        if cfg.has_window:
+            return (
+                f"the ONNX body of {self.node_type} does not run a local window yet "
+                f"(sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size})"
+            )
         reason = self.refusal(cfg) if self.refusal is not None else ""
         if reason:
             return reason
-        unknown = sorted({f.name for f in dataclasses.fields(cfg)} - self.fields)
+        unknown = sorted({f.name for f in dataclasses.fields(cfg)} - self.fields - _WINDOW_FIELDS)
         if unknown:
             return (
                 f"the ONNX body of {self.node_type} does not implement the config field(s) {unknown}; "

@@ -14,5 +14,5 @@ class BSAConfig(TopKConfig):
 
     method: ClassVar[str] = "bsa"
 
-    def __post_init__(self):
+    def _validate(self) -> None:
         self._validate_common()

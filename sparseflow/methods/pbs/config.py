@@ -65,7 +65,7 @@ class PBSConfig(AttentionConfig):
     min_seq_len: int = 0
     dense_tail_blocks: int = 0
 
-    def __post_init__(self):
+    def _validate(self) -> None:
         _check_int("block_size", self.block_size, 1)
         _check_int("segment_size", self.segment_size, 1)
         if self.segment_size % self.block_size:

@@ -26,7 +26,7 @@ class PISAConfig(TopKConfig):
     score: str = "lse"
     beam: int = 1
 
-    def __post_init__(self):
+    def _validate(self) -> None:
         self._validate_common()
         _check_int("branching", self.branching, 2)
         _check_choice("score", self.score, ("lse", "mean", "mean_var"))
