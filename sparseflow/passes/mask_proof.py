@@ -76,10 +76,10 @@ class _Pos:
 
 
 @dataclass(frozen=True)
-class _Causal:
-    """``kv_pos <= q_pos + shift`` (``shift`` 0: SDPA's ``is_causal``)."""
+class _Upper:
+    """``kv_pos - q_pos <= bound`` (0: SDPA's ``is_causal``)."""
 
-    shift: int
+    bound: int
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class _Chunk:
     size: int
 
 
-_Atom = Union[_Causal, _Padding, _Lower, _Chunk]
+_Atom = Union[_Upper, _Padding, _Lower, _Chunk]
 
 
 @dataclass(frozen=True)
@@ -474,8 +474,9 @@ class _Interpreter:
     @staticmethod
     def _compare(a: _Value, b: _Value, op: str) -> _Value:
         """``a <op> b`` for position vectors on the key and query axes of a 4-D shape, as a
-        bound on ``d = kv - q``: ``d <= 0`` is causality; a bound that every (q, kv) pair of the
-        static lengths satisfies (a sliding window wider than the sequence) is all True."""
+        bound on ``d = kv - q``: ``d <= 0`` is causality, ``d >= 1 - W`` a sliding window's far
+        edge; a bound that every (q, kv) pair of the static lengths satisfies (a sliding window
+        wider than the sequence) is all True."""
         if not (isinstance(a, _Pos) and isinstance(b, _Pos) and a.ndim == b.ndim == 4):
             return None
         if {a.axis, b.axis} != {_Q_AXIS, _KV_AXIS}:
@@ -486,13 +487,9 @@ class _Interpreter:
         shift = q.offset - kv.offset  # kv_pos <op> q_pos + shift  <=>  (kv - q) <op> shift
         upper = {"le": shift, "lt": shift - 1}.get(op)
         lower = {"ge": shift, "gt": shift + 1}.get(op)
-        if upper == 0:
-            return _Bool(frozenset({_Causal(shift=0)}))
         if _always_holds(kv, q, upper, lower):
             return _Bool(frozenset())
-        if lower is not None:  # a sliding window's far edge
-            return _Bool(frozenset({_Lower(lower)}))
-        return None
+        return _Bool(frozenset({_Upper(upper) if upper is not None else _Lower(lower)}))
 
     @staticmethod
     def _and(a: _Value, b: _Value) -> _Value:
@@ -585,6 +582,15 @@ def _index_const(base: _Const, indices: list) -> _Value:
 # --------------------------------------------------------------------------- public
 
 
+def _causal(atoms: FrozenSet[_Atom]) -> Optional[bool]:
+    """Whether the upper bounds make the mask causal (the tightest one is 0; a looser one beside
+    it adds nothing), None when they make it something else (a shifted diagonal)."""
+    bounds = [a.bound for a in atoms if isinstance(a, _Upper)]
+    if not bounds:
+        return False
+    return True if min(bounds) == 0 else None
+
+
 def _sliding_window(atoms: FrozenSet[_Atom]) -> Optional[int]:
     """The window the lower bounds leave (the tightest one counts), 0 for none, None when they
     leave no key at all."""
@@ -614,19 +620,16 @@ def prove_mask(mask: fx.Node, *, windows: bool = False) -> Optional[MaskProof]:
     v = _Interpreter().value(mask)
     if not isinstance(v, _Bool):
         return None
-    causal = [a for a in v.atoms if isinstance(a, _Causal)]
     padding = [a for a in v.atoms if isinstance(a, _Padding)]
-    if any(a.shift != 0 for a in causal) or len(padding) > 1:
+    if len(padding) > 1 or (padding and padding[0].offset != 0):
         return None
-    if padding and padding[0].offset != 0:
-        return None
-    window, chunk = _sliding_window(v.atoms), _chunk_size(v.atoms)
-    if window is None or chunk is None:
+    causal, window, chunk = _causal(v.atoms), _sliding_window(v.atoms), _chunk_size(v.atoms)
+    if causal is None or window is None or chunk is None:
         return None
     if (window or chunk) and not (windows and causal):
         return None
     return MaskProof(
-        causal=bool(causal),
+        causal=causal,
         key_padding=padding[0].src if padding else None,
         sliding_window=window,
         chunk_size=chunk,
