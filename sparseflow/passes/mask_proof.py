@@ -1,4 +1,4 @@
-"""Prove from an FX graph that an attention mask is causal, key padding, or both.
+"""Prove from an FX graph that an attention mask is causal, key padding, a local window, or a mix.
 
 Hugging Face models build their SDPA mask inside the traced graph under ``torch.compile`` and
 ``torch.export`` (``arange`` position vectors compared with ``<=``, the ``[B, N]`` attention mask
@@ -6,14 +6,31 @@ indexed by (batch, key position), combined with ``&`` and expanded to ``[B, 1, N
 that materialised ``[Nq, Nk]`` mask to the sparse op costs a quadratic tensor and a run-time
 check per layer. :func:`prove_mask` reads the nodes that produce the mask instead and, when every
 one of them is understood, returns what the mask *is*: ``kv <= q`` (causal), ``src[b, kv]``
-(key padding from a ``[B, N]`` tensor of the graph), or their conjunction. Anything else (a
-sliding window, a bias, an unknown op, offsets that are not proven zero) gives ``None`` and the
-caller keeps the mask.
+(key padding from a ``[B, N]`` tensor of the graph), with ``windows=True`` a sliding window
+(``kv > q - W``) or chunks (``kv // C == q // C``) on top of causality, or their conjunction.
+Anything else (a bias, an unknown op, offsets that do not give exactly these forms) gives
+``None`` and the caller keeps the mask.
+
+What transformers 5.25 builds (tiny Mistral, Qwen2 with ``use_sliding_window``, Gemma 3, Cohere2,
+Llama 4 text; ``attn_implementation="sdpa"``; Gemma 2 has no SDPA path, eager only):
+
+- sliding layers: ``new_ones(bool) & (kv > q - W) & (kv <= q)``, ``& attention_mask.bool()[b, kv]``
+  with an attention mask; Dynamo indexes ``arange + 0`` with ``None``, export unsqueezes it and,
+  without an attention mask, reads positions through ``position_ids[b, q]`` and adds the
+  packed-sequence check ``cumsum(diff(position_ids) != 1)[b, q] == ...[b, kv]``.
+- chunked layers (Llama 4): ``((kv - lp[b]) // C == (q - lp[b]) // C) & (kv <= q)`` where ``lp``
+  counts each row's left padding: ``zeros(B, dtype=int64)`` without an attention mask (proven),
+  a ``cumsum``/``sum`` of the attention mask with one (chunks then start at each row's first
+  token, which ``MaskProof`` cannot state: not proven).
+- full layers: under Dynamo without an attention mask (and sliding layers shorter than their
+  window) no mask at all, ``is_causal=True``; with one, or under export, the causal mask above.
+  Left and right padding build the same graph (the values differ, not the ops).
 
 The analysis is an abstract interpretation over a small vocabulary: integer position vectors
 (``arange`` plus a constant, placed on one axis of a broadcast shape by indexing with ``None`` or
-``unsqueeze``), and boolean conjunctions of the atoms above. Both graph flavours are understood:
-Dynamo's (torch functions, ``operator`` functions, tensor methods) and export's (``aten`` ops).
+``unsqueeze``), their floor division by a constant, and boolean conjunctions of the atoms above.
+Both graph flavours are understood: Dynamo's (torch functions, ``operator`` functions, tensor
+methods) and export's (``aten`` ops).
 """
 
 from __future__ import annotations
@@ -32,11 +49,16 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class MaskProof:
-    """The mask equals ``causal`` (``kv <= q``) AND ``key_padding[b, kv]`` (when not None).
-    ``key_padding`` is a graph node of shape ``[B, Nk]`` (any dtype; nonzero = attend)."""
+    """The mask is the conjunction, for query ``p`` and key ``j`` (indices into the attention's
+    query and key axes), of: ``j <= p`` when ``causal``; ``key_padding[b, j]`` when not None (a
+    ``[B, Nk]`` graph node of any dtype, nonzero = attend); ``p - sliding_window < j`` when
+    ``sliding_window`` (the last W keys, the query's own included); ``j // chunk_size ==
+    p // chunk_size`` when ``chunk_size``. A window or chunk is only ever proven with ``causal``."""
 
     causal: bool
     key_padding: Optional[fx.Node]
+    sliding_window: int = 0
+    chunk_size: int = 0
 
 
 # --------------------------------------------------------------------------- abstract values
@@ -54,10 +76,10 @@ class _Pos:
 
 
 @dataclass(frozen=True)
-class _Causal:
-    """``kv_pos <= q_pos + shift`` (``shift`` 0: SDPA's ``is_causal``)."""
+class _Upper:
+    """``kv_pos - q_pos <= bound`` (0: SDPA's ``is_causal``)."""
 
-    shift: int
+    bound: int
 
 
 @dataclass(frozen=True)
@@ -68,7 +90,21 @@ class _Padding:
     offset: int
 
 
-_Atom = Union[_Causal, _Padding]
+@dataclass(frozen=True)
+class _Lower:
+    """``kv_pos - q_pos >= bound`` (a sliding window of ``1 - bound`` keys when with causality)."""
+
+    bound: int
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """``kv_pos // size == q_pos // size`` (chunked attention)."""
+
+    size: int
+
+
+_Atom = Union[_Upper, _Padding, _Lower, _Chunk]
 
 
 @dataclass(frozen=True)
@@ -87,19 +123,37 @@ class _BoolSource:
 
 @dataclass(frozen=True)
 class _Const:
-    """A tensor whose every element equals ``value`` (an int or a bool)."""
+    """A tensor whose every element equals ``value`` (an int or a bool), of rank ``ndim`` (None:
+    not known)."""
 
     value: Any
+    ndim: Optional[int] = None
 
 
-_Value = Union[_Pos, _Bool, _BoolSource, _Const, int, None]
+@dataclass(frozen=True)
+class _FloorDiv:
+    """``pos // size`` for a position vector and a positive int (the chunk index of a position)."""
+
+    pos: _Pos
+    size: int
 
 
-def _as_int(v: _Value) -> _Value:
-    """An integer constant tensor counts as its int (``arange + cache_position[0]``)."""
-    if isinstance(v, _Const) and isinstance(v.value, int) and not isinstance(v.value, bool):
+_Value = Union[_Pos, _Bool, _BoolSource, _Const, _FloorDiv, int, None]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_operand(v: _Value, ndim: int) -> Optional[int]:
+    """``v`` as an int to combine elementwise with an ``ndim``-D position vector: a Python int,
+    or a constant tensor of no higher rank (a higher one would change the result's rank, which
+    the position vector records)."""
+    if _is_int(v):
+        return v
+    if isinstance(v, _Const) and _is_int(v.value) and v.ndim is not None and v.ndim <= ndim:
         return v.value
-    return v
+    return None
 
 
 _Q_AXIS, _KV_AXIS, _B_AXIS = 2, 3, 0
@@ -129,6 +183,10 @@ _EXPAND = {aten.expand.default}
 _UNSQUEEZE = {torch.unsqueeze, aten.unsqueeze.default}
 _TO_COPY = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout}
 _ONES = {aten.new_ones.default, torch.ones, aten.ones.default}
+_ZEROS = {torch.zeros, aten.zeros.default}
+_FLOORDIV = {operator.floordiv, torch.floor_divide, aten.floor_divide.default, aten.floor_divide.Scalar}
+# division that floors only with rounding_mode="floor" ("trunc" differs on negative positions)
+_DIV = {torch.div, aten.div.Tensor_mode, aten.div.Scalar_mode}
 _INDEX = {aten.index.Tensor}
 _SLICE = {aten.slice.Tensor}
 _DIFF = {torch.diff, aten.diff.default}
@@ -146,6 +204,7 @@ _OPERATORS = {
     "ne": operator.ne,
     "add": operator.add,
     "sub": operator.sub,
+    "floordiv": operator.floordiv,
 }
 _METHOD_AS_FUNCTION = {
     **_OPERATORS,
@@ -153,6 +212,8 @@ _METHOD_AS_FUNCTION = {
     "__and__": operator.and_,
     "logical_and": operator.and_,
     "bitwise_and": operator.and_,
+    "floor_divide": operator.floordiv,
+    "div": torch.div,
 }
 
 
@@ -161,6 +222,18 @@ def _is_bool_dtype(kwargs, args=()) -> bool:
     if dt is None:
         dt = next((a for a in args if isinstance(a, torch.dtype)), None)
     return dt is torch.bool
+
+
+def _zeros(args, kwargs) -> _Value:
+    """``zeros(shape, dtype=<integer>)``: an int zero of the shape's rank (transformers' left
+    padding count for chunked attention when there is no attention mask)."""
+    dt = kwargs.get("dtype")
+    if not isinstance(dt, torch.dtype) or dt is torch.bool or dt.is_floating_point or dt.is_complex:
+        return None
+    shape = kwargs.get("size", args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args)
+    if not all(_is_int(d) or isinstance(d, fx.Node) for d in shape):
+        return None
+    return _Const(0, ndim=len(shape))
 
 
 class _Interpreter:
@@ -206,6 +279,8 @@ class _Interpreter:
                 return self._compare(self.value(n.args[0]), self.value(n.args[1]), op)
         if t in _SUB:
             return self._add(n, sign=-1)
+        if t in _FLOORDIV or (t in _DIV and n.kwargs.get("rounding_mode") == "floor"):
+            return self._floordiv(self.value(n.args[0]), self.value(n.args[1]))
         if t in _AND:
             return self._and(self.value(n.args[0]), self.value(n.args[1]))
         if t in _EXPAND:
@@ -223,6 +298,8 @@ class _Interpreter:
             return self._to(n, n.args[0], n.kwargs, n.args[1:])
         if t in _ONES:
             return _Bool(frozenset()) if _is_bool_dtype(n.kwargs) else None
+        if t in _ZEROS:
+            return _zeros(n.args, n.kwargs)
         if t in _INDEX:
             return self._index(self.value(n.args[0]), list(n.args[1]))
         return None
@@ -265,15 +342,25 @@ class _Interpreter:
         return _Pos(axis=0, ndim=1, offset=start, length=None) if isinstance(end, fx.Node) else None
 
     def _add(self, n: fx.Node, sign: int = 1) -> _Value:
-        """``pos + c`` / ``pos - c`` (``c + pos`` too) for a Python int ``c``."""
+        """``pos + c`` / ``pos - c`` (``c + pos`` too) for an int ``c`` (a Python int or a
+        constant tensor, e.g. ``cache_position[0]`` or a zero left padding ``zeros(B)[b]``)."""
         if n.kwargs.get("alpha", 1) != 1:
             return None
-        a, b = _as_int(self.value(n.args[0])), _as_int(self.value(n.args[1]))
-        if sign == 1 and isinstance(a, int) and isinstance(b, _Pos):
+        a, b = self.value(n.args[0]), self.value(n.args[1])
+        if sign == 1 and isinstance(b, _Pos) and not isinstance(a, _Pos):
             a, b = b, a
-        if isinstance(a, _Pos) and isinstance(b, int):
-            return _Pos(a.axis, a.ndim, a.offset + sign * b, a.length)
-        return None
+        if not isinstance(a, _Pos):
+            return None
+        c = _int_operand(b, a.ndim)
+        return None if c is None else _Pos(a.axis, a.ndim, a.offset + sign * c, a.length)
+
+    @staticmethod
+    def _floordiv(a: _Value, b: _Value) -> _Value:
+        """``pos // c`` for a positive int ``c`` (the chunk of a position)."""
+        if not isinstance(a, _Pos):
+            return None
+        c = _int_operand(b, a.ndim)
+        return _FloorDiv(a, c) if c is not None and c > 0 else None
 
     def _getitem(self, n: fx.Node) -> _Value:
         base, idx = self.value(n.args[0]), n.args[1]
@@ -288,7 +375,7 @@ class _Interpreter:
             and idx[0] >= 0
         ):
             # positions[i] (a 0-d tensor, e.g. cache_position[0] as a mask offset)
-            return _Const(base.offset + idx[0])
+            return _Const(base.offset + idx[0], ndim=0)
         basic = all(e is None or isinstance(e, slice) for e in idx)
         if basic and isinstance(base, _Pos) and base.ndim == 1 and None in idx:
             return self._place(base, idx)
@@ -371,7 +458,10 @@ class _Interpreter:
 
     @staticmethod
     def _equal(a: _Value, b: _Value, negate: bool) -> _Value:
-        """``==`` / ``!=`` of constants (the packed-sequence ids of one sequence are all equal)."""
+        """``==`` / ``!=`` of constants (the packed-sequence ids of one sequence are all equal);
+        ``==`` of the chunks of the query and key positions."""
+        if isinstance(a, _FloorDiv) and isinstance(b, _FloorDiv):
+            return None if negate else _same_chunk(a, b)
         if isinstance(b, int) and not isinstance(b, bool):
             b = _Const(b)
         if not (isinstance(a, _Const) and isinstance(b, _Const)):
@@ -384,8 +474,9 @@ class _Interpreter:
     @staticmethod
     def _compare(a: _Value, b: _Value, op: str) -> _Value:
         """``a <op> b`` for position vectors on the key and query axes of a 4-D shape, as a
-        bound on ``d = kv - q``: ``d <= 0`` is causality; a bound that every (q, kv) pair of the
-        static lengths satisfies (a sliding window wider than the sequence) is all True."""
+        bound on ``d = kv - q``: ``d <= 0`` is causality, ``d >= 1 - W`` a sliding window's far
+        edge; a bound that every (q, kv) pair of the static lengths satisfies (a sliding window
+        wider than the sequence) is all True."""
         if not (isinstance(a, _Pos) and isinstance(b, _Pos) and a.ndim == b.ndim == 4):
             return None
         if {a.axis, b.axis} != {_Q_AXIS, _KV_AXIS}:
@@ -396,17 +487,9 @@ class _Interpreter:
         shift = q.offset - kv.offset  # kv_pos <op> q_pos + shift  <=>  (kv - q) <op> shift
         upper = {"le": shift, "lt": shift - 1}.get(op)
         lower = {"ge": shift, "gt": shift + 1}.get(op)
-        if upper == 0:
-            return _Bool(frozenset({_Causal(shift=0)}))
-        lengths = (kv.length, q.length)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in lengths):
-            return None
-        max_d, min_d = (kv.length - 1) - 0, 0 - (q.length - 1)
-        if upper is not None and max_d <= upper:
+        if _always_holds(kv, q, upper, lower):
             return _Bool(frozenset())
-        if lower is not None and min_d >= lower:
-            return _Bool(frozenset())
-        return None
+        return _Bool(frozenset({_Upper(upper) if upper is not None else _Lower(lower)}))
 
     @staticmethod
     def _and(a: _Value, b: _Value) -> _Value:
@@ -438,12 +521,13 @@ class _Interpreter:
 
     def _index(self, base: _Value, idx: list) -> _Value:
         """``src[batch_pos, kv_pos]``: the key padding of a ``[B, N]`` boolean source; a ``[B, N]``
-        position tensor (rows ``arange + c``) or constant indexed the same way stays one."""
+        position tensor (rows ``arange + c``) indexed the same way stays one; a constant indexed
+        by positions stays that constant."""
+        if isinstance(base, _Const):
+            return _index_const(base, [self.value(i) for i in idx])
         if len(idx) != 2:
             return None
         b_pos, kv_pos = self.value(idx[0]), self.value(idx[1])
-        if isinstance(base, _Const) and isinstance(b_pos, _Pos) and isinstance(kv_pos, _Pos):
-            return base
         if isinstance(base, _Pos) and base.ndim == 2 and base.axis == 1:
             if (
                 isinstance(b_pos, _Pos)
@@ -466,20 +550,87 @@ class _Interpreter:
         return _Bool(frozenset({_Padding(base.node, kv_pos.offset)}))
 
 
+def _always_holds(kv: _Pos, q: _Pos, upper: Optional[int], lower: Optional[int]) -> bool:
+    """Whether every (q, kv) pair of static lengths satisfies ``lower <= kv - q <= upper`` (one of
+    them None): e.g. a sliding window wider than the sequence."""
+    if not (_is_int(kv.length) and _is_int(q.length)):
+        return False
+    max_d, min_d = kv.length - 1, -(q.length - 1)
+    return (upper is not None and max_d <= upper) or (lower is not None and min_d >= lower)
+
+
+def _same_chunk(a: _FloorDiv, b: _FloorDiv) -> _Value:
+    """``a == b`` for the chunks of the query and key positions: chunked attention when both
+    positions carry the same offset and the chunk size divides it (another offset moves the chunk
+    boundaries off multiples of the size, which :class:`MaskProof` cannot state)."""
+    pa, pb = a.pos, b.pos
+    if a.size != b.size or not (pa.ndim == pb.ndim == 4 and {pa.axis, pb.axis} == {_Q_AXIS, _KV_AXIS}):
+        return None
+    if pa.offset != pb.offset or pa.offset % a.size:
+        return None
+    return _Bool(frozenset({_Chunk(a.size)}))
+
+
+def _index_const(base: _Const, indices: list) -> _Value:
+    """``const[pos, ...]``: the same constant, of the indices' rank when they index every axis."""
+    if not indices or not all(isinstance(i, _Pos) for i in indices):
+        return None
+    every_axis = base.ndim is not None and len(indices) == base.ndim
+    return _Const(base.value, ndim=max(i.ndim for i in indices) if every_axis else None)
+
+
 # --------------------------------------------------------------------------- public
 
 
-def prove_mask(mask: fx.Node) -> Optional[MaskProof]:
-    """What ``mask`` (an SDPA ``attn_mask`` node) provably is, or None when not proven."""
+def _causal(atoms: FrozenSet[_Atom]) -> Optional[bool]:
+    """Whether the upper bounds make the mask causal (the tightest one is 0; a looser one beside
+    it adds nothing), None when they make it something else (a shifted diagonal)."""
+    bounds = [a.bound for a in atoms if isinstance(a, _Upper)]
+    if not bounds:
+        return False
+    return True if min(bounds) == 0 else None
+
+
+def _sliding_window(atoms: FrozenSet[_Atom]) -> Optional[int]:
+    """The window the lower bounds leave (the tightest one counts), 0 for none, None when they
+    leave no key at all."""
+    bounds = [a.bound for a in atoms if isinstance(a, _Lower)]
+    if not bounds:
+        return 0
+    window = 1 - max(bounds)
+    return window if window >= 1 else None
+
+
+def _chunk_size(atoms: FrozenSet[_Atom]) -> Optional[int]:
+    """The chunk size, 0 for none, None for several (their intersection is no single chunking)."""
+    sizes = {a.size for a in atoms if isinstance(a, _Chunk)}
+    if len(sizes) > 1:
+        return None
+    return next(iter(sizes), 0)
+
+
+def prove_mask(mask: fx.Node, *, windows: bool = False) -> Optional[MaskProof]:
+    """What ``mask`` (an SDPA ``attn_mask`` node) provably is, or None when not proven.
+
+    ``windows`` also proves sliding-window and chunked causal masks (``MaskProof.sliding_window``
+    / ``chunk_size``). It is off by default so that a caller reading only ``causal`` and
+    ``key_padding`` never takes a window for full causality."""
     if not isinstance(mask, fx.Node):
         return None
     v = _Interpreter().value(mask)
     if not isinstance(v, _Bool):
         return None
-    causal = [a for a in v.atoms if isinstance(a, _Causal)]
     padding = [a for a in v.atoms if isinstance(a, _Padding)]
-    if any(a.shift != 0 for a in causal) or len(padding) > 1:
+    if len(padding) > 1 or (padding and padding[0].offset != 0):
         return None
-    if padding and padding[0].offset != 0:
+    causal, window, chunk = _causal(v.atoms), _sliding_window(v.atoms), _chunk_size(v.atoms)
+    if causal is None or window is None or chunk is None:
         return None
-    return MaskProof(causal=bool(causal), key_padding=padding[0].src if padding else None)
+    if (window or chunk) and not (windows and causal):
+        return None
+    return MaskProof(
+        causal=causal,
+        key_padding=padding[0].src if padding else None,
+        sliding_window=window,
+        chunk_size=chunk,
+    )
