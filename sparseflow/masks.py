@@ -36,6 +36,26 @@ class MaskAnalysis:
     is_causal: bool = False
     key_padding_mask: Optional[torch.Tensor] = None  # [B, Nk] bool, True = valid; None = all valid
     reason: str = ""
+    sliding_window: int = 0  # a causal local window the mask holds (AttentionConfig's meaning)
+    chunk_size: int = 0
+
+
+def window_mask(n_q: int, n_k: int, sliding_window: int, chunk_size: int, device) -> torch.Tensor:
+    """``[Nq, Nk]`` bool: causal (bottom-right aligned) and the local window -- what a windowed
+    call computes, for the paths that run it as a dense mask."""
+    p = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=device)[None, :]
+    return (j <= p) & (j >= window_start(p, sliding_window, chunk_size))
+
+
+def window_start(p: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:
+    """The first key position a query at position ``p`` sees under the window (0 without one)."""
+    lo = torch.zeros_like(p)
+    if sliding_window:
+        lo = torch.maximum(lo, p - sliding_window + 1)
+    if chunk_size:
+        lo = torch.maximum(lo, torch.div(p, chunk_size, rounding_mode="floor") * chunk_size)
+    return lo
 
 
 # --------------------------------------------------------------------------- checks
@@ -147,6 +167,39 @@ def analyse_mask(attn_mask: Optional[torch.Tensor], is_causal: bool, batch: int,
         kpm = rows[:, -1]  # the last query sees every key that is valid
         if bool((rows == with_causality(kpm[:, None, :], n_q, n_k)).all()):
             return MaskAnalysis(True, is_causal=True, key_padding_mask=_padding_or_none(kpm, batch, n_k))
+        window = _causal_window(rows)
+        if window is not None:
+            kpm, sliding, chunk = window
+            return MaskAnalysis(
+                True,
+                is_causal=True,
+                key_padding_mask=_padding_or_none(kpm, batch, n_k),
+                sliding_window=sliding,
+                chunk_size=chunk,
+            )
     return MaskAnalysis(
         False, reason=f"attn_mask of shape {tuple(attn_mask.shape)} that is neither causal nor key padding"
     )
+
+
+def _causal_window(rows: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int]]:
+    """``(key padding [B, N], sliding_window, chunk_size)`` when the square ``rows [B, N, N]`` are
+    exactly causal & key padding & one local window, else None. A valid key is visible at least
+    to its own query, so the padding is the keys any query sees; the window is read from the
+    valid keys the mask hides below the diagonal, then the whole mask is checked against it."""
+    n = rows.shape[-1]
+    kpm = rows.any(dim=1)
+    hidden = with_causality(kpm[:, None, :], n, n) & ~rows  # valid, causally visible, masked
+    if not bool(hidden.any()) or bool((rows & ~with_causality(kpm[:, None, :], n, n)).any()):
+        return None
+    j = torch.arange(n, device=rows.device)
+    last_hidden = torch.where(hidden, j, -1).amax(dim=(0, 2))  # per query: its window starts after it
+    p = torch.nonzero(last_hidden >= 0)[:, 0]
+    sliding = int((p - last_hidden[p]).min())  # the query whose window is tightest: W = p - (start - 1)
+    first = int(p[0])
+    chunk = int(last_hidden[first]) + 1  # the first query that loses a key starts the second chunk
+    for window in ((sliding, 0), (0, chunk)):
+        want = with_causality(kpm[:, None, :], n, n) & (j[None, :] >= window_start(j[:, None], *window))
+        if bool((rows == want).all()):
+            return kpm, window[0], window[1]
+    return None

@@ -38,7 +38,7 @@ from . import methods as _methods
 from . import recording as _capture
 from .config import BACKENDS, AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig, default_instance
 from .kernels._triton_env import interpreting
-from .masks import analyse_mask, check_mask, with_causality
+from .masks import MaskAnalysis, analyse_mask, check_mask, window_mask, with_causality
 from .tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .tuning import fields_of as _tuning_fields
 
@@ -182,8 +182,9 @@ def _dense_reason(method: str, cfg: AttentionConfig, n_q: int, n_k: int, is_caus
     if is_causal and n_q != n_k:
         # SDPA aligns is_causal to the top-left corner when Nq != Nk; keep its exact semantics.
         return f"is_causal with Nq={n_q} != Nk={n_k}"
-    if n_k < cfg.min_seq_len:
-        return f"sequence length {n_k} < min_seq_len={cfg.min_seq_len}"
+    min_len = getattr(cfg, "min_seq_len", 0)  # the dense method's windowed calls have none
+    if n_k < min_len:
+        return f"sequence length {n_k} < min_seq_len={min_len}"
     return _methods.spec_for(method).dense_rule(cfg, n_q, n_k)
 
 
@@ -318,6 +319,8 @@ def _auto_key(entry: _ConfigEntry, q, k, mask) -> Tuple:
         _autobackend._bucket(k.shape[2]),
         mask.is_causal,
         mask.key_padding_mask is not None,
+        mask.sliding_window,
+        mask.chunk_size,
     )
 
 
@@ -344,17 +347,26 @@ def _decide(
     if chosen != "measure":
         return chosen, None
     kw = entry.kwargs
+    window = (mask.sliding_window, mask.chunk_size)
     key = chooser.key(
-        method, q, k, (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None, entry.tuning)
+        method,
+        q,
+        k,
+        (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None, window, entry.tuning),
     )
 
     def run(name: str):
         # each candidate as it would run this call: a Triton call it may replay is timed replayed
         if name == DENSE_CHOICE:
+            if window != (0, 0):
+                return _sdpa(q, k, v, _with_window_mask(attn_mask, q.shape[2], k.shape[2], window), False, scale)
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
         return _replayed_or_launched(method, name, entry, q, k, v, mask, scale)
 
-    candidates = _fast_backends(method, q.device, q.dtype) + [DENSE_CHOICE]
+    fast = _fast_backends(method, q.device, q.dtype)
+    if window != (0, 0):
+        fast = [b for b in fast if _methods.spec_for(method).backend(b).windows]
+    candidates = fast + [DENSE_CHOICE]
     choice, forcing = chooser.decide(key, candidates, run, prefer=DENSE_CHOICE)
     if choice != DENSE_CHOICE:
         return choice, None
@@ -388,11 +400,14 @@ def _call_impl(method: str, backend: str, entry: _ConfigEntry, q, k, v, mask, sc
     the tuning for an implementation that takes one."""
     impl = _load(method, backend)
     extra = {"tuning": entry.tuning} if _takes_tuning(impl) else {}
+    cfg = entry.cfg
+    if (mask.sliding_window, mask.chunk_size) != (cfg.sliding_window, cfg.chunk_size):
+        cfg = cfg.replace(sliding_window=mask.sliding_window, chunk_size=mask.chunk_size)  # a mask's window
     return impl(
         q,
         k,
         v,
-        entry.cfg,
+        cfg,
         key_padding_mask=mask.key_padding_mask,
         is_causal=mask.is_causal,
         scale=scale,
@@ -417,11 +432,20 @@ def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Pl
     q, k, v, attn_mask, is_causal, scale = args[:6]
     if entry is None:
         entry = _config_entry(method, args[6:-2])
-    if not _methods.spec_for(method).sparse:
+    spec = _methods.spec_for(method)
+    if not spec.sparse and not entry.cfg.has_window:
         return _Plan(entry, None, "", DENSE_CHOICE)
     mask = analyse_mask(attn_mask, is_causal, q.shape[0], q.shape[2], k.shape[2])
     if not mask.supported:
-        return _Plan(entry, mask, mask.reason, DENSE_CHOICE)
+        return _Plan(entry, _with_config_window(mask, entry.cfg), mask.reason, DENSE_CHOICE)
+    mask, conflict = _merged_window(mask, entry.cfg)
+    if conflict:
+        return _Plan(entry, mask, conflict, DENSE_CHOICE)
+    if (mask.sliding_window or mask.chunk_size) and not mask.is_causal:
+        raise ValueError(
+            f"a local window (sliding_window={mask.sliding_window}, chunk_size={mask.chunk_size}) holds with "
+            "causal attention only: pass is_causal=True or a causal mask"
+        )
     if v.shape[-1] != q.shape[-1]:
         return _Plan(entry, mask, f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]}", DENSE_CHOICE)
     reason = _dense_reason(method, entry.cfg, q.shape[2], k.shape[2], mask.is_causal)
@@ -432,7 +456,27 @@ def _plan(method: str, args: Tuple, entry: Optional[_ConfigEntry] = None) -> _Pl
         chosen, reason = _auto_choice(method, entry, q, k, v, attn_mask, is_causal, mask, scale)
     else:
         chosen, reason = _resolve_backend(method, backend, q.device, q.dtype), None
+    if reason is None and (mask.sliding_window or mask.chunk_size) and not spec.backend(chosen).windows:
+        reason = f"the {chosen} backend of {method} does not run a local window yet"
+        chosen = DENSE_CHOICE
     return _Plan(entry, mask, reason, chosen)
+
+
+def _with_config_window(mask: MaskAnalysis, cfg: AttentionConfig) -> MaskAnalysis:
+    return dataclasses.replace(mask, sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
+
+
+def _merged_window(mask: MaskAnalysis, cfg: AttentionConfig) -> Tuple[MaskAnalysis, str]:
+    """The call's window: the config's and the one the mask holds, intersected; a reason to run
+    dense when they cannot be one window (two different chunk sizes, or a window and chunks)."""
+    sliding = min((w for w in (mask.sliding_window, cfg.sliding_window) if w), default=0)
+    chunks = {c for c in (mask.chunk_size, cfg.chunk_size) if c}
+    if len(chunks) > 1 or (chunks and sliding):
+        return _with_config_window(mask, cfg), (
+            f"the attn_mask's window (sliding_window={mask.sliding_window}, chunk_size={mask.chunk_size}) and the "
+            f"config's (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}) are not one window"
+        )
+    return dataclasses.replace(mask, sliding_window=sliding, chunk_size=min(chunks, default=0)), ""
 
 
 def _checked_plan(method: str, args: Tuple) -> _Plan:
@@ -468,20 +512,42 @@ def _prepared_plan(method: str, args: Tuple) -> Optional[_Plan]:
     return plan if same else None
 
 
-def _dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap) -> torch.Tensor:
+def _dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap, window) -> torch.Tensor:
     """Dense SDPA for a call the plan sends there, contiguous like every op result (see _dense_sdpa)."""
-    return _dense_sdpa(method, tag, reason, q, k, v, attn_mask, is_causal, scale, cap).contiguous()
+    return _dense_sdpa(method, tag, reason, q, k, v, attn_mask, is_causal, scale, cap, window).contiguous()
 
 
-def _dense_sdpa(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap) -> torch.Tensor:
+def _dense_sdpa(
+    method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap, window: Tuple[int, int] = (0, 0)
+) -> torch.Tensor:
     """Dense SDPA for a call the plan sends there: logged (and tallied) with its reason, recorded;
-    the result as SDPA lays it out (a caller that re-lays it out saves a copy)."""
+    the result as SDPA lays it out (a caller that re-lays it out saves a copy). ``window``: the
+    call's (sliding_window, chunk_size), applied as a mask."""
     if reason:
         _capture.log_fallback(method, tag, reason)
+    if window != (0, 0):
+        attn_mask, is_causal = _with_window_mask(attn_mask, q.shape[2], k.shape[2], window), False
     out = _sdpa(q, k, v, attn_mask, is_causal, scale)
     if cap is not None:
         cap.calls.append(_capture.CallRecord(tag, method, DENSE_CHOICE, False, reason, tuple(q.shape), tuple(k.shape)))
     return out
+
+
+def _with_window_mask(attn_mask, n_q: int, n_k: int, window: Tuple[int, int]) -> torch.Tensor:
+    """``attn_mask`` (None, bool or additive) intersected with causality and the local window."""
+    device = None if attn_mask is None else attn_mask.device
+    wm = window_mask(n_q, n_k, window[0], window[1], device)
+    if attn_mask is None:
+        return wm
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & wm
+    return attn_mask.masked_fill(~wm, float("-inf"))
+
+
+def _plan_window(plan: "_Plan") -> Tuple[int, int]:
+    """The (sliding_window, chunk_size) a plan's call computes: its mask analysis's, else the config's."""
+    src = plan.mask if plan.mask is not None else plan.entry.cfg
+    return (src.sliding_window, src.chunk_size)
 
 
 # An analysis that needs the arguments of every op call but not the sparse result (the ONNX
@@ -528,7 +594,7 @@ def _execute(
     tag = args[-1]
     cap = _capture.active_capture() if record else None
     if plan.reason is not None:
-        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap)
+        return _dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap, _plan_window(plan))
     mask, chosen = plan.mask, plan.backend
     if for_grad:
         chosen = "reference" if twice else _grad_backend(method, chosen, q.device)
@@ -589,15 +655,17 @@ def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask,
         entry.serial,
         chosen,
         mask.is_causal,
+        mask.sliding_window,
+        mask.chunk_size,
         scale,
         torch._C._cuda_getCurrentRawStream(q.device.index),  # what current_stream().cuda_stream is, 5 us cheaper
         q.device,
         (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype),
     )
-    causal = mask.is_causal
+    view = _MaskView(None, mask.is_causal, mask.sliding_window, mask.chunk_size)
 
     def call(q_, k_, v_):
-        return _call_impl(method, chosen, entry, q_, k_, v_, _MaskView(None, causal), scale, False)
+        return _call_impl(method, chosen, entry, q_, k_, v_, view, scale, False)
 
     out = _graph_replay.default_replays.run(key, call, (q, k, v), out_layout)
     note = _REPLAY_NOTE.get()
@@ -610,10 +678,12 @@ def _replayed_impl(method: str, chosen: str, entry: _ConfigEntry, q, k, v, mask,
 
 
 class _MaskView(NamedTuple):
-    """The two fields of a mask analysis that ``_call_impl`` reads."""
+    """The fields of a mask analysis that ``_call_impl`` reads."""
 
     key_padding_mask: Optional[torch.Tensor]
     is_causal: bool
+    sliding_window: int = 0
+    chunk_size: int = 0
 
 
 def _decode_of(method: str, chosen: str, q, k, v, mask) -> Optional[Tuple[Any, Callable]]:
@@ -809,7 +879,17 @@ def attention_any_layout(
             if hit[1] is not None:
                 scale = None if scale is None else float(scale)
                 return _dense_sdpa(
-                    config.method, tag, hit[1], q, k, v, None, is_causal, scale, _capture.active_capture()
+                    config.method,
+                    tag,
+                    hit[1],
+                    q,
+                    k,
+                    v,
+                    None,
+                    is_causal,
+                    scale,
+                    _capture.active_capture(),
+                    (config.sliding_window, config.chunk_size),
                 )
             sig, sparse_known = None, True  # known to run sparse: nothing to learn
     _check_call_types(config, is_causal)
@@ -942,6 +1022,7 @@ def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, conte
             is_causal,
             None if scale is None else float(scale),
             _capture.active_capture(),
+            _plan_window(plan),
         )
         return out.contiguous() if contiguous else out
     method = config.method
@@ -1011,7 +1092,8 @@ def _eager_call(config, tuning, memo, args, entry, contiguous: bool, plan: Optio
             _remember_plan(memo, config, tuning, plan)
     if plan.reason is not None and not _needs_op(q, k, v, attn_mask):
         # exactly what the op computes and records for this plan, without the dispatcher's cost
-        out = _dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, _capture.active_capture())
+        cap = _capture.active_capture()
+        out = _dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap, _plan_window(plan))
         return out.contiguous() if contiguous else out
     if plan.reason is None and not _needs_autograd(q, k, v, attn_mask) and _INTERCEPTOR.get() is None:
         # what the op's implementation runs for this plan, without the dispatcher's cost

@@ -48,6 +48,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..masks import window_start
+
 __all__ = [
     "FLEX_DTYPES",
     "RECOMPILE_LIMIT",
@@ -408,9 +410,13 @@ def token_block_attention(
     block_size: int,
     q_tile: Optional[int] = None,
     kv_tile: Optional[int] = None,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Attention of each query token over its own selected key blocks (PISA/BSA selections) with
     compiled FlexAttention; the flex counterpart of ``token_blocks.attend_selected_blocks``.
+    ``sliding_window`` / ``chunk_size``: a causal local window (AttentionConfig's meaning) that
+    bounds each query's keys from below, element-wise.
 
     ``block_indices [B, Hkv, Nq, K]`` int64 (``-1`` = unused) is shared by the ``G`` query heads
     of a KV head; K/V keep their ``Hkv`` heads (``enable_gqa``). The BlockMask tiles queries by
@@ -447,7 +453,16 @@ def token_block_attention(
         from .token_blocks import attend_selected_blocks
 
         return attend_selected_blocks(
-            q, k, v, block_indices, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, block_size=c
+            q,
+            k,
+            v,
+            block_indices,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            block_size=c,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
         )
     with torch.no_grad():
         bm = _token_block_mask(
@@ -461,6 +476,7 @@ def token_block_attention(
             is_causal=is_causal,
             grad=grad,
             device=dev,
+            window=(sliding_window, chunk_size),
         )
     nq_pad, nk_pad = bm.seq_lengths
     qp = pad_seq(q, nq_pad).contiguous()
@@ -490,6 +506,7 @@ def _token_block_mask(
     is_causal: bool,
     grad: bool,
     device,
+    window: Tuple[int, int] = (0, 0),
 ):
     """The BlockMask of token_block_attention over the padded lengths (``seq_lengths``): per
     ``(q_tile, kv_tile)`` tile, full where no mask_mod is needed, partial where any row selected
@@ -511,11 +528,19 @@ def _token_block_mask(
         table = _selection_table(idx, nkb)  # [B, Hkv, Nq_pad, nKB] bool
     key_ok, kpm_ext = _key_validity(key_padding_mask, bsz, n_k, nk_pad, is_causal, device)
     full, partial = _full_and_partial_tiles(idx, key_ok, n_q, offset, c, qt, kt, is_causal)
+    if window != (0, 0):  # a key tile is whole only if every real row's window starts at or before it
+        last_q = (torch.arange(full.shape[2], device=device) * qt + qt - 1).clamp_max(n_q - 1) + offset
+        first_key = torch.arange(full.shape[3], device=device) * kt
+        whole = first_key[None, :] >= window_start(last_q, *window)[:, None]
+        partial = partial | (full & ~whole[None, None])
+        full = full & whole[None, None]
     kv_num, kv_idx = block_lists(partial)
     full_num, full_idx = block_lists(full)
     head_map = torch.arange(hq, device=device) // g
     kv_num, kv_idx, full_num, full_idx = (t[:, head_map].contiguous() for t in (kv_num, kv_idx, full_num, full_idx))
     mask_mod = _token_mask_mod(table, kpm_ext, g=g, c=c, offset=offset, is_causal=is_causal, packed=packed)
+    if window != (0, 0):
+        mask_mod = _windowed(mask_mod, offset, *window)
     return BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
@@ -620,3 +645,18 @@ def token_selection(
     return selection_for_indices(
         method, block_indices, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
     )
+
+
+def _windowed(mask_mod, offset: int, sliding_window: int, chunk_size: int):
+    """``mask_mod`` with the local window's lower bound on the key (queries at ``q + offset``)."""
+
+    def windowed(b, h, q_idx, kv_idx):
+        p = q_idx + offset
+        ok = mask_mod(b, h, q_idx, kv_idx)
+        if sliding_window:
+            ok = ok & (kv_idx > p - sliding_window)
+        if chunk_size:
+            ok = ok & (kv_idx >= (p // chunk_size) * chunk_size)
+        return ok
+
+    return windowed

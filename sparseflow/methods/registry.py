@@ -68,6 +68,7 @@ class Backend:
 
     target: str
     differentiable: str = "never"
+    windows: bool = False  # runs a config's local window (else such calls run dense SDPA, logged)
 
     def __post_init__(self):
         _check_target("Backend.target", self.target)
@@ -150,8 +151,8 @@ class MethodSpec:
 
     ``dense_rule(cfg, n_q, n_k)``: the method's own reason to run a call as dense SDPA ("" when it
     runs sparse); the reasons every method shares (masks, lengths, ``min_seq_len``) are applied
-    by :mod:`sparseflow.ops`. ``sparse=False`` marks the dense pseudo-method: its op always runs
-    SDPA and it has no backends. ``has_permute`` / ``has_top_k`` / ``has_threshold``: the config
+    by :mod:`sparseflow.ops`. ``sparse=False`` marks the dense pseudo-method: its op runs SDPA,
+    and its backends (all ``windows=True``) run only a config's local window exactly. ``has_permute`` / ``has_top_k`` / ``has_threshold``: the config
     has that knob (sweeps, calibration choices and CLI flags that only make sense with it).
     ``exact(cfg, seq_len)``: the config that keeps every visible block at ``seq_len``.
     """
@@ -181,8 +182,11 @@ class MethodSpec:
             )
         if not all(isinstance(b, Backend) for b in self.backends.values()):
             raise TypeError(f"MethodSpec {self.name!r}: backends must map backend names to Backend objects")
-        if not self.sparse and self.backends:
-            raise ValueError(f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA and has no backends")
+        if not self.sparse and not all(b.windows for b in self.backends.values()):
+            raise ValueError(
+                f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA; its backends (windows=True) run "
+                "only windowed calls"
+            )
         if self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
             raise ValueError(
                 f"MethodSpec {self.name!r}: context_parallel must be one of "
