@@ -304,6 +304,32 @@ def run_pisa_bsa(cases):
         _pair_index(n_seg)
 
 
+# the token-sparse attention under local windows: Hq, Hkv, N, D, dtype, block, sliding_window,
+# chunk_size, padding (SmolLM2's group of 3 in bf16; a chunk alone; both with padding in fp16; the
+# largest fp32 blocks)
+TOKEN_WINDOW = [
+    (9, 3, 900, 64, torch.bfloat16, 64, 256, 0, False),
+    (8, 2, 700, 128, torch.bfloat16, 64, 0, 300, False),
+    (4, 2, 700, 64, torch.float16, 64, 100, 192, True),
+    (4, 4, 300, 128, torch.float32, 128, 200, 0, True),
+]
+
+
+def run_token_window(cases):
+    """The attention's forward and both backward kernels with the window's lower bound compiled in
+    (``HAS_WINDOW``), over each window's own block lists."""
+    from sparseflow.kernels.token_blocks import window_block_indices
+    from sparseflow.kernels.token_sparse_triton import token_sparse_attention
+
+    for hq, hkv, n, d, dtype, c, w, chunk, pad in cases:
+        q, k, v = _qkv(1, hq, hkv, n, d, dtype, grad=True)
+        sel = window_block_indices(n, n, c, w, chunk).expand(1, hkv, -1, -1)
+        out = token_sparse_attention(
+            q, k, v, sel, key_padding_mask=_pad(1, n) if pad else None, block_size=c, sliding_window=w, chunk_size=chunk
+        )
+        out.float().sum().backward()
+
+
 def run_pisa_tiled(cases):
     from sparseflow import Tuning
     from sparseflow.methods.pisa import triton_select as PT
@@ -549,6 +575,7 @@ ENTRIES = [
     "pisa_bsa",
     "pisa_tiled",
     "pisa_scan",
+    "token_window",
     "bsa_select",
     "decode",
     "split_decode",
@@ -618,6 +645,7 @@ def main(argv=None) -> int:
         "pisa_bsa": lambda: run_pisa_bsa(pisa),
         "pisa_tiled": lambda: run_pisa_tiled(tiled),
         "pisa_scan": lambda: (run_pisa_scan(scan), run_pisa_scan_layouts(scan[::2]), run_pdl_chain()),
+        "token_window": lambda: run_token_window(TOKEN_WINDOW[: 1 if args.quick else None]),
         "bsa_select": run_bsa_bf16,
         "short": run_short_prompts,
         "decode": lambda: run_decode(dec),

@@ -48,6 +48,10 @@ __all__ = [
     "pad_indices",
     "make_selection",
     "attend_selected_blocks",
+    "check_window",
+    "window_lower_bounds",
+    "window_block_indices",
+    "restrict_to_window",
 ]
 
 # Upper bound on the element count of the largest per-chunk intermediate (gathered keys or
@@ -77,6 +81,74 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, Hq, Nq, D]`` -> view ``[B, Hkv, G, Nq, D]`` (query head ``h`` uses KV head ``h // G``)."""
     return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads))
+
+
+def check_window(sliding_window: int, chunk_size: int, is_causal: bool) -> None:
+    """A local window's arguments: non-negative ints (0 = none), and only with ``is_causal``
+    (the window is a lower bound under the causal upper one), else a ValueError naming them."""
+    for name, val in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0 = none), got {val!r}")
+        if val and not is_causal:
+            raise ValueError(f"{name}={val} needs is_causal=True (a local window bounds causal attention)")
+
+
+def window_lower_bounds(positions: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:
+    """The first key position each query position may see under its local window: the last
+    ``sliding_window`` keys up to itself and the keys of its own ``chunk_size`` chunk (0 = no such
+    bound). Non-decreasing in the position, which the kernels' whole-block test relies on."""
+    lo = torch.zeros_like(positions)
+    if sliding_window:
+        lo = torch.maximum(lo, positions - sliding_window + 1)
+    if chunk_size:
+        lo = torch.maximum(lo, torch.div(positions.clamp_min(0), chunk_size, rounding_mode="floor") * chunk_size)
+    return lo
+
+
+def _window_block_span(positions: torch.Tensor, n_k: int, block_size: int, sliding_window: int, chunk_size: int):
+    """``(first block, block count)`` of each query's window ``[lo, min(p, Nk - 1)]`` (count 0
+    where it holds no key)."""
+    lo = window_lower_bounds(positions, sliding_window, chunk_size)
+    hi = positions.clamp_max(n_k - 1)
+    first = torch.div(lo, block_size, rounding_mode="floor")
+    last = torch.div(hi.clamp_min(0), block_size, rounding_mode="floor")
+    count = torch.where(hi >= lo, last - first + 1, torch.zeros_like(first))
+    return first, count
+
+
+def window_block_indices(
+    n_q: int, n_k: int, block_size: int, sliding_window: int, chunk_size: int, device=None
+) -> torch.Tensor:
+    """``[1, 1, Nq, K]`` int32: the ascending ids of the blocks each query's causal local window
+    touches, ``-1`` padded, ``K`` the most any query touches (at least 1): a window's selection with
+    no selection pass, for any batch and KV head (expand it)."""
+    check_window(sliding_window, chunk_size, True)
+    span = (n_k, block_size, sliding_window, chunk_size)
+    # the width from the positions on the host (a few integer ops a query): no device sync
+    _, host_count = _window_block_span(query_positions(n_q, n_k), *span)
+    width = max(1, int(host_count.max())) if n_q else 1
+    first, count = _window_block_span(query_positions(n_q, n_k, device), *span)
+    slot = torch.arange(width, device=device, dtype=torch.long)
+    ids = torch.where(slot < count[:, None], first[:, None] + slot, torch.full_like(slot, -1))
+    return ids.to(torch.int32).view(1, 1, n_q, width)
+
+
+def restrict_to_window(
+    block_indices: torch.Tensor, n_k: int, block_size: int, sliding_window: int, chunk_size: int
+) -> torch.Tensor:
+    """A selection ``[B, Hkv, Nq, K]`` without the blocks that lie wholly outside each query's
+    causal local window: the kept ids in their order, then ``-1`` (same shape and dtype)."""
+    check_window(sliding_window, chunk_size, True)
+    n_q = block_indices.shape[2]
+    first, count = _window_block_span(
+        query_positions(n_q, n_k, block_indices.device), n_k, block_size, sliding_window, chunk_size
+    )
+    ids = block_indices.long()
+    keep = (ids >= first[:, None]) & (ids < (first + count)[:, None])
+    # a stable sort on "dropped" moves the kept ids to the front in their order
+    order = (~keep).to(torch.int8).sort(dim=-1, stable=True).indices
+    kept = torch.where(keep, ids, torch.full_like(ids, -1)).gather(-1, order)
+    return kept.to(block_indices.dtype)
 
 
 def chunk_rows(n_rows: int, per_row: int) -> int:
@@ -298,14 +370,16 @@ def attend_selected_blocks(
     is_causal: bool = True,
     scale: Optional[float] = None,
     block_size: int,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Softmax attention of each query token over the valid, visible keys of its own key blocks.
 
     ``block_indices [B, Hkv, Nq, K]`` (``-1`` = unused slot) is shared by the ``G`` query heads
     of a KV head. Keys of the selected blocks are gathered per query (memory
     ``O(chunk * K * C * D)``, looping over query chunks), masked element-wise by causality
-    (``j <= p_i``), padding and the end of the sequence, and attended in fp32 (fp64 for fp64
-    inputs). A query with no visible key outputs 0. Differentiable in q, k, v by plain autograd;
+    (``j <= p_i``), the local window (``j >= lo(p_i)``, :func:`window_lower_bounds`; causal only),
+    padding and the end of the sequence, and attended in fp32 (fp64 for fp64 inputs). A query with no visible key outputs 0. Differentiable in q, k, v by plain autograd;
     each chunk is recomputed in backward (activation checkpointing), so training memory stays
     ``O(chunk)`` plus the inputs.
     Returns ``[B, Hq, Nq, Dv]`` in ``q.dtype``.
@@ -318,21 +392,23 @@ def attend_selected_blocks(
     sc = default_scale(q, scale)
     cdt = compute_dtype(q.dtype)
     dev = q.device
+    check_window(sliding_window, chunk_size, is_causal)
     if n_k == 0 or n_q == 0 or b == 0:
         return (q.new_zeros(b, hq, n_q, dv) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()).to(q.dtype)
     qg = group_queries(q, hkv)
     kb = key_blocks(k.to(cdt), c)  # [B, Hkv, nB, C, D]
     vb = key_blocks(v.to(cdt), c)
     horizons = query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
+    floors = window_lower_bounds(query_positions(n_q, n_k, dev), sliding_window, chunk_size)
     offs = torch.arange(c, device=dev, dtype=torch.long)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
 
-    def chunk(qc, kb_, vb_, idx, hz):
-        """``qc [B, Hkv, G, n, D]``, ``idx [B, Hkv, n, K]``, ``hz [n]`` -> ``[B, Hkv, G, n, Dv]``."""
+    def chunk(qc, kb_, vb_, idx, hz, lo):
+        """``qc [B, Hkv, G, n, D]``, ``idx [B, Hkv, n, K]``, ``hz, lo [n]`` -> ``[B, Hkv, G, n, Dv]``."""
         n = idx.shape[2]
         safe = idx.clamp_min(0)
         pos = (safe[..., None] * c + offs).flatten(-2)  # [B, Hkv, n, K*C]
-        ok = (idx >= 0).repeat_interleave(c, dim=-1) & (pos < n_k) & (pos <= hz[:, None])
+        ok = (idx >= 0).repeat_interleave(c, dim=-1) & (pos < n_k) & (pos <= hz[:, None]) & (pos >= lo[:, None])
         if kpm is not None:
             ok = ok & kpm.gather(1, torch.where(ok, pos, 0).flatten(1)).view_as(pos)
         ks = gather_blocks(kb_, safe).view(b, hkv, n, kk * c, d)
@@ -357,7 +433,7 @@ def attend_selected_blocks(
     step = chunk_rows(n_q, b * hkv * kk * c * max(d, dv, g))
     for s in range(0, n_q, step):
         e = min(n_q, s + step)
-        args = (qg[:, :, :, s:e], kb, vb, block_indices[:, :, s:e, :], horizons[s:e])
+        args = (qg[:, :, :, s:e], kb, vb, block_indices[:, :, s:e, :], horizons[s:e], floors[s:e])
         if recompute:
             outs.append(torch.utils.checkpoint.checkpoint(chunk, *args, use_reentrant=False))
         else:

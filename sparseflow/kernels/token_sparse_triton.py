@@ -6,7 +6,9 @@ Imported lazily; this module imports Triton.
 Contract: ``block_indices [B, Hkv, Nq, K]`` (``-1`` = unused) is shared by the ``G`` query heads
 of a KV head; K/V keep their ``Hkv`` heads (native GQA, never repeated). Query ``i`` sits at key
 position ``p_i = i + Nk - Nq`` and sees key ``j`` iff ``j``'s block is among its selected ones,
-``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``. A query that sees no key
+``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``; a local window (causal only:
+``sliding_window`` W, ``chunk_size`` C, 0 = none) also bounds it below, ``j >= lo(p_i) =
+max(p_i - W + 1, (p_i // C) * C)`` (``token_blocks.window_lower_bounds``). A query that sees no key
 outputs 0.
 
 Schedule. The forward tiles queries by ``forward_token_tile(G)`` tokens and runs the ``G``
@@ -14,9 +16,11 @@ query heads of a KV head in the same program (rows = tokens x heads; the heads s
 token's blocks); a tile loops over the union of its tokens' blocks (``tile_block_lists``),
 loading each key block once for the whole tile and group, and tests membership per row against
 the row's own ``K`` block ids kept in registers -- no selection table or score matrix is
-written. A list is ascending, so the blocks every row of the tile sees whole (all keys in range
-and, causally, before the tile's first row) lead it; they run without per-key tests (a row mask
-and one fused multiply-add a logit), the last one or two with them. The backward tiles
+written. A list is ascending, so the blocks every row of the tile sees whole (all keys in range,
+causally before the tile's first row and, with a window, at or after the window start of its last
+row, the highest) are a run of it; they run without per-key tests (a row mask and one fused
+multiply-add a logit), the one or two on either side of the run with them. Without a window (a
+compile-time flag) the run leads the list and the kernel is the windowless one. The backward tiles
 ``BLOCK_M`` tokens per query head and runs one program per (query tile, query head) for dq, and
 one per (key block, KV head) for dk/dv over the query tiles whose union holds that block (the
 transposed lists, in CSR form), looping over the ``G`` query heads of the group.
@@ -34,6 +38,7 @@ from torch.library import triton_op, wrap_triton
 
 from ._triton_env import interpreting
 from .pdl import pdl_launch, pdl_start
+from .token_blocks import check_window
 
 __all__ = ["tile_block_lists", "transpose_lists", "token_sparse_attention", "BLOCK_M"]
 
@@ -218,6 +223,7 @@ def _scores(
     kb,
     sel,
     rows_hz,
+    rows_lo,
     kpm_ptr,
     b,
     Nk,
@@ -226,11 +232,12 @@ def _scores(
     C: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """log2-scaled logits of a query tile against key block ``kb`` and the element mask."""
     s = _logits(q, k_t, IEEE) * qk_scale
-    return s, _visible(kb, sel, rows_hz, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, False)
+    return s, _visible(kb, sel, rows_hz, rows_lo, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, HAS_WINDOW, False)
 
 
 @triton.jit
@@ -259,10 +266,24 @@ def _keys_in_range(kpos, offs_c, Nk, C: tl.constexpr, WHOLE: tl.constexpr):
 
 
 @triton.jit
+def _window_lo(pos, W, CHUNK, HAS_WINDOW: tl.constexpr):
+    """The first key position a row at ``pos`` sees under its local window
+    (``token_blocks.window_lower_bounds``): within the last ``W`` keys up to ``pos`` and in its
+    ``CHUNK``-key chunk (0 = no such bound); 0 without a window."""
+    lo = tl.zeros_like(pos)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, tl.where(W > 0, pos - W + 1, 0))
+        at = tl.maximum(pos, 0)  # a row before every key sees none anyway: keep the remainder non-negative
+        lo = tl.maximum(lo, tl.where(CHUNK > 0, at - at % tl.maximum(CHUNK, 1), 0))
+    return lo
+
+
+@triton.jit
 def _visible(
     kb,
     sel,
     rows_hz,
+    rows_lo,
     kpm_ptr,
     b,
     Nk,
@@ -270,16 +291,20 @@ def _visible(
     C: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     WHOLE: tl.constexpr,
 ):
     """Which rows see which keys of block ``kb``: the rows that selected it, at its valid keys
-    (in range, not padding) and, causally, the keys at or before each row's position. ``WHOLE``:
-    the caller knows every key of the block is in range and at or before every row's position
-    (:func:`_whole_blocks`), so only the selection and the padding are tested."""
+    (in range, not padding), causally the keys at or before each row's position and, with a
+    window, at or after each row's window start ``rows_lo``. ``WHOLE``: the caller knows every key
+    of the block is in range and inside every row's causal window (:func:`_whole_blocks`), so only
+    the selection and the padding are tested."""
     kpos = kb * C + offs_c
     ok = _selected_rows(kb, sel)[:, None] & _keys_in_range(kpos, offs_c, Nk, C, WHOLE)[None, :]
     if IS_CAUSAL and not WHOLE:
         ok = ok & (kpos[None, :] <= rows_hz[:, None])
+    if HAS_WINDOW and not WHOLE:
+        ok = ok & (kpos[None, :] >= rows_lo[:, None])
     if HAS_KPM:
         ok = ok & (tl.load(kpm_ptr + b * Nk + kpos, mask=kpos < Nk, other=0) != 0)[None, :]
     return ok
@@ -289,13 +314,26 @@ def _visible(
 def _whole_blocks(list_row, n, first_hz, Nk, C: tl.constexpr, LWP: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """How many of a tile's ``n`` listed blocks (ascending) lie wholly in range and, causally, at
     or before the tile's first row (``first_hz``, the lowest position of its rows): the leading
-    blocks that need no per-key range or causal test."""
+    blocks that need no per-key range or causal test (with a window, from
+    :func:`_blocks_below_window` on)."""
     last = Nk // C - 1  # the last block whose keys are all in range
     if IS_CAUSAL:
         last = tl.minimum(last, tl.where(first_hz >= 0, (first_hz + 1) // C - 1, -1))
     ar = tl.arange(0, LWP)
     ids = tl.load(list_row + ar, mask=ar < n, other=last + 1)
     return tl.sum((ids <= last).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _blocks_below_window(list_row, n, tile_lo, C: tl.constexpr, LWP: tl.constexpr):
+    """How many of a tile's ``n`` listed blocks (ascending) start before ``tile_lo``, the highest
+    window start among its rows (the last row's: the starts never decrease along the rows): the
+    leading blocks some row sees only in part, or not at all, which need the per-key window test.
+    A block from there on holds no key below any row's window start."""
+    first_whole = (tile_lo + C - 1) // C  # the first block whose first key is at or after tile_lo
+    ar = tl.arange(0, LWP)
+    ids = tl.load(list_row + ar, mask=ar < n, other=first_whole)
+    return tl.sum((ids < first_whole).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -316,6 +354,7 @@ def _fwd_block(
     q,
     sel,
     hz,
+    rows_lo,
     k_base,
     v_base,
     stride_kn,
@@ -331,6 +370,7 @@ def _fwd_block(
     CP: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     WHOLE: tl.constexpr,
 ):
@@ -352,7 +392,7 @@ def _fwd_block(
         s = _logits(q, k_t, IEEE)
         rows_on = _selected_rows(kb, sel)
     else:
-        ok = _visible(kb, sel, hz, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, WHOLE)
+        ok = _visible(kb, sel, hz, rows_lo, kpm_ptr, b, Nk, offs_c, C, HAS_KPM, IS_CAUSAL, HAS_WINDOW, WHOLE)
         s = tl.where(ok, _logits(q, k_t, IEEE), float("-inf"))
         rows_on = tl.full([s.shape[0]], True, tl.int1)
     vt = tl.load(
@@ -361,6 +401,44 @@ def _fwd_block(
         other=0.0,
     )
     return _online_softmax_scaled(acc, l_i, m_i, s, rows_on, qk_scale, vt, IEEE)
+
+
+@triton.jit
+def _fwd_blocks(
+    acc,
+    l_i,
+    m_i,
+    list_row,
+    start,
+    end,
+    step_args,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    WHOLE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """:func:`_fwd_block` over the listed blocks ``start`` to ``end`` (``WHOLE``: all seen whole).
+    The compile-time arguments go one by one: a tuple of them would reach the callee as values."""
+    if INTERP:
+        # the CPU interpreter cannot take a loaded scalar as a range bound (NumPy >= 2.3 calls
+        # int() on a 1-element array); a while loop visits the same blocks
+        j = start
+        while j < end:
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE, WHOLE
+            )
+            j += 1
+    else:
+        # a for loop, so the compiler pipelines the next block's loads behind this one's math
+        for j in range(start, end):
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE, WHOLE
+            )
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -431,6 +509,8 @@ def _fwd_kernel(
     HKV,
     LW,
     qk_scale,
+    W,
+    CHUNK,
     G: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
@@ -443,6 +523,7 @@ def _fwd_kernel(
     LWP: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -482,27 +563,44 @@ def _fwd_kernel(
     n = tl.load(num_ptr + lst)
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     v_base = v_ptr + b * stride_vb + hkv * stride_vh
-    step_args = (q, sel, hz, k_base, v_base, stride_kn, stride_vn, kpm_ptr, b, Nk, offs_c, offs_d, d_ok, qk_scale)
+    win_lo = _window_lo(hz, W, CHUNK, HAS_WINDOW)
+    step_args = (
+        q,
+        sel,
+        hz,
+        win_lo,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        kpm_ptr,
+        b,
+        Nk,
+        offs_c,
+        offs_d,
+        d_ok,
+        qk_scale,
+    )
     list_row = list_ptr + lst * LW
-    # the leading blocks every row sees whole skip the per-key range and causal tests (all but
-    # the last one or two of a causal tile's list)
+    # the blocks every row sees whole skip the per-key range, causal and window tests: a run of the
+    # list from n_below (0 without a window) to n_whole, all but the last one or two of a causal
+    # tile's list and, with a window, the first one or two
     n_whole = _whole_blocks(list_row, n, qt * BLOCK_T + Nk - Nq, Nk, C, LWP, IS_CAUSAL)
-    if INTERP:
-        # the CPU interpreter cannot take a loaded scalar as a range bound (NumPy >= 2.3 calls
-        # int() on a 1-element array); while loops visit the same blocks
-        j = n * 0
-        while j < n_whole:
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, True)
-            j += 1
-        while j < n:
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, False)
-            j += 1
-    else:
-        # for loops, so the compiler pipelines the next block's loads behind this one's math
-        for j in range(0, n_whole):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, True)
-        for j in range(n_whole, n):
-            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, list_row + j, *step_args, C, CP, HAS_KPM, IS_CAUSAL, IEEE, False)
+    n_below = 0
+    if HAS_WINDOW:
+        # the tile's highest window start bounds the whole blocks below (its idle rows aside)
+        n_below = _blocks_below_window(list_row, n, tl.max(tl.where(row_ok, win_lo, 0), axis=0), C, LWP)
+        # a block below the last row's window start and past the first row's position runs once, tested
+        n_whole = tl.maximum(n_whole, n_below)
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, list_row, 0, n_below, step_args, C, CP, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE, False, INTERP
+        )
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, list_row, n_below, n_whole, step_args, C, CP, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE, True, INTERP
+    )
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, list_row, n_whole, n, step_args, C, CP, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE, False, INTERP
+    )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     o_rows = o_ptr + b * stride_ob + h * stride_oh + tok.to(tl.int64) * stride_on
@@ -544,6 +642,8 @@ def _bwd_dq_kernel(
     LW,
     qk_scale,
     sm_scale,
+    W,
+    CHUNK,
     G: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
@@ -554,6 +654,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -568,6 +669,7 @@ def _bwd_dq_kernel(
     rows = qt * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < Nq
     hz = rows + Nk - Nq
+    win_lo = _window_lo(hz, W, CHUNK, HAS_WINDOW)
     offs_d = tl.arange(0, DP)
     offs_c = tl.arange(0, CP)
     offs_k = tl.arange(0, KP)
@@ -599,7 +701,9 @@ def _bwd_dq_kernel(
         v_t = tl.load(
             v_base + kpos[None, :] * stride_vn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0
         )
-        s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+        s, ok = _scores(
+            q, k_t, kb, sel, hz, win_lo, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE
+        )
         p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
         if IEEE:
             dp = tl.dot(do.to(tl.float32), v_t.to(tl.float32), input_precision="ieee")
@@ -648,6 +752,8 @@ def _bwd_dkdv_kernel(
     PW,
     qk_scale,
     sm_scale,
+    W,
+    CHUNK,
     G: tl.constexpr,
     D: tl.constexpr,
     DP: tl.constexpr,
@@ -658,6 +764,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -696,6 +803,7 @@ def _bwd_dkdv_kernel(
         rows = qt * BLOCK_M + offs_m
         row_ok = rows < Nq
         hz = rows + Nk - Nq
+        win_lo = _window_lo(hz, W, CHUNK, HAS_WINDOW)
         sel = tl.load(
             sel_ptr + b * stride_sb + hkv * stride_sh + rows[:, None] * stride_sn + offs_k[None, :],
             mask=row_ok[:, None] & (offs_k[None, :] < TOPK),
@@ -709,7 +817,9 @@ def _bwd_dkdv_kernel(
             do = tl.load(do_ptr + qo, mask=m2, other=0.0)
             lse = tl.load(lse_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + (b * HQ + h) * Nq + rows, mask=row_ok, other=0.0)
-            s, ok = _scores(q, k_t, kb, sel, hz, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, IEEE)
+            s, ok = _scores(
+                q, k_t, kb, sel, hz, win_lo, kpm_ptr, b, Nk, offs_c, qk_scale, C, HAS_KPM, IS_CAUSAL, HAS_WINDOW, IEEE
+            )
             p = tl.where(ok & row_ok[:, None], tl.exp2(s - lse[:, None]), 0.0)  # [BM, CP]
             if IEEE:
                 dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
@@ -768,6 +878,11 @@ def _fwd_meta(q, k, block_size, top_k):
     return dict(_meta(q, k, block_size, top_k), BLOCK_T=tokens, R=_p2(tokens * g), INTERP=interpreting())
 
 
+def _has_window(sliding_window: int, chunk_size: int) -> bool:
+    """Whether the kernels compile the window's lower bound in (without one they are unchanged)."""
+    return bool(sliding_window or chunk_size)
+
+
 def _meta(q, k, block_size, top_k):
     d = q.shape[-1]
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is unreliable
@@ -796,6 +911,8 @@ def token_sparse_fwd(
     block_size: int,
     is_causal: bool,
     pdl: bool = False,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -835,8 +952,11 @@ def token_sparse_fwd(
         hkv,
         lists.shape[-1],
         scale * _LOG2E,
+        sliding_window,
+        chunk_size,
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
+        HAS_WINDOW=_has_window(sliding_window, chunk_size),
         **_fwd_launch(k, block_size),
         **_fwd_meta(q, k, block_size, sel.shape[-1]),
         LWP=_p2(lists.shape[-1], 1),
@@ -846,7 +966,7 @@ def token_sparse_fwd(
 
 
 @token_sparse_fwd.register_fake
-def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, pdl=False):
+def _(q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, pdl=False, sliding_window=0, chunk_size=0):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -867,6 +987,8 @@ def token_sparse_bwd(
     scale: float,
     block_size: int,
     is_causal: bool,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -874,11 +996,13 @@ def token_sparse_bwd(
     delta = (do.float() * out.float()).sum(-1).contiguous()  # [B, Hq, Nq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # the arguments both kernels take in the same places
-    ins, sizes, scales = (q, k, v, do, sel), (n_q, n_k, hq, hkv), (scale * _LOG2E, scale)
+    ins, sizes = (q, k, v, do, sel), (n_q, n_k, hq, hkv)
+    scalars = (scale * _LOG2E, scale, sliding_window, chunk_size)
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *sel.stride()[:3])
     flags = dict(
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
+        HAS_WINDOW=_has_window(sliding_window, chunk_size),
         num_warps=4,
         num_stages=2,
         BLOCK_M=BLOCK_M,
@@ -886,33 +1010,51 @@ def token_sparse_bwd(
     )
     kpm_arg = kpm if kpm is not None else num
     wrap_triton(_bwd_dq_kernel)[(num.shape[2], b * hq)](
-        *ins, num, lists, kpm_arg, lse, delta, dq, *common, *sizes, lists.shape[-1], *scales, **flags
+        *ins, num, lists, kpm_arg, lse, delta, dq, *common, *sizes, lists.shape[-1], *scalars, **flags
     )
     n_kb = start.shape[-1] - 1
     wrap_triton(_bwd_dkdv_kernel)[(n_kb, b * hkv)](
-        *ins, start, tiles, kpm_arg, lse, delta, dk, dv, *common, *sizes, n_kb, tiles.shape[-1], *scales, **flags
+        *ins, start, tiles, kpm_arg, lse, delta, dk, dv, *common, *sizes, n_kb, tiles.shape[-1], *scalars, **flags
     )
     return dq, dk, dv
 
 
 @token_sparse_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal):
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    sel,
+    num,
+    lists,
+    start,
+    tiles,
+    kpm,
+    scale,
+    block_size,
+    is_causal,
+    sliding_window=0,
+    chunk_size=0,
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, *_ = inputs  # (pdl: the forward's launch only)
+    q, k, v, sel, num, lists, kpm, scale, block_size, is_causal, _pdl, sliding_window, chunk_size = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sel, num, lists, *([kpm] if kpm is not None else []))
     ctx.has_kpm = kpm is not None
-    ctx.args = (scale, block_size, is_causal)
+    ctx.args = (scale, block_size, is_causal, sliding_window, chunk_size)  # (pdl: the forward's launch only)
 
 
 def _backward(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     q, k, v, out, lse, sel, num, lists = saved[:8]
     kpm = saved[8] if ctx.has_kpm else None
-    scale, block_size, is_causal = ctx.args
+    block_size = ctx.args[1]
     n_kb = max(1, -(-k.shape[2] // block_size))
     if lists.shape[-1] != BLOCK_M * sel.shape[-1]:
         # the backward tiles BLOCK_M tokens per query head; the forward's lists tile fewer
@@ -923,10 +1065,8 @@ def _backward(ctx, grad_out, grad_lse):
     # empty_like (and the contiguous do) follow only for contiguous tensors; the forward read the
     # caller's views in place
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    dq, dk, dv = token_sparse_bwd(
-        grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, scale, block_size, is_causal
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv = token_sparse_bwd(grad_out, q, k, v, out, lse, sel, num, lists, start, tiles, kpm, *ctx.args)
+    return dq, dk, dv, *([None] * 10)  # none for sel ... chunk_size
 
 
 token_sparse_fwd.register_autograd(_backward, setup_context=_setup)
@@ -943,10 +1083,16 @@ def token_sparse_attention(
     scale: Optional[float] = None,
     block_size: int,
     pdl: bool = False,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """``attend_selected_blocks``'s contract (differentiable in q, k, v) on the Triton kernels.
-    ``pdl``: the forward's kernels launch as links of a programmatic-dependent chain (kernels.pdl)."""
+    ``pdl``: the forward's kernels launch as links of a programmatic-dependent chain (kernels.pdl).
+    ``sliding_window`` / ``chunk_size`` (causal only; 0 = none): each query also sees only the keys
+    of its local window, element-wise, whatever blocks it selected (``token_blocks.window_block_indices``
+    builds a window's own lists, ``restrict_to_window`` drops the selected blocks it cannot see)."""
     b, hq, n_q, d = q.shape
+    check_window(sliding_window, chunk_size, is_causal)
     if v.shape[-1] != d:
         raise ValueError(f"the Triton token-sparse kernel needs v's head dim == q's ({d}), got {v.shape[-1]}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -961,5 +1107,6 @@ def token_sparse_attention(
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     # the kernel reads any row strides (a model's [B, N, H, D] memory seen as [B, H, N, D] needs no copy)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    out, _ = token_sparse_fwd(q, k, v, sel, num, lists, kpm, sc, int(block_size), bool(is_causal), bool(pdl))
+    flags = (int(block_size), bool(is_causal), bool(pdl), int(sliding_window), int(chunk_size))
+    out, _ = token_sparse_fwd(q, k, v, sel, num, lists, kpm, sc, *flags)
     return out
