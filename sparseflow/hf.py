@@ -35,7 +35,7 @@ import torch
 
 from . import ops as _ops
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
-from .methods import spec_for
+from .methods import spec_for, windowed
 from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = [
@@ -245,6 +245,10 @@ def sparseflow_attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = None if scaling is None else float(scaling)
+    cfg = entry.cfg
+    window = kwargs.get("sliding_window") or 0  # transformers passes a sliding layer's window
+    if isinstance(window, int) and window > 0 and query.shape[2] > 1:
+        cfg, _ = windowed(cfg, window)
     if attention_mask is None:
         causal = bool(query.shape[2] > 1 and causal)
         # a dense result keeps SDPA's [B, Nq, Hq, D] memory: the transpose below then copies nothing
@@ -252,7 +256,7 @@ def sparseflow_attention_forward(
             query,
             key,
             value,
-            config=entry.cfg,
+            config=cfg,
             is_causal=causal,
             scale=scale,
             backend=entry.backend,
@@ -267,7 +271,7 @@ def sparseflow_attention_forward(
         query,
         key,
         value,
-        config=entry.cfg,
+        config=cfg,
         attn_mask=attention_mask,
         is_causal=False,
         scale=scale,

@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .kernels.token_blocks import window_lower_bounds
+
 __all__ = ["MaskAnalysis", "analyse_mask", "check_mask", "describe_mask", "with_causality", "FORMS"]
 
 FORMS = (
@@ -45,17 +47,7 @@ def window_mask(n_q: int, n_k: int, sliding_window: int, chunk_size: int, device
     call computes, for the paths that run it as a dense mask."""
     p = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
     j = torch.arange(n_k, device=device)[None, :]
-    return (j <= p) & (j >= window_start(p, sliding_window, chunk_size))
-
-
-def window_start(p: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:
-    """The first key position a query at position ``p`` sees under the window (0 without one)."""
-    lo = torch.zeros_like(p)
-    if sliding_window:
-        lo = torch.maximum(lo, p - sliding_window + 1)
-    if chunk_size:
-        lo = torch.maximum(lo, torch.div(p, chunk_size, rounding_mode="floor") * chunk_size)
-    return lo
+    return (j <= p) & (j >= window_lower_bounds(p, sliding_window, chunk_size))
 
 
 # --------------------------------------------------------------------------- checks
@@ -199,7 +191,7 @@ def _causal_window(rows: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int]
     first = int(p[0])
     chunk = int(last_hidden[first]) + 1  # the first query that loses a key starts the second chunk
     for window in ((sliding, 0), (0, chunk)):
-        want = with_causality(kpm[:, None, :], n, n) & (j[None, :] >= window_start(j[:, None], *window))
+        want = with_causality(kpm[:, None, :], n, n) & (j[None, :] >= window_lower_bounds(j[:, None], *window))
         if bool((rows == want).all()):
             return kpm, window[0], window[1]
     return None

@@ -48,7 +48,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..masks import window_start
+from .token_blocks import window_lower_bounds
 
 __all__ = [
     "FLEX_DTYPES",
@@ -531,7 +531,7 @@ def _token_block_mask(
     if window != (0, 0):  # a key tile is whole only if every real row's window starts at or before it
         last_q = (torch.arange(full.shape[2], device=device) * qt + qt - 1).clamp_max(n_q - 1) + offset
         first_key = torch.arange(full.shape[3], device=device) * kt
-        whole = first_key[None, :] >= window_start(last_q, *window)[:, None]
+        whole = first_key[None, :] >= window_lower_bounds(last_q, *window)[:, None]
         partial = partial | (full & ~whole[None, None])
         full = full & whole[None, None]
     kv_num, kv_idx = block_lists(partial)

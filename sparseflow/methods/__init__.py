@@ -18,6 +18,7 @@ from .registry import (
     spec_for,
     specs,
     unregister,
+    windowed,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "spec_for",
     "specs",
     "unregister",
+    "windowed",
 ]

@@ -283,3 +283,16 @@ def names_with(capability: str) -> Tuple[str, ...]:
 
 
 _CAPABILITIES = ("sparse", "has_permute", "has_top_k", "has_threshold", "supports_decode")
+
+
+def windowed(cfg: AttentionConfig, sliding_window: int = 0, chunk_size: int = 0) -> Tuple[AttentionConfig, str]:
+    """``(config, note)`` of a layer whose model gives it a local window: ``cfg`` with the window
+    when one of its method's backends runs windows; else the dense method's exact window, and a
+    note that says so (the method's selection would only be intersected with the window)."""
+    window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
+    if any(b.windows for b in spec_for(cfg).backends.values()):
+        return cfg.replace(**window), ""
+    dense = next(s for s in _SPECS.values() if not s.sparse)
+    return dense.config_type(
+        **window
+    ), f"{cfg.method} does not run a local window yet: the layer runs its window exactly"

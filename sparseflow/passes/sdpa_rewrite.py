@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..config import AttentionConfig, DenseConfig
 from ..masks import describe_mask
+from ..methods import windowed
 from ..ops import op_for, op_args
 from ..recording import log_fallback
 from ..tuning import DEFAULT_TUNING, Tuning
@@ -495,10 +496,11 @@ def _restore_layout(graph: fx.Graph, new: fx.Node, old_out: torch.Tensor, val: t
     return p2
 
 
-def _proven_mask(mask: fx.Node, qf, kf) -> Optional[MaskProof]:
+def _proven_mask(mask: fx.Node, qf, kf, windows: bool = False) -> Optional[MaskProof]:
     """The mask's proof when it can replace the mask: its key padding is ``[B, Nk]`` of these
-    q/k and a causal mask is square (the op's causal is top-left, like SDPA's)."""
-    proof = prove_mask(mask)
+    q/k and a causal mask is square (the op's causal is top-left, like SDPA's). ``windows``: a
+    causal local window may be part of it (the caller then puts it into the op's config)."""
+    proof = prove_mask(mask, windows=windows)
     if proof is None or qf is None or kf is None:
         return None
     if proof.causal and not _same(qf.shape[2], kf.shape[2]):
@@ -537,7 +539,21 @@ def _set_fake(node: fx.Node, padding_fake) -> None:
 
 def _describe_proof(proof: MaskProof) -> str:
     parts = (["causal"] if proof.causal else []) + (["key padding [B, Nk]"] if proof.key_padding is not None else [])
+    if proof.sliding_window:
+        parts.append(f"sliding window {proof.sliding_window}")
+    if proof.chunk_size:
+        parts.append(f"chunks of {proof.chunk_size}")
     return " + ".join(parts) + " (proven from the graph; the [Nq, Nk] mask is not built)"
+
+
+def _windowed_config(cfg: AttentionConfig, proof: MaskProof, entry: RewriteEntry) -> AttentionConfig:
+    """The layer's config with the window its mask was proven to hold (see ``registry.windowed``),
+    said in the report."""
+    cfg, note = windowed(cfg, proof.sliding_window, proof.chunk_size)
+    entry.notes.append(f"windowed layer: sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}")
+    if note:
+        entry.notes.append(note)
+    return cfg
 
 
 _ASSERT_METADATA = getattr(getattr(aten, "_assert_tensor_metadata", None), "default", None)
@@ -575,10 +591,12 @@ def _rewrite_sdpa(
     entry.reason = _constant_args_reason(node, spec, call) or _tensor_args_reason(call, entry)
     if entry.reason:
         return
-    proven = _proven_mask(call.mask, call.qf, call.kf) if call.mask is not None else None
+    proven = _proven_mask(call.mask, call.qf, call.kf, windows=True) if call.mask is not None else None
     heads = _kv_heads(call, entry)
     if heads is None:
         return
+    if proven is not None and (proven.sliding_window or proven.chunk_size):
+        cfg = _windowed_config(cfg, proven, entry)
     _replace_with_op(graph, node, spec, cfg, call, heads, proven, entry, options, graph_kind)
     entry.rewritten, entry.reason = True, ""
     entry.method, entry.config = cfg.method, cfg.to_dict()

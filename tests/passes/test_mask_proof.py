@@ -314,7 +314,7 @@ def test_padding_changes_the_rewritten_result():
     torch.testing.assert_close(with_pad[0], without[0], atol=2e-5, rtol=2e-5)
 
 
-def test_sliding_window_mask_is_kept():
+def test_sliding_window_mask_becomes_the_ops_window():
     from sparseflow import PBSConfig
 
     n = 40
@@ -324,7 +324,9 @@ def test_sliding_window_mask_is_kept():
     gm, entries, _ = _rewritten_graph(
         model, PBSConfig(block_size=16, segment_size=32, threshold=1.0), input_ids=ids, attention_mask=am
     )
-    assert all("proven" not in e.mask for e in entries)
+    # the window goes into the op's config (PBS runs no window yet: the dense method's exact one)
+    assert entries and all("sliding window 8" in e.mask for e in entries)
+    assert all(e.method == "dense" and e.config["sliding_window"] == 8 for e in entries)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
