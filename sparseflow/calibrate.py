@@ -1203,8 +1203,6 @@ def single_layer_report(
 
 # --------------------------------------------------------------------------- files (the command)
 
-CALIBRATE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-
 
 def side_paths(out) -> Tuple[Path, Path]:
     """(progress file, dense-logits cache folder) kept next to the recipe file ``out``."""
@@ -1223,15 +1221,6 @@ def parse_values(text: Optional[str], kind, arg: str) -> Optional[Tuple]:
     if not out:
         raise ValueError(f"{arg} must name at least one value, got {text!r}")
     return out
-
-
-def _check_model_type(model_config) -> None:
-    mt = getattr(model_config, "model_type", None)
-    if mt not in CALIBRATE_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture for calibrate: model_type={mt!r}; it runs on the decoder LMs "
-            f"{list(CALIBRATE_MODEL_TYPES)}"
-        )
 
 
 def _tokens(tok, n: int, text: str, arg: str):
@@ -1275,7 +1264,7 @@ def calibrate_file(
     dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
     recipe to ``out`` atomically. Everything checkable is checked before the weights load.
     ``device``: where the model runs (None: where it loads, the CPU). ``prune``: see :func:`calibrate`."""
-    from .convert import _load_config, _parse_config, resolve_source
+    from .convert import _load_config, _parse_config, check_architecture, resolve_source
 
     budget = check_budget(kl_budget)
     _check_share(safety, "safety")
@@ -1283,7 +1272,7 @@ def calibrate_file(
     _check_file_args(method, text, heldout_text, rope_scaling)
     source = resolve_source(model_path)
     model_config = _load_config(source)
-    _check_model_type(model_config)
+    check_architecture(model_config)  # calibrate runs the plans through the attention interface as well
     base = _parse_config(method, config) or default_config(method)
     choices = candidate_choices(method, base, thresholds=thresholds, top_ks=top_ks, scorings=scorings)
     progress_path, default_cache = side_paths(out)

@@ -33,7 +33,7 @@ from .methods import sparse_names
 
 __all__ = [
     "ConversionError",
-    "SUPPORTED_MODEL_TYPES",
+    "check_architecture",
     "Source",
     "resolve_source",
     "build_plan",
@@ -41,9 +41,6 @@ __all__ = [
     "convert",
 ]
 
-# Decoder LMs whose attention goes through transformers' AttentionInterface with the
-# (module, q, k, v, mask) signature and native GQA K/V: what the "sparseflow" attention expects.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SPARSE_METHODS = sparse_names()
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -140,14 +137,93 @@ def _load_config(source: Source):
 
 
 def check_architecture(model_config) -> None:
+    """Refuse, from the config alone (no weights load), a model sparseflow cannot run: one with no
+    transformers causal-LM class, an encoder or encoder-decoder, or a class whose attention does not
+    go through transformers' attention interface with SDPA's semantics. The ConversionError names
+    the model type, the class and what it lacks."""
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    cls = _causal_lm_class(model_config)
+    missing = _missing_capabilities(model_config, cls)
+    if not missing:
+        return
+    hint = ""
+    if missing == [_NO_INTERFACE]:  # its SDPA calls are still there for sparseflow.compile to rewrite
+        hint = "; sparseflow.compile(model, ...) still rewrites its SDPA calls once it is loaded"
+    raise ConversionError(
+        f"unsupported architecture: model_type={model_type!r} ({cls.__name__}): {'; '.join(missing)}{hint}"
+    )
+
+
+def _causal_lm_class(model_config):
+    """The class AutoModelForCausalLM instantiates for ``model_config`` (imports its module only)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:
         archs = getattr(model_config, "architectures", None)
         raise ConversionError(
-            f"unsupported architecture: model_type={model_type!r}"
-            f"{f' ({archs})' if archs else ''}; sparseflow convert supports the decoder LMs "
-            f"{list(SUPPORTED_MODEL_TYPES)}. For other models use sparseflow.compile(model, ...) directly."
+            f"unsupported architecture: model_type={getattr(model_config, 'model_type', None)!r}"
+            f"{f' ({archs})' if archs else ''} has no causal-LM class in transformers "
+            "(AutoModelForCausalLM cannot load it); sparseflow runs decoder LMs"
+        ) from None
+    if isinstance(cls, (tuple, list)):  # several classes share the config: the one its checkpoint names
+        named = [c for c in cls if c.__name__ in (getattr(model_config, "architectures", None) or ())]
+        cls = (named or list(cls))[0]
+    return cls
+
+
+def _not_a_decoder(model_config) -> Optional[str]:
+    """Why the config is no decoder LM (None when it is one)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(model_config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder (is_encoder_decoder=True), not a decoder-only LM"
+    # BERT and its kin carry is_decoder (False: bidirectional attention) and have a masked-LM head; a
+    # decoder LM has no masked-LM head (gpt_neox carries an unused is_decoder=False)
+    if (
+        getattr(model_config, "is_decoder", None) is False
+        and getattr(model_config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    ):
+        return "it is an encoder (is_decoder=False: every token attends to every other), not a causal LM"
+    return None
+
+
+def _multimodal(model_config, cls) -> Optional[str]:
+    # a class built on the whole of a config that has a text_config runs other towers (vision,
+    # audio) through the same attention interface, where a causal LM's sparse plan has no meaning;
+    # AutoModelForCausalLM builds a text-only class on the text_config itself (llama4, mllama)
+    text_config = (getattr(model_config, "sub_configs", None) or {}).get("text_config")
+    if text_config is not None and getattr(cls, "config_class", None) is not text_config:
+        return "it is a multimodal model (it holds a text_config), not a text decoder LM"
+    return None
+
+
+_NO_INTERFACE = (
+    "transformers does not mark it as running its attention and masks through custom attention "
+    "functions (_supports_attention_backend is False), the way sparseflow runs as "
+    "attn_implementation='sparseflow'"
+)
+
+
+def _missing_capabilities(model_config, cls) -> list:
+    """Why sparseflow cannot run the class (none: it can), from the config and the class's flags."""
+    missing = []
+    not_an_lm = _not_a_decoder(model_config) or _multimodal(model_config, cls)
+    if not_an_lm:
+        missing.append(not_an_lm)
+    # the flag transformers sets on models that route attention *and* masks through its
+    # AttentionInterface / AttentionMaskInterface: how attn_implementation="sparseflow" plugs in
+    if not cls._supports_attention_backend:
+        missing.append(_NO_INTERFACE)
+    # sparseflow's ops compute what SDPA computes: a class without SDPA support does more
+    # (logit soft-capping, attention sinks), which an attention function would silently drop
+    if not cls._supports_sdpa:
+        missing.append(
+            "transformers does not run its attention as SDPA (_supports_sdpa is False: it adds e.g. "
+            "logit soft-capping or attention sinks), and sparseflow's ops compute what SDPA computes"
         )
+    return missing
 
 
 def _parse_layers(layers: Union[None, str, Iterable[int]]) -> Optional[tuple]:

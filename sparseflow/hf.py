@@ -236,6 +236,7 @@ def sparseflow_attention_forward(
     """The attention function registered as ``"sparseflow"``: q ``[B, Hq, Nq, D]``, k/v
     ``[B, Hkv, Nk, D]`` (native GQA, no repeat) -> ``([B, Nq, Hq, D], None)``."""
     entry = _layer_of(module)
+    _check_expressible(entry, kwargs)
     if dropout and getattr(module, "training", False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -280,6 +281,20 @@ def sparseflow_attention_forward(
         tuning=entry.tuning,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+# what some models hand their attention function beyond SDPA's arguments, which sparseflow's ops
+# do not compute: dropping it would give a silently different model (transformers' SDPA refuses softcap)
+_BEYOND_SDPA = ("softcap", "sinks", "s_aux", "position_bias")
+
+
+def _check_expressible(entry: _Layer, kwargs) -> None:
+    extra = [name for name in _BEYOND_SDPA if kwargs.get(name) is not None]
+    if extra:
+        raise ValueError(
+            f"sparseflow attention at layer {entry.layer}: the model passes {extra}, which sparseflow's "
+            "ops do not compute (they compute what SDPA computes); run this model with its own attention"
+        )
 
 
 _REGISTERED = False

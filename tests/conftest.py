@@ -71,6 +71,70 @@ def make_tiny(arch: str, layers: int = 2, seed: int = 0):
     return model.eval()
 
 
+# --------------------------------------------------------------------------- model families
+# Tiny random configs of transformers decoder families (tests/test_families.py). Each one sets what
+# makes its family itself: sliding-window, alternating or chunked layers (a window of WINDOW tokens,
+# well inside the tests' prompts), head_dim where the default is 128+, in-vocabulary token ids.
+
+WINDOW = 32
+_TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_ALTERNATING = ("sliding_attention", "full_attention")  # layer_types, repeated over the layers
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW, layer_types=_ALTERNATING)
+
+# name: (transformers config class, settings over _DECODER_KW, has windowed or chunked layers)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}, False),
+    "gemma2": ("Gemma2Config", _GEMMA, True),
+    "gemma3_text": ("Gemma3TextConfig", _GEMMA, True),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW), True),
+    # layers from max_window_layers on slide: layer 0 full, the rest sliding
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), True),
+    "cohere2": ("Cohere2Config", dict(sliding_window=WINDOW, layer_types=_ALTERNATING), True),
+    # RoPE layers attend within chunks, every 2nd layer (NoPE) to everything; 2 experts keep it small
+    "llama4_text": (
+        "Llama4TextConfig",
+        dict(
+            head_dim=16,
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            attention_chunk_size=WINDOW,
+            no_rope_layer_interval=2,
+        ),
+        True,
+    ),
+    "phi3": ("Phi3Config", dict(original_max_position_embeddings=1024), False),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=None), False),
+    "olmo2": ("Olmo2Config", {}, False),
+    "qwen3": ("Qwen3Config", dict(head_dim=16), False),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=None), False),
+}
+
+
+def family_config(name: str, layers: int = 2):
+    """The tiny config of a family of FAMILIES; skips the test when transformers lacks the family."""
+    import transformers as tf
+
+    cls_name, extra, _ = FAMILIES[name]
+    cls = getattr(tf, cls_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {tf.__version__} has no {cls_name}")
+    kw = {**_DECODER_KW, **_TOKEN_IDS, **extra, "num_hidden_layers": layers}
+    if kw.get("num_key_value_heads") is None:
+        kw.pop("num_key_value_heads", None)  # a family without GQA settings (gpt_neox)
+    if isinstance(kw.get("layer_types"), tuple):
+        pattern = kw["layer_types"]
+        kw["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+    return cls(**kw)
+
+
+def make_family(name: str, layers: int = 2, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A tiny random-init causal LM of a family of FAMILIES, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(family_config(name, layers), attn_implementation=attn_implementation).eval()
+
+
 class AttentionBlock(nn.Module):
     """A user attention module calling F.scaled_dot_product_attention directly (native GQA)."""
 

@@ -198,9 +198,11 @@ def test_corrupt_gguf_is_named_as_such(tmp_path, body, words):
 def test_unsupported_architecture(tmp_path):
     import conftest
 
-    conftest.make_tiny("gpt2").save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ConversionError, match="unsupported architecture: model_type='gpt2'"):
-        convert(tmp_path / "gpt2", tmp_path / "out", "pbs")
+    conftest.make_tiny("bert").save_pretrained(tmp_path / "bert")
+    with pytest.raises(
+        ConversionError, match=r"unsupported architecture: model_type='bert' \(BertLMHeadModel\): it is an encoder"
+    ):
+        convert(tmp_path / "bert", tmp_path / "out", "pbs")
     assert not (tmp_path / "out").exists()
 
 

@@ -189,6 +189,28 @@ def test_eval_bad_paths_fail_before_loading(folder, tmp_path, capsys, no_loading
     _one_line_error(capsys, "eval", "does not exist")
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["convert", "--method", "pbs", "--out", "OUT"],
+        ["eval", "--method", "pbs", "--tokens", "64"],
+        ["calibrate", "--method", "pbs", "--kl-budget", "0.01", "--out", "OUT.json"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_an_unsupported_architecture_fails_before_loading(tmp_path_factory, command, capsys, no_loading):
+    """Gemma 2 soft-caps its attention logits (transformers runs it without SDPA): every command
+    names the model type, the class and the reason from the config alone."""
+    import conftest
+
+    src = tmp_path_factory.mktemp("gemma2")
+    conftest.make_family("gemma2", layers=1, attn_implementation="eager").save_pretrained(src)
+    out = str(tmp_path_factory.mktemp("out") / "result")
+    argv = [command[0], str(src)] + [a.replace("OUT", out) for a in command[1:]]
+    assert main(argv) == 2
+    _one_line_error(capsys, command[0], "model_type='gemma2' (Gemma2ForCausalLM)", "_supports_sdpa is False")
+
+
 def test_bench_json_into_a_folder(tmp_path, capsys):
     assert main(["bench", "--no-scripts", "--json", str(tmp_path)]) == 2
     _one_line_error(capsys, "bench", "--json", "is a folder")
