@@ -6,10 +6,10 @@ Imported lazily; this module imports Triton.
 Contract: ``block_indices [B, Hkv, Nq, K]`` (``-1`` = unused) is shared by the ``G`` query heads
 of a KV head; K/V keep their ``Hkv`` heads (native GQA, never repeated). Query ``i`` sits at key
 position ``p_i = i + Nk - Nq`` and sees key ``j`` iff ``j``'s block is among its selected ones,
-``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``; a local window (causal only:
-``sliding_window`` W, ``chunk_size`` C, 0 = none) also bounds it below, ``j >= lo(p_i) =
-max(p_i - W + 1, (p_i // C) * C)`` (``token_blocks.window_lower_bounds``). A query that sees no key
-outputs 0.
+``j < Nk``, the key is valid (padding) and, causally, ``j <= p_i``; a local window (causal only;
+``sliding_window``, ``chunk_size``, 0 = none) also bounds it below: ``j >= lo(p_i)``, the larger of
+``p_i - sliding_window + 1`` and ``p_i``'s chunk start ``(p_i // chunk_size) * chunk_size``
+(``token_blocks.window_lower_bounds``). A query that sees no key outputs 0.
 
 Schedule. The forward tiles queries by ``forward_token_tile(G)`` tokens and runs the ``G``
 query heads of a KV head in the same program (rows = tokens x heads; the heads share their
@@ -314,8 +314,8 @@ def _visible(
 def _whole_blocks(list_row, n, first_hz, Nk, C: tl.constexpr, LWP: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """How many of a tile's ``n`` listed blocks (ascending) lie wholly in range and, causally, at
     or before the tile's first row (``first_hz``, the lowest position of its rows): the leading
-    blocks that need no per-key range or causal test (with a window, from
-    :func:`_blocks_below_window` on)."""
+    blocks that need no per-key range or causal test (with a window, those from
+    :func:`_blocks_below_window`'s count on need no window test either)."""
     last = Nk // C - 1  # the last block whose keys are all in range
     if IS_CAUSAL:
         last = tl.minimum(last, tl.where(first_hz >= 0, (first_hz + 1) // C - 1, -1))
