@@ -35,9 +35,6 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 NO_SDPA = ("gemma2",)
 RUNNABLE = [f for f in conftest.FAMILIES if f not in NO_SDPA]
 WINDOWED = {f for f, (_, _, windowed) in conftest.FAMILIES.items() if windowed}
-WINDOWS_DENSE = pytest.mark.xfail(
-    strict=True, reason="sliding/chunked windows run dense until windows are in the op contract"
-)
 
 
 def _ids(batch: int = 1, n: int = N, seed: int = 1) -> torch.Tensor:
@@ -145,14 +142,26 @@ def test_generate_matches_dense(family):
     assert _compiled(family, "pbs").generate(ids, **kw).tolist() == _plain(family).generate(ids, **kw).tolist()
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=WINDOWS_DENSE) if f in WINDOWED else f for f in RUNNABLE])
+# Llama 4's chunk mask is proven in a graph of fixed length, but after the model's dynamic-length
+# recompile (generate, earlier in this worker) only at run time, where PBS runs no window yet
+# (SDPA with the window, logged): passes or not by test order, so not strict
+CHUNK_AT_RUN_TIME = pytest.mark.xfail(strict=False, reason="chunk mask of a dynamic-length graph: run time only")
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=CHUNK_AT_RUN_TIME) if f == "llama4_text" else f for f in RUNNABLE]
+)
 def test_no_dense_fallback_for_the_mask(family):
-    """The compiled graph holds no N x N tensor: no call fell back to dense SDPA over its mask (a
-    sliding or chunked window's mask does today, so those families are expected to fail)."""
+    """The compiled graph holds no N x N tensor: no call fell back to dense SDPA over its mask, and
+    a sliding or chunked layer runs its window (the dense method's exact window: PBS runs none yet)."""
+    model = _compiled(family, "pbs")
     with sparseflow.capture() as cap:
-        _logits(_compiled(family, "pbs"), _ids())
+        _logits(model, _ids())
     assert cap.calls, "no sparseflow call ran"
-    assert not [c.reason for c in cap.fallbacks() if "mask" in c.reason]
+    assert not cap.fallbacks(), [c.reason for c in cap.fallbacks()]
+    windowed = [e for e in sparseflow.report(model).entries if any("windowed layer" in n for n in e.notes)]
+    assert bool(windowed) == (family in WINDOWED)
+    assert all(e.method == "dense" and "mask is not built" in e.mask for e in windowed)
 
 
 # --------------------------------------------------------------------------- converted checkpoints
@@ -170,7 +179,11 @@ def test_converted_checkpoint_is_exact(family, tmp_path):
     ids, mask = _ids(batch=2), _padding_mask()  # the mask must reach the op through the mask interface
     with sparseflow.capture() as cap:
         got = _logits(model, ids, mask)
-    assert {c.method for c in cap.calls} == {"pbs"} and len(cap.calls) == model.config.num_hidden_layers
+    assert len(cap.calls) == model.config.num_hidden_layers
+    # a sliding layer runs its window exactly (the dense method: PBS runs no window yet)
+    methods = {c.method for c in cap.calls}
+    assert methods <= {"pbs", "dense"} if family in WINDOWED else methods == {"pbs"}
+    assert all(c.sparse for c in cap.calls if c.method == "dense")
     assert family in WINDOWED or not cap.fallbacks(), [c.reason for c in cap.fallbacks()]
     valid = mask.bool()
     torch.testing.assert_close(got[valid], _logits(_plain(family), ids, mask)[valid], **TOL)
