@@ -137,7 +137,7 @@ def test_the_window_bound_is_exact_to_the_key(case):
     nq, nk, c, w, chunk = case
     q, k, v, _ = qkv_inputs(1, 2, 1, nq, nk, 16, torch.float32, False, seed=11)
     # every block of each query's causal past: the element-wise bound alone decides
-    sel = tb.window_block_indices(nq, nk, c, 0, 0).expand(1, 1, -1, -1)
+    sel = tb.window_block_indices(nq, nk, c, 0, 0, q.device).expand(1, 1, -1, -1)
 
     def kernel(qq, kk, vv):
         return token_sparse_attention(qq, kk, vv, sel, block_size=c, sliding_window=w, chunk_size=chunk)
