@@ -359,7 +359,7 @@ def _decide(
         # each candidate as it would run this call: a Triton call it may replay is timed replayed
         if name == DENSE_CHOICE:
             if window != (0, 0):
-                return _sdpa(q, k, v, _with_window_mask(attn_mask, q.shape[2], k.shape[2], window), False, scale)
+                return _sdpa(q, k, v, _with_window_mask(attn_mask, q, k.shape[2], window), False, scale)
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
         return _replayed_or_launched(method, name, entry, q, k, v, mask, scale)
 
@@ -526,17 +526,16 @@ def _dense_sdpa(
     if reason:
         _capture.log_fallback(method, tag, reason)
     if window != (0, 0):
-        attn_mask, is_causal = _with_window_mask(attn_mask, q.shape[2], k.shape[2], window), False
+        attn_mask, is_causal = _with_window_mask(attn_mask, q, k.shape[2], window), False
     out = _sdpa(q, k, v, attn_mask, is_causal, scale)
     if cap is not None:
         cap.calls.append(_capture.CallRecord(tag, method, DENSE_CHOICE, False, reason, tuple(q.shape), tuple(k.shape)))
     return out
 
 
-def _with_window_mask(attn_mask, n_q: int, n_k: int, window: Tuple[int, int]) -> torch.Tensor:
-    """``attn_mask`` (None, bool or additive) intersected with causality and the local window."""
-    device = None if attn_mask is None else attn_mask.device
-    wm = window_mask(n_q, n_k, window[0], window[1], device)
+def _with_window_mask(attn_mask, q: torch.Tensor, n_k: int, window: Tuple[int, int]) -> torch.Tensor:
+    """``attn_mask`` (None, bool or additive) intersected with causality and the local window, on q's device."""
+    wm = window_mask(q.shape[2], n_k, window[0], window[1], q.device)
     if attn_mask is None:
         return wm
     if attn_mask.dtype == torch.bool:

@@ -95,3 +95,12 @@ def test_conflicting_windows_run_dense_with_both():
     both = m & window_mask(100, 100, 0, 20, DEVICE)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=both, enable_gqa=True)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_windows_dense_mask_is_built_on_the_queries_device():
+    # without an attn_mask, the dense fallback's window mask must follow q (on a GPU a CPU mask
+    # made auto's dense candidate fail); meta stands in for another device here
+    from sparseflow import ops
+
+    q = torch.empty(1, 2, 50, 8, device="meta")
+    assert ops._with_window_mask(None, q, 50, (8, 0)).device.type == "meta"
