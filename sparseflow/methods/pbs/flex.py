@@ -37,6 +37,7 @@ from .tail import apply_tail
 from ...selection import Selection
 from ...kernels import flex_common as fc
 from .reference import key_scores, permuted_block_attention, segment_permutation, select_blocks, selection_density
+from .memory import check_selection_memory
 
 __all__ = ["pbs_attention", "pbs_block_mask"]
 
@@ -177,6 +178,7 @@ def pbs_attention(
     """PBS-Attn prefill with compiled FlexAttention. Same signature, selection and result (to
     floating-point tolerance) as :func:`sparseflow.methods.pbs.reference.pbs_attention`."""
     cfg = backend_config(PBSConfig, config, fields)
+    check_selection_memory(q, cfg.block_size)
     fc.check_flex_inputs(q, k, v)
     n, d = q.shape[2], q.shape[3]
     if k.shape[2] != n:

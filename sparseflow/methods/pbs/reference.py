@@ -105,6 +105,7 @@ from ...config import backend_config
 from ...selection import Selection
 from .config import PBSConfig
 from .tail import apply_tail
+from .memory import check_selection_memory
 
 __all__ = [
     "pbs_attention",
@@ -971,6 +972,7 @@ def pbs_attention(
     ``[B, Hq, N, Dv]`` in ``q.dtype``. With ``return_selection`` also returns the
     :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
     cfg = backend_config(PBSConfig, config, fields)
+    check_selection_memory(q, cfg.block_size)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     perm, block_mask = pbs_selection(q, k, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)

@@ -36,6 +36,7 @@ from . import reference as _ref
 from .triton_attention import PAD_POS, block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .config import PBSConfig
 from .tail import apply_tail, tail_first_block
+from .memory import check_selection_memory
 
 __all__ = ["pbs_attention", "permute_kv", "permuted_layout", "pool_query_blocks", "kv_layout", "select_impl"]
 
@@ -413,6 +414,7 @@ def pbs_attention(
     ``k, v: [B, Hkv, N, D]`` (Nq == Nk); output ``[B, Hq, N, D]`` in ``q.dtype``. ``tuning``:
     the selection implementation, K/V layout and TMA use (:class:`sparseflow.Tuning`)."""
     cfg = backend_config(PBSConfig, config, fields)
+    check_selection_memory(q, cfg.block_size)
     _check_inputs(q, k, v, cfg)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
