@@ -93,7 +93,8 @@ def test_schemas_carry_each_methods_tuning_fields():
     assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, bool cuda_graphs, str backend" in schema["pbs"]
     assert "int? pisa_warps, int? pisa_leaf_bytes, bool cuda_graphs, bool pdl, str backend" in schema["pisa"]
     assert (
-        "float? scale, int block_size" in schema["bsa"] and "bool cuda_graphs, bool pdl, str backend" in schema["bsa"]
+        "float? scale, int sliding_window, int chunk_size, int block_size" in schema["bsa"]
+        and "bool cuda_graphs, bool pdl, str backend" in schema["bsa"]
     )
     for m in ("dense", "bsa"):
         assert "pbs_" not in schema[m] and "pisa_" not in schema[m]

@@ -80,8 +80,8 @@ def test_every_spec_has_what_the_core_needs(spec):
     assert spec.onnx.refuse(spec.config_type()) == ""
     assert spec.dense_rule(spec.config_type(), 4096, 4096) == ""
     assert spec.exact_config(spec.config_type(), 512).exact or spec.has_top_k
-    if not spec.sparse:
-        assert not spec.backends and spec.decode is None
+    if not spec.sparse:  # the dense method's backends run windowed calls only
+        assert all(b.windows for b in spec.backends.values()) and spec.decode is None
         return
     # the backward recomputes through the reference when a backend is not differentiable
     assert "reference" in spec.backends and spec.backends["reference"].differentiable == "always"
@@ -122,7 +122,7 @@ def test_onnx_refuses_a_field_its_body_does_not_list():
 
 def test_implementations_view_is_read_only_and_live():
     assert ops.IMPLEMENTATIONS[("bsa", "reference")] == "sparseflow.methods.bsa.reference:bsa_attention"
-    assert ("dense", "reference") not in ops.IMPLEMENTATIONS and "pbs" not in ops.IMPLEMENTATIONS
+    assert ("dense", "flex") in ops.IMPLEMENTATIONS and "pbs" not in ops.IMPLEMENTATIONS  # dense: window backends
     assert len(ops.IMPLEMENTATIONS) == sum(len(s.backends) for s in specs())
     with pytest.raises(TypeError):
         ops.IMPLEMENTATIONS[("bsa", "reference")] = "x:y"  # type: ignore[index]
@@ -212,7 +212,7 @@ def test_register_refuses_taken_names_and_types(fake_method):
         (dict(name="other"), ValueError, "config_type _FakeConfig.method is 'fake'; they must agree"),
         (dict(config_type=dict), TypeError, "config_type must be an AttentionConfig subclass"),
         (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
-        (dict(sparse=False), ValueError, "a dense .sparse=False. method runs SDPA and has no backends"),
+        (dict(sparse=False), ValueError, r"a dense .sparse=False. method runs SDPA; its backends .windows=True. run"),
         (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
     ],
 )
