@@ -19,7 +19,7 @@ PART_BYTES=50700000  # five parts: each call's tree (about 12 MB) plus one part 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 site() {  # the gguf wheel carried in .whl/ (the device image has numpy, pyyaml, requests, tqdm)
-  if ! python3 -c "import gguf" 2>/dev/null; then
+  if [ ! -d /tmp/site/gguf ] && ! python3 -c "import gguf" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf-*.whl
   fi
   export PYTHONPATH="$PYTHONPATH:/tmp/site"

@@ -59,6 +59,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from .config import AttentionConfig, default_config
+from .hf import local_windows
 from .methods import spec_for, sparse_names
 from .methods.registry import or_list
 
@@ -297,10 +298,17 @@ class _Session:
     reference: Optional["DenseReference"] = None  # the dense side of every KL, computed once
     qkv: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float]]] = field(default_factory=dict)
     fast_density: Optional[bool] = None  # the reference selection gives the op's density (checked once)
+    # layer -> (sliding_window, chunk_size) of the layers the model limits to a local window: they
+    # run that window exactly whatever the plan says (no method runs a window yet), so no choice
+    windows: Dict[int, Tuple[int, int]] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
+
+    def layer_choices(self, layer: int, choices: Sequence["Choice"]) -> List["Choice"]:
+        """The grid's choices a layer is calibrated over: none for a windowed layer."""
+        return [] if layer in self.windows else list(choices)
 
     @property
     def targets(self) -> torch.Tensor:
@@ -633,12 +641,10 @@ Table = Dict[int, Dict[Choice, Measurement]]
 def measure_all(s: _Session, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]) -> Table:
     """Every (layer, choice) single-layer measurement, from the progress file where present."""
     table = stored_measurements(s, choices, progress)
-    total = s.n_layers * len(choices)
-    for layer in range(s.n_layers):
-        for i, choice in enumerate(choices):
-            if choice not in table[layer]:
-                label = f"[{layer * len(choices) + i + 1}/{total}]"
-                table[layer][choice] = measure_entry(s, layer, choice, progress, say, label)
+    todo = [(layer, c) for layer in range(s.n_layers) for c in s.layer_choices(layer, choices)]
+    for i, (layer, choice) in enumerate(todo):
+        if choice not in table[layer]:
+            table[layer][choice] = measure_entry(s, layer, choice, progress, say, f"[{i + 1}/{len(todo)}]")
     return table
 
 
@@ -647,7 +653,7 @@ def stored_measurements(s: _Session, choices: Sequence[Choice], progress: Progre
     table: Table = {}
     for layer in range(s.n_layers):
         table[layer] = {DENSE: DENSE_MEASUREMENT}
-        for choice in choices:
+        for choice in s.layer_choices(layer, choices):
             got = progress.layers.get(f"{layer}:{choice.key}")
             if got is not None:
                 table[layer][choice] = Measurement(**got)
@@ -738,7 +744,10 @@ def choice_costs(
 ) -> Dict[int, Dict[Choice, float]]:
     """Every (layer, choice) cost (:func:`choice_cost`), from the progress file where present."""
     t0 = time.perf_counter()
-    missing = {layer: [c for c in choices if f"{layer}:{c.key}" not in progress.costs] for layer in range(s.n_layers)}
+    missing = {
+        layer: [c for c in s.layer_choices(layer, choices) if f"{layer}:{c.key}" not in progress.costs]
+        for layer in range(s.n_layers)
+    }
 
     def fill(layer: int) -> None:
         if missing[layer]:
@@ -755,8 +764,15 @@ def choice_costs(
     else:
         for layer in range(s.n_layers):
             fill(layer)
-    say(f"costs of {s.n_layers * len(choices)} choice(s) ({time.perf_counter() - t0:.1f} s)")
-    return {layer: {c: float(progress.costs[f"{layer}:{c.key}"]) for c in choices} for layer in range(s.n_layers)}
+    say(f"costs of {_grid_size(s, choices)} choice(s) ({time.perf_counter() - t0:.1f} s)")
+    return {
+        layer: {c: float(progress.costs[f"{layer}:{c.key}"]) for c in s.layer_choices(layer, choices)}
+        for layer in range(s.n_layers)
+    }
+
+
+def _grid_size(s: _Session, choices: Sequence[Choice]) -> int:
+    return sum(len(s.layer_choices(layer, choices)) for layer in range(s.n_layers))
 
 
 def _with_qkv(s: _Session, layer: int, qkv: Tuple, fn: Callable[[int], None]) -> None:
@@ -922,7 +938,7 @@ def search(
             steps.append({"allowed": allowed, "predicted_kl": predicted, "measured_kl": fid["mean_kl"], "cost": cost})
             say(
                 f"plan at allowed KL sum {allowed:.5f}: predicted {predicted:.5f}, measured {fid['mean_kl']:.5f}, "
-                f"cost {cost:.3f}, {sum(c.dense for c in choices)} dense layer(s)"
+                f"cost {cost:.3f}, {sum(c.dense for i, c in enumerate(choices) if i not in s.windows)} dense layer(s)"
             )
             if fid["mean_kl"] <= budget and (best is None or cost < best[0]):
                 best = (cost, choices, fid)
@@ -1015,8 +1031,9 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
     common = _common_config(s, chosen)
     overrides = {i: _changes_from_base(common, c.config(s.base)) for i, c in enumerate(chosen) if not c.dense}
     overrides = {i: ch for i, ch in overrides.items() if ch}
-    dense = tuple(i for i, c in enumerate(chosen) if c.dense)
-    sparse_n = s.n_layers - len(dense)
+    # a windowed layer runs its window whatever the recipe says: it is neither dense nor sparse here
+    dense = tuple(i for i, c in enumerate(chosen) if c.dense and i not in s.windows)
+    sparse_n = s.n_layers - len(dense) - len(s.windows)
 
     def opt_int(attr):
         v = getattr(mc, attr, None)
@@ -1024,7 +1041,7 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
 
     desc = (
         f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
-        f"{s.n_layers} layers within mean KL {measured['budget']} (calibration target "
+        f"{s.n_layers} layers{_windowed_note(s)} within mean KL {measured['budget']} (calibration target "
         f"{measured['calibration_target']:.4g}) on {measured['calibration']['tokens']} tokens "
         f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
         f"{measured['calibration']['density']:.3f})"
@@ -1042,6 +1059,12 @@ def build_recipe(s: _Session, chosen: Sequence[Choice], *, name: str, measured: 
         layer_overrides={s.method: overrides} if overrides else {},
         measured=measured,
     )
+
+
+def _windowed_note(s: _Session) -> str:
+    if not s.windows:
+        return ""
+    return f" ({len(s.windows)} windowed layers run their local window exactly)"
 
 
 # --------------------------------------------------------------------------- entry point
@@ -1110,7 +1133,10 @@ def calibrate(
         backend=backend,
         cost=_default_cost(cost),
         dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir),
+        windows=local_windows(model.config),
     )
+    if s.windows:
+        say(f"{len(s.windows)} windowed layer(s) run their local window exactly, not calibrated: {sorted(s.windows)}")
     s.hidden = layer_inputs(model, input_ids)
     say(f"dense pass done ({time.perf_counter() - t_dense:.1f} s)")
     progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
@@ -1151,6 +1177,7 @@ def calibrate(
         "search": steps,
         "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()} for i, c in enumerate(chosen)],
         "single_layer": single,
+        "windowed_layers": {str(i): {"sliding_window": w, "chunk_size": c} for i, (w, c) in sorted(s.windows.items())},
         **(extra or {}),
     }
     rname = name or f"calibrated-{model.config.model_type}-{method}"
@@ -1183,7 +1210,7 @@ def single_layer_report(
     s: _Session, choices: Sequence[Choice], table: Table, grid: Optional[LazyGrid]
 ) -> Dict[str, Any]:
     """How many of the grid's single-layer choices were measured, and which were skipped and why."""
-    total = s.n_layers * len(choices)
+    total = _grid_size(s, choices)
     skipped = [] if grid is None else grid.skipped()
     reasons: Dict[str, int] = {}
     for row in skipped:

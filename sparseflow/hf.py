@@ -49,6 +49,7 @@ __all__ = [
     "apply_plan",
     "from_pretrained",
     "sparseflow_attention_forward",
+    "local_windows",
 ]
 
 logger = logging.getLogger("sparseflow")
@@ -183,6 +184,23 @@ def _layer_index(module) -> Optional[int]:
     return None
 
 
+def local_windows(config) -> Dict[int, Tuple[int, int]]:
+    """Layer index -> ``(sliding_window, chunk_size)`` of the layers a transformers config limits
+    to a local window, read as transformers' models read it: ``layer_types`` ("sliding_attention"
+    with ``sliding_window``, "chunked_attention" with ``attention_chunk_size``) where the config has
+    them, else every layer when it sets ``sliding_window`` (and ``use_sliding_window`` is not off)."""
+    n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    window = getattr(config, "sliding_window", None) or 0
+    chunk = getattr(config, "attention_chunk_size", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        if window and getattr(config, "use_sliding_window", True) is not False:
+            return {i: (int(window), 0) for i in range(n_layers)}
+        return {}
+    kinds = {"sliding_attention": (int(window), 0), "chunked_attention": (0, int(chunk))}
+    return {i: kinds[t] for i, t in enumerate(types) if t in kinds and any(kinds[t])}
+
+
 class _Layer(NamedTuple):
     """What a converted attention module runs, resolved once from its model config's plan."""
 
@@ -190,6 +208,8 @@ class _Layer(NamedTuple):
     raw: Any  # that config's plan entry (a dict or a Plan): a new one means a new plan
     layer: Optional[int]
     cfg: AttentionConfig
+    window: Tuple[int, int]  # the layer's (sliding_window, chunk_size) from its config, else (0, 0)
+    windowed_cfg: AttentionConfig  # cfg with that window (registry.windowed): what a prefill runs
     backend: str  # the plan's backend for a sparse config; the dense op takes only 'auto'
     tag: str
     tuning: Tuning
@@ -214,9 +234,11 @@ def _layer_of(module) -> _Layer:
         return kept
     plan = plan_of(config)
     cfg = plan.config_for(layer)
+    window = local_windows(config).get(layer, (0, 0)) if layer is not None else (0, 0)
+    windowed_cfg = windowed(cfg, *window)[0] if any(window) else cfg
     tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
     backend = plan.backend if spec_for(cfg).sparse else "auto"
-    entry = _Layer(config, raw, layer, cfg, backend, tag, plan.tuning, {})
+    entry = _Layer(config, raw, layer, cfg, window, windowed_cfg, backend, tag, plan.tuning, {})
     if not compiling:  # module state written in a trace is a side effect the compiler replays
         module.__dict__[_LAYER_ATTR] = entry
     return entry
@@ -246,10 +268,7 @@ def sparseflow_attention_forward(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = None if scaling is None else float(scaling)
-    cfg = entry.cfg
-    window = kwargs.get("sliding_window") or 0  # transformers passes a sliding layer's window
-    if isinstance(window, int) and window > 0 and query.shape[2] > 1:
-        cfg, _ = windowed(cfg, window)
+    cfg = _layer_config(entry, kwargs.get("sliding_window"), query.shape[2], attention_mask is not None)
     if attention_mask is None:
         causal = bool(query.shape[2] > 1 and causal)
         # a dense result keeps SDPA's [B, Nq, Hq, D] memory: the transpose below then copies nothing
@@ -283,6 +302,45 @@ def sparseflow_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _layer_config(entry: _Layer, sliding_window, n_queries: int, masked: bool) -> AttentionConfig:
+    """The config a call runs. A prefill of a windowed layer runs its window: the sliding window
+    transformers passes, else, without a mask, the one the layer's config gives (the mask function
+    leaves a window out of the mask only for a prefill from position 0; where transformers skips
+    the mask because the keys fit in the window, the window changes nothing). A decode step's
+    window is in its mask: its keys are a cache's."""
+    if n_queries <= 1:
+        return entry.cfg
+    if isinstance(sliding_window, int) and sliding_window > 0:
+        return entry.windowed_cfg if sliding_window == entry.window[0] else windowed(entry.cfg, sliding_window)[0]
+    return entry.cfg if masked else entry.windowed_cfg
+
+
+def sparseflow_mask(**kwargs):
+    """transformers' SDPA mask, without a sliding or chunked window's ``[N, N]`` mask where
+    :func:`sparseflow_attention_forward` runs that window itself: a prefill from position 0 of
+    unpadded rows (then the mask is ``None``, as for plain causal). Anything else (padding, a
+    cache, a window size the config does not give) keeps the full mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    local = kwargs.get("local_size")
+    if local and _prefill_from_start(kwargs) and local in _config_windows(kwargs.get("config")):
+        kwargs["local_size"] = None
+    return sdpa_mask(**kwargs)
+
+
+def _config_windows(config) -> Tuple[int, ...]:
+    return tuple({size for window in local_windows(config).values() for size in window if size})
+
+
+def _prefill_from_start(kwargs) -> bool:
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
+    # tensors (other transformers versions pass cache_position) are not read: no host sync here
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (q_length, kv_length, *offsets)):
+        return False
+    return offsets == (0, 0) and q_length == kv_length
+
+
 # what some models hand their attention function beyond SDPA's arguments, which sparseflow's ops
 # do not compute: dropping it would give a silently different model (transformers' SDPA refuses softcap)
 _BEYOND_SDPA = ("softcap", "sinks", "s_aux", "position_bias")
@@ -306,11 +364,11 @@ def register() -> None:
     global _REGISTERED
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("sparseflow.hf needs transformers>=5 (pip install 'sparseflow[hf]'): " + str(exc)) from exc
     AttentionInterface.register(ATTN_IMPLEMENTATION, sparseflow_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sparseflow_mask)
     _REGISTERED = True
 
 

@@ -411,7 +411,12 @@ def _search_three_layers(monkeypatch, interaction: float):
 
     monkeypatch.setattr(cal, "_measured_plan", whole_plan)
     result = cal.search(
-        SimpleNamespace(n_layers=3), {0: layer, 1: layer, 2: layer}, 0.01, safety=1.0, progress=None, say=lambda m: None
+        SimpleNamespace(n_layers=3, windows={}),
+        {0: layer, 1: layer, 2: layer},
+        0.01,
+        safety=1.0,
+        progress=None,
+        say=lambda m: None,
     )
     return a, layer, measured, result
 
@@ -455,7 +460,7 @@ def test_search_returns_the_cheapest_fitting_plan_it_measured(monkeypatch):
         monkeypatch.setattr(cal, "_measured_plan", whole_plan)
         budget = rng.choice([1e-4, 1e-3, 3e-3])
         chosen, fid, cost, steps = cal.search(
-            SimpleNamespace(n_layers=5), table, budget, safety=0.8, progress=None, say=lambda m: None
+            SimpleNamespace(n_layers=5, windows={}), table, budget, safety=0.8, progress=None, say=lambda m: None
         )
         assert 1 <= len(steps) <= 8, trial
         assert fid["mean_kl"] <= budget, trial
@@ -662,3 +667,34 @@ def test_stdlib_source_is_long_and_holds_out_for_both_texts():
     assert len(text) > 4 * len(real_text("argparse_source")) and text == real_text("stdlib_source")
     assert "class ArgumentParser" not in text and "def dataclass(" in text  # not argparse's source
     assert "stdlib_source" in TEXTS and TEXTS["stdlib_source"][1].startswith("sources of typing, inspect")
+
+
+@pytest.mark.parametrize("prune", [True, False])
+def test_windowed_layers_are_not_calibrated(tmp_path, prune):
+    """A model's sliding-window layers run their window whatever the plan says: calibrate measures
+    no choice there, lists them as windowed (not dense) and its recipe runs them exactly."""
+    import conftest
+
+    import sparseflow
+
+    model = _sharpen(conftest.make_family("gemma3_text", layers=4))
+    windows = {0: (conftest.WINDOW, 0), 2: (conftest.WINDOW, 0)}  # conftest's alternating layers
+    progress = tmp_path / "progress.json"
+    result = cal.calibrate(
+        model, _ascii_ids("pydoc_topics"), "pbs", 0.05, base=BASE, eval_positions=KEEP,
+        choices=CHOICES, cost="density", backend="reference", progress_path=progress, prune=prune,
+    )  # fmt: skip
+    measured = json.loads(progress.read_text())
+    keys = set(measured.get("layers", {})) | set(measured.get("costs", {}))
+    assert keys and {int(k.split(":")[0]) for k in keys}.isdisjoint(windows)
+    recipe = result.recipe
+    assert set(recipe.dense_layers).isdisjoint(windows)
+    assert recipe.measured["windowed_layers"] == {
+        str(i): {"sliding_window": w, "chunk_size": c} for i, (w, c) in windows.items()
+    }
+    assert all(result.choices[i].dense for i in windows)
+    assert "2 windowed layers" in recipe.description
+    compiled = sparseflow.compile(model, method="pbs", recipe=recipe, backend="reference", inner_backend="eager")
+    with sparseflow.capture() as cap, torch.no_grad():
+        compiled(_ascii_ids("pydoc_topics"))
+    assert sum(c.method == "dense" and c.sparse for c in cap.calls) == len(windows)

@@ -189,3 +189,51 @@ def test_converted_checkpoint_is_exact(family, tmp_path):
     assert family in WINDOWED or not cap.fallbacks(), [c.reason for c in cap.fallbacks()]
     valid = mask.bool()
     torch.testing.assert_close(got[valid], _logits(_plain(family), ids, mask)[valid], **TOL)
+
+
+@pytest.mark.parametrize("family", RUNNABLE)
+def test_converted_prefill_runs_the_config_windows(family, tmp_path):
+    """Without padding, a converted model's prefill builds no window mask (the mask function
+    leaves it out) and each layer ``hf.local_windows`` names runs its window in the op: exact,
+    and the windowed layers are exactly those."""
+    from transformers import AutoModelForCausalLM
+
+    _plain(family).save_pretrained(tmp_path / "src")
+    out = convert(tmp_path / "src", tmp_path / "out", "pbs", config=EXACT["pbs"].to_dict())
+    hf.register()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    windows = hf.local_windows(model.config)
+    assert bool(windows) == (family in WINDOWED)
+    ids = _ids()
+    with sparseflow.capture() as cap:
+        got = _logits(model, ids)
+    ran_window = {int(c.tag.split(".")[2]) for c in cap.calls if c.method == "dense"}
+    assert ran_window == set(windows)
+    assert not cap.fallbacks(), [c.reason for c in cap.fallbacks()]
+    torch.testing.assert_close(got, _logits(_plain(family), ids), **TOL)
+
+
+def _mask_args(config, **changes):
+    args = dict(batch_size=1, q_length=N, kv_length=N, q_offset=0, kv_offset=0, attention_mask=None)
+    args.update(local_size=config.sliding_window, config=config)
+    return {**args, **changes}
+
+
+def test_mask_function_leaves_out_only_a_prefill_window():
+    """The window's [N, N] mask is left out for an unpadded prefill from position 0 only; padding,
+    a cache offset or a window the config does not give keep transformers' mask."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    config = _plain("gemma3_text").config
+    fn = sliding_window_causal_mask_function(config.sliding_window)
+    assert hf.sparseflow_mask(**_mask_args(config, mask_function=fn)) is None
+    padded = torch.ones(1, N, dtype=torch.bool)
+    padded[0, :3] = False
+    kept = [
+        dict(attention_mask=padded),
+        dict(q_length=N - 8, q_offset=8),
+        dict(local_size=config.sliding_window + 1),
+    ]
+    for changes in kept:
+        mask = hf.sparseflow_mask(**_mask_args(config, mask_function=fn, **changes))
+        assert mask is not None and mask.shape[-1] == N, changes
