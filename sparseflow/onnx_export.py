@@ -78,13 +78,18 @@ def _config_fields(method: str) -> List[Tuple[str, type]]:
 
 
 def _node_fields(method: str) -> List[Tuple[str, type]]:
-    """The config fields a node carries as attributes: all but the window's (a windowed config is
-    refused before export, see ``OnnxBody.refuse``)."""
-    return [(name, kind) for name, kind in _config_fields(method) if name not in ("sliding_window", "chunk_size")]
+    """The config fields a node carries as attributes (the local window's included)."""
+    return _config_fields(method)
+
+
+# node attributes with a default: a node without them has no local window (files written before
+# windows were exported stay valid, and a runtime binding the node may leave them out)
+_OPTIONAL_ATTRS = {"sliding_window": 0, "chunk_size": 0}
 
 
 def _attr_names(method: str) -> List[str]:
-    return ["is_causal", "scale"] + [name for name, _ in _node_fields(method)]
+    names = ["is_causal", "scale"] + [name for name, _ in _node_fields(method)]
+    return [f"{n}: int = {_OPTIONAL_ATTRS[n]}" if n in _OPTIONAL_ATTRS else n for n in names]
 
 
 # --------------------------------------------------------------------------- function bodies
@@ -131,7 +136,29 @@ _PROLOGUE = """
   jk_row = Unsqueeze (jk, i0)
   kpm4 = Unsqueeze (kpm, i12)
   not_causal = Not (causal)
+  sw = Constant <value_int: int = @sliding_window> ()
+  cs = Constant <value_int: int = @chunk_size> ()
+  p_off = Sub (Nk, Nq)
+  pq = Add (iq, p_off)
+  pq1 = Add (pq, one)
+  sw_lo = Sub (pq1, sw)
+  sw_lo0 = Max (sw_lo, zero)
+  sw_on = Greater (sw, zero)
+  lo_sw = Where (sw_on, sw_lo0, zero)
+  cs_safe = Max (cs, one)
+  cs_idx = Div (pq, cs_safe)
+  cs_lo = Mul (cs_idx, cs_safe)
+  cs_max = Max (lo_sw, cs_lo)
+  cs_on = Greater (cs, zero)
+  lo = Where (cs_on, cs_max, lo_sw)
+  lo_col = Unsqueeze (lo, i1)
+  in_window = GreaterOrEqual (jk_row, lo_col)
+  i012 = Constant <value_ints = [0, 1, 2]> ()
+  in_window5 = Unsqueeze (in_window, i012)
 """
+# ``in_window5 [1, 1, 1, Nq, Nk]``: the local window (``sliding_window`` / ``chunk_size``, 0 = none)
+# of each query at position ``i + Nk - Nq``, as ``masks.window_mask``: the epilogue intersects the
+# method's selection with it
 
 # ``allowed5 [B, 1 or Hkv, 1 or G, Nq, Nk]`` bool, ``cfg_ok`` bool -> ``out [B, Hq, Nq, Dv]`` in q's
 # dtype. ``cfg_ok`` False (a node setting the body does not implement) makes the output NaN: a
@@ -141,7 +168,8 @@ _EPILOGUE = """
   kt = Transpose <perm = [0, 1, 2, 4, 3]> (k5)
   qk = MatMul (qg, kt)
   logits = Mul (qk, sc)
-  masked = Where (allowed5, logits, ninf)
+  allowed_w = And (allowed5, in_window5)
+  masked = Where (allowed_w, logits, ninf)
   mx = ReduceMax <keepdims = 1> (masked, im1)
   mx_inf = IsInf (mx)
   mx_safe = Where (mx_inf, fzero, mx)
@@ -203,10 +231,7 @@ def register_schemas() -> None:
         attrs = [
             defs.OpSchema.Attribute("is_causal", AT.INT, "1: causal (query i sees keys j <= i)."),
             defs.OpSchema.Attribute("scale", AT.FLOAT, "Softmax scale applied to q.k."),
-        ] + [
-            defs.OpSchema.Attribute(name, _attr_type(kind), f"{METHODS[method].__name__}.{name}")
-            for name, kind in _node_fields(method)
-        ]
+        ] + [_schema_attribute(method, name, kind) for name, kind in _node_fields(method)]
         schema = defs.OpSchema(
             op_type,
             DOMAIN,
@@ -227,6 +252,16 @@ def register_schemas() -> None:
         )
         defs.register_schema(schema)
     _SCHEMAS_REGISTERED = True
+
+
+def _schema_attribute(method: str, name: str, kind: type):
+    from onnx import defs, helper
+
+    doc = f"{METHODS[method].__name__}.{name}"
+    if name in _OPTIONAL_ATTRS:
+        default = helper.make_attribute(name, _OPTIONAL_ATTRS[name])
+        return defs.OpSchema.Attribute(name, default, doc + " (0: no such window)")
+    return defs.OpSchema.Attribute(name, _attr_type(kind), doc)
 
 
 # --------------------------------------------------------------------------- export-time checks
@@ -258,7 +293,14 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     until the body implements it."""
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
-    reason = spec_for(method).onnx.refuse(cfg)
+    spec = spec_for(method)
+    if cfg.has_window and not any(b.windows for b in spec.backends.values()):
+        # its op runs such a call as the dense window: a body of selection and window would differ
+        return (
+            f"{method} at {tag or '<root>'}: {method} runs no local window yet "
+            f"(sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}); give the window to method='dense'"
+        )
+    reason = spec.onnx.refuse(cfg)
     return f"{method} at {tag or '<root>'}: {reason}" if reason else ""
 
 
@@ -299,9 +341,9 @@ def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
         res = analyse_mask(mask, bool(is_causal), q.shape[0], q.shape[2], k.shape[2])
         tag = a[-1]
         cur = (res.supported, res.is_causal, res.reason)
-        if res.supported and (res.sliding_window or res.chunk_size):  # the bodies run no window yet
+        if res.supported and (res.sliding_window or res.chunk_size):  # a node's mask input is key padding only
             window = f"sliding_window={res.sliding_window}, chunk_size={res.chunk_size}"
-            cur = (False, False, f"attn_mask holding a local window ({window}), which the ONNX bodies do not run yet")
+            cur = (False, False, f"attn_mask holding a local window ({window}) the graph did not prove")
         prev = found.get(tag)
         if prev is not None and prev != cur:
             cur = (False, False, f"calls tagged {tag!r} disagree about their mask")

@@ -202,7 +202,7 @@ def test_one_sparseflow_node_per_layer_with_config_attributes(llama, method):
         assert attrs["is_causal"] == 1
         assert attrs["scale"] == pytest.approx(1 / 16**0.5)
         for name, value in cfg.to_dict().items():
-            if name in ("method", "version", "sliding_window", "chunk_size"):  # a windowed config is refused
+            if name in ("method", "version"):
                 continue
             if isinstance(value, float):  # ONNX FLOAT attributes are fp32, as the op compares them
                 assert attrs[name] == pytest.approx(value, rel=1e-7), name
@@ -420,8 +420,6 @@ def _node_attrs(cfg, is_causal, scale):
 
     attrs = dict(is_causal=int(is_causal), scale=scale)
     for name, kind in _FIELDS[cfg.method]:
-        if name in ("sliding_window", "chunk_size"):  # not node attributes: a windowed config is refused
-            continue
         val = getattr(cfg, name)
         attrs[name] = int(val) if kind is bool else val
     return attrs
@@ -651,3 +649,80 @@ def test_dense_node_half_precision():
     assert got.dtype.name == "float16"
     ref = sparseflow.dense_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25)
     assert _rel(got, ref) <= 1e-3
+
+
+# --------------------------------------------------------------------------- local windows
+
+
+@pytest.mark.parametrize("window", [(5, 0), (16, 0), (0, 8)])
+@pytest.mark.parametrize("n", [37, 64])
+def test_dense_window_node_matches_op(n, window):
+    """A DenseAttention node with a sliding or chunked window (and key padding) computes what the
+    op's exact window computes, which differs from plain causal attention."""
+    cfg = sparseflow.DenseConfig(sliding_window=window[0], chunk_size=window[1])
+    err, _ = _node_vs_op(cfg, n, is_causal=True, ties=False)
+    assert err < 1e-5
+    q, k, v, kpm = _node_inputs(n, False, 0)
+    causal = sparseflow.attention(
+        q, k, v, config=sparseflow.DenseConfig(), attn_mask=kpm[:, None, None, :], is_causal=True, scale=0.3
+    )
+    windowed = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=True, scale=0.3)
+    assert _rel(windowed, causal) > 1e-2  # the window matters on these inputs
+
+
+def test_window_attributes_are_optional():
+    """A node without the window attributes (a file written before windows were exported, or a
+    runtime's own node) has no window: it is plain causal attention."""
+    attrs = _node_attrs(sparseflow.DenseConfig(), True, 0.3)
+    del attrs["sliding_window"], attrs["chunk_size"]
+    q, k, v, kpm = _node_inputs(40, False, 0)
+    got = _single_node_model("dense", attrs).run(
+        None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()}
+    )[0]
+    ref = sparseflow.attention(
+        q, k, v, config=sparseflow.DenseConfig(), attn_mask=kpm[:, None, None, :], is_causal=True, scale=0.3
+    )
+    assert _rel(got, ref) < 1e-5
+
+
+def test_method_without_window_backend_is_refused_with_a_window(tmp_path):
+    """A sparse method's op runs a windowed call as the dense window: its node is refused (a body of
+    selection and window would compute something else), naming the way that exports."""
+
+    class Windowed(torch.nn.Module):
+        def forward(self, q, k, v):
+            return sparseflow.attention(
+                q, k, v, config=sparseflow.BSAConfig(block_size=8, sliding_window=16), is_causal=True
+            )
+
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(OnnxExportError, match="method='dense'"):
+        export_onnx(Windowed().eval(), (q, q, q), tmp_path / "m.onnx", method="bsa")
+    assert not list(tmp_path.iterdir())
+
+
+def test_gemma3_windows_export_and_match(tmp_path):
+    """A Gemma 3 model (sliding-window and global layers) exports: its sliding layers are nodes
+    carrying their window, and onnxruntime computes the rewritten model's logits at another length."""
+    import conftest
+
+    model = conftest.make_family("gemma3_text", layers=2)
+    ids = _ids(64, seed=1)
+    proto, program = export_onnx(
+        model, (ids,), None, example_kwargs={"use_cache": False}, return_program=True, method="dense"
+    )
+    windows = sorted(
+        onnx.helper.get_attribute_value(a)
+        for n in proto.graph.node
+        if n.domain == DOMAIN
+        for a in n.attribute
+        if a.name == "sliding_window"
+    )
+    assert windows == [0, conftest.WINDOW]  # conftest's alternating sliding / global layers
+    x = _ids(100, seed=2)
+    got = _session(proto).run(None, {proto.graph.input[0].name: x.numpy()})[0]
+    ref = _torch_logits(program, x)
+    assert _rel(got, ref) < 1e-4
+    with torch.no_grad():
+        plain = model(x, use_cache=False).logits
+    assert _rel(got, plain) < 1e-4

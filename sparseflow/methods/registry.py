@@ -84,7 +84,7 @@ class Backend:
         return self.differentiable == "always" or (self.differentiable == "cuda" and device_type == "cuda")
 
 
-_WINDOW_FIELDS = frozenset({"sliding_window", "chunk_size"})  # every config's; refused above while set
+_WINDOW_FIELDS = frozenset({"sliding_window", "chunk_size"})  # every config's: the shared prologue runs them
 
 
 @dataclass(frozen=True)
@@ -108,11 +108,6 @@ class OnnxBody:
     def refuse(self, cfg: AttentionConfig) -> str:
         """Why ``cfg`` has no faithful body ("" when it has): a setting the body does not
         reproduce, or a config field it does not know."""
-        if cfg.has_window:
-            return (
-                f"the ONNX body of {self.node_type} does not run a local window yet "
-                f"(sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size})"
-            )
         reason = self.refusal(cfg) if self.refusal is not None else ""
         if reason:
             return reason

@@ -429,8 +429,12 @@ class _Interpreter:
         if d != v.axis:
             return v if (start in (None, 0) and end is None) else None
         start = 0 if start is None else start
-        if not isinstance(start, int) or start < 0 or not isinstance(end, int) or not isinstance(v.length, int):
+        if not isinstance(start, int) or start < 0 or not isinstance(end, int):
             return None
+        if not isinstance(v.length, int):
+            # a symbolic length: only the first position is known to exist (the packed-sequence
+            # check's ``pos[..., :1]``; an empty sequence has no attention to prove)
+            return _Pos(v.axis, v.ndim, v.offset, 1) if (start, end) == (0, 1) else None
         end = min(end, v.length)
         return _Pos(v.axis, v.ndim, v.offset + start, max(0, end - start))
 
