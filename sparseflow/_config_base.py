@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-__all__ = ["AttentionConfig", "TopKConfig", "BACKENDS"]
+__all__ = ["AttentionConfig", "TopKConfig", "BACKENDS", "check_window"]
 
 BACKENDS = ("auto", "reference", "triton", "flex")
 
@@ -31,6 +31,21 @@ def _check_choice(name: str, value: Any, choices) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def check_window(sliding_window: Any, chunk_size: Any, is_causal: bool = True) -> None:
+    """A local window's two arguments: ints >= 0 (0 = none), and nonzero only with ``is_causal``
+    (the window is a lower bound under the causal upper one); else a TypeError / ValueError naming
+    the argument and what it takes. The one check of the configs' window fields and of the kernels'
+    entry points (sparseflow.kernels.token_blocks re-exports it): this module imports nothing else
+    of sparseflow, so the kernels import it without a cycle."""
+    for name, value in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= 0 (0 = none), got {type(value).__name__} ({value!r})")
+        if value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0 = none), got {value!r}")
+        if value and not is_causal:
+            raise ValueError(f"{name}={value} needs is_causal=True (a local window bounds causal attention)")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Base class: the local window every method takes, validation and serialisation.
@@ -50,8 +65,7 @@ class AttentionConfig:
     chunk_size: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
-        _check_int("sliding_window", self.sliding_window, 0)
-        _check_int("chunk_size", self.chunk_size, 0)
+        check_window(self.sliding_window, self.chunk_size)  # causality is the call's: checked there
         self._validate()
 
     def _validate(self) -> None:

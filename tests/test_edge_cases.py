@@ -2,7 +2,8 @@
 answer: double backward, strictness of PBS's causal proxy, NaN keys, a config of another method,
 empty batches, huge top_k, fp64 on Triton.
 
-Triton pieces run in the CPU interpreter (TRITON_INTERPRET=1, set before Triton is imported).
+Triton pieces run on the GPU where there is one, else in the CPU interpreter (TRITON_INTERPRET=1,
+set before Triton is imported): their tests build tensors on ``DEV``.
 """
 
 import importlib.util
@@ -26,6 +27,7 @@ _TRITON = pytest.mark.skipif(
     or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
     reason="needs triton, and CUDA or the Triton interpreter",
 )
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
 
 EXACT = {
     "pbs": PBSConfig(block_size=4, segment_size=8, threshold=1.0),
@@ -34,12 +36,17 @@ EXACT = {
 }
 
 
-def _qkv(b=1, hq=2, hkv=1, n=16, d=4, dtype=torch.float64, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
+def _qkv(b=1, hq=2, hkv=1, n=16, d=4, dtype=torch.float64, seed=0, requires_grad=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on every device
     q = torch.randn(b, hq, n, d, generator=g, dtype=dtype)
     k = torch.randn(b, hkv, n, d, generator=g, dtype=dtype)
     v = torch.randn(b, hkv, n, d, generator=g, dtype=dtype)
-    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+    return tuple(t.to(device).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def _device(backend):
+    """The device of a test's tensors: the Triton backend's (CUDA, or the CPU's interpreter), else the CPU."""
+    return DEV if backend == "triton" else "cpu"
 
 
 def _sdpa(q, k, v):
@@ -48,7 +55,7 @@ def _sdpa(q, k, v):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     n = q.shape[2]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), -math.inf)
     return torch.softmax(s, -1) @ v
 
 
@@ -175,9 +182,8 @@ def test_empty_batch_or_sequence_returns_the_empty_result(method, shape):
 @_TRITON
 @pytest.mark.parametrize("method", sorted(EXACT))
 def test_empty_batch_on_triton_returns_the_empty_result(method):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton's interpreter
-    q = torch.randn(0, 2, 64, 16, device=dev, requires_grad=True)
-    k = torch.randn(0, 1, 64, 16, device=dev, requires_grad=True)
+    q = torch.randn(0, 2, 64, 16, device=DEV, requires_grad=True)
+    k = torch.randn(0, 1, 64, 16, device=DEV, requires_grad=True)
     cfg = EXACT[method].replace(block_size=16, **({"segment_size": 32} if method == "pbs" else {}))
     out = sparseflow.attention(q, k, k, config=cfg, backend="triton")
     out.sum().backward()
@@ -225,7 +231,7 @@ def test_triton_selection_width_is_clamped_to_the_blocks():
     from sparseflow.methods.pisa import triton_select as pisa_t
     from sparseflow.methods.pisa.reference import pisa_select
 
-    q, k, _ = _qkv(n=32, d=16, dtype=torch.float32)
+    q, k, _ = _qkv(n=32, d=16, dtype=torch.float32, device=DEV)
     for fast, ref in ((pisa_t.pisa_select, pisa_select), (bsa_t.bsa_select, bsa_select)):
         idx = fast(q, k, block_size=16, top_k=10**6)
         assert idx.shape == (1, 1, 32, 2)
@@ -237,7 +243,7 @@ def test_decode_selection_width_is_clamped_to_the_cached_blocks():
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
     from sparseflow.methods.pisa.reference import pisa_select
 
-    q, k, v = _qkv(hq=2, hkv=1, n=33, d=16, dtype=torch.float32)
+    q, k, v = _qkv(hq=2, hkv=1, n=33, d=16, dtype=torch.float32, device=DEV)
     cache = PyramidCache(k[:, :, :32], capacity=64, block_size=8)
     out, idx = cache.decode_step(q[:, :, -1:], k, v, top_k=10**6)
     assert idx.shape == (1, 1, 1, 5)  # 33 keys in blocks of 8
@@ -270,8 +276,8 @@ def _selection_tensor(sel):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("method", sorted(_NAN_CFG))
 def test_padded_nan_keys_and_values_influence_nothing(method, backend):
-    q, k, v = _qkv(b=2, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=3)
-    kpm = torch.ones(2, 64, dtype=torch.bool)
+    q, k, v = _qkv(b=2, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=3, device=_device(backend))
+    kpm = torch.ones(2, 64, dtype=torch.bool, device=q.device)
     kpm[0, 50:] = False  # right padding
     kpm[1, :5] = False  # left padding, and a hole inside a block of the pyramid
     kpm[1, 20:23] = False
@@ -302,7 +308,7 @@ def test_pbs_triton_blocks_narrower_than_a_kernel_tile_equal_the_reference():
     from sparseflow.methods.pbs import reference as R
     from sparseflow.methods.pbs import triton_impl as T
 
-    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4)
+    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4, device=DEV)
     for kw in (dict(threshold=1.0, permute=False), dict(threshold=0.5)):
         kw = dict(is_causal=True, block_size=8, segment_size=16, **kw)
         torch.testing.assert_close(T.pbs_attention(q, k, v, **kw), R.pbs_attention(q, k, v, **kw))
@@ -311,7 +317,7 @@ def test_pbs_triton_blocks_narrower_than_a_kernel_tile_equal_the_reference():
 @pytest.mark.parametrize("backend", _backends())
 def test_pbs_nan_key_leaves_causally_earlier_queries_of_its_block_alone(backend):
     # like SDPA: a NaN key at position j affects queries >= j only
-    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4)
+    q, k, v = _qkv(b=1, hq=2, hkv=1, n=64, d=16, dtype=torch.float32, seed=4, device=_device(backend))
     j = 44  # inside query block 5 (positions 40..47), segment 2
     bad = k.clone()
     bad[:, :, j] = float("nan")

@@ -22,12 +22,12 @@ callers, ``attend_selected_blocks`` is differentiable in q, k and v.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 import torch.utils.checkpoint
 
+from .._config_base import check_window
 from ..selection import Selection
 
 __all__ = [
@@ -82,16 +82,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, Hq, Nq, D]`` -> view ``[B, Hkv, G, Nq, D]`` (query head ``h`` uses KV head ``h // G``)."""
     return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads))
-
-
-def check_window(sliding_window: int, chunk_size: int, is_causal: bool) -> None:
-    """A local window's arguments: non-negative ints (0 = none), and only with ``is_causal``
-    (the window is a lower bound under the causal upper one), else a ValueError naming them."""
-    for name, val in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
-        if isinstance(val, bool) or not isinstance(val, numbers.Integral) or val < 0:
-            raise ValueError(f"{name} must be an int >= 0 (0 = none), got {val!r}")
-        if val and not is_causal:
-            raise ValueError(f"{name}={val} needs is_causal=True (a local window bounds causal attention)")
 
 
 def window_lower_bounds(positions: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:

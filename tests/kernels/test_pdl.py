@@ -8,6 +8,8 @@ import torch
 pytest.importorskip("triton")
 from sparseflow.kernels import pdl  # noqa: E402  (imports triton)
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
+
 
 def test_cpu_and_interpreted_launches_never_chain():
     t = torch.zeros(1)
@@ -49,7 +51,7 @@ def test_tuning_pdl_reaches_every_chainable_launch(monkeypatch, method, chained)
     monkeypatch.setattr(scan, "pdl_launch", record)
     monkeypatch.setattr(tst, "pdl_launch", record)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 80, 16, generator=g) for h in (4, 2, 2))
+    q, k, v = (torch.randn(1, h, 80, 16, generator=g).to(DEV) for h in (4, 2, 2))
     cfg = {"pisa": sparseflow.PISAConfig, "bsa": sparseflow.BSAConfig}[method](block_size=16, top_k=3)
     tuning = sparseflow.Tuning(pisa_walk="scan", pdl=chained, cuda_graphs=False)
     sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=tuning)

@@ -75,9 +75,33 @@ def test_window_arguments_are_checked():
         tb.check_window(0, 8, is_causal=False)
     with pytest.raises(ValueError, match="sliding_window"):
         tb.check_window(-1, 0, is_causal=True)
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(TypeError, match="chunk_size"):
         tb.check_window(0, 2.5, is_causal=True)
     tb.check_window(0, 0, is_causal=False)  # no window: anything goes
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(sliding_window=-1), ValueError),
+        (dict(chunk_size=-3), ValueError),
+        (dict(sliding_window=2.5), TypeError),
+        (dict(chunk_size="8"), TypeError),
+        (dict(sliding_window=True), TypeError),
+    ],
+    ids=["window-negative", "chunk-negative", "window-float", "chunk-str", "window-bool"],
+)
+def test_configs_and_kernels_check_a_window_alike(kwargs, error):
+    # one check (sparseflow._config_base.check_window) behind both: the same error, the same words
+    from sparseflow.config import PBSConfig, PISAConfig
+
+    window = (kwargs.get("sliding_window", 0), kwargs.get("chunk_size", 0))
+    with pytest.raises(error, match=r"(sliding_window|chunk_size) must be an int >= 0 \(0 = none\), got") as kernel:
+        tb.check_window(*window, is_causal=True)
+    for cls in (PBSConfig, PISAConfig):
+        with pytest.raises(error) as config:
+            cls(**kwargs)
+        assert str(config.value) == str(kernel.value)
 
 
 @pytest.mark.parametrize("n_q, n_k, c, w, chunk", [(23, 23, 4, 6, 0), (13, 31, 8, 0, 5), (26, 26, 4, 7, 10)])

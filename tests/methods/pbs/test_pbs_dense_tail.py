@@ -15,6 +15,7 @@ from sparseflow.selection import visible_key_mask
 from test_pbs_reference import dense64
 
 SPARSE = dict(block_size=16, segment_size=32, threshold=0.3)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
 
 
 def _inputs(n, b=2, hq=4, hkv=2, d=16, seed=0, dtype=torch.float32):
@@ -80,8 +81,9 @@ def test_backends_run_the_tail_like_the_reference(backend, select, scoring, n, t
         monkeypatch.setattr(TA, "_alloc_out", lambda q: torch.full_like(q, float("nan")))
         # "triton": the selection kernel keeps the tail's blocks and the attention kernel runs them
         kw["tuning"] = Tuning(pbs_select=select)
-    q, k, v = _inputs(n, d=16)
-    pad = _left_padding(n)
+    device = DEV if backend == "triton" else "cpu"
+    q, k, v = (t.to(device) for t in _inputs(n, d=16))
+    pad = _left_padding(n).to(device)
     cfg = PBSConfig(dense_tail_blocks=tail, scoring=scoring, **SPARSE)
     want, want_sel = R.pbs_attention(q, k, v, cfg, key_padding_mask=pad, return_selection=True)
     plain, plain_sel = R.pbs_attention(

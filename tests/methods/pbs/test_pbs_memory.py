@@ -7,10 +7,13 @@ import torch
 import sparseflow
 from sparseflow.methods.pbs import memory
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
+
 
 def _call(backend="reference", n=256, block_size=16):
-    q = torch.randn(1, 4, n, 16)
-    k = torch.randn(1, 2, n, 16)
+    device = DEV if backend == "triton" else "cpu"
+    q = torch.randn(1, 4, n, 16, device=device)
+    k = torch.randn(1, 2, n, 16, device=device)
     cfg = sparseflow.PBSConfig(block_size=block_size, segment_size=2 * block_size)
     return sparseflow.attention(q, k, k, config=cfg, is_causal=True, backend=backend)
 

@@ -142,13 +142,12 @@ def test_early_proxy_promotes_a_far_back_key():
     assert p2[0, 0, 1].item() == 5
     # the whole op carries the option: its permutation is the one above
     for backend in ("reference", "triton"):
+        qkv = [t.to(DEV if backend == "triton" else "cpu") for t in (q, k, v)]
         with sparseflow.capture() as cap:
-            sparseflow.attention(
-                q, k, v, config=PBSConfig(block_size=4, segment_size=8, proxy_blocks=2), backend=backend
-            )
+            sparseflow.attention(*qkv, config=PBSConfig(block_size=4, segment_size=8, proxy_blocks=2), backend=backend)
         assert cap.calls[0].selection.permutation[0, 0, 0].item() == 2, backend
         with sparseflow.capture() as cap:
-            sparseflow.attention(q, k, v, config=PBSConfig(block_size=4, segment_size=8), backend=backend)
+            sparseflow.attention(*qkv, config=PBSConfig(block_size=4, segment_size=8), backend=backend)
         assert cap.calls[0].selection.permutation[0, 0, 0].item() == 5, backend
 
 
@@ -311,7 +310,12 @@ def test_op_backends_match_reference_p3_odd_shape(backend, gqa):
     # and the option matters here: P=1 permutes differently
     with sparseflow.capture() as cap:
         sparseflow.attention(
-            q, k, v, config=cfg.replace(proxy_blocks=1), attn_mask=kpm[:, None, None, :], backend="reference"
+            q.to(DEV),
+            k.to(DEV),
+            v.to(DEV),
+            config=cfg.replace(proxy_blocks=1),
+            attn_mask=kpm[:, None, None, :].to(DEV),
+            backend="reference",
         )
     assert not torch.equal(cap.calls[0].selection.permutation, sels["reference"].permutation)
 

@@ -7,6 +7,8 @@ import torch
 import sparseflow
 from sparseflow.methods.pbs import reference as R
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
+
 
 def _inputs(n=90, hq=4, hkv=2, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -86,7 +88,7 @@ def test_op_runs_sampled_rows_and_matches_masked_dense(backend):
     # off CUDA the triton backend selects with the reference's torch stages (Tuning.pbs_select's
     # default there; on CUDA triton_estimate's kernels select, tests/methods/pbs/test_pbs_triton_estimate.py)
     # and attends with its kernel (the CPU interpreter here)
-    q, k, v = _inputs(n=77, d=16)
+    q, k, v = (t.to(DEV if backend == "triton" else "cpu") for t in _inputs(n=77, d=16))
     kw = dict(block_size=16, segment_size=32, threshold=0.7, scoring="sampled_rows", antidiagonal_stride=4)
     ref, sel = R.pbs_attention(q, k, v, return_selection=True, **kw)
     mask = sel.key_mask(q.shape[1])
