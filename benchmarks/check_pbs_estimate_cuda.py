@@ -70,12 +70,12 @@ def near_tie_mask(probs, cand, thr, tol_mass=1e-4, tol_prob=1e-5):
 
 
 def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
-    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_select as S
 
     q, k, _ = _inputs(n, seed=n + stride, device=device)
     perm = _permutation(q, k, gqa)
-    lay = TI.permuted_layout(k, None, perm, block_size=BS)
+    lay = TG.permuted_layout(k, None, perm, block_size=BS)
     _, _, _, bm = S.select_block_lists(
         q,
         lay.k,
@@ -122,12 +122,12 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sparseflow.methods.pbs import triton_estimate as E
-    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_select as S
 
     q, k, v = _inputs(n, device=device)
     perm = _permutation(q, k, gqa)
-    lay = TI.permuted_layout(k, None, perm, block_size=BS)
+    lay = TG.permuted_layout(k, None, perm, block_size=BS)
     hp = perm.shape[1]
     hq = q.shape[1]
 

@@ -200,7 +200,7 @@ def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, den
     """Everything the PBS attention kernel takes, for a random selection of ``density``."""
     from sparseflow.methods.pbs import reference as R
     from sparseflow.methods.pbs import triton_attention as TA
-    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
 
     hp = hq if gqa == "query_head" else hkv
     q, k, v = qkv(b, hq, hkv, n, d, dtype, seed=n)
@@ -212,7 +212,7 @@ def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, den
     if layout == "gather":
         kk, vv = k, v
     else:
-        kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
+        kk, vv = TG.permute_kv(k, perm), TG.permute_kv(v, perm)
     dens = R.selection_density(bm, perm, block_size=bs).mean().item()
     return dict(
         q=q,

@@ -87,6 +87,7 @@ def part_check(args, results):
     """GPU correctness: Triton attention given the reference's selection vs the reference in fp64,
     and torch SDPA's own error on the same masked problem (the 2x rule)."""
     from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
 
     rows = []
     cases = [
@@ -179,7 +180,7 @@ def part_check(args, results):
             perm2 = S.segment_permutation(sc2, segment_size=seg, key_padding_mask=kpm)
             _, _, _, bm2 = S.select_block_lists(
                 q,
-                TI.permute_kv(k, perm),
+                TG.permute_kv(k, perm),
                 perm,
                 key_padding_mask=kpm,
                 is_causal=causal,
@@ -187,7 +188,7 @@ def part_check(args, results):
                 segment_size=seg,
                 threshold=thr,
             )
-            lay = TI.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
+            lay = TG.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
             _, _, _, bm3 = S.select_block_lists(
                 q,
                 None,
@@ -206,8 +207,8 @@ def part_check(args, results):
                 selection_diff_blocks=int((bm2 != bm).sum()),
                 same_selection_layout_path=bool(torch.equal(bm3, bm)),
                 layout_exact=bool(
-                    torch.equal(lay.k, TI.permute_kv_torch(k, perm))
-                    and torch.equal(lay.v, TI.permute_kv_torch(v, perm))
+                    torch.equal(lay.k, TG.permute_kv_torch(k, perm))
+                    and torch.equal(lay.v, TG.permute_kv_torch(v, perm))
                 ),
             )
         except Exception as e:  # noqa: BLE001
@@ -369,7 +370,7 @@ def part_total(args, results):
     """The whole op (scoring + permutation + selection + attention) at the default threshold on the
     structured generator, per stage, vs cuDNN dense; plus time against density (random masks)."""
     from sparseflow.methods.pbs import triton_attention as TA
-    from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
 
     b, hq, hkv, d = 1, args.hq, args.hkv, args.d
     bs, seg, thr = args.block, args.segment, args.threshold
@@ -393,7 +394,7 @@ def part_total(args, results):
             kv_num, kv_full, kv_idx = TA.block_mask_to_indices(
                 bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True
             )
-            kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
+            kk, vv = TG.permute_kv(k, perm), TG.permute_kv(v, perm)
             ev[4].record()
             out = TA.pbs_block_sparse_attention(q, kk, vv, kpos, kv_num, kv_full, kv_idx, block_size=bs)
             ev[5].record()
@@ -412,14 +413,14 @@ def part_total(args, results):
         kv_num, kv_full, kv_idx = TA.block_mask_to_indices(
             bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True
         )
-        kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
+        kk, vv = TG.permute_kv(k, perm), TG.permute_kv(v, perm)
         t_attn = bench(lambda: TA.pbs_block_sparse_attention(q, kk, vv, kpos, kv_num, kv_full, kv_idx, block_size=bs))
         t_prep = bench(
             lambda: (
                 TA.key_positions(perm),
                 TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True),
-                TI.permute_kv(k, perm),
-                TI.permute_kv(v, perm),
+                TG.permute_kv(k, perm),
+                TG.permute_kv(v, perm),
             )
         )
         sel_ms = t[0] + t[1] + t[2]
@@ -440,7 +441,7 @@ def part_total(args, results):
             attention_speedup_vs_cudnn=t_cudnn / t_attn,
             selection_impl="torch reference (no kernel yet)",
         )
-        # stages 1-3 + layout with the Triton kernels (triton_select, triton_impl.permuted_layout),
+        # stages 1-3 + layout with the Triton kernels (triton_select, triton_gather.permuted_layout),
         # side by side; the selection is checked against the reference run on the kernels' own
         # permutation (perm2), which may differ from the reference's (perm) at score near-ties
         kern_stage_ms = None
@@ -450,14 +451,14 @@ def part_total(args, results):
 
                 sc2 = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
                 perm2 = S.segment_permutation(sc2, segment_size=seg)
-                lay2 = TI.permuted_layout(k, v, perm2, block_size=bs)
+                lay2 = TG.permuted_layout(k, v, perm2, block_size=bs)
                 lists2 = S.select_block_lists(
                     q, None, perm2, block_size=bs, segment_size=seg, threshold=thr, layout=lay2
                 )
                 torch.cuda.synchronize()
                 t_ks = bench(lambda: S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa))
                 t_kp = bench(lambda: S.segment_permutation(sc2, segment_size=seg))
-                t_kl = bench(lambda: TI.permuted_layout(k, v, perm2, block_size=bs))
+                t_kl = bench(lambda: TG.permuted_layout(k, v, perm2, block_size=bs))
                 t_kb = bench(
                     lambda: S.select_block_lists(
                         q,
@@ -540,6 +541,7 @@ def part_stages(args, results):
     op, and the selection checked against the reference on the same permutation."""
     from sparseflow.methods.pbs import triton_attention as TA
     from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_select as S
 
     b, hq, hkv, d = 1, args.hq, args.hkv, args.d
@@ -552,7 +554,7 @@ def part_stages(args, results):
         t_cudnn = bench(cud)
         sc = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
         perm = S.segment_permutation(sc, segment_size=seg)
-        lay = TI.permuted_layout(k, v, perm, block_size=bs)
+        lay = TG.permuted_layout(k, v, perm, block_size=bs)
 
         def select(cut="bisect"):
             return S.select_block_lists(
@@ -570,7 +572,7 @@ def part_stages(args, results):
         def pipeline():
             s_ = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
             p_ = S.segment_permutation(s_, segment_size=seg)
-            l_ = TI.permuted_layout(k, v, p_, block_size=bs)
+            l_ = TG.permuted_layout(k, v, p_, block_size=bs)
             return S.select_block_lists(
                 q, None, p_, block_size=bs, segment_size=seg, threshold=thr, return_block_mask=False, layout=l_
             )
@@ -578,11 +580,11 @@ def part_stages(args, results):
         row = dict(n=n, cudnn_ms=t_cudnn)
         row["score_ms"] = bench(lambda: S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa))
         row["permute_ms"] = bench(lambda: S.segment_permutation(sc, segment_size=seg))
-        row["layout_ms"] = bench(lambda: TI.permuted_layout(k, v, perm, block_size=bs))
+        row["layout_ms"] = bench(lambda: TG.permuted_layout(k, v, perm, block_size=bs))
         row["select_ms"] = bench(select)
         row["select_sort_ms"] = bench(lambda: select("sort"))
-        row["qpool_ms"] = bench(lambda: TI.pool_query_blocks(q, None, bs))
-        qbar = TI.pool_query_blocks(q, None, bs)
+        row["qpool_ms"] = bench(lambda: TG.pool_query_blocks(q, None, bs))
+        qbar = TG.pool_query_blocks(q, None, bs)
         row["logits_ms"] = bench(lambda: S.block_logits(qbar, lay.kbar))
         row["stages_sum_ms"] = row["score_ms"] + row["permute_ms"] + row["layout_ms"] + row["select_ms"]
         row["pipeline_ms"] = bench(pipeline)  # back to back, launch overheads included
@@ -601,15 +603,15 @@ def part_stages(args, results):
         except Exception as e:  # noqa: BLE001 -- a host sync inside the pipeline cannot be captured
             row["pipeline_graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["old_layout_ms"] = bench(
-            lambda: (TI.permute_kv_torch(k, perm), TI.permute_kv_torch(v, perm), TA.key_positions(perm))
+            lambda: (TG.permute_kv_torch(k, perm), TG.permute_kv_torch(v, perm), TA.key_positions(perm))
         )
         row["op_ms"] = bench(
             lambda: TI.pbs_attention(q, k, v, block_size=bs, segment_size=seg, threshold=thr, gqa_permutation=gqa)
         )
         row["op_speedup_vs_cudnn"] = t_cudnn / row["op_ms"]
         exact_layout = bool(
-            torch.equal(lay.k, TI.permute_kv_torch(k, perm))
-            and torch.equal(lay.v, TI.permute_kv_torch(v, perm))
+            torch.equal(lay.k, TG.permute_kv_torch(k, perm))
+            and torch.equal(lay.v, TG.permute_kv_torch(v, perm))
             and torch.equal(lay.kpos, TA.key_positions(perm))
         )
         row["layout_exact"] = exact_layout

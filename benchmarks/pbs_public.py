@@ -75,6 +75,7 @@ def main(argv=None):
     sys.path.insert(0, args.public_path)
     from pbs_attn.src import pbs as pub  # the public code, run beside ours, never copied
     from sparseflow.methods.pbs import triton_impl as TI
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_select as S
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -146,7 +147,7 @@ def main(argv=None):
         def stages():
             sc = S.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation="query_head")
             p = S.segment_permutation(sc, segment_size=seg)
-            lay = TI.permuted_layout(k, v, p, block_size=bs)
+            lay = TG.permuted_layout(k, v, p, block_size=bs)
             return S.select_block_lists(
                 q, None, p, block_size=bs, segment_size=seg, threshold=thr, return_block_mask=False, layout=lay
             )

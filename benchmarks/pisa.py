@@ -281,14 +281,15 @@ def part_select_tiled(args, results):
     op beside the tiled one over tile sizes and warps; every tiled selection must equal the
     per-token one (``equal``)."""
     from sparseflow.methods.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
     from sparseflow.methods.pisa import triton_select_tiled as TT
 
     q, k, _ = pisa_inputs(args.variant_n, 32, 2, 64)
     summ, nfv, _, off, span = PT.build_pyramid(k, block_size=64, branching=2)
     # q, k, kpm, pyramid, scale, causal, score (lse), C, g, K, force sink / previous, beam
     walk = (q, k, None, summ, nfv, off, span, q.shape[-1] ** -0.5, True, 0, 64, 2, 8, True, True, 1)
-    want = PT._pisa_select_fwd(*walk)
-    rows = [dict(n=args.variant_n, walk="per_token", ms=bench(lambda: PT._pisa_select_fwd(*walk)))]
+    want = per_token._pisa_select_fwd(*walk)
+    rows = [dict(n=args.variant_n, walk="per_token", ms=bench(lambda: per_token._pisa_select_fwd(*walk)))]
     print(f"walk only n={args.variant_n} per_token: {rows[0]['ms']:.3f} ms", flush=True)
     for block_q in (4, 8, 16):
         for warps in (4, 8):

@@ -12,9 +12,7 @@ from .ops import attention, bsa_attention, dense_attention, pbs_attention, pisa_
 from .recording import CallRecord, Capture, capture
 from .selection import Selection
 from .tuning import Tuning
-
-# The one version string: pyproject.toml reads it from here ([tool.setuptools.dynamic]).
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AttentionConfig",

@@ -396,7 +396,7 @@ def _check_model_context_parallel(context_parallel: Any):
 
 
 def _marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
-    from . import __version__
+    from ._version import __version__
 
     return {
         "sparseflow_version": __version__,

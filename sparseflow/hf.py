@@ -107,7 +107,7 @@ class Plan:
         return self.config
 
     def to_dict(self) -> Dict[str, Any]:
-        from . import __version__
+        from ._version import __version__
 
         return {
             "format": PLAN_FORMAT,

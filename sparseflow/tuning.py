@@ -42,8 +42,8 @@ class Tuning:
     ``pbs_tma``: let the PBS attention kernel use TMA loads where the device and layout allow
     (Hopper or newer, permuted layout, 16-byte aligned rows); False never does.
     ``pisa_walk``: how PISA's selection walk is parallelised (the selection is the same):
-    ``"per_token"``, one program per query token (``methods/pisa/triton_select``); ``"tiled"``, one
-    program per tile of consecutive queries sharing the scoring of each level
+    ``"per_token"``, one program per query token (``methods/pisa/triton_select_per_token``);
+    ``"tiled"``, one program per tile of consecutive queries sharing the scoring of each level
     (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
     ``"scan"``, query tiles score every node above the leaves, the per-token walk reads those
     scores down to its leaf candidates, and the (query, leaf) pairs are scored a leaf at a time

@@ -181,9 +181,10 @@ def _pad(b, n):
 def run_pbs(cases):
     from sparseflow import Tuning
     from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_impl as TI
 
-    TI._use_kernels = lambda t: True
+    TG._use_kernels = lambda t: True
     tma_default = TA._tma_ok
     # CPU tensors launch head by head (triton_attention.heads_first); the first case also heads first
     orders = [(case, None) for case in cases] + [(case, True) for case in cases[:1]]
@@ -213,9 +214,10 @@ def run_pbs_strided(cases):
     block-probability kernel the tests use."""
     from sparseflow import Tuning
     from sparseflow.methods.pbs import triton_estimate as TE
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_impl as TI
 
-    TI._use_kernels = lambda t: True
+    TG._use_kernels = lambda t: True
     for n, d, dtype, gqa, pad, causal, scoring, stride in cases:
         q, k, v = _qkv(2, 8, 2, n, d, dtype)
         TI.pbs_attention(
@@ -419,10 +421,11 @@ def run_short_prompts():
     KV head, block 64, K 3 (the launch shapes of a chat's first turn)."""
     from sparseflow import Tuning
     from sparseflow.methods.bsa import triton_impl as BI
+    from sparseflow.methods.pbs import triton_gather as TG
     from sparseflow.methods.pbs import triton_impl as TI
     from sparseflow.methods.pisa import triton_impl as PI
 
-    TI._use_kernels = lambda t: True
+    TG._use_kernels = lambda t: True
     for n in SHORT_LENGTHS:
         q, k, v = _qkv(1, 7, 1, n, 64, torch.float16)
         for walk in ("auto", "per_token", "tiled", "scan"):

@@ -19,8 +19,9 @@ def _pyproject():
 def test_one_version_string():
     data = _pyproject()
     assert "version" not in data["project"] and "version" in data["project"]["dynamic"]
-    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "sparseflow.__version__"}
+    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "sparseflow._version.__version__"}
     assert isinstance(sparseflow.__version__, str) and sparseflow.__version__.count(".") >= 2
+    assert sparseflow.__version__ is sparseflow._version.__version__
 
 
 def test_py_typed_ships():

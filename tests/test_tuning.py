@@ -224,17 +224,17 @@ def test_pbs_tuning_reaches_the_kernel(monkeypatch, tuning, select, launch):
 
 
 def _spy_pisa(monkeypatch):
-    from sparseflow.methods.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
 
     seen = []
-    real = PT._launch
+    real = per_token._launch
 
     def launch(cw, warps=None, leaf_bytes=None):
         got = real(cw, warps, leaf_bytes)
         seen.append(got)
         return got
 
-    monkeypatch.setattr(PT, "_launch", launch)
+    monkeypatch.setattr(per_token, "_launch", launch)
     return seen
 
 
@@ -265,9 +265,9 @@ def test_pisa_decode_takes_the_tuning(monkeypatch):
 def test_default_launch_settings_unchanged():
     pytest.importorskip("triton")
     from sparseflow.methods.pbs import triton_impl as TI
-    from sparseflow.methods.pisa import triton_select as PT
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
 
-    assert PT._launch(16) == (1, 16384) and PT._launch(32) == (4, 65536)
+    assert per_token._launch(16) == (1, 16384) and per_token._launch(32) == (4, 65536)
     assert TI.select_impl(torch.device("cpu")) == "reference"
     assert TI.select_impl(torch.device("cuda")) == "triton"
     assert TI.select_impl(torch.device("cuda"), Tuning(pbs_select="reference")) == "reference"

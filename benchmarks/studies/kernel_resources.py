@@ -109,9 +109,9 @@ def drive(method: str, n: int) -> None:
         triton_impl.bsa_attention(q, k, v)
         torch.ops.sparseflow.token_tile_lists(torch.zeros(1, 3, n, 8, dtype=torch.int32), 21, -(-n // 64))
     else:
-        from sparseflow.methods.pbs import triton_impl
+        from sparseflow.methods.pbs import triton_gather, triton_impl
 
-        triton_impl._use_kernels = lambda t: True
+        triton_gather._use_kernels = lambda t: True
         triton_impl.pbs_attention(q, k, v)
 
 

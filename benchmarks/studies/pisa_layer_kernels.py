@@ -12,12 +12,13 @@ listed layers see on real text (``pydoc_topics``; the selections, and so the att
 unions, differ a lot from random ones). ``--attn-rows`` times the token-sparse attention with
 other rows per program (``token_sparse_triton.FWD_ROWS``) on the same selection, ``--scan-launch``
 the selection with other launch settings (``triton_select_scan.LAUNCH``). ``--old FOLDER``
-also times an earlier commit's selection (``triton_select.py``, ``triton_select_scan.py``) and
-token-sparse attention (``token_sparse_triton.py``) read from FOLDER, on the same inputs, and
-checks that they select and output what the tree's do (see ``pisa_select_ab.py``):
+also times an earlier commit's selection (``pisa_select_ab.OLD_MODULES``) and token-sparse
+attention (``token_sparse_triton.py``) read from FOLDER, on the same inputs, and checks that they
+select and output what the tree's do (see ``pisa_select_ab.py``):
 
     mkdir -p .ab && git show HEAD:sparseflow/kernels/token_sparse_triton.py > .ab/token_sparse_triton.py
-    for f in triton_select triton_select_scan; do git show HEAD:sparseflow/methods/pisa/$f.py > .ab/$f.py; done
+    for f in triton_select_common triton_select_per_token triton_select triton_select_scan; do
+        git show HEAD:sparseflow/methods/pisa/$f.py > .ab/$f.py 2>/dev/null || rm .ab/$f.py; done
     python benchmarks/studies/pisa_layer_kernels.py --real 3,15,27 --old .ab
 
 ``--pdl`` also times the op, the selection and the attention with their kernels chained by

@@ -2,12 +2,13 @@
 call (the pyramid build included; CUDA graphs, so no host time), the kernels by name (profiler) at
 8K, and whether the two select the same blocks, for the scan and the per-token walk.
 
-The earlier commit's ``triton_select.py`` and ``triton_select_scan.py`` are read from a folder
+The earlier commit's selection modules (:data:`OLD_MODULES`; commits before the walks' shared
+code left ``triton_select.py`` hold only it and ``triton_select_scan.py``) are read from a folder
 (the device machine has no git history) and loaded beside the tree's under private module names,
 their ops renamed into the ``sparseflow_ab`` namespace so that both sets of ops can be registered:
 
-    mkdir -p .ab && for f in triton_select triton_select_scan; do
-        git show d268b9f:sparseflow/methods/pisa/$f.py > .ab/$f.py; done
+    mkdir -p .ab && for f in triton_select_common triton_select_per_token triton_select triton_select_scan; do
+        git show d268b9f:sparseflow/methods/pisa/$f.py > .ab/$f.py 2>/dev/null || rm .ab/$f.py; done
     python benchmarks/studies/pisa_select_ab.py --old .ab --json benchmarks/results/pisa_select_session_h200.json
 
 Shapes: SmolLM2's attention (B 1, Hq 9, Hkv 3) and the paper's (Hq 32, Hkv 2); D 64, C 64, K 8,
@@ -29,8 +30,10 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import sparseflow  # noqa: E402
 
 PACKAGE = "sparseflow.methods.pisa"
-# the modules an earlier commit may hold, in import order (the scan imports the walk's module)
-OLD_MODULES = ("triton_select", "triton_select_scan")
+# the modules an earlier commit may hold, in import order: the walks' shared code, the per-token
+# walk, the selection (which imports the scan where it picks it) and the scan (which runs the
+# per-token kernel; before the split it imported the walk from triton_select)
+OLD_MODULES = ("triton_select_common", "triton_select_per_token", "triton_select", "triton_select_scan")
 
 
 def renamed_source(src: str, siblings=()) -> str:
@@ -60,9 +63,9 @@ def exec_renamed(path: str, package: str, name: str, siblings=()) -> types.Modul
 
 
 def load_old(folder: str) -> types.ModuleType:
-    """The earlier ``triton_select`` module from ``folder`` (with its scan module, if there), each
-    imported as ``sparseflow.methods.pisa._ab_<name>`` with its imports of the other redirected
-    and its ops registered as ``sparseflow_ab::...``."""
+    """The earlier ``triton_select`` module from ``folder`` (with the other :data:`OLD_MODULES`
+    there), each imported as ``sparseflow.methods.pisa._ab_<name>`` with its imports of the others
+    redirected and its ops registered as ``sparseflow_ab::...``."""
     folder = os.path.abspath(folder)
     names = [m for m in OLD_MODULES if os.path.exists(os.path.join(folder, m + ".py"))]
     if "triton_select" not in names:
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     from sparseflow.methods.pisa import triton_select as new
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True, help="folder holding the earlier commit's triton_select(_scan).py")
+    ap.add_argument("--old", required=True, help="folder holding the earlier commit's selection modules (OLD_MODULES)")
     ap.add_argument("--cases", default="smollm2:4096,smollm2:8192,smollm2:32768,paper:8192", help="shape:N, comma list")
     ap.add_argument("--per-token-max", type=int, default=8192, help="time the per-token walk up to this length")
     ap.add_argument("--json")

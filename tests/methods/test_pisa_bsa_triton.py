@@ -108,6 +108,7 @@ def test_pisa_walk_reads_queries_and_keys_past_int32_elements(layout):
     """The walk's q / raw-key offsets are 64-bit: a batch row or a key / query position 2**31
     elements or more into its tensor (long contexts) is read in place, not wrapped elsewhere."""
     from sparseflow.methods.pisa import triton_select as ts
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
 
     b, hq, nq, nk, d, specs = layout
     k_far, q_far = _far_views(specs, torch.float16)
@@ -118,7 +119,7 @@ def test_pisa_walk_reads_queries_and_keys_past_int32_elements(layout):
     summ, nfv, _, lvl_off, lvl_span = ts.build_pyramid(k, block_size=c, branching=g)
 
     def walk(qq, kk_):
-        return ts._pisa_select_fwd(
+        return per_token._pisa_select_fwd(
             qq, kk_, None, summ, nfv, lvl_off, lvl_span, d**-0.5, False, 0, c, g, kk, False, False, 1
         )
 

@@ -63,6 +63,7 @@ from . import reference as _ref
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least, sm_count
 from .config import PBSConfig
+from .triton_gather import permute_kv
 
 __all__ = [
     "strided_estimate",
@@ -980,8 +981,6 @@ def block_probabilities(
     """fp32 ``[B, Hq, nB, nB]``: the reference's ``block_probabilities`` for its candidates
     (``candidate_blocks``) with the strided scorings, from the Triton estimate (``block_m``,
     ``block_n``: tile overrides)."""
-    from .triton_impl import permute_kv
-
     bsz, hq, n, _ = q.shape
     hp = permutation.shape[1]
     nb = -(-n // block_size)

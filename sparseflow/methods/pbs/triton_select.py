@@ -49,6 +49,7 @@ import triton.language as tl
 from . import reference as _ref
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
+from .triton_gather import pool_query_blocks
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least
 from .config import PBSConfig
@@ -289,7 +290,7 @@ def select_block_lists(
     dense_from: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
-    keys. ``layout``: the :class:`triton_impl.PermutedLayout` of the permutation (its pooled key
+    keys. ``layout``: the :class:`triton_gather.PermutedLayout` of the permutation (its pooled key
     blocks, valid-key counts and sink blocks, made by the same launch that permutes K/V); without
     it they are computed here in torch from ``k_perm [B, Hp, N, D]`` (``permute_kv(k,
     permutation)``). ``mask_segment`` (default ``segment_size``) decides which blocks take the
@@ -534,8 +535,6 @@ def _select_strided(
 def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes) -> None:
     """Selection from the logits of pooled query blocks against pooled key blocks, in chunks of
     permutation heads whose logits fit ``max_logit_bytes``."""
-    from .triton_impl import pool_query_blocks
-
     _, nb, g, hp, _ = launch.shape_args
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()

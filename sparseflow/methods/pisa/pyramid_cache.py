@@ -7,10 +7,10 @@ the capacity, so the table never moves as tokens arrive; nodes past the current 
 key and are dropped by the walk, which therefore selects exactly what a pyramid built for the
 current length selects). ``append`` adds one key per (batch, KV head): one kernel launch updates
 the leaf and its ``O(log N)`` ancestors (sum, count, mean, first valid position).
-``select`` runs the fused walk of ``triton_select`` for the new query token(s) against it:
-``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k`` nodes above
-the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention over the
-selected blocks (``token_sparse_triton``), on the growing k/v of the caller.
+``select`` runs the per-token walk (``triton_select_per_token``) for the new query token(s)
+against it: ``O(g * beam * K * log(N / C))`` per token (``beam``: the walk keeps ``beam * top_k``
+nodes above the leaves, as ``PISAConfig.beam``). ``decode_step`` = append + select + attention
+over the selected blocks (``token_sparse_triton``), on the growing k/v of the caller.
 
 ``decode_step_static`` is the same step on preallocated KV buffers of the capacity, its length in
 an int32 device tensor that the kernels read: no host sync and the same launches at every length
@@ -32,7 +32,9 @@ from ...kernels.token_blocks import selection_width
 from ...kernels.token_sparse_decode_triton import decode_splits, token_sparse_decode_fwd
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
-from .triton_select import SCORE_CODES, _pisa_select_fwd, build_pyramid, pyramid_tables
+from .triton_select import build_pyramid, pyramid_tables
+from .triton_select_common import SCORE_CODES
+from .triton_select_per_token import _pisa_select_fwd
 from .config import PISAConfig
 
 __all__ = ["PyramidCache"]

@@ -10,9 +10,9 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node
    is scored only for queries it lies entirely before (others force it or drop it), so its
    children's visibility is whether they hold a valid key, the same for every query of the tile.
-2. the per-token walk (``triton_select._pisa_select_kernel`` with ``PRE_SCORES``) reads those
-   scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves, writing each
-   query's leaf candidates.
+2. the per-token walk (``triton_select_per_token._pisa_select_kernel`` with ``PRE_SCORES``)
+   reads those scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves,
+   writing each query's leaf candidates.
 3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
    giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
    into chunks (two cumsums and a search, one program on the device), :func:`pair_order` places each
@@ -45,18 +45,18 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
 from ...kernels.pdl import pdl_launch, pdl_start
-from .triton_select import (
-    _launch,
+from .triton_select_common import (
     _p2,
     _lse2_scaled,
-    _pisa_select_kernel,
     _reduce,
+    _rows_compact,
+    _rows_top_k_keep,
     candidate_width,
     log2_scale,
     walk_args,
     walk_meta,
 )
-from .triton_select_tiled import _rows_compact, _rows_top_k_keep
+from .triton_select_per_token import _launch, _pisa_select_kernel
 
 __all__ = [
     "scan_covers",

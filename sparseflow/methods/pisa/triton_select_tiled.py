@@ -1,5 +1,5 @@
 """PISA selection walk by query tiles (``Tuning.pisa_walk="tiled"``): the same selection as
-``triton_select``'s per-token walk and the reference, with the scoring shared by a tile.
+``triton_select_per_token``'s walk and the reference, with the scoring shared by a tile.
 
 One program walks ``BQ`` consecutive query tokens of one (batch, KV head) from the root to the
 leaves. Every row keeps its own kept set (``[BQ, KP]`` registers) and its own candidates
@@ -69,9 +69,9 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select import _reduce, candidate_width, walk_args, walk_meta
+from .triton_select_common import _p2, _reduce, _rows_compact, _rows_top_k_keep, candidate_width, walk_args, walk_meta
 
-__all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "candidate_width", "leaf_chunk"]
+__all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "leaf_chunk"]
 
 # sm_90 (ptxas -v on the benchmark shape: G 16, D 64, C 64, K 8, bf16): 8 warps fit the tile in
 # 216 registers a thread without spilling, 4 warps spill ~300 bytes; not yet timed
@@ -82,10 +82,6 @@ _TARGET_ROWS = 128  # dot rows (queries x heads) per tile when the group leaves 
 _MAX_BQ = 16  # queries per tile
 _TILE_CANDIDATES = 256  # BQ * CW: the union's bookkeeping ([chunk, BQ * CW]) and the ranking ([BQ, CW, CW])
 _LOGITS = 8192  # fp32 logits of one leaf-level dot (BQ * GP rows x UL * CP keys): 32 registers a thread at 8 warps
-
-
-def _p2(x: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
 
 
 def tiled_covers(group: int, beam: int, top_k: int, branching: int) -> Optional[str]:
@@ -120,33 +116,6 @@ def leaf_chunk(rows: int, cp: int) -> int:
 
 
 # --------------------------------------------------------------------------- per-row bookkeeping
-
-
-@triton.jit
-def _rows_top_k_keep(valid, forced, score, ar_cw, width):
-    """Per row of ``[BQ, CW]``: keep the forced entries and the best-scoring others, ``width`` in
-    total, ties to the lower position (= lower node id). An entry is kept when fewer than
-    ``width`` entries of its row rank above it (a ``[BQ, CW, CW]`` compare: no sort, whose
-    interpreted form is slow and whose compiled form is no cheaper at these widths)."""
-    big = 3.0e38
-    key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
-    key = tl.where(forced, float("inf"), key)
-    key = tl.where(valid, key, float("-inf"))
-    mine = key[:, :, None]
-    other = key[:, None, :]
-    earlier = ar_cw[None, None, :] < ar_cw[None, :, None]
-    above = (other > mine) | ((other == mine) & earlier)
-    rank = tl.sum(above.to(tl.int32), axis=2)
-    return valid & (rank < width)
-
-
-@triton.jit
-def _rows_compact(cand, keep, ar_kp):
-    """Kept candidates of every row packed, ascending, into the first slots of ``[BQ, KP]``."""
-    slot = tl.cumsum(keep.to(tl.int32), axis=1) - 1
-    hit = keep[:, None, :] & (slot[:, None, :] == ar_kp[None, :, None])  # [BQ, KP, CW]
-    ids = tl.sum(tl.where(hit, cand[:, None, :], 0), axis=2)
-    return ids, ar_kp[None, :] < tl.sum(keep.to(tl.int32), axis=1)[:, None]
 
 
 @triton.jit
@@ -601,7 +570,7 @@ def pisa_select_tiled_fwd(
     warps: Optional[int] = None,
     block_q: Optional[int] = None,
 ) -> torch.Tensor:
-    """The per-token op's contract (``triton_select._pisa_select_fwd``) by query tiles of
+    """The per-token op's contract (``triton_select_per_token._pisa_select_fwd``) by query tiles of
     ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`."""
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]

@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 from sparseflow.methods.pbs import reference as R  # noqa: E402
 from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
 from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
+from sparseflow.methods.pbs import triton_gather as TG  # noqa: E402
 from sparseflow.selection import Selection  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +231,7 @@ def _op_args(dtype=torch.float32):
     perm, bm = _selection(q, k, None, bs=bs, seg=seg, thr=0.8, causal=True, gqa="kv_head")
     kpos = TA.key_positions(perm)
     num, full, idx = TA.block_mask_to_indices(bm, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
-    kk, vv = TI.permute_kv(k, perm), TI.permute_kv(v, perm)
+    kk, vv = TG.permute_kv(k, perm), TG.permute_kv(v, perm)
     return (q, kk, vv, kpos, num, full, idx, 32**-0.5, bs, True, False, False)
 
 
@@ -322,7 +323,7 @@ def test_select_kernel_identical_to_reference(case):
     )
     kv_num, kv_full, kv_idx, bm = select_block_lists(
         q,
-        TI.permute_kv(k, perm),
+        TG.permute_kv(k, perm),
         perm,
         key_padding_mask=kpm,
         is_causal=causal,
@@ -433,12 +434,12 @@ def test_permute_kv_kernel_exact(hp_kind, dtype):
     k = torch.randn(b, n, hkv, d, generator=g).to(DEV, dtype).transpose(1, 2)
     v = torch.randn(b, hkv, n, d, generator=g).to(DEV, dtype)
     perm = _random_perm(b, hp, n, seed=3)
-    assert torch.equal(TI.permute_kv(k, perm), TI.permute_kv_torch(k, perm))
+    assert torch.equal(TG.permute_kv(k, perm), TG.permute_kv_torch(k, perm))
     kpm = _padding(b, n)
     for mask in (None, kpm):
-        lay = TI.permuted_layout(k, v, perm, key_padding_mask=mask, block_size=bs)
-        assert torch.equal(lay.k, TI.permute_kv_torch(k, perm))
-        assert torch.equal(lay.v, TI.permute_kv_torch(v, perm))
+        lay = TG.permuted_layout(k, v, perm, key_padding_mask=mask, block_size=bs)
+        assert torch.equal(lay.k, TG.permute_kv_torch(k, perm))
+        assert torch.equal(lay.v, TG.permute_kv_torch(v, perm))
         assert torch.equal(lay.kpos, TA.key_positions(perm, mask))
         valid = mask if mask is not None else torch.ones(b, n, dtype=torch.bool, device=DEV)
         slot_valid = torch.gather(valid[:, None, :].expand(b, hp, n), 2, perm)
@@ -448,7 +449,7 @@ def test_permute_kv_kernel_exact(hp_kind, dtype):
         from sparseflow.methods.pbs.triton_select import pool_blocks
 
         torch.testing.assert_close(
-            lay.kbar, pool_blocks(TI.permute_kv_torch(k, perm), slot_valid, bs, False), rtol=1e-6, atol=1e-6
+            lay.kbar, pool_blocks(TG.permute_kv_torch(k, perm), slot_valid, bs, False), rtol=1e-6, atol=1e-6
         )
         first = R._first_valid(mask, b, n, DEV)
         sink = (perm == first[:, None, None]).to(torch.int8).argmax(-1) // bs
@@ -462,7 +463,7 @@ def test_pool_query_blocks_matches_reference():
     kpm[1, 16:32] = False  # a block with no valid query: pooled over all its positions
     for mask in (None, kpm):
         ref = R._query_block_means(q, R._valid_positions(mask, b, n, DEV), bs)
-        torch.testing.assert_close(TI.pool_query_blocks(q, mask, bs), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(TG.pool_query_blocks(q, mask, bs), ref, rtol=1e-6, atol=1e-6)
 
 
 NEW_SELECT_CASES = [
@@ -490,7 +491,7 @@ def test_select_from_layout_identical_to_reference(case):
     ref_bm = R.select_blocks(
         q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
     )
-    lay = TI.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
+    lay = TG.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
     kv_num, kv_full, kv_idx, bm = select_block_lists(
         q,
         None,
@@ -532,7 +533,7 @@ def test_threshold_ties_go_to_lower_blocks(cut, thr):
         segment_size=seg,
         threshold=thr,
         cut=cut,
-        layout=TI.permuted_layout(k, None, perm, block_size=bs),
+        layout=TG.permuted_layout(k, None, perm, block_size=bs),
     )[3]
     assert torch.equal(bm, ref_bm)
     # the last query block has 8 candidates of 1/8 each: it keeps ceil(thr * 8) of them, the first ones

@@ -24,6 +24,7 @@ from sparseflow.methods.pbs import reference as R  # noqa: E402
 from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
 from sparseflow.methods.pbs import triton_estimate as E  # noqa: E402
 from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
+from sparseflow.methods.pbs import triton_gather as TG  # noqa: E402
 from sparseflow.methods.pbs import triton_select as S  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +143,7 @@ def test_estimate_writes_every_row(poisoned):
         lbm, lse = poisoned(
             E.strided_estimate,
             q,
-            TI.permute_kv(k, perm),
+            TG.permute_kv(k, perm),
             kpos,
             lens,
             qvalid,
@@ -172,7 +173,7 @@ def test_key_splits_equal_one_pass(poisoned, scoring, causal, pad, splits):
     perm = _perm(q, k, kpm, 16, 32, "kv_head")
     kpos, lens, qvalid = E.padding_inputs(kpm, perm, 16)
     kw = dict(scoring=scoring, stride=4, hp=2, block_size=16, segment_size=32, is_causal=causal, block_m=16, block_n=16)
-    args = (q, TI.permute_kv(k, perm), kpos, lens, qvalid)
+    args = (q, TG.permute_kv(k, perm), kpos, lens, qvalid)
     lbm1, lse1 = poisoned(E.strided_estimate, *args, key_splits=1, **kw)
     lbm, lse = poisoned(E.strided_estimate, *args, key_splits=splits, **kw)
     assert not lbm.isnan().any() and not lse.isnan().any()
@@ -229,7 +230,7 @@ def test_causal_estimate_defines_every_block(poisoned, pad):
         lbm, lse = poisoned(
             E.strided_estimate,
             q,
-            TI.permute_kv(k, perm),
+            TG.permute_kv(k, perm),
             kpos,
             lens,
             qvalid,
@@ -250,7 +251,7 @@ def test_causal_estimate_defines_every_block(poisoned, pad):
 
 
 def _block_lists(q, k, perm, kpm, **kw):
-    return S.select_block_lists(q, TI.permute_kv(k, perm), perm, key_padding_mask=kpm, **kw)
+    return S.select_block_lists(q, TG.permute_kv(k, perm), perm, key_padding_mask=kpm, **kw)
 
 
 def _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, bs, seg, causal, kpm):
@@ -468,7 +469,7 @@ def _est_op_args(scoring, pad, dtype=torch.float32):
     plan = E.estimate_plan(scoring, bs, s, 16, 16)
     return (
         q,
-        TI.permute_kv(k, perm),
+        TG.permute_kv(k, perm),
         kpos,
         lens,
         qvalid,

@@ -131,16 +131,17 @@ _OUT_FAR = ((1, 1, _NQ, _TOPK), (0, 0, 2**30 + 2**20, 1), 0)
 
 
 def _walk_op(name):
-    from sparseflow.methods.pisa import triton_select as ts
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
     from sparseflow.methods.pisa import triton_select_tiled as tiled
 
-    return {"per-token": ts._pisa_select_fwd, "tiled": tiled.pisa_select_tiled_fwd}[name]
+    return {"per-token": per_token._pisa_select_fwd, "tiled": tiled.pisa_select_tiled_fwd}[name]
 
 
 @pytest.mark.parametrize("score", ["lse", "mean"])
 @pytest.mark.parametrize("walk_name", ["per-token", "tiled"])
 def test_walk_reads_summaries_and_writes_selections_past_int32_elements(walk_name, score, monkeypatch):
     from sparseflow.methods.pisa import triton_select as ts
+    from sparseflow.methods.pisa.triton_select_common import SCORE_CODES
 
     (summ_far,) = far_views([_SUMM_FAR], torch.float32, DEVICE)
     (out_far,) = far_views([_OUT_FAR], torch.float32, DEVICE)
@@ -153,7 +154,7 @@ def test_walk_reads_summaries_and_writes_selections_past_int32_elements(walk_nam
     summ_far.copy_(summ)
     out_far.fill_(-7)  # what stays unwritten shows
     op = _walk_op(walk_name)
-    rules = (_D**-0.5, False, ts.SCORE_CODES[score], _C, _G, _TOPK, False, False, 1)
+    rules = (_D**-0.5, False, SCORE_CODES[score], _C, _G, _TOPK, False, False, 1)
 
     def walk(s):
         return op(q, k, None, s, nfv, lvl_off, lvl_span, *rules)

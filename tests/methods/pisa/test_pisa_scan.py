@@ -18,6 +18,7 @@ from sparseflow.methods.pisa import reference as pisa_ref
 
 triton = pytest.importorskip("triton")
 from sparseflow.methods.pisa import triton_select  # noqa: E402  (imports triton)
+from sparseflow.methods.pisa import triton_select_common as common  # noqa: E402
 from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -407,7 +408,7 @@ def _reduce_probe(x_ptr, ok_ptr, out_ptr, M: tl.constexpr, U: tl.constexpr, J: t
     ar_m, ar_u, ar_j = tl.arange(0, M), tl.arange(0, U), tl.arange(0, J)
     flat = ar_m[:, None, None] * (U * J) + ar_u[None, :, None] * J + ar_j[None, None, :]
     ok = tl.load(ok_ptr + ar_u[:, None] * J + ar_j[None, :]) != 0
-    out = triton_select._reduce(tl.load(x_ptr + flat), ok[None, :, :], 0)
+    out = common._reduce(tl.load(x_ptr + flat), ok[None, :, :], 0)
     tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], out)
 
 
@@ -416,7 +417,7 @@ def _lse2_probe(x_ptr, ok_ptr, out_ptr, scale, M: tl.constexpr, U: tl.constexpr,
     ar_m, ar_u, ar_j = tl.arange(0, M), tl.arange(0, U), tl.arange(0, J)
     flat = ar_m[:, None, None] * (U * J) + ar_u[None, :, None] * J + ar_j[None, None, :]
     ok = tl.load(ok_ptr + ar_u[:, None] * J + ar_j[None, :]) != 0
-    out = triton_select._lse2_scaled(tl.load(x_ptr + flat), ok[None, :, :], scale)
+    out = common._lse2_scaled(tl.load(x_ptr + flat), ok[None, :, :], scale)
     tl.store(out_ptr + ar_m[:, None] * U + ar_u[None, :], out)
 
 
@@ -431,9 +432,7 @@ def test_lse_of_unscaled_logits_scales_them_in_the_exponent():
     ok[0, 0] = True
     want = torch.where(ok, x.double() * scale, float("-inf")).logsumexp(-1)
     out = torch.empty(m, u, device=DEVICE)
-    _lse2_probe[(1,)](
-        x.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, triton_select.log2_scale(scale, 0), M=m, U=u, J=j
-    )
+    _lse2_probe[(1,)](x.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, common.log2_scale(scale, 0), M=m, U=u, J=j)
     got = out.cpu().double()
     assert torch.equal(torch.isinf(got[:, 2]) & (got[:, 2] < 0), torch.ones(m, dtype=torch.bool))
     fin = torch.isfinite(want)
@@ -451,7 +450,7 @@ def test_lse_is_the_natural_lse():
     ok[3] = False  # a unit with no valid entry
     ok[0, 0] = True
     want = torch.where(ok, x.double(), float("-inf")).logsumexp(-1)
-    assert triton_select.log2_scale(0.5, 2) == 0.5, "other scores keep the plain scale"
+    assert common.log2_scale(0.5, 2) == 0.5, "other scores keep the plain scale"
     out = torch.empty(m, u, device=DEVICE)
     _reduce_probe[(1,)](x.to(DEVICE), ok.to(torch.int8).to(DEVICE), out, M=m, U=u, J=j)
     got = out.cpu().double()

@@ -1,0 +1,147 @@
+"""What the PISA selection's walks share: the per-token walk (``triton_select_per_token``), the
+tiled walk (``triton_select_tiled``) and the scan walk (``triton_select_scan``, which runs the
+per-token kernel as its middle stage). The score codes and row widths, the per-node score
+reductions, the per-row bookkeeping of the walks over tiles of queries, and the kernel arguments
+the per-token and the tiled walk take alike.
+
+The selection's modules import one way: ``triton_select`` (the pyramid and the choice of walk)
+above the walks, the walks above this module; of each other's, a walk imports only the per-token
+kernel and its launch settings, which the scan runs. Imported lazily; this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["SCORE_CODES", "LOG2E", "kept_slots", "candidate_width", "log2_scale", "walk_args", "walk_meta"]
+
+
+SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
+
+
+def _p2(x: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def kept_slots(beam: int, top_k: int) -> int:
+    """Kept-node slots of one row of the walk (``KP``): a power of two holding ``beam * top_k``,
+    at least 2 (a one-element block -- one leaf, a prompt of at most one block -- fails Triton's
+    coalesce pass on sm_90)."""
+    return _p2(beam * top_k, 2)
+
+
+def candidate_width(beam: int, top_k: int, branching: int) -> int:
+    """Candidate slots of one row of the walk (``CW``): the children of the kept nodes, at least
+    the 16 columns a dot needs."""
+    return max(16, kept_slots(beam, top_k) * _p2(branching))
+
+
+# --------------------------------------------------------------------------- node scores
+
+
+LOG2E = 1.4426950408889634  # log2(e): a logit times it is in base-2 units
+_LN2 = tl.constexpr(0.6931471805599453)  # a kernel reads only constexpr globals
+
+
+def log2_scale(scale: float, score: int) -> float:
+    """The dot's scale for :func:`_lse2_scaled` (LSE scores, ``score == 0``): the softmax scale
+    times log2(e); other scores take the plain scale."""
+    return scale * LOG2E if score == 0 else scale
+
+
+@triton.jit
+def _reduce(logit, okk, SCORE: tl.constexpr):
+    """Per-head score ``[M, U]`` of ``logit [M, U, J]`` over the entries where ``okk [1, U, J]``:
+    LSE (SCORE 0) or mean + 1/2 population variance (SCORE 2). (The scan's base-2 LSE of
+    unscaled logits is :func:`_lse2_scaled`.)"""
+    # (if/else throughout: Triton also traces the statements after a return in a constexpr branch)
+    if SCORE == 0:
+        masked = tl.where(okk, logit, float("-inf"))  # exp(-inf - max) is 0: no second mask
+        mx = tl.max(masked, axis=2)
+        mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+        out = mx_s + tl.log(tl.sum(tl.exp(masked - mx_s[:, :, None]), axis=2))
+    else:
+        nc = tl.maximum(tl.sum(okk.to(tl.float32), axis=2), 1.0)
+        mean = tl.sum(tl.where(okk, logit, 0.0), axis=2) / nc
+        dev = tl.where(okk, logit - mean[:, :, None], 0.0)
+        out = mean + 0.5 * tl.sum(dev * dev, axis=2) / nc
+    return out
+
+
+@triton.jit
+def _lse2_scaled(logit, okk, scale):
+    """:func:`_reduce`'s base-2 LSE (in natural units) of ``logit * scale`` (``scale > 0``, from
+    :func:`log2_scale`) over the entries where ``okk``, from the unscaled logits: the scale
+    multiplies the maxima only and joins each logit's subtraction in one fused multiply-add."""
+    masked = tl.where(okk, logit, float("-inf"))
+    mx = tl.max(masked, axis=2) * scale
+    mx_s = tl.where(mx == float("-inf"), 0.0, mx)
+    return (mx_s + tl.log2(tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2))) * _LN2
+
+
+# --------------------------------------------------------------------------- per-row bookkeeping
+# (the walks over tiles of queries: tiled and scan)
+
+
+@triton.jit
+def _rows_top_k_keep(valid, forced, score, ar_cw, width):
+    """Per row of ``[BQ, CW]``: keep the forced entries and the best-scoring others, ``width`` in
+    total, ties to the lower position (= lower node id). An entry is kept when fewer than
+    ``width`` entries of its row rank above it (a ``[BQ, CW, CW]`` compare: no sort, whose
+    interpreted form is slow and whose compiled form is no cheaper at these widths)."""
+    big = 3.0e38
+    key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
+    key = tl.where(forced, float("inf"), key)
+    key = tl.where(valid, key, float("-inf"))
+    mine = key[:, :, None]
+    other = key[:, None, :]
+    earlier = ar_cw[None, None, :] < ar_cw[None, :, None]
+    above = (other > mine) | ((other == mine) & earlier)
+    rank = tl.sum(above.to(tl.int32), axis=2)
+    return valid & (rank < width)
+
+
+@triton.jit
+def _rows_compact(cand, keep, ar_kp):
+    """Kept candidates of every row packed, ascending, into the first slots of ``[BQ, KP]``."""
+    slot = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+    hit = keep[:, None, :] & (slot[:, None, :] == ar_kp[None, :, None])  # [BQ, KP, CW]
+    ids = tl.sum(tl.where(hit, cand[:, None, :], 0), axis=2)
+    return ids, ar_kp[None, :] < tl.sum(keep.to(tl.int32), axis=1)[:, None]
+
+
+# --------------------------------------------------------------------------- walk kernel arguments
+
+
+def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
+    """The positional arguments of the per-token and the tiled walk kernels (the same in both):
+    pointers (``nfv`` stands in for an absent ``kpm``), strides, sizes and the scale."""
+    ptrs = (q, k, kpm if kpm is not None else nfv, summ, nfv, lvl_off, lvl_span, out)
+    strides = (*q.stride()[:3], *k.stride()[:3], *summ.stride()[:3], *out.stride()[:3])
+    return (*ptrs, *strides, q.shape[2], k.shape[2], summ.shape[2], k.shape[1], scale)
+
+
+def walk_meta(
+    q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+) -> dict:
+    """The compile-time arguments the two walk kernels share (the walk's shape and rules)."""
+    d = q.shape[-1]
+    return dict(
+        N_LEVELS=lvl_span.shape[0],
+        HAS_KPM=kpm is not None,
+        IS_CAUSAL=is_causal,
+        SCORE=score,
+        FORCE_SINK=force_sink,
+        FORCE_PREV=force_previous,
+        G=q.shape[1] // k.shape[1],
+        D=d,
+        DP=_p2(d, 16),
+        C=block_size,
+        CP=_p2(block_size, 16),
+        BR=branching,
+        BRP=_p2(branching),
+        TOPK=top_k,
+        WIDE=beam * top_k,
+        KP=kept_slots(beam, top_k),
+    )

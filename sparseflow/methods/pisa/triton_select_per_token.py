@@ -1,0 +1,469 @@
+"""PISA's per-token selection walk (``Tuning(pisa_walk="per_token")``): one program per (query
+token, batch x KV head) walks from the root to the leaves with its kept nodes in registers: the
+candidates of a level are the children of the nodes kept at the level above, future / empty nodes
+are dropped, the ancestors of the forced blocks are kept without scoring, and, when more than the
+level's width remain, the best-scoring ones fill the rest (ties to the lower index). The width is
+``top_k`` at the leaf level and ``beam * top_k`` above it (the reference's ``beam``); the
+kept-node registers hold ``KP = next_pow2(beam * top_k)`` slots and a level's ``CW >= KP *
+next_pow2(g)`` candidates. Scores are the reference's, summed over the ``G`` query heads of the
+group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32 summaries in IEEE fp32;
+raw keys in their own 16-bit dtype, whose products are exact in fp32). No query-key score matrix
+is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
+
+The scan walk (``triton_select_scan``) runs this kernel as its middle stage (``PRE_SCORES``,
+``LEAF_OUT``); decoding (``pyramid_cache``, ``Nq = 1``) runs it as is: ``O(g * beam * K *
+log(N / C))`` per token. Imported lazily; this module imports Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ...kernels._triton_env import interpreting
+from ...kernels.pdl import pdl_start
+from .triton_select_common import _p2, _reduce, candidate_width, walk_args, walk_meta
+
+__all__ = ["no_scan_args"]
+
+
+def _launch(cw: int, warps: Optional[int] = None, leaf_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """(warps, leaf-chunk bytes) of the walk for ``cw`` candidates; None picks by ``cw``
+    (``Tuning.pisa_warps`` / ``pisa_leaf_bytes``). Measured on the H200
+    (benchmarks/results/pisa_h200_select_variants.json, 64K tokens, K=8): 1 warp with 16 KB leaf
+    chunks 17.0 ms, 4 warps 30.7-31.4 ms, 8 warps 43-49 ms; with K=32 (64 candidates) 1 warp was
+    2x slower than 4 (pisa_h200_k8_warps1.json vs pisa_h200.json)."""
+    small = cw <= 16
+    warps = (1 if small else 4) if warps is None else warps
+    leaf_bytes = (16384 if small else 65536) if leaf_bytes is None else leaf_bytes
+    return warps, leaf_bytes
+
+
+def _leaf_chunk(cw: int, cp: int, dp: int, elem_bytes: int, budget: int = 65536) -> int:
+    """Candidate leaves scored per dot at the leaf level: their keys (LC * CP rows of DP) stay
+    within ``budget`` bytes of shared memory (fp32 keys at D=128 need smaller chunks)."""
+    return max(1, min(cw, budget // (cp * dp * elem_bytes)))
+
+
+@triton.jit
+def _top_k_keep(valid, forced, score, ar, width):
+    """Keep the forced entries and the best-scoring others, ``width`` (at most the row's length,
+    a runtime value: the level's width) in total (ties to the lower position, i.e. the lower node
+    id): returns the kept flags. One bitonic sort of the scores' 32-bit order-preserving bits
+    finds the width-th best score; entries above it are kept, and of those equal to it the first
+    ones in position order fill the rest (sorting 64-bit keys that carry the position costs more
+    instructions, and the walk is bound by its instructions)."""
+    big = 3.0e38
+    key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
+    key = tl.where(forced, float("inf"), key)
+    key = tl.where(valid, key, float("-inf"))
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
+    srt = tl.sort(ordered, 0, descending=True)
+    kth = tl.gather(srt, tl.zeros_like(ar) + (width - 1), 0)  # the width-th best, in every lane
+    above = ordered > kth
+    tied = ordered == kth
+    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+    return valid & (above | (tied & (tied_before < width - tl.sum(above.to(tl.int32), axis=0))))
+
+
+@triton.jit
+def _ancestor(leaf, lv, span, BR: tl.constexpr):
+    """The level-``lv`` ancestor of ``leaf`` (``-1`` stays ``-1``): ``leaf // span`` (``span =
+    BR**lv``), a shift when ``BR`` is a power of two (a division by a runtime value costs tens of
+    instructions, four times per level of a walk that is instruction-bound)."""
+    up = leaf // span
+    if (BR & (BR - 1)) == 0:
+        if BR <= 128:
+            log_br: tl.constexpr = (BR > 1) + (BR > 2) + (BR > 4) + (BR > 8) + (BR > 16) + (BR > 32) + (BR > 64)
+            up = leaf >> tl.minimum(lv * log_br, 31)  # a leaf id is below 2**31
+    return tl.where(leaf >= 0, up, -1)
+
+
+@triton.jit
+def _first_valid(nfv_base, off, u, span, Nk, C: tl.constexpr, LOADED: tl.constexpr):
+    """First valid key position of node ``u`` (in range) of the level at ``off`` whose nodes
+    cover ``span`` leaves: read from the table when ``LOADED`` (key padding or a device length),
+    else computed, the node's first key (one dependent load fewer per level of the walk)."""
+    if LOADED:
+        return tl.load(nfv_base + off + u)
+    first = u * (span * C)
+    return tl.where(first < Nk, first, Nk)
+
+
+@triton.jit
+def _compact(cand, keep, ar_kp, ar_cw):
+    """Kept candidates (ascending in ``cand`` order) packed into the first slots of a [KP] row."""
+    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    hit = keep[None, :] & (slot[None, :] == ar_kp[:, None])
+    ids = tl.sum(tl.where(hit, cand[None, :], 0), axis=1)
+    return ids, ar_kp < tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pisa_select_kernel(
+    q_ptr,
+    k_ptr,
+    kpm_ptr,
+    summ_ptr,
+    nfv_ptr,
+    lvl_off_ptr,
+    lvl_span_ptr,
+    out_ptr,
+    len_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    Nq,
+    Nk,
+    T,
+    HKV,
+    qk_scale,
+    pre_ptr,
+    cand_ptr,
+    stride_pbh,
+    stride_pn,
+    pre_col0,
+    stride_cbh,
+    stride_cn,
+    count_ptr,
+    rank_ptr,
+    N_LEVELS: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SCORE: tl.constexpr,
+    FORCE_SINK: tl.constexpr,
+    FORCE_PREV: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    BR: tl.constexpr,
+    BRP: tl.constexpr,
+    TOPK: tl.constexpr,
+    WIDE: tl.constexpr,
+    KP: tl.constexpr,
+    CW: tl.constexpr,
+    LC: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    PRE_SCORES: tl.constexpr = False,
+    LEAF_OUT: tl.constexpr = False,
+    PAIR_RANKS: tl.constexpr = False,
+    PAIR_SIBLINGS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+):
+    # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
+    # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
+    # instead of computing it; LEAF_OUT stops at the leaf level and writes the leaf candidates
+    # (-1 invalid, id | 2**30 forced, else id) to cand_ptr ([B*Hkv, Nq, CW]) for the scan's
+    # leaf-pair scoring and keep, which write the selection.
+    # PAIR_RANKS (with LEAF_OUT): each scored leaf candidate (valid, unforced, in a row with more
+    # valid ones than TOPK) takes the next rank of its (batch x KV head, leaf) counter
+    # (count_ptr, [B*Hkv * n_leaves], zeroed), stored at its slot of rank_ptr (cand_ptr's layout):
+    # where the scan's pair index places it, with no sort. PAIR_SIBLINGS: the counter is the
+    # (batch x KV head, parent) one of each kept parent with a scored child ([B*Hkv * parents]),
+    # and the rank is stored at the parent's first child slot: its children are scored together.
+    # PDL: launched as a link of a programmatic-dependent chain (kernels.pdl)
+    pdl_start(PDL)
+    # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    if HAS_LEN:
+        # a preallocated KV buffer (Nk = its capacity) holding len_ptr[0] keys: the length is read
+        # on the device so that one compiled launch (or a CUDA graph) serves every decoding step
+        Nk = tl.minimum(tl.load(len_ptr), Nk)
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
+    b = bh // HKV
+    hkv = bh % HKV
+    # KP >= WIDE kept-node slots (WIDE = beam * TOPK nodes kept above the leaves, TOPK at the
+    # leaves); CW >= KP * BRP candidate slots: BRP children of each of KP kept nodes (slots past
+    # KP * BRP, there only because tl.dot needs 16 columns, have no parent and stay invalid)
+    p = i + Nk - Nq  # query position (bottom-right aligned)
+    if IS_CAUSAL:
+        hz = p
+    else:
+        hz = Nk - 1
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    q_rows = (
+        q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i.to(tl.int64) * stride_qn + offs_d[None, :]
+    )
+    q_raw = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q32 = q_raw.to(tl.float32)
+    summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
+    k_base = k_ptr + b * stride_kb + hkv * stride_kh
+    nfv_base = nfv_ptr + b * T
+
+    # forced leaves (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
+    n_leaves = tl.load(lvl_off_ptr + 1)
+    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
+    prev = -1
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = -1
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    LOADED: tl.constexpr = HAS_KPM or HAS_LEN  # else a node's first valid key is its first key
+    cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
+    prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
+    sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
+    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+
+    ar_kp = tl.arange(0, KP)
+    ar_cw = tl.arange(0, CW)
+    top = N_LEVELS - 1
+    # a level no wider than what it keeps keeps every visible node, and so does every level above
+    # it (sizes shrink upward, widths do not): the walk starts at the lowest such level with its
+    # visible nodes, skipping the unscored levels above (the root when none fits)
+    start = top
+    for lv in range(0, N_LEVELS - 1):
+        n_lv = tl.load(lvl_off_ptr + lv + 1) - tl.load(lvl_off_ptr + lv)
+        start = tl.where((n_lv <= tl.where(lv > 0, WIDE, TOPK)) & (start == top), lv, start)
+    s_off = tl.load(lvl_off_ptr + start)
+    s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
+    s_span = tl.load(lvl_span_ptr + start)
+    s_vis = s_in & (_first_valid(nfv_base, s_off, tl.where(s_in, ar_kp, 0), s_span, Nk, C, LOADED) <= hz)
+    kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
+    # from the level below the start down to the leaves (a loop over these levels only: a branch
+    # around a level body that skips the others costs ptxas's divergence handling)
+    if N_LEVELS > 1:  # one leaf: the start level is the leaves
+        lv = start - 1
+        while lv >= 0:
+            off = tl.load(lvl_off_ptr + lv)
+            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+            span = tl.load(lvl_span_ptr + lv)
+            par = ar_cw // BRP
+            j = ar_cw % BRP
+            # each candidate's parent, gathered within the warp (-1: no kept parent)
+            par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
+            par_ok = (par < KP) & (par_enc >= 0)
+            par_id = tl.where(par_ok, par_enc, 0)
+            cand = par_id * BR + j
+            valid = par_ok & (j < BR) & (cand < n_lv)
+            cand = tl.where(valid, cand, 0)
+            valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
+            forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
+            forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
+            forced = forced & valid
+            n_valid = tl.sum(valid.to(tl.int32), axis=0)
+            width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
+            scoring = n_valid > width
+            if LEAF_OUT:
+                if lv == 0:
+                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+                    tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+                    if PAIR_RANKS:
+                        pair = valid & ~forced & (n_valid > TOPK)
+                        rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
+                        if PAIR_SIBLINGS:
+                            # a kept parent's children hold slots par * BRP + j: one rank per parent
+                            n_par = tl.load(lvl_off_ptr + 2) - n_leaves
+                            grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
+                            parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
+                            rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
+                            tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
+                        else:
+                            rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                            tl.store(rank_row + ar_cw, rank, mask=pair)
+                scoring = scoring & (lv > 0)
+            # the scan's walk (PRE_SCORES) runs every level's keep unbranched: a level that needs no
+            # scoring (no more valid candidates than its width) keeps them all either way, and a
+            # branch around the keep's warp shuffles costs ptxas's divergence handling (a third of
+            # the walk's instructions)
+            if scoring or PRE_SCORES:
+                score = tl.zeros([CW], dtype=tl.float32)
+                if PRE_SCORES:
+                    # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
+                    pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
+                    score = tl.load(pre_row + off + cand, mask=valid & scoring, other=0.0)
+                elif SCORE == 1:
+                    # PISA-1: q . mean(node) * scale
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=valid[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
+                    score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
+                elif lv > 0:
+                    # intermediate node: LSE (or mean + var/2) over its visible children's summaries
+                    coff = tl.load(lvl_off_ptr + lv - 1)
+                    n_ch = off - coff
+                    ar_ch = tl.arange(0, CW * BRP)
+                    owner = ar_ch // BRP
+                    jc = ar_ch % BRP
+                    own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
+                    own_ok = (
+                        tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
+                    )
+                    child = own_id * BR + jc
+                    c_ok = own_ok & (jc < BR) & (child < n_ch)
+                    child = tl.where(c_ok, child, 0)
+                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+                    s_t = tl.load(
+                        # 64-bit: a node id times its row stride can pass 2**31 elements
+                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        mask=c_ok[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
+                    logit = tl.reshape(logit, (GP, CW, BRP))
+                    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
+                    score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+                else:
+                    # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
+                    # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
+                    offs_c = tl.arange(0, CP)
+                    ar_lc = tl.arange(0, LC)
+                    for c0 in range(0, CW, LC):
+                        sub = c0 + ar_lc
+                        pick = ar_cw[None, :] == sub[:, None]  # [LC, CW]
+                        leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
+                        l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+                        if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
+                            pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
+                            kok = (
+                                tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
+                            )
+                            if HAS_KPM:
+                                kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+                            k_t = tl.load(
+                                # 64-bit: a key position times a row stride can pass 2**31 elements
+                                k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                                mask=kok[None, :] & d_ok[:, None],
+                                other=0.0,
+                            )
+                            if IEEE_KEYS:
+                                logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
+                            else:
+                                logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+                            logit = tl.reshape(logit, (GP, LC, CP))
+                            per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
+                            s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
+                            score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
+                keep = _top_k_keep(valid, forced, score, ar_cw, width)
+            else:
+                keep = valid
+            kept, ok = _compact(cand, keep, ar_kp, ar_cw)
+            lv -= 1
+    if not LEAF_OUT:
+        out = tl.where(ok, kept, -1)
+        dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
+        tl.store(dst + ar_kp, out, mask=ar_kp < TOPK)
+
+
+@triton_op("sparseflow::pisa_select_fwd", mutates_args={})
+def _pisa_select_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    warps: Optional[int] = None,
+    leaf_bytes: Optional[int] = None,
+    length: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
+        raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
+    b, hq, n_q, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
+    if n_q == 0:
+        return out
+    cw = candidate_width(beam, top_k, branching)
+    warps, leaf_bytes = _launch(cw, warps, leaf_bytes)
+    # 16-bit products are exact in fp32, so 16-bit dots give the reference's logits up to
+    # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
+    ieee = q.dtype == torch.float32 or interpreting()
+    meta = walk_meta(
+        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+    )
+    lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
+    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
+    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
+        *args[:8],
+        nfv if length is None else length,
+        *args[8:],
+        **meta,  # the length pointer follows out_ptr
+        GP=_p2(hq // hkv, 16),
+        CW=cw,
+        LC=lc,
+        IEEE_KEYS=ieee,
+        HAS_LEN=length is not None,
+        **no_scan_args(nfv),
+        num_warps=warps,
+    )
+    return out
+
+
+def no_scan_args(placeholder: torch.Tensor) -> dict:
+    """The scan walk's kernel arguments for a walk that reads no precomputed scores and writes no
+    leaf candidates (``placeholder``: any tensor of the call, never read)."""
+    return dict(
+        pre_ptr=placeholder,
+        cand_ptr=placeholder,
+        stride_pbh=0,
+        stride_pn=0,
+        pre_col0=0,
+        stride_cbh=0,
+        stride_cn=0,
+        count_ptr=placeholder,
+        rank_ptr=placeholder,
+    )
+
+
+@_pisa_select_fwd.register_fake
+def _(
+    q,
+    k,
+    kpm,
+    summ,
+    nfv,
+    lvl_off,
+    lvl_span,
+    scale,
+    is_causal,
+    score,
+    block_size,
+    branching,
+    top_k,
+    force_sink,
+    force_previous,
+    beam,
+    warps=None,
+    leaf_bytes=None,
+    length=None,
+):
+    return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)
