@@ -444,6 +444,8 @@ def run_bsa_bf16():
         try:
             for precision in ("ieee", "bf16"):
                 BS.bsa_select(q, k, block_size=64, top_k=8, precision=precision)
+            BS.bsa_select(q, k, block_size=64, top_k=8, sliding_window=300)  # HAS_WINDOW
+            BS.bsa_select(q, k, block_size=64, top_k=8, chunk_size=256)
         finally:
             BS._SELECT_LAUNCH.clear()
             BS._SELECT_LAUNCH.update(saved)

@@ -638,12 +638,22 @@ def token_selection(
     key_padding_mask: Optional[torch.Tensor],
     is_causal: bool,
     block_size: int,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ):
     """The :class:`Selection` the token-level references report for ``block_indices``."""
     from .token_blocks import selection_for_indices
 
     return selection_for_indices(
-        method, block_indices, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        method,
+        block_indices,
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )
 
 

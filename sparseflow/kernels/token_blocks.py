@@ -232,6 +232,25 @@ def count_visible_blocks(first_valid: torch.Tensor, horizons: torch.Tensor) -> t
     return torch.searchsorted(srt, h, right=True)
 
 
+def window_first_blocks(positions: torch.Tensor, block_size: int, sliding_window: int, chunk_size: int) -> torch.Tensor:
+    """``[Nq]`` int64: the first leaf block each query's local window reaches (0 without a window).
+    A top-K method inside a window chooses among the visible blocks from there on."""
+    lo = window_lower_bounds(positions, sliding_window, chunk_size)
+    return torch.div(lo, block_size, rounding_mode="floor")
+
+
+def count_window_blocks(
+    first_valid: torch.Tensor, horizons: torch.Tensor, first_blocks: torch.Tensor, n_k: int
+) -> torch.Tensor:
+    """``[B, Nq]`` int64: the visible leaf blocks from ``first_blocks`` on (a causal window). The
+    blocks before a query's window end before its position, so they are visible exactly when they
+    hold a valid key (``first_valid < Nk``): those are counted off the visible ones."""
+    b = first_valid.shape[0]
+    before = torch.nn.functional.pad((first_valid < n_k).long().cumsum(-1), (1, 0))  # non-empty blocks < j
+    idx = first_blocks.clamp(0, before.shape[1] - 1).view(1, -1).expand(b, -1)
+    return count_visible_blocks(first_valid, horizons) - before.gather(1, idx)
+
+
 def select_top_k(
     cand: torch.Tensor,
     valid: torch.Tensor,
@@ -333,12 +352,20 @@ def selection_for_indices(
     key_padding_mask: Optional[torch.Tensor],
     is_causal: bool,
     block_size: int,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Selection:
     """The :class:`Selection` the token-level references report for ``block_indices`` (density:
-    selected / visible blocks per token), for the fast backends that compute the same indices."""
+    selected / visible blocks per token, those of its local window when it has one), for the fast
+    backends that compute the same indices."""
     n_q, n_k = q.shape[2], k.shape[2]
     first_valid = leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
-    n_visible = count_visible_blocks(first_valid, query_horizons(n_q, n_k, is_causal=is_causal, device=q.device))
+    horizons = query_horizons(n_q, n_k, is_causal=is_causal, device=q.device)
+    if sliding_window or chunk_size:
+        first_blocks = window_first_blocks(query_positions(n_q, n_k, q.device), block_size, sliding_window, chunk_size)
+        n_visible = count_window_blocks(first_valid, horizons, first_blocks, n_k)
+    else:
+        n_visible = count_visible_blocks(first_valid, horizons)
     return make_selection(
         method,
         block_indices,

@@ -282,12 +282,26 @@ _CAPABILITIES = ("sparse", "has_permute", "has_top_k", "has_threshold", "support
 
 def windowed(cfg: AttentionConfig, sliding_window: int = 0, chunk_size: int = 0) -> Tuple[AttentionConfig, str]:
     """``(config, note)`` of a layer whose model gives it a local window: ``cfg`` with the window
-    when one of its method's backends runs windows; else the dense method's exact window, and a
-    note that says so (the method's selection would only be intersected with the window)."""
+    when every backend of its method runs windows (its selection inside the window); else, or
+    when a top-K keeps every block a window can span anyway, the dense method's exact window and a
+    note that says why."""
     window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
-    if any(b.windows for b in spec_for(cfg).backends.values()):
-        return cfg.replace(**window), ""
+    spec = spec_for(cfg)
     dense = next(s for s in _SPECS.values() if not s.sparse)
-    return dense.config_type(
-        **window
-    ), f"{cfg.method} does not run a local window yet: the layer runs its window exactly"
+    if not all(b.windows for b in spec.backends.values()):
+        return dense.config_type(
+            **window
+        ), f"{cfg.method} does not run a local window yet: the layer runs its window exactly"
+    spanned = _window_blocks(cfg.block_size, sliding_window, chunk_size) if spec.has_top_k else None
+    if spanned is not None and cfg.top_k >= spanned:
+        return dense.config_type(**window), (
+            f"top_k={cfg.top_k} keeps the {spanned} blocks the window spans: the layer runs its window exactly"
+        )
+    return cfg.replace(**window), ""
+
+
+def _window_blocks(block_size: int, sliding_window: int, chunk_size: int) -> int:
+    """The most blocks of ``block_size`` keys one query's window can touch."""
+    widths = [w for w in (sliding_window, chunk_size) if w]
+    width = min(widths) if widths else 0
+    return -(-(width - 1) // block_size) + 1 if width else 0

@@ -11,9 +11,9 @@ SPEC = register(
         name="bsa",
         config_type=BSAConfig,
         backends={
-            "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always"),
-            "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always"),
-            "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda"),
+            "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always", windows=True),
+            "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always", windows=True),
+            "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
         has_top_k=True,

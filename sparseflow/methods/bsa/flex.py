@@ -44,6 +44,7 @@ def bsa_attention(
     cfg = backend_config(BSAConfig, config, fields)
     block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
     force_previous = cfg.force_previous
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     fc.check_flex_inputs(q, k, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
@@ -57,6 +58,7 @@ def bsa_attention(
         top_k=top_k,
         force_sink=force_sink,
         force_previous=force_previous,
+        **window,
     )
     out = fc.token_block_attention(
         q,
@@ -69,9 +71,10 @@ def bsa_attention(
         block_size=block_size,
         q_tile=q_tile,
         kv_tile=kv_tile,
+        **window,
     )
     if not return_selection:
         return out
     return out, fc.token_selection(
-        "bsa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "bsa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size, **window
     )

@@ -36,8 +36,11 @@ def _select(
     top_k: int,
     force_sink: bool,
     force_previous: bool,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq])."""
+    """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq]). A local window leaves the blocks
+    before each query's window out: the top-K (forced blocks included) is chosen inside it."""
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
@@ -65,7 +68,11 @@ def _select(
         force_sink=force_sink,
         force_previous=force_previous,
     )  # [B, Nq, 3]
-    n_visible = tb.count_visible_blocks(first_valid, horizons)
+    first_blocks = tb.window_first_blocks(positions, block_size, sliding_window, chunk_size)  # [Nq]
+    if sliding_window or chunk_size:
+        n_visible = tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
+    else:
+        n_visible = tb.count_visible_blocks(first_valid, horizons)
 
     result = torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev)
     blocks = torch.arange(nb, device=dev)
@@ -75,6 +82,7 @@ def _select(
         nq = e - s
         scores = torch.einsum("bhgqd,bhnd->bhgqn", qg[:, :, :, s:e], means).sum(2) * sc  # [B,Hkv,nq,nB]
         valid = (first_valid[:, None, :] <= horizons[s:e].view(1, nq, 1))[:, None]  # [B,1,nq,nB]
+        valid = valid & (blocks.view(1, 1, 1, nb) >= first_blocks[s:e].view(1, 1, nq, 1))
         forced = (blocks.view(1, 1, nb, 1) == forced_leaf[:, s:e, None, :]).any(-1)[:, None] & valid
         cand = blocks.view(1, 1, 1, nb).expand(b, hkv, nq, nb)
         valid = valid.expand(b, hkv, nq, nb)
@@ -95,11 +103,15 @@ def bsa_select(
     top_k: int = BSAConfig.top_k,
     force_sink: bool = BSAConfig.force_sink,
     force_previous: bool = BSAConfig.force_previous,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """BSA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
     ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included (width
-    ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost)."""
+    ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost). With a local
+    window (causal only) the visible blocks are those from the window's first block on."""
+    tb.check_window(sliding_window, chunk_size, is_causal)
     with torch.no_grad():
         idx, _ = _select(
             q,
@@ -111,6 +123,8 @@ def bsa_select(
             top_k=top_k,
             force_sink=force_sink,
             force_previous=force_previous,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
         )
     return idx
 
@@ -129,10 +143,12 @@ def bsa_attention(
 ):
     """BSA attention: full-scan top-K selection (no gradient), then attention over the selected
     blocks (differentiable in q, k, v). Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus the :class:`Selection` when
-    ``return_selection``."""
+    ``return_selection``. A config's local window: the top-K inside each query's window, and the
+    window's bound on the keys of its first block."""
     cfg = backend_config(BSAConfig, config, fields)
     block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
     force_previous = cfg.force_previous
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     with torch.no_grad():
         idx, n_visible = _select(
             q.detach(),
@@ -144,6 +160,7 @@ def bsa_attention(
             top_k=top_k,
             force_sink=force_sink,
             force_previous=force_previous,
+            **window,
         )
     out = tb.attend_selected_blocks(
         q,
@@ -154,6 +171,7 @@ def bsa_attention(
         is_causal=is_causal,
         scale=scale,
         block_size=block_size,
+        **window,
     )
     if not return_selection:
         return out

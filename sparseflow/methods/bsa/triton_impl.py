@@ -39,6 +39,7 @@ def bsa_attention(
     cfg = backend_config(BSAConfig, config, fields)
     block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
     force_previous = cfg.force_previous
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     idx = bsa_select(
         q,
         k,
@@ -50,6 +51,7 @@ def bsa_attention(
         force_sink=force_sink,
         force_previous=force_previous,
         index_dtype=torch.int32,
+        **window,
     )
     out = token_sparse_attention(
         q,
@@ -61,9 +63,10 @@ def bsa_attention(
         scale=scale,
         block_size=block_size,
         pdl=tuning.pdl,
+        **window,
     )
     if not return_selection:
         return out
     return out, tb.selection_for_indices(
-        "bsa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "bsa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size, **window
     )

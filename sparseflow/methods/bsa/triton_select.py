@@ -34,7 +34,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels.block_summaries_triton import leaf_sums
-from ...kernels.token_blocks import check_index_dtype, selection_width
+from ...kernels.token_blocks import check_index_dtype, check_window, selection_width
 from ...kernels._triton_env import interpreting
 from .config import BSAConfig
 
@@ -164,7 +164,10 @@ def _bsa_select_kernel(
     NB,
     HKV,
     scale,
+    SLIDING,
+    CHUNK,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     FORCE_SINK: tl.constexpr,
     FORCE_PREV: tl.constexpr,
     G: tl.constexpr,
@@ -208,13 +211,23 @@ def _bsa_select_kernel(
     # blocks that can be visible to some row of the tile
     hz_max = tl.max(tl.where(row_ok, hz, -1), axis=0)
     nb_hi = tl.minimum(NB, hz_max // C + 1)
+    kb0 = 0
+    if HAS_WINDOW:
+        # each row chooses among the blocks from its window's first one (token_blocks.window_first_blocks)
+        lo = p * 0
+        if SLIDING > 0:
+            lo = tl.maximum(lo, p - SLIDING + 1)
+        if CHUNK > 0:
+            lo = tl.maximum(lo, (tl.maximum(p, 0) // CHUNK) * CHUNK)
+        first_blk = lo // C
+        first_min = tl.min(tl.where(row_ok, first_blk, NB), axis=0)
+        kb0 = (first_min // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     if MERGE != 0:
         top = tl.full([BLOCK_M, KP], -9223372036854775807, tl.int64)  # no block kept yet
     else:
         top_v = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
         top_i = tl.full([BLOCK_M, KP], 1073741824, tl.int32)
-    kb0 = 0
     while kb0 < nb_hi:
         blk = kb0 + offs_n
         b_ok = blk < NB
@@ -232,6 +245,8 @@ def _bsa_select_kernel(
         else:
             sc = tl.dot(qs, m_t, input_precision="ieee")
         vis = b_ok[None, :] & (tl.load(lfv_base + blk, mask=b_ok, other=Nk)[None, :] <= hz[:, None])
+        if HAS_WINDOW:
+            vis = vis & (blk[None, :] >= first_blk[:, None])
         forced = (blk[None, :] == cur[:, None]) | (blk[None, :] == prev[:, None]) | (blk[None, :] == sink[:, None])
         key = tl.where(sc != sc, -3.0e38, tl.minimum(tl.maximum(sc, -3.0e38), 3.0e38))
         key = tl.where(forced & vis, float("inf"), key)
@@ -284,6 +299,8 @@ def _bsa_select_fwd(
     force_sink: bool,
     force_previous: bool,
     precision: str,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, nb = sums.shape[1], sums.shape[2]
@@ -313,7 +330,10 @@ def _bsa_select_fwd(
         nb,
         hkv,
         scale,
+        sliding_window,
+        chunk_size,
         IS_CAUSAL=is_causal,
+        HAS_WINDOW=bool(sliding_window or chunk_size),
         FORCE_SINK=force_sink,
         FORCE_PREV=force_previous,
         G=hq // hkv,
@@ -332,7 +352,10 @@ def _bsa_select_fwd(
 
 
 @_bsa_select_fwd.register_fake
-def _(q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, precision):
+def _(
+    q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, precision,
+    sliding_window=0, chunk_size=0,
+):  # fmt: skip
     return q.new_empty(q.shape[0], sums.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
 
@@ -349,10 +372,14 @@ def bsa_select(
     force_previous: bool = BSAConfig.force_previous,
     precision: str = "tf32x3",
     index_dtype: torch.dtype = torch.long,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64
-    (``index_dtype=torch.int32``: the kernel's own ids, what the attention kernel reads)."""
+    (``index_dtype=torch.int32``: the kernel's own ids, what the attention kernel reads); a local
+    window as the reference's."""
     check_index_dtype(index_dtype)
+    check_window(sliding_window, chunk_size, is_causal)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -379,5 +406,7 @@ def bsa_select(
             bool(force_sink),
             bool(force_previous),
             "ieee" if interpreting() else precision,  # the interpreter's dots are numpy's fp32
+            int(sliding_window),
+            int(chunk_size),
         )
     return idx.to(index_dtype)
