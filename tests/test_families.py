@@ -237,3 +237,17 @@ def test_mask_function_leaves_out_only_a_prefill_window():
     for changes in kept:
         mask = hf.sparseflow_mask(**_mask_args(config, mask_function=fn, **changes))
         assert mask is not None and mask.shape[-1] == N, changes
+
+
+def test_eval_names_what_each_layer_ran():
+    """``sparseflow eval``'s per-layer table says which layers ran their window and which the method."""
+    from sparseflow.eval.evaluate import evaluate_plans, format_density
+
+    model = copy.deepcopy(_plain("gemma3_text"))
+    plan = hf.Plan(method="pbs", config=EXACT["pbs"], num_layers=model.config.num_hidden_layers)
+    (result,) = evaluate_plans(model, _ids(), [plan], eval_positions=32)
+    windows = hf.local_windows(model.config)
+    assert result.layer_kinds == [
+        f"dense in window {windows[i][0]}" if i in windows else "pbs" for i in range(model.config.num_hidden_layers)
+    ]
+    assert "dense in window" in format_density(result) and result.to_dict()["layer_kinds"] == result.layer_kinds

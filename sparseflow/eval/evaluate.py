@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import AttentionConfig, default_config
+from ..hf import local_windows
 from .fidelity import Fidelity, compare_logits
 from ..recording import capture
 
@@ -176,6 +177,9 @@ class PlanResult(MethodResult):
     plan: Dict = field(default_factory=dict)
     density_per_layer: List[Optional[float]] = field(default_factory=list)
     density_per_layer_head: List[Optional[List[float]]] = field(default_factory=list)
+    # what each layer ran: its method, "in window W" / "in chunk C" for a windowed layer (its density
+    # is then the share of its window's blocks), "dense fallback" when a call ran dense ("" unseen)
+    layer_kinds: List[str] = field(default_factory=list)
     tokens: int = 0
     # one head's selection as a [query block, original key block] map (plots only, not in JSON)
     block_map: Optional[torch.Tensor] = None
@@ -188,6 +192,7 @@ class PlanResult(MethodResult):
             "tokens": self.tokens,
             "density_per_layer": self.density_per_layer,
             "density_per_layer_head": self.density_per_layer_head,
+            "layer_kinds": self.layer_kinds,
         }
 
 
@@ -282,6 +287,7 @@ def _evaluate_plan(
         plan=plan.to_dict(),
         density_per_layer=[None if r is None else float(sum(r) / len(r)) for r in per_layer],
         density_per_layer_head=per_layer,
+        layer_kinds=_layer_kinds(cap.calls, n_layers, local_windows(model.config)),
         tokens=n,
         block_map=head_map,
         map_at=None if map_at is None else (int(map_at[0]), int(map_at[1])),
@@ -309,15 +315,31 @@ def _densities_per_layer(calls, n_layers: int, n_heads: int, map_at: Optional[tu
     return per_layer, head_map
 
 
+def _layer_kinds(calls, n_layers: int, windows) -> List[str]:
+    """Per layer, what its calls ran (see ``PlanResult.layer_kinds``)."""
+    kinds = [""] * n_layers
+    for c in calls:
+        i = _layer_of(c.tag)
+        if i is None or not 0 <= i < n_layers:
+            continue
+        sliding, chunk = windows.get(i, (0, 0))
+        where = f" in window {sliding}" if sliding else f" in chunk {chunk}" if chunk else ""
+        kind = f"{c.method}{where}" if c.sparse else "dense fallback"
+        kinds[i] = kinds[i] if kinds[i] == "dense fallback" else kind
+    return kinds
+
+
 def format_density(result: PlanResult) -> str:
-    """Density per layer (rows) and head (columns) as a text table."""
+    """Density per layer (rows) and head (columns) as a text table, with what each layer ran."""
     rows = result.density_per_layer_head
+    kinds = result.layer_kinds or [""] * len(rows)
     width = max((len(r) for r in rows if r), default=0)
-    head = "layer " + " ".join(f"{'h' + str(h):>5}" for h in range(width)) + "   mean"
+    head = "layer " + " ".join(f"{'h' + str(h):>5}" for h in range(width)) + "   mean  ran"
     lines = [head]
     for i, r in enumerate(rows):
         if r is None:
             lines.append(f"{i:>5}  (not called)")
             continue
-        lines.append(f"{i:>5} " + " ".join(f"{x:>5.2f}" for x in r) + f"  {sum(r) / len(r):>5.3f}")
+        kind = kinds[i] if i < len(kinds) else ""
+        lines.append(f"{i:>5} " + " ".join(f"{x:>5.2f}" for x in r) + f"  {sum(r) / len(r):>5.3f}  {kind}")
     return "\n".join(lines)
