@@ -40,7 +40,7 @@ import sparseflow  # noqa: E402
 from common import env_info as common_env_info  # noqa: E402
 from common import median_ms_per_call, use_scan_launch  # noqa: E402
 from sparseflow.checkpoints import load_smollm2, real_text  # noqa: E402
-from sparseflow.eval.evaluate import _logits  # noqa: E402
+from sparseflow.eval.evaluate import last_logits  # noqa: E402
 from sparseflow.eval.fidelity import compare_logits  # noqa: E402
 from sparseflow.rope import set_rope_scaling  # noqa: E402
 
@@ -207,7 +207,7 @@ def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = T
     of its calls under capture (a model replayed from CUDA graphs cannot record: fidelity only)."""
     targets = ids[0, ids.shape[1] - eval_positions :]
     with sparseflow.capture(keep_selections=False) if record else contextlib.nullcontext() as cap:
-        logits = _logits(model, ids, eval_positions)
+        logits = last_logits(model, ids, eval_positions)
     fid = compare_logits(dense_logits, logits, targets)
     row = {
         "mean_kl": fid.mean_kl,
@@ -265,7 +265,7 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
     factor = set_rope(model, rope, args.yarn_length or n)
     ids = repeated_tokens(tok, args.text, n).to(args.device)
     model.set_attn_implementation("sdpa")
-    dense = _logits(model, ids, args.eval_positions)
+    dense = last_logits(model, ids, args.eval_positions)
     base = {"n": n, "rope": rope, "yarn_factor": factor, "text": args.text}
     rows = []
 

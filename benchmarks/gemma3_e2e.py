@@ -37,7 +37,7 @@ import sparseflow  # noqa: E402
 from sparseflow import hf  # noqa: E402
 from common import write_result  # noqa: E402
 from e2e_prefill import env_info, fidelity_row, repeated_tokens, time_forward  # noqa: E402
-from sparseflow.eval.evaluate import _logits  # noqa: E402
+from sparseflow.eval.evaluate import last_logits  # noqa: E402
 
 BASELINES = ("sdpa", "sdpa_compile", "flex", "flex_compile")
 SPARSEFLOW = ("windows", "pbs", "pisa", "recipe")
@@ -100,7 +100,7 @@ def run_length(base, tok, n: int, args) -> List[Dict[str, object]]:
         ids = repeated_tokens(tok, args.text, n).to(device)
     else:
         ids = torch.randint(0, base.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-    dense_logits = _logits(base, ids, args.eval_positions)
+    dense_logits = last_logits(base, ids, args.eval_positions)
     rows = []
     for row in args.rows:
         if row == "recipe" and not args.recipe:

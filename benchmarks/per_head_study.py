@@ -98,12 +98,12 @@ class HeadMix:
 
 
 def _run(s, mix: HeadMix, start: Optional[int], input_ids=None, dense_ref=None):
-    from sparseflow.eval.evaluate import _logits
+    from sparseflow.eval.evaluate import last_logits
 
     ids = s.input_ids if input_ids is None else input_ids
     ctx = cal.start_at(s.model, start, s.hidden[start]) if start is not None else contextlib.nullcontext()
     with ctx, torch.no_grad():
-        logits = _logits(s.model, ids, s.keep)
+        logits = last_logits(s.model, ids, s.keep)
     ref = cal.dense_reference(s) if dense_ref is None else dense_ref
     return ref.compare(logits)
 
@@ -210,8 +210,8 @@ def main(argv=None) -> int:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     device = torch.device(args.device)
-    model, tok, _ = cal._load_model(resolve_source(args.model), args.model, args.dtype, device, None, None, say)
-    ids, heldout = cal._calibration_tokens(model, tok, args.tokens, args.text, args.heldout_text)
+    model, tok, _ = cal.load_model(resolve_source(args.model), args.model, args.dtype, device, None, None, say)
+    ids, heldout = cal.calibration_tokens(model, tok, args.tokens, args.text, args.heldout_text)
     base = PBSConfig()
     choices = cal.candidate_choices(
         "pbs",
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
         permutes=[p.strip() == "true" for p in args.permutes.split(",")],
     )
     model.set_attn_implementation("sdpa")
-    s = cal._Session(
+    s = cal.Session(
         model=model,
         input_ids=ids,
         keep=args.eval_positions,

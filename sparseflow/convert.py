@@ -37,6 +37,8 @@ __all__ = [
     "Source",
     "resolve_source",
     "build_plan",
+    "load_config",
+    "parse_config",
     "load_source",
     "convert",
 ]
@@ -125,7 +127,8 @@ def _check_gguf(path: Path) -> None:
         ) from exc
 
 
-def _load_config(source: Source):
+def load_config(source: Source):
+    """The transformers config of a resolved source (no weights load); ConversionError if unreadable."""
     from transformers import AutoConfig
 
     if source.kind == "gguf":
@@ -259,11 +262,13 @@ def _config_over(base: AttentionConfig, config, method: str) -> AttentionConfig:
     replaces it whole."""
     fields = _config_fields(config)
     if fields is None:
-        return _parse_config(method, config) or base
-    return _parse_config(method, {**base.to_dict(), **fields, "method": fields.get("method", method)})
+        return parse_config(method, config) or base
+    return parse_config(method, {**base.to_dict(), **fields, "method": fields.get("method", method)})
 
 
-def _parse_config(method: str, config) -> Optional[AttentionConfig]:
+def parse_config(method: str, config) -> Optional[AttentionConfig]:
+    """``config`` (None, a config object, a dict, JSON text or a JSON file) as a config of ``method``;
+    None stays None. ConversionError for a bad one or one of another method."""
     if config is None or isinstance(config, AttentionConfig):
         cfg = config
     else:
@@ -318,7 +323,7 @@ def build_plan(
         raise ConversionError(f"backend must be one of ['auto', 'reference', 'triton', 'flex'], got {backend!r}")
     check_architecture(model_config)
     n_layers = getattr(model_config, "num_hidden_layers", None)
-    cfg = _parse_config(method, config)
+    cfg = parse_config(method, config)
     dense = _parse_layers(dense_layers)
     try:
         rec = _plan_recipe(recipe, model_config, method)
@@ -478,7 +483,7 @@ def convert(
     tmp = _make_tmp(out)
     try:
         _say(progress, f"[1/4] reading the configuration of {source} ({source.kind})")
-        model_config = _load_config(source)
+        model_config = load_config(source)
         plan = build_plan(
             model_config,
             method,

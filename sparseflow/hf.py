@@ -50,6 +50,7 @@ __all__ = [
     "from_pretrained",
     "sparseflow_attention_forward",
     "local_windows",
+    "attention_layer_index",
 ]
 
 logger = logging.getLogger("sparseflow")
@@ -177,7 +178,8 @@ def plan_of(config) -> Plan:
         return plan
 
 
-def _layer_index(module) -> Optional[int]:
+def attention_layer_index(module) -> Optional[int]:
+    """The decoder layer an attention module belongs to (its ``layer_idx``), or None."""
     idx = getattr(module, "layer_idx", None)
     if isinstance(idx, int):
         return idx
@@ -228,7 +230,7 @@ def _layer_of(module) -> _Layer:
     compiling = torch.compiler.is_compiling()  # Dynamo cannot trace object.__getattribute__
     attrs = {} if compiling else object.__getattribute__(config, "__dict__")
     raw = attrs[PLAN_KEY] if PLAN_KEY in attrs else getattr(config, PLAN_KEY, None)
-    layer = _layer_index(module)
+    layer = attention_layer_index(module)
     kept = module.__dict__.get(_LAYER_ATTR)
     if kept is not None and kept.config is config and kept.raw is raw and kept.layer == layer:
         return kept

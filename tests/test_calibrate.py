@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sparseflow.calibrate as cal
+from sparseflow.calibrate import costs, measure, plan_search, run
 from sparseflow.checkpoints import SMOLLM2_PACKAGE_HINT, real_text, smollm2_gguf
 from sparseflow.cli import main
 from sparseflow.config import BSAConfig, PBSConfig, PISAConfig
@@ -228,7 +229,7 @@ def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkey
         calls.append(a[1:])
         return real(*a, **kw)
 
-    monkeypatch.setattr(cal, "measure_layer", interrupted)
+    monkeypatch.setattr(measure, "measure_layer", interrupted)  # where measure_entry looks it up
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     assert not out.exists()  # no partial recipe
@@ -238,8 +239,8 @@ def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkey
     calls.clear()
     costed = []
     real_costs = cal.layer_costs
-    monkeypatch.setattr(cal, "measure_layer", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
-    monkeypatch.setattr(cal, "layer_costs", lambda *a, **kw: costed.append(a[1:]) or real_costs(*a, **kw))
+    monkeypatch.setattr(measure, "measure_layer", lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
+    monkeypatch.setattr(costs, "layer_costs", lambda *a, **kw: costed.append(a[1:]) or real_costs(*a, **kw))
     assert main(argv) == 0
     resumed_calls = list(calls)
     assert not set(first) & set(resumed_calls)  # nothing measured twice
@@ -251,6 +252,7 @@ def test_resume_skips_measured_and_gives_same_recipe(llama_dir, tmp_path, monkey
     calls.clear()
     assert main(argv[:-1] + [str(fresh_out)]) == 0
     assert sorted(map(repr, calls)) == sorted(map(repr, first + resumed_calls))  # the resumed run: only the rest
+    assert costed  # a fresh run costs its choices: the layer_costs patch above reaches choice_costs
     fresh = load_recipe(str(fresh_out)).to_dict()
     for d in (resumed, fresh):
         d["measured"].pop("seconds")
@@ -267,7 +269,7 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
         return real(s, plan, input_ids, dense)
 
     real = cal.measure_plan
-    monkeypatch.setattr(cal, "measure_plan", broken)
+    monkeypatch.setattr(run, "measure_plan", broken)  # calibrate's held-out check
     with pytest.raises(RuntimeError, match="held-out"):
         main(_tiny_argv(llama_dir, out))
     assert not out.exists()
@@ -334,7 +336,7 @@ def test_topk_methods(models, tmp_path, method, base):
 def test_time_cost_model(models, tmp_path, monkeypatch):
     qkv_runs = []
     real = cal.layer_qkv
-    monkeypatch.setattr(cal, "layer_qkv", lambda s, layer: qkv_runs.append(layer) or real(s, layer))
+    monkeypatch.setattr(costs, "layer_qkv", lambda s, layer: qkv_runs.append(layer) or real(s, layer))
     res = _run(models["llama"], 1e-3, tmp_path, cost="time", choices=CHOICES[:2])
     per_layer = res.recipe.measured["per_layer"]
     assert res.recipe.measured["cost_model"] == "time"
@@ -409,7 +411,7 @@ def _search_three_layers(monkeypatch, interaction: float):
         measured.append(kl)
         return {"mean_kl": kl}
 
-    monkeypatch.setattr(cal, "_measured_plan", whole_plan)
+    monkeypatch.setattr(plan_search, "_measured_plan", whole_plan)
     result = cal.search(
         SimpleNamespace(n_layers=3, windows={}),
         {0: layer, 1: layer, 2: layer},
@@ -457,7 +459,7 @@ def test_search_returns_the_cheapest_fitting_plan_it_measured(monkeypatch):
             kl = scale * sum(table[i][c].kl for i, c in enumerate(chosen))
             return {"mean_kl": kl}
 
-        monkeypatch.setattr(cal, "_measured_plan", whole_plan)
+        monkeypatch.setattr(plan_search, "_measured_plan", whole_plan)
         budget = rng.choice([1e-4, 1e-3, 3e-3])
         chosen, fid, cost, steps = cal.search(
             SimpleNamespace(n_layers=5, windows={}), table, budget, safety=0.8, progress=None, say=lambda m: None
@@ -496,7 +498,7 @@ def _lazy_picks(table, costs, allowed):
         for layer, c in todo:
             assert c not in known[layer]  # never asks twice
             known[layer][c] = table[layer][c]
-    chosen = [ch for ch, _ in cal._chosen(known, cal.greedy_plan(known, allowed))]
+    chosen = [ch for ch, _ in cal.chosen_options(known, cal.greedy_plan(known, allowed))]
     return chosen, sum(len(k) - 1 for k in known.values())
 
 
@@ -508,7 +510,7 @@ def test_lazy_grid_gives_the_whole_grids_plan():
     for _ in range(40):
         table, costs = _random_grid(rng)
         for allowed in (1e-1, 1e-2, 3e-3, 1e-3, 1e-4, 0.0):
-            full = [ch for ch, _ in cal._chosen(table, cal.greedy_plan(table, allowed))]
+            full = [ch for ch, _ in cal.chosen_options(table, cal.greedy_plan(table, allowed))]
             lazy, measured = _lazy_picks(table, costs, allowed)
             assert lazy == full, (allowed, lazy, full)
             skipped += sum(len(t) - 1 for t in table.values()) - measured
@@ -529,7 +531,7 @@ def test_lazy_grid_plan_when_a_choice_ties_dense_exactly():
         }
     }
     costs = {0: {cheap: 0.2, tie: 0.98 + 0.02}}
-    full = [ch for ch, _ in cal._chosen(table, cal.greedy_plan(table, 1e-3))]
+    full = [ch for ch, _ in cal.chosen_options(table, cal.greedy_plan(table, 1e-3))]
     lazy, measured = _lazy_picks(table, costs, 1e-3)
     assert measured == 1 and lazy == full == [cal.DENSE]
 
@@ -576,7 +578,7 @@ def test_choice_cost_is_the_measured_cost(models, arch):
     model = models[arch]
     ids = _ascii_ids("pydoc_topics")
     model.set_attn_implementation("sdpa")
-    s = cal._Session(
+    s = cal.Session(
         model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP)
     )
     s.hidden = cal.layer_inputs(model, ids)
@@ -595,11 +597,11 @@ def test_choice_cost_counts_a_dense_tail(models):
     ids = _ascii_ids("pydoc_topics")
     model.set_attn_implementation("sdpa")
     base = BASE.replace(dense_tail_blocks=1)
-    s = cal._Session(
+    s = cal.Session(
         model=model, input_ids=ids, keep=KEEP, method="pbs", base=base, dense=dense_logits(model, ids, KEEP)
     )
     s.hidden = cal.layer_inputs(model, ids)
-    plain = cal._Session(
+    plain = cal.Session(
         model=model, input_ids=ids, keep=KEEP, method="pbs", base=BASE, dense=dense_logits(model, ids, KEEP)
     )
     plain.hidden = s.hidden

@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> _Checked:
     """Every argument checked, the model's config read and the plans built, before any weights load."""
-    from ..convert import _load_config, check_architecture, resolve_source
+    from ..convert import check_architecture, load_config, resolve_source
     from ..rope import parse_rope_scaling
 
     _check_paths(args)
@@ -204,7 +204,7 @@ def _check(args: argparse.Namespace) -> _Checked:
     except ValueError as exc:
         raise UsageError(f"--rope-scaling: {exc}") from None
     source = resolve_source(args.model)
-    model_config = _load_config(source)
+    model_config = load_config(source)
     check_architecture(model_config)
     _check_recipe_has_method(args)
     plans = _plans(args, model_config, source)

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..convert import ConversionError, _load_config, load_source, resolve_source, stderr_progress
+    from ..convert import ConversionError, load_config, load_source, resolve_source, stderr_progress
 
     try:
         _require_onnx()
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_out_file(args.out, "--out", example="model.onnx")
         source = resolve_source(args.model)
-        plan = _plan(args, _load_config(source), source)
+        plan = _plan(args, load_config(source), source)
         stderr_progress(f"loading {source} ...")
         model, _ = load_source(source, dtype=args.dtype)
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)

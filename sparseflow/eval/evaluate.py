@@ -14,7 +14,18 @@ from ..hf import local_windows
 from .fidelity import Fidelity, compare_logits
 from ..recording import capture
 
-__all__ = ["MethodResult", "PlanResult", "evaluate_methods", "evaluate_plans", "dense_logits", "format_results"]
+__all__ = [
+    "MethodResult",
+    "PlanResult",
+    "evaluate_methods",
+    "evaluate_plans",
+    "dense_logits",
+    "format_results",
+    "last_logits",
+    "layer_of_tag",
+    "model_device",
+    "weights_fingerprint",
+]
 
 
 @dataclass
@@ -50,7 +61,9 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+def last_logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """``[keep, V]`` fp32 logits of ``model`` as it runs now for the last ``keep`` next-token
+    predictions of ``input_ids`` (uncached; see :func:`dense_logits`)."""
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep + 1)
     # [keep, V]: predictions for the last `keep` targets, on the CPU whatever the model's device,
@@ -58,7 +71,9 @@ def _logits(model, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
     return out.logits[0, :-1].float().cpu()
 
 
-def _weights_fingerprint(model: torch.nn.Module) -> str:
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A short key of ``model``'s weights for caches of what they compute (dense logits,
+    calibration progress)."""
     # Cheap identity of the weights: name, dtype, sizes and exact sums of a few tensors. A cache
     # hit on different weights would silently report a wrong KL, so sums of the first and last
     # tensors (embedding and final norm / head) are part of the key, not just the model's name.
@@ -81,9 +96,9 @@ def dense_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int, cac
     import os
 
     if cache_dir is None:
-        return _logits(model, input_ids, keep)
+        return last_logits(model, input_ids, keep)
     key = hashlib.sha256()
-    key.update(_weights_fingerprint(model).encode())
+    key.update(weights_fingerprint(model).encode())
     key.update(input_ids.to(torch.int64).cpu().numpy().tobytes())
     key.update(f"keep={keep}:impl={getattr(model.config, '_attn_implementation', '')}".encode())
     rope = getattr(model.config, "rope_parameters", None)
@@ -92,7 +107,7 @@ def dense_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int, cac
     path = os.path.join(os.fspath(cache_dir), f"dense_logits_{key.hexdigest()[:24]}.pt")
     if os.path.isfile(path):
         return torch.load(path, map_location="cpu", weights_only=True)
-    logits = _logits(model, input_ids, keep)
+    logits = last_logits(model, input_ids, keep)
     os.makedirs(os.fspath(cache_dir), exist_ok=True)
     tmp = path + f".tmp{os.getpid()}"
     torch.save(logits, tmp)
@@ -120,7 +135,7 @@ def evaluate_methods(
         raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
     configs = dict(configs or {})
     targets = input_ids[0, n - eval_positions :].cpu()
-    dense = _logits(model, input_ids, eval_positions)
+    dense = last_logits(model, input_ids, eval_positions)
     results = []
     for method in methods:
         cfg = configs.get(method) or default_config(method)
@@ -130,7 +145,7 @@ def evaluate_methods(
         )  # the config given, exactly: these rows are what it measures
         start = time.perf_counter()
         with capture(keep_selections=False) as cap:
-            logits = _logits(sparse_model, input_ids, eval_positions)
+            logits = last_logits(sparse_model, input_ids, eval_positions)
         seconds = time.perf_counter() - start
         rep = sf_report(sparse_model)
         sparse_calls = [c for c in cap.calls if c.sparse]
@@ -196,7 +211,8 @@ class PlanResult(MethodResult):
         }
 
 
-def _layer_of(tag: str) -> Optional[int]:
+def layer_of_tag(tag: str) -> Optional[int]:
+    """The layer a recorded call's tag names: its first integer (``model.layers.3.self_attn`` -> 3)."""
     import re
 
     m = re.search(r"(\d+)", tag or "")
@@ -268,7 +284,7 @@ def _evaluate_plan(
     apply_plan(model, plan)
     start = time.perf_counter()
     with capture(keep_selections=map_at is not None) as cap:
-        logits = _logits(model, input_ids, eval_positions)
+        logits = last_logits(model, input_ids, eval_positions)
     seconds = time.perf_counter() - start
     model.set_attn_implementation("sdpa")
     per_layer, head_map = _densities_per_layer(cap.calls, n_layers, n_heads, map_at)
@@ -302,7 +318,7 @@ def _densities_per_layer(calls, n_layers: int, n_heads: int, map_at: Optional[tu
     per_layer: List[Optional[List[float]]] = [None] * n_layers
     head_map = None
     for c in calls:
-        layer = _layer_of(c.tag)
+        layer = layer_of_tag(c.tag)
         if layer is None or layer >= n_layers:
             continue
         if map_at is not None and layer == int(map_at[0]) and c.selection is not None:

@@ -152,10 +152,10 @@ def test_dense_logits_cache_hits_and_keys_on_weights(tmp_path, monkeypatch):
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     first = ev.dense_logits(model, ids, 8, cache_dir=tmp_path)
     assert first.shape == (8, 128) and len(list(tmp_path.glob("*.pt"))) == 1
-    real = ev._logits
-    monkeypatch.setattr(ev, "_logits", lambda *a: pytest.fail("cache miss"))
+    real = ev.last_logits
+    monkeypatch.setattr(ev, "last_logits", lambda *a: pytest.fail("cache miss"))
     torch.testing.assert_close(ev.dense_logits(model, ids, 8, cache_dir=tmp_path), first, rtol=0, atol=0)
-    monkeypatch.setattr(ev, "_logits", real)
+    monkeypatch.setattr(ev, "last_logits", real)
     # other tokens, other positions and other weights are other entries
     ev.dense_logits(model, ids.flip(1), 8, cache_dir=tmp_path)
     ev.dense_logits(model, ids, 4, cache_dir=tmp_path)

@@ -1,0 +1,114 @@
+"""The single-layer table the search walks: the whole grid measured (:func:`measure_all`), or only
+what the search can need (:class:`LazyGrid`), and the report of what was skipped and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .choices import DENSE, DENSE_MEASUREMENT, Choice, Measurement, Table
+from .costs import choice_costs
+from .greedy import unsettled
+from .measure import measure_entry
+from .progress import Progress
+from .session import Session, grid_size
+
+
+def measure_all(s: Session, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]) -> Table:
+    """Every (layer, choice) single-layer measurement, from the progress file where present."""
+    table = stored_measurements(s, choices, progress)
+    todo = [(layer, c) for layer in range(s.n_layers) for c in s.layer_choices(layer, choices)]
+    for i, (layer, choice) in enumerate(todo):
+        if choice not in table[layer]:
+            table[layer][choice] = measure_entry(s, layer, choice, progress, say, f"[{i + 1}/{len(todo)}]")
+    return table
+
+
+def stored_measurements(s: Session, choices: Sequence[Choice], progress: Progress) -> Table:
+    """Dense, and the measurements of ``choices`` the progress file holds, per layer."""
+    table: Table = {}
+    for layer in range(s.n_layers):
+        table[layer] = {DENSE: DENSE_MEASUREMENT}
+        for choice in s.layer_choices(layer, choices):
+            got = progress.layers.get(f"{layer}:{choice.key}")
+            if got is not None:
+                table[layer][choice] = Measurement(**got)
+    return table
+
+
+@dataclass
+class LazyGrid:
+    """The choice grid measured on demand: every choice's cost is known first (its selection's
+    density, or its time), and :meth:`settle` measures only the choices that could change the
+    greedy walk at an allowed KL sum (see :func:`unsettled`), so the plan is the one the whole
+    grid gives."""
+
+    s: Session
+    choices: List[Choice]
+    progress: Progress
+    say: Callable[[str], None]
+    table: Table = field(default_factory=dict)
+    costs: Dict[int, Dict[Choice, float]] = field(default_factory=dict)
+    measured: int = 0  # measurements made by this process
+
+    def __post_init__(self):
+        self.table = stored_measurements(self.s, self.choices, self.progress)
+        self.costs = choice_costs(self.s, self.choices, self.progress, self.say)
+
+    def settle(self, allowed: float) -> None:
+        while True:
+            todo = unsettled(self.table, self.costs, allowed)
+            if not todo:
+                return
+            for layer, choice in todo:
+                self.measured += 1
+                self.table[layer][choice] = measure_entry(
+                    self.s,
+                    layer,
+                    choice,
+                    self.progress,
+                    self.say,
+                    f"[measured {self.measured}]",
+                    self.costs[layer][choice],
+                )
+
+    def skipped(self) -> List[Dict[str, Any]]:
+        """The choices never measured, each with its cost and why the plan cannot need it."""
+        out = []
+        for layer, costs in self.costs.items():
+            for choice, cost in costs.items():
+                if choice not in self.table[layer]:
+                    out.append({"layer": layer, "choice": choice.key, "cost": cost, "reason": skip_reason(cost)})
+        return out
+
+
+def skip_reason(cost: float) -> str:
+    """Why an unmeasured choice of this cost cannot be in the plan."""
+    if cost >= DENSE_MEASUREMENT.cost:
+        return "dominated by dense: costs at least as much, and dense has KL 0"
+    return (
+        "cannot change the plan: even at KL 0 its KL reduction per added cost stays below the upgrade "
+        "the greedy walk takes at every step"
+    )
+
+
+def single_layer_report(
+    s: Session, choices: Sequence[Choice], table: Table, grid: Optional[LazyGrid]
+) -> Dict[str, Any]:
+    """How many of the grid's single-layer choices were measured, and which were skipped and why."""
+    total = grid_size(s, choices)
+    skipped = [] if grid is None else grid.skipped()
+    reasons: Dict[str, int] = {}
+    for row in skipped:
+        reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+    summary = f"measured {total - len(skipped)} of {total} single-layer choice(s)"
+    if skipped:
+        summary += "; skipped " + "; ".join(f"{n} ({why})" for why, n in reasons.items())
+    return {
+        "grid": total,
+        "measured": total - len(skipped),
+        "pruned": grid is not None,
+        "skipped_reasons": reasons,
+        "skipped": skipped,
+        "summary": summary,
+    }
