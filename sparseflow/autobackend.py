@@ -1,5 +1,5 @@
 """``backend="auto"`` on CUDA: pick the faster of the fast backends by measuring them on the
-device the op runs on (issue 5), once per shape bucket.
+device the op runs on, once per shape bucket.
 
 The first call of a (method, device, dtype, heads, head dim, config, length bucket) runs every
 candidate backend on the call's own inputs (warm-up runs, which also compile flex and record a

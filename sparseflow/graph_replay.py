@@ -1,4 +1,4 @@
-"""Eager sparse calls replayed from CUDA graphs (issue 16).
+"""Eager sparse calls replayed from CUDA graphs.
 
 A sparse op's Triton pipeline launches 15-40 kernels per call; in eager mode at 4K-16K tokens
 their host cost (about 1 ms per call on the H200's host) exceeds the kernels' own time, so a

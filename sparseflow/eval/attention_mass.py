@@ -1,4 +1,4 @@
-"""How much of the true attention a selection keeps, measured on a real model's Q/K (issue 8).
+"""How much of the true attention a selection keeps, measured on a real model's Q/K.
 
 * :func:`capture_qkv` runs a transformers model once and keeps every layer's post-RoPE Q, K, V
   (through a registered attention function, so nothing of the model is patched).

@@ -842,8 +842,8 @@ def _bwd_dkdv_kernel(
 
 
 # rows of a forward program (query tokens x the group's heads) and its launch; on real SmolLM2
-# layers at 8K (pisa_layer_launch_sweep_packed_h200) 64 rows beat 48, 96 and 128, 3 stages beat 2
-# by 4-5%, and 8 warps were slower
+# layers at 8K on an H200 64 rows beat 48, 96 and 128, 3 stages beat 2 by 4-5%, and 8 warps are
+# slower than 4
 FWD_ROWS = 64
 _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
 # each stage past the first holds one more key block and value block in shared memory: the most

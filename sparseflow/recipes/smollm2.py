@@ -4,7 +4,7 @@ Settings chosen by measurement with ``sparseflow eval`` (:func:`sparseflow.eval.
 on SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32), the model's native length: the first
 8192 tokens of ``pydoc_data.topics``, fidelity over the last 512 next-token predictions, CPU,
 reference backend, layer 0 dense in every row. Density is the mean over all 30 attention calls
-(the dense layer counts as 1.0). See ``MEASURED`` and ``benchmarks/results/smollm2_*_8k.json``.
+(the dense layer counts as 1.0). See ``MEASURED``; docs/results.md holds the studies behind it.
 
 * PBS: the target is mean KL <= 0.01 nats and top-1 >= 97% at the default threshold, and a curve
   below no permutation. At 8K the paper's permutation in every layer *hurts* this model (0.98: KL
@@ -13,14 +13,14 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   (``benchmarks/studies/smollm2_study.py --parts calib_kl``: each layer permuted alone against the no-permutation
   curve, 4K tokens) permutes 22 of 29 layers.
 * Block scoring: with exact block masses (an oracle) the permutation pays on prose (density 0.338,
-  KL 0.0102 against about 0.022 unpermuted at that density), so what failed was the estimate.
+  KL 0.0102 against about 0.022 unpermuted at that density), so the estimate is what fails.
   Mean-pooled and antidiagonal scores average logits before the exponential and lose the mass of
   a few dominant keys; ``scoring="sampled_rows"`` (every 8th query row's exact softmax) keeps it.
   With the 22 layers and sampled rows, threshold 0.95 gives density 0.338 / KL 0.0187 / top-1
   95.9% here, and 0.98 gives 0.434 / 0.0064 / 97.3%, the sparsest measured row meeting the
   targets. On the H200 study's Python 3.12 texts (held out), 0.95 gives 0.341 / 0.0158 (prose)
   and 0.339 / 0.0122 (code), below the no-permutation curve of the same scoring on both; 0.98
-  gives 0.437 / 0.0036 / 97.9% and 0.430 / 0.0051 / 97.7%, where antidiagonal scoring needed
+  gives 0.437 / 0.0036 / 97.9% and 0.430 / 0.0051 / 97.7%, where antidiagonal scoring needs
   density 0.53.
 * Speed (H200, bf16, the whole prefill, Triton estimate; ``MEASURED["pbs_h200_end_to_end"]``): 1.28x /
   1.74x / 2.21x eager dense SDPA at 32K / 64K / 128K on a YaRN-extended model, 0.62x at 8K; of the
@@ -34,7 +34,7 @@ from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
 
 # layers that permute: chosen one at a time by the model's KL (benchmarks/studies/smollm2_study.py --parts
-# calib_kl, 4096 tokens of pydoc_data.topics, threshold 0.95; benchmarks/results/smollm2_study_calib_kl_4k_cpu.json)
+# calib_kl, 4096 tokens of pydoc_data.topics, threshold 0.95, CPU)
 PERMUTED_LAYERS = (1, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 
 _WHERE = (
@@ -105,7 +105,7 @@ MEASURED = {
             "mean_kl": 0.0253,
             "top1": 0.934,
         },
-        # "layers": permutation only in PERMUTED_LAYERS (benchmarks/results/smollm2_calib_kl_layers*_8k_cpu.json)
+        # "layers": permutation only in PERMUTED_LAYERS
         {"threshold": 0.95, "permute": "layers", "density": 0.430, "mean_kl": 0.0516, "top1": 0.928},
         {"threshold": 0.98, "permute": "layers", "density": 0.534, "mean_kl": 0.0117, "top1": 0.957},
         {
@@ -140,7 +140,7 @@ MEASURED = {
             "mean_kl": 0.0064,
             "top1": 0.979,
         },
-        # sampled rows (stride 8), benchmarks/results/smollm2_study_sampled_rows_8k_cpu.json
+        # sampled rows (stride 8)
         {
             "threshold": 0.90,
             "permute": "layers",
@@ -205,7 +205,7 @@ MEASURED = {
             "mean_kl": 0.0071,
             "top1": 0.975,
         },
-        # oracle: every row's exact block mass (benchmarks/results/smollm2_study_oracle_8k_cpu.json)
+        # oracle: every row's exact block mass
         {
             "threshold": 0.95,
             "permute": True,
@@ -224,7 +224,7 @@ MEASURED = {
         },
     ],
     "pbs_h200_python312_texts": [
-        # held out; benchmarks/results/smollm2_study_recipe_sampled_rows_8k_h200.json
+        # held out: the H200 study's Python 3.12 texts, reference backend
         {"text": "pydoc_topics", "threshold": 0.95, "density": 0.341, "mean_kl": 0.0158, "top1": 0.953},
         {"text": "pydoc_topics", "threshold": 0.98, "density": 0.437, "mean_kl": 0.0036, "top1": 0.979},
         {"text": "argparse_source", "threshold": 0.95, "density": 0.339, "mean_kl": 0.0122, "top1": 0.977},
@@ -232,7 +232,6 @@ MEASURED = {
     ],
     # the whole prefill with the Triton strided estimate, H200 bf16, backend="triton", converted path;
     # fidelity vs dense with the same RoPE (YaRN at N/8192 beyond 8K), last 512 positions
-    # (benchmarks/results/e2e_prefill_h200.json, e2e_retune_*_h200.json)
     "pbs_h200_end_to_end": [
         {
             "text": "pydoc_topics",

@@ -1,4 +1,4 @@
-"""SmolLM2 on source code: PBS with a per-layer permutation choice (issue 8).
+"""SmolLM2 on source code: PBS with a per-layer permutation choice.
 
 On code (Lib/argparse.py, the second study text) PBS's permutation pays on this model -- at 8K the
 permuted selector's KL lies below the unpermuted one at every density from 0.3 to 0.55 -- while on
@@ -6,13 +6,13 @@ English prose (pydoc_data.topics) this layer choice hurts. The default ``smollm2
 KL-calibrated layers, sampled-row scoring) is as good on code and also pays on prose; this recipe
 stays for comparison.
 This recipe keeps layer 0 dense and permutes the layers that a calibration chose: for each layer
-the attention mass of the last 512 queries that PBS keeps with and without permutation was
+the attention mass of the last 512 queries that PBS keeps with and without permutation is
 measured on 8K tokens of pydoc_data.topics at thresholds 0.6-0.995, both interpolated to equal
 densities, and the layer permutes where permuting keeps more (layers 17-19 do not). Scoring is
 antidiagonal (PBS+).
 
-Measured on the H200 (reference backend, fp32; SmolLM2-135M-Instruct Q4_1 dequantised; Python
-3.12.3's stdlib texts; last 512 of 8192 positions; benchmarks/results/smollm2_study_calib_8k_h200.json):
+Measured on an H200 (reference backend, fp32; SmolLM2-135M-Instruct Q4_1 dequantised; Python
+3.12.3's stdlib texts; last 512 of 8192 positions):
 
 * argparse source: threshold 0.9 -> density 0.341, mean KL 0.0133, top-1 95.5%; 0.95 -> 0.424 /
   0.0050 / 97.7%; 0.8 -> 0.264 / 0.0259. All permuted or all unpermuted selectors with mean
@@ -39,7 +39,10 @@ MEASURED = {
         {"text": "argparse_source", "threshold": 0.98, "density": 0.528, "mean_kl": 0.0022, "top1": 0.984},
         {"text": "pydoc_topics", "threshold": 0.9, "density": 0.334, "mean_kl": 0.2486, "top1": 0.779},
     ],
-    "calibration": "benchmarks/results/smollm2_study_calib_8k_h200.json (base 'antidiag')",
+    "calibration": (
+        "kept attention mass of the last 512 queries with and without permutation, per layer, "
+        "8192 tokens of pydoc_data.topics, thresholds 0.6-0.995 (base 'antidiag')"
+    ),
 }
 
 # the smollm2 recipe with another PBS setting: same model checks, dense layer and PISA/BSA configs

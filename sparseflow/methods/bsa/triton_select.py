@@ -46,9 +46,9 @@ _BIG_ID = 2**30
 # merge: how a chunk of scores enters the rows' running top-K -- "packed" (top_k rounds of one
 # int64 row max over the packed keys), "bitonic" (two bitonic top-k passes, top_k <= 64) or
 # "rounds" (top_k rounds of fp32 row maxima with separate ids)
-# Measured on the H200 (SmolLM2's shape at 8K: Hq 9, Hkv 3, D 64, C 64; IEEE dots): the packed
-# merge with 8 warps 122.4 us at K=8, 4 warps 153.8 us at K=16 (benchmarks/results/bsa_merge_h200.log,
-# kernel time from a CUDA graph). num_warps None: see _bsa_select_fwd.
+# "packed" is the fastest merge timed on an H200 (SmolLM2's shape at 8K: Hq 9, Hkv 3, D 64, C 64;
+# IEEE dots; kernel time from a CUDA graph), on 8 warps at K=8 and 4 at K=16. num_warps None: see
+# _bsa_select_fwd.
 _SELECT_LAUNCH = dict(block_m=32, block_n=64, num_warps=None, merge="packed")
 _MERGES = {"rounds": 0, "bitonic": 1, "packed": 2}
 
@@ -308,7 +308,7 @@ def _bsa_select_fwd(
     if n_q == 0:
         return out
     block_m, num_warps = _SELECT_LAUNCH["block_m"], _SELECT_LAUNCH["num_warps"]
-    if num_warps is None:  # (H200: IEEE dots at K <= 8 were fastest on 8 warps, tensor-core ones on 4)
+    if num_warps is None:  # (H200: IEEE dots at K <= 8 are fastest on 8 warps, tensor-core ones on 4)
         num_warps = 8 if top_k <= 8 and precision == "ieee" else 4
     wrap_triton(_bsa_select_kernel)[(triton.cdiv(n_q, block_m), b * hkv)](
         q,

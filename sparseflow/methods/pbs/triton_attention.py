@@ -449,13 +449,12 @@ def _pbs_fwd_kernel(
 def _configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages): the candidates measured on the H200
-    # (H200, bf16, D=128, Hq=32/Hkv=8, 100% density; benchmarks/results/pbs_h200.json): 128x64, 4 warps,
-    # 2 stages is best at 8K-128K (0.72-0.87x cuDNN); 128x128/8 warps next; 4 warps on 128x128 and
-    # 64-row tiles are far behind; tl.range(warp_specialize=True) failed to compile for 128x64/4 warps
-    # on sm_90 and was slower for 128x128/8 warps (0.65-0.76x), so it is not used. At D=64
-    # (Hq=9/Hkv=3, SmolLM2) 128x128 on 4 warps is best: 0.907x / 0.887x cuDNN at 8K / 32K against
-    # 0.877x / 0.849x for 128x64 (pbs_variants_d64_h200.log); _prune keeps it to D <= 64.
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages): the autotuner's candidates, as timed on an H200
+    # (bf16, D=128, Hq=32/Hkv=8, 100% density): 128x64 on 4 warps is the fastest at 8K and 32K;
+    # 128x128 on 8 warps comes next; 4 warps on 128x128 and 64-row tiles are far behind.
+    # tl.range(warp_specialize=True) (Triton 3.6) does not compile for 128x64/4 warps on sm_90 and
+    # is slower for 128x128/8 warps, so it is not used. At D=64 (Hq=9/Hkv=3, SmolLM2) 128x128 on 4
+    # warps is the fastest, 3-4% ahead of 128x64 at 8K and 32K; _prune keeps it to D <= 64.
     table = [
         (128, 64, 4, 2),
         (128, 64, 4, 3),
@@ -519,11 +518,10 @@ _FIXED_CONFIG: Optional[dict] = None
 # (:func:`heads_first`). A benchmark switch.
 HEADS_FIRST: Optional[bool] = None
 # Heads first keeps the GPU full from the first wave but has every head's K/V in flight at once;
-# head by head lets one head's tiles share its K/V in L2. On the H200 (50 MB L2; the PBS op,
-# benchmarks/pbs_tail.py --orders) heads first won with K/V of 19 and 75 MB (SmolLM2, 8K and 32K:
-# 1.09 vs 1.68 ms, 3.10 vs 3.27 ms) and lost with 537 MB (a Llama-8B shape at 32K: 19.0 vs
-# 16.7 ms); at 134 MB (that shape at 8K) neither
-# order won consistently.
+# head by head lets one head's tiles share its K/V in L2. On an H200 (50 MB L2; the PBS op,
+# benchmarks/pbs_tail.py --orders) heads first is the faster order with K/V of 19 and 75 MB
+# (SmolLM2 at 8K and 32K) and the slower with 537 MB (a Llama-8B shape at 32K); at 134 MB (that
+# shape at 8K) neither order wins consistently, hence the cut at twice the L2.
 HEADS_FIRST_MAX_L2_MULTIPLE = 2.0
 
 

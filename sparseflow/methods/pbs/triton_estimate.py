@@ -42,11 +42,11 @@ the exponential unit about as much as by the tensor cores; the strided rows take
 (row, strided column) against an ``s*D``-deep dot and are tensor-core bound.
 
 Status: identical selections to the reference on the CPU interpreter
-(tests/methods/pbs/test_pbs_triton_estimate.py) and on the H200 (benchmarks/check_pbs_estimate_cuda.py:
-benchmarks/results/pbs_estimate_h200.json, N = 4K and 16K, both scorings and GQA permutations,
-stride 8, threshold 0.9); compiled for sm_90 (tests/sm90_compile.py). The estimate alone takes
-0.11-0.17 of cuDNN's dense causal attention at 8K-128K on the H200 (same file, B=1, Hq=32, Hkv=8,
-D=128, bf16, stride 8): above the ``1/(2s)`` FLOP ratio (0.0625).
+(tests/methods/pbs/test_pbs_triton_estimate.py) and on an H200 (benchmarks/check_pbs_estimate_cuda.py:
+N = 4K and 16K, both scorings and GQA permutations, stride 8, threshold 0.9); compiled for sm_90
+(tests/sm90_compile.py). The estimate alone takes 0.11-0.17 of cuDNN's dense causal attention at
+8K-128K on an H200 (B=1, Hq=32, Hkv=8, D=128, bf16, stride 8): above the ``1/(2s)`` FLOP ratio
+(0.0625).
 """
 
 from __future__ import annotations
@@ -757,12 +757,11 @@ def strided_estimate(
 
 
 # programs below which the estimate halves its row tile (per SM): at 8K tokens and Hq 9 the
-# 128-row tiles make 72 programs for the H200's 132 SMs; 64-row tiles ran 164.6 us against 252.2
-# (benchmarks/results/select_kernels_8k_h200.log)
+# 128-row tiles make 72 programs for an H200's 132 SMs, and 64-row tiles take a third less time
 _PROGRAMS_PER_SM = 2
 # programs (per SM) the key splits aim for: causal row tiles differ in length up to N/bs steps,
-# and the longest one bounds the launch unless its keys are split (H200, 8K, Hq 9: 64-row tiles
-# in 4 splits 33.4 us of kernel against 68.6 in one: benchmarks/results/estimate_splits_h200.log)
+# and the longest one bounds the launch unless its keys are split (H200, 8K, Hq 9: 4 splits of
+# 64-row tiles halve the kernel's time against one)
 _SPLIT_PROGRAMS_PER_SM = 4
 _MAX_KEY_SPLITS = 8
 
@@ -773,7 +772,7 @@ def default_row_tile(q: torch.Tensor, scoring: str, stride: int, hc: int, block_
     tile = _default_tile()
     if q.device.type != "cuda" or interpreting():
         return tile
-    if q.shape[-1] <= 64:  # (H200, D=64: 64-row tiles on 4 warps were fastest at 8K-64K)
+    if q.shape[-1] <= 64:  # (H200, D=64: 64-row tiles on 4 warps are the fastest at 8K-64K)
         return tile // 2
     (bsz_hc, nrows, _), _ = _estimate_shapes(q, scoring, stride, hc, block_size)
     if bsz_hc * -(-nrows // tile) < sm_count(q.device) * _PROGRAMS_PER_SM:

@@ -4,9 +4,9 @@ Stages:
 
 1. proxy key scores, 2. segmented permutation, 3. block selection -- on CUDA the Triton kernels
    of ``triton_select`` (identical selections to the reference in the CPU-interpreter tests and
-   in ``benchmarks/pbs.py --part check`` on the H200, and 8.6x faster than the torch stages at
-   8K: benchmarks/results/pbs_h200_total_2026-11-29.log); elsewhere (the interpreter) the
-   reference's torch stages. ``Tuning(pbs_select="reference"|"triton")`` overrides;
+   in ``benchmarks/pbs.py --part check`` on an H200, and about 8.6x faster than the torch stages
+   there at 8K); elsewhere (the interpreter) the reference's torch stages.
+   ``Tuning(pbs_select="reference"|"triton")`` overrides;
 4. attention -- the Triton kernel ``sparseflow::pbs_block_sparse_fwd`` (``triton_attention``).
 
 K/V layout for the kernel (``Tuning.pbs_kv_layout`` = ``"permuted"`` | ``"gather"``):

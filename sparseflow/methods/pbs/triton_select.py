@@ -29,11 +29,10 @@ Status: ``triton_impl`` uses these by default on CUDA (``Tuning(pbs_select="refe
 with the reference's torch stages instead; off CUDA that is the default). Checked against the
 reference on the CPU interpreter (tests/methods/pbs/test_pbs_triton.py: scores to ~1e-7 relative, identical
 permutations and selections; tests/methods/pbs/test_pbs_triton_estimate.py for the strided scorings) and
-compiled for sm_90 (tests/sm90_compile.py). On the H200 (benchmarks/results/pbs_stages_h200.json:
-B=1, Hq=32, Hkv=8, D=128, bf16, ``scoring="mean"``, threshold 0.9), scores + sort + selection take
-0.26 / 0.73 / 2.82 ms at N = 8K / 32K / 128K (cuDNN dense attention: 0.99 / 14.6 / 251 ms); the
-selection equals the reference's at 8K and 32K and differs at 128K in 6 blocks, all near-ties of
-the threshold rule (``selection_diff`` in benchmarks/pbs.py).
+compiled for sm_90 (tests/sm90_compile.py). On an H200 (B=1, Hq=32, Hkv=8, D=128, bf16,
+``scoring="mean"``, threshold 0.9) scores + sort + selection cost 1-26% of cuDNN's dense attention
+at N = 8K-128K (the smaller share at the longer N), and the selection is the reference's but for
+near-ties of the threshold rule (``selection_diff`` in benchmarks/pbs.py).
 """
 
 from __future__ import annotations

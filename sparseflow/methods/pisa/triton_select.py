@@ -312,8 +312,8 @@ def pisa_select(
 
 
 def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching: int) -> bool:
-    """Whether ``tuning.pisa_walk`` asks for the tiled walk and it covers the shape ("auto": the
-    per-token walk until the tiled one is timed on the H200); a shape it does not cover is logged."""
+    """Whether ``tuning.pisa_walk`` asks for the tiled walk and it covers the shape (``"auto"``
+    never picks it); a shape it does not cover is logged."""
     if tuning.pisa_walk != "tiled":
         return False
     from .triton_select_tiled import tiled_covers
@@ -328,7 +328,7 @@ def _use_scan_walk(
     tuning: Tuning, q, k, summ, score: int, block_size: int, top_k: int, beam: int, branching: int
 ) -> bool:
     """Whether ``tuning.pisa_walk`` asks for the scan walk (``"scan"``, or ``"auto"`` on CUDA:
-    faster than the per-token walk at every shape timed on the H200, pisa_scan_walk_h200.log) and
+    faster than the per-token walk at every shape timed on an H200) and
     it covers the call; a call it does not cover runs per token, logged."""
     auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
     if tuning.pisa_walk != "scan" and not auto:

@@ -77,10 +77,10 @@ MAX_TABLE_BYTES = 1 << 30
 # (queries x the group's heads, packed: :func:`packed_rows`), rows of a keep tile (queries x the
 # group padded to a power of two), the node scan's summary columns per dot,
 # warps and dot precision (:func:`scan_dot`), the leaf scorer's warps, chunks per program and
-# pipeline stages; measured on the H200 (pisa_scan_launch_h200.log: 128 rows beat 64 in both, 4
-# warps beat 8 for the pairs; pisa_node_scan_h200.json: 32 columns beat 64 and 128, 8 warps tie 4;
-# pisa_scan_launch_dot_h200: bf16x3 takes half tf32x3's time; pisa_pair_chunks_h200: 4 chunks a
-# program beat 1, 2, 8 and 16 at SmolLM2's 8K, pipelining them gains nothing there)
+# pipeline stages. Each is the fastest of those timed on an H200, or level with it: 128 rows beat
+# 64 for node-scan tiles and leaf pairs, 4 warps beat 8 for the pairs; 32 columns beat 64 and 128,
+# 8 warps tie 4 for the node scan; bf16x3 dots take half tf32x3's time; 4 chunks a program match
+# the best of 1, 2, 8 and 16 at SmolLM2's 8K and 32K, and pipelining them gains nothing at 8K
 LAUNCH = {
     "rows": 128,
     "keep_rows": 128,
