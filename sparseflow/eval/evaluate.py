@@ -335,7 +335,7 @@ def _layer_kinds(calls, n_layers: int, windows) -> List[str]:
     """Per layer, what its calls ran (see ``PlanResult.layer_kinds``)."""
     kinds = [""] * n_layers
     for c in calls:
-        i = _layer_of(c.tag)
+        i = layer_of_tag(c.tag)
         if i is None or not 0 <= i < n_layers:
             continue
         sliding, chunk = windows.get(i, (0, 0))
