@@ -190,13 +190,14 @@ def _import_graph(root: pathlib.Path) -> dict:
     ``import`` or ``from ... import`` in its source (at module level or inside a function: either
     runs the imported module's code). ``from pkg import name`` imports the module ``pkg.name``
     when there is one, else ``pkg``'s ``__init__``. A submodule's parent package is not counted:
-    Python imports it first, before the submodule can import anything."""
+    Python imports it first, before the submodule can import anything. Imports under
+    ``if TYPE_CHECKING:`` never run and are not counted."""
     paths = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph = {}
     for name, path in paths.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -204,6 +205,23 @@ def _import_graph(root: pathlib.Path) -> dict:
                 targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
         graph[name] = {t for t in targets if t in paths and t != name}
     return graph
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks (type checkers' imports only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = child.test if isinstance(child, ast.If) else None
+            if (
+                isinstance(test, (ast.Name, ast.Attribute))
+                and (getattr(test, "id", None) or test.attr) == "TYPE_CHECKING"
+            ):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
 
 
 def _import_cycles(graph: dict) -> list:
