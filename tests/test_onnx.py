@@ -416,10 +416,10 @@ def _node_inputs(n, ties, seed):
 
 
 def _node_attrs(cfg, is_causal, scale):
-    from sparseflow.ops import _FIELDS
+    from sparseflow.op_schema import FIELDS
 
     attrs = dict(is_causal=int(is_causal), scale=scale)
-    for name, kind in _FIELDS[cfg.method]:
+    for name, kind in FIELDS[cfg.method]:
         if name in ("sliding_window", "chunk_size"):  # not node attributes: a windowed config is refused
             continue
         val = getattr(cfg, name)

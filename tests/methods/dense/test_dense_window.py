@@ -100,7 +100,7 @@ def test_conflicting_windows_run_dense_with_both():
 def test_a_windows_dense_mask_is_built_on_the_queries_device():
     # without an attn_mask, the dense fallback's window mask must follow q (on a GPU a CPU mask
     # made auto's dense candidate fail); meta stands in for another device here
-    from sparseflow import ops
+    from sparseflow import op_windows
 
     q = torch.empty(1, 2, 50, 8, device="meta")
-    assert ops._with_window_mask(None, q, 50, (8, 0)).device.type == "meta"
+    assert op_windows.with_window_mask(None, q, 50, (8, 0)).device.type == "meta"
