@@ -53,7 +53,10 @@ def merged_window(mask: MaskAnalysis, cfg: AttentionConfig) -> Tuple[MaskAnalysi
             f"the attn_mask's window (sliding_window={mask.sliding_window}, chunk_size={mask.chunk_size}) and the "
             f"config's (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}) are not one window"
         )
-    return dataclasses.replace(mask, sliding_window=sliding, chunk_size=min(chunks, default=0)), ""
+    chunk = min(chunks, default=0)
+    if (sliding, chunk) == (mask.sliding_window, mask.chunk_size):  # nothing to merge (most calls)
+        return mask, ""
+    return dataclasses.replace(mask, sliding_window=sliding, chunk_size=chunk), ""
 
 
 def with_window_mask(attn_mask, q: torch.Tensor, n_k: int, window: Tuple[int, int]) -> torch.Tensor:
