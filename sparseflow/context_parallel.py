@@ -51,6 +51,7 @@ from . import op_backends as _backends
 from . import op_plan as _planning
 from . import recording as _capture
 from .config import AttentionConfig
+from .op_backends import DENSE_CHOICE
 from .op_schema import impl_kwargs
 from .op_validation import TRITON_DTYPES
 from .op_windows import sdpa
@@ -389,13 +390,7 @@ def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tenso
         q_shape = (q.shape[0], q.shape[1], k_all.shape[2], q.shape[3])
         cap.calls.append(
             _capture.CallRecord(
-                tag,
-                method,
-                backend if sparse else _backends.DENSE_CHOICE,
-                sparse,
-                reason or "",
-                q_shape,
-                tuple(k_all.shape),
+                tag, method, backend if sparse else DENSE_CHOICE, sparse, reason or "", q_shape, tuple(k_all.shape)
             )
         )
 
