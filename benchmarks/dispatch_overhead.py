@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sparseflow  # noqa: E402
 import sparseflow.graph_replay  # noqa: E402
+import sparseflow.op_backends  # noqa: E402
 from common import graph_us_per_call, mean_s_back_to_back  # noqa: E402
 
 
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
                     lambda: sparseflow.attention(q, k, v, config=c, backend="triton")
                 )
             # the implementation alone, without the op's dispatch, validation and plan
-            impl = sparseflow.ops._load(method, "triton")
+            impl = sparseflow.op_backends.load(method, "triton")
             variants[f"{method} impl"] = lambda c=cfg, f=impl: f(q, k, v, c)
         row = {"n": n}
         for name, fn in variants.items():

@@ -11,7 +11,9 @@ both are read when a key is decided, so a decided call costs no lookup of them. 
 in its interpreter.
 
 The choices live in a ``BackendChooser`` that a caller may own; the default one is per process,
-like Triton's autotuning cache, and ``clear()`` empties it.
+like Triton's autotuning cache, and ``clear()`` empties it. :func:`auto_choice` is the ops' use
+of the default one: the candidates of an op call, how each runs it, and the reason to log when
+dense SDPA wins.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["BackendChooser", "default_chooser", "ENV_OVERRIDE"]
+from . import methods as _methods
+from . import op_backends as _backends
+from .op_backends import DENSE_CHOICE
+from .op_replay import replayed_or_launched
+from .op_schema import ConfigEntry
+from .op_windows import sdpa, with_window_mask
+
+__all__ = ["BackendChooser", "default_chooser", "ENV_OVERRIDE", "auto_choice"]
 
 ENV_OVERRIDE = "SPARSEFLOW_AUTO_BACKEND"
 _log = logging.getLogger("sparseflow")
@@ -183,3 +192,91 @@ def _checked_forced(backend: Optional[str]) -> Optional[str]:
 
 
 default_chooser = BackendChooser()
+
+
+# --------------------------------------------------------------------------- an op call's choice
+
+
+def _auto_key(entry: ConfigEntry, q, k, mask) -> Tuple:
+    # what an auto decision depends on; the chooser's own (coarser) key is built only on a miss
+    return (
+        entry.serial,
+        q.device,
+        q.dtype,
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[3],
+        _bucket(q.shape[2]),
+        _bucket(k.shape[2]),
+        mask.is_causal,
+        mask.key_padding_mask is not None,
+        mask.sliding_window,
+        mask.chunk_size,
+    )
+
+
+def auto_choice(
+    method: str, entry: ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale
+) -> Tuple[str, Optional[str]]:
+    """``(backend, dense reason)`` for ``backend="auto"``: the reason is None when a sparse
+    backend runs. Decided once per key of the default chooser (its ``clear()`` forgets them)."""
+    chooser = default_chooser
+    key = _auto_key(entry, q, k, mask)
+    decision = chooser.decisions.get(key)
+    if decision is None:
+        decision = _decide(chooser, method, entry, q, k, v, attn_mask, is_causal, mask, scale)
+        chooser.decisions[key] = decision
+    return decision
+
+
+def _decide(
+    chooser, method: str, entry: ConfigEntry, q, k, v, attn_mask, is_causal, mask, scale
+) -> Tuple[str, Optional[str]]:
+    """The static choice (reference off CUDA), else the fastest measured on this call, with the
+    reason to log when that is dense SDPA: the op is never slower than dense at a length it has measured."""
+    chosen = _backends.resolve_backend(method, "auto", q.device, q.dtype)
+    if chosen != "measure":
+        return chosen, None
+    kw = entry.kwargs
+    window = (mask.sliding_window, mask.chunk_size)
+    key = chooser.key(
+        method,
+        q,
+        k,
+        (tuple(sorted(kw.items())), mask.is_causal, mask.key_padding_mask is not None, window, entry.tuning),
+    )
+
+    def run(name: str):
+        # each candidate as it would run this call: a Triton call it may replay is timed replayed
+        if name == DENSE_CHOICE:
+            if window != (0, 0):
+                return sdpa(q, k, v, with_window_mask(attn_mask, q, k.shape[2], window), False, scale)
+            return sdpa(q, k, v, attn_mask, is_causal, scale)
+        return replayed_or_launched(method, name, entry, q, k, v, mask, scale)
+
+    fast = _backends.fast_backends(method, q.device, q.dtype)
+    if window != (0, 0):
+        fast = [b for b in fast if _methods.spec_for(method).backend(b).windows]
+    candidates = fast + [DENSE_CHOICE]
+    choice, forcing = chooser.decide(key, candidates, run, prefer=DENSE_CHOICE)
+    if choice != DENSE_CHOICE:
+        return choice, None
+    times = None if forcing else chooser.timings.get(key)
+    if not times:  # decided without measuring
+        how = f"forced by {forcing[1]}" if forcing else f"no sparse backend can run {method} here"
+        return choice, f"backend='auto' runs dense SDPA, {how} (on {_device_name(q.device)})"
+    others = ", ".join(f"{b} {t:.3f} ms" for b, t in times.items() if b != DENSE_CHOICE)
+    dense_ms = times.get(DENSE_CHOICE, float("nan"))
+    if any(t < dense_ms for b, t in times.items() if b != DENSE_CHOICE):
+        lead = f"{method} measured less than {chooser.margin:.2f}x faster than dense here (dense is exact)"
+    else:
+        lead = f"measured faster than {method} here"
+    return choice, (
+        f"{lead}: dense SDPA {dense_ms:.3f} ms"
+        f" vs {others or 'the sparse backends'} (backend='auto' on {_device_name(q.device)})"
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)

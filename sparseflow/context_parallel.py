@@ -47,9 +47,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import methods as _methods
-from . import ops as _ops
+from . import op_backends as _backends
+from . import op_plan as _planning
 from . import recording as _capture
 from .config import AttentionConfig
+from .op_backends import DENSE_CHOICE
+from .op_schema import impl_kwargs
+from .op_validation import TRITON_DTYPES
+from .op_windows import sdpa
 from .tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["ContextParallel", "SHARDINGS", "shard", "unshard", "attention", "gather_sequence", "Layout"]
@@ -313,10 +318,10 @@ def _cp_backend(method: str, backend: str, device: torch.device, dtype: torch.dt
     if backend == "flex":
         raise ValueError("backend='flex' is not available with context_parallel; use 'auto', 'reference' or 'triton'")
     if backend == "auto":
-        fast = device.type == "cuda" and _ops._triton_installed() and dtype in _ops.TRITON_DTYPES
+        fast = device.type == "cuda" and _backends.triton_installed() and dtype in TRITON_DTYPES
         return "triton" if fast else "reference"
     if backend == "triton":
-        _ops._resolve_backend(method, backend, device, dtype)
+        _backends.resolve_backend(method, backend, device, dtype)
     return backend
 
 
@@ -359,15 +364,15 @@ def attention(
     _record(method, tag, chosen, reason, q, k_all)
     if reason is not None:
         return _dense_local(q, k_all, v_all, layout, is_causal, scale)
-    kwargs = _ops._impl_kwargs(config)
+    kwargs = impl_kwargs(config)
     strategy = _STRATEGIES[_methods.spec_for(method).context_parallel]
     return strategy(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
 
 
 def _token_chunks(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning) -> Tensor:
     """The ``"token_chunks"`` strategy: the rank's query chunks as calls of the implementation."""
-    impl = _ops._load(method, chosen)
-    if _ops._takes_tuning(impl):
+    impl = _backends.load(method, chosen)
+    if _backends.takes_tuning(impl):
         kwargs = {**kwargs, "tuning": tuning}
     return _token_local(impl, q, k_all, v_all, layout, kwargs, is_causal, scale)
 
@@ -385,7 +390,7 @@ def _record(method: str, tag: str, backend: str, reason: Optional[str], q: Tenso
         q_shape = (q.shape[0], q.shape[1], k_all.shape[2], q.shape[3])
         cap.calls.append(
             _capture.CallRecord(
-                tag, method, backend if sparse else _ops.DENSE_CHOICE, sparse, reason or "", q_shape, tuple(k_all.shape)
+                tag, method, backend if sparse else DENSE_CHOICE, sparse, reason or "", q_shape, tuple(k_all.shape)
             )
         )
 
@@ -398,7 +403,7 @@ def _dense_reason(method: str, config: AttentionConfig, q, k_all, v_all, is_caus
     if v_all.shape[-1] != q.shape[-1]:
         return f"value head dim {v_all.shape[-1]} != query head dim {q.shape[-1]}"
     n = k_all.shape[2]  # the queries of all ranks together span the global length
-    return _ops._dense_reason(method, config, n, n, is_causal) or None
+    return _planning.dense_reason(method, config, n, n, is_causal) or None
 
 
 def _dense_local(q, k_all, v_all, layout: Layout, is_causal: bool, scale) -> Tensor:
@@ -409,9 +414,9 @@ def _dense_local(q, k_all, v_all, layout: Layout, is_causal: bool, scale) -> Ten
         offset += e - s
         if is_causal:
             mask = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(diagonal=s)
-            outs.append(_ops._sdpa(qc, k_all[:, :, :e], v_all[:, :, :e], mask, False, scale))
+            outs.append(sdpa(qc, k_all[:, :, :e], v_all[:, :, :e], mask, False, scale))
         else:
-            outs.append(_ops._sdpa(qc, k_all, v_all, None, False, scale))
+            outs.append(sdpa(qc, k_all, v_all, None, False, scale))
     return torch.cat(outs, dim=SEQ_DIM).contiguous()
 
 
@@ -562,9 +567,9 @@ _STRATEGIES = {"token_chunks": _token_chunks, "shared_rows": _shared_rows}
 
 def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """The Triton selection and attention (CUDA, or the interpreter with ``Tuning(pbs_select="triton")``)."""
-    from .methods.pbs import triton_impl
+    from .methods.pbs import triton_gather, triton_impl
 
-    return triton_impl._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
+    return triton_gather._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
 
 
 def _pbs_triton_owned(

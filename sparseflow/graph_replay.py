@@ -9,7 +9,7 @@ graph's static tensors, replay it and clone its output (four copies and one laun
 whose addresses recur (a model's layer, forward after forward) get a graph of their own that
 reads them in place: one launch and the output's copy.
 
-What a signature is, and when a call may replay, is the caller's business (``sparseflow.ops``
+What a signature is, and when a call may replay, is the caller's business (``sparseflow.op_replay``
 keys on the method's config and tuning, shapes, strides, dtypes, device, stream and flags, and
 replays only calls without gradient, outside any other capture). A capture that fails leaves
 its signature eager for good, logged once with the reason. The cache keeps the most recent

@@ -72,9 +72,9 @@ class OnnxExportError(ValueError):
 
 
 def _config_fields(method: str) -> List[Tuple[str, type]]:
-    from .ops import _FIELDS
+    from .op_schema import FIELDS
 
-    return list(_FIELDS[method])
+    return list(FIELDS[method])
 
 
 def _node_fields(method: str) -> List[Tuple[str, type]]:
@@ -330,9 +330,10 @@ MaskAnalysisSummary = Tuple[bool, bool, str]
 def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
     """Run the rewritten program once on the example inputs and analyse the mask every op call
     receives: ``{tag: (supported, is_causal, reason)}``. The op calls are intercepted (context
-    local, see :func:`sparseflow.ops.intercepting`) and answered with dense attention: the masks
+    local, see :func:`sparseflow.op_execute.intercepting`) and answered with dense attention: the masks
     never depend on attention outputs, so the model runs at SDPA speed."""
-    from . import ops as _ops
+    from .op_execute import intercepting
+    from .op_windows import sdpa
 
     found: Dict[str, MaskAnalysisSummary] = {}
 
@@ -350,9 +351,9 @@ def _analyse_masks(ep, args, kwargs) -> Dict[str, MaskAnalysisSummary]:
         found[tag] = cur
         if not res.supported:  # SDPA may refuse such a mask; any output of the right shape will do
             return torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-        return _ops._sdpa(q, k, v, mask, is_causal, scale).contiguous()
+        return sdpa(q, k, v, mask, is_causal, scale).contiguous()
 
-    with torch.no_grad(), _ops.intercepting(analyse_call):
+    with torch.no_grad(), intercepting(analyse_call):
         ep.module()(*args, **(kwargs or {}))
     return found
 

@@ -7,6 +7,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparseflow
+import sparseflow.autobackend as autobackend
+import sparseflow.op_backends as op_backends
+import sparseflow.op_schema as op_schema
+import sparseflow.op_validation as op_validation
 import sparseflow.ops as ops
 import sparseflow.recording as recording
 from sparseflow import BSAConfig, PBSConfig, PISAConfig
@@ -35,10 +39,12 @@ def measured(monkeypatch):
     timings, and counts how often the chooser and the device-name lookup are consulted."""
     counts = {"choose": 0, "time": 0, "device_name": 0}
     monkeypatch.setattr(
-        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+        op_backends,
+        "resolve_backend",
+        lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend,
     )
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
-    real_decide, real_name = BackendChooser.decide, ops._device_name
+    monkeypatch.setattr(op_backends, "fast_backends", lambda method, device, dtype=None: ["reference"])
+    real_decide, real_name = BackendChooser.decide, autobackend._device_name
 
     def decide(self, *a, **kw):
         counts["choose"] += 1
@@ -54,7 +60,7 @@ def measured(monkeypatch):
 
     monkeypatch.setattr(BackendChooser, "decide", decide)
     monkeypatch.setattr(BackendChooser, "_time", time_)
-    monkeypatch.setattr(ops, "_device_name", device_name)
+    monkeypatch.setattr(autobackend, "_device_name", device_name)
     default_chooser.clear()
     yield counts
     default_chooser.clear()
@@ -139,8 +145,8 @@ def test_structural_fallback_skips_the_op_and_matches_it(monkeypatch):
 
 def test_attention_validates_once_and_direct_op_calls_still_validate(monkeypatch):
     seen = []
-    real = ops.validate_inputs
-    monkeypatch.setattr(ops, "validate_inputs", lambda *a: seen.append(a[0]) or real(*a))
+    real = op_validation.validate_inputs
+    monkeypatch.setattr(op_validation, "validate_inputs", lambda *a: seen.append(a[0]) or real(*a))
     for requires_grad in (False, True):  # through the op's autograd layer too
         seen.clear()
         q, k, v = _qkv(64, requires_grad=requires_grad)
@@ -202,17 +208,17 @@ def test_a_mask_that_requires_grad_keeps_the_op_and_gets_no_gradient():
 
 def test_config_cache_returns_equal_configs_for_equal_arguments_only():
     values = tuple(op_args(PBSConfig(block_size=16, segment_size=64)))
-    a, b = ops._config_entry("pbs", values), ops._config_entry("pbs", tuple(values))
+    a, b = op_schema.config_entry("pbs", values), op_schema.config_entry("pbs", tuple(values))
     assert a is b and a.cfg == PBSConfig(block_size=16, segment_size=64)
     assert "min_seq_len" not in a.kwargs and a.kwargs["segment_size"] == 64
-    other = ops._config_entry("pbs", tuple(op_args(PBSConfig(block_size=16, segment_size=128))))
+    other = op_schema.config_entry("pbs", tuple(op_args(PBSConfig(block_size=16, segment_size=128))))
     assert other.cfg != a.cfg and other.serial != a.serial
     # True == 1, yet the config's own type checks must still run for the int
-    i = [n for n, _ in ops._FIELDS["pbs"]].index("force_sink")
+    i = [n for n, _ in op_schema.FIELDS["pbs"]].index("force_sink")
     with pytest.raises(TypeError, match="force_sink must be a bool"):
-        ops._config_entry("pbs", values[:i] + (1,) + values[i + 1 :])
+        op_schema.config_entry("pbs", values[:i] + (1,) + values[i + 1 :])
     # an int threshold and a float one are one config, and the op's arguments are floats
-    assert ops._config_call(PBSConfig(threshold=1))[0] == ops._config_call(PBSConfig(threshold=1.0))[0]
+    assert op_schema.config_call(PBSConfig(threshold=1))[0] == op_schema.config_call(PBSConfig(threshold=1.0))[0]
 
 
 @pytest.mark.parametrize(
@@ -231,9 +237,11 @@ def test_dense_gives_way_only_to_a_backend_beating_it_by_the_margin(monkeypatch,
 
 def test_a_dense_choice_by_the_margin_says_so(monkeypatch):
     monkeypatch.setattr(
-        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+        op_backends,
+        "resolve_backend",
+        lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend,
     )
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    monkeypatch.setattr(op_backends, "fast_backends", lambda method, device, dtype=None: ["reference"])
     monkeypatch.setattr(BackendChooser, "_time", lambda self, run, name: {"reference": 0.99, "sdpa": 1.0}[name])
     default_chooser.clear()
     try:

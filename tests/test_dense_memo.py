@@ -98,13 +98,13 @@ def test_masked_and_traced_calls_are_not_remembered():
 
 
 def test_repeated_sparse_call_is_remembered_and_skips_the_dispatcher_without_gradient(monkeypatch):
-    from sparseflow import ops
+    from sparseflow import op_validation, ops
 
     q, k, v = _qkv(128)
     want = sparseflow.attention(q, k, v, config=CFG, backend="reference", tuning=sparseflow.Tuning(pbs_tma=False))
     validated, dispatched = [], []
-    real_validate, real_op_for = ops.validate_inputs, ops.op_for
-    monkeypatch.setattr(ops, "validate_inputs", lambda *a: validated.append(a[0]) or real_validate(*a))
+    real_validate, real_op_for = op_validation.validate_inputs, ops.op_for
+    monkeypatch.setattr(op_validation, "validate_inputs", lambda *a: validated.append(a[0]) or real_validate(*a))
     monkeypatch.setattr(ops, "op_for", lambda m: dispatched.append(m) or real_op_for(m))
     for i in range(3):
         with sparseflow.capture() as cap:
@@ -242,6 +242,6 @@ def test_notes_are_not_read_or_written_under_compile():
 
 def test_notes_are_bounded():
     known = {}
-    for n in range(8, 8 + sparseflow.ops._KNOWN_LIMIT + 3):
+    for n in range(8, 8 + sparseflow.op_memo._KNOWN_LIMIT + 3):
         _any_layout(*_qkv(n), known)
-    assert 0 < len(known) <= sparseflow.ops._KNOWN_LIMIT
+    assert 0 < len(known) <= sparseflow.op_memo._KNOWN_LIMIT

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sparseflow  # noqa: E402
-from sparseflow import ops  # noqa: E402
+from sparseflow import op_backends, ops  # noqa: E402
 from sparseflow.config import BSAConfig, PBSConfig, PISAConfig  # noqa: E402
 
 _TRITON = pytest.mark.skipif(
@@ -153,7 +153,7 @@ def test_triton_entry_points_reject_fp64_with_a_type_error():
 
 
 def test_auto_never_measures_triton_for_fp64():
-    assert "triton" not in ops._fast_backends("pbs", torch.device("cpu"), torch.float64)
+    assert "triton" not in op_backends.fast_backends("pbs", torch.device("cpu"), torch.float64)
 
 
 # --------------------------------------------------------------------------- empty inputs
@@ -255,7 +255,7 @@ def test_decode_selection_width_is_clamped_to_the_cached_blocks():
 
 
 def _impl(method, backend):
-    return ops._load(method, backend)
+    return op_backends.load(method, backend)
 
 
 _NAN_CFG = {

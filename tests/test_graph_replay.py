@@ -409,12 +409,12 @@ def test_a_handle_replays_its_in_place_graph_until_a_graph_leaves_the_cache(fake
 def replayable_on_cpu(fake_cuda_graphs, monkeypatch):
     """The reference backend on the CPU replays through fake graphs as the Triton one does on the
     GPU, so the path a converted model's layer takes call after call runs here."""
-    from sparseflow import ops
+    from sparseflow import op_replay, ops
 
     def replayable(chosen, entry, q, k, v, kpm):
-        return entry.tuning.cuda_graphs and kpm is None and not ops._needs_autograd(q, k, v, None)
+        return entry.tuning.cuda_graphs and kpm is None and not op_replay.needs_autograd(q, k, v, None)
 
-    monkeypatch.setattr(ops, "_replayable", replayable)
+    monkeypatch.setattr(op_replay, "replayable", replayable)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     full_calls = []
     real = ops._attention

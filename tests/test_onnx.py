@@ -416,10 +416,10 @@ def _node_inputs(n, ties, seed):
 
 
 def _node_attrs(cfg, is_causal, scale):
-    from sparseflow.ops import _FIELDS
+    from sparseflow.op_schema import FIELDS
 
     attrs = dict(is_causal=int(is_causal), scale=scale)
-    for name, kind in _FIELDS[cfg.method]:
+    for name, kind in FIELDS[cfg.method]:
         val = getattr(cfg, name)
         attrs[name] = int(val) if kind is bool else val
     return attrs

@@ -310,13 +310,15 @@ def test_auto_backend_chooser_measures_once_per_bucket_and_honours_override(monk
 
 def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
     # CPU stand-in for the CUDA path: auto measures the (slow) reference against dense SDPA
-    import sparseflow.ops as ops
+    import sparseflow.op_backends as op_backends
     from sparseflow.autobackend import default_chooser
 
     monkeypatch.setattr(
-        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+        op_backends,
+        "resolve_backend",
+        lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend,
     )
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    monkeypatch.setattr(op_backends, "fast_backends", lambda method, device, dtype=None: ["reference"])
     default_chooser.clear()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 300, 16, generator=g, requires_grad=True)
@@ -337,7 +339,7 @@ def test_auto_runs_dense_when_measured_faster_and_says_so(monkeypatch):
 
 
 def test_auto_forced_backend_is_typed_taken_without_measuring_and_reported(monkeypatch):
-    import sparseflow.ops as ops
+    import sparseflow.op_backends as op_backends
     from sparseflow.autobackend import BackendChooser, default_chooser
 
     with pytest.raises(TypeError, match="forced backend"):
@@ -345,9 +347,11 @@ def test_auto_forced_backend_is_typed_taken_without_measuring_and_reported(monke
     with pytest.raises(TypeError, match="forced backend"):
         BackendChooser().force("")
     monkeypatch.setattr(
-        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+        op_backends,
+        "resolve_backend",
+        lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend,
     )
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    monkeypatch.setattr(op_backends, "fast_backends", lambda method, device, dtype=None: ["reference"])
     q, k, v = (torch.randn(1, h, 300, 16) for h in (4, 2, 2))
     cfg = PISAConfig(block_size=16, top_k=3)
 
@@ -375,13 +379,15 @@ def test_auto_forced_backend_is_typed_taken_without_measuring_and_reported(monke
 
 def test_auto_reads_the_override_once_when_it_decides(monkeypatch):
     # the decision and its report come from one read of the override
-    import sparseflow.ops as ops
+    import sparseflow.op_backends as op_backends
     from sparseflow.autobackend import ENV_OVERRIDE, default_chooser
 
     monkeypatch.setattr(
-        ops, "_resolve_backend", lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend
+        op_backends,
+        "resolve_backend",
+        lambda method, backend, device, dtype=None: "measure" if backend == "auto" else backend,
     )
-    monkeypatch.setattr(ops, "_fast_backends", lambda method, device, dtype=None: ["reference"])
+    monkeypatch.setattr(op_backends, "fast_backends", lambda method, device, dtype=None: ["reference"])
     reads = []
     forcing = default_chooser.forcing
     monkeypatch.setattr(default_chooser, "forcing", lambda: reads.append(1) or forcing())

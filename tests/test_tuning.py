@@ -16,10 +16,10 @@ import torch
 
 import sparseflow
 from sparseflow import PBSConfig, PISAConfig, Tuning
-from sparseflow import ops
+from sparseflow import op_backends, op_schema, ops
 
 needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or not ops._triton_usable(torch.device("cpu")),
+    importlib.util.find_spec("triton") is None or not op_backends.triton_usable(torch.device("cpu")),
     reason="needs triton and TRITON_INTERPRET=1 (or CUDA)",
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,8 +128,8 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
 
 def _cuda_graphs_arg(method, args):
     """The ``cuda_graphs`` value of an op call's ``args`` (as the op receives them)."""
-    first_tuning = 6 + len(ops._NAMES[method])
-    return args[first_tuning + ops._TUNING_NAMES[method].index("cuda_graphs")]
+    first_tuning = 6 + len(op_schema.NAMES[method])
+    return args[first_tuning + op_schema.TUNING_NAMES[method].index("cuda_graphs")]
 
 
 def _dense_answer(seen):

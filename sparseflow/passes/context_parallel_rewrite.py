@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..config import METHODS
 from ..methods import spec_for
-from ..ops import _FIELDS, op_for
+from ..op_schema import FIELDS, op_for
 
 __all__ = ["to_context_parallel"]
 
@@ -50,7 +50,7 @@ def to_context_parallel(graph: fx.Graph, entries: List[Any], options) -> None:
         method = targets.get(node.target) if node.op == "call_function" else None
         if method is None:
             continue
-        names = [name for name, _ in _FIELDS[method]]
+        names = [name for name, _ in FIELDS[method]]
         q, k, v, mask, is_causal, scale = node.args[:6]
         config = METHODS[method](**dict(zip(names, node.args[6 : 6 + len(names)])))
         backend, tag = node.args[-2], node.args[-1]

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from sparseflow import ops
+from sparseflow import op_backends
 from sparseflow.kernels._triton_env import interpreting
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "sparseflow"
@@ -26,9 +26,9 @@ def test_interpreting_follows_the_variable_per_call(monkeypatch):
 def test_dispatcher_asks_the_helper(monkeypatch):
     # the CPU triton backend is usable exactly when the interpreter is on
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not ops._triton_usable(torch.device("cpu"))
+    assert not op_backends.triton_usable(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ops._triton_usable(torch.device("cpu")) == ops._triton_installed()
+    assert op_backends.triton_usable(torch.device("cpu")) == op_backends.triton_installed()
 
 
 def test_no_other_module_reads_the_variable():

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from sparseflow import api, calibrate, context_parallel, ops
+from sparseflow import api, calibrate, context_parallel, op_backends, op_plan, ops
 from sparseflow.config import METHODS, BSAConfig, DenseConfig, PBSConfig, PISAConfig
 from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, names_with, register, spec_for, specs, unregister
 from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, or_list
@@ -169,14 +169,14 @@ def test_a_fourth_method_resolves_through_the_core(fake_method):
     assert spec_for(BSAConfig()).name == "bsa"  # the subclass did not shadow its base
     assert ops.IMPLEMENTATIONS[("fake", "reference")] == fake_method.backends["reference"].target
     cpu = torch.device("cpu")
-    assert ops._resolve_backend("fake", "reference", cpu) == "reference"
+    assert op_backends.resolve_backend("fake", "reference", cpu) == "reference"
     with pytest.raises(ValueError, match=r"not available for method 'fake'; available: \['reference', 'auto'\]"):
         api._check_backend("fake", "flex")
-    assert ops._dense_reason("fake", cfg, 32, 32, True) == "fake needs 64 keys"
-    assert ops._grad_backend("fake", "reference", cpu) == "reference"
+    assert op_plan.dense_reason("fake", cfg, 32, 32, True) == "fake needs 64 keys"
+    assert op_backends.grad_backend("fake", "reference", cpu) == "reference"
     # it runs: the implementation the spec names, with the config's keyword arguments
     q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    impl = ops._load("fake", "reference")
+    impl = op_backends.load("fake", "reference")
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "min_seq_len"}
     got = impl(q, k, v, key_padding_mask=None, is_causal=True, scale=None, return_selection=False, **kwargs)
     want = ops.bsa_attention(q, k, v, config=BSAConfig(block_size=16, top_k=4), backend="reference")

@@ -34,7 +34,6 @@ from ...tuning import DEFAULT_TUNING, Tuning
 from . import reference as _ref
 from .triton_attention import block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .triton_gather import permute_kv, permuted_layout
-from .triton_gather import _use_kernels  # noqa: F401  (context_parallel reads it from this module)
 from .config import PBSConfig
 from .tail import apply_tail, tail_first_block
 from .memory import check_selection_memory

@@ -100,7 +100,22 @@ def test_conflicting_windows_run_dense_with_both():
 def test_a_windows_dense_mask_is_built_on_the_queries_device():
     # without an attn_mask, the dense fallback's window mask must follow q (on a GPU a CPU mask
     # made auto's dense candidate fail); meta stands in for another device here
-    from sparseflow import ops
+    from sparseflow import op_windows
 
     q = torch.empty(1, 2, 50, 8, device="meta")
-    assert ops._with_window_mask(None, q, 50, (8, 0)).device.type == "meta"
+    assert op_windows.with_window_mask(None, q, 50, (8, 0)).device.type == "meta"
+
+
+def test_merging_keeps_the_mask_analysis_when_there_is_no_window_to_merge():
+    from sparseflow import op_windows
+    from sparseflow.masks import analyse_mask
+
+    causal = analyse_mask(None, True, 1, 64, 64)
+    assert op_windows.merged_window(causal, PBSConfig())[0] is causal
+    windowed = analyse_mask(window_mask(64, 64, 8, 0, "cpu"), False, 1, 64, 64)
+    assert windowed.sliding_window == 8
+    assert op_windows.merged_window(windowed, DenseConfig(sliding_window=8))[0] is windowed
+    narrower, reason = op_windows.merged_window(windowed, DenseConfig(sliding_window=4))
+    assert reason == "" and (narrower.sliding_window, windowed.sliding_window) == (4, 8)
+    _, conflict = op_windows.merged_window(windowed, DenseConfig(chunk_size=16))
+    assert "not one window" in conflict

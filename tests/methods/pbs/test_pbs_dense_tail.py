@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseflow import ops
+from sparseflow import op_backends, ops
 from sparseflow.config import PBSConfig
 from sparseflow.methods.pbs import reference as R
 from sparseflow.methods.pbs.tail import tail_first_block, tail_start
@@ -89,7 +89,7 @@ def test_backends_run_the_tail_like_the_reference(backend, select, scoring, n, t
     plain, plain_sel = R.pbs_attention(
         q, k, v, cfg.replace(dense_tail_blocks=0), key_padding_mask=pad, return_selection=True
     )
-    impl = ops._load("pbs", backend)
+    impl = op_backends.load("pbs", backend)
     got, sel = impl(q, k, v, cfg, key_padding_mask=pad, is_causal=True, return_selection=True, **kw)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(sel.key_mask(4), want_sel.key_mask(4))
