@@ -294,11 +294,13 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
     spec = spec_for(method)
-    if cfg.has_window and not any(b.windows for b in spec.backends.values()):
-        # its op runs such a call as the dense window: a body of selection and window would differ
+    if cfg.has_window and spec.sparse:
+        # a sparse method chooses its blocks inside the window; its body would choose them over
+        # all keys and only then cut them to the window: another selection
         return (
-            f"{method} at {tag or '<root>'}: {method} runs no local window yet "
-            f"(sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}); give the window to method='dense'"
+            f"{method} at {tag or '<root>'}: the ONNX body of {spec.onnx.node_type} does not choose its blocks "
+            f"inside a local window yet (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}); "
+            "give the window to method='dense'"
         )
     reason = spec.onnx.refuse(cfg)
     return f"{method} at {tag or '<root>'}: {reason}" if reason else ""

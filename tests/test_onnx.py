@@ -685,9 +685,9 @@ def test_window_attributes_are_optional():
     assert _rel(got, ref) < 1e-5
 
 
-def test_method_without_window_backend_is_refused_with_a_window(tmp_path):
-    """A sparse method's op runs a windowed call as the dense window: its node is refused (a body of
-    selection and window would compute something else), naming the way that exports."""
+def test_sparse_method_with_a_window_is_refused(tmp_path):
+    """A sparse method chooses its blocks inside the window; its node's body would choose them over
+    all keys and only then cut them to the window: refused, naming the way that exports."""
 
     class Windowed(torch.nn.Module):
         def forward(self, q, k, v):
@@ -696,7 +696,7 @@ def test_method_without_window_backend_is_refused_with_a_window(tmp_path):
             )
 
     q = torch.randn(1, 2, 40, 16)
-    with pytest.raises(OnnxExportError, match="method='dense'"):
+    with pytest.raises(OnnxExportError, match="inside a local window.*method='dense'"):
         export_onnx(Windowed().eval(), (q, q, q), tmp_path / "m.onnx", method="bsa")
     assert not list(tmp_path.iterdir())
 
