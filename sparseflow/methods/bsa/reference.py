@@ -36,8 +36,8 @@ def _select(
     top_k: int,
     force_sink: bool,
     force_previous: bool,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = BSAConfig.sliding_window,
+    chunk_size: int = BSAConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq]). A local window leaves the blocks
     before each query's window out: the top-K (forced blocks included) is chosen inside it."""
@@ -103,8 +103,8 @@ def bsa_select(
     top_k: int = BSAConfig.top_k,
     force_sink: bool = BSAConfig.force_sink,
     force_previous: bool = BSAConfig.force_previous,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = BSAConfig.sliding_window,
+    chunk_size: int = BSAConfig.chunk_size,
 ) -> torch.Tensor:
     """BSA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly

@@ -299,8 +299,8 @@ def _bsa_select_fwd(
     force_sink: bool,
     force_previous: bool,
     precision: str,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = BSAConfig.sliding_window,
+    chunk_size: int = BSAConfig.chunk_size,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv, nb = sums.shape[1], sums.shape[2]
@@ -354,7 +354,7 @@ def _bsa_select_fwd(
 @_bsa_select_fwd.register_fake
 def _(
     q, sums, cnt, lfv, n_k, scale, is_causal, block_size, top_k, force_sink, force_previous, precision,
-    sliding_window=0, chunk_size=0,
+    sliding_window=BSAConfig.sliding_window, chunk_size=BSAConfig.chunk_size,
 ):  # fmt: skip
     return q.new_empty(q.shape[0], sums.shape[1], q.shape[2], top_k, dtype=torch.int32)
 
@@ -372,8 +372,8 @@ def bsa_select(
     force_previous: bool = BSAConfig.force_previous,
     precision: str = "tf32x3",
     index_dtype: torch.dtype = torch.long,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = BSAConfig.sliding_window,
+    chunk_size: int = BSAConfig.chunk_size,
 ) -> torch.Tensor:
     """The reference's ``bsa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64
     (``index_dtype=torch.int32``: the kernel's own ids, what the attention kernel reads); a local
