@@ -242,9 +242,10 @@ def window_first_blocks(positions: torch.Tensor, block_size: int, sliding_window
 def count_window_blocks(
     first_valid: torch.Tensor, horizons: torch.Tensor, first_blocks: torch.Tensor, n_k: int
 ) -> torch.Tensor:
-    """``[B, Nq]`` int64: the visible leaf blocks from ``first_blocks`` on (a causal window). The
-    blocks before a query's window end before its position, so they are visible exactly when they
-    hold a valid key (``first_valid < Nk``): those are counted off the visible ones."""
+    """``[B, Nq]`` int64: the visible leaf blocks from ``first_blocks`` on (a causal window; all 0
+    without one: every visible block). The blocks before a query's window end before its
+    position, so they are visible exactly when they hold a valid key (``first_valid < Nk``): those
+    are counted off the visible ones."""
     b = first_valid.shape[0]
     before = torch.nn.functional.pad((first_valid < n_k).long().cumsum(-1), (1, 0))  # non-empty blocks < j
     idx = first_blocks.clamp(0, before.shape[1] - 1).view(1, -1).expand(b, -1)
@@ -361,11 +362,8 @@ def selection_for_indices(
     n_q, n_k = q.shape[2], k.shape[2]
     first_valid = leaf_first_valid(key_padding_mask, q.shape[0], n_k, block_size, q.device)
     horizons = query_horizons(n_q, n_k, is_causal=is_causal, device=q.device)
-    if sliding_window or chunk_size:
-        first_blocks = window_first_blocks(query_positions(n_q, n_k, q.device), block_size, sliding_window, chunk_size)
-        n_visible = count_window_blocks(first_valid, horizons, first_blocks, n_k)
-    else:
-        n_visible = count_visible_blocks(first_valid, horizons)
+    first_blocks = window_first_blocks(query_positions(n_q, n_k, q.device), block_size, sliding_window, chunk_size)
+    n_visible = count_window_blocks(first_valid, horizons, first_blocks, n_k)
     return make_selection(
         method,
         block_indices,

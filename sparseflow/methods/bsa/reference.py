@@ -69,10 +69,7 @@ def _select(
         force_previous=force_previous,
     )  # [B, Nq, 3]
     first_blocks = tb.window_first_blocks(positions, block_size, sliding_window, chunk_size)  # [Nq]
-    if sliding_window or chunk_size:
-        n_visible = tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
-    else:
-        n_visible = tb.count_visible_blocks(first_valid, horizons)
+    n_visible = tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
 
     result = torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev)
     blocks = torch.arange(nb, device=dev)

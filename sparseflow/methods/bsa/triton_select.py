@@ -35,6 +35,7 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels.block_summaries_triton import leaf_sums
 from ...kernels.token_blocks import check_index_dtype, check_window, selection_width
+from ...kernels.token_sparse_triton import _window_lo
 from ...kernels._triton_env import interpreting
 from .config import BSAConfig
 
@@ -214,12 +215,7 @@ def _bsa_select_kernel(
     kb0 = 0
     if HAS_WINDOW:
         # each row chooses among the blocks from its window's first one (token_blocks.window_first_blocks)
-        lo = p * 0
-        if SLIDING > 0:
-            lo = tl.maximum(lo, p - SLIDING + 1)
-        if CHUNK > 0:
-            lo = tl.maximum(lo, (tl.maximum(p, 0) // CHUNK) * CHUNK)
-        first_blk = lo // C
+        first_blk = _window_lo(p, SLIDING, CHUNK, HAS_WINDOW) // C
         first_min = tl.min(tl.where(row_ok, first_blk, NB), axis=0)
         kb0 = (first_min // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
