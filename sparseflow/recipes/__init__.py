@@ -43,6 +43,7 @@ RECIPE_FORMAT = 1  # the "format" of a recipe file; a reader refuses any other
 
 # name -> module defining ``RECIPE`` (imported on first use)
 RECIPE_MODULES: Dict[str, str] = {
+    "gemma3": "sparseflow.recipes.gemma3",
     "smollm2": "sparseflow.recipes.smollm2",
     "smollm2-code": "sparseflow.recipes.smollm2_code",
 }

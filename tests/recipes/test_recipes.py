@@ -42,7 +42,9 @@ def test_list_and_get():
 
 
 def test_unknown_recipe_names_the_known_ones():
-    with pytest.raises(RecipeError, match=r"unknown recipe 'llama9'; available recipes: \['smollm2', 'smollm2-code'\]"):
+    with pytest.raises(
+        RecipeError, match=r"unknown recipe 'llama9'; available recipes: \['gemma3', 'smollm2', 'smollm2-code'\]"
+    ):
         get_recipe("llama9")
     with pytest.raises(TypeError, match="recipe name must be a str"):
         get_recipe(3)
