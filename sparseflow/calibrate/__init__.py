@@ -32,7 +32,7 @@ with their reason in the recipe's ``measured["single_layer"]`` (``prune=False`` 
 dense is as cheap with KL 0.
 
 Cost is in units of one dense attention call of the layer: on CPU (``cost="density"``) the
-measured density plus a per-scoring estimate overhead (:data:`ESTIMATE_OVERHEAD`); with
+measured density plus the estimate's overhead (each method's ``estimate_cost``); with
 ``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
 q/k/v divided by dense SDPA's.
 
@@ -55,7 +55,6 @@ from .choices import (
     DEFAULT_TOP_KS,
     DENSE,
     DENSE_MEASUREMENT,
-    ESTIMATE_OVERHEAD,
     Choice,
     Measurement,
     Table,
@@ -82,7 +81,6 @@ __all__ = [
     "calibrate",
     "calibrate_file",
     "greedy_plan",
-    "ESTIMATE_OVERHEAD",
     "DEFAULT_THRESHOLDS",
     "DEFAULT_TOP_KS",
     "DEFAULT_SCORINGS",

@@ -1,5 +1,6 @@
 """The choice grid: what a layer can run (:class:`Choice`), what one single-layer run of it
-measured (:class:`Measurement`), and the estimate overhead every sparse choice's cost includes."""
+measured (:class:`Measurement`), and the estimate overhead every sparse choice's cost includes
+(its method's ``estimate_cost`` in the registry)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,6 @@ from ..methods.registry import or_list
 DEFAULT_THRESHOLDS = (0.9, 0.95, 0.98, 0.99)
 DEFAULT_TOP_KS = (8, 16, 32)
 DEFAULT_SCORINGS = ("sampled_rows", "mean")
-
-# Rough cost of the block estimate in units of the layer's dense attention (QK^T and PV over
-# the causal triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples),
-# i.e. about 1 / (2 * stride) of dense; block-mean scoring and PISA's pyramid walk touch
-# O(N^2 / B^2) or O(N K log N) scores; the permutation adds one proxy pass and a sort.
-ESTIMATE_OVERHEAD = {"mean": 0.01, "permute": 0.01, "pisa": 0.02, "bsa": 0.03}
 
 
 @dataclass(frozen=True)
@@ -104,12 +99,7 @@ def sparse_spec(method: str, arg: str):
 
 
 def estimate_overhead(cfg: AttentionConfig) -> float:
-    """:data:`ESTIMATE_OVERHEAD` of one config (see there): a flat share per method where the
-    table has one, else the scoring's share plus the permutation's."""
-    if not spec_for(cfg).sparse:
-        return 0.0
-    if cfg.method in ESTIMATE_OVERHEAD:
-        return ESTIMATE_OVERHEAD[cfg.method]
-    strided = cfg.scoring in ("sampled_rows", "antidiagonal")
-    scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else ESTIMATE_OVERHEAD["mean"]
-    return scoring + (ESTIMATE_OVERHEAD["permute"] if cfg.permute else 0.0)
+    """What one config's selection costs in units of a dense attention call: its method's
+    ``estimate_cost`` (0 for a method that selects nothing)."""
+    cost = spec_for(cfg).estimate_cost
+    return 0.0 if cost is None else float(cost(cfg))

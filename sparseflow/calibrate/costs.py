@@ -4,17 +4,16 @@ plus the estimate overhead (``cost="density"``), or the op's time over dense SDP
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import AttentionConfig, DenseConfig
 from ..eval.evaluate import layer_of_tag
-from ..methods.pbs import reference as pbs_reference
-from ..methods.pbs.tail import mark_tail
+from ..methods import spec_for
+from ..methods.registry import load_target
 from ..ops import attention
 from ..recording import capture
 from .choices import Choice, estimate_overhead
@@ -80,16 +79,17 @@ def layer_costs(s: Session, layer: int, choices: Sequence[Choice]) -> Dict[Choic
 
 
 def selection_densities(s: Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
-    """The op's measured density of each config on the layer's q/k/v. PBS on the reference path
-    computes the selections only (no attention), one estimate for all thresholds of the same
-    other fields; that shortcut is checked against the op once."""
+    """The op's measured density of each config on the layer's q/k/v. On the reference path a
+    method with ``selection_densities`` in its spec computes the selections only (no attention),
+    sharing what the configs share; that shortcut is checked against the op once."""
     if layer not in s.qkv:
         all_layer_qkv(s)
-    q = s.qkv[layer][0]
+    q, k, _, scale = s.qkv[layer]
     reference_path = q.device.type == "cpu" and s.backend in ("auto", "reference")
-    if s.fast_density is False or not reference_path or any(cfg.method != "pbs" for cfg in cfgs):
+    shortcut = _shortcut_of(cfgs)
+    if s.fast_density is False or not reference_path or shortcut is None:
         return [_op_density(s, layer, cfg) for cfg in cfgs]
-    fast = _reference_pbs_densities(s, layer, cfgs)
+    fast = shortcut(q, k, cfgs, scale)
     if s.fast_density is None:
         s.fast_density = fast[0] == _op_density(s, layer, cfgs[0])
         if not s.fast_density:
@@ -101,6 +101,16 @@ def selection_densities(s: Session, layer: int, cfgs: Sequence[AttentionConfig])
     return fast
 
 
+def _shortcut_of(cfgs: Sequence[AttentionConfig]) -> Optional[Callable]:
+    """The ``selection_densities`` function of the configs' one method, or None (several methods,
+    or a method without one)."""
+    specs = {spec_for(cfg).name: spec_for(cfg) for cfg in cfgs}
+    if len(specs) != 1:
+        return None
+    target = next(iter(specs.values())).selection_densities
+    return None if target is None else load_target(target)
+
+
 def _op_density(s: Session, layer: int, cfg: AttentionConfig) -> float:
     q, k, v, scale = s.qkv[layer]
     with capture(keep_selections=False) as cap, torch.no_grad():
@@ -108,26 +118,6 @@ def _op_density(s: Session, layer: int, cfg: AttentionConfig) -> float:
             q, k, v, config=cfg, is_causal=True, scale=scale, backend=s.backend, tag=f"model.layers.{layer}.self_attn"
         )
     return layer_density(cap, layer)
-
-
-def _reference_pbs_densities(s: Session, layer: int, cfgs: Sequence[AttentionConfig]) -> List[float]:
-    """Selection densities of PBS configs by the reference, configs differing only in threshold
-    sharing one permutation and one block estimate."""
-    q, k, _, scale = s.qkv[layer]
-    groups: Dict[str, List[int]] = {}
-    for i, cfg in enumerate(cfgs):
-        groups.setdefault(json.dumps({**cfg.to_dict(), "threshold": None}, sort_keys=True, default=str), []).append(i)
-    out: List[float] = [0.0] * len(cfgs)
-    for idx in groups.values():
-        cfg = cfgs[idx[0]]
-        perm, masks = pbs_reference.pbs_selections(
-            q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale
-        )
-        for i, mask in zip(idx, masks):
-            mask = mark_tail(mask, cfg.dense_tail_blocks)  # as the op reports its selection
-            density = pbs_reference.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
-            out[i] = float(density.float().mean())  # as Selection.mean_density
-    return out
 
 
 def choice_costs(

@@ -150,6 +150,11 @@ class MethodSpec:
     and its backends (all ``windows=True``) run only a config's local window exactly. ``has_permute`` / ``has_top_k`` / ``has_threshold``: the config
     has that knob (sweeps, calibration choices and CLI flags that only make sense with it).
     ``exact(cfg, seq_len)``: the config that keeps every visible block at ``seq_len``.
+    ``estimate_cost(cfg)``: what the method's selection costs in units of one dense attention call
+    (calibration's density cost model adds it to the density; None: nothing to select).
+    ``selection_densities``: ``"module:function"`` of ``fn(q, k, cfgs, scale) -> [density]``, the
+    selections of several configs computed without their attention (sharing what they share) on
+    the reference path, as the op reports them; None: calibration asks the op for each config.
     """
 
     name: str
@@ -164,6 +169,8 @@ class MethodSpec:
     has_threshold: bool = False
     exact: Optional[Callable[[AttentionConfig, int], AttentionConfig]] = None
     context_parallel: str = "token_chunks"
+    estimate_cost: Optional[Callable[[AttentionConfig], float]] = None
+    selection_densities: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -182,6 +189,8 @@ class MethodSpec:
                 f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA; its backends (windows=True) run "
                 "only windowed calls"
             )
+        if self.selection_densities is not None:
+            _check_target(f"MethodSpec {self.name!r}: selection_densities", self.selection_densities)
         if self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
             raise ValueError(
                 f"MethodSpec {self.name!r}: context_parallel must be one of "

@@ -12,7 +12,7 @@ import torch
 from sparseflow import api, calibrate, context_parallel, op_backends, op_plan, ops
 from sparseflow.config import METHODS, BSAConfig, DenseConfig, PBSConfig, PISAConfig
 from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, names_with, register, spec_for, specs, unregister
-from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, or_list
+from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, load_target, or_list
 
 
 # --------------------------------------------------------------------------- lookups
@@ -88,6 +88,10 @@ def test_every_spec_has_what_the_core_needs(spec):
     for backend in spec.backends.values():
         module = backend.target.split(":")[0]
         assert importlib.util.find_spec(module) is not None, backend.target
+    # calibration's density cost model: the selection costs a small share of a dense call
+    assert 0.0 < spec.estimate_cost(spec.config_type()) < 0.2
+    if spec.selection_densities is not None:
+        assert callable(load_target(spec.selection_densities))
     assert callable(spec.backend("reference").load())
     if spec.decode is not None:
         assert spec.decode.backend in spec.backends and callable(spec.decode.load())
@@ -182,6 +186,7 @@ def test_a_fourth_method_resolves_through_the_core(fake_method):
     want = ops.bsa_attention(q, k, v, config=BSAConfig(block_size=16, top_k=4), backend="reference")
     torch.testing.assert_close(got, want)
     assert [c.key for c in calibrate.candidate_choices("fake", cfg, top_ks=(4, 8))] == ["top_k=4", "top_k=8"]
+    assert calibrate.estimate_overhead(cfg) == 0.0  # no estimate_cost in its spec: nothing added
 
 
 def test_unregister_leaves_nothing_behind(fake_method):
@@ -214,6 +219,7 @@ def test_register_refuses_taken_names_and_types(fake_method):
         (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
         (dict(sparse=False), ValueError, r"a dense .sparse=False. method runs SDPA; its backends .windows=True. run"),
         (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
+        (dict(selection_densities="no_colon"), ValueError, "selection_densities must be a 'module:attribute' string"),
     ],
 )
 def test_spec_validation(changes, error, message):

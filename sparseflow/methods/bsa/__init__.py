@@ -6,6 +6,10 @@ from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
 _KERNELS = __name__  # the backends are modules of this package
 
+# the full scan's rough cost in units of the layer's dense attention: it scores every visible
+# block of every query tile, O(N^2 / B) block scores
+SCAN_COST = 0.03
+
 SPEC = register(
     MethodSpec(
         name="bsa",
@@ -18,5 +22,6 @@ SPEC = register(
         onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
         has_top_k=True,
         exact=exact_top_k,
+        estimate_cost=lambda cfg: SCAN_COST,
     )
 )

@@ -35,6 +35,20 @@ def onnx_refusal(cfg: PBSConfig) -> str:
     return ""
 
 
+# The estimate's rough cost in units of the layer's dense attention (QK^T and PV over the causal
+# triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples), about
+# 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the permutation adds
+# one proxy pass and a sort.
+MEAN_SCORING_COST = 0.01
+PERMUTATION_COST = 0.01
+
+
+def estimate_cost(cfg: PBSConfig) -> float:
+    strided = cfg.scoring in ("sampled_rows", "antidiagonal")
+    scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else MEAN_SCORING_COST
+    return scoring + (PERMUTATION_COST if cfg.permute else 0.0)
+
+
 def exact(cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
     return cfg.replace(threshold=1.0)  # threshold >= 1 keeps every candidate block
 
@@ -72,5 +86,7 @@ SPEC = register(
         has_threshold=True,
         exact=exact,
         context_parallel="shared_rows",
+        estimate_cost=estimate_cost,
+        selection_densities=f"{_KERNELS}.calibration:selection_densities",
     )
 )

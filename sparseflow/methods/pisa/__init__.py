@@ -6,6 +6,10 @@ from ..topk import TOPK_ONNX_FIELDS, exact_top_k
 
 _KERNELS = __name__  # the backends are modules of this package
 
+# the pyramid walk's rough cost in units of the layer's dense attention: it scores O(N K log N)
+# nodes, where dense scores O(N^2) keys
+WALK_COST = 0.02
+
 SPEC = register(
     MethodSpec(
         name="pisa",
@@ -24,5 +28,6 @@ SPEC = register(
         decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),
         has_top_k=True,
         exact=exact_top_k,
+        estimate_cost=lambda cfg: WALK_COST,
     )
 )
