@@ -557,7 +557,6 @@ def test_smollm2_every_method_onnx_matches_torch_at_1k_tokens():
     )
     assert err <= TOL
     assert all(d < 0.95 for d in density.values()), density  # every method really sparse at 1K tokens
-    assert export_s < 120
 
 
 # --------------------------------------------------------------------------- command line
