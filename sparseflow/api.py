@@ -25,7 +25,10 @@ from . import decode_state
 from . import recording as _recording
 from .config import BACKENDS, METHODS, AttentionConfig, default_config
 from .methods import spec_for
-from .passes.sdpa_rewrite import RewriteEntry, RewriteOptions, layer_index, rewrite_graph
+from .passes.module_tags import layer_index
+from .passes.rewrite_entry import RewriteEntry
+from .passes.rewrite_options import RewriteOptions
+from .passes.sdpa_rewrite import rewrite_graph
 from .tuning import Tuning, check_tuning
 
 __all__ = ["compile", "export", "inspect", "report", "RewriteReport", "InspectionResult", "INNER_BACKENDS"]
