@@ -476,10 +476,10 @@ def export_onnx(
     Raises :class:`OnnxExportError` (a ``ValueError``) for anything the ONNX bodies cannot
     reproduce exactly, naming the layer and the setting, before any file is written.
     """
-    from .api import _make_options
+    from .option_checks import make_options
 
     model = _checked_export_arguments(model, example_inputs, example_kwargs, path)
-    options = _make_options(method, config, "auto", filter_fn, skip_layers, layer_configs)
+    options = make_options(method, config, "auto", filter_fn, skip_layers, layer_configs)
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None and dynamic_seq:
         dynamic_shapes = _dynamic_shapes(model, example_inputs, kwargs)

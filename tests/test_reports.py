@@ -318,16 +318,16 @@ def test_known_layers_are_accepted(tiny):
 
 def test_routed_mha_sdpa_fallback_is_logged_and_counted(caplog):
     from sparseflow import recording
-    from sparseflow.passes import sdpa_rewrite
+    from sparseflow.passes import mha_route
 
     q = k = v = torch.randn(1, 2, 8, 4)
-    token = sdpa_rewrite._MHA_SPEC.set(("pisa", (), "reference", "mha.tag"))
+    token = mha_route._MHA_SPEC.set(("pisa", (), "reference", "mha.tag"))
     tally: recording.RunTally = {}
     try:
         with caplog.at_level(logging.INFO, logger="sparseflow"), recording.tallying(tally):
             torch.manual_seed(0)
-            sdpa_rewrite._routed_sdpa(q, k, v, dropout_p=0.5)
+            mha_route._routed_sdpa(q, k, v, dropout_p=0.5)
     finally:
-        sdpa_rewrite._MHA_SPEC.reset(token)
+        mha_route._MHA_SPEC.reset(token)
     assert tally == {("mha.tag", "pisa"): {"dropout_p=0.5 (the ops have no dropout)": 1}}
     assert any("mha.tag runs dense: dropout_p=0.5" in r.getMessage() for r in caplog.records)

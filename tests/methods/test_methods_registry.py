@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from sparseflow import api, calibrate, context_parallel, op_backends, op_plan, ops
+from sparseflow import calibrate, context_parallel, op_backends, op_plan, option_checks, ops
 from sparseflow.config import METHODS, BSAConfig, DenseConfig, PBSConfig, PISAConfig
 from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, names_with, register, spec_for, specs, unregister
 from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, load_target, or_list
@@ -175,7 +175,7 @@ def test_a_fourth_method_resolves_through_the_core(fake_method):
     cpu = torch.device("cpu")
     assert op_backends.resolve_backend("fake", "reference", cpu) == "reference"
     with pytest.raises(ValueError, match=r"not available for method 'fake'; available: \['reference', 'auto'\]"):
-        api._check_backend("fake", "flex")
+        option_checks.check_backend("fake", "flex")
     assert op_plan.dense_reason("fake", cfg, 32, 32, True) == "fake needs 64 keys"
     assert op_backends.grad_backend("fake", "reference", cpu) == "reference"
     # it runs: the implementation the spec names, with the config's keyword arguments

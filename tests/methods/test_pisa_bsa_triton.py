@@ -304,7 +304,7 @@ def test_decode_pyramid_cache_beam_matches_reference_selection():
 
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
-    from sparseflow.api import DECODE_STATE_ATTR
+    from sparseflow.model_marks import DECODE_STATE_ATTR
 
     cfg = sparseflow.PISAConfig(block_size=16, top_k=3, min_seq_len=0)
     prompt = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0))

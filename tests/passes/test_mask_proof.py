@@ -179,7 +179,7 @@ def test_padding_with_shifted_keys_is_not_proven():
 
 def _rewritten_graph(model, config, layer_configs=None, **kwargs):
     """Capture the model's Dynamo graph, rewrite it, and run the rewritten graph eagerly."""
-    from sparseflow.passes.sdpa_rewrite import RewriteOptions, rewrite_graph
+    from sparseflow.passes import RewriteOptions, rewrite_graph
 
     seen = {}
     options = RewriteOptions(config=config, backend="reference", layer_configs=layer_configs or {})
@@ -233,7 +233,7 @@ def test_rewritten_graph_builds_no_square_mask_and_equals_dense(kind, padded):
 
 
 def _sdpa_nodes(gm):
-    from sparseflow.passes.sdpa_rewrite import SDPA_TARGETS
+    from sparseflow.passes import SDPA_TARGETS
 
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
 
@@ -257,7 +257,7 @@ def test_a_call_kept_as_sdpa_runs_causal_without_the_square_mask():
     # a call the options keep as SDPA (a recipe's dense layer) trades its proven causal mask for
     # is_causal=True: same result, and the [N, N] mask is no longer built
     from sparseflow import PBSConfig
-    from sparseflow.passes.sdpa_rewrite import RewriteOptions, rewrite_graph
+    from sparseflow.passes import RewriteOptions, rewrite_graph
 
     n, seen = 40, {}
     options = RewriteOptions(config=PBSConfig(), backend="reference", filter_fn=lambda tag: False)

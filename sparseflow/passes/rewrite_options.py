@@ -1,0 +1,46 @@
+"""What the rewrite pass is told to do: the config to rewrite each call into, per layer, and
+which calls to keep as SDPA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from ..config import AttentionConfig, DenseConfig
+from ..tuning import DEFAULT_TUNING, Tuning
+
+__all__ = ["RewriteOptions"]
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """What to rewrite into. ``layer_configs[i]`` overrides ``config`` for layer ``i`` (any method;
+    ``None`` keeps that layer's SDPA untouched); ``skip_layers`` keeps those layers untouched;
+    ``filter_fn(tag) -> bool`` keeps a call untouched when it returns False."""
+
+    config: AttentionConfig
+    backend: str = "auto"
+    filter_fn: Optional[Callable[[str], bool]] = None
+    skip_layers: frozenset = frozenset()
+    layer_configs: Mapping[int, Optional[AttentionConfig]] = field(default_factory=dict)
+    tuning: Tuning = DEFAULT_TUNING  # launch options of the Triton backends, carried by every op call
+    # a sparseflow.ContextParallel: every call becomes context parallel, and a call the user keeps
+    # as SDPA runs as the dense op instead (see passes/context_parallel_rewrite.py)
+    context_parallel: Any = None
+
+    def resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
+        cfg, why = self._resolve(tag, layer)
+        if cfg is None and self.context_parallel is not None:
+            return DenseConfig(), ""
+        return cfg, why
+
+    def _resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
+        if layer is not None and layer in self.skip_layers:
+            return None, f"layer {layer} is in skip_layers"
+        if layer is not None and layer in self.layer_configs and self.layer_configs[layer] is None:
+            return None, f"layer_configs[{layer}] is None (SDPA kept)"
+        if self.filter_fn is not None and not self.filter_fn(tag):
+            return None, f"filter_fn({tag!r}) returned False"
+        if layer is not None and layer in self.layer_configs:
+            return self.layer_configs[layer], ""
+        return self.config, ""
