@@ -332,6 +332,25 @@ def run_token_window(cases):
         out.float().sum().backward()
 
 
+def run_pisa_window(walk, windows=((300, 0),)):
+    """A PISA walk inside a local window (``HAS_WINDOW``; the scan's node scan too): SmolLM2's
+    group of 3 in bf16, each ``(sliding_window, chunk_size)`` of ``windows``."""
+    from sparseflow import Tuning
+    from sparseflow.methods.pisa import triton_select as PT
+
+    q, k, _ = _qkv(1, 9, 3, 900, 64, torch.bfloat16)
+    for sliding_window, chunk_size in windows:
+        PT.pisa_select(
+            q,
+            k,
+            block_size=64,
+            top_k=8,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
+            tuning=Tuning(pisa_walk=walk),
+        )
+
+
 def run_pisa_tiled(cases):
     from sparseflow import Tuning
     from sparseflow.methods.pisa import triton_select as PT
@@ -647,9 +666,14 @@ def main(argv=None) -> int:
     runs = {
         "pbs": lambda: run_pbs(pbs),
         "pbs_strided": lambda: run_pbs_strided(strided),
-        "pisa_bsa": lambda: run_pisa_bsa(pisa),
-        "pisa_tiled": lambda: run_pisa_tiled(tiled),
-        "pisa_scan": lambda: (run_pisa_scan(scan), run_pisa_scan_layouts(scan[::2]), run_pdl_chain()),
+        "pisa_bsa": lambda: (run_pisa_bsa(pisa), run_pisa_window("per_token", ((300, 0), (0, 256)))),
+        "pisa_tiled": lambda: (run_pisa_tiled(tiled), run_pisa_window("tiled")),
+        "pisa_scan": lambda: (
+            run_pisa_scan(scan),
+            run_pisa_scan_layouts(scan[::2]),
+            run_pdl_chain(),
+            run_pisa_window("scan"),
+        ),
         "token_window": lambda: run_token_window(TOKEN_WINDOW[: 1 if args.quick else None]),
         "bsa_select": run_bsa_bf16,
         "short": run_short_prompts,

@@ -204,20 +204,22 @@ def test_sliding_window_fallback_is_shown_after_a_run():
     assert rep.to_dict()["runs_dense"] == 1
 
 
-def test_window_recognised_at_run_time_is_reported():
+def test_window_recognised_at_run_time_runs_the_method_inside_it():
     # this module's band is not one the graph proof reads: the op recognises the window by value
-    # at run time; PISA has no window backend yet, so the call runs SDPA with it, and says so
+    # at run time, and PISA runs inside it (no dense fallback); its 8 keys span at most 2 blocks
+    # of 16, fewer than top_k=4, so every block of the window is kept: the layer is exact
     model = sparseflow.compile(
         Mixed(both_sides=False), method="pisa", config=_PISA, backend="reference", inner_backend="eager"
     )
     x = torch.randn(1, 64, 32)
-    with torch.no_grad():
+    with torch.no_grad(), sparseflow.capture() as cap:
         got = model(x)
+    with torch.no_grad():
         want = Mixed(both_sides=False)(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [(c.method, c.sparse) for c in cap.calls] == [("pisa", True)] * 2
     window = {e.layer: e for e in sparseflow.report(model).entries}[0]
-    assert window.rewritten and window.runs_dense
-    assert "pisa does not run a local window yet" in window.status
+    assert window.rewritten and not window.runs_dense and window.status == "rewritten"
 
 
 def test_hf_sliding_window_layers_run_their_window():

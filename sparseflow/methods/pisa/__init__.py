@@ -15,9 +15,9 @@ SPEC = register(
         name="pisa",
         config_type=PISAConfig,
         backends={
-            "reference": Backend(f"{_KERNELS}.reference:pisa_attention", differentiable="always"),
-            "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always"),
-            "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda"),
+            "reference": Backend(f"{_KERNELS}.reference:pisa_attention", differentiable="always", windows=True),
+            "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always", windows=True),
+            "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(
             node_type="PISAAttention",

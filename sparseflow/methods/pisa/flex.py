@@ -45,6 +45,7 @@ def pisa_attention(
     block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
     score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
     beam = cfg.beam
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     fc.check_flex_inputs(q, k, v)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
@@ -61,6 +62,7 @@ def pisa_attention(
         force_sink=force_sink,
         force_previous=force_previous,
         beam=beam,
+        **window,
     )
     out = fc.token_block_attention(
         q,
@@ -73,9 +75,10 @@ def pisa_attention(
         block_size=block_size,
         q_tile=q_tile,
         kv_tile=kv_tile,
+        **window,
     )
     if not return_selection:
         return out
     return out, fc.token_selection(
-        "pisa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "pisa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size, **window
     )

@@ -36,6 +36,16 @@ heads of the GQA group:
 
 Scored nodes never hold a key after ``p_i`` (only the node containing ``p_i`` can, and it is
 forced), so selection is exactly causal.
+
+Local window (``sliding_window`` / ``chunk_size``, causal only; see
+:func:`sparseflow.kernels.token_blocks.window_lower_bounds`): query ``i`` chooses among the
+blocks from its window's first leaf block ``f_i = lo(p_i) // C`` on. The walk is restricted to
+that range: a node wholly before ``f_i`` (its last leaf ``< f_i``, i.e. ``u < f_i // g**(l-1)``)
+is never a candidate, so it is neither expanded nor kept, and a forced leaf before ``f_i`` (the
+sink, the previous block) is not forced, nor are its ancestors. Scores are those of the walk
+without a window: a node straddling ``f_i`` (at most one per level) is scored on all its
+children, as BSA scores the window's first block by its whole mean. The attention then applies
+the window's key bound element-wise. Without a window ``f_i = 0`` and nothing changes.
 """
 
 from __future__ import annotations
@@ -191,13 +201,17 @@ def _select(
     force_sink: bool,
     force_previous: bool,
     beam: int = PISAConfig.beam,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq])."""
+    """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq]); ``n_visible`` counts the blocks
+    from each query's window's first block on (every visible block without a window)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {list(SCORES)}, got {score!r}")
     if branching < 2:
         raise ValueError(f"branching must be >= 2, got {branching}")
     check_beam(beam)
+    tb.check_window(sliding_window, chunk_size, is_causal)
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
@@ -213,6 +227,8 @@ def _select(
     pyramid = build_pyramid(kf, block_size=block_size, branching=branching, key_padding_mask=kpm)
     first_valid = tb.leaf_first_valid(kpm, b, n_k, block_size, dev)
     horizons = tb.query_horizons(n_q, n_k, is_causal=is_causal, device=dev)
+    positions = tb.query_positions(n_q, n_k, dev)
+    first_blocks = tb.window_first_blocks(positions, block_size, sliding_window, chunk_size)  # [Nq]
     walk = _Walk(
         qg=tb.group_queries(q, hkv).to(cdt),
         kblocks=tb.key_blocks(kf, block_size),  # [B, Hkv, nB, C, D]
@@ -228,9 +244,10 @@ def _select(
         cdt=cdt,
         top_k=top_k,
         beam=beam,
-        anc_leaf=_ancestor_leaves(first_valid, horizons, n_k, block_size, force_sink, force_previous),
+        anc_leaf=_ancestor_leaves(first_valid, horizons, first_blocks, n_k, block_size, force_sink, force_previous),
+        first_blocks=first_blocks,
     )
-    n_visible = tb.count_visible_blocks(first_valid, horizons)
+    n_visible = tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
     kept, ok = _walk_levels(walk)
     result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
     return result, n_visible
@@ -254,13 +271,16 @@ class _Walk(NamedTuple):
     top_k: int
     beam: int
     anc_leaf: torch.Tensor  # [B, Nq, 4] forced leaves and the current leaf (-1: none)
+    first_blocks: torch.Tensor  # [Nq] the first leaf of each query's window (0: none)
 
 
 def _ancestor_leaves(
-    first_valid, horizons, n_k: int, block_size: int, force_sink: bool, force_previous: bool
+    first_valid, horizons, first_blocks, n_k: int, block_size: int, force_sink: bool, force_previous: bool
 ) -> torch.Tensor:
     """``[B, Nq, 4]``: the forced leaf blocks of each query (``[B, Nq, 3]``) and the leaf holding
-    its position regardless of visibility; a node is forced when it is an ancestor of one."""
+    its position regardless of visibility; a node is forced when it is an ancestor of one. A
+    forced leaf before the query's window (``first_blocks [Nq]``) is dropped: else its ancestor
+    straddling the window would be forced for it. The current leaf is always in the window."""
     b, n_q = first_valid.shape[0], horizons.shape[0]
     positions = tb.query_positions(n_q, n_k, horizons.device)
     forced_leaf = tb.forced_leaf_blocks(
@@ -271,6 +291,9 @@ def _ancestor_leaves(
         force_sink=force_sink,
         force_previous=force_previous,
     )  # [B, Nq, 3]
+    forced_leaf = torch.where(
+        forced_leaf >= first_blocks.view(1, n_q, 1), forced_leaf, torch.full_like(forced_leaf, -1)
+    )
     current = torch.where(
         (positions >= 0) & (positions < n_k),
         torch.div(positions, block_size, rounding_mode="floor"),
@@ -283,7 +306,7 @@ def _walk_levels(w: _Walk) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(kept, ok)`` ``[B, Hkv, Nq, top_k]``: the leaf blocks the walk from the root keeps.
     The walk runs level by level over all queries at once (the bookkeeping is
     ``[B, Hkv, Nq, g*K]``); only the scoring, which gathers summaries or raw keys, is chunked
-    over queries."""
+    over queries. A node wholly before a query's window is no candidate of it."""
     b, hkv, n_q = w.kblocks.shape[0], w.kblocks.shape[1], w.horizons.shape[0]
     dev, g = w.kblocks.device, w.g
     top = len(w.pyramid) - 1
@@ -298,6 +321,8 @@ def _walk_levels(w: _Walk) -> Tuple[torch.Tensor, torch.Tensor]:
         cand = torch.where(valid, cand, torch.zeros_like(cand))
         valid = valid & (_gather_batch(w.fvl[level], cand) <= hz)  # holds a visible key
         span = g**level  # leaves under one node of this level
+        # in the window: the node's last leaf is at or after the window's first one
+        valid = valid & (cand >= torch.div(w.first_blocks, span, rounding_mode="floor").view(1, 1, n_q, 1))
         anc = torch.where(w.anc_leaf >= 0, torch.div(w.anc_leaf, span, rounding_mode="floor"), w.anc_leaf)
         forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
         width = w.top_k if level == 0 else w.beam * w.top_k  # nodes kept at this level
@@ -352,13 +377,16 @@ def pisa_select(
     force_sink: bool = PISAConfig.force_sink,
     force_previous: bool = PISAConfig.force_previous,
     beam: int = PISAConfig.beam,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> torch.Tensor:
     """PISA block selection: ``[B, Hkv, Nq, top_k]`` int64 leaf block ids per query token, shared
     by the query heads of a GQA group, ascending, ``-1`` padded; exactly
     ``min(top_k, #visible blocks)`` distinct visible blocks, forced blocks included (width
     ``min(top_k, #blocks)``: a larger ``top_k`` is the exact mode at its cost). ``beam``:
     the walk keeps ``beam * top_k`` nodes at every level above the leaves (see the module
-    docstring; 1 = the plain walk)."""
+    docstring; 1 = the plain walk). With a local window (causal only) the visible blocks are
+    those from the window's first block on, and the walk stays inside them (module docstring)."""
     with torch.no_grad():
         idx, _ = _select(
             q,
@@ -373,6 +401,8 @@ def pisa_select(
             force_sink=force_sink,
             force_previous=force_previous,
             beam=beam,
+            sliding_window=sliding_window,
+            chunk_size=chunk_size,
         )
     return idx
 
@@ -392,12 +422,14 @@ def pisa_attention(
     """PISA attention: select blocks (no gradient), then attend them (differentiable in q, k, v).
 
     Returns ``[B, Hq, Nq, D]`` in ``q.dtype``, plus
-    the :class:`Selection` when ``return_selection``.
+    the :class:`Selection` when ``return_selection``. A config's local window: the walk inside
+    each query's window, and the window's bound on the keys of its first block.
     """
     cfg = backend_config(PISAConfig, config, fields)
     block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
     score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
     beam = cfg.beam
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     with torch.no_grad():
         idx, n_visible = _select(
             q.detach(),
@@ -412,6 +444,7 @@ def pisa_attention(
             force_sink=force_sink,
             force_previous=force_previous,
             beam=beam,
+            **window,
         )
     out = tb.attend_selected_blocks(
         q,
@@ -422,6 +455,7 @@ def pisa_attention(
         is_causal=is_causal,
         scale=scale,
         block_size=block_size,
+        **window,
     )
     if not return_selection:
         return out

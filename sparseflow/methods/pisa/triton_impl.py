@@ -40,6 +40,7 @@ def pisa_attention(
     block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
     score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
     beam = cfg.beam
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     idx = pisa_select(
         q,
         k,
@@ -53,6 +54,7 @@ def pisa_attention(
         force_sink=force_sink,
         force_previous=force_previous,
         beam=beam,
+        **window,
         tuning=tuning,
         index_dtype=torch.int32,
     )
@@ -66,9 +68,17 @@ def pisa_attention(
         scale=scale,
         block_size=block_size,
         pdl=tuning.pdl,
+        **window,
     )
     if not return_selection:
         return out
     return out, tb.selection_for_indices(
-        "pisa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
+        "pisa",
+        idx.long(),
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        block_size=block_size,
+        **window,
     )

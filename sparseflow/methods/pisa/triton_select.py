@@ -12,6 +12,8 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   per-token kernel as the middle stage and the leaves scored by pairs grouped per leaf
   (``triton_select_scan``); ``"tiled"``, the walk by tiles of consecutive queries
   (``triton_select_tiled``). A shape the chosen walk does not cover runs per token (logged).
+  Each walk runs a local window (``sliding_window`` / ``chunk_size``, the reference's walk inside
+  each query's window: ``HAS_WINDOW`` kernels).
 
 What the walks share is ``triton_select_common``'s. The scan and the tiled walk are imported
 where they are picked, so that a test may swap their ops and launch settings on their modules.
@@ -29,7 +31,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels.block_summaries_triton import leaf_sums
-from ...kernels.token_blocks import check_index_dtype, selection_width
+from ...kernels.token_blocks import check_index_dtype, check_window, selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
 from ...kernels._triton_env import interpreting
@@ -253,15 +255,19 @@ def pisa_select(
     beam: int = PISAConfig.beam,
     tuning: Tuning = DEFAULT_TUNING,
     index_dtype: torch.dtype = torch.long,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> torch.Tensor:
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
     (``pisa_walk``: per-token, scan or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``).
     ``index_dtype``: ``torch.int32`` returns the kernel's own ids (what the attention kernel
-    reads), saving a conversion each way."""
+    reads), saving a conversion each way. ``sliding_window`` / ``chunk_size``: the reference's
+    walk inside each query's local window; every walk (per-token, scan, tiled) runs it."""
     check_beam(beam)
     check_index_dtype(index_dtype)
+    check_window(sliding_window, chunk_size, is_causal)
     if score not in SCORE_CODES:
         raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
     if branching < 2:
@@ -298,16 +304,18 @@ def pisa_select(
             bool(force_previous),
             int(beam),
         )
+        # the window last and positional in every walk's op (as the tests' spies pass it on)
+        window = (int(sliding_window), int(chunk_size))
         if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k, beam, branching):
             from .triton_select_scan import pisa_select_scan_fwd
 
-            idx = pisa_select_scan_fwd(*args, tuning.pdl)
+            idx = pisa_select_scan_fwd(*args, tuning.pdl, *window)
         elif _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 
-            idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps)
+            idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps, None, *window)
         else:
-            idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes)
+            idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes, None, *window)
     return idx.to(index_dtype)
 
 

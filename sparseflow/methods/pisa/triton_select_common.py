@@ -14,7 +14,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["SCORE_CODES", "LOG2E", "kept_slots", "candidate_width", "log2_scale", "walk_args", "walk_meta"]
+from ...kernels.token_sparse_triton import _window_lo
+
+__all__ = [
+    "SCORE_CODES",
+    "LOG2E",
+    "kept_slots",
+    "candidate_width",
+    "log2_scale",
+    "walk_args",
+    "walk_meta",
+    "window_args",
+]
 
 
 SCORE_CODES = {"lse": 0, "mean": 1, "mean_var": 2}
@@ -120,6 +131,21 @@ def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
     ptrs = (q, k, kpm if kpm is not None else nfv, summ, nfv, lvl_off, lvl_span, out)
     strides = (*q.stride()[:3], *k.stride()[:3], *summ.stride()[:3], *out.stride()[:3])
     return (*ptrs, *strides, q.shape[2], k.shape[2], summ.shape[2], k.shape[1], scale)
+
+
+def window_args(sliding_window: int, chunk_size: int) -> dict:
+    """The local window's kernel arguments, the same in every walk: its two sizes (runtime: one
+    compiled kernel serves every window) and ``HAS_WINDOW``, which compiles the window's tests
+    out of the unwindowed walks (they are instruction-bound)."""
+    return dict(SLIDING=sliding_window, CHUNK=chunk_size, HAS_WINDOW=bool(sliding_window or chunk_size))
+
+
+@triton.jit
+def _window_first_leaf(p, SLIDING, CHUNK, C: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The first leaf block of the local window of a query at position ``p``
+    (``token_blocks.window_first_blocks``; 0 without a window): the walk's nodes wholly before it
+    are no candidates of that query."""
+    return _window_lo(p, SLIDING, CHUNK, HAS_WINDOW) // C
 
 
 def walk_meta(

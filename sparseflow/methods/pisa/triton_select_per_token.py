@@ -8,7 +8,9 @@ kept-node registers hold ``KP = next_pow2(beam * top_k)`` slots and a level's ``
 next_pow2(g)`` candidates. Scores are the reference's, summed over the ``G`` query heads of the
 group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32 summaries in IEEE fp32;
 raw keys in their own 16-bit dtype, whose products are exact in fp32). No query-key score matrix
-is ever written: the only output is ``[B, Hkv, Nq, top_k]``.
+is ever written: the only output is ``[B, Hkv, Nq, top_k]``. With a local window (``HAS_WINDOW``)
+a query's candidates wholly before its window's first leaf, and its forced leaves there, are
+dropped: the reference's walk inside the window.
 
 The scan walk (``triton_select_scan``) runs this kernel as its middle stage (``PRE_SCORES``,
 ``LEAF_OUT``); decoding (``pyramid_cache``, ``Nq = 1``) runs it as is: ``O(g * beam * K *
@@ -26,7 +28,16 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
 from ...kernels.pdl import pdl_start
-from .triton_select_common import _p2, _reduce, candidate_width, walk_args, walk_meta
+from .config import PISAConfig
+from .triton_select_common import (
+    _p2,
+    _reduce,
+    _window_first_leaf,
+    candidate_width,
+    walk_args,
+    walk_meta,
+    window_args,
+)
 
 __all__ = ["no_scan_args"]
 
@@ -140,6 +151,8 @@ def _pisa_select_kernel(
     stride_cn,
     count_ptr,
     rank_ptr,
+    SLIDING,
+    CHUNK,
     N_LEVELS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -166,6 +179,7 @@ def _pisa_select_kernel(
     PAIR_RANKS: tl.constexpr = False,
     PAIR_SIBLINGS: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
     # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
@@ -179,6 +193,8 @@ def _pisa_select_kernel(
     # (batch x KV head, parent) one of each kept parent with a scored child ([B*Hkv * parents]),
     # and the rank is stored at the parent's first child slot: its children are scored together.
     # PDL: launched as a link of a programmatic-dependent chain (kernels.pdl)
+    # HAS_WINDOW: the walk inside the query's local window (SLIDING / CHUNK keys): no candidate
+    # wholly before the window's first leaf, no forced leaf before it (reference's docstring)
     pdl_start(PDL)
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -227,6 +243,12 @@ def _pisa_select_kernel(
     prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
     sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
     here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)
+    if HAS_WINDOW:
+        # a forced leaf before the window is not forced (nor, through it, its ancestors); the
+        # current leaf is always inside
+        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
+        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
 
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)
@@ -242,6 +264,8 @@ def _pisa_select_kernel(
     s_in = ar_kp < tl.load(lvl_off_ptr + start + 1) - s_off
     s_span = tl.load(lvl_span_ptr + start)
     s_vis = s_in & (_first_valid(nfv_base, s_off, tl.where(s_in, ar_kp, 0), s_span, Nk, C, LOADED) <= hz)
+    if HAS_WINDOW:
+        s_vis = s_vis & (ar_kp >= _ancestor(first_leaf, start, s_span, BR))
     kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
     # from the level below the start down to the leaves (a loop over these levels only: a branch
     # around a level body that skips the others costs ptxas's divergence handling)
@@ -261,6 +285,8 @@ def _pisa_select_kernel(
             valid = par_ok & (j < BR) & (cand < n_lv)
             cand = tl.where(valid, cand, 0)
             valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
+            if HAS_WINDOW:  # the node's last leaf is at or after the window's first one
+                valid = valid & (cand >= _ancestor(first_leaf, lv, span, BR))
             forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
             forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
             forced = forced & valid
@@ -393,6 +419,8 @@ def _pisa_select_fwd(
     warps: Optional[int] = None,
     leaf_bytes: Optional[int] = None,
     length: Optional[torch.Tensor] = None,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> torch.Tensor:
     if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
         raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
@@ -422,6 +450,7 @@ def _pisa_select_fwd(
         IEEE_KEYS=ieee,
         HAS_LEN=length is not None,
         **no_scan_args(nfv),
+        **window_args(sliding_window, chunk_size),
         num_warps=warps,
     )
     return out
@@ -464,5 +493,7 @@ def _(
     warps=None,
     leaf_bytes=None,
     length=None,
+    sliding_window=PISAConfig.sliding_window,
+    chunk_size=PISAConfig.chunk_size,
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -25,6 +25,10 @@ once per tile of queries (node summaries) or per leaf (raw keys).
 4. ``_leaf_keep_kernel``: each query keeps its forced leaves plus its best-scoring others,
    ``top_k`` in total, as the per-token walk does.
 
+A local window (``sliding_window`` / ``chunk_size``) is the walk's (stage 2, ``HAS_WINDOW``): it
+writes only the candidates inside each query's window, which stages 3 and 4 read; the node scores
+do not depend on the window, and stage 1 skips the nodes before every window of its tile.
+
 Stages 1 and 3 pack a query's group of heads into consecutive dot rows and sum each query's
 rows with a gather (``LAUNCH["heads"] = "packed"``), or run one dot a head over the queries' rows
 and sum the heads in registers (``"loop"``: no gather, no padding, fewer registers).
@@ -45,6 +49,7 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
 from ...kernels.pdl import pdl_launch, pdl_start
+from .config import PISAConfig
 from .triton_select_common import (
     _p2,
     _lse2_scaled,
@@ -53,8 +58,10 @@ from .triton_select_common import (
     _rows_top_k_keep,
     candidate_width,
     log2_scale,
+    _window_first_leaf,
     walk_args,
     walk_meta,
+    window_args,
 )
 from .triton_select_per_token import _launch, _pisa_select_kernel
 
@@ -348,6 +355,8 @@ def _node_scan_kernel(
     HKV,
     pre_col0,
     qk_scale,
+    SLIDING,
+    CHUNK,
     N_LEVELS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -367,10 +376,13 @@ def _node_scan_kernel(
     PREC: tl.constexpr,
     HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     """Scores of every node the walk may score, for the tile's ``BQ`` queries, whose heads fill
     the ``R`` dot rows packed (:func:`packed_rows`), or one dot a head (``HEAD_LOOP``, ``R`` rows
-    a query each; see the module doc)."""
+    a query each; see the module doc). ``HAS_WINDOW``: the nodes wholly before the local window
+    of the tile's first query (whose window starts first) are no candidate of any of its
+    queries: they are not scored, and their columns are never read."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
@@ -402,6 +414,8 @@ def _node_scan_kernel(
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
     nfv_base = nfv_ptr + b * T
     pre_rows = pre_ptr + bh * stride_pbh + (tile * BQ + ar_t).to(tl.int64)[:, None] * stride_pn - pre_col0
+    # window bounds never decrease with the position: the tile's first query's is the lowest
+    first_leaf = _window_first_leaf(tile * BQ + Nk - Nq, SLIDING, CHUNK, C, HAS_WINDOW)
     for lv in range(0, N_LEVELS - 1):
         off = tl.load(lvl_off_ptr + lv)
         n_lv = tl.load(lvl_off_ptr + lv + 1) - off
@@ -413,6 +427,8 @@ def _node_scan_kernel(
             todo = todo & (lv > 0)  # the leaves are scored over their raw keys, in stage 3
         if todo:
             u0 = 0
+            if HAS_WINDOW:
+                u0 = (first_leaf // span).to(tl.int32)  # the first node the window reaches
             while u0 < n_hi:  # (while: the interpreter cannot range() over a runtime bound)
                 u = u0 + ar_nb
                 u_ok = u < n_hi
@@ -790,6 +806,8 @@ def pisa_select_scan_fwd(
     force_previous: bool,
     beam: int,
     pdl: bool = False,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> torch.Tensor:
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
@@ -813,6 +831,7 @@ def pisa_select_scan_fwd(
     )
     group = hq // hkv
     chain = pdl_launch(q, pdl)
+    window = window_args(sliding_window, chunk_size)
     scan_q, scan_rows, head_loop = dot_rows(group, LAUNCH["rows"])
     wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
@@ -831,6 +850,7 @@ def pisa_select_scan_fwd(
         hkv,
         col0,
         log2_scale(scale, score),  # the LSE's exponentials in base 2
+        **window,
         N_LEVELS=meta["N_LEVELS"],
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
@@ -877,6 +897,7 @@ def pisa_select_scan_fwd(
         LEAF_OUT=leaf_out,
         PAIR_RANKS=leaf_out,
         PAIR_SIBLINGS=unit[1] > 1,
+        **window,
         num_warps=warps,
         **chain,
     )
@@ -965,5 +986,7 @@ def _(
     force_previous,
     beam,
     pdl=False,
+    sliding_window=PISAConfig.sliding_window,
+    chunk_size=PISAConfig.chunk_size,
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -69,7 +69,18 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
-from .triton_select_common import _p2, _reduce, _rows_compact, _rows_top_k_keep, candidate_width, walk_args, walk_meta
+from .config import PISAConfig
+from .triton_select_common import (
+    _p2,
+    _reduce,
+    _rows_compact,
+    _rows_top_k_keep,
+    _window_first_leaf,
+    candidate_width,
+    walk_args,
+    walk_meta,
+    window_args,
+)
 
 __all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "leaf_chunk"]
 
@@ -373,6 +384,8 @@ def _pisa_select_tiled_kernel(
     T,
     HKV,
     qk_scale,
+    SLIDING,
+    CHUNK,
     N_LEVELS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -395,7 +408,10 @@ def _pisa_select_tiled_kernel(
     UN: tl.constexpr,
     UL: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
 ):
+    # HAS_WINDOW: each row walks inside its local window (SLIDING / CHUNK keys), as the per-token
+    # walk does; the union's scores do not depend on the window, so the tile still shares them
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     # 64-bit offsets: batch x head strides, and a query / key / node position times its row stride,
@@ -439,6 +455,10 @@ def _pisa_select_tiled_kernel(
     prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
     sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
     here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)  # [BQ]
+    if HAS_WINDOW:  # a forced leaf before the row's window is not forced
+        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
+        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
 
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)
@@ -457,6 +477,8 @@ def _pisa_select_tiled_kernel(
         valid = par_ok & (j < BR)[None, :] & (cand < n_lv)
         cand = tl.where(valid, cand, 0)
         valid = valid & (tl.load(nfv_base + off + cand, mask=valid, other=Nk) <= hz[:, None])
+        if HAS_WINDOW:  # the node's last leaf is at or after the row's window's first one
+            valid = valid & (cand >= _anc(first_leaf, span)[:, None])
         forced = (cand == _anc(cur_f, span)[:, None]) | (cand == _anc(prev_f, span)[:, None])
         forced = forced | (cand == _anc(sink_f, span)[:, None]) | (cand == _anc(here, span)[:, None])
         forced = forced & valid
@@ -569,9 +591,12 @@ def pisa_select_tiled_fwd(
     beam: int,
     warps: Optional[int] = None,
     block_q: Optional[int] = None,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
 ) -> torch.Tensor:
     """The per-token op's contract (``triton_select_per_token._pisa_select_fwd``) by query tiles of
-    ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`."""
+    ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`;
+    ``sliding_window`` / ``chunk_size``: the walk inside each query's local window."""
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -594,6 +619,7 @@ def pisa_select_tiled_fwd(
         UN=16,
         UL=leaf_chunk(bq * _p2(g), meta["CP"]),
         IEEE_KEYS=ieee,
+        **window_args(sliding_window, chunk_size),
         num_warps=DEFAULT_WARPS if warps is None else warps,
     )
     return out
@@ -619,5 +645,7 @@ def _(
     beam,
     warps=None,
     block_q=None,
+    sliding_window=PISAConfig.sliding_window,
+    chunk_size=PISAConfig.chunk_size,
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -127,7 +127,7 @@ def test_wide_top_k_is_the_exact_window(case):
 def test_a_windowed_layer_runs_bsa_inside_a_wide_window_only():
     """``registry.windowed``: a window wider than BSA's top-K blocks keeps BSA (its selection inside
     the window); a narrower one runs the dense method's exact window (the top-K would keep every
-    block anyway); PISA, whose backends run no window yet, runs the exact window."""
+    block anyway)."""
     from sparseflow.methods import windowed
 
     bsa = sparseflow.BSAConfig(block_size=64, top_k=8)
@@ -139,5 +139,3 @@ def test_a_windowed_layer_runs_bsa_inside_a_wide_window_only():
     assert cfg == sparseflow.DenseConfig(sliding_window=449) and "top_k=8" in note
     cfg, note = windowed(bsa, 0, 448)
     assert cfg == sparseflow.DenseConfig(chunk_size=448)
-    cfg, note = windowed(sparseflow.PISAConfig(), 4096)
-    assert cfg == sparseflow.DenseConfig(sliding_window=4096) and "pisa does not run a local window" in note
