@@ -2,7 +2,7 @@
 
 from .config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
-from ..topk import TOPK_ONNX_FIELDS, exact_top_k
+from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
 
 _KERNELS = __name__  # the backends are modules of this package
 
@@ -18,5 +18,6 @@ SPEC = register(
         onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
         has_top_k=True,
         exact=exact_top_k,
+        window_rule=top_k_window_rule,
     )
 )

@@ -2,7 +2,7 @@
 
 from .config import PISAConfig
 from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
-from ..topk import TOPK_ONNX_FIELDS, exact_top_k
+from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
 
 _KERNELS = __name__  # the backends are modules of this package
 
@@ -24,5 +24,6 @@ SPEC = register(
         decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),
         has_top_k=True,
         exact=exact_top_k,
+        window_rule=top_k_window_rule,
     )
 )
