@@ -9,7 +9,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict
 
-__all__ = ["AttentionConfig", "TopKConfig", "BACKENDS", "check_window"]
+import torch
+
+__all__ = ["AttentionConfig", "TopKConfig", "BACKENDS", "check_window", "window_lower_bounds"]
 
 BACKENDS = ("auto", "reference", "triton", "flex")
 
@@ -44,6 +46,20 @@ def check_window(sliding_window: Any, chunk_size: Any, is_causal: bool = True) -
             raise ValueError(f"{name} must be an int >= 0 (0 = none), got {value!r}")
         if value and not is_causal:
             raise ValueError(f"{name}={value} needs is_causal=True (a local window bounds causal attention)")
+
+
+def window_lower_bounds(positions: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:
+    """The first key position each query position may see under its local window: the last
+    ``sliding_window`` keys up to itself and the keys of its own ``chunk_size`` chunk (0 = no such
+    bound). Non-decreasing in the position, which the kernels' whole-block test relies on. Here,
+    beside :func:`check_window`, so that every module can read the window's definition without an
+    import cycle (sparseflow.kernels.token_blocks re-exports it)."""
+    lo = torch.zeros_like(positions)
+    if sliding_window:
+        lo = torch.maximum(lo, positions - sliding_window + 1)
+    if chunk_size:
+        lo = torch.maximum(lo, torch.div(positions.clamp_min(0), chunk_size, rounding_mode="floor") * chunk_size)
+    return lo
 
 
 @dataclass(frozen=True)

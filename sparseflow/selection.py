@@ -11,7 +11,10 @@ tests speak one format. Two selection shapes exist:
 
 ``density`` is always ``[B, Hq]`` float32: computed block pairs (PBS) or blocks per token
 (PISA/BSA), divided by the causally visible ones, counting only blocks that hold at least one
-key the query may see.
+key the query may see (inside its local window, when the call had one).
+
+A selection made inside a local window carries it (``sliding_window``, ``chunk_size``): its key
+masks hold only the keys of each query's window, as the attention computed them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from ._config_base import check_window, window_lower_bounds
 
 __all__ = ["Selection", "visible_key_mask"]
 
@@ -32,18 +37,31 @@ def visible_key_mask(
     key_padding_mask: Optional[torch.Tensor] = None,
     batch: int = 1,
     device=None,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
-    """``[B, Nq, Nk]`` bool: key j is visible to query i (causal needs Nq == Nk)."""
+    """``[B, Nq, Nk]`` bool: key j is visible to query i (causal needs Nq == Nk), inside its local
+    window when one is given (``sliding_window`` / ``chunk_size``, AttentionConfig's meaning)."""
+    check_window(sliding_window, chunk_size, is_causal)
     if is_causal:
         if n_q != n_k:
             raise ValueError(f"causal visibility needs Nq == Nk, got Nq={n_q}, Nk={n_k}")
         base = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
     else:
         base = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if sliding_window or chunk_size:
+        base = base & _window_rows(torch.arange(n_q, device=device), n_k, sliding_window, chunk_size)
     base = base.unsqueeze(0).expand(batch, n_q, n_k)
     if key_padding_mask is not None:
         base = base & key_padding_mask[:, None, :].to(torch.bool)
     return base
+
+
+def _window_rows(positions: torch.Tensor, n_k: int, sliding_window: int, chunk_size: int) -> torch.Tensor:
+    """``[len(positions), Nk]`` bool: key j is at or after the window's lower bound of each query
+    position (the causal side is the caller's)."""
+    lo = window_lower_bounds(positions, sliding_window, chunk_size)
+    return torch.arange(n_k, device=positions.device)[None, :] >= lo[:, None]
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,8 @@ class Selection:
     # PISA / BSA (token-level over original keys)
     block_indices: Optional[torch.Tensor] = None  # [B, Hkv, Nq, K] int64, -1 padded
     key_padding_mask: Optional[torch.Tensor] = None  # [B, Nk] bool, True = valid key
+    sliding_window: int = 0  # the call's local window (0: none): the key masks stay inside it
+    chunk_size: int = 0
 
     @property
     def mean_density(self) -> float:
@@ -92,10 +112,22 @@ class Selection:
         visible = torch.ones(self.num_keys, dtype=torch.bool, device=keys.device)
         if self.is_causal:
             visible[query + 1 :] = False
+        if self.sliding_window or self.chunk_size:
+            pos = torch.tensor([query + self.num_keys - n_q], device=keys.device)
+            visible &= _window_rows(pos, self.num_keys, self.sliding_window, self.chunk_size)[0]
         keys = keys & visible
         if self.key_padding_mask is not None:
             keys = keys & self.key_padding_mask[:, None, :].to(torch.bool)
         return keys
+
+    def _visibility(self) -> dict:
+        """The :func:`visible_key_mask` arguments of this selection's call."""
+        return dict(
+            is_causal=self.is_causal,
+            key_padding_mask=self.key_padding_mask,
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+        )
 
     def _row_from_blocks(self, query: int, hq: int) -> torch.Tensor:
         bm, perm = self.block_mask, self.permutation
@@ -127,9 +159,7 @@ class Selection:
         perm_q = perm.repeat_interleave(group, dim=1)  # [B, Hq, Nk]
         out = torch.zeros_like(per_slot)
         out.scatter_(-1, perm_q[:, :, None, :].expand_as(per_slot), per_slot)
-        vis = visible_key_mask(
-            n_q, n_k, is_causal=self.is_causal, key_padding_mask=self.key_padding_mask, batch=b, device=bm.device
-        )
+        vis = visible_key_mask(n_q, n_k, batch=b, device=bm.device, **self._visibility())
         return out & vis[:, None]
 
     def _key_mask_from_indices(self, hq: int) -> torch.Tensor:
@@ -144,7 +174,5 @@ class Selection:
         key_block = torch.arange(n_k, device=idx.device) // self.block_size
         per_key = blocks[..., key_block]  # [B, Hkv, Nq, Nk]
         per_key = per_key.repeat_interleave(hq // hkv, dim=1)
-        vis = visible_key_mask(
-            n_q, n_k, is_causal=self.is_causal, key_padding_mask=self.key_padding_mask, batch=b, device=idx.device
-        )
+        vis = visible_key_mask(n_q, n_k, batch=b, device=idx.device, **self._visibility())
         return per_key & vis[:, None]

@@ -209,6 +209,43 @@ def run_pbs(cases):
     TA.HEADS_FIRST = None
 
 
+# PBS inside local windows: layout, TMA, padding, threshold, scoring, window (the attention's
+# WINDOW variant, the selection rows' HAS_WINDOW -- pooled logits, exact, strided with the
+# renormalised rows -- and the strided estimate's HAS_WINDOW segment skip)
+PBS_WINDOW = [
+    ("permuted", True, False, 0.9, "mean", dict(sliding_window=300)),
+    ("gather", False, True, 0.9, "sampled_rows", dict(chunk_size=512)),
+    ("permuted", False, False, 1.0, "mean", dict(sliding_window=300)),
+    ("permuted", False, True, 0.9, "antidiagonal", dict(sliding_window=300)),
+]
+
+
+def run_pbs_window(cases):
+    from sparseflow import Tuning
+    from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_gather as TG
+    from sparseflow.methods.pbs import triton_impl as TI
+
+    TG._use_kernels = lambda t: True
+    tma_default = TA._tma_ok
+    for layout, tma, pad, thr, scoring, window in cases:
+        TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
+        q, k, v = _qkv(2, 8, 2, 700, 128, torch.bfloat16)
+        TI.pbs_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=_pad(2, 700) if pad else None,
+            block_size=128,
+            segment_size=256,
+            threshold=thr,
+            scoring=scoring,
+            tuning=Tuning(pbs_select="triton", pbs_kv_layout=layout),
+            **window,
+        )
+    TA._tma_ok = tma_default
+
+
 def run_pbs_strided(cases):
     """The strided estimates (``scoring="sampled_rows"|"antidiagonal"``) through the op, and the
     block-probability kernel the tests use."""
@@ -664,7 +701,7 @@ def main(argv=None) -> int:
     if args.quick:
         pbs, pisa, dec, strided, tiled, scan = pbs[:1], pisa[:1], dec[:1], strided[:1], tiled[:1], scan[:1]
     runs = {
-        "pbs": lambda: run_pbs(pbs),
+        "pbs": lambda: (run_pbs(pbs), run_pbs_window(PBS_WINDOW[: 1 if args.quick else None])),
         "pbs_strided": lambda: run_pbs_strided(strided),
         "pisa_bsa": lambda: (run_pisa_bsa(pisa), run_pisa_window("per_token", ((300, 0), (0, 256)))),
         "pisa_tiled": lambda: (run_pisa_tiled(tiled), run_pisa_window("tiled")),

@@ -143,8 +143,8 @@ def test_generate_matches_dense(family):
 
 
 # Llama 4's chunk mask is proven in a graph of fixed length, but after the model's dynamic-length
-# recompile (generate, earlier in this worker) only at run time, where PBS runs no window yet
-# (SDPA with the window, logged): passes or not by test order, so not strict
+# recompile (generate, earlier in this worker) only at run time, where no windowed layer is
+# reported (the op runs the mask's window there): passes or not by test order, so not strict
 CHUNK_AT_RUN_TIME = pytest.mark.xfail(strict=False, reason="chunk mask of a dynamic-length graph: run time only")
 
 
@@ -153,7 +153,8 @@ CHUNK_AT_RUN_TIME = pytest.mark.xfail(strict=False, reason="chunk mask of a dyna
 )
 def test_no_dense_fallback_for_the_mask(family, fresh_dynamo):
     """The compiled graph holds no N x N tensor: no call fell back to dense SDPA over its mask, and
-    a sliding or chunked layer runs its window (the dense method's exact window: PBS runs none yet).
+    a sliding or chunked layer runs its window (the dense method's exact window: PBS at threshold 1
+    would skip nothing inside it, registry.windowed).
     Dynamo starts afresh: after the other tests' lengths it would trace these models with dynamic
     sizes, whose window masks are recognised at run time only (see the xfail above)."""
     model = _compiled(family, "pbs")
@@ -182,7 +183,7 @@ def test_converted_checkpoint_is_exact(family, tmp_path):
     with sparseflow.capture() as cap:
         got = _logits(model, ids, mask)
     assert len(cap.calls) == model.config.num_hidden_layers
-    # a sliding layer runs its window exactly (the dense method: PBS runs no window yet)
+    # a sliding layer runs its window exactly (the dense method: PBS at threshold 1 skips nothing in it)
     methods = {c.method for c in cap.calls}
     assert methods <= {"pbs", "dense"} if family in WINDOWED else methods == {"pbs"}
     assert all(c.sparse for c in cap.calls if c.method == "dense")

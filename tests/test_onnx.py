@@ -684,19 +684,29 @@ def test_window_attributes_are_optional():
     assert _rel(got, ref) < 1e-5
 
 
-def test_sparse_method_with_a_window_is_refused(tmp_path):
-    """A sparse method chooses its blocks inside the window; its node's body would choose them over
-    all keys and only then cut them to the window: refused, naming the way that exports."""
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        sparseflow.BSAConfig(block_size=8, sliding_window=16),
+        sparseflow.PBSConfig(block_size=8, segment_size=16, sliding_window=16),
+    ],
+    ids=["bsa", "pbs"],
+)
+def test_sparse_method_with_a_window_is_refused(tmp_path, cfg):
+    """A sparse method chooses its blocks inside the window (BSA and PBS do in PyTorch); its node's
+    body would choose them over all keys and only then cut them to the window: refused, naming
+    the node, the window and the way that exports."""
 
     class Windowed(torch.nn.Module):
         def forward(self, q, k, v):
-            return sparseflow.attention(
-                q, k, v, config=sparseflow.BSAConfig(block_size=8, sliding_window=16), is_causal=True
-            )
+            return sparseflow.attention(q, k, v, config=cfg, is_causal=True)
 
     q = torch.randn(1, 2, 40, 16)
-    with pytest.raises(OnnxExportError, match="inside a local window.*method='dense'"):
-        export_onnx(Windowed().eval(), (q, q, q), tmp_path / "m.onnx", method="bsa")
+    node = sparseflow.methods.spec_for(cfg).onnx.node_type
+    with pytest.raises(
+        OnnxExportError, match=rf"{node} does not choose its blocks inside a local window.*sliding_window=16.*'dense'"
+    ):
+        export_onnx(Windowed().eval(), (q, q, q), tmp_path / "m.onnx", method=cfg.method)
     assert not list(tmp_path.iterdir())
 
 

@@ -69,4 +69,4 @@ def build_recipe(s: Session, chosen: Sequence[Choice], *, name: str, measured: D
 def _windowed_note(s: Session) -> str:
     if not s.windows:
         return ""
-    return f" ({len(s.windows)} windowed layers run their local window exactly)"
+    return f" ({len(s.windows)} windowed layers run inside their local window, not calibrated)"

@@ -106,7 +106,7 @@ def calibrate(
         windows=local_windows(model.config),
     )
     if s.windows:
-        say(f"{len(s.windows)} windowed layer(s) run their local window exactly, not calibrated: {sorted(s.windows)}")
+        say(f"{len(s.windows)} windowed layer(s) run inside their local window, not calibrated: {sorted(s.windows)}")
     s.hidden = layer_inputs(model, input_ids)
     say(f"dense pass done ({time.perf_counter() - t_dense:.1f} s)")
     progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))

@@ -34,7 +34,8 @@ class Session:
     qkv: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float]]] = field(default_factory=dict)
     fast_density: Optional[bool] = None  # the reference selection gives the op's density (checked once)
     # layer -> (sliding_window, chunk_size) of the layers the model limits to a local window: they
-    # run that window exactly whatever the plan says (no method runs a window yet), so no choice
+    # run what registry.windowed makes of the base config there (the method inside the window
+    # where its selection can skip enough, else the window exactly) and are not calibrated, so no choice
     windows: Dict[int, Tuple[int, int]] = field(default_factory=dict)
 
     @property

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from .._config_base import check_window
+from .._config_base import check_window, window_lower_bounds
 from ..selection import Selection
 
 __all__ = [
@@ -82,18 +82,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, Hq, Nq, D]`` -> view ``[B, Hkv, G, Nq, D]`` (query head ``h`` uses KV head ``h // G``)."""
     return q.unflatten(1, (num_kv_heads, q.shape[1] // num_kv_heads))
-
-
-def window_lower_bounds(positions: torch.Tensor, sliding_window: int, chunk_size: int) -> torch.Tensor:
-    """The first key position each query position may see under its local window: the last
-    ``sliding_window`` keys up to itself and the keys of its own ``chunk_size`` chunk (0 = no such
-    bound). Non-decreasing in the position, which the kernels' whole-block test relies on."""
-    lo = torch.zeros_like(positions)
-    if sliding_window:
-        lo = torch.maximum(lo, positions - sliding_window + 1)
-    if chunk_size:
-        lo = torch.maximum(lo, torch.div(positions.clamp_min(0), chunk_size, rounding_mode="floor") * chunk_size)
-    return lo
 
 
 def _window_block_span(positions: torch.Tensor, n_k: int, block_size: int, sliding_window: int, chunk_size: int):

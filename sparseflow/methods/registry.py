@@ -33,6 +33,8 @@ __all__ = [
     "sparse_names",
     "names_with",
     "or_list",
+    "windowed",
+    "window_span_blocks",
     "DIFFERENTIABILITY",
     "CONTEXT_PARALLEL_STRATEGIES",
 ]
@@ -155,6 +157,9 @@ class MethodSpec:
     ``selection_densities``: ``"module:function"`` of ``fn(q, k, cfgs, scale) -> [density]``, the
     selections of several configs computed without their attention (sharing what they share) on
     the reference path, as the op reports them; None: calibration asks the op for each config.
+    ``window_rule(cfg, sliding_window, chunk_size)``: why a layer whose model gives it that local
+    window runs the dense method's exact window instead of ``cfg`` ("" when ``cfg``'s selection
+    inside the window can skip blocks worth skipping; :func:`windowed`); None: always ``cfg``.
     """
 
     name: str
@@ -171,6 +176,7 @@ class MethodSpec:
     context_parallel: str = "token_chunks"
     estimate_cost: Optional[Callable[[AttentionConfig], float]] = None
     selection_densities: Optional[str] = None
+    window_rule: Optional[Callable[[AttentionConfig, int, int], str]] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -291,9 +297,9 @@ _CAPABILITIES = ("sparse", "has_permute", "has_top_k", "has_threshold", "support
 
 def windowed(cfg: AttentionConfig, sliding_window: int = 0, chunk_size: int = 0) -> Tuple[AttentionConfig, str]:
     """``(config, note)`` of a layer whose model gives it a local window: ``cfg`` with the window
-    when every backend of its method runs windows (its selection inside the window); else, or
-    when a top-K keeps every block a window can span anyway, the dense method's exact window and a
-    note that says why."""
+    when every backend of its method runs windows (its selection inside the window) and the
+    method's ``window_rule`` finds something to skip there; else the dense method's exact window
+    and a note that says why."""
     window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     spec = spec_for(cfg)
     dense = next(s for s in _SPECS.values() if not s.sparse)
@@ -301,16 +307,14 @@ def windowed(cfg: AttentionConfig, sliding_window: int = 0, chunk_size: int = 0)
         return dense.config_type(
             **window
         ), f"{cfg.method} does not run a local window yet: the layer runs its window exactly"
-    spanned = _window_blocks(cfg.block_size, sliding_window, chunk_size) if spec.has_top_k else None
-    if spanned is not None and cfg.top_k >= spanned:
-        return dense.config_type(**window), (
-            f"top_k={cfg.top_k} keeps the {spanned} blocks the window spans: the layer runs its window exactly"
-        )
+    reason = spec.window_rule(cfg, sliding_window, chunk_size) if spec.window_rule is not None else ""
+    if reason:
+        return dense.config_type(**window), f"{reason}: the layer runs its window exactly"
     return cfg.replace(**window), ""
 
 
-def _window_blocks(block_size: int, sliding_window: int, chunk_size: int) -> int:
-    """The most blocks of ``block_size`` keys one query's window can touch."""
+def window_span_blocks(block_size: int, sliding_window: int, chunk_size: int) -> int:
+    """The most blocks of ``block_size`` keys one query's window can touch (0 without a window)."""
     widths = [w for w in (sliding_window, chunk_size) if w]
     width = min(widths) if widths else 0
     return -(-(width - 1) // block_size) + 1 if width else 0

@@ -4,7 +4,8 @@ keys, global layers 5, 11 and 17; trained to 32K tokens).
 Calibrated by ``sparseflow calibrate --method pbs --kl-budget 0.01 --tokens 32768 --text
 stdlib_source --heldout-text pydoc_topics --thresholds 0.95,0.98,0.99,0.995`` on an H100 (bf16,
 the Q4_K_M GGUF converted by ``sparseflow convert``). The sliding layers are not calibrated: they
-run their window exactly whatever the method. The global layers run PBS at threshold 0.95 with
+run their window exactly (5 blocks of 128 keys: too narrow for PBS's selection to pay off there,
+``pbs.window_rule``). The global layers run PBS at threshold 0.95 with
 sampled-row scoring, and layer 17 unpermuted with mean scoring.
 
 On this model the global layers need most of their keys: on 32K tokens of code, layers 5 and 11

@@ -324,7 +324,8 @@ def test_sliding_window_mask_becomes_the_ops_window():
     gm, entries, _ = _rewritten_graph(
         model, PBSConfig(block_size=16, segment_size=32, threshold=1.0), input_ids=ids, attention_mask=am
     )
-    # the window goes into the op's config (PBS runs no window yet: the dense method's exact one)
+    # the window goes into the op's config (PBS at threshold 1 would skip nothing inside it: the dense
+    # method's exact window runs, registry.windowed)
     assert entries and all("sliding window 8" in e.mask for e in entries)
     assert all(e.method == "dense" and e.config["sliding_window"] == 8 for e in entries)
 

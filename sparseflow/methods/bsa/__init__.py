@@ -2,7 +2,7 @@
 
 from .config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
-from ..topk import TOPK_ONNX_FIELDS, exact_top_k
+from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
 
 _KERNELS = __name__  # the backends are modules of this package
 
@@ -23,5 +23,6 @@ SPEC = register(
         has_top_k=True,
         exact=exact_top_k,
         estimate_cost=lambda cfg: SCAN_COST,
+        window_rule=top_k_window_rule,
     )
 )

@@ -2,7 +2,7 @@
 
 from ..._config_base import AttentionConfig
 from .config import PBSConfig
-from ..registry import Backend, MethodSpec, OnnxBody, register
+from ..registry import Backend, MethodSpec, OnnxBody, register, window_span_blocks
 
 _KERNELS = __name__  # the backends are modules of this package
 
@@ -53,14 +53,36 @@ def exact(cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
     return cfg.replace(threshold=1.0)  # threshold >= 1 keeps every candidate block
 
 
+def window_rule(cfg: PBSConfig, sliding_window: int, chunk_size: int) -> str:
+    """Why a layer with this local window runs the exact window rather than PBS inside it ("" to
+    run PBS). Whatever the scores, PBS keeps a query block's whole segment (``segment_size /
+    block_size`` blocks: its own region) and at least one block before it (the threshold keeps the
+    most probable candidate). Where the window spans at most twice those blocks, the selection
+    could skip no more blocks than it keeps anyway -- at best half of the exact window's work,
+    paid for with PBS's scoring passes and an approximation -- so the exact window runs; so it
+    does at threshold 1, which skips nothing. (BSA's rule is the same with its top-K as the
+    blocks kept: ``topk.top_k_window_rule``.)"""
+    if cfg.exact:
+        return f"threshold={cfg.threshold} keeps every block inside the window"
+    kept = cfg.segment_size // cfg.block_size + 1
+    spanned = window_span_blocks(cfg.block_size, sliding_window, chunk_size)
+    if spanned <= 2 * kept:
+        return (
+            f"the window spans {spanned} blocks of {cfg.block_size} keys, at most twice the {kept} blocks PBS keeps "
+            f"whatever the scores (its segment of {cfg.segment_size} keys and one block before it)"
+        )
+    return ""
+
+
 SPEC = register(
     MethodSpec(
         name="pbs",
         config_type=PBSConfig,
         backends={
-            "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always"),
-            "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention"),  # forward-only kernel
-            "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda"),
+            "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always", windows=True),
+            # forward-only kernel
+            "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention", windows=True),
+            "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(
             node_type="PBSAttention",
@@ -88,5 +110,6 @@ SPEC = register(
         context_parallel="shared_rows",
         estimate_cost=estimate_cost,
         selection_densities=f"{_KERNELS}.calibration:selection_densities",
+        window_rule=window_rule,
     )
 )

@@ -17,6 +17,10 @@ The selection is the reference's (:func:`key_scores` -> :func:`segment_permutati
   are *partial*: ``mask_mod`` looks up ``vis_pos[b, hp, kv_idx]`` -- the key's original position,
   or a sentinel for padded keys and slots past N -- and keeps it iff ``vis_pos <= q_idx`` (causal)
   or ``vis_pos < sentinel`` (non-causal).
+* A local window (``sliding_window`` / ``chunk_size``, causal only): the reference's selection
+  inside the window; a block is full only if, besides the above, its earliest key lies at or
+  after the window's lower bound of the query block's last row (otherwise partial), and
+  ``mask_mod`` also keeps a key only if ``vis_pos >= lo(q_idx)``.
 * The sequence is padded to :func:`~sparseflow.kernels.flex_common.bucketed_length` (bounded number
   of compiled shapes); padded query blocks select nothing and are sliced off.
 * On CUDA, where :func:`~sparseflow.kernels.flex_common.flex_plan` finds no Triton kernel Inductor
@@ -36,7 +40,8 @@ from .config import PBSConfig
 from .tail import apply_tail
 from ...selection import Selection
 from ...kernels import flex_common as fc
-from .reference import key_scores, permuted_block_attention, segment_permutation, select_blocks, selection_density
+from ...kernels.token_blocks import check_window, window_lower_bounds
+from .reference import key_scores, pbs_report, permuted_block_attention, segment_permutation, select_blocks
 from .memory import check_selection_memory
 
 __all__ = ["pbs_attention", "pbs_block_mask"]
@@ -57,17 +62,22 @@ def pbs_block_mask(
     is_causal: bool,
     block_size: int,
     need_backward: bool = False,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ):
     """The flex ``BlockMask`` (over ``total`` padded positions) of a PBS selection, plus the
     ``vis_pos`` table its ``mask_mod`` reads. ``block_mask [B, Hq, nB, nB]`` over permuted key
-    blocks, ``permutation [B, Hp, N]``."""
+    blocks, ``permutation [B, Hp, N]``; ``sliding_window`` / ``chunk_size``: the call's local
+    window (causal only), applied by ``mask_mod`` wherever a key may precede it."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    check_window(sliding_window, chunk_size, is_causal)
+    window = (sliding_window, chunk_size)
     hq, hp, bs = block_mask.shape[1], permutation.shape[1], block_size
     sentinel = total  # > every query index
     vis_pos = _visible_positions(permutation, key_padding_mask, n=n, total=total, sentinel=sentinel)
     full, partial = _full_and_partial_blocks(
-        block_mask, vis_pos, n=n, sentinel=sentinel, is_causal=is_causal, block_size=bs
+        block_mask, vis_pos, n=n, sentinel=sentinel, is_causal=is_causal, block_size=bs, window=window
     )
     kv_num, kv_idx = fc.block_lists(partial)
     full_num, full_idx = fc.block_lists(full)
@@ -77,7 +87,7 @@ def pbs_block_mask(
         full_num,
         full_idx,
         BLOCK_SIZE=(bs, bs),
-        mask_mod=_mask_mod(vis_pos, hq // hp, is_causal, sentinel),
+        mask_mod=_mask_mod(vis_pos, hq // hp, is_causal, sentinel, window),
         seq_lengths=(total, total),
         compute_q_blocks=need_backward,
     )
@@ -112,10 +122,19 @@ def _key_block_stats(vis_pos: Tensor, hq: int, bs: int, sentinel: int) -> Tuple[
 
 
 def _full_and_partial_blocks(
-    block_mask: Tensor, vis_pos: Tensor, *, n: int, sentinel: int, is_causal: bool, block_size: int
+    block_mask: Tensor,
+    vis_pos: Tensor,
+    *,
+    n: int,
+    sentinel: int,
+    is_causal: bool,
+    block_size: int,
+    window: Tuple[int, int] = (0, 0),
 ) -> Tuple[Tensor, Tensor]:
     """The selected blocks ``[B, Hq, nBp, nBp]`` split into full ones (no ``mask_mod`` needed)
-    and partial ones (some but not all keys visible); padded query blocks get neither."""
+    and partial ones (some but not all keys visible); padded query blocks get neither. Under a
+    local ``window`` a block is full only if its earliest key is inside every row's window, and
+    of use only if its latest key is inside the first row's."""
     bsz, hq, nb, _ = block_mask.shape
     bs = block_size
     nbp = vis_pos.shape[2] // bs
@@ -128,6 +147,9 @@ def _full_and_partial_blocks(
         q_last = (q_first + bs - 1).clamp_max(n - 1)
         full = all_valid[:, :, None, :] & (kmax[:, :, None, :] <= q_first[None, None, :, None])
         useful = kmin[:, :, None, :] <= q_last[None, None, :, None]  # some element visible
+        if window != (0, 0):  # the bound rises with the row: the last row's is the highest
+            full = full & (kmin[:, :, None, :] >= window_lower_bounds(q_last, *window)[None, None, :, None])
+            useful = useful & (kmax[:, :, None, :] >= window_lower_bounds(q_first, *window)[None, None, :, None])
     else:
         full = all_valid[:, :, None, :].expand(bsz, hq, nbp, nbp)
         useful = any_valid[:, :, None, :].expand(bsz, hq, nbp, nbp)
@@ -138,9 +160,12 @@ def _full_and_partial_blocks(
     return full & q_real, partial & q_real
 
 
-def _mask_mod(vis_pos: Tensor, ratio: int, is_causal: bool, sentinel: int):
+def _mask_mod(vis_pos: Tensor, ratio: int, is_causal: bool, sentinel: int, window: Tuple[int, int] = (0, 0)):
     """The flex ``mask_mod`` of the partial blocks: a key is kept iff its original position is
-    ``<= q_idx`` (causal) or it is a real key (non-causal); ``ratio`` query heads share a row."""
+    ``<= q_idx`` (causal) or it is a real key (non-causal); ``ratio`` query heads share a row.
+    A local ``window`` (causal only) also needs the position at or after ``q_idx``'s bound."""
+    if window != (0, 0):
+        return _windowed_mask_mod(vis_pos, ratio, window)
     if is_causal:
         if ratio == 1:
 
@@ -159,6 +184,17 @@ def _mask_mod(vis_pos: Tensor, ratio: int, is_causal: bool, sentinel: int):
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return vis_pos[b, h // ratio, kv_idx] < sentinel
+
+    return mask_mod
+
+
+def _windowed_mask_mod(vis_pos: Tensor, ratio: int, window: Tuple[int, int]):
+    """The causal ``mask_mod`` with the window's lower bound: ``lo(q_idx) <= vis_pos <= q_idx``
+    (a padded key's sentinel fails the upper side)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = vis_pos[b, h // ratio, kv_idx]
+        return (pos <= q_idx) & (pos >= window_lower_bounds(q_idx, *window))
 
     return mask_mod
 
@@ -185,6 +221,8 @@ def pbs_attention(
         raise ValueError(f"PBS is a prefill method: needs Nq == Nk, got Nq={n}, Nk={k.shape[2]}")
     if cfg.gqa_permutation not in ("query_head", "kv_head"):
         raise ValueError(f"gqa_permutation must be 'query_head' or 'kv_head', got {cfg.gqa_permutation!r}")
+    check_window(cfg.sliding_window, cfg.chunk_size, is_causal)
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
     bs = cfg.block_size
@@ -203,13 +241,18 @@ def pbs_attention(
             is_causal=is_causal,
             scale=scale,
             block_size=bs,
+            **window,
         )
     else:
-        out = _flex_over_selection(q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, bs, plan, grad)
+        out = _flex_over_selection(
+            q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, bs, plan, grad, tuple(window.values())
+        )
     out, block_mask = apply_tail(
         out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
     )
-    return _with_selection(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+    if not return_selection:
+        return out
+    return out, pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
 
 
 def _select(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, is_causal, scale) -> Tuple[Tensor, Tensor]:
@@ -244,14 +287,17 @@ def _select(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, is_causal,
         force_sink=cfg.force_sink,
         scoring=cfg.scoring,
         antidiagonal_stride=cfg.antidiagonal_stride,
+        sliding_window=cfg.sliding_window,
+        chunk_size=cfg.chunk_size,
     )
     return perm, block_mask
 
 
 def _flex_over_selection(
-    q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, block_size, plan, grad
+    q, k, v, perm, block_mask, key_padding_mask, is_causal, scale, block_size, plan, grad, window=(0, 0)
 ) -> Tensor:
-    """Compiled flex attention over the permuted K/V with the selection's BlockMask."""
+    """Compiled flex attention over the permuted K/V with the selection's BlockMask (and the
+    local ``window``'s bound in its mask_mod)."""
     hq, n, d = q.shape[1], q.shape[2], q.shape[3]
     with torch.no_grad():
         total = fc.bucketed_length(n, block_size)
@@ -264,6 +310,8 @@ def _flex_over_selection(
             is_causal=is_causal,
             block_size=block_size,
             need_backward=grad,
+            sliding_window=window[0],
+            chunk_size=window[1],
         )
         gather_index = _padded_perm(perm, total).clamp_min(0)  # [B, Hp, total]
     # permuted K/V: Hp heads (Hq under per-query-head permutation, Hkv under kv_head)
@@ -280,22 +328,3 @@ def _flex_over_selection(
         kernel_options=plan.kernel_options,
     )
     return out[:, :, :n].to(q.dtype)
-
-
-def _with_selection(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):
-    if not return_selection:
-        return out
-    density = selection_density(
-        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
-    )
-    sel = Selection(
-        method="pbs",
-        density=density,
-        block_size=block_size,
-        is_causal=is_causal,
-        num_keys=n,
-        block_mask=block_mask,
-        permutation=perm,
-        key_padding_mask=key_padding_mask,
-    )
-    return out, sel

@@ -89,6 +89,20 @@ Conventions and decisions (where the method leaves room):
   element divided by all block pairs holding one, in the permuted layout; visibility is
   ``visible_key_mask`` (causality and key padding; every query row counts, as in
   ``Selection.key_mask``). A row with no visible pair has density 1. The exact mode gives 1.0.
+* **Local window** (``sliding_window`` W / ``chunk_size`` C of the config; causal only): query
+  ``i`` sees key ``j`` iff ``lo(i) <= j <= i`` with ``lo`` of
+  :func:`~sparseflow.kernels.token_blocks.window_lower_bounds` (sliding: ``i - W < j``; chunked:
+  ``j`` in ``i``'s chunk). ``lo`` rises with the position, so the keys the queries of block ``I``
+  see under the window are ``[lo(I*bs), last query of I]``, and a permuted key block is *inside
+  the window* of query block ``I`` when it holds a valid key at or after ``lo(I*bs)``
+  (:func:`window_blocks`; the causal side is the region rule's, as without a window). The
+  selection is made among those blocks only: candidates and forced blocks (own region, sink)
+  outside the window are dropped, and the block probabilities are the distribution over the
+  candidates inside the window (the threshold is a share of the in-window mass). The
+  permutation does not depend on the window. The attention masks every key element-wise by its
+  original position (``lo(i) <= orig_pos(k) <= i``), so at ``threshold >= 1`` the output is the
+  exact window's. The dense tail attends every key of its rows' windows; the density counts
+  the block pairs inside the window.
 * Selection is computed without gradient; the attention is differentiable in q, k and v.
 * GQA is native: K/V are never repeated; per-query-head permutations index the shared KV head.
 """
@@ -102,6 +116,7 @@ import torch
 from torch import Tensor
 
 from ...config import backend_config
+from ...kernels.token_blocks import check_window, window_lower_bounds
 from ...selection import Selection
 from .config import PBSConfig
 from .tail import apply_tail
@@ -111,6 +126,7 @@ __all__ = [
     "pbs_attention",
     "pbs_selection",
     "pbs_selections",
+    "pbs_report",
     "effective_lengths",
     "proxy_queries",
     "key_scores",
@@ -121,6 +137,8 @@ __all__ = [
     "forced_blocks",
     "threshold_blocks",
     "select_blocks",
+    "window_blocks",
+    "block_last_keys",
     "permuted_block_attention",
     "selection_density",
 ]
@@ -423,6 +441,45 @@ def _key_block_valid(permutation: Tensor, key_padding_mask: Optional[Tensor], bl
     return torch.cat([valid_slot, pad], dim=-1).view(bsz, hp, nb, block_size).any(dim=-1)
 
 
+def block_last_keys(permutation: Tensor, key_padding_mask: Optional[Tensor], block_size: int) -> Tensor:
+    """``[B, Hp, nB]`` int64: the latest original position of a valid key in each permuted block
+    (-1 where it holds none)."""
+    bsz, hp, n = permutation.shape
+    nb = _num_blocks(n, block_size)
+    ok = _slot_validity(permutation, key_padding_mask, nb, block_size)
+    pos = _padded_permutation(permutation, nb, block_size)
+    return torch.where(ok, pos, torch.full_like(pos, -1)).view(bsz, hp, nb, block_size).amax(dim=-1)
+
+
+def query_block_window_starts(n: int, block_size: int, sliding_window: int, chunk_size: int, device=None) -> Tensor:
+    """``[nB]`` int64: the window's lower bound of each query block's first query, the earliest
+    key any query of the block sees (the bound rises with the position)."""
+    starts = torch.arange(_num_blocks(n, block_size), device=device) * block_size
+    return window_lower_bounds(starts, sliding_window, chunk_size)
+
+
+@torch.no_grad()
+def window_blocks(
+    permutation: Tensor,
+    hq: int,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    block_size: int = PBSConfig.block_size,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
+) -> Optional[Tensor]:
+    """``[B, Hq, nB, nB]`` bool: permuted key block ``J`` is inside the local window of query
+    block ``I`` -- it holds a valid key at or after the window's lower bound of ``I``'s first
+    query (see the module docstring); None without a window (every block is)."""
+    if not (sliding_window or chunk_size):
+        return None
+    n = permutation.shape[2]
+    last = block_last_keys(permutation, key_padding_mask, block_size)  # [B, Hp, nB]
+    lo = query_block_window_starts(n, block_size, sliding_window, chunk_size, permutation.device)  # [nB]
+    inside = last[:, :, None, :] >= lo[None, None, :, None]  # [B, Hp, nB, nB]
+    return inside[:, _hp_of(hq, permutation.shape[1]).to(permutation.device)]
+
+
 @torch.no_grad()
 def forced_blocks(
     permutation: Tensor,
@@ -652,9 +709,12 @@ def select_blocks(
     force_sink: bool = PBSConfig.force_sink,
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
-    candidates, plus the forced blocks (own region, sink)."""
+    candidates, plus the forced blocks (own region, sink); with a local window (causal only)
+    both among the blocks inside the window (:func:`window_blocks`)."""
     return _threshold_selections(
         q,
         k,
@@ -668,6 +728,8 @@ def select_blocks(
         force_sink=force_sink,
         scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )[0]
 
 
@@ -685,13 +747,26 @@ def _threshold_selections(
     force_sink,
     scoring,
     antidiagonal_stride,
+    sliding_window=0,
+    chunk_size=0,
 ) -> List[Tensor]:
     """:func:`select_blocks` at each of ``thresholds``; the block probabilities (which do not
     depend on the threshold) are computed once."""
+    check_window(sliding_window, chunk_size, is_causal)
     hq = q.shape[1]
     geo = dict(key_padding_mask=key_padding_mask, block_size=block_size, segment_size=segment_size)
     cand = candidate_blocks(permutation, hq, is_causal=is_causal, **geo)
     forced = forced_blocks(permutation, hq, force_sink=force_sink, **geo)
+    inside = window_blocks(
+        permutation,
+        hq,
+        key_padding_mask=key_padding_mask,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+    )
+    if inside is not None:  # the selection is made inside the window: the probabilities too
+        cand, forced = cand & inside, forced & inside
     probs = None
     out = []
     for threshold in thresholds:
@@ -741,10 +816,13 @@ def permuted_block_attention(
     scale: Optional[float] = None,
     block_size: int = PBSConfig.block_size,
     gather_below: float = 0.85,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tensor:
     """``[B, Hq, N, Dv]`` in q.dtype: each query attends the keys of its selected permuted blocks
-    (``orig_pos(k) <= pos(q)`` when causal; padded keys never), fp32 accumulation, zeros for a
-    query with no visible key (fp64 when given fp64). Differentiable in q, k, v.
+    (``orig_pos(k) <= pos(q)`` when causal, and ``orig_pos(k) >= lo(pos(q))`` under a local
+    window; padded keys never), fp32 accumulation, zeros for a query with no visible key (fp64
+    when given fp64). Differentiable in q, k, v.
 
     Works per (batch row, KV group, query block): the group's keys are permuted once per head
     (``[G, N, D]`` fp32, one group at a time; one copy when the permutation is per KV head), then
@@ -753,7 +831,9 @@ def permuted_block_attention(
     below ``gather_below`` of that prefix, over the gathered union. An additive bias carries the
     per-head block selection and key validity (broadcast over query rows) and, on the trailing
     columns from the first block holding a key later than the block's first query, the element
-    mask ``orig_pos(k) <= pos(q)``. Memory O(G · N · D + G · bs · N)."""
+    mask ``orig_pos(k) <= pos(q)`` (with a window: on every column, with its lower bound too).
+    Memory O(G · N · D + G · bs · N)."""
+    check_window(sliding_window, chunk_size, is_causal)
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     hp = permutation.shape[1]
@@ -777,6 +857,11 @@ def permuted_block_attention(
         is_causal=is_causal,
         gather_below=gather_below,
         zero_f=torch.tensor(0.0, dtype=acc, device=q.device),
+        window_lo=(
+            window_lower_bounds(torch.arange(n, device=q.device), sliding_window, chunk_size)
+            if sliding_window or chunk_size
+            else None
+        ),
     )
     with torch.no_grad():
         perm_p = _padded_permutation(permutation, nb, block_size)  # [B, Hp, total], -1 past N
@@ -804,6 +889,7 @@ class _Geometry(NamedTuple):
     is_causal: bool
     gather_below: float
     zero_f: Tensor
+    window_lo: Optional[Tensor] = None  # [N]: each query's first visible key (a local window); None: none
 
 
 class _BlockColumns(NamedTuple):
@@ -859,7 +945,8 @@ def _block_columns(
     ``[G, nB]`` (None when no head selected any block): the contiguous permuted prefix up to the
     last selected block, or the gathered union when that is below ``gather_below`` of the prefix.
     The element mask ``orig_pos(k) <= pos(q)`` covers only the trailing columns from the first
-    block holding a key later than the block's first query."""
+    block holding a key later than the block's first query; under a local window it covers every
+    column, with the window's lower bound."""
     g, block_size = geo.g, geo.block_size
     dev = sel.device
     bq = q1 - q0
@@ -878,8 +965,13 @@ def _block_columns(
     hide = None if bool(col_ok.all()) else ~col_ok[:, None, :]  # [G, 1, nc]
     late = (gkmax[blocks] > q0).nonzero() if geo.is_causal else blocks[:0]
     p0 = int(late[0]) * block_size if late.numel() else ncols  # element mask on p0..
+    if geo.window_lo is not None:
+        p0 = 0  # (a permuted block holds keys of its whole segment: any column may precede a window)
     if p0 < ncols:
-        late_vis = gpos[:, cols[p0:]][:, None, :] <= qpos[q0:q1, None]  # [P, bq, nl]
+        key_pos = gpos[:, cols[p0:]][:, None, :]
+        late_vis = key_pos <= qpos[q0:q1, None]  # [P, bq, nl]
+        if geo.window_lo is not None:
+            late_vis = late_vis & (key_pos >= geo.window_lo[q0:q1, None])
         future = torch.cat([late_vis.new_zeros(late_vis.shape[0], bq, p0), ~late_vis], dim=-1)
         hide = future if hide is None else hide | future  # [G or 1, bq, nc]
         seen = (late_vis & col_ok[:, None, p0:]).any(dim=-1)  # [G, bq]
@@ -928,8 +1020,12 @@ def selection_density(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     block_size: int = PBSConfig.block_size,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tensor:
-    """``[B, Hq]`` float32: selected block pairs with a visible element / block pairs with one."""
+    """``[B, Hq]`` float32: selected block pairs with a visible element / block pairs with one;
+    under a local window the pairs whose key block is inside the query block's window
+    (:func:`window_blocks`)."""
     bsz, hq, nb, _ = block_mask.shape
     hp, n = permutation.shape[1], permutation.shape[2]
     dev = block_mask.device
@@ -948,6 +1044,16 @@ def selection_density(
         vis = kmin[:, :, None, :] <= qmax[None, None, :, None]
     else:
         vis = (kmin < big)[:, :, None, :].expand(bsz, hq, nb, nb)
+    inside = window_blocks(
+        permutation,
+        hq,
+        key_padding_mask=key_padding_mask,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+    )
+    if inside is not None:
+        vis = vis & inside
     num = (block_mask & vis).sum(dim=(-1, -2)).float()
     den = vis.sum(dim=(-1, -2)).float()
     return torch.where(den > 0, num / den.clamp_min(1.0), torch.ones_like(num))
@@ -973,6 +1079,7 @@ def pbs_attention(
     :class:`Selection` (block mask over permuted key blocks, permutation, density)."""
     cfg = backend_config(PBSConfig, config, fields)
     check_selection_memory(q, cfg.block_size)
+    check_window(cfg.sliding_window, cfg.chunk_size, is_causal)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     perm, block_mask = pbs_selection(q, k, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)
@@ -986,26 +1093,42 @@ def pbs_attention(
         is_causal=is_causal,
         scale=scale,
         block_size=cfg.block_size,
+        sliding_window=cfg.sliding_window,
+        chunk_size=cfg.chunk_size,
     )
     out, block_mask = apply_tail(
         out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, fp32=True
     )
     if not return_selection:
         return out
+    return out, pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
+
+
+def pbs_report(
+    block_mask: Tensor, permutation: Tensor, cfg: PBSConfig, *, key_padding_mask: Optional[Tensor], is_causal: bool
+) -> Selection:
+    """The :class:`Selection` a PBS call reports (every backend's): its block mask over permuted
+    key blocks, the permutation, the density and the call's local window."""
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     density = selection_density(
-        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=cfg.block_size
+        block_mask,
+        permutation,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        block_size=cfg.block_size,
+        **window,
     )
-    sel = Selection(
+    return Selection(
         method="pbs",
         density=density,
         block_size=cfg.block_size,
         is_causal=is_causal,
-        num_keys=q.shape[2],
+        num_keys=permutation.shape[2],
         block_mask=block_mask,
-        permutation=perm,
+        permutation=permutation,
         key_padding_mask=key_padding_mask,
+        **window,
     )
-    return out, sel
 
 
 @torch.no_grad()
@@ -1019,7 +1142,8 @@ def pbs_selection(
     scale: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """``(permutation [B, Hp, N], block_mask [B, Hq, nB, nB])`` of :func:`pbs_attention`: what it
-    selects, without the attention (its density is :func:`selection_density` of the two)."""
+    selects (inside ``cfg``'s local window when it has one), without the attention (its density
+    is :func:`selection_density` of the two)."""
     perm, masks = pbs_selections(
         q, k, cfg, [cfg.threshold], key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
     )
@@ -1058,6 +1182,8 @@ def pbs_selections(
         force_sink=cfg.force_sink,
         scoring=cfg.scoring,
         antidiagonal_stride=cfg.antidiagonal_stride,
+        sliding_window=cfg.sliding_window,
+        chunk_size=cfg.chunk_size,
     )
     return perm, masks
 

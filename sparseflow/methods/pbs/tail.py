@@ -1,7 +1,8 @@
 """The dense tail of a PBS prefill (``PBSConfig.dense_tail_blocks``), shared by every backend.
 
-The last query blocks attend every visible key; the reported selection marks those rows' blocks
-as kept, so its key mask and density describe what ran. The Triton backend's selection kernel
+The last query blocks attend every visible key (every key of their rows' windows, under a local
+window); the reported selection marks those rows' blocks as kept, so its key mask and density
+describe what ran. The Triton backend's selection kernel
 keeps those blocks itself, so its attention kernel computes the rows in the same launch as the
 sparse ones (``triton_select``'s ``dense_from``). The other backends, and the Triton backend with
 the torch selection, call :func:`apply_tail`: SDPA over every visible key replaces the tail rows.
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._config_base import window_lower_bounds
+
 
 def tail_first_block(n: int, block_size: int, tail_blocks: int) -> int:
     """The first query block of the dense tail (the number of blocks when there is none)."""
@@ -27,13 +30,16 @@ def tail_start(n: int, block_size: int, tail_blocks: int) -> int:
     return n if tail_blocks <= 0 else tail_first_block(n, block_size, tail_blocks) * block_size
 
 
-def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32) -> Tensor:
+def _dense_rows(q_tail, k, v, start, key_padding_mask, is_causal, scale, fp32, window=(0, 0)) -> Tensor:
     b, hq, t, _ = q_tail.shape
     n = k.shape[2]
     dev = q_tail.device
     mask = None
     if is_causal:
-        visible = torch.arange(n, device=dev)[None, :] <= torch.arange(start, start + t, device=dev)[:, None]
+        rows, keys = torch.arange(start, start + t, device=dev)[:, None], torch.arange(n, device=dev)[None, :]
+        visible = keys <= rows
+        if window != (0, 0):
+            visible = visible & (keys >= window_lower_bounds(rows, *window))
         mask = visible[None, None].expand(b, 1, t, n)
     if key_padding_mask is not None:
         padding = key_padding_mask.to(torch.bool)[:, None, None, :]
@@ -57,13 +63,15 @@ def mark_tail(block_mask: Optional[Tensor], tail_blocks: int) -> Optional[Tensor
 
 def apply_tail(out, block_mask, q, k, v, cfg, *, key_padding_mask, is_causal, scale, fp32: bool = False):
     """``(out, block_mask)`` with ``cfg.dense_tail_blocks`` applied to both (a backend's last step):
-    the tail rows of ``out`` replaced by dense attention over the visible keys (rows that see no
-    key are zero, as the sparse kernels leave them) and the tail's blocks marked kept. ``fp32``:
-    compute the rows in at least float32 (the reference's accumulation)."""
+    the tail rows of ``out`` replaced by dense attention over the visible keys (inside each row's
+    window when ``cfg`` has one; rows that see no key are zero, as the sparse kernels leave them)
+    and the tail's blocks marked kept. ``fp32``: compute the rows in at least float32 (the
+    reference's accumulation)."""
     n = q.shape[2]
     start = tail_start(n, cfg.block_size, cfg.dense_tail_blocks)
     if start >= n:
         return out, block_mask
-    rows = _dense_rows(q[:, :, start:], k, v, start, key_padding_mask, is_causal, scale, fp32)
+    window = (cfg.sliding_window, cfg.chunk_size)  # (causal only: the backends check it)
+    rows = _dense_rows(q[:, :, start:], k, v, start, key_padding_mask, is_causal, scale, fp32, window)
     out = torch.cat([out[:, :, :start], rows.to(out.dtype)], dim=2)
     return out, mark_tail(block_mask, cfg.dense_tail_blocks)

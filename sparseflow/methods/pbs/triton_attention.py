@@ -14,11 +14,13 @@ Layout (the contract of ``sparseflow::pbs_block_sparse_fwd``):
   ``PAD_POS`` (int32 max) for a padded key. Query head ``h`` reads permutation head
   ``h // (Hq // Hp)``. A key is visible to query ``i`` iff ``kpos <= i`` (causal) or
   ``kpos < N`` (non-causal): padding, causality inside the diagonal segment, and the ragged
-  last block are all one comparison.
+  last block are all one comparison. A local window (``sliding_window`` / ``chunk_size``, causal
+  only) adds its lower bound to that comparison: ``lo(i) <= kpos``.
 * ``kv_num``, ``kv_full``: ``[B, Hq, nQB]`` int32; ``kv_idx``: ``[B, Hq, nQB, L]`` int32.
   Query block ``qb`` attends permuted key blocks ``kv_idx[..., :kv_num]``; the first ``kv_full``
   of them need no element mask (every key strictly before the query block's segment, no
-  padding), the rest are masked element-wise through ``kpos``. ``block_mask_to_indices`` builds
+  padding and, under a window, every key the block's segment can hold at or after the window's
+  lower bound of the query block's last row), the rest are masked element-wise through ``kpos``. ``block_mask_to_indices`` builds
   these from a ``[B, Hq, nQB, nKB]`` bool block mask.
 
 Softmax is online in fp32 (exp2 with the scale folded in); fp32 inputs use IEEE fp32 dots.
@@ -37,6 +39,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from ...kernels.launch_sizes import pow2_at_least
+from ...kernels.token_blocks import check_window, window_lower_bounds
+from ...kernels.token_sparse_triton import _window_lo
 
 from ...kernels._triton_env import interpreting
 
@@ -60,6 +64,7 @@ def _tile(
     m_i,
     q,
     offs_m,
+    win_lo,
     kb,
     sub_n,
     k_base,
@@ -81,6 +86,7 @@ def _tile(
     EVEN_N: tl.constexpr,
     MASK: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     GATHER: tl.constexpr,
     USE_TMA: tl.constexpr,
     IEEE: tl.constexpr,
@@ -123,6 +129,8 @@ def _tile(
     if MASK:
         if IS_CAUSAL:
             vis = kp[None, :] <= offs_m[:, None]
+            if WINDOW:  # (a padded key's PAD_POS fails the causal side)
+                vis = vis & (kp[None, :] >= win_lo[:, None])
         else:
             vis = kp[None, :] < N
         s = tl.where(vis, s * qk_scale, float("-inf"))
@@ -207,6 +215,8 @@ def _pbs_fwd_kernel(
     qk_scale,
     HKV,
     N_BUCKET,
+    SLIDING,
+    CHUNK,
     KV_GROUP: tl.constexpr,
     P_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -215,6 +225,7 @@ def _pbs_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     MASK_ALL: tl.constexpr,
     GATHER: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -254,6 +265,7 @@ def _pbs_fwd_kernel(
         row_ok = row_ok & (in_qblk < SPARSE_BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    win_lo = _window_lo(offs_m, SLIDING, CHUNK, WINDOW)  # each row's first key under its window
 
     b64 = b.to(tl.int64)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
@@ -301,6 +313,7 @@ def _pbs_fwd_kernel(
                 m_i,
                 q,
                 offs_m,
+                win_lo,
                 tl.load(idx_base + t // SUB_N),
                 t % SUB_N,
                 k_base,
@@ -322,6 +335,7 @@ def _pbs_fwd_kernel(
                 EVEN_N,
                 MASK_FULL,
                 IS_CAUSAL,
+                WINDOW,
                 GATHER,
                 USE_TMA,
                 IEEE,
@@ -335,6 +349,7 @@ def _pbs_fwd_kernel(
                 m_i,
                 q,
                 offs_m,
+                win_lo,
                 tl.load(idx_base + t // SUB_N),
                 t % SUB_N,
                 k_base,
@@ -356,6 +371,7 @@ def _pbs_fwd_kernel(
                 EVEN_N,
                 True,
                 IS_CAUSAL,
+                WINDOW,
                 GATHER,
                 USE_TMA,
                 IEEE,
@@ -371,6 +387,7 @@ def _pbs_fwd_kernel(
                 m_i,
                 q,
                 offs_m,
+                win_lo,
                 kb,
                 t % SUB_N,
                 k_base,
@@ -392,6 +409,7 @@ def _pbs_fwd_kernel(
                 EVEN_N,
                 MASK_FULL,
                 IS_CAUSAL,
+                WINDOW,
                 GATHER,
                 USE_TMA,
                 IEEE,
@@ -405,6 +423,7 @@ def _pbs_fwd_kernel(
                 m_i,
                 q,
                 offs_m,
+                win_lo,
                 kb,
                 t % SUB_N,
                 k_base,
@@ -426,6 +445,7 @@ def _pbs_fwd_kernel(
                 EVEN_N,
                 True,
                 IS_CAUSAL,
+                WINDOW,
                 GATHER,
                 USE_TMA,
                 IEEE,
@@ -498,6 +518,7 @@ _pbs_fwd_autotuned = triton.autotune(
         "HEAD_DIM",
         "SPARSE_BLOCK",
         "IS_CAUSAL",
+        "WINDOW",
         "MASK_ALL",
         "GATHER",
         "USE_TMA",
@@ -604,6 +625,8 @@ def pbs_block_sparse_fwd(
     has_padding: bool,
     gather: bool,
     allow_tma: bool = True,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     b, hq, n, d = (int(x) for x in q.shape)
     hkv = int(k.shape[1])
@@ -615,7 +638,19 @@ def pbs_block_sparse_fwd(
     ptrs = (q, k, v, kpos, kv_num, kv_full, kv_idx, out)
     qkvo_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
     index_strides = (*kpos.stride()[:2], *kv_num.stride()[:2], *kv_idx.stride()[:3])
-    args = (*ptrs, *qkvo_strides, *index_strides, hq, n, nqb, scale * 1.4426950408889634, hkv, pow2_at_least(n))
+    window = (int(sliding_window), int(chunk_size))
+    args = (
+        *ptrs,
+        *qkvo_strides,
+        *index_strides,
+        hq,
+        n,
+        nqb,
+        scale * 1.4426950408889634,
+        hkv,
+        pow2_at_least(n),
+        *window,
+    )
     meta = dict(
         KV_GROUP=hq // hkv,
         P_GROUP=hq // int(kpos.shape[1]),
@@ -623,6 +658,7 @@ def pbs_block_sparse_fwd(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         SPARSE_BLOCK=block_size,
         IS_CAUSAL=is_causal,
+        WINDOW=window != (0, 0),
         MASK_ALL=bool(has_padding),
         GATHER=gather,
         USE_TMA=use_tma,
@@ -667,7 +703,10 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int, by_heads: bool
 
 
 @pbs_block_sparse_fwd.register_fake
-def _(q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather, allow_tma=True):
+def _(
+    q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather, allow_tma=True,
+    sliding_window=0, chunk_size=0,
+):  # fmt: skip
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D")
     torch._check(
         kpos.dtype == torch.int32 and kv_num.dtype == torch.int32 and kv_idx.dtype == torch.int32,
@@ -696,12 +735,16 @@ def block_mask_to_indices(
     segment_size: int,
     is_causal: bool,
     has_padding: bool = False,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, H, nQB, nKB]`` bool -> ``(kv_num, kv_full, kv_idx)`` int32 (see module docstring).
 
     Blocks that need no element mask come first (ascending), then the rest (ascending). A block
     needs a mask when it lies in or after the query block's segment (causal: its keys' original
-    positions may exceed a query's), when it is the ragged last block, or always under padding.
+    positions may exceed a query's), when its segment starts before the local window's lower
+    bound of the query block's last row (a key of it may lie before a row's window), when it is
+    the ragged last block, or always under padding.
     ``segment_size`` only decides which blocks take the cheaper unmasked path: every mask is
     exact element-wise, so a smaller value (e.g. ``block_size`` when keys are unpermuted) is
     still correct."""
@@ -713,6 +756,8 @@ def block_mask_to_indices(
         qstart = torch.arange(nqb, device=dev) * block_size
         seg_first_block = (qstart // segment_size) * segment_size // block_size
         needs |= kb[None, :] >= seg_first_block[:, None]
+    if sliding_window or chunk_size:
+        needs |= _window_cuts(nqb, nkb, num_keys, block_size, segment_size, sliding_window, chunk_size, dev)
     if num_keys % block_size:
         needs[:, nkb - 1] = True
     if has_padding:
@@ -725,6 +770,16 @@ def block_mask_to_indices(
     kv_num = sel.sum(-1, dtype=torch.int32).contiguous()
     kv_full = (sel & ~needs).sum(-1, dtype=torch.int32).contiguous()
     return kv_num, kv_full, kv_idx
+
+
+def _window_cuts(nqb, nkb, num_keys, block_size, segment_size, sliding_window, chunk_size, device) -> torch.Tensor:
+    """``[nQB, nKB]`` bool: a key of block ``J`` may lie before the window of a row of query block
+    ``I`` -- the first key ``J``'s segment holds comes before the window's lower bound of ``I``'s
+    last row (the highest bound of the block: the bound rises with the position)."""
+    last_row = (torch.arange(1, nqb + 1, device=device) * block_size).clamp_max(num_keys) - 1
+    lo = window_lower_bounds(last_row, sliding_window, chunk_size)
+    seg_start = torch.arange(nkb, device=device) * block_size // segment_size * segment_size
+    return seg_start[None, :] < lo[:, None]
 
 
 def pbs_block_sparse_attention(
@@ -742,9 +797,15 @@ def pbs_block_sparse_attention(
     has_padding: bool = False,
     gather: bool = False,
     tma: bool = True,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Python entry to the op; checks the layout (see module docstring). ``tma=False`` keeps the
-    kernel off TMA loads even where they would apply (``Tuning.pbs_tma``)."""
+    kernel off TMA loads even where they would apply (``Tuning.pbs_tma``). ``sliding_window`` /
+    ``chunk_size``: a local window's lower bound on every masked block's keys (causal only; the
+    block lists must put every block a window can cut among the masked ones:
+    :func:`block_mask_to_indices` with the same window does)."""
+    check_window(sliding_window, chunk_size, is_causal)
     b, hq, n, d = q.shape
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[2] != n or v.shape[-1] != d or k.shape[-1] != d:
         raise ValueError(
@@ -779,4 +840,6 @@ def pbs_block_sparse_attention(
         bool(has_padding),
         bool(gather),
         bool(tma),
+        int(sliding_window),
+        int(chunk_size),
     )

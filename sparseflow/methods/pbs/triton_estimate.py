@@ -22,6 +22,12 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   selection kernel (which then thresholds exactly as for ``scoring="mean"``) and by
   :func:`block_probabilities` (the reference's ``block_probabilities`` contract, for tests).
 
+Under a local window (``sliding_window`` / ``chunk_size``) the estimate is the same per row and key
+block; a row tile skips the segments that end before its earliest row's window (their blocks hold
+no key inside any of its rows' windows), and :func:`_strided_prob_row` renormalises each row over
+the candidate blocks inside the query block's window (``RENORM``), so the probabilities are the
+reference's over those candidates.
+
 The two launches are ``torch.library.triton_op`` custom ops, so ``torch.compile`` traces and
 compiles them: ``sparseflow::pbs_strided_estimate`` (:func:`strided_estimate`) and
 ``sparseflow::pbs_strided_probs`` (:func:`block_probabilities`'s probabilities; the selection
@@ -62,6 +68,7 @@ from torch.library import triton_op, wrap_triton
 from . import reference as _ref
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least, sm_count
+from ...kernels.token_sparse_triton import _window_lo
 from .config import PBSConfig
 from .triton_gather import permute_kv
 
@@ -377,6 +384,8 @@ def _strided_estimate_kernel(
     LSE_SPLIT_STRIDE,
     qk_scale,
     segment_size,
+    SLIDING,
+    CHUNK,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -398,12 +407,16 @@ def _strided_estimate_kernel(
     EXACT_CNT: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
 ):
     """One program per (batch * head of the chunk ``[H0, H0+HC)``, tile of BLOCK_M estimate rows,
     span of ``SPAN`` key blocks): ``LBM [B*HC, NROWS, NB]`` per-row per-key-block log2-mass (each
     block's own, so spans write disjoint columns) and the rows' log2-mass over the span,
     ``LSE [splits, B*HC, NROWS]`` (split ``s`` at ``s * LSE_SPLIT_STRIDE``; the caller sums the
-    splits). Splitting the keys keeps the GPU busy when there are few row tiles."""
+    splits). Splitting the keys keeps the GPU busy when there are few row tiles. ``HAS_WINDOW``
+    (a local window of ``SLIDING`` / ``CHUNK`` keys): the key blocks of segments that end before
+    every row's window are not streamed (no mass in ``LBM``; ``LSE`` then leaves them out too,
+    and the selection renormalises each row over the blocks inside its window anyway)."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     qk_scale = tl.cast(qk_scale, tl.float32)
     # heads vary fastest (the query heads of a KV group stream the same keys together), tiles
@@ -434,6 +447,14 @@ def _strided_estimate_kernel(
     kpos_base = KPOS + (b64 * HP + p) * N
     qv_base = QV + b64 * NB * BS
     lbm_ptr = LBM + (bh.to(tl.int64) * NROWS + rows) * NB
+    j_begin = j_lo  # this span's first streamed block
+    if HAS_WINDOW:
+        # a permuted block holds keys of its own segment only: the segments that end before the
+        # earliest row's window hold nothing inside any row's window
+        lo_min = tl.min(tl.where(r_ok, _window_lo(qblk * BS, SLIDING, CHUNK, HAS_WINDOW), N), 0)
+        j_win = (lo_min // segment_size * segment_size) // BS // JB * JB  # (steps start on multiples of JB)
+        j_begin = tl.maximum(j_lo, tl.minimum(j_win, j_stop))
+        _fill_unseen(lbm_ptr, r_ok, j_lo, j_begin, BLOCK_M, JB, INTERP)
     if ANTI:
         q = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # (strided rows load q per stride step)
     else:
@@ -454,9 +475,9 @@ def _strided_estimate_kernel(
     else:
         first_own = tl.min(tl.where(r_ok, (region_q * segment_size) // BS, NB), 0)
         j_mid = tl.minimum(tl.minimum(first_own, (N // BS)), j_end) // JB * JB
-    j_free = tl.maximum(j_lo, tl.minimum(j_mid, j_stop))  # (span starts are multiples of JB)
+    j_free = tl.maximum(j_begin, tl.minimum(j_mid, j_stop))  # (span starts are multiples of JB)
     m_run, l_run = _estimate_loop(
-        j_lo,
+        j_begin,
         j_free,
         q,
         q_base,
@@ -588,17 +609,33 @@ def _strided_prob_row(
     BLOCK_B: tl.constexpr,
     ROW_QV: tl.constexpr,
     HAS_PAD: tl.constexpr,
+    RENORM: tl.constexpr = False,
 ):
     """``[BLOCK_B]`` fp32 block probabilities of query block ``qb`` over the key blocks ``offs``:
     the mean over its rows that see a candidate key (and are valid query rows when ``ROW_QV``)
-    of ``exp2(lbm - lse)``; 0 where ``cand`` is false."""
+    of ``exp2(lbm - lse)``; 0 where ``cand`` is false. ``RENORM``: ``cand`` is a subset of the
+    estimate's candidates (those inside a local window), so each row's normaliser is its mass
+    over ``cand``, summed here from ``lbm``, not the estimate's ``lse``."""
     acc = tl.zeros([BLOCK_B], dtype=tl.float32)
     n_ok = tl.sum(tl.zeros([RC], dtype=tl.int32), 0)
     for r0 in tl.static_range(0, RPB, RC):
         r = r0 + tl.arange(0, RC)
         grow = qb * RPB + r
         r_in = r < RPB
-        lse = tl.load(LSE + bh64 * NROWS + grow, mask=r_in, other=float("-inf"))
+        if RENORM:
+            # the row's log2-mass over ``cand``: max first, then the sum of exp2, as the estimate
+            # combines its blocks (written out here: helpers stay one call deep for Inductor)
+            row_lbm = tl.load(
+                LBM + (bh64 * NROWS + grow)[:, None] * NB + offs[None, :],
+                mask=r_in[:, None] & cand[None, :],
+                other=float("-inf"),
+            )
+            m = tl.max(row_lbm, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.sum(tl.exp2(row_lbm - m_safe[:, None]), 1)
+            lse = tl.where(total > 0.0, m_safe + tl.log2(tl.maximum(total, 1.0e-30)), float("-inf"))
+        else:
+            lse = tl.load(LSE + bh64 * NROWS + grow, mask=r_in, other=float("-inf"))
         ok = r_in & (lse > float("-inf"))
         if ROW_QV:
             pos = qb * BS + r * STRIDE
@@ -713,6 +750,8 @@ def strided_estimate(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     key_splits: Optional[int] = None,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
@@ -721,8 +760,10 @@ def strided_estimate(
     ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`);
     ``block_m`` None: :func:`default_row_tile`. ``key_splits``: programs per row tile, each over
     its own span of key blocks (their row masses summed after); None: :func:`default_key_splits`.
-    Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so the op's arguments
-    are the whole launch)."""
+    ``sliding_window`` / ``chunk_size``: a local window (causal only): the key blocks of segments
+    that end before a row tile's windows are not streamed (their ``lbm`` is -inf, and ``lse``
+    leaves them out). Launches ``sparseflow::pbs_strided_estimate`` (defaults resolved here, so
+    the op's arguments are the whole launch)."""
     _check(scoring, block_size, stride)
     hc = q.shape[1] - h0 if hc is None else hc
     block_m = default_row_tile(q, scoring, stride, hc, block_size) if block_m is None else block_m
@@ -753,6 +794,8 @@ def strided_estimate(
         plan["num_warps"],
         plan["num_stages"],
         key_splits,
+        int(sliding_window),
+        int(chunk_size),
     )
 
 
@@ -833,6 +876,8 @@ def pbs_strided_estimate(
     num_warps: int,
     num_stages: int,
     key_splits: int = 1,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch behind :func:`strided_estimate` (every argument resolved; ``scale`` is the
     softmax scale)."""
@@ -878,6 +923,8 @@ def pbs_strided_estimate(
         bsz * hc * nrows,
         scale * _LOG2E,
         segment_size,
+        int(sliding_window),
+        int(chunk_size),
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -894,6 +941,7 @@ def pbs_strided_estimate(
         EXACT_CNT=bool((not has_pad) and n % block_size == 0),
         IEEE=q.dtype == torch.float32,
         INTERP=interpreting(),
+        HAS_WINDOW=bool(sliding_window or chunk_size),
         **plan,
     )
     if splits == 1:
@@ -926,6 +974,8 @@ def _(
     num_warps,
     num_stages,
     key_splits=1,
+    sliding_window=0,
+    chunk_size=0,
 ):
     torch._check(q.dim() == 4 and k_perm.dim() == 4, lambda: "q and k_perm must be 4-D")
     torch._check(

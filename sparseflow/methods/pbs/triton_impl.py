@@ -9,6 +9,11 @@ Stages:
    ``Tuning(pbs_select="reference"|"triton")`` overrides;
 4. attention -- the Triton kernel ``sparseflow::pbs_block_sparse_fwd`` (``triton_attention``).
 
+A config's local window (``sliding_window`` / ``chunk_size``) runs as the reference's: the
+selection among the blocks inside each query block's window (the torch stages, or the Triton
+selection kernel with the blocks' latest key positions), and the kernel's element mask with the
+window's lower bound.
+
 K/V layout for the kernel (``Tuning.pbs_kv_layout`` = ``"permuted"`` | ``"gather"``):
 
 * ``permuted``: one gather pass writes K/V in permuted order, one head per permutation head
@@ -29,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ...config import backend_config
+from ...kernels.token_blocks import check_window
 from ...selection import Selection
 from ...tuning import DEFAULT_TUNING, Tuning
 from . import reference as _ref
@@ -76,6 +82,8 @@ def pbs_attention(
     cfg = backend_config(PBSConfig, config, fields)
     check_selection_memory(q, cfg.block_size)
     _check_inputs(q, k, v, cfg)
+    check_window(cfg.sliding_window, cfg.chunk_size, is_causal)
+    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.to(torch.bool)
     kernels = select_impl(q.device, tuning) == "triton"
@@ -102,8 +110,9 @@ def pbs_attention(
                 antidiagonal_stride=cfg.antidiagonal_stride,
                 tuning=tuning,
                 dense_from=tail_first_block(n, bs, cfg.dense_tail_blocks),
+                **window,
             )
-            return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+            return _finish(out, block_mask, perm, cfg, key_padding_mask, is_causal, return_selection)
         block_mask = _ref.select_blocks(
             q.detach(),
             k.detach(),
@@ -117,6 +126,7 @@ def pbs_attention(
             force_sink=cfg.force_sink,
             scoring=cfg.scoring,
             antidiagonal_stride=cfg.antidiagonal_stride,
+            **window,
         )
         out = attention_from_selection(
             q,
@@ -131,11 +141,12 @@ def pbs_attention(
             segment_size=mask_segment,
             layout=tuning.pbs_kv_layout,
             tma=tuning.pbs_tma,
+            **window,
         )
         out, block_mask = apply_tail(  # under no_grad like the sparse rows: this backend is forward-only
             out, block_mask, q, k, v, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale
         )
-    return _finish(out, block_mask, perm, key_padding_mask, is_causal, bs, n, return_selection)
+    return _finish(out, block_mask, perm, cfg, key_padding_mask, is_causal, return_selection)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cfg: PBSConfig) -> None:
@@ -199,10 +210,14 @@ def _fused_select_attention(
     antidiagonal_stride=PBSConfig.antidiagonal_stride,
     tuning: Tuning = DEFAULT_TUNING,
     dense_from: Optional[int] = None,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ):
     """Stages 2-4 on the Triton kernels: ``(out, block mask or None)``. Query blocks from
     ``dense_from`` on (the dense tail) keep every visible key block, so the attention kernel
-    computes their rows exactly, in the same launch as the sparse ones."""
+    computes their rows exactly, in the same launch as the sparse ones. ``sliding_window`` /
+    ``chunk_size``: the selection inside the local window, the kernel's mask with its bound."""
+    window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     from .triton_select import select_block_lists
 
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
@@ -240,6 +255,7 @@ def _fused_select_attention(
         antidiagonal_stride=antidiagonal_stride,
         padding_checked=True,
         dense_from=dense_from,
+        **window,
     )
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(
@@ -256,27 +272,15 @@ def _fused_select_attention(
         has_padding=has_pad,
         gather=gather,
         tma=tuning.pbs_tma,
+        **window,
     )
     return out, block_mask
 
 
-def _finish(out, block_mask, perm, key_padding_mask, is_causal, block_size, n, return_selection):
+def _finish(out, block_mask, perm, cfg, key_padding_mask, is_causal, return_selection):
     if not return_selection:
         return out
-    density = _ref.selection_density(
-        block_mask, perm, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size
-    )
-    sel = Selection(
-        method="pbs",
-        density=density,
-        block_size=block_size,
-        is_causal=is_causal,
-        num_keys=n,
-        block_mask=block_mask,
-        permutation=perm,
-        key_padding_mask=key_padding_mask,
-    )
-    return out, sel
+    return out, _ref.pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
 
 
 def attention_from_selection(
@@ -293,10 +297,14 @@ def attention_from_selection(
     segment_size: int = PBSConfig.segment_size,
     layout: Optional[str] = None,
     tma: bool = True,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tensor:
     """Step 4 alone: the Triton kernel over a given permutation ``[B, Hp, N]`` and block mask
-    ``[B, Hq, nB, nB]`` (the reference's ``permuted_block_attention`` contract; forward only).
-    ``layout`` (default ``Tuning().pbs_kv_layout``) and ``tma`` as in :class:`sparseflow.Tuning`."""
+    ``[B, Hq, nB, nB]`` (the reference's ``permuted_block_attention`` contract, local window
+    included; forward only). ``layout`` (default ``Tuning().pbs_kv_layout``) and ``tma`` as in
+    :class:`sparseflow.Tuning`."""
+    window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     layout = kv_layout() if layout is None else layout
     n = q.shape[2]
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
@@ -308,6 +316,7 @@ def attention_from_selection(
         segment_size=segment_size,
         is_causal=is_causal,
         has_padding=has_pad,
+        **window,
     )
     if layout == "gather":
         kk, vv, gather = k, v, True
@@ -327,4 +336,5 @@ def attention_from_selection(
         has_padding=has_pad,
         gather=gather,
         tma=tma,
+        **window,
     )

@@ -10,6 +10,10 @@ and the per-key probabilities are averaged over the proxies that see the key.
 ``segment_permutation``: one program per (segment, batch*head), a descending sort of packed
 (score bits, reversed position) keys, so ties keep the lower position first (stable).
 
+Under a local window the selection kernel takes each permuted block's latest valid key position
+and keeps only the candidates and forced blocks inside the query block's window (the reference's
+``window_blocks``); the blocks a window can cut go to the attention kernel's masked list.
+
 ``select_block_lists`` replaces the reference's ``candidate_blocks`` + ``forced_blocks`` +
 ``block_probabilities`` (``scoring="mean"``) + ``threshold_blocks`` + ``block_mask_to_indices``:
 one program per (batch, query head, query block) scores every key block against the pooled
@@ -51,6 +55,8 @@ from .triton_estimate import _strided_prob_row
 from .triton_gather import pool_query_blocks
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least
+from ...kernels.token_blocks import check_window
+from ...kernels.token_sparse_triton import _window_lo
 from .config import PBSConfig
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
@@ -62,6 +68,7 @@ def _select_rows_kernel(
     LENS,
     KCNT,
     SINK,
+    KLAST,
     KV_NUM,
     KV_FULL,
     KV_IDX,
@@ -83,8 +90,11 @@ def _select_rows_kernel(
     segment_size,
     mask_segment,
     dense_from,
+    SLIDING,
+    CHUNK,
     BLOCK_B: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     EXACT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     WRITE_MASK: tl.constexpr,
@@ -101,7 +111,9 @@ def _select_rows_kernel(
     non-candidates, takes the softmax, finds the threshold prefix, adds the forced blocks and
     writes the block lists (and the mask). ``STRIDED``: the probabilities come instead from the
     strided estimate's per-row block masses (``LBM``, ``LSE``, ``QV``: triton_estimate). Query
-    blocks from ``dense_from`` on keep every candidate (``PBSConfig.dense_tail_blocks``)."""
+    blocks from ``dense_from`` on keep every candidate (``PBSConfig.dense_tail_blocks``).
+    ``HAS_WINDOW``: the candidates and forced blocks are those inside the query block's local
+    window (``KLAST [B, Hp, nB]``: each permuted block's latest valid key position, -1: none)."""
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
     scale = tl.cast(scale, tl.float32)
     thr_pos = threshold > 0.0  # before the cast: the interpreter's cast scalar compares as a float
@@ -130,6 +142,13 @@ def _select_rows_kernel(
         cand = kb_ok & kvalid & (region_k != region_q)
     sink = tl.load(SINK + b64 * HP + p)  # -1: none
     forced = kb_ok & ((region_k == region_q) | (offs == sink))
+    if HAS_WINDOW:
+        # inside the window: a valid key at or after the bound of the block's first row (the
+        # lowest of its rows' bounds); the softmax below then normalises over these candidates
+        lo_first = _window_lo(qb * block_size + offs * 0, SLIDING, CHUNK, HAS_WINDOW)
+        inside = tl.load(KLAST + (b64 * HP + p) * NB + offs, mask=kb_ok, other=-1) >= lo_first
+        cand = cand & inside
+        forced = forced & inside
 
     if EXACT:
         keep = cand
@@ -154,6 +173,7 @@ def _select_rows_kernel(
                 BLOCK_B,
                 ROW_QV,
                 HAS_PAD,
+                HAS_WINDOW,
             )
             prob = tl.where(cand, prob, 0.0)
         else:
@@ -201,6 +221,11 @@ def _select_rows_kernel(
     else:
         needs = offs < 0
     needs = needs | ((offs == NB - 1) & (N % block_size != 0))
+    if HAS_WINDOW:
+        # a key of the block's segment may precede the window of the query block's last row
+        last_row = tl.minimum(qb * block_size + block_size, N) - 1 + offs * 0
+        seg_start = (offs * block_size // mask_segment) * mask_segment
+        needs = needs | (seg_start < _window_lo(last_row, SLIDING, CHUNK, HAS_WINDOW))
     if HAS_PAD:
         needs = offs >= 0
     full = final & ~needs
@@ -287,6 +312,8 @@ def select_block_lists(
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     padding_checked: bool = False,
     dense_from: Optional[int] = None,
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
     keys. ``layout``: the :class:`triton_gather.PermutedLayout` of the permutation (its pooled key
@@ -302,7 +329,11 @@ def select_block_lists(
     ``padding_checked``: the caller passes ``key_padding_mask`` only when it hides a key, so
     this call need not read it on the host again (each such read waits for the device).
     ``dense_from``: the query blocks from this one on keep every visible key block (the dense
-    tail; None: none), so the attention kernel computes their rows exactly."""
+    tail; None: none), so the attention kernel computes their rows exactly. ``sliding_window`` /
+    ``chunk_size``: a local window (causal only): the selection among the blocks inside each query
+    block's window, as the reference's ``select_blocks``; the blocks it may cut take the kernel's
+    element mask (pass the same window to the attention)."""
+    check_window(sliding_window, chunk_size, is_causal)
     bsz, hq, n, d = q.shape
     nb = -(-n // block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -314,6 +345,9 @@ def select_block_lists(
         layout, k_perm, permutation, kpm, force_sink, not exact and not strided, nb, block_size
     )
     kv_num, kv_full, kv_idx, bmask = outputs = _selection_outputs(bsz, hq, nb, q.device, return_block_mask)
+    has_window = bool(sliding_window or chunk_size)
+    # each permuted block's latest valid key: inside a window or not (unread without one)
+    klast = _ref.block_last_keys(permutation, kpm, block_size).to(torch.int32).contiguous() if has_window else kcnt
     hp = permutation.shape[1]
     shape_args = (hq, nb, hq // hp, hp, n)
     seg_args = (
@@ -323,9 +357,11 @@ def select_block_lists(
         segment_size,
         segment_size if mask_segment is None else mask_segment,
         nb if dense_from is None else min(max(int(dense_from), 0), nb),
+        int(sliding_window),
+        int(chunk_size),
     )
-    meta = _row_meta(nb, is_causal, exact, has_pad, return_block_mask, cut, strided, block_size)
-    launch = _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta)
+    meta = _row_meta(nb, is_causal, exact, has_pad, return_block_mask, cut, strided, block_size, has_window)
+    launch = _row_launch(outputs, lens, kcnt, sink, klast, shape_args, seg_args, meta)
     if exact:
         launch.run(kv_num, launch.no_est, 0, hq, 0)
     elif strided:
@@ -344,6 +380,7 @@ def select_block_lists(
             scoring,
             antidiagonal_stride,
             max_logit_bytes,
+            (int(sliding_window), int(chunk_size)),
         )
     else:
         _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes)
@@ -360,13 +397,22 @@ def _selection_outputs(bsz: int, hq: int, nb: int, dev, with_mask: bool):
 
 
 def _row_meta(
-    nb: int, is_causal, exact: bool, has_pad: bool, write_mask: bool, cut: str, strided: bool, block_size: int
+    nb: int,
+    is_causal,
+    exact: bool,
+    has_pad: bool,
+    write_mask: bool,
+    cut: str,
+    strided: bool,
+    block_size: int,
+    has_window: bool = False,
 ) -> dict:
     """``_select_rows_kernel``'s compile-time arguments (the strided ones as for no estimate)."""
     block_b = pow2_at_least(nb, 16)
     meta = dict(
         BLOCK_B=block_b,
         IS_CAUSAL=bool(is_causal),
+        HAS_WINDOW=has_window,
         EXACT=exact,
         HAS_PAD=has_pad,
         WRITE_MASK=write_mask,
@@ -377,7 +423,7 @@ def _row_meta(
     return meta
 
 
-def _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta) -> "_RowLaunch":
+def _row_launch(outputs, lens, kcnt, sink, klast, shape_args, seg_args, meta) -> "_RowLaunch":
     """The shared launch arguments; kv_num stands in for the pointers a launch does not read."""
     kv_num, kv_full, kv_idx, bmask = outputs
     return _RowLaunch(
@@ -385,6 +431,7 @@ def _row_launch(outputs, lens, kcnt, sink, shape_args, seg_args, meta) -> "_RowL
             lens if lens is not None else kv_num,
             kcnt,
             sink,
+            klast,
             kv_num,
             kv_full,
             kv_idx,
@@ -450,9 +497,10 @@ class _RowLaunch(NamedTuple):
     """The arguments every ``_select_rows_kernel`` launch of one call shares; ``run`` launches it
     for ``hc`` heads from ``h0`` with the block scores ``scores`` (logits, or unused)."""
 
-    head_args: Tuple  # LENS, KCOUNT, SINK, KV_NUM, KV_FULL, KV_IDX, BMASK
+    head_args: Tuple  # LENS, KCOUNT, SINK, KLAST, KV_NUM, KV_FULL, KV_IDX, BMASK
     shape_args: Tuple  # Hq, nB, G, Hp, N
-    seg_args: Tuple  # scale, threshold, block size, segment size, mask segment, first dense query block
+    # scale, threshold, block size, segment size, mask segment, first dense query block, window
+    seg_args: Tuple
     no_est: Tuple
     meta: dict
     bsz: int
@@ -496,9 +544,11 @@ def _select_strided(
     scoring,
     antidiagonal_stride,
     max_logit_bytes,
+    window=(0, 0),
 ) -> None:
     """Selection from triton_estimate's strided block probabilities, in head chunks whose
-    estimate buffers fit ``max_logit_bytes``."""
+    estimate buffers fit ``max_logit_bytes`` (``window``: the call's local window, which the
+    estimate skips the segments before)."""
     hq, nb, _, hp, _ = launch.shape_args
     bsz = launch.bsz
     k_src = layout.k if layout is not None and layout.k is not None else k_perm
@@ -526,6 +576,8 @@ def _select_strided(
             scale=scale,
             block_size=block_size,
             segment_size=segment_size,
+            sliding_window=window[0],
+            chunk_size=window[1],
         )
         est = (lbm, lse, qvalid if qvalid is not None else lse)
         launch.run(launch.unused, est, h0, hcc, nrows)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sparseflow
-from sparseflow import DenseConfig, PBSConfig
+from sparseflow import DenseConfig, PBSConfig, PISAConfig
 from sparseflow.masks import window_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,9 +72,14 @@ def test_window_mask_handed_over_runs_as_a_window(window):
     m = window_mask(150, 150, *w, DEVICE)[None, None].expand(2, 1, 150, 150)
     out, call = _run(q, k, v, DenseConfig(), "reference", attn_mask=m)
     assert not call.sparse  # the dense method with no window of its own: SDPA with the mask
-    out_pbs, call_pbs = _run(q, k, v, PBSConfig(block_size=16, segment_size=32), "reference", attn_mask=m)
-    # PBS has no window backend yet: dense SDPA with the window, logged with that reason
-    assert not call_pbs.sparse and "local window" in call_pbs.reason
+    # PISA has no window backend yet: dense SDPA with the window, logged with that reason
+    out_pisa, call_pisa = _run(q, k, v, PISAConfig(block_size=16), "reference", attn_mask=m)
+    assert not call_pisa.sparse and "local window" in call_pisa.reason
+    torch.testing.assert_close(out_pisa, _want(q, k, v, w), atol=2e-5, rtol=2e-5)
+    # PBS runs the mask's window itself: at threshold 1, exactly
+    exact_pbs = PBSConfig(block_size=16, segment_size=32, threshold=1.0)
+    out_pbs, call_pbs = _run(q, k, v, exact_pbs, "reference", attn_mask=m)
+    assert call_pbs.sparse and call_pbs.method == "pbs", call_pbs.reason
     torch.testing.assert_close(out_pbs, _want(q, k, v, w), atol=2e-5, rtol=2e-5)
     out_w, call_w = _run(q, k, v, DenseConfig(sliding_window=w[0], chunk_size=w[1]), "reference", attn_mask=m)
     assert call_w.sparse
