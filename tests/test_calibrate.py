@@ -404,6 +404,23 @@ def test_smollm2_calibrate_short(tmp_path):
     assert plan.num_layers == 30
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 GGUF not installed ({SMOLLM2_PACKAGE_HINT})")
+def test_smollm2_calibrate_mix_short(tmp_path):
+    """The real checkpoint on a mix of prose and copy-heavy text: each text's KL is within the
+    calibration target, and the held-out code and copy-heavy texts are reported with their kinds."""
+    out = tmp_path / "mix.json"
+    argv = ["calibrate", str(smollm2_gguf()), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "512"]
+    argv += ["--eval-positions", "128", "--config", '{"block_size": 64, "segment_size": 128}']
+    argv += ["--thresholds", "0.9", "--scorings", "sampled_rows", "--text", "pydoc_topics,copy_clauses"]
+    assert main(argv + ["--heldout-text", "argparse_source,copy_log", "--out", str(out)]) == 0
+    measured = load_recipe(str(out)).measured
+    calib, held = measured["calibration"], measured["heldout"]
+    assert set(calib["texts"]) == {"pydoc_topics", "copy_clauses"}
+    assert all(r["mean_kl"] <= 0.01 * cal.DEFAULT_MARGIN for r in calib["texts"].values())
+    assert {t: r["kind"] for t, r in held["texts"].items()} == {"argparse_source": "code", "copy_log": "copy"}
+
+
 def _search_three_layers(monkeypatch, interaction: float):
     """``cal.search`` over three layers of (dense, a: KL 0.004 at cost 0.3, b: KL 0.001 at 0.6) at
     budget 0.01, a whole plan measuring ``interaction`` x its single-layer KL sum. Returns

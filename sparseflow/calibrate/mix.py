@@ -19,6 +19,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, Sequence
 
 import torch
 
+from ..eval.evaluate import dense_logits
+from ..hf import local_windows
 from . import costs as _costs
 from . import measure as _measure  # looked up at call time: a test patches measure_entry's measure_layer there
 from .choices import Choice, Measurement
@@ -57,13 +59,16 @@ class Mix:
         return progress if len(self.sessions) == 1 else progress.section(text)
 
 
-def open_mix(model, ids: Mapping[str, torch.Tensor], kinds: Mapping[str, str], dense, windows, say, **session) -> Mix:
-    """A :class:`Mix` of one session per text: ``dense(ids)`` gives a text's dense logits, and one
-    dense pass stores the hidden state entering every layer; ``session``: the shared fields."""
+def open_mix(model, ids: Mapping[str, torch.Tensor], kinds: Mapping[str, str], cache_dir, say, **shared) -> Mix:
+    """A :class:`Mix` of one session per text: the dense logits of its last ``shared["keep"]``
+    positions (cached in ``cache_dir``) and, from one dense pass, the hidden state entering every
+    layer; ``shared``: the fields every session has alike (keep, method, base, backend, cost)."""
+    windows = local_windows(model.config)
     sessions = {}
     for text, input_ids in ids.items():
         say(f"dense pass on {text}: logits and every layer's input ({input_ids.shape[1]} tokens)")
-        s = Session(model=model, input_ids=input_ids, dense=dense(input_ids), windows=dict(windows), **session)
+        dense = dense_logits(model, input_ids, shared["keep"], cache_dir=cache_dir)
+        s = Session(model=model, input_ids=input_ids, dense=dense, windows=dict(windows), **shared)
         s.hidden = layer_inputs(model, input_ids)
         sessions[text] = s
     return Mix(sessions=sessions, kinds={t: kinds[t] for t in ids})

@@ -13,7 +13,6 @@ import torch
 
 from ..config import AttentionConfig, default_config
 from ..eval.evaluate import dense_logits
-from ..hf import local_windows
 from .choices import Choice, candidate_choices, sparse_spec
 from .grid import LazyGrid, measure_all, single_layer_report
 from .measure import measure_plan
@@ -99,10 +98,10 @@ def calibrate(
     kinds = text_kinds(list(ids) + list(heldout or {}))
     model.set_attn_implementation("sdpa")
     t_dense = time.perf_counter()
+    cost = _default_cost(cost)
     mix = open_mix(
-        model, ids, kinds, lambda t: dense_logits(model, t, eval_positions, cache_dir=cache_dir), local_windows(model.config),
-        say, keep=eval_positions, method=method, base=base, backend=backend, cost=_default_cost(cost),
-    )  # fmt: skip
+        model, ids, kinds, cache_dir, say, keep=eval_positions, method=method, base=base, backend=backend, cost=cost
+    )
     if mix.windows:
         say(
             f"{len(mix.windows)} windowed layer(s) run their local window exactly, not calibrated: {sorted(mix.windows)}"
