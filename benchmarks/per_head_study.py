@@ -212,6 +212,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     model, tok, _ = cal.load_model(resolve_source(args.model), args.model, args.dtype, device, None, None, say)
     ids, heldout = cal.calibration_tokens(model, tok, args.tokens, args.text, args.heldout_text)
+    if len(ids) != 1 or (heldout is not None and len(heldout) != 1):
+        ap.error("--text and --heldout-text name one text each here")
+    ids, heldout = next(iter(ids.values())), None if heldout is None else next(iter(heldout.values()))
     base = PBSConfig()
     choices = cal.candidate_choices(
         "pbs",

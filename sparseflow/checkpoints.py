@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
+from .texts import TEXTS, real_text  # the texts live in sparseflow.texts; imported here as before
+
 __all__ = [
     "GGUF_ENV",
     "smollm2_gguf",
@@ -150,55 +152,9 @@ def _cached_folder(gguf: Path, cache_dir: Path) -> Path:
     return folder
 
 
-def _pydoc_topics() -> str:
-    from pydoc_data import topics
-
-    return "\n\n".join(topics.topics[key] for key in sorted(topics.topics))
-
-
-def _argparse_source() -> str:
-    # A second real text of a different kind (code + docstrings, ~100 KB, ~25K SmolLM2 tokens):
-    # the source of the running interpreter's argparse module. It changes between Python
-    # versions, so results record the version next to the text name.
-    import argparse
-    import inspect
-
-    return inspect.getsource(argparse)
-
-
-# argparse is left out: it is the other code text, so this one can hold out for it too
-_STDLIB_MODULES = ("typing", "inspect", "dataclasses", "functools", "enum", "subprocess", "tarfile", "threading")
-
-
-def _stdlib_source() -> str:
-    # A long code text (~0.67 MB, ~170K SmolLM2 tokens) for checks at 32K-128K, where
-    # argparse_source (~22K tokens) is too short. Version-dependent like argparse_source.
-    import importlib
-    import inspect
-
-    return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in _STDLIB_MODULES)
-
-
-# name -> (loader, description); every text ships with the standard library
-TEXTS = {
-    "pydoc_topics": (_pydoc_topics, "pydoc_data.topics: ~0.46 MB of English prose (Python reference manual topics)"),
-    "argparse_source": (_argparse_source, "Lib/argparse.py source of the running Python (code and docstrings)"),
-    "stdlib_source": (
-        _stdlib_source,
-        "sources of " + ", ".join(_STDLIB_MODULES) + " of the running Python (~0.67 MB of code and docstrings)",
-    ),
-}
-
-
-def real_text(name: str = "pydoc_topics") -> str:
-    """A real text from the standard library (see :data:`TEXTS`), in a fixed order."""
-    if name not in TEXTS:
-        raise ValueError(f"text must be one of {sorted(TEXTS)}, got {name!r}")
-    return TEXTS[name][0]()
-
-
 def real_tokens(tokenizer, n_tokens: int, offset: int = 0, text: str = "pydoc_topics"):
-    """``[1, n_tokens]`` token ids of the real text ``text`` (raises if the text is too short)."""
+    """``[1, n_tokens]`` token ids of the real text ``text`` (see :data:`sparseflow.texts.TEXTS`;
+    raises if the text is too short)."""
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
         raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
     ids = tokenizer(real_text(text), return_tensors="pt").input_ids

@@ -287,7 +287,19 @@ def test_failure_leaves_no_recipe_file(llama_dir, tmp_path, monkeypatch, capsys)
         (["--kl-budget", "0.01", "--margin", "0"], "--margin must be in (0, 1]"),
         (["--kl-budget", "0.01", "--thresholds", "0.9,x"], "--thresholds must be a comma list of float"),
         (["--kl-budget", "0.01", "--thresholds", "1.5"], "threshold must be in (0, 1]"),
-        (["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"], "is the calibration text"),
+        (
+            ["--kl-budget", "0.01", "--heldout-text", "pydoc_topics"],
+            "--heldout-text names ['pydoc_topics'], which calibrate",
+        ),
+        (["--kl-budget", "0.01", "--text", "pydoc_topics,nope"], "--text: unknown text(s) ['nope']; pick from"),
+        (["--kl-budget", "0.01", "--text", "copy_log,copy_log"], "--text names ['copy_log'] more than once"),
+        (["--kl-budget", "0.01", "--text", ""], "--text must be a comma list of text names"),
+        (["--kl-budget", "0.01", "--heldout-text", "stdlib_docs,"], "--heldout-text must be a comma list"),
+        (["--kl-budget", "0.01", "--heldout-text", "prose"], "--heldout-text: unknown text(s) ['prose']"),
+        (
+            ["--kl-budget", "0.01", "--text", "pydoc_topics,copy_log", "--heldout-text", "argparse_source,copy_log"],
+            "--heldout-text names ['copy_log'], which calibrate the plan too",
+        ),
         (["--kl-budget", "0.01", "--top-ks", "8"], "--top-ks is a PISA/BSA choice"),
         (["--kl-budget", "0.01", "--scorings", "lse"], "not a valid pbs config"),
         (["--kl-budget", "0.01", "--rope-scaling", "yarn:x"], "--rope-scaling:"),
@@ -390,6 +402,23 @@ def test_smollm2_calibrate_short(tmp_path):
     cfg = AutoConfig.from_pretrained(str(smollm2_gguf().parent), gguf_file=smollm2_gguf().name)
     plan = rec.plan("pbs", cfg)
     assert plan.num_layers == 30
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 GGUF not installed ({SMOLLM2_PACKAGE_HINT})")
+def test_smollm2_calibrate_mix_short(tmp_path):
+    """The real checkpoint on a mix of prose and copy-heavy text: each text's KL is within the
+    calibration target, and the held-out code and copy-heavy texts are reported with their kinds."""
+    out = tmp_path / "mix.json"
+    argv = ["calibrate", str(smollm2_gguf()), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "512"]
+    argv += ["--eval-positions", "128", "--config", '{"block_size": 64, "segment_size": 128}']
+    argv += ["--thresholds", "0.9", "--scorings", "sampled_rows", "--text", "pydoc_topics,copy_clauses"]
+    assert main(argv + ["--heldout-text", "argparse_source,copy_log", "--out", str(out)]) == 0
+    measured = load_recipe(str(out)).measured
+    calib, held = measured["calibration"], measured["heldout"]
+    assert set(calib["texts"]) == {"pydoc_topics", "copy_clauses"}
+    assert all(r["mean_kl"] <= 0.01 * cal.DEFAULT_MARGIN for r in calib["texts"].values())
+    assert {t: r["kind"] for t, r in held["texts"].items()} == {"argparse_source": "code", "copy_log": "copy"}
 
 
 def _search_three_layers(monkeypatch, interaction: float):
@@ -658,7 +687,7 @@ def test_cli_held_out_text_too_short_names_a_longer_one(llama_dir, tmp_path, cap
     assert main(argv + ["--out", str(tmp_path / "r.json")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("sparseflow calibrate: error: --tokens (held-out text): n_tokens=200000"), last
-    assert "of the text 'argparse_source'; pick a longer text (stdlib_source is the longest code text)" in last
+    assert "of the text 'argparse_source'; pick a longer text (stdlib_source, stdlib_docs, copy_clauses" in last
     assert not (tmp_path / "r.json").exists()
 
 
@@ -700,3 +729,103 @@ def test_windowed_layers_are_not_calibrated(tmp_path, prune):
     with sparseflow.capture() as cap, torch.no_grad():
         compiled(_ascii_ids("pydoc_topics"))
     assert sum(c.method == "dense" and c.sparse for c in cap.calls) == len(windows)
+
+
+# --------------------------------------------------------------------------- a mix of texts (prose, code, copy-heavy)
+
+
+def test_cli_mix_reports_every_text_and_kind(llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    extra = ["--text", "pydoc_topics,copy_log", "--heldout-text", "stdlib_docs,argparse_source,copy_clauses"]
+    assert main(_tiny_argv(llama_dir, out, extra=extra)) == 0
+    measured = load_recipe(out).measured
+    assert measured["text"] == "pydoc_topics,copy_log" and measured["constraint"] == "worst text"
+    assert measured["heldout_text"] == "stdlib_docs,argparse_source,copy_clauses"
+    calib, held = measured["calibration"], measured["heldout"]
+    assert {t: r["kind"] for t, r in calib["texts"].items()} == {"pydoc_topics": "prose", "copy_log": "copy"}
+    assert calib["mean_kl"] == max(r["mean_kl"] for r in calib["texts"].values()) <= 0.01 * cal.DEFAULT_MARGIN
+    kinds = {"stdlib_docs": "prose", "argparse_source": "code", "copy_clauses": "copy"}
+    assert {t: r["kind"] for t, r in held["texts"].items()} == kinds
+    assert held["kinds"] == {k: held["texts"][t]["mean_kl"] for t, k in kinds.items()}
+    assert held["mean_kl"] == max(held["kinds"].values()) and held["worst_text"] in kinds
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    for text, kind in kinds.items():  # the printed summary: held-out KL, top-1 and density per text and kind
+        r = held["texts"][text]
+        assert f"{text} ({kind}) KL {r['mean_kl']:.5f}, top-1 {r['top1']:.3f}, density {r['density']:.3f}" in last
+    assert "pydoc_topics (prose) KL" in last and "copy_log (copy) KL" in last
+
+
+def _kl_on(model, recipe, ids) -> float:
+    from sparseflow.eval.evaluate import evaluate_plans
+
+    return evaluate_plans(model, ids, [recipe.plan("pbs", model.config)], eval_positions=KEEP)[0].fidelity.mean_kl
+
+
+def test_mix_holds_the_target_on_every_text(models, tmp_path, monkeypatch):
+    """Calibrated on stdlib_docs alone, the tiny model's plan exceeds the calibration target (and
+    the budget) on pydoc_topics; calibrated on both, it is within the target on each, because the
+    constraint is the worst text's KL (a mean could pass with one text over). Every single-layer
+    choice the search measures is measured on both texts; the walk's table holds each choice's
+    largest KL and its mean cost; a rerun from the progress file measures nothing again."""
+    model, target = models["llama"], BUDGET * cal.DEFAULT_MARGIN
+    texts = {t: _ascii_ids(t) for t in ("stdlib_docs", "pydoc_topics")}
+    kw = dict(base=BASE, eval_positions=KEEP, choices=CHOICES)
+    alone = cal.calibrate(model, texts["stdlib_docs"], "pbs", BUDGET, text="stdlib_docs", **kw)
+    assert alone.calibration["mean_kl"] <= target < BUDGET < _kl_on(model, alone.recipe, texts["pydoc_topics"])
+    calls = []
+    real = measure.measure_layer
+    monkeypatch.setattr(measure, "measure_layer", lambda s, *a, **k: calls.append((s, a[:2])) or real(s, *a, **k))
+    progress = tmp_path / "mix.json"
+    held = {"copy_log": _ascii_ids("copy_log")}
+    mix = cal.calibrate(model, texts, "pbs", BUDGET, heldout_ids=held, progress_path=progress, **kw)
+    on = {t: [(layer, c.key) for s, (layer, c) in calls if s.input_ids is ids] for t, ids in texts.items()}
+    assert on["stdlib_docs"] and on["stdlib_docs"] == on["pydoc_topics"] and len(calls) == 2 * len(on["pydoc_topics"])
+    calib = mix.calibration
+    assert {t: r["kind"] for t, r in calib["texts"].items()} == {"stdlib_docs": "prose", "pydoc_topics": "prose"}
+    for t, ids in texts.items():
+        kl = _kl_on(model, mix.recipe, ids)
+        assert kl == pytest.approx(calib["texts"][t]["mean_kl"], rel=1e-6, abs=1e-9) and kl <= target, t
+    assert calib["mean_kl"] == max(r["mean_kl"] for r in calib["texts"].values())
+    assert calib["density"] == pytest.approx(sum(r["density"] for r in calib["texts"].values()) / 2)
+    assert mix.heldout["texts"]["copy_log"]["kind"] == "copy" and mix.recipe.measured["constraint"] == "worst text"
+    saved = json.loads(progress.read_text())
+    assert saved["layers"] and set(saved["texts"]) == set(texts)
+    for key, m in saved["layers"].items():
+        each = [saved["texts"][t]["layers"][key] for t in texts]
+        assert m["kl"] == max(e["kl"] for e in each) and m["cost"] == pytest.approx(sum(e["cost"] for e in each) / 2)
+    monkeypatch.setattr(measure, "measure_layer", lambda *a, **k: pytest.fail("measured again"))
+    again = cal.calibrate(model, texts, "pbs", BUDGET, progress_path=progress, **kw)
+    assert again.choices == mix.choices and again.calibration == calib
+
+
+def test_combined_fidelity_is_the_worst_texts():
+    a = {"mean_kl": 0.002, "p99_kl": 0.03, "top1": 0.97, "density": 0.5, "density_per_layer": [None, 0.4], "tokens": 9}
+    b = {"mean_kl": 0.004, "p99_kl": 0.02, "top1": 0.98, "density": 0.7, "density_per_layer": [None, 0.6], "tokens": 9}
+    got = cal.combine_fidelity({"a": {**a, "positions": 3}, "b": {**b, "positions": 3}}, {"a": "prose", "b": "copy"})
+    assert (got["mean_kl"], got["p99_kl"], got["top1"], got["worst_text"]) == (0.004, 0.03, 0.97, "b")
+    assert got["density"] == pytest.approx(0.6) and got["density_per_layer"] == [None, pytest.approx(0.5)]
+    assert got["kinds"] == {"copy": 0.004, "prose": 0.002} and got["texts"]["a"] == {
+        "kind": "prose",
+        **{k: v for k, v in a.items() if k != "density_per_layer"},  # a text's own: no per-layer list
+    }
+    one = cal.combine_fidelity({"a": a}, {"a": "prose"})
+    assert {k: one[k] for k in a} == a and one["worst_text"] == "a"  # one text: its own numbers
+    m = cal.combine_measurements([cal.Measurement(0.01, 0.9, 0.4, 0.5), cal.Measurement(0.03, 0.95, 0.6, 0.7)])
+    assert (m.kl, m.top1) == (0.03, 0.9) and m.density == pytest.approx(0.5) and m.cost == pytest.approx(0.6)
+
+
+def test_calibrate_checks_its_texts(models):
+    model, ids = models["llama"], _ascii_ids("pydoc_topics")
+    kw = dict(base=BASE, eval_positions=KEEP, choices=CHOICES)
+    with pytest.raises(ValueError, match=r"heldout_ids names \['a'\], which calibrate the plan too"):
+        cal.calibrate(model, {"a": ids, "b": ids}, "pbs", BUDGET, heldout_ids={"a": ids}, **kw)
+    with pytest.raises(ValueError, match=r"heldout_ids names \['pydoc_topics'\]"):
+        cal.calibrate(
+            model, ids, "pbs", BUDGET, text="pydoc_topics", heldout_ids=ids, heldout_text="pydoc_topics", **kw
+        )
+    with pytest.raises(ValueError, match=r"input_ids\['a'\] must be \[1, N\] token ids, got \(256,\)"):
+        cal.calibrate(model, {"a": ids[0]}, "pbs", BUDGET, **kw)
+    with pytest.raises(ValueError, match="input_ids must hold at least one text"):
+        cal.calibrate(model, {}, "pbs", BUDGET, **kw)
+    with pytest.raises(TypeError, match=r"heldout_ids must be a \[1, N\] tensor or a mapping"):
+        cal.calibrate(model, ids, "pbs", BUDGET, heldout_ids=[ids], **kw)

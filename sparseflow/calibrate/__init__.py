@@ -36,6 +36,13 @@ measured density plus the estimate's overhead (each method's ``estimate_cost``);
 ``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
 q/k/v divided by dense SDPA's.
 
+Several texts at once (``--text pydoc_topics,argparse_source,copy_clauses``: prose, code and
+copy-heavy text, :data:`sparseflow.texts.TEXTS`) are a mix (:mod:`.mix`): every choice's cost,
+single-layer KL and every whole plan is measured on each text, and the plan's KL constraint holds
+on the worst text (a choice's KL in the walk is its largest over the texts, a plan's measured KL
+its largest; costs and densities are means). ``--heldout-text`` takes a list too; the recipe's
+``measured`` gives each text's KL, top-1 and density with its kind, and each kind's worst KL.
+
 The result is a :class:`sparseflow.recipes.Recipe` (base config in ``configs``, per-layer
 changes in ``layer_overrides``, ``dense_layers``) with both fidelities in ``measured``; every
 ``--recipe`` argument reads the file. Single-layer results are kept in a progress file, so a
@@ -44,7 +51,8 @@ rerun after an interruption measures only what is missing.
 The modules, in the order a run uses them: :mod:`.choices` (the grid and its measurements),
 :mod:`.session` (the model, tokens and dense reference; plans), :mod:`.inputs` (each layer's
 hidden state and q/k/v), :mod:`.costs` (a choice's cost before its KL), :mod:`.measure`
-(single-layer and whole-plan KL), :mod:`.progress` (the resume file), :mod:`.grid` (the table,
+(single-layer and whole-plan KL), :mod:`.mix` (both on every text of a mix, combined), :mod:`.texts`
+(which texts, and their checks), :mod:`.progress` (the resume file), :mod:`.grid` (the table,
 whole or measured on demand), :mod:`.greedy` (the walk), :mod:`.plan_search` (the correcting
 rounds), :mod:`.recipe`, :mod:`.run` (:func:`calibrate`) and :mod:`.command` (:func:`calibrate_file`).
 """
@@ -67,11 +75,13 @@ from .greedy import chosen_options, frontier, greedy_plan, unsettled
 from .grid import LazyGrid, measure_all, single_layer_report, skip_reason
 from .inputs import decoder_layers, each_layer_qkv, layer_inputs, layer_qkv, start_at
 from .measure import DenseReference, dense_reference, measure_layer, measure_plan
+from .mix import Mix, combine_fidelity, combine_measurements, measure_mix_plan, open_mix
 from .plan_search import GROW_BELOW, search
 from .progress import Progress, progress_key
 from .recipe import build_recipe
 from .run import DEFAULT_MARGIN, CalibrationResult, calibrate, check_budget
 from .session import Session, plan_of_choices
+from .texts import check_disjoint, named_texts, parse_texts, text_kinds, text_tokens
 
 __all__ = [
     "Choice",
@@ -91,12 +101,16 @@ __all__ = [
     "GROW_BELOW",
     "DenseReference",
     "LazyGrid",
+    "Mix",
     "Progress",
     "Session",
     "Table",
     "build_recipe",
     "calibration_tokens",
     "check_budget",
+    "check_disjoint",
+    "combine_fidelity",
+    "combine_measurements",
     "choice_cost",
     "chosen_options",
     "decoder_layers",
@@ -110,7 +124,11 @@ __all__ = [
     "load_model",
     "measure_all",
     "measure_layer",
+    "measure_mix_plan",
     "measure_plan",
+    "named_texts",
+    "open_mix",
+    "parse_texts",
     "parse_values",
     "plan_of_choices",
     "progress_key",
@@ -121,5 +139,7 @@ __all__ = [
     "skip_reason",
     "start_at",
     "timed_cost",
+    "text_kinds",
+    "text_tokens",
     "unsettled",
 ]

@@ -10,13 +10,13 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..checkpoints import TEXTS, real_tokens
 from ..config import default_config
 from ..convert import check_architecture, load_config, load_source, parse_config, resolve_source
 from ..eval.evaluate import model_device
 from ..rope import parse_rope_scaling, set_rope_scaling
 from .choices import candidate_choices, sparse_spec
 from .run import DEFAULT_MARGIN, CalibrationResult, calibrate, check_budget, check_share
+from .texts import check_disjoint, kind_summary, parse_texts, text_tokens
 
 
 def side_paths(out) -> Tuple[Path, Path]:
@@ -36,15 +36,6 @@ def parse_values(text: Optional[str], kind, arg: str) -> Optional[Tuple]:
     if not out:
         raise ValueError(f"{arg} must name at least one value, got {text!r}")
     return out
-
-
-def _tokens(tok, n: int, text: str, arg: str):
-    """``n`` tokens of a shipped text, or an error naming the command's argument."""
-    try:
-        return real_tokens(tok, n, text=text)
-    except ValueError as exc:
-        longer = " (stdlib_source is the longest code text)" if text != "stdlib_source" else ""
-        raise ValueError(f"{arg}: {exc}; pick a longer text{longer} or fewer --tokens") from None
 
 
 def calibrate_file(
@@ -75,8 +66,10 @@ def calibrate_file(
     prune: bool = True,
 ) -> CalibrationResult:
     """``sparseflow calibrate``: load ``model_path`` (HF folder, GGUF file or converted folder, run
-    dense), calibrate on ``tokens`` tokens of ``text``, check on ``heldout_text`` and write the
-    recipe to ``out`` atomically. Everything checkable is checked before the weights load.
+    dense), calibrate on ``tokens`` tokens of each text of ``text`` (a comma list of shipped texts:
+    a mix holds the KL constraint on its worst text, :mod:`.mix`), check on each of
+    ``heldout_text`` (a comma list, none of them calibrating) and write the recipe to ``out``
+    atomically. Everything checkable is checked before the weights load.
     ``device``: where the model runs (None: where it loads, the CPU). ``prune``: see :func:`calibrate`."""
     budget = check_budget(kl_budget)
     check_share(safety, "safety")
@@ -93,7 +86,7 @@ def calibrate_file(
     ids, heldout = calibration_tokens(model, tok, tokens, text, heldout_text)
     say(
         f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
-        f"{tokens} tokens of {text}, KL over the last {eval_positions} positions; progress in {progress_path}"
+        f"{tokens} tokens of {', '.join(ids)}, KL over the last {eval_positions} positions; progress in {progress_path}"
     )
     t0 = time.perf_counter()
     result = calibrate(
@@ -112,8 +105,6 @@ def calibrate_file(
         progress_path=progress_path,
         cache_dir=cache_dir if cache_dir is not None else default_cache,
         name=name,
-        text=text,
-        heldout_text=heldout_text or "",
         say=say,
         prune=prune,
         extra={
@@ -134,11 +125,9 @@ def calibrate_file(
 def _check_file_args(method: str, text: str, heldout_text: Optional[str], rope_scaling) -> None:
     """The command's checks that need no file: method, texts, RoPE scaling."""
     sparse_spec(method, "--method")
-    for arg, t in (("--text", text), ("--heldout-text", heldout_text)):
-        if t is not None and t not in TEXTS:
-            raise ValueError(f"{arg} must be one of {sorted(TEXTS)}, got {t!r}")
-    if heldout_text is not None and heldout_text == text:
-        raise ValueError(f"--heldout-text {heldout_text!r} is the calibration text: pick the other text, or none")
+    if text is None:
+        raise ValueError("--text must name at least one calibration text (a comma list of shipped texts)")
+    check_disjoint(parse_texts(text, "--text"), parse_texts(heldout_text, "--heldout-text"), "--heldout-text")
     try:
         parse_rope_scaling(rope_scaling)
     except ValueError as exc:
@@ -163,11 +152,13 @@ def load_model(source, model_path, dtype: str, device, tokenizer, rope_scaling, 
 
 
 def calibration_tokens(model, tok, tokens: int, text: str, heldout_text: Optional[str]):
-    """``(calibration ids, held-out ids or None)`` on the model's device."""
+    """``(calibration tokens, held-out tokens or None)`` on the model's device, each a dict of text
+    name to ``[1, tokens]`` ids; ``text`` and ``heldout_text`` are comma lists of shipped texts."""
     on = model_device(model)
-    ids = _tokens(tok, tokens, text, "--tokens").to(on)
-    heldout = None if heldout_text is None else _tokens(tok, tokens, heldout_text, "--tokens (held-out text)").to(on)
-    return ids, heldout
+    ids = text_tokens(tok, tokens, parse_texts(text, "--text"), "--tokens", on)
+    if heldout_text is None:
+        return ids, None
+    return ids, text_tokens(tok, tokens, parse_texts(heldout_text, "--heldout-text"), "--tokens (held-out text)", on)
 
 
 def _summary(result: CalibrationResult, out, seconds: float) -> str:
@@ -177,8 +168,12 @@ def _summary(result: CalibrationResult, out, seconds: float) -> str:
         f"wrote {out} in {seconds:.0f} s: {len(result.recipe.dense_layers)} dense layer(s); calibration KL "
         f"{c['mean_kl']:.5f}, top-1 {c['top1']:.3f}, density {c['density']:.3f}"
     )
-    if h is not None:
-        line += f"; held-out KL {h['mean_kl']:.5f}, top-1 {h['top1']:.3f}, density {h['density']:.3f}"
+    if len(c["texts"]) > 1:
+        line += f" (worst text {c['worst_text']}; {kind_summary(c)})"
+    if h is not None and len(h["texts"]) == 1:
+        line += f"; held-out {kind_summary(h)}"
+    elif h is not None:
+        line += f"; held-out KL {h['mean_kl']:.5f} (worst text {h['worst_text']}; {kind_summary(h)})"
     single = result.recipe.measured.get("single_layer")
     if single:
         line += f"; {single['summary']}"

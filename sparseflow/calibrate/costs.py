@@ -94,7 +94,7 @@ def selection_densities(s: Session, layer: int, cfgs: Sequence[AttentionConfig])
         s.fast_density = fast[0] == _op_density(s, layer, cfgs[0])
         if not s.fast_density:
             logger.info(
-                "sparseflow calibrate: the PBS reference selection does not give the op's density here; "
+                "sparseflow calibrate: the method's selection-only densities do not give the op's density here; "
                 "every choice's density comes from the op"
             )
             return [_op_density(s, layer, cfg) for cfg in cfgs]

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .choices import DENSE, DENSE_MEASUREMENT, Choice, Measurement, Table
-from .costs import choice_costs
 from .greedy import unsettled
-from .measure import measure_entry
+from .mix import Mix, choice_costs, measure_entry
 from .progress import Progress
-from .session import Session, grid_size
+from .session import grid_size
 
 
-def measure_all(s: Session, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]) -> Table:
+def measure_all(s: Mix, choices: Sequence[Choice], progress: Progress, say: Callable[[str], None]) -> Table:
     """Every (layer, choice) single-layer measurement, from the progress file where present."""
     table = stored_measurements(s, choices, progress)
     todo = [(layer, c) for layer in range(s.n_layers) for c in s.layer_choices(layer, choices)]
@@ -24,7 +23,7 @@ def measure_all(s: Session, choices: Sequence[Choice], progress: Progress, say: 
     return table
 
 
-def stored_measurements(s: Session, choices: Sequence[Choice], progress: Progress) -> Table:
+def stored_measurements(s: Mix, choices: Sequence[Choice], progress: Progress) -> Table:
     """Dense, and the measurements of ``choices`` the progress file holds, per layer."""
     table: Table = {}
     for layer in range(s.n_layers):
@@ -43,7 +42,7 @@ class LazyGrid:
     greedy walk at an allowed KL sum (see :func:`unsettled`), so the plan is the one the whole
     grid gives."""
 
-    s: Session
+    s: Mix
     choices: List[Choice]
     progress: Progress
     say: Callable[[str], None]
@@ -92,9 +91,7 @@ def skip_reason(cost: float) -> str:
     )
 
 
-def single_layer_report(
-    s: Session, choices: Sequence[Choice], table: Table, grid: Optional[LazyGrid]
-) -> Dict[str, Any]:
+def single_layer_report(s: Mix, choices: Sequence[Choice], table: Table, grid: Optional[LazyGrid]) -> Dict[str, Any]:
     """How many of the grid's single-layer choices were measured, and which were skipped and why."""
     total = grid_size(s, choices)
     skipped = [] if grid is None else grid.skipped()

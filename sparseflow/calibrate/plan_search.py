@@ -9,15 +9,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .choices import DENSE, Choice
 from .greedy import chosen_options, greedy_plan
-from .measure import measure_plan
+from .mix import Mix, measure_mix_plan
 from .progress import Progress
-from .session import Session, plan_of_choices
 
 GROW_BELOW = 0.8  # a passing plan this far under the budget leaves room for a cheaper one
 
 
 def search(
-    s: Session,
+    s: Mix,
     table,
     budget: float,
     *,
@@ -111,10 +110,10 @@ def _next_allowed(
     return min(allowed * 0.9, predicted * budget / measured * safety)
 
 
-def _measured_plan(s: Session, chosen: Sequence[Choice], progress: Progress) -> Dict[str, Any]:
-    """:func:`measure_plan` of ``chosen``, from the progress file where present."""
+def _measured_plan(s: Mix, chosen: Sequence[Choice], progress: Progress) -> Dict[str, Any]:
+    """:func:`measure_mix_plan` of ``chosen`` (its worst text's KL), from the progress file where present."""
     key = "|".join(c.key for c in chosen)
     if key not in progress.plans:
-        progress.plans[key] = measure_plan(s, plan_of_choices(s, chosen))
+        progress.plans[key] = measure_mix_plan(s, chosen)
         progress.save()
     return progress.plans[key]

@@ -29,6 +29,7 @@ class Progress:
         self.layers: Dict[str, Dict[str, float]] = {}
         self.plans: Dict[str, Dict[str, float]] = {}
         self.costs: Dict[str, float] = {}  # "layer:choice" -> the choice's cost, known before its KL
+        self.texts: Dict[str, Dict[str, dict]] = {}  # a mix's texts: each one's own "layers" and "costs"
         if path is not None and path.is_file():
             self._read()
 
@@ -44,6 +45,11 @@ class Progress:
         self.layers = dict(data.get("layers", {}))
         self.plans = dict(data.get("plans", {}))
         self.costs = dict(data.get("costs", {}))
+        self.texts = dict(data.get("texts", {}))
+
+    def section(self, text: str) -> "Section":
+        """The measurements of one text of a mix, kept in this file."""
+        return Section(self, text)
 
     def save(self) -> None:
         if self.path is None:
@@ -56,8 +62,23 @@ class Progress:
                 "layers": self.layers,
                 "plans": self.plans,
                 "costs": self.costs,
+                **({"texts": self.texts} if self.texts else {}),  # a one-text file keeps its old form
             },
         )
+
+
+class Section:
+    """One text's single-layer measurements and choice costs inside a mix's :class:`Progress`
+    (its ``layers`` and ``costs``, as a one-text run keeps them at the top of the file)."""
+
+    def __init__(self, parent: Progress, text: str):
+        part = parent.texts.setdefault(text, {})
+        self.layers: Dict[str, Dict[str, float]] = part.setdefault("layers", {})
+        self.costs: Dict[str, float] = part.setdefault("costs", {})
+        self.parent = parent
+
+    def save(self) -> None:
+        self.parent.save()
 
 
 def write_json_atomic(path: Path, payload) -> None:

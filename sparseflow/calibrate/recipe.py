@@ -48,7 +48,7 @@ def build_recipe(s: Session, chosen: Sequence[Choice], *, name: str, measured: D
         f"calibrated by `sparseflow calibrate` for {getattr(mc, 'model_type', '?')}: {s.method} in {sparse_n} of "
         f"{s.n_layers} layers{_windowed_note(s)} within mean KL {measured['budget']} (calibration target "
         f"{measured['calibration_target']:.4g}) on {measured['calibration']['tokens']} tokens "
-        f"of {measured['text']} (measured {measured['calibration']['mean_kl']:.5f}, density "
+        f"of {_texts_note(measured['text'])} (measured {measured['calibration']['mean_kl']:.5f}, density "
         f"{measured['calibration']['density']:.3f})"
     )
     return Recipe(
@@ -70,3 +70,7 @@ def _windowed_note(s: Session) -> str:
     if not s.windows:
         return ""
     return f" ({len(s.windows)} windowed layers run inside their local window, not calibrated)"
+
+
+def _texts_note(text: str) -> str:
+    return f"each of {text.replace(',', ', ')} (the KL of the worst text)" if "," in text else text

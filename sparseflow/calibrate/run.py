@@ -13,15 +13,15 @@ import torch
 
 from ..config import AttentionConfig, default_config
 from ..eval.evaluate import dense_logits
-from ..hf import local_windows
 from .choices import Choice, candidate_choices, sparse_spec
 from .grid import LazyGrid, measure_all, single_layer_report
-from .inputs import layer_inputs
 from .measure import measure_plan
+from .mix import combine_fidelity, mix_key, open_mix
 from .plan_search import search
-from .progress import Progress, progress_key
+from .progress import Progress
 from .recipe import build_recipe
 from .session import Session, plan_of_choices
+from .texts import Texts, check_disjoint, named_texts, text_kinds
 
 # Share of the KL budget the plan may use on the calibration text. On SmolLM2 (2048 tokens,
 # calibrated on prose, checked on code) the same plan's KL on the held-out text was 1.34-2.46x its
@@ -58,13 +58,13 @@ def _default_cost(cost: str) -> str:
 
 def calibrate(
     model,
-    input_ids: torch.Tensor,
+    input_ids: Texts,
     method: str,
     kl_budget: float,
     *,
     base: Optional[AttentionConfig] = None,
     eval_positions: int = 512,
-    heldout_ids: Optional[torch.Tensor] = None,
+    heldout_ids: Optional[Texts] = None,
     choices: Optional[Sequence[Choice]] = None,
     safety: float = 0.8,
     margin: float = DEFAULT_MARGIN,
@@ -80,60 +80,51 @@ def calibrate(
     prune: bool = True,
 ) -> CalibrationResult:
     """Calibrate a per-layer plan of ``method`` for a transformers causal LM (see
-    :mod:`sparseflow.calibrate`). ``input_ids``: ``[1, N]`` calibration tokens, fidelity over the last
-    ``eval_positions`` predictions; ``heldout_ids``: tokens the plan is checked on afterwards.
-    ``progress_path``: the JSON file single-layer results are kept in (resume). ``prune``:
-    measure only the choices the search can need (:class:`LazyGrid`; the same plan), else all.
-    ``margin``: the share of ``kl_budget`` the plan may use on the calibration text."""
+    :mod:`sparseflow.calibrate`). ``input_ids``: ``[1, N]`` calibration tokens (named ``text``), or
+    a mapping of text name to tokens (a mix, :mod:`.mix`: the plan's KL is its worst text's);
+    fidelity over the last ``eval_positions`` predictions. ``heldout_ids``: the same for the texts
+    the plan is checked on afterwards (none of them a calibration text). ``progress_path``: the
+    JSON file single-layer results are kept in (resume). ``prune``: measure only the choices the
+    search can need (:class:`LazyGrid`; the same plan), else all. ``margin``: the share of
+    ``kl_budget`` the plan may use on the calibration text."""
     budget = check_budget(kl_budget)
-    n = input_ids.shape[1]
-    base = _checked_base(method, base, safety, eval_positions, n)
+    ids = named_texts(input_ids, text or "calibration", "input_ids")
+    heldout = None if heldout_ids is None else named_texts(heldout_ids, heldout_text or "heldout", "heldout_ids")
+    check_disjoint(ids, heldout or {}, "heldout_ids")
+    base = _checked_base(method, base, safety, eval_positions, min(t.shape[1] for t in ids.values()))
     check_share(margin, "margin")
     say = say or (lambda msg: None)
     choices = list(choices) if choices is not None else candidate_choices(method, base)
+    kinds = text_kinds(list(ids) + list(heldout or {}))
     model.set_attn_implementation("sdpa")
-    say(f"dense pass: logits of the last {eval_positions} positions and every layer's input ({n} tokens)")
     t_dense = time.perf_counter()
-    s = Session(
-        model=model,
-        input_ids=input_ids,
-        keep=eval_positions,
-        method=method,
-        base=base,
-        backend=backend,
-        cost=_default_cost(cost),
-        dense=dense_logits(model, input_ids, eval_positions, cache_dir=cache_dir),
-        windows=local_windows(model.config),
+    cost = _default_cost(cost)
+    mix = open_mix(
+        model, ids, kinds, cache_dir, say, keep=eval_positions, method=method, base=base, backend=backend, cost=cost
     )
-    if s.windows:
-        say(f"{len(s.windows)} windowed layer(s) run inside their local window, not calibrated: {sorted(s.windows)}")
-    s.hidden = layer_inputs(model, input_ids)
-    say(f"dense pass done ({time.perf_counter() - t_dense:.1f} s)")
-    progress = Progress(None if progress_path is None else Path(progress_path), progress_key(s))
-    grid = LazyGrid(s, choices, progress, say) if prune else None
-    table = grid.table if grid is not None else measure_all(s, choices, progress, say)
+    if mix.windows:
+        say(
+            f"{len(mix.windows)} windowed layer(s) run inside their local window, not calibrated: {sorted(mix.windows)}"
+        )
+    say(f"dense passes done ({time.perf_counter() - t_dense:.1f} s)")
+    progress = Progress(None if progress_path is None else Path(progress_path), mix_key(mix))
+    grid = LazyGrid(mix, choices, progress, say) if prune else None
+    table = grid.table if grid is not None else measure_all(mix, choices, progress, say)
     chosen, calib, pred_cost, steps = search(
-        s,
-        table,
-        budget * margin,
-        safety=safety,
-        progress=progress,
-        say=say,
+        mix, table, budget * margin, safety=safety, progress=progress, say=say,
         settle=None if grid is None else grid.settle,
-    )
-    single = single_layer_report(s, choices, table, grid)
+    )  # fmt: skip
+    single = single_layer_report(mix, choices, table, grid)
     say(single["summary"])
-    heldout = None
-    if heldout_ids is not None:
-        say(f"held-out check on {heldout_ids.shape[1]} tokens")
-        ho_dense = dense_logits(model, heldout_ids, eval_positions, cache_dir=cache_dir)
-        heldout = measure_plan(s, plan_of_choices(s, chosen), input_ids=heldout_ids, dense=ho_dense)
+    held = None if heldout is None else heldout_check(mix.first, chosen, heldout, kinds, cache_dir, say)
     measured = {
         "budget": budget,
         "method": method,
-        "text": text,
-        "heldout_text": heldout_text,
-        "cost_model": s.cost,
+        "text": ",".join(ids),
+        "heldout_text": ",".join(heldout or {}),
+        "kinds": kinds,
+        "constraint": "worst text" if len(ids) > 1 else "the text",
+        "cost_model": mix.first.cost,
         # the dtype every KL and time above was measured in (a plan's fidelity is that dtype's)
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": str(next(model.parameters()).device),
@@ -142,19 +133,31 @@ def calibrate(
         "margin": margin,
         "calibration_target": budget * margin,
         "calibration": calib,
-        "heldout": heldout,
+        "heldout": held,
         "predicted_cost": pred_cost,
         "search": steps,
         "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()} for i, c in enumerate(chosen)],
         "single_layer": single,
-        "windowed_layers": {str(i): {"sliding_window": w, "chunk_size": c} for i, (w, c) in sorted(s.windows.items())},
+        "windowed_layers": {
+            str(i): {"sliding_window": w, "chunk_size": c} for i, (w, c) in sorted(mix.windows.items())
+        },
         **(extra or {}),
     }
     rname = name or f"calibrated-{model.config.model_type}-{method}"
-    recipe = build_recipe(s, chosen, name=rname, measured=measured)
+    recipe = build_recipe(mix.first, chosen, name=rname, measured=measured)
     return CalibrationResult(
-        recipe=recipe, choices=chosen, calibration=calib, heldout=heldout, predicted_cost=pred_cost, steps=steps
+        recipe=recipe, choices=chosen, calibration=calib, heldout=held, predicted_cost=pred_cost, steps=steps
     )
+
+
+def heldout_check(s: Session, chosen, heldout: Dict[str, torch.Tensor], kinds, cache_dir, say) -> Dict[str, Any]:
+    """The plan's fidelity on each held-out text (:func:`combine_fidelity`: worst KL, each text's own)."""
+    per = {}
+    for text, ids in heldout.items():
+        say(f"held-out check on {ids.shape[1]} tokens of {text}")
+        dense = dense_logits(s.model, ids, s.keep, cache_dir=cache_dir)
+        per[text] = measure_plan(s, plan_of_choices(s, chosen), input_ids=ids, dense=dense)
+    return combine_fidelity(per, kinds)
 
 
 def check_share(value, name: str) -> None:

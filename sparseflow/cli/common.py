@@ -18,7 +18,17 @@ from ..methods import sparse_names
 BACKENDS = ("auto", "reference", "triton", "flex")
 SPARSE_METHODS = sparse_names()
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TEXTS_CHOICES = ("pydoc_topics", "argparse_source", "stdlib_source")  # sparseflow.checkpoints.TEXTS (kept import-light)
+# sparseflow.texts.TEXTS and their kinds, repeated to keep the parser import-light (a test keeps them equal)
+TEXT_KINDS = {
+    "pydoc_topics": "prose",
+    "stdlib_docs": "prose",
+    "argparse_source": "code",
+    "stdlib_source": "code",
+    "copy_clauses": "copy",
+    "copy_log": "copy",
+}
+TEXTS_CHOICES = tuple(TEXT_KINDS)
+TEXTS_HELP = ", ".join(f"{name} ({kind})" for name, kind in TEXT_KINDS.items())
 RECIPE_HELP = "shipped recipe name (see `sparseflow recipes`), a recipe .json file, or auto"
 
 
