@@ -36,6 +36,7 @@ CASES = {
     "sliding-20-chunk-32-mean-br3-beam2-nq40-nk133": (1, 2, 1, 40, 133, 16, 8, 3, 3, "mean", False, F32, 2, 20, 32),
     "chunk-24-bf16-g3-pad": (1, 3, 1, 75, 75, 16, 4, 4, 2, "lse", True, BF16, 1, 0, 24),
     "sliding-13-tiny-pad": (1, 2, 1, 50, 50, 16, 4, 3, 2, "mean_var", True, F32, 1, 13, 0),
+    "sliding-40-lse-nq60-nk100": (1, 2, 1, 60, 100, 16, 4, 3, 2, "lse", False, F32, 1, 40, 0),
 }
 
 
@@ -199,8 +200,14 @@ def test_reference_attention_is_dense_attention_on_selection_and_window(case):
 
 
 # the scan (the slowest interpreted) on the cases of padding with two batch rows, both bounds
-# with fewer queries than keys, and 16-bit inputs; its middle stage is the per-token walk's kernel
-SCAN_CASES = ("sliding-19-mean_var-pad-b2", "sliding-20-chunk-32-mean-br3-beam2-nq40-nk133", "chunk-24-bf16-g3-pad")
+# with fewer queries than keys, 16-bit inputs, and a wide window (scored levels whose first node
+# the early tiles read and the later ones skip); its middle stage is the per-token walk's kernel
+SCAN_CASES = (
+    "sliding-19-mean_var-pad-b2",
+    "sliding-20-chunk-32-mean-br3-beam2-nq40-nk133",
+    "chunk-24-bf16-g3-pad",
+    "sliding-40-lse-nq60-nk100",
+)
 WALK_CASES = [
     pytest.param(walk, case, id=f"{walk}-{key}")
     for walk in ("per_token", "tiled", "scan")
@@ -211,8 +218,9 @@ WALK_CASES = [
 
 @needs_triton
 @pytest.mark.parametrize("walk, case", WALK_CASES)
-def test_triton_walks_equal_the_reference(walk, case, monkeypatch):
-    """Every Triton walk runs the window (none ignores it): the reference's selection exactly."""
+def test_triton_walks_equal_the_reference(walk, case, monkeypatch, poisoned):
+    """Every Triton walk runs the window (none ignores it): the reference's selection exactly.
+    Buffers start poisoned: the scan's node scores skipped before a tile's windows are never read."""
     from sparseflow.methods.pisa import triton_select, triton_select_scan, triton_select_tiled
 
     module = {"tiled": triton_select_tiled, "scan": triton_select_scan}.get(walk)
@@ -221,9 +229,11 @@ def test_triton_walks_equal_the_reference(walk, case, monkeypatch):
         name = f"pisa_select_{walk}_fwd"
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a: ran.append(a) or real(*a))
+    if walk == "scan":  # small node-scan tiles: the later ones start past nodes their scan skips
+        monkeypatch.setitem(triton_select_scan.LAUNCH, "rows", 16)
     q, k, _, kpm, kw, window = _inputs(case)
     want = pisa_ref.pisa_select(q, k, key_padding_mask=kpm, **kw, **window)
-    got = triton_select.pisa_select(q, k, key_padding_mask=kpm, tuning=Tuning(pisa_walk=walk), **kw, **window)
+    got = poisoned(triton_select.pisa_select, q, k, key_padding_mask=kpm, tuning=Tuning(pisa_walk=walk), **kw, **window)
     assert module is None or len(ran) == 1, f"the {walk} walk did not run"
     assert torch.equal(got, want)
 
