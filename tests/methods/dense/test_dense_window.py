@@ -72,9 +72,9 @@ def test_window_mask_handed_over_runs_as_a_window(window):
     m = window_mask(150, 150, *w, DEVICE)[None, None].expand(2, 1, 150, 150)
     out, call = _run(q, k, v, DenseConfig(), "reference", attn_mask=m)
     assert not call.sparse  # the dense method with no window of its own: SDPA with the mask
-    # PISA has no window backend yet: dense SDPA with the window, logged with that reason
-    out_pisa, call_pisa = _run(q, k, v, PISAConfig(block_size=16), "reference", attn_mask=m)
-    assert not call_pisa.sparse and "local window" in call_pisa.reason
+    # PISA runs the mask's window itself: with a top-K holding every block (10 of 16 keys), exactly
+    out_pisa, call_pisa = _run(q, k, v, PISAConfig(block_size=16, top_k=16), "reference", attn_mask=m)
+    assert call_pisa.sparse and call_pisa.method == "pisa", call_pisa.reason
     torch.testing.assert_close(out_pisa, _want(q, k, v, w), atol=2e-5, rtol=2e-5)
     # PBS runs the mask's window itself: at threshold 1, exactly
     exact_pbs = PBSConfig(block_size=16, segment_size=32, threshold=1.0)
