@@ -62,8 +62,8 @@ def pbs_block_mask(
     is_causal: bool,
     block_size: int,
     need_backward: bool = False,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ):
     """The flex ``BlockMask`` (over ``total`` padded positions) of a PBS selection, plus the
     ``vis_pos`` table its ``mask_mod`` reads. ``block_mask [B, Hq, nB, nB]`` over permuted key

@@ -465,8 +465,8 @@ def window_blocks(
     *,
     key_padding_mask: Optional[Tensor] = None,
     block_size: int = PBSConfig.block_size,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Optional[Tensor]:
     """``[B, Hq, nB, nB]`` bool: permuted key block ``J`` is inside the local window of query
     block ``I`` -- it holds a valid key at or after the window's lower bound of ``I``'s first
@@ -709,8 +709,8 @@ def select_blocks(
     force_sink: bool = PBSConfig.force_sink,
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tensor:
     """``[B, Hq, nB, nB]`` bool over permuted key blocks: threshold selection among the
     candidates, plus the forced blocks (own region, sink); with a local window (causal only)
@@ -747,8 +747,8 @@ def _threshold_selections(
     force_sink,
     scoring,
     antidiagonal_stride,
-    sliding_window=0,
-    chunk_size=0,
+    sliding_window=PBSConfig.sliding_window,
+    chunk_size=PBSConfig.chunk_size,
 ) -> List[Tensor]:
     """:func:`select_blocks` at each of ``thresholds``; the block probabilities (which do not
     depend on the threshold) are computed once."""
@@ -816,8 +816,8 @@ def permuted_block_attention(
     scale: Optional[float] = None,
     block_size: int = PBSConfig.block_size,
     gather_below: float = 0.85,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tensor:
     """``[B, Hq, N, Dv]`` in q.dtype: each query attends the keys of its selected permuted blocks
     (``orig_pos(k) <= pos(q)`` when causal, and ``orig_pos(k) >= lo(pos(q))`` under a local
@@ -1020,8 +1020,8 @@ def selection_density(
     key_padding_mask: Optional[Tensor] = None,
     is_causal: bool = True,
     block_size: int = PBSConfig.block_size,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tensor:
     """``[B, Hq]`` float32: selected block pairs with a visible element / block pairs with one;
     under a local window the pairs whose key block is inside the query block's window

@@ -35,6 +35,8 @@ import math
 from typing import Optional, Tuple
 
 import torch
+
+from .config import PBSConfig
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
@@ -625,8 +627,8 @@ def pbs_block_sparse_fwd(
     has_padding: bool,
     gather: bool,
     allow_tma: bool = True,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> torch.Tensor:
     b, hq, n, d = (int(x) for x in q.shape)
     hkv = int(k.shape[1])
@@ -705,7 +707,7 @@ def _launch_fwd(args, meta, nqb: int, block_size: int, rows: int, by_heads: bool
 @pbs_block_sparse_fwd.register_fake
 def _(
     q, k, v, kpos, kv_num, kv_full, kv_idx, scale, block_size, is_causal, has_padding, gather, allow_tma=True,
-    sliding_window=0, chunk_size=0,
+    sliding_window=PBSConfig.sliding_window, chunk_size=PBSConfig.chunk_size,
 ):  # fmt: skip
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D")
     torch._check(
@@ -735,8 +737,8 @@ def block_mask_to_indices(
     segment_size: int,
     is_causal: bool,
     has_padding: bool = False,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, H, nQB, nKB]`` bool -> ``(kv_num, kv_full, kv_idx)`` int32 (see module docstring).
 
@@ -797,8 +799,8 @@ def pbs_block_sparse_attention(
     has_padding: bool = False,
     gather: bool = False,
     tma: bool = True,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> torch.Tensor:
     """Python entry to the op; checks the layout (see module docstring). ``tma=False`` keeps the
     kernel off TMA loads even where they would apply (``Tuning.pbs_tma``). ``sliding_window`` /

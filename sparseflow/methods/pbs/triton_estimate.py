@@ -750,8 +750,8 @@ def strided_estimate(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     key_splits: Optional[int] = None,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
@@ -876,8 +876,8 @@ def pbs_strided_estimate(
     num_warps: int,
     num_stages: int,
     key_splits: int = 1,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The launch behind :func:`strided_estimate` (every argument resolved; ``scale`` is the
     softmax scale)."""
@@ -974,8 +974,8 @@ def _(
     num_warps,
     num_stages,
     key_splits=1,
-    sliding_window=0,
-    chunk_size=0,
+    sliding_window=PBSConfig.sliding_window,
+    chunk_size=PBSConfig.chunk_size,
 ):
     torch._check(q.dim() == 4 and k_perm.dim() == 4, lambda: "q and k_perm must be 4-D")
     torch._check(

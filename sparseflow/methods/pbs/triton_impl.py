@@ -210,8 +210,8 @@ def _fused_select_attention(
     antidiagonal_stride=PBSConfig.antidiagonal_stride,
     tuning: Tuning = DEFAULT_TUNING,
     dense_from: Optional[int] = None,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ):
     """Stages 2-4 on the Triton kernels: ``(out, block mask or None)``. Query blocks from
     ``dense_from`` on (the dense tail) keep every visible key block, so the attention kernel
@@ -297,8 +297,8 @@ def attention_from_selection(
     segment_size: int = PBSConfig.segment_size,
     layout: Optional[str] = None,
     tma: bool = True,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tensor:
     """Step 4 alone: the Triton kernel over a given permutation ``[B, Hp, N]`` and block mask
     ``[B, Hq, nB, nB]`` (the reference's ``permuted_block_attention`` contract, local window

@@ -312,8 +312,8 @@ def select_block_lists(
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     padding_checked: bool = False,
     dense_from: Optional[int] = None,
-    sliding_window: int = 0,
-    chunk_size: int = 0,
+    sliding_window: int = PBSConfig.sliding_window,
+    chunk_size: int = PBSConfig.chunk_size,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """``(kv_num, kv_full, kv_idx, block_mask or None)`` for ``q [B, Hq, N, D]`` and the permuted
     keys. ``layout``: the :class:`triton_gather.PermutedLayout` of the permutation (its pooled key
