@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+import sparseflow
+
 
 def dense_window_attention(q, k, v, w, chunk, kpm=None, block_indices=None, block_size=1, shift=0):
     """Plain softmax attention under the materialised mask (selection, causal, window, padding)
@@ -35,3 +37,14 @@ def dense_window_attention(q, k, v, w, chunk, kpm=None, block_indices=None, bloc
     # gradients through the where) and is zeroed after
     probs = torch.softmax(logits.masked_fill(~mask & seen, float("-inf")), -1)
     return torch.where(seen, probs, torch.zeros((), dtype=q.dtype)) @ vv
+
+
+def one_sparse_call(q, k, v, kpm, cfg, backend, tuning=None):
+    """The op on ``cfg`` with ``kpm`` as its key-padding mask: ``(output, its one call record)``,
+    checked to have run ``cfg``'s method sparsely (not a dense fallback)."""
+    mask = None if kpm is None else kpm[:, None, None, :]
+    with sparseflow.capture() as cap:
+        out = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, is_causal=True, backend=backend, tuning=tuning)
+    (call,) = cap.calls
+    assert call.sparse and call.method == cfg.method, call.reason
+    return out, call

@@ -104,10 +104,10 @@ def selection_densities(s: Session, layer: int, cfgs: Sequence[AttentionConfig])
 def _shortcut_of(cfgs: Sequence[AttentionConfig]) -> Optional[Callable]:
     """The ``selection_densities`` function of the configs' one method, or None (several methods,
     or a method without one)."""
-    specs = {spec_for(cfg).name: spec_for(cfg) for cfg in cfgs}
-    if len(specs) != 1:
+    methods = {cfg.method for cfg in cfgs}
+    if len(methods) != 1:
         return None
-    target = next(iter(specs.values())).selection_densities
+    target = spec_for(methods.pop()).selection_densities
     return None if target is None else load_target(target)
 
 

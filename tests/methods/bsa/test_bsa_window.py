@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 from _pisa_walk_inputs import qkv_inputs
+from _window_oracle import one_sparse_call
 
 import sparseflow
 from sparseflow.kernels import token_blocks as tb
@@ -86,15 +87,6 @@ def test_triton_selection_equals_reference(case):
     assert torch.equal(got.cpu(), want)
 
 
-def _op(q, k, v, kpm, cfg, backend):
-    mask = None if kpm is None else kpm[:, None, None, :]
-    with sparseflow.capture() as cap:
-        out = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, is_causal=True, backend=backend)
-    (call,) = cap.calls
-    assert call.sparse and call.method == cfg.method, call.reason
-    return out, call
-
-
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton), "flex"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_backends_equal_the_reference(case, backend):
@@ -103,10 +95,10 @@ def test_backends_equal_the_reference(case, backend):
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
     q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     cfg = sparseflow.BSAConfig(block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs)
-    want, _ = _op(q, k, v, kpm, cfg, "reference")
+    want, _ = one_sparse_call(q, k, v, kpm, cfg, "reference")
     dev = DEVICE if backend == "triton" else "cpu"
     to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    got, call = _op(to(q), to(k), to(v), to(kpm), cfg, backend)
+    got, call = one_sparse_call(to(q), to(k), to(v), to(kpm), cfg, backend)
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
     assert call.backend == backend
 
@@ -118,8 +110,8 @@ def test_wide_top_k_is_the_exact_window(case):
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
     q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     cfg = sparseflow.BSAConfig(block_size=c, top_k=-(-n // c), sliding_window=sw, chunk_size=cs)
-    got, call = _op(q, k, v, kpm, cfg, "reference")
-    exact, _ = _op(q, k, v, kpm, sparseflow.DenseConfig(sliding_window=sw, chunk_size=cs), "reference")
+    got, call = one_sparse_call(q, k, v, kpm, cfg, "reference")
+    exact, _ = one_sparse_call(q, k, v, kpm, sparseflow.DenseConfig(sliding_window=sw, chunk_size=cs), "reference")
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
     assert call.density == pytest.approx(1.0)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _pisa_walk_inputs import qkv_inputs
-from _window_oracle import dense_window_attention
+from _window_oracle import dense_window_attention, one_sparse_call
 
 import sparseflow
 from sparseflow import DenseConfig, PBSConfig, Tuning
@@ -125,11 +125,8 @@ def _masked_attention64(q, k, v, mask):
 
 
 def _op(q, k, v, kpm, cfg, backend, tuning=None):
-    mask = None if kpm is None else kpm[:, None, None, :]
-    with sparseflow.capture() as cap:
-        out = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, is_causal=True, backend=backend, tuning=tuning)
-    (call,) = cap.calls
-    assert call.sparse and call.method == "pbs" and call.backend == backend, call.reason
+    out, call = one_sparse_call(q, k, v, kpm, cfg, backend, tuning)
+    assert call.backend == backend, call.backend
     return out, call.selection
 
 

@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 from _pisa_walk_inputs import qkv_inputs
-from _window_oracle import dense_window_attention
+from _window_oracle import dense_window_attention, one_sparse_call
 
 import sparseflow
 from sparseflow import Tuning
@@ -238,15 +238,6 @@ def test_triton_walks_equal_the_reference(walk, case, monkeypatch, poisoned):
     assert torch.equal(got, want)
 
 
-def _op(q, k, v, kpm, cfg, backend):
-    mask = None if kpm is None else kpm[:, None, None, :]
-    with sparseflow.capture() as cap:
-        out = sparseflow.attention(q, k, v, config=cfg, attn_mask=mask, is_causal=True, backend=backend)
-    (call,) = cap.calls
-    assert call.sparse and call.method == cfg.method, call.reason
-    return out, call
-
-
 OP_CASES = {key: CASES[key] for key in ("sliding-17-lse-gqa2", "chunk-24-bf16-g3-pad", "sliding-13-tiny-pad")}
 
 
@@ -262,10 +253,10 @@ def test_backends_run_the_window(case, backend):
     plain PyTorch's error against fp64 in the inputs' dtype."""
     q, k, v, kpm, kw, window = _inputs(case)
     cfg = _config(kw, window)
-    want, _ = _op(q, k, v, kpm, cfg, "reference")
+    want, _ = one_sparse_call(q, k, v, kpm, cfg, "reference")
     dev = DEVICE if backend == "triton" else "cpu"
     to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    got, call = _op(to(q), to(k), to(v), to(kpm), cfg, backend)
+    got, call = one_sparse_call(to(q), to(k), to(v), to(kpm), cfg, backend)
     assert call.backend == backend
     idx = pisa_ref.pisa_select(q, k, key_padding_mask=kpm, **kw, **window)
     w, chunk, c = window["sliding_window"], window["chunk_size"], kw["block_size"]
@@ -282,8 +273,8 @@ def test_wide_top_k_is_the_exact_window(case):
     q, k, v, kpm, kw, window = _inputs(case)
     q, k, v = q.float(), k.float(), v.float()
     cfg = _config(kw, window, top_k=-(-k.shape[2] // kw["block_size"]))
-    got, call = _op(q, k, v, kpm, cfg, "reference")
-    exact, _ = _op(q, k, v, kpm, sparseflow.DenseConfig(**window), "reference")
+    got, call = one_sparse_call(q, k, v, kpm, cfg, "reference")
+    exact, _ = one_sparse_call(q, k, v, kpm, sparseflow.DenseConfig(**window), "reference")
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
     assert call.density == pytest.approx(1.0)
 
@@ -293,11 +284,11 @@ def test_a_window_narrower_than_the_top_k_is_exact():
     block of each window, so PISA is the exact window although most queries see 13 blocks."""
     q, k, v, _ = qkv_inputs(1, 2, 1, 104, 104, 16, F32, False, seed=3)
     window = dict(sliding_window=20, chunk_size=0)
-    got, call = _op(q, k, v, None, sparseflow.PISAConfig(block_size=8, top_k=4, **window), "reference")
-    exact, _ = _op(q, k, v, None, sparseflow.DenseConfig(**window), "reference")
+    got, call = one_sparse_call(q, k, v, None, sparseflow.PISAConfig(block_size=8, top_k=4, **window), "reference")
+    exact, _ = one_sparse_call(q, k, v, None, sparseflow.DenseConfig(**window), "reference")
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
     assert call.density == pytest.approx(1.0)
-    unwindowed, _ = _op(q, k, v, None, sparseflow.PISAConfig(block_size=8, top_k=4), "reference")
+    unwindowed, _ = one_sparse_call(q, k, v, None, sparseflow.PISAConfig(block_size=8, top_k=4), "reference")
     assert not torch.allclose(unwindowed, exact, atol=1e-3), "PISA ignoring the window would not be exact"
 
 
