@@ -79,7 +79,9 @@ def _measured_kl(model, recipe, method="pbs"):
 
 def _tiny_argv(llama_dir, out, *, budget="0.01", thresholds="0.5", extra=()):
     """``sparseflow calibrate`` argv on the tiny Llama at the test size (PBS, mean scoring); ``out`` last."""
+    # one calibration and one held-out text, as before the default became a mix: --text in extra overrides
     size = ["--tokens", str(N), "--eval-positions", str(KEEP), "--config", BASE_JSON]
+    size += ["--text", "pydoc_topics", "--heldout-text", "argparse_source"]
     grid = ["--thresholds", thresholds, "--scorings", "mean"]
     return [
         "calibrate",
@@ -187,6 +189,14 @@ def test_cli_margin_reaches_the_recipe(llama_dir, tmp_path):
     import sparseflow.cli.calibrate as cli_cal
 
     assert cli_cal.DEFAULT_MARGIN == cal.DEFAULT_MARGIN
+    from sparseflow.calibrate import texts
+
+    assert (cli_cal.DEFAULT_TEXT, cli_cal.DEFAULT_HELDOUT_TEXT) == (texts.DEFAULT_TEXT, texts.DEFAULT_HELDOUT_TEXT)
+    calibrating, held = cal.parse_texts(texts.DEFAULT_TEXT, "--text"), cal.parse_texts(texts.DEFAULT_HELDOUT_TEXT, "h")
+    assert [cal.text_kinds(t) for t in (calibrating, held)] == [
+        dict(zip(t, ("prose", "code", "copy"))) for t in (calibrating, held)
+    ]  # one text of each kind on both sides, none on both
+    cal.check_disjoint(calibrating, held, "--heldout-text")
     out = tmp_path / "r.json"
     argv = _tiny_argv(llama_dir, out, thresholds="0.5,0.9", extra=["--margin", "0.5", "--heldout-text", "none"])
     assert main(argv) == 0
@@ -388,6 +398,10 @@ def test_smollm2_calibrate_short(tmp_path):
                 "0.9",
                 "--scorings",
                 "sampled_rows",
+                "--text",
+                "pydoc_topics",
+                "--heldout-text",
+                "argparse_source",
                 "--out",
                 str(out),
             ]

@@ -36,11 +36,12 @@ measured density plus the estimate's overhead (each method's ``estimate_cost``);
 ``cost="time"`` (the default where CUDA is present) the op's measured time on the layer's own
 q/k/v divided by dense SDPA's.
 
-Several texts at once (``--text pydoc_topics,argparse_source,copy_clauses``: prose, code and
-copy-heavy text, :data:`sparseflow.texts.TEXTS`) are a mix (:mod:`.mix`): every choice's cost,
+Several texts at once (the default ``--text pydoc_topics,stdlib_source,copy_clauses``: prose,
+code and copy-heavy text, :data:`sparseflow.texts.TEXTS`) are a mix (:mod:`.mix`): every choice's cost,
 single-layer KL and every whole plan is measured on each text, and the plan's KL constraint holds
 on the worst text (a choice's KL in the walk is its largest over the texts, a plan's measured KL
-its largest; costs and densities are means). ``--heldout-text`` takes a list too; the recipe's
+its largest; costs and densities are means). ``--heldout-text`` takes a list too (default one text
+of each kind: stdlib_docs, argparse_source, copy_log); the recipe's
 ``measured`` gives each text's KL, top-1 and density with its kind, and each kind's worst KL.
 
 The result is a :class:`sparseflow.recipes.Recipe` (base config in ``configs``, per-layer

@@ -16,7 +16,7 @@ from ..eval.evaluate import model_device
 from ..rope import parse_rope_scaling, set_rope_scaling
 from .choices import candidate_choices, sparse_spec
 from .run import DEFAULT_MARGIN, CalibrationResult, calibrate, check_budget, check_share
-from .texts import check_disjoint, kind_summary, parse_texts, text_tokens
+from .texts import DEFAULT_HELDOUT_TEXT, DEFAULT_TEXT, check_disjoint, kind_summary, parse_texts, text_tokens
 
 
 def side_paths(out) -> Tuple[Path, Path]:
@@ -46,8 +46,8 @@ def calibrate_file(
     kl_budget: float,
     tokens: int = 2048,
     eval_positions: int = 512,
-    text: str = "pydoc_topics",
-    heldout_text: Optional[str] = "argparse_source",
+    text: str = DEFAULT_TEXT,
+    heldout_text: Optional[str] = DEFAULT_HELDOUT_TEXT,
     config=None,
     thresholds=None,
     top_ks=None,

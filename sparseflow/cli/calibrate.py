@@ -21,6 +21,9 @@ from .common import (
 
 
 DEFAULT_MARGIN = 0.7  # sparseflow.calibrate.DEFAULT_MARGIN (tests/test_calibrate.py keeps them equal)
+# sparseflow.calibrate.texts.DEFAULT_TEXT / DEFAULT_HELDOUT_TEXT (the same test keeps them equal)
+DEFAULT_TEXT = "pydoc_topics,stdlib_source,copy_clauses"
+DEFAULT_HELDOUT_TEXT = "stdlib_docs,argparse_source,copy_log"
 
 
 def add_parser(sub) -> None:
@@ -48,15 +51,16 @@ def add_parser(sub) -> None:
     )
     cal.add_argument(
         "--text",
-        default="pydoc_topics",
-        help="calibration text, or a comma list of texts measured together (a mix: the KL constraint holds on "
-        f"the worst of them); shipped texts: {TEXTS_HELP} (default pydoc_topics)",
+        default=DEFAULT_TEXT,
+        help="calibration text, or a comma list of texts measured together (a mix: the plan's KL must fit on "
+        f"the worst of them); shipped texts: {TEXTS_HELP} (default {DEFAULT_TEXT}: one of each kind)",
     )
     cal.add_argument(
         "--heldout-text",
-        default="argparse_source",
+        default=DEFAULT_HELDOUT_TEXT,
         help="text(s) the plan is checked on afterwards, a comma list reported per text and kind, none of them a "
-        "--text (default argparse_source, ~22K SmolLM2 tokens; the other texts hold over 128K; none to skip)",
+        f"--text (default {DEFAULT_HELDOUT_TEXT}; argparse_source holds ~22K SmolLM2 tokens, the others over "
+        "128K; none to skip)",
     )
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")
