@@ -309,10 +309,13 @@ def make_selection(
     is_causal: bool,
     num_keys: int,
     key_padding_mask: Optional[torch.Tensor],
+    sliding_window: int = 0,
+    chunk_size: int = 0,
 ) -> Selection:
     """Wrap a token-level selection. Density per query = #selected / #visible blocks, averaged
     over the query tokens that see at least one block; a batch row where no query sees any block
-    gets density 0 (nothing was computed)."""
+    gets density 0 (nothing was computed). ``sliding_window`` / ``chunk_size``: the call's local
+    window, which the selection carries (its key masks stay inside it)."""
     b, hkv, n_q, _ = block_indices.shape
     selected = (block_indices >= 0).sum(-1).to(torch.float32)  # [B, Hkv, Nq]
     vis = n_visible.to(torch.float32)[:, None, :]  # [B, 1, Nq]
@@ -329,6 +332,8 @@ def make_selection(
         num_keys=num_keys,
         block_indices=block_indices,
         key_padding_mask=key_padding_mask,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )
 
 
@@ -361,6 +366,8 @@ def selection_for_indices(
         is_causal=is_causal,
         num_keys=n_k,
         key_padding_mask=key_padding_mask,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )
 
 

@@ -181,5 +181,6 @@ def bsa_attention(
         is_causal=is_causal,
         num_keys=k.shape[2],
         key_padding_mask=key_padding_mask,
+        **window,
     )
     return out, sel

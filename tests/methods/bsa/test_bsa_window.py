@@ -5,6 +5,7 @@ and the flex backend against the reference; a window narrower than the top-K is 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -131,3 +132,22 @@ def test_a_windowed_layer_runs_bsa_inside_a_wide_window_only():
     assert cfg == sparseflow.DenseConfig(sliding_window=449) and "top_k=8" in note
     cfg, note = windowed(bsa, 0, 448)
     assert cfg == sparseflow.DenseConfig(chunk_size=448)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_selection_carries_the_window(case):
+    """The op's Selection holds the call's window: its key mask is the selected blocks' keys cut
+    to each query's window (the first block's keys before the bound are not attended)."""
+    b, hq, hkv, n, d, c, kk, sw, cs, pad = case
+    q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    _, call = one_sparse_call(
+        q, k, v, kpm, sparseflow.BSAConfig(block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs), "reference"
+    )
+    sel = call.selection
+    assert (sel.sliding_window, sel.chunk_size) == (sw, cs)
+    pos = torch.arange(n, device=q.device)
+    inside = pos[None, :] >= tb.window_lower_bounds(pos, sw, cs)[:, None]
+    blocks = dataclasses.replace(sel, sliding_window=0, chunk_size=0).key_mask(hq)
+    assert torch.equal(sel.key_mask(hq), blocks & inside)
+    if sw or cs % c:  # (a chunk of whole blocks cuts none)
+        assert (blocks & ~inside).any(), "the window must cut some selected block"
