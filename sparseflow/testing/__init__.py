@@ -2,6 +2,9 @@
 
 Op level (any q/k/v you give):
     check_exact_mode, check_matches_own_selection, check_causality, check_finite
+PISA's selection contract (issue 49: a walk scoring in bf16 / fp16 / tf32 keeps what the fp32
+reference keeps, up to near-ties within a stated tolerance):
+    check_pisa_selection, selection_within_tolerance, walk_trace
 Model level:
     assert_rewrite_equivalent(model, example_inputs, method=...)  # rewritten == original in exact mode
 Hypothesis strategies for random shapes live in ``sparseflow.testing.strategies``; a pytest plugin
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from ..config import AttentionConfig, default_config
 from ..methods.dense.reference import dense_attention as _dense64
 from ..methods import spec_for
+from ..methods.pisa.tolerance_check import ToleranceReport, selection_within_tolerance, walk_trace
 from ..ops import attention
 from ..recording import capture
 
@@ -34,6 +38,9 @@ __all__ = [
     "check_finite",
     "assert_rewrite_equivalent",
     "run_with_selection",
+    "check_pisa_selection",
+    "selection_within_tolerance",
+    "walk_trace",
 ]
 
 # Absolute floors under the 2x rule: when plain PyTorch happens to be almost exact, a kernel that
@@ -201,6 +208,19 @@ def check_finite(q, k, v, config: AttentionConfig, **kw) -> torch.Tensor:
     if not torch.isfinite(out).all():
         raise AssertionError(f"{config.method}: NaN/inf in the output")
     return out
+
+
+def check_pisa_selection(q, k, trace, config=None, **kw) -> ToleranceReport:
+    """Property 8 (issue 49): a PISA walk's ``trace`` (its kept nodes per level, leaves first;
+    ``walk_trace`` gives the reference's) keeps what the fp32 reference walk keeps, up to
+    near-ties within the tolerance of the precision it scores in (``precision=``, default
+    "bf16"; ``delta=0`` asks for the reference's selection). ``kw``: the call's
+    ``key_padding_mask``, ``is_causal``, ``scale`` and config fields. Returns the report."""
+    rep = selection_within_tolerance(q, k, trace, config, **kw)
+    if not rep.ok:
+        where = f"level {rep.level}, batch {rep.batch}, KV head {rep.kv_head}, query {rep.query}, node {rep.node}"
+        raise AssertionError(f"pisa selection breaks the {rep.rule!r} rule at {where} (margin {rep.margin:.3g})")
+    return rep
 
 
 def assert_rewrite_equivalent(

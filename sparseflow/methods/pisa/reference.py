@@ -46,6 +46,12 @@ sink, the previous block) is not forced, nor are its ancestors. Scores are those
 without a window: a node straddling ``f_i`` (at most one per level) is scored on all its
 children, as BSA scores the window's first block by its whole mean. The attention then applies
 the window's key bound element-wise. Without a window ``f_i = 0`` and nothing changes.
+
+This walk is the oracle of PISA's selection contract: another walk may keep other nodes only
+among near-ties, within the tolerance of the precision it scores in (``tolerance.py`` derives
+it, ``tolerance_check.py`` replays this walk on the other walk's kept nodes level by level;
+docs/methods.md, "PISA's selection contract"). ``_make_walk``, ``_level_candidates`` and
+``_level_scores`` are the pieces that replay shares with the walk.
 """
 
 from __future__ import annotations
@@ -206,6 +212,50 @@ def _select(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(block_indices [B, Hkv, Nq, top_k], n_visible [B, Nq]); ``n_visible`` counts the blocks
     from each query's window's first block on (every visible block without a window)."""
+    walk, n_visible = _make_walk(
+        q,
+        k,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        block_size=block_size,
+        top_k=top_k,
+        branching=branching,
+        score=score,
+        force_sink=force_sink,
+        force_previous=force_previous,
+        beam=beam,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+    )
+    if walk is None:  # nothing to select from, or for
+        width = tb.selection_width(top_k, k.shape[2], block_size)
+        shape = (q.shape[0], k.shape[1], q.shape[2], width)
+        return torch.full(shape, -1, dtype=torch.long, device=q.device), n_visible
+    kept, ok = _walk_levels(walk)
+    result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), walk.top_k)
+    return result, n_visible
+
+
+def _make_walk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    key_padding_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    block_size: int,
+    top_k: int,
+    branching: int,
+    score: str,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    sliding_window: int,
+    chunk_size: int,
+) -> Tuple[Optional["_Walk"], torch.Tensor]:
+    """(the validated inputs of one call's walk, or None when there is nothing to select from or
+    for; n_visible [B, Nq]). The tolerance checker replays walks from the same object."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {list(SCORES)}, got {score!r}")
     if branching < 2:
@@ -215,12 +265,8 @@ def _select(
     b, hq, n_q, d = q.shape
     _, hkv, n_k, _ = k.shape
     dev = q.device
-    top_k = tb.selection_width(top_k, n_k, block_size)
-    if n_k == 0 or b == 0 or n_q == 0:  # nothing to select from, or for
-        return (
-            torch.full((b, hkv, n_q, top_k), -1, dtype=torch.long, device=dev),
-            torch.zeros(b, n_q, dtype=torch.long, device=dev),
-        )
+    if n_k == 0 or b == 0 or n_q == 0:
+        return None, torch.zeros(b, n_q, dtype=torch.long, device=dev)
     cdt = tb.compute_dtype(q.dtype)
     kpm = None if key_padding_mask is None else key_padding_mask.to(device=dev, dtype=torch.bool)
     kf = k.to(cdt)
@@ -242,15 +288,12 @@ def _select(
         g=branching,
         score=score,
         cdt=cdt,
-        top_k=top_k,
+        top_k=tb.selection_width(top_k, n_k, block_size),
         beam=beam,
         anc_leaf=_ancestor_leaves(first_valid, horizons, first_blocks, n_k, block_size, force_sink, force_previous),
         first_blocks=first_blocks,
     )
-    n_visible = tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
-    kept, ok = _walk_levels(walk)
-    result = tb.pad_indices(torch.where(ok, kept, torch.full_like(kept, -1)), top_k)
-    return result, n_visible
+    return walk, tb.count_window_blocks(first_valid, horizons, first_blocks, n_k)
 
 
 class _Walk(NamedTuple):
@@ -302,35 +345,51 @@ def _ancestor_leaves(
     return torch.cat([forced_leaf, current.view(1, n_q, 1).expand(b, n_q, 1)], dim=-1)
 
 
-def _walk_levels(w: _Walk) -> Tuple[torch.Tensor, torch.Tensor]:
+def _walk_levels(w: _Walk, trace: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(kept, ok)`` ``[B, Hkv, Nq, top_k]``: the leaf blocks the walk from the root keeps.
     The walk runs level by level over all queries at once (the bookkeeping is
     ``[B, Hkv, Nq, g*K]``); only the scoring, which gathers summaries or raw keys, is chunked
-    over queries. A node wholly before a query's window is no candidate of it."""
+    over queries. A node wholly before a query's window is no candidate of it. ``trace``: a list
+    that receives each level's kept node ids (``-1`` padded), the root's first, the leaves' last."""
     b, hkv, n_q = w.kblocks.shape[0], w.kblocks.shape[1], w.horizons.shape[0]
-    dev, g = w.kblocks.device, w.g
     top = len(w.pyramid) - 1
-    hz = w.horizons.view(1, 1, n_q, 1)
     # root: a single node, kept if it holds a visible key
-    kept = torch.zeros(b, hkv, n_q, 1, dtype=torch.long, device=dev)
+    kept = torch.zeros(b, hkv, n_q, 1, dtype=torch.long, device=w.kblocks.device)
     ok = (w.fvl[top][:, :1] <= w.horizons.view(1, n_q)).view(b, 1, n_q, 1).expand(b, hkv, n_q, 1)
+    if trace is not None:
+        trace.append(torch.where(ok, kept, torch.full_like(kept, -1)))
     for level in range(top - 1, -1, -1):
-        n_l = w.fvl[level].shape[-1]
-        cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B, Hkv, Nq, w*g]
-        valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
-        cand = torch.where(valid, cand, torch.zeros_like(cand))
-        valid = valid & (_gather_batch(w.fvl[level], cand) <= hz)  # holds a visible key
-        span = g**level  # leaves under one node of this level
-        # in the window: the node's last leaf is at or after the window's first one
-        valid = valid & (cand >= torch.div(w.first_blocks, span, rounding_mode="floor").view(1, 1, n_q, 1))
-        anc = torch.where(w.anc_leaf >= 0, torch.div(w.anc_leaf, span, rounding_mode="floor"), w.anc_leaf)
-        forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
-        width = w.top_k if level == 0 else w.beam * w.top_k  # nodes kept at this level
+        cand, valid, forced, width = _level_candidates(w, level, kept, ok)
         need = (valid.sum(-1) > width).any(1).any(0)  # [Nq]: some row must be scored
         scores = _level_scores(w, level, cand, need) if bool(need.any()) else None
         kept, ok = tb.select_top_k(cand, valid, forced, scores, width)
+        if trace is not None:
+            trace.append(kept)  # -1 where not ok
         kept = torch.where(ok, kept, torch.zeros_like(kept))
     return kept, ok
+
+
+def _level_candidates(
+    w: _Walk, level: int, kept: torch.Tensor, ok: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(cand, valid, forced, width)`` of level ``level`` (0 = leaves) given the nodes ``kept``
+    (``ok``) of the level above: ``cand [B, Hkv, Nq, w*g]`` their children (ascending where
+    valid, 0 elsewhere), ``valid`` those holding a visible key inside the query's window,
+    ``forced`` the valid ones kept without scoring, and the level's width."""
+    n_q, g, dev = w.horizons.shape[0], w.g, kept.device
+    hz = w.horizons.view(1, 1, n_q, 1)
+    n_l = w.fvl[level].shape[-1]
+    cand = (kept[..., None] * g + torch.arange(g, device=dev)).flatten(-2)  # [B, Hkv, Nq, w*g]
+    valid = ok.repeat_interleave(g, dim=-1) & (cand < n_l)
+    cand = torch.where(valid, cand, torch.zeros_like(cand))
+    valid = valid & (_gather_batch(w.fvl[level], cand) <= hz)  # holds a visible key
+    span = g**level  # leaves under one node of this level
+    # in the window: the node's last leaf is at or after the window's first one
+    valid = valid & (cand >= torch.div(w.first_blocks, span, rounding_mode="floor").view(1, 1, n_q, 1))
+    anc = torch.where(w.anc_leaf >= 0, torch.div(w.anc_leaf, span, rounding_mode="floor"), w.anc_leaf)
+    forced = (cand[..., None] == anc[:, None, :, None, :]).any(-1) & valid
+    width = w.top_k if level == 0 else w.beam * w.top_k  # nodes kept at this level
+    return cand, valid, forced, width
 
 
 def _level_scores(w: _Walk, level: int, cand: torch.Tensor, need: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,12 @@ Imported lazily (``backend="triton"``); this module imports Triton.
 
 What the walks share is ``triton_select_common``'s. The scan and the tiled walk are imported
 where they are picked, so that a test may swap their ops and launch settings on their modules.
+
+All three walks score in fp32 and select exactly the reference's blocks, ties included. The
+selection contract allows more (``tolerance_check``; docs/methods.md, "PISA's selection
+contract"): a walk scoring in bf16 / fp16 / tf32 may differ among near-ties within the stated
+``delta``, provided it exposes its kept nodes per level for the checker. None of these walks
+uses that yet.
 """
 
 from __future__ import annotations
