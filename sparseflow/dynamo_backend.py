@@ -13,8 +13,10 @@ import torch
 import torch.nn as nn
 
 from . import decode_state
+from ._version import __version__
 from . import recording as _recording
 from .model_marks import DECODE_STATE_ATTR, guard_copies
+from .op_schema import OP_CONTRACT
 from .passes.rewrite_options import RewriteOptions
 from .passes.sdpa_rewrite import rewrite_graph
 from .rewrite_report import RewriteReport
@@ -81,7 +83,19 @@ class RewritingBackend:
             return lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=self.inductor_options)
+        with torch.compiler.config.patch(cache_key_tag=inductor_cache_tag(torch.compiler.config.cache_key_tag)):
+            return compile_fx(gm, example_inputs, config_patches=self.inductor_options)
+
+
+def inductor_cache_tag(user_tag: str) -> str:
+    """The user's cache key tag plus this package's op contract: Inductor's FX graph cache keys
+    on the graph, not on a custom op's fake implementation, so code compiled under another
+    contract (say, another output layout) would be reused and fail its stride checks."""
+    return (
+        f"{user_tag}+sparseflow-{__version__}-ops{OP_CONTRACT}"
+        if user_tag
+        else f"sparseflow-{__version__}-ops{OP_CONTRACT}"
+    )
 
 
 _TRAMPOLINES = itertools.count()

@@ -19,9 +19,9 @@ from . import recording as _capture
 from .op_backends import call_impl, grad_backend
 from .op_plan import Plan
 from .op_replay import TOKENS_MAJOR, replayed_or_launched
-from .op_windows import dense_call
+from .op_windows import dense_sdpa
 
-__all__ = ["OpInterceptor", "INTERCEPTOR", "intercepting", "execute"]
+__all__ = ["OpInterceptor", "INTERCEPTOR", "intercepting", "execute", "tokens_major", "tokens_major_empty"]
 
 # An analysis that needs the arguments of every op call but not the sparse result (the ONNX
 # export reads the mask each call receives) answers the calls itself inside ``intercepting``.
@@ -48,14 +48,15 @@ def execute(
     method: str, plan: Plan, args: Tuple, *, record: bool, for_grad: bool, twice: bool, contiguous: bool = True
 ) -> torch.Tensor:
     """Run ``args`` (validated) as ``plan`` says: dense SDPA with its reason, a decode step, or the
-    sparse backend; record the call in the active capture. ``contiguous=False``: a sparse result
-    may come in ``[B, N, H, D]`` memory order (a replay's copy lands there for free), for a
-    caller that transposes it back to that order."""
+    sparse backend; record the call in the active capture. ``contiguous=False``: the result may
+    come in ``[B, N, H, D]`` memory order (SDPA's flash and cuDNN kernels write it so; a replay's
+    copy lands there for free), for a caller that transposes it back to that order."""
     q, k, v, attn_mask, is_causal, scale = args[:6]
     tag = args[-1]
     cap = _capture.active_capture() if record else None
     if plan.reason is not None:
-        return dense_call(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap, plan.window)
+        out = dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap, plan.window)
+        return out.contiguous() if contiguous else out
     mask, chosen = plan.mask, plan.backend
     if for_grad:
         chosen = "reference" if twice else grad_backend(method, chosen, q.device)
@@ -105,3 +106,19 @@ def _record_sparse(cap, tag: str, method: str, chosen: str, q, k, sel, want_sel:
 def _strip(sel):
     # keep the density, drop the (large) block tensors
     return dataclasses.replace(sel, block_mask=None, permutation=None, block_indices=None, key_padding_mask=None)
+
+
+def tokens_major(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``[B, H, N, D]``) in ``[B, N, H, D]`` memory order, the op's output layout: what
+    SDPA's flash and cuDNN kernels return, so that the model's ``transpose(1, 2)`` back to tokens
+    and heads is free. A result already laid out so is returned as it is, others are copied."""
+    if out.transpose(1, 2).is_contiguous():
+        return out
+    return tokens_major_empty(out, out.shape[-1]).copy_(out)
+
+
+def tokens_major_empty(like: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An uninitialised ``[B, H, N, head_dim]`` tensor like ``like`` (``[B, H, N, *]``), laid out
+    ``[B, N, H, head_dim]`` in memory (see :func:`tokens_major`)."""
+    b, h, n = like.shape[:3]
+    return like.new_empty(b, n, h, head_dim).transpose(1, 2)

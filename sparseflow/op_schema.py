@@ -26,6 +26,7 @@ __all__ = [
     "NAMES",
     "TUNING_NAMES",
     "CACHE_LIMIT",
+    "OP_CONTRACT",
     "ConfigEntry",
     "schema",
     "op_for",
@@ -122,6 +123,9 @@ class ConfigEntry(NamedTuple):
     values: Tuple  # the op's flattened config and tuning arguments it was built from
 
 
+# the ops' contract revision: bumped when what a fake implementation answers changes (2: outputs in
+# [B, N, H, D] memory), so that compiled code cached under another revision is not reused
+OP_CONTRACT = 2
 CACHE_LIMIT = 512  # distinct configs per process; past it the caches start over (correct, slower)
 _BY_VALUES: Dict[Tuple, ConfigEntry] = {}
 _BY_CONFIG: Dict[Tuple[AttentionConfig, Tuning], Tuple[Tuple, ConfigEntry]] = {}

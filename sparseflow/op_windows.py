@@ -26,7 +26,6 @@ __all__ = [
     "with_config_window",
     "merged_window",
     "dense_sdpa",
-    "dense_call",
 ]
 
 
@@ -77,11 +76,6 @@ def sdpa(q, k, v, attn_mask, is_causal, scale):
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
     )
-
-
-def dense_call(method: str, tag: str, reason: str, q, k, v, attn_mask, is_causal, scale, cap, window) -> torch.Tensor:
-    """Dense SDPA for a call the plan sends there, contiguous like every op result (see dense_sdpa)."""
-    return dense_sdpa(method, tag, reason, q, k, v, attn_mask, is_causal, scale, cap, window).contiguous()
 
 
 def dense_sdpa(

@@ -36,7 +36,7 @@ from . import methods as _methods
 from . import op_validation as _validation
 from . import recording as _capture
 from .config import AttentionConfig, BSAConfig, DenseConfig, PBSConfig, PISAConfig
-from .op_execute import INTERCEPTOR, execute, intercepting
+from .op_execute import INTERCEPTOR, execute, intercepting, tokens_major, tokens_major_empty
 from .op_memo import (
     LAST_REPLAY,
     LastReplay,
@@ -72,16 +72,25 @@ __all__ = [
 # --------------------------------------------------------------------------- registration
 
 
-def _run(method: str, args: Tuple, *, record: bool = True, for_grad: bool = False, twice: bool = False) -> torch.Tensor:
+def _run(
+    method: str,
+    args: Tuple,
+    *,
+    record: bool = True,
+    for_grad: bool = False,
+    twice: bool = False,
+    contiguous: bool = True,
+) -> torch.Tensor:
     """The real implementation behind every op: analyse, fall back or dispatch, record.
     ``for_grad``: the backward's recomputation (same choice as the forward, through a
     differentiable backend); ``twice``: through the reference, whose plain torch ops autograd
-    differentiates twice (double backward; the kernels' backward passes are not differentiable)."""
+    differentiates twice (double backward; the kernels' backward passes are not differentiable).
+    ``contiguous=False``: the result may come in either memory order (see ``execute``)."""
     interceptor = INTERCEPTOR.get()
     if interceptor is not None:
         return interceptor(method, args)
     plan = prepared_plan(method, args) or checked_plan(method, args)
-    return execute(method, plan, args, record=record, for_grad=for_grad, twice=twice)
+    return execute(method, plan, args, record=record, for_grad=for_grad, twice=twice, contiguous=contiguous)
 
 
 def _define(method: str) -> None:
@@ -97,14 +106,14 @@ def _define(method: str) -> None:
 
     @torch.library.impl(name, "CompositeExplicitAutograd")
     def _impl(*args):
-        return _run(method, args)
+        return tokens_major(_run(method, args, contiguous=False))
 
     @torch.library.register_fake(name)
     def _fake(*args):
         q, k, v, attn_mask, is_causal, scale = args[:6]
         _validation.validate_inputs(method, q, k, v, attn_mask, scale, args[-2], args[-1])
         _validation.check_backend_dtype(method, args[-2], q.dtype)
-        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        return tokens_major_empty(q, v.shape[-1])
 
     @torch.library.impl(bwd_name, "CompositeExplicitAutograd")
     def _bwd_impl(grad_out, *args):
@@ -277,8 +286,8 @@ def _attention_noting_replay(known, q, k, v, config, is_causal, scale, backend, 
 
 
 def _attention(q, k, v, config, attn_mask, is_causal, scale, backend, tag, context_parallel, tuning, contiguous):
-    """:func:`attention` after its type checks (``tuning`` a Tuning); ``contiguous``: make a dense
-    result contiguous like the op's (else it keeps SDPA's layout)."""
+    """:func:`attention` after its type checks (``tuning`` a Tuning); ``contiguous``: a contiguous
+    result (else it may come in ``[B, N, H, D]`` memory order, as SDPA's and the op's do)."""
     if q.is_meta:  # shape inference (a model built on the meta device): SDPA's meta output
         _validation.validate_inputs(config.method, q, k, v, attn_mask, scale, backend, tag)
         return _meta_output(q, v)

@@ -63,6 +63,26 @@ def test_opcheck(method, masked):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", ["contiguous", "tokens-major"])
+def test_op_output_is_tokens_major(method, layout):
+    """The op returns ``[B, H, N, D]`` in ``[B, N, H, D]`` memory, as SDPA's flash and cuDNN
+    kernels do, whatever q's layout, so that a model's ``transpose(1, 2).contiguous()`` after it
+    copies nothing; its fake implementation says the same strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _qkv()
+    if layout == "tokens-major":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    args = _op_inputs(method, q, k, v)
+    out = op_for(method)(*args)
+    assert out.transpose(1, 2).is_contiguous() and not out.is_contiguous(), out.stride()
+    with FakeTensorMode() as mode:
+        fake = op_for(method)(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.shape == out.shape and fake.stride() == out.stride()
+    torch.testing.assert_close(out, sparseflow.attention(q, k, v, config=SMALL[method]))
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_opcheck_with_grad(method):
     q, k, v = _qkv(b=1, n=33)
     q.requires_grad_()

@@ -141,13 +141,14 @@ def _stride_order(t: torch.Tensor) -> Optional[List[int]]:
 
 
 def _restore_layout(graph: fx.Graph, new: fx.Node, old_out: torch.Tensor, val: torch.Tensor) -> fx.Node:
-    """Give the op's (contiguous) output the memory layout SDPA's output had.
+    """Give the op's output (``[B, N, H, D]``-major memory) the memory layout SDPA's output had.
 
     Export graphs are functional: a ``.contiguous()`` that was a no-op on SDPA's output (on the
-    CPU and CUDA, SDPA returns [B, N, H, D]-major memory) is gone from the graph, and a later
-    ``view`` relies on that layout. Permute to the old memory order, copy, permute back."""
+    CPU and CUDA, SDPA mostly returns [B, N, H, D]-major memory, as the op does) is gone from the
+    graph, and a later ``view`` relies on that layout. When the two differ: permute to the old
+    memory order, copy, permute back."""
     order = _stride_order(old_out)
-    if order is None or order == list(range(old_out.dim())):
+    if order is None or order == _stride_order(val):
         return new
     inverse = [order.index(d) for d in range(len(order))]
     with graph.inserting_after(new):
