@@ -2,7 +2,7 @@
 
 Op level (any q/k/v you give):
     check_exact_mode, check_matches_own_selection, check_causality, check_finite
-PISA's selection contract (issue 49: a walk scoring in bf16 / fp16 / tf32 keeps what the fp32
+PISA's selection contract (a walk scoring in bf16 / fp16 / tf32 keeps what the fp32
 reference keeps, up to near-ties within a stated tolerance):
     check_pisa_selection, selection_within_tolerance, walk_trace
 Model level:
@@ -211,7 +211,7 @@ def check_finite(q, k, v, config: AttentionConfig, **kw) -> torch.Tensor:
 
 
 def check_pisa_selection(q, k, trace, config=None, **kw) -> ToleranceReport:
-    """Property 8 (issue 49): a PISA walk's ``trace`` (its kept nodes per level, leaves first;
+    """Property 8: a PISA walk's ``trace`` (its kept nodes per level, leaves first;
     ``walk_trace`` gives the reference's) keeps what the fp32 reference walk keeps, up to
     near-ties within the tolerance of the precision it scores in (``precision=``, default
     "bf16"; ``delta=0`` asks for the reference's selection). ``kw``: the call's

@@ -1,4 +1,4 @@
-"""The PISA selection contract with a tolerance (issue 49), checked level by level.
+"""The PISA selection contract with a tolerance, checked level by level.
 
 **The rule.** A walk's selection is described by its *trace*: the node ids it keeps at every level
 of the pyramid, ``trace[l] [B, Hkv, Nq, W_l]`` (``-1`` padded, any order), leaves first
