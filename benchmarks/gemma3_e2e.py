@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 from typing import Dict, List, Optional
 
@@ -101,7 +102,7 @@ def run_length(base, tok, n: int, args) -> List[Dict[str, object]]:
     else:
         ids = torch.randint(0, base.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
     dense_logits = last_logits(base, ids, args.eval_positions)
-    rows = []
+    rows, models = [], {}
     for row in args.rows:
         if row == "recipe" and not args.recipe:
             continue
@@ -110,11 +111,38 @@ def run_length(base, tok, n: int, args) -> List[Dict[str, object]]:
         fid = fidelity_row(model, ids, dense_logits, args.eval_positions, record=row in SPARSEFLOW)
         rows.append({"n": n, "row": row, **timing, **fid})
         print(format_row(rows[-1]), flush=True)
+        if args.rounds > 1:
+            models[row] = model
         del model
+    if args.rounds > 1:
+        interleaved_rounds(rows, models, ids, args)
     fastest = min(r["ms"] for r in rows if r["row"] in BASELINES)
     for r in rows:
         r["speedup_vs_fastest_dense"] = fastest / r["ms"]
     return rows
+
+
+def interleaved_rounds(rows: List[Dict[str, object]], models, ids, args) -> None:
+    """``--rounds`` - 1 more timings of every row, the rows taking turns within a round, so that
+    a drift of the card's clock or temperature falls on all of them alike. Each row's ``ms``
+    becomes the median over rounds; ``round_ms`` keeps every round's median, and
+    ``round_speedups`` each round's speedup over that round's fastest dense baseline."""
+    for r in rows:
+        r["round_ms"] = [r["ms"]]
+    for _ in range(args.rounds - 1):
+        for r in rows:
+            r["round_ms"].append(time_forward(models[r["row"]], ids, args.reps, 1)["ms"])
+    per_round = list(zip(*(r["round_ms"] for r in rows if r["row"] in BASELINES)))
+    fastest = [min(ms) for ms in per_round]
+    for r in rows:
+        r["ms"] = statistics.median(r["round_ms"])
+        r["round_speedups"] = [f / ms for f, ms in zip(fastest, r["round_ms"])]
+        slower = sum(s < 1.0 for s in r["round_speedups"])
+        print(
+            f"{r['n']:>6} {r['row']:<13} {r['ms']:9.2f} ms over {args.rounds} rounds; speedup per round "
+            f"{min(r['round_speedups']):.3f}..{max(r['round_speedups']):.3f}, slower in {slower}",
+            flush=True,
+        )
 
 
 def format_row(r: Dict[str, object]) -> str:
@@ -140,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-positions", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="timing rounds, the rows taking turns (> 1: every row's model is kept)"
+    )
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--json", help="write the rows and the environment here")
     return ap
@@ -153,6 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.rows) - set(ROWS))
     if unknown:
         ap.error(f"--rows takes {','.join(ROWS)}; unknown: {unknown}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if any(n <= args.eval_positions for n in args.ns):
         ap.error(f"every length must exceed --eval-positions={args.eval_positions}")
     return args
