@@ -25,12 +25,32 @@ _CONFIG_TYPES = tuple(s.config_type for s in _methods.specs())  # the methods th
 def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: str) -> None:
     """Checks every call makes, on real and on fake tensors (so errors surface at trace time)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        _check_tensor(name, t)
+    _check_together(q, k, v)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
+        check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+
+
+def _check_tensor(name: str, t) -> None:
+    """One of q, k, v on its own: a 4-D floating tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+
+
+def _check_together(q, k, v) -> None:
+    """q, k and v against each other: one dtype and device, matching batch, heads and lengths."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
@@ -47,16 +67,6 @@ def validate_inputs(method: str, q, k, v, attn_mask, scale, backend: str, tag: s
         raise ValueError(f"q and k/v need at least one head, got q={tuple(qs)}, k={tuple(ks)}")
     if qs[1] % ks[1]:
         raise ValueError(f"query heads ({qs[1]}) must be a multiple of key/value heads ({ks[1]})")
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
-        check_mask(attn_mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), q.dtype)
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
 def check_backend_dtype(method: str, backend: str, dtype: torch.dtype) -> None:

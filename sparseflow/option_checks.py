@@ -40,63 +40,78 @@ def check_backend(method: str, backend: str, arg: str = "backend") -> None:
 
 
 def make_options(method, config, backend, filter_fn, skip_layers, layer_configs) -> RewriteOptions:
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str, one of {list(METHODS)}, got {type(method).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-    if config is None:
-        config = default_config(method)
-    elif not isinstance(config, AttentionConfig):
-        raise TypeError(
-            f"config must be a sparseflow config ({', '.join(c.__name__ for c in METHODS.values())}) "
-            f"or None, got {type(config).__name__}"
-        )
-    elif config.method != method:
-        raise ValueError(
-            f"config is a {type(config).__name__} (method {config.method!r}) but method={method!r}; "
-            f"pass method={config.method!r} or a {METHODS[method].__name__}"
-        )
+    config = _method_config(method, config)
     check_backend(method, backend)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(
             f"filter_fn must be a callable taking a module name and returning bool, got {type(filter_fn).__name__}"
         )
-    if skip_layers is None:
-        skip_layers = ()
-    if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable):
-        raise TypeError(f"skip_layers must be an iterable of layer indices, got {type(skip_layers).__name__}")
-    skip = []
-    for i in skip_layers:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"skip_layers must hold ints, got {i!r}")
-        if i < 0:
-            raise ValueError(f"skip_layers must hold non-negative layer indices, got {i}")
-        skip.append(i)
-    per_layer: Dict[int, Optional[AttentionConfig]] = {}
-    if layer_configs is not None:
-        if not isinstance(layer_configs, Mapping):
-            raise TypeError(
-                f"layer_configs must be a dict {{layer_index: config or None}}, got {type(layer_configs).__name__}"
-            )
-        for i, cfg in layer_configs.items():
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise TypeError(f"layer_configs keys must be int layer indices, got {i!r}")
-            if i < 0:
-                raise ValueError(f"layer_configs keys must be non-negative layer indices, got {i}")
-            if cfg is not None and not isinstance(cfg, AttentionConfig):
-                raise TypeError(f"layer_configs[{i}] must be a sparseflow config or None, got {type(cfg).__name__}")
-            if cfg is not None:
-                check_backend(cfg.method, backend, arg=f"backend (for layer_configs[{i}], method {cfg.method!r})")
-                if i in skip:
-                    raise ValueError(f"layer {i} is both in skip_layers and given a config in layer_configs")
-            per_layer[i] = cfg
+    skip = _skip_layers(skip_layers)
     return RewriteOptions(
         config=config,
         backend=backend,
         filter_fn=filter_fn,
         skip_layers=frozenset(skip),
-        layer_configs=per_layer,
+        layer_configs=_layer_configs(layer_configs, backend, skip),
     )
+
+
+def _method_config(method, config) -> AttentionConfig:
+    """``config`` (None: the method's default) after checking it is ``method``'s."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, one of {list(METHODS)}, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+    if config is None:
+        return default_config(method)
+    if not isinstance(config, AttentionConfig):
+        raise TypeError(
+            f"config must be a sparseflow config ({', '.join(c.__name__ for c in METHODS.values())}) "
+            f"or None, got {type(config).__name__}"
+        )
+    if config.method != method:
+        raise ValueError(
+            f"config is a {type(config).__name__} (method {config.method!r}) but method={method!r}; "
+            f"pass method={config.method!r} or a {METHODS[method].__name__}"
+        )
+    return config
+
+
+def _layer_index(i, name: str) -> int:
+    """``i`` as a layer index, else the error naming ``name`` (what holds it)."""
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise TypeError(f"{name} must be int layer indices, got {i!r}")
+    if i < 0:
+        raise ValueError(f"{name} must be non-negative layer indices, got {i}")
+    return i
+
+
+def _skip_layers(skip_layers) -> List[int]:
+    if skip_layers is None:
+        return []
+    if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable):
+        raise TypeError(f"skip_layers must be an iterable of layer indices, got {type(skip_layers).__name__}")
+    return [_layer_index(i, "skip_layers entries") for i in skip_layers]
+
+
+def _layer_configs(layer_configs, backend, skip: List[int]) -> Dict[int, Optional[AttentionConfig]]:
+    if layer_configs is None:
+        return {}
+    if not isinstance(layer_configs, Mapping):
+        raise TypeError(
+            f"layer_configs must be a dict {{layer_index: config or None}}, got {type(layer_configs).__name__}"
+        )
+    per_layer: Dict[int, Optional[AttentionConfig]] = {}
+    for i, cfg in layer_configs.items():
+        _layer_index(i, "layer_configs keys")
+        if cfg is not None and not isinstance(cfg, AttentionConfig):
+            raise TypeError(f"layer_configs[{i}] must be a sparseflow config or None, got {type(cfg).__name__}")
+        if cfg is not None:
+            check_backend(cfg.method, backend, arg=f"backend (for layer_configs[{i}], method {cfg.method!r})")
+            if i in skip:
+                raise ValueError(f"layer {i} is both in skip_layers and given a config in layer_configs")
+        per_layer[i] = cfg
+    return per_layer
 
 
 def check_model_context_parallel(context_parallel: Any):

@@ -234,6 +234,39 @@ def test_no_module_is_past_the_line_bound():
     )
 
 
+_COMPLEXITY_NOQA = re.compile(r"#\s*noqa:.*\b(C901|PLR0912|PLR0915)\b")
+
+
+def _complexity_exemptions_outside_kernels(source: str) -> list:
+    """Lines of ``source`` that silence a complexity rule anywhere but on a @triton.jit def."""
+    lines = source.splitlines()
+    return [
+        i + 1
+        for i, line in enumerate(lines)
+        if _COMPLEXITY_NOQA.search(line)
+        and not (line.lstrip().startswith("def ") and lines[i - 1].strip() == "@triton.jit")
+    ]
+
+
+def test_the_exemption_scan_sees_a_silenced_host_function():
+    kernel = "@triton.jit\ndef _k(  # noqa: C901, PLR0915\n    x,\n):\n    pass\n"
+    host = "def run(x):  # noqa: PLR0912\n    pass\n"
+    assert _complexity_exemptions_outside_kernels(kernel) == []
+    assert _complexity_exemptions_outside_kernels(host) == [1]
+
+
+def test_only_triton_kernels_are_exempt_from_the_complexity_bounds():
+    """pyproject's ruff bounds (C901 at 12, PLR0912, PLR0915) hold in the package; a @triton.jit
+    kernel may be exempt on its def line (constexpr branches are compile-time specialisations),
+    nothing else."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        bad = _complexity_exemptions_outside_kernels(path.read_text())
+        if bad:
+            found[path.relative_to(PACKAGE).as_posix()] = bad
+    assert not found, f"complexity rules silenced outside a @triton.jit def (split the function instead): {found}"
+
+
 # Import cycles known and being removed elsewhere, each the set of modules of one cycle; the test
 # fails when one of them is gone, so that its entry goes too.
 KNOWN_IMPORT_CYCLES: set = set()  # none left: a cycle that must stay is named here, with why

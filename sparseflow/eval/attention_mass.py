@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -159,6 +159,38 @@ def topk_recall(
     ``recall_free`` counts only the K-3 blocks that are not forced."""
     hq, hkv, n, d = _check_qk(q, k)
     selectors = check_selectors(selectors)
+    _check_recall_window(n, block_size, top_k, q_start)
+    g = hq // hkv
+    nb = -(-n // block_size)
+    scale = 1.0 / math.sqrt(d)
+    picked = {s: _selector_indices(s, q, k, block_size, top_k, branching) for s in selectors}
+    sums = {s: {"recall": 0.0, "recall_free": 0.0, "retained_mass": 0.0} for s in selectors}
+    oracle_mass = 0.0
+    count = 0
+    kf = k[0].float()  # [Hkv, N, D]
+    for t0 in range(q_start, n, chunk):
+        t = torch.arange(t0, min(n, t0 + chunk), device=q.device)
+        m = t.numel()
+        qc = q[0, :, t0 : t0 + m].float().view(hkv, g, m, d)
+        logits = torch.einsum("hgmd,hnd->hgmn", qc, kf) * scale  # [Hkv, g, m, N]
+        future = torch.arange(n, device=q.device)[None, :] > t[:, None]  # [m, N]
+        logits = logits.masked_fill(future, float("-inf"))
+        blocks = _ChunkBlocks.of(logits, t, block_size, top_k)
+        oracle_mass += float((blocks.mass * blocks.ref).sum(-1).sum())
+        for s in selectors:
+            if picked[s] is None:
+                sel = blocks.flat_lse_selection(logits)
+            else:
+                sel = _index_mask(picked[s][:, t0 : t0 + m], nb)
+            for key, value in blocks.scores(sel).items():
+                sums[s][key] += value
+        count += hkv * m
+    out = {s: {key: v / count for key, v in vals.items()} for s, vals in sums.items()}
+    out["oracle"] = {"retained_mass": oracle_mass / count}
+    return out
+
+
+def _check_recall_window(n: int, block_size: int, top_k: int, q_start: int) -> None:
     if top_k < 4:
         raise ValueError(f"top_k must be >= 4 (3 forced blocks + at least one chosen), got {top_k}")
     if not (0 <= q_start < n):
@@ -168,53 +200,61 @@ def topk_recall(
             f"q_start must be >= block_size*top_k={block_size * top_k} so every query has more "
             f"visible blocks than K (else recall is trivially 1), got {q_start}"
         )
-    g = hq // hkv
-    nb = -(-n // block_size)
-    scale = 1.0 / math.sqrt(d)
-    picked = {s: _selector_indices(s, q, k, block_size, top_k, branching) for s in selectors}
-    sums = {s: {"recall": 0.0, "recall_free": 0.0, "retained_mass": 0.0} for s in selectors}
-    oracle_mass = 0.0
-    count = 0
-    kf = k[0].float()  # [Hkv, N, D]
-    pad = nb * block_size - n
-    for t0 in range(q_start, n, chunk):
-        t = torch.arange(t0, min(n, t0 + chunk), device=q.device)
-        m = t.numel()
-        qc = q[0, :, t0 : t0 + m].float().view(hkv, g, m, d)
-        logits = torch.einsum("hgmd,hnd->hgmn", qc, kf) * scale  # [Hkv, g, m, N]
-        future = torch.arange(n, device=q.device)[None, :] > t[:, None]  # [m, N]
-        logits = logits.masked_fill(future, float("-inf"))
+
+
+class _ChunkBlocks(NamedTuple):
+    """One chunk of queries' block view: the group-averaged attention mass per block, the
+    forced / free blocks and the mass oracle's selection (forced plus the K-3 heaviest free)."""
+
+    mass: torch.Tensor  # [Hkv, m, nB]
+    forced: torch.Tensor  # [1, m, nB]
+    free: torch.Tensor  # [1, m, nB]
+    ref: torch.Tensor  # [Hkv, m, nB]
+    block_size: int
+    top_k: int
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, t: torch.Tensor, block_size: int, top_k: int) -> "_ChunkBlocks":
+        hkv, g, m, n = logits.shape
+        nb = -(-n // block_size)
         probs = torch.softmax(logits, dim=-1)
-        blocks = torch.nn.functional.pad(probs, (0, pad)).view(hkv, g, m, nb, block_size)
+        blocks = torch.nn.functional.pad(probs, (0, nb * block_size - n)).view(hkv, g, m, nb, block_size)
         mass = blocks.sum(-1).mean(1)  # [Hkv, m, nB] group-averaged mass per block
         cur = (t // block_size)[None, :, None]  # [1, m, 1]
-        bidx = torch.arange(nb, device=q.device)[None, None, :]
-        visible = bidx <= cur
+        bidx = torch.arange(nb, device=logits.device)[None, None, :]
         forced = (bidx == 0) | (bidx == cur) | (bidx == cur - 1)
-        free = visible & ~forced
-        n_free = top_k - 3
-        ref = forced.expand(hkv, m, nb) | _topk_mask(mass.masked_fill(~free, -1.0), n_free, free)
-        oracle_mass += float((mass * ref).sum(-1).sum())
-        for s in selectors:
-            if picked[s] is None:  # flat exact LSE: sum over the group's heads of each head's LSE
-                lse = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")).view(hkv, g, m, nb, block_size)
-                score = torch.logsumexp(lse, dim=-1)
-                score = torch.where(torch.isfinite(score), score, torch.zeros_like(score)).sum(1)  # [Hkv, m, nB]
-                sel = forced.expand(hkv, m, nb) | _topk_mask(score.masked_fill(~free, float("-inf")), n_free, free)
-            else:
-                idx = picked[s][:, t0 : t0 + m]  # [Hkv, m, K]
-                sel = torch.zeros(hkv, m, nb + 1, dtype=torch.bool, device=q.device)
-                sel.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, nb), idx), True)
-                sel = sel[..., :nb]
-            hit = (sel & ref).sum(-1).float()
-            hit_free = (sel & ref & free).sum(-1).float()
-            sums[s]["recall"] += float((hit / ref.sum(-1).float()).sum())
-            sums[s]["recall_free"] += float((hit_free / (ref & free).sum(-1).clamp_min(1).float()).sum())
-            sums[s]["retained_mass"] += float((mass * sel).sum(-1).sum())
-        count += hkv * m
-    out = {s: {key: v / count for key, v in vals.items()} for s, vals in sums.items()}
-    out["oracle"] = {"retained_mass": oracle_mass / count}
-    return out
+        free = (bidx <= cur) & ~forced
+        ref = forced.expand(hkv, m, nb) | _topk_mask(mass.masked_fill(~free, -1.0), top_k - 3, free)
+        return cls(mass, forced, free, ref, block_size, top_k)
+
+    def flat_lse_selection(self, logits: torch.Tensor) -> torch.Tensor:
+        """Flat exact LSE: forced plus the best free blocks by the sum over the group's heads of
+        each head's block LSE."""
+        hkv, g, m, n = logits.shape
+        nb = self.mass.shape[-1]
+        lse = torch.nn.functional.pad(logits, (0, nb * self.block_size - n), value=float("-inf"))
+        score = torch.logsumexp(lse.view(hkv, g, m, nb, self.block_size), dim=-1)
+        score = torch.where(torch.isfinite(score), score, torch.zeros_like(score)).sum(1)  # [Hkv, m, nB]
+        chosen = _topk_mask(score.masked_fill(~self.free, float("-inf")), self.top_k - 3, self.free)
+        return self.forced.expand(hkv, m, nb) | chosen
+
+    def scores(self, sel: torch.Tensor) -> Dict[str, float]:
+        """Sums over the chunk's rows of recall, free-block recall and retained mass of ``sel``."""
+        ref, free = self.ref, self.free
+        hit = (sel & ref).sum(-1).float()
+        hit_free = (sel & ref & free).sum(-1).float()
+        return {
+            "recall": float((hit / ref.sum(-1).float()).sum()),
+            "recall_free": float((hit_free / (ref & free).sum(-1).clamp_min(1).float()).sum()),
+            "retained_mass": float((self.mass * sel).sum(-1).sum()),
+        }
+
+
+def _index_mask(idx: torch.Tensor, nb: int) -> torch.Tensor:
+    """``[Hkv, m, K]`` block indices (-1: none) as a ``[Hkv, m, nB]`` mask."""
+    sel = torch.zeros(*idx.shape[:2], nb + 1, dtype=torch.bool, device=idx.device)
+    sel.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, nb), idx), True)
+    return sel[..., :nb]
 
 
 def _topk_mask(scores: torch.Tensor, k: int, allowed: torch.Tensor) -> torch.Tensor:

@@ -719,7 +719,7 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def _bwd_dkdv_kernel(  # noqa: PLR0915
     q_ptr,
     k_ptr,
     v_ptr,

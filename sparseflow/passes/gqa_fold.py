@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -173,21 +173,10 @@ def match_repeat_kv(node: Any) -> Optional[RepeatMatch]:
     if out is None or out.dim() != 4:
         return None
     chain: List[fx.Node] = []
-    cur = node
-    # after the expand: order-preserving ops back to the expand (or a repeat_interleave)
-    while True:
-        ri = _match_repeat_interleave(cur)
-        if ri is not None:
-            return RepeatMatch(ri.base, ri.n_rep, tuple(chain) + ri.chain)
-        if _is_call(cur, _EXPAND_FUNCS, _EXPAND_METHODS):
-            break
-        if not _order_preserving(cur) or len(chain) > 8:
-            return None
-        chain.append(cur)
-        cur = cur.args[0] if cur.args else None
-        if not isinstance(cur, fx.Node):
-            return None
-    expand = cur
+    found = _back_to_expand(node, chain)
+    if not isinstance(found, fx.Node):
+        return found  # a repeat_interleave's match, or None
+    expand = found
     chain.append(expand)
     e_out = fake_of(expand)
     cur = expand.args[0] if expand.args else None
@@ -196,20 +185,9 @@ def match_repeat_kv(node: Any) -> Optional[RepeatMatch]:
     e_in = fake_of(cur)
     if e_in is None or e_out is None or e_in.dim() != 5 or e_out.dim() != 5:
         return None
-    # before the expand: order-preserving ops back to a 4-D base
-    base = cur
-    while True:
-        t = fake_of(base)
-        if t is None:
-            return None
-        if t.dim() == 4:
-            break
-        if not _order_preserving(base) or len(chain) > 16:
-            return None
-        chain.append(base)
-        base = base.args[0] if base.args else None
-        if not isinstance(base, fx.Node):
-            return None
+    base = _back_to_base(cur, chain)
+    if base is None:
+        return None
     b, h, n, d = fake_of(base).shape
     reps = _static_int(e_out.shape[2])
     if reps is None or reps < 1:
@@ -221,6 +199,42 @@ def match_repeat_kv(node: Any) -> Optional[RepeatMatch]:
     ):
         return None
     return RepeatMatch(base, reps, tuple(chain))
+
+
+def _back_to_expand(node: fx.Node, chain: List[fx.Node]) -> Union[fx.Node, RepeatMatch, None]:
+    """From the repeated tensor back through order-preserving ops (appended to ``chain``) to the
+    expand (returned), or to a repeat_interleave (its whole match returned); else None."""
+    cur: Any = node
+    while True:
+        ri = _match_repeat_interleave(cur)
+        if ri is not None:
+            return RepeatMatch(ri.base, ri.n_rep, tuple(chain) + ri.chain)
+        if _is_call(cur, _EXPAND_FUNCS, _EXPAND_METHODS):
+            return cur
+        if not _order_preserving(cur) or len(chain) > 8:
+            return None
+        chain.append(cur)
+        cur = cur.args[0] if cur.args else None
+        if not isinstance(cur, fx.Node):
+            return None
+
+
+def _back_to_base(cur: fx.Node, chain: List[fx.Node]) -> Optional[fx.Node]:
+    """From the expand's input back through order-preserving ops (appended to ``chain``) to a
+    4-D tensor, the repeat's base; None if there is none."""
+    base: Any = cur
+    while True:
+        t = fake_of(base)
+        if t is None:
+            return None
+        if t.dim() == 4:
+            return base
+        if not _order_preserving(base) or len(chain) > 16:
+            return None
+        chain.append(base)
+        base = base.args[0] if base.args else None
+        if not isinstance(base, fx.Node):
+            return None
 
 
 def fold_kv(k: Any, v: Any, n_q_heads) -> Tuple[Optional[RepeatMatch], Optional[RepeatMatch], str]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, FrozenSet, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -266,43 +266,8 @@ class _Interpreter:
     def _eval_call(self, t, n: fx.Node) -> _Value:
         """The value of ``t(*n.args, **n.kwargs)`` (``n`` a function call, or a method call with
         the tensor as its first argument)."""
-        if t in _ARANGE:
-            return self._arange(n)
-        if t in _ADD:
-            return self._add(n)
-        if t is operator.getitem:
-            return self._getitem(n)
-        if t in _UNSQUEEZE:
-            return self._unsqueeze(self.value(n.args[0]), n.args[1])
-        for op, targets in _COMPARE.items():
-            if t in targets:
-                return self._compare(self.value(n.args[0]), self.value(n.args[1]), op)
-        if t in _SUB:
-            return self._add(n, sign=-1)
-        if t in _FLOORDIV or (t in _DIV and n.kwargs.get("rounding_mode") == "floor"):
-            return self._floordiv(self.value(n.args[0]), self.value(n.args[1]))
-        if t in _AND:
-            return self._and(self.value(n.args[0]), self.value(n.args[1]))
-        if t in _EXPAND:
-            return self._expand(self.value(n.args[0]), n.args[1])
-        if t in _SLICE:
-            return self._slice(self.value(n.args[0]), *n.args[1:])
-        if t in _DIFF:
-            return self._diff(n)
-        if t in _CUMSUM:
-            v = self.value(n.args[0])
-            return _Const(0) if isinstance(v, _Const) and v.value in (0, False) else None
-        if t in _EQ or t in _NE:
-            return self._equal(self.value(n.args[0]), self.value(n.args[1]), negate=t in _NE)
-        if t in _TO_COPY:
-            return self._to(n, n.args[0], n.kwargs, n.args[1:])
-        if t in _ONES:
-            return _Bool(frozenset()) if _is_bool_dtype(n.kwargs) else None
-        if t in _ZEROS:
-            return _zeros(n.args, n.kwargs)
-        if t in _INDEX:
-            return self._index(self.value(n.args[0]), list(n.args[1]))
-        return None
+        handler = _CALL_HANDLERS.get(t)
+        return None if handler is None else handler(self, n)
 
     def _method(self, n: fx.Node) -> _Value:
         name = n.target
@@ -316,8 +281,7 @@ class _Interpreter:
             v = self.value(n.args[0])
             return v if isinstance(v, _Bool) else None
         if name == "cumsum":
-            v = self.value(n.args[0])
-            return _Const(0) if isinstance(v, _Const) and v.value in (0, False) else None
+            return _zero_cumsum(self.value(n.args[0]))
         if name == "to":
             return self._to(n, n.args[0], n.kwargs, n.args[1:])
         if name == "new_ones":
@@ -638,3 +602,51 @@ def prove_mask(mask: fx.Node, *, windows: bool = False) -> Optional[MaskProof]:
         sliding_window=window,
         chunk_size=chunk,
     )
+
+
+def _call_handlers() -> Dict[Any, Callable[["_Interpreter", fx.Node], _Value]]:
+    """Each function target the proof reads, with how the evaluator values its call. A target in
+    two families keeps the first (the order below)."""
+    first = lambda s, n: s.value(n.args[0])  # noqa: E731
+    second = lambda s, n: s.value(n.args[1])  # noqa: E731
+    families = [
+        (_ARANGE, lambda s, n: s._arange(n)),
+        (_ADD, lambda s, n: s._add(n)),
+        ({operator.getitem}, lambda s, n: s._getitem(n)),
+        (_UNSQUEEZE, lambda s, n: s._unsqueeze(first(s, n), n.args[1])),
+    ]
+    families += [
+        (targets, lambda s, n, op=op: s._compare(first(s, n), second(s, n), op)) for op, targets in _COMPARE.items()
+    ]
+    families += [
+        (_SUB, lambda s, n: s._add(n, sign=-1)),
+        (_FLOORDIV, lambda s, n: s._floordiv(first(s, n), second(s, n))),
+        (
+            _DIV,
+            lambda s, n: s._floordiv(first(s, n), second(s, n)) if n.kwargs.get("rounding_mode") == "floor" else None,
+        ),
+        (_AND, lambda s, n: s._and(first(s, n), second(s, n))),
+        (_EXPAND, lambda s, n: s._expand(first(s, n), n.args[1])),
+        (_SLICE, lambda s, n: s._slice(first(s, n), *n.args[1:])),
+        (_DIFF, lambda s, n: s._diff(n)),
+        (_CUMSUM, lambda s, n: _zero_cumsum(first(s, n))),
+        (_EQ, lambda s, n: s._equal(first(s, n), second(s, n), negate=False)),
+        (_NE, lambda s, n: s._equal(first(s, n), second(s, n), negate=True)),
+        (_TO_COPY, lambda s, n: s._to(n, n.args[0], n.kwargs, n.args[1:])),
+        (_ONES, lambda s, n: _Bool(frozenset()) if _is_bool_dtype(n.kwargs) else None),
+        (_ZEROS, lambda s, n: _zeros(n.args, n.kwargs)),
+        (_INDEX, lambda s, n: s._index(first(s, n), list(n.args[1]))),
+    ]
+    table: Dict[Any, Callable[["_Interpreter", fx.Node], _Value]] = {}
+    for targets, handler in families:
+        for t in targets:
+            table.setdefault(t, handler)
+    return table
+
+
+def _zero_cumsum(v: _Value) -> _Value:
+    """A cumsum's value: that of a cumsum of zeros (0), else unknown."""
+    return _Const(0) if isinstance(v, _Const) and v.value in (0, False) else None
+
+
+_CALL_HANDLERS = _call_handlers()

@@ -76,6 +76,12 @@ class Recipe:
             raise RecipeError(f"recipe name must be a non-empty str, got {self.name!r}")
         if not self.model_types:
             raise RecipeError(f"recipe {self.name!r}: model_types must name at least one model family")
+        self._check_configs()
+        self._check_dense_layers()
+        for method, per_layer in self.layer_overrides.items():
+            self._check_overrides(method, per_layer)
+
+    def _check_configs(self) -> None:
         if not self.configs:
             raise RecipeError(f"recipe {self.name!r}: configs must give at least one method")
         for method, cfg in self.configs.items():
@@ -87,6 +93,8 @@ class Recipe:
                 raise RecipeError(
                     f"recipe {self.name!r}: configs[{method!r}] must be a {METHODS[method].__name__}, got {cfg!r}"
                 )
+
+    def _check_dense_layers(self) -> None:
         for i in self.dense_layers:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise RecipeError(f"recipe {self.name!r}: dense_layers must hold non-negative ints, got {i!r}")
@@ -94,20 +102,21 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r}: dense layer {i} >= num_layers={self.num_layers}")
         if len(set(self.dense_layers)) != len(self.dense_layers):
             raise RecipeError(f"recipe {self.name!r}: dense_layers has duplicates: {list(self.dense_layers)}")
-        for method, per_layer in self.layer_overrides.items():
-            if method not in self.configs:
-                raise RecipeError(f"recipe {self.name!r}: layer_overrides for {method!r}, which has no config")
-            for i, changes in per_layer.items():
-                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                    raise RecipeError(
-                        f"recipe {self.name!r}: layer_overrides[{method!r}] keys must be non-negative ints, got {i!r}"
-                    )
-                if i in self.dense_layers:
-                    raise RecipeError(f"recipe {self.name!r}: layer {i} is dense and has layer_overrides")
-                try:
-                    self.configs[method].replace(**dict(changes))
-                except (TypeError, ValueError) as exc:
-                    raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
+
+    def _check_overrides(self, method: str, per_layer: Mapping[int, Mapping[str, Any]]) -> None:
+        if method not in self.configs:
+            raise RecipeError(f"recipe {self.name!r}: layer_overrides for {method!r}, which has no config")
+        for i, changes in per_layer.items():
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise RecipeError(
+                    f"recipe {self.name!r}: layer_overrides[{method!r}] keys must be non-negative ints, got {i!r}"
+                )
+            if i in self.dense_layers:
+                raise RecipeError(f"recipe {self.name!r}: layer {i} is dense and has layer_overrides")
+            try:
+                self.configs[method].replace(**dict(changes))
+            except (TypeError, ValueError) as exc:
+                raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
 
     def layer_configs_for(
         self, method: str, base: AttentionConfig, n_layers: Optional[int] = None

@@ -145,7 +145,7 @@ def _merge_top_k(top_v, top_i, key, blk, offs_k, TOPK: tl.constexpr, KP: tl.cons
 
 
 @triton.jit
-def _bsa_select_kernel(
+def _bsa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     q_ptr,
     sums_ptr,
     cnt_ptr,

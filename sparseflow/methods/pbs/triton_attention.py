@@ -60,7 +60,7 @@ PAD_POS = 2**31 - 1
 
 
 @triton.jit
-def _tile(
+def _tile(  # noqa: C901, PLR0912, PLR0915
     acc,
     l_i,
     m_i,
@@ -183,7 +183,7 @@ def _tile(
 
 
 @triton.jit
-def _pbs_fwd_kernel(
+def _pbs_fwd_kernel(  # noqa: PLR0915
     Q,
     K,
     V,

@@ -153,7 +153,7 @@ def _dot(a, b, IEEE: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _estimate_step(
+def _estimate_step(  # noqa: PLR0912
     j0,
     q,
     q_base,
@@ -364,7 +364,7 @@ def _estimate_loop(
 
 
 @triton.jit
-def _strided_estimate_kernel(
+def _strided_estimate_kernel(  # noqa: PLR0915
     Q,
     K,
     KPOS,

@@ -49,7 +49,7 @@ def _slot_rows(
 
 
 @triton.jit
-def _gather_pool_kernel(
+def _gather_pool_kernel(  # noqa: C901, PLR0912, PLR0915
     X,
     Y,
     PERM,

@@ -63,7 +63,7 @@ __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "s
 
 
 @triton.jit
-def _select_rows_kernel(
+def _select_rows_kernel(  # noqa: PLR0912, PLR0915
     LOGITS,
     LENS,
     KCNT,
@@ -601,7 +601,7 @@ def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max
 
 
 @triton.jit
-def _proxy_pass(
+def _proxy_pass(  # noqa: PLR0912, PLR0915
     Q,
     K,
     KVALID,

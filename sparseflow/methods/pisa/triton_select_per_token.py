@@ -115,7 +115,7 @@ def _compact(cand, keep, ar_kp, ar_cw):
 
 
 @triton.jit
-def _pisa_select_kernel(
+def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     q_ptr,
     k_ptr,
     kpm_ptr,

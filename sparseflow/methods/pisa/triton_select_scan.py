@@ -334,7 +334,7 @@ def _head_scores(logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.c
 
 
 @triton.jit
-def _node_scan_kernel(
+def _node_scan_kernel(  # noqa: PLR0912, PLR0915
     q_ptr,
     summ_ptr,
     nfv_ptr,

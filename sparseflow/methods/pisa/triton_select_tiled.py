@@ -358,7 +358,7 @@ def _anc(leaf, span):
 
 
 @triton.jit
-def _pisa_select_tiled_kernel(
+def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
     q_ptr,
     k_ptr,
     kpm_ptr,
