@@ -34,7 +34,8 @@ What the function bodies compute (checked against the PyTorch reference by tests
   in the original key order with the block mask gathered per key.
 * ``PISAAttention`` (:mod:`sparseflow.methods.pisa.onnx`): the pyramid walk per query token as an ONNX
   ``Loop`` over levels (their number depends on N, so the length stays dynamic), scores "lse",
-  "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level.
+  "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level; with a
+  local window the nodes wholly before the window's first block are no candidates.
 
 Every option of every config has a body, so the export-time refusals are about the calls
 themselves (masks other than causal / key padding, Nq != Nk, value head dim != query head dim) and

@@ -686,11 +686,8 @@ def test_window_attributes_are_optional():
 
 @pytest.mark.parametrize(
     "cfg",
-    [
-        sparseflow.PISAConfig(block_size=8, sliding_window=16),
-        sparseflow.PBSConfig(block_size=8, segment_size=16, sliding_window=16),
-    ],
-    ids=["pisa", "pbs"],
+    [sparseflow.PBSConfig(block_size=8, segment_size=16, sliding_window=16)],
+    ids=["pbs"],
 )
 def test_sparse_method_with_a_window_is_refused(tmp_path, cfg):
     """A sparse method chooses its blocks inside the window; a node body that does not would choose
@@ -745,6 +742,19 @@ WINDOWED_NODES = {
     "bsa-sliding-23-nosink": (sparseflow.BSAConfig(block_size=4, top_k=3, force_sink=False, sliding_window=23), (50,)),
     "bsa-chunk-32": (sparseflow.BSAConfig(block_size=4, top_k=3, chunk_size=32), (61, 100)),
     "bsa-chunk-48-noprev": (sparseflow.BSAConfig(block_size=4, top_k=4, force_previous=False, chunk_size=48), (90,)),
+    "pisa-sliding-29": (sparseflow.PISAConfig(block_size=4, top_k=3, sliding_window=29), (61, 100)),
+    "pisa-chunk-32-mean-g3": (
+        sparseflow.PISAConfig(block_size=4, top_k=4, branching=3, score="mean", chunk_size=32),
+        (61, 100),
+    ),
+    "pisa-sliding-40-mean_var-beam2": (
+        sparseflow.PISAConfig(block_size=4, top_k=3, score="mean_var", beam=2, sliding_window=40),
+        (100,),
+    ),
+    "pisa-sliding-23-noprev": (
+        sparseflow.PISAConfig(block_size=4, top_k=3, force_previous=False, sliding_window=23),
+        (61,),
+    ),
 }
 
 
@@ -794,7 +804,10 @@ def test_windowed_sparse_node_matches_op(case):
 
 # method: a config whose top-K is narrower than the blocks conftest.WINDOW spans, so the
 # windowed layers run the method inside their window (not the exact window)
-WINDOWED_MODELS = {"bsa": sparseflow.BSAConfig(block_size=4, top_k=3)}
+WINDOWED_MODELS = {
+    "bsa": sparseflow.BSAConfig(block_size=4, top_k=3),
+    "pisa": sparseflow.PISAConfig(block_size=4, top_k=3),
+}
 
 
 @pytest.mark.parametrize("method", WINDOWED_MODELS)
@@ -847,7 +860,7 @@ class _WindowedOp(torch.nn.Module):
         return sparseflow.attention(q, k, v, config=self.cfg, attn_mask=kpm[:, None, None, :], scale=0.3)
 
 
-@pytest.mark.parametrize("case", ["bsa-sliding-40", "bsa-chunk-32"])
+@pytest.mark.parametrize("case", ["bsa-sliding-40", "bsa-chunk-32", "pisa-sliding-29", "pisa-chunk-32-mean-g3"])
 def test_windowed_op_call_exports_with_dynamic_length(case):
     """An op call carrying a sliding or chunked window, exported once (64 tokens, dynamic length):
     the file computes the op at 64 tokens and at the other lengths of the case, GQA and padding."""
