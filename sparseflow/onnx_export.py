@@ -31,7 +31,9 @@ What the function bodies compute (checked against the PyTorch reference by tests
 * ``PBSAttention`` (:mod:`sparseflow.methods.pbs.onnx`): proxy key scores from the last query block,
   per-segment key permutation (``TopK``, stable), block probabilities (``scoring`` "mean" or
   "antidiagonal"), cumulative-mass threshold, forced own-region and sink blocks, then attention
-  in the original key order with the block mask gathered per key.
+  in the original key order with the block mask gathered per key. With a local window the
+  candidates and forced blocks are those holding a valid key at or after the window's bound of
+  the query block's first query, and the threshold is a share of their mass.
 * ``PISAAttention`` (:mod:`sparseflow.methods.pisa.onnx`): the pyramid walk per query token as an ONNX
   ``Loop`` over levels (their number depends on N, so the length stays dynamic), scores "lse",
   "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level; with a
@@ -303,8 +305,9 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
         # all keys and only then cut them to the window: another selection
         return (
             f"{method} at {tag or '<root>'}: the ONNX body of {spec.onnx.node_type} does not choose its blocks "
-            f"inside a local window yet (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}); "
-            "give the window to method='dense'"
+            f"inside a local window (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}): it would "
+            "choose them over all keys and only then cut them to the window, another selection than the op's "
+            "(its OnnxBody is not marked windows=True); give the window to method='dense'"
         )
     reason = spec.onnx.refuse(cfg)
     return f"{method} at {tag or '<root>'}: {reason}" if reason else ""

@@ -684,22 +684,27 @@ def test_window_attributes_are_optional():
     assert _rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [sparseflow.PBSConfig(block_size=8, segment_size=16, sliding_window=16)],
-    ids=["pbs"],
-)
-def test_sparse_method_with_a_window_is_refused(tmp_path, cfg):
-    """A sparse method chooses its blocks inside the window; a node body that does not would choose
-    them over all keys and only then cut them to the window: refused, naming the node, the window
-    and the way that exports."""
+def test_sparse_method_with_a_window_is_refused(tmp_path, monkeypatch):
+    """A sparse method chooses its blocks inside the window; a node body that does not
+    (``OnnxBody.windows`` off, as a method registered without it) would choose them over all keys
+    and only then cut them to the window: refused, naming the node, the window and the way that
+    exports. Every built-in body chooses inside the window; a BSA body marked otherwise stands in."""
+    import dataclasses
+
+    import sparseflow.onnx_export as onnx_export
+
+    cfg = sparseflow.BSAConfig(block_size=8, sliding_window=16)
+    spec = sparseflow.methods.spec_for(cfg)
+    unwindowed = dataclasses.replace(spec, onnx=dataclasses.replace(spec.onnx, windows=False))
+    spec_for = sparseflow.methods.spec_for
+    monkeypatch.setattr(onnx_export, "spec_for", lambda m: unwindowed if m == "bsa" else spec_for(m))
 
     class Windowed(torch.nn.Module):
         def forward(self, q, k, v):
             return sparseflow.attention(q, k, v, config=cfg, is_causal=True)
 
     q = torch.randn(1, 2, 40, 16)
-    node = sparseflow.methods.spec_for(cfg).onnx.node_type
+    node = spec.onnx.node_type
     with pytest.raises(
         OnnxExportError, match=rf"{node} does not choose its blocks inside a local window.*sliding_window=16.*'dense'"
     ):
@@ -750,6 +755,32 @@ WINDOWED_NODES = {
     "pisa-sliding-40-mean_var-beam2": (
         sparseflow.PISAConfig(block_size=4, top_k=3, score="mean_var", beam=2, sliding_window=40),
         (100,),
+    ),
+    "pbs-sliding-30": (
+        sparseflow.PBSConfig(block_size=4, segment_size=16, threshold=0.6, sliding_window=30),
+        (61, 100),
+    ),
+    "pbs-chunk-32-kv_head": (
+        sparseflow.PBSConfig(block_size=4, segment_size=16, threshold=0.7, chunk_size=32, gqa_permutation="kv_head"),
+        (61, 100),
+    ),
+    "pbs-sliding-37-antidiagonal-causal_proxy": (
+        sparseflow.PBSConfig(
+            block_size=4,
+            segment_size=16,
+            threshold=0.6,
+            scoring="antidiagonal",
+            antidiagonal_stride=2,
+            causal_proxy=True,
+            sliding_window=37,
+        ),
+        (100,),
+    ),
+    "pbs-sliding-23-nopermute-nosink": (
+        sparseflow.PBSConfig(
+            block_size=4, segment_size=16, threshold=0.6, permute=False, force_sink=False, sliding_window=23
+        ),
+        (61,),
     ),
     "pisa-sliding-23-noprev": (
         sparseflow.PISAConfig(block_size=4, top_k=3, force_previous=False, sliding_window=23),
@@ -807,6 +838,7 @@ def test_windowed_sparse_node_matches_op(case):
 WINDOWED_MODELS = {
     "bsa": sparseflow.BSAConfig(block_size=4, top_k=3),
     "pisa": sparseflow.PISAConfig(block_size=4, top_k=3),
+    "pbs": sparseflow.PBSConfig(block_size=4, segment_size=8, threshold=0.6),
 }
 
 
@@ -860,7 +892,17 @@ class _WindowedOp(torch.nn.Module):
         return sparseflow.attention(q, k, v, config=self.cfg, attn_mask=kpm[:, None, None, :], scale=0.3)
 
 
-@pytest.mark.parametrize("case", ["bsa-sliding-40", "bsa-chunk-32", "pisa-sliding-29", "pisa-chunk-32-mean-g3"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bsa-sliding-40",
+        "bsa-chunk-32",
+        "pisa-sliding-29",
+        "pisa-chunk-32-mean-g3",
+        "pbs-sliding-30",
+        "pbs-chunk-32-kv_head",
+    ],
+)
 def test_windowed_op_call_exports_with_dynamic_length(case):
     """An op call carrying a sliding or chunked window, exported once (64 tokens, dynamic length):
     the file computes the op at 64 tokens and at the other lengths of the case, GQA and padding."""
