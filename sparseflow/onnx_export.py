@@ -24,19 +24,25 @@ What the function bodies compute (checked against the PyTorch reference by tests
 * ``BSAAttention``: the full BSA selection -- block means over valid keys, group-summed scores,
   forced current / previous / sink blocks, ``TopK`` with ties to the lower block index (ONNX
   ``TopK`` breaks ties by the lower index, as the reference's stable sort does), then attention
-  restricted to the selected blocks with the element-level causal mask. The selection is computed
+  restricted to the selected blocks with the element-level causal mask. With a local window the
+  candidates (forced ones too) are the visible blocks from the window's first block on. The selection is computed
   densely on the ``[N, N/C]`` block scores and the attention on the ``[N, N]`` scores: a portable
   O(N^2) fallback, not a fast kernel.
 * ``PBSAttention`` (:mod:`sparseflow.methods.pbs.onnx`): proxy key scores from the last query block,
   per-segment key permutation (``TopK``, stable), block probabilities (``scoring`` "mean" or
   "antidiagonal"), cumulative-mass threshold, forced own-region and sink blocks, then attention
-  in the original key order with the block mask gathered per key.
+  in the original key order with the block mask gathered per key. With a local window the
+  candidates and forced blocks are those holding a valid key at or after the window's bound of
+  the query block's first query, and the threshold is a share of their mass.
 * ``PISAAttention`` (:mod:`sparseflow.methods.pisa.onnx`): the pyramid walk per query token as an ONNX
   ``Loop`` over levels (their number depends on N, so the length stays dynamic), scores "lse",
-  "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level.
+  "mean" or "mean_var", forced current / previous / sink ancestors, ``top_k`` per level; with a
+  local window the nodes wholly before the window's first block are no candidates.
 
 Every option of every config has a body, so the export-time refusals are about the calls
-themselves: masks other than causal / key padding, Nq != Nk, value head dim != query head dim.
+themselves (masks other than causal / key padding, Nq != Nk, value head dim != query head dim) and
+the local window of a sparse method whose body does not choose its blocks inside it
+(``OnnxBody.windows``).
 A node carrying a setting its body does not know (written by another tool) makes the body
 output NaN, never a different attention.
 """
@@ -294,13 +300,14 @@ def _refusal(method: str, cfg: AttentionConfig, n_k, tag: str) -> str:
     if method not in METHODS:
         return f"unknown method {method!r} at {tag or '<root>'}"
     spec = spec_for(method)
-    if cfg.has_window and spec.sparse:
-        # a sparse method chooses its blocks inside the window; its body would choose them over
+    if cfg.has_window and spec.sparse and not spec.onnx.windows:
+        # a sparse method chooses its blocks inside the window; this body would choose them over
         # all keys and only then cut them to the window: another selection
         return (
             f"{method} at {tag or '<root>'}: the ONNX body of {spec.onnx.node_type} does not choose its blocks "
-            f"inside a local window yet (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}); "
-            "give the window to method='dense'"
+            f"inside a local window (sliding_window={cfg.sliding_window}, chunk_size={cfg.chunk_size}): it would "
+            "choose them over all keys and only then cut them to the window, another selection than the op's "
+            "(its OnnxBody is not marked windows=True); give the window to method='dense'"
         )
     reason = spec.onnx.refuse(cfg)
     return f"{method} at {tag or '<root>'}: {reason}" if reason else ""

@@ -684,25 +684,27 @@ def test_window_attributes_are_optional():
     assert _rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        sparseflow.BSAConfig(block_size=8, sliding_window=16),
-        sparseflow.PBSConfig(block_size=8, segment_size=16, sliding_window=16),
-    ],
-    ids=["bsa", "pbs"],
-)
-def test_sparse_method_with_a_window_is_refused(tmp_path, cfg):
-    """A sparse method chooses its blocks inside the window (BSA and PBS do in PyTorch); its node's
-    body would choose them over all keys and only then cut them to the window: refused, naming
-    the node, the window and the way that exports."""
+def test_sparse_method_with_a_window_is_refused(tmp_path, monkeypatch):
+    """A sparse method chooses its blocks inside the window; a node body that does not
+    (``OnnxBody.windows`` off, as a method registered without it) would choose them over all keys
+    and only then cut them to the window: refused, naming the node, the window and the way that
+    exports. Every built-in body chooses inside the window; a BSA body marked otherwise stands in."""
+    import dataclasses
+
+    import sparseflow.onnx_export as onnx_export
+
+    cfg = sparseflow.BSAConfig(block_size=8, sliding_window=16)
+    spec = sparseflow.methods.spec_for(cfg)
+    unwindowed = dataclasses.replace(spec, onnx=dataclasses.replace(spec.onnx, windows=False))
+    spec_for = sparseflow.methods.spec_for
+    monkeypatch.setattr(onnx_export, "spec_for", lambda m: unwindowed if m == "bsa" else spec_for(m))
 
     class Windowed(torch.nn.Module):
         def forward(self, q, k, v):
             return sparseflow.attention(q, k, v, config=cfg, is_causal=True)
 
     q = torch.randn(1, 2, 40, 16)
-    node = sparseflow.methods.spec_for(cfg).onnx.node_type
+    node = spec.onnx.node_type
     with pytest.raises(
         OnnxExportError, match=rf"{node} does not choose its blocks inside a local window.*sliding_window=16.*'dense'"
     ):
@@ -735,3 +737,187 @@ def test_gemma3_windows_export_and_match(tmp_path):
     with torch.no_grad():
         plain = model(x, use_cache=False).logits
     assert _rel(got, plain) < 1e-4
+
+
+# A window the selection must choose inside: it spans more blocks than the top-K keeps, and the
+# lengths reach past it, so choosing over all keys and cutting to the window would differ.
+# (config, lengths)
+WINDOWED_NODES = {
+    "bsa-sliding-40": (sparseflow.BSAConfig(block_size=8, top_k=3, sliding_window=40), (61, 100)),
+    "bsa-sliding-23-nosink": (sparseflow.BSAConfig(block_size=4, top_k=3, force_sink=False, sliding_window=23), (50,)),
+    "bsa-chunk-32": (sparseflow.BSAConfig(block_size=4, top_k=3, chunk_size=32), (61, 100)),
+    "bsa-chunk-48-noprev": (sparseflow.BSAConfig(block_size=4, top_k=4, force_previous=False, chunk_size=48), (90,)),
+    "pisa-sliding-29": (sparseflow.PISAConfig(block_size=4, top_k=3, sliding_window=29), (61, 100)),
+    "pisa-chunk-32-mean-g3": (
+        sparseflow.PISAConfig(block_size=4, top_k=4, branching=3, score="mean", chunk_size=32),
+        (61, 100),
+    ),
+    "pisa-sliding-40-mean_var-beam2": (
+        sparseflow.PISAConfig(block_size=4, top_k=3, score="mean_var", beam=2, sliding_window=40),
+        (100,),
+    ),
+    "pbs-sliding-30": (
+        sparseflow.PBSConfig(block_size=4, segment_size=16, threshold=0.6, sliding_window=30),
+        (61, 100),
+    ),
+    "pbs-chunk-32-kv_head": (
+        sparseflow.PBSConfig(block_size=4, segment_size=16, threshold=0.7, chunk_size=32, gqa_permutation="kv_head"),
+        (61, 100),
+    ),
+    "pbs-sliding-37-antidiagonal-causal_proxy": (
+        sparseflow.PBSConfig(
+            block_size=4,
+            segment_size=16,
+            threshold=0.6,
+            scoring="antidiagonal",
+            antidiagonal_stride=2,
+            causal_proxy=True,
+            sliding_window=37,
+        ),
+        (100,),
+    ),
+    "pbs-sliding-23-nopermute-nosink": (
+        sparseflow.PBSConfig(
+            block_size=4, segment_size=16, threshold=0.6, permute=False, force_sink=False, sliding_window=23
+        ),
+        (61,),
+    ),
+    "pisa-sliding-23-noprev": (
+        sparseflow.PISAConfig(block_size=4, top_k=3, force_previous=False, sliding_window=23),
+        (61,),
+    ),
+}
+
+
+def _attention_over(q, k, v, keys, scale):
+    """Softmax attention of each query over the keys ``keys [B, Hq, Nq, Nk]`` says it attends (GQA
+    by repetition); a query attending nothing outputs 0."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(g, 1) for t in (k, v))
+    logits = (q @ kk.transpose(-1, -2) * scale).masked_fill(~keys, float("-inf"))
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    return probs @ vv
+
+
+@pytest.mark.parametrize("case", WINDOWED_NODES.values(), ids=WINDOWED_NODES.keys())
+def test_windowed_sparse_node_matches_op(case):
+    """A sparse node with a local window chooses its blocks inside each query's window as the op
+    (reference backend) does: equal outputs, and equal selections read off the node itself (with
+    the identity as values, a query's output row is its attention probabilities, nonzero exactly on
+    the keys it attends). GQA group 3, a padded batch row. The op's selection differs, on these
+    inputs, from the one made over all keys and then cut to the window, so a body choosing over
+    all keys fails here."""
+    from sparseflow.selection import visible_key_mask
+
+    cfg, lengths = case
+    unwindowed = cfg.replace(sliding_window=0, chunk_size=0)
+    sess = _single_node_model(cfg.method, _node_attrs(cfg, True, 0.3))
+    for n in lengths:
+        q, k, v, kpm = _node_inputs(n, False, seed=n)
+        b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+        with sparseflow.capture() as cap:
+            ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], scale=0.3)
+            sparseflow.attention(q, k, v, config=unwindowed, attn_mask=kpm[:, None, None, :], scale=0.3)
+        call, call_all = cap.calls
+        assert call.sparse and call_all.sparse, (call.reason, call_all.reason)
+        feed = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()}
+        err = _rel(sess.run(None, feed)[0], ref)
+        assert err <= 1e-5, (n, err)
+        keys = call.selection.key_mask(hq)
+        eye = torch.eye(n).expand(b, hkv, n, n).contiguous()
+        probs = torch.from_numpy(sess.run(None, {**feed, "v": eye.numpy()})[0])
+        assert torch.equal(probs > 0, keys), n
+        window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
+        cut = call_all.selection.key_mask(hq) & visible_key_mask(n, n, is_causal=True, batch=b, **window)[:, None]
+        assert _rel(_attention_over(q, k, v, cut, 0.3), ref) > 1e-2, "the window must change the choice"
+        print(f"{cfg.method} {window} N={n}: rel err {err:.2e}, density {call.density:.3f}")
+
+
+# method: a config whose top-K is narrower than the blocks conftest.WINDOW spans, so the
+# windowed layers run the method inside their window (not the exact window)
+WINDOWED_MODELS = {
+    "bsa": sparseflow.BSAConfig(block_size=4, top_k=3),
+    "pisa": sparseflow.PISAConfig(block_size=4, top_k=3),
+    "pbs": sparseflow.PBSConfig(block_size=4, segment_size=8, threshold=0.6),
+}
+
+
+@pytest.mark.parametrize("method", WINDOWED_MODELS)
+def test_windowed_model_sparse_nodes_match_torch(method):
+    """A Gemma 3 model (a sliding-window and a global layer) exports with a sparse method: the
+    sliding layer is a sparse node carrying its window, and onnxruntime computes the rewritten
+    model's logits at the exported length and another one, with a right-padded batch row."""
+    import conftest
+
+    model = conftest.make_family("gemma3_text", layers=2)
+    ids = _ids(64, seed=1, batch=2)
+    am = torch.ones(2, 64, dtype=torch.long)
+    am[1, 50:] = 0
+    proto, program = export_onnx(
+        model,
+        (ids,),
+        None,
+        method=method,
+        config=WINDOWED_MODELS[method],
+        return_program=True,
+        example_kwargs={"attention_mask": am, "use_cache": False},
+    )
+    nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
+    assert [n.op_type for n in nodes] == [NODE_TYPES[method]] * 2
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    assert sorted(a["sliding_window"] for a in attrs) == [0, conftest.WINDOW]
+    sess = _session(proto)
+    for n, pad in ((64, 14), (150, 40)):
+        ids = _ids(n, seed=n, batch=2)
+        am = torch.ones(2, n, dtype=torch.long)
+        am[1, n - pad :] = 0
+        with sparseflow.capture() as cap:
+            ref = _torch_logits(program, ids, am)
+        (windowed,) = [c for c in cap.calls if c.selection is not None and c.selection.sliding_window]
+        assert windowed.sparse and windowed.density < 0.9
+        valid = am.bool()
+        err = _rel(_onnx_logits(sess, ids, am)[valid], ref[valid])
+        print(f"gemma3 {method} N={n}: max rel err {err:.2e}, windowed density {windowed.density:.3f}")
+        assert err <= TOL
+
+
+class _WindowedOp(torch.nn.Module):
+    """One op call with a local window in its config and a key-padding mask (native GQA)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, q, k, v, kpm):
+        return sparseflow.attention(q, k, v, config=self.cfg, attn_mask=kpm[:, None, None, :], scale=0.3)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bsa-sliding-40",
+        "bsa-chunk-32",
+        "pisa-sliding-29",
+        "pisa-chunk-32-mean-g3",
+        "pbs-sliding-30",
+        "pbs-chunk-32-kv_head",
+    ],
+)
+def test_windowed_op_call_exports_with_dynamic_length(case):
+    """An op call carrying a sliding or chunked window, exported once (64 tokens, dynamic length):
+    the file computes the op at 64 tokens and at the other lengths of the case, GQA and padding."""
+    cfg, lengths = WINDOWED_NODES[case]
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    q, k, v, kpm = _node_inputs(64, False, seed=0)
+    shapes = {"q": {2: seq}, "k": {2: seq}, "v": {2: seq}, "kpm": {1: seq}}
+    proto = export_onnx(_WindowedOp(cfg).eval(), (q, k, v, kpm), None, method=cfg.method, dynamic_shapes=shapes)
+    (node,) = [n for n in proto.graph.node if n.domain == DOMAIN]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["sliding_window"], attrs["chunk_size"]) == (cfg.sliding_window, cfg.chunk_size)
+    sess = _session(proto)
+    for n in (64,) + lengths:
+        q, k, v, kpm = _node_inputs(n, False, seed=n)
+        ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], scale=0.3)
+        got = sess.run(None, dict(zip((i.name for i in sess.get_inputs()), (t.numpy() for t in (q, k, v, kpm)))))[0]
+        err = _rel(got, ref)
+        assert err <= 1e-5, (n, err)

@@ -93,12 +93,16 @@ _WINDOW_FIELDS = frozenset({"sliding_window", "chunk_size"})  # every config's: 
 class OnnxBody:
     """The method's ONNX node: its op type, the opset-23 text computing its attention mask
     (``mask``: ``"module:ATTRIBUTE"`` of a string, read on first use), the config fields that
-    text implements, and ``refusal(cfg)``: why a config cannot be exported ("" when it can)."""
+    text implements, and ``refusal(cfg)``: why a config cannot be exported ("" when it can).
+    ``windows``: the text chooses a sparse method's blocks inside each query's local window, as
+    the reference does (a body that chose them over all keys and left the cut to the shared
+    epilogue would compute another selection, so a window is refused without it)."""
 
     node_type: str
     mask: str
     fields: FrozenSet[str] = frozenset()
     refusal: Optional[Callable[[AttentionConfig], str]] = None
+    windows: bool = False
 
     def __post_init__(self):
         _check_target("OnnxBody.mask", self.mask)

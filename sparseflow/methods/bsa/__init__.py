@@ -19,7 +19,9 @@ SPEC = register(
             "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always", windows=True),
             "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda", windows=True),
         },
-        onnx=OnnxBody(node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
+        onnx=OnnxBody(
+            node_type="BSAAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS, windows=True
+        ),
         has_top_k=True,
         exact=exact_top_k,
         estimate_cost=lambda cfg: SCAN_COST,

@@ -2,7 +2,10 @@
 epilogue of :mod:`sparseflow.onnx_export`, defining ``allowed5`` (which keys each query attends)
 and ``cfg_ok``."""
 
-# BSA selection (sparseflow.methods.bsa.reference + token_blocks), dense over block scores.
+# BSA selection (sparseflow.methods.bsa.reference + token_blocks), dense over block scores. Inside a
+# local window a query chooses among the visible blocks from its window's first block ``lo // C``
+# on: the blocks before it are not visible, so neither scored nor forced (sink, previous), and the
+# top-K is spent inside the window. Without a window ``lo`` is 0 and every block qualifies.
 MASK = """
   C = Constant <value_int: int = @block_size> ()
   TK = Constant <value_int: int = @top_k> ()
@@ -59,9 +62,12 @@ MASK = """
   horizons = Where (causal, positions, nk_last_v)
   fv3 = Unsqueeze (first_valid, i1)
   hz3 = Unsqueeze (horizons, i02)
-  visible = LessOrEqual (fv3, hz3)
+  visible0 = LessOrEqual (fv3, hz3)
   blocks = Range (zero, nb, one)
   blocks_row = Unsqueeze (blocks, i0)
+  first_blk = Div (lo_col, C)
+  from_first = GreaterOrEqual (blocks_row, first_blk)
+  visible = And (visible0, from_first)
   cur = Div (positions, C)
   cur_col = Unsqueeze (cur, i1)
   is_cur = Equal (blocks_row, cur_col)

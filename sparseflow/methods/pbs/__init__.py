@@ -87,6 +87,7 @@ SPEC = register(
         onnx=OnnxBody(
             node_type="PBSAttention",
             mask="sparseflow.methods.pbs.onnx:MASK",
+            windows=True,
             fields={
                 "block_size",
                 "segment_size",

@@ -21,7 +21,12 @@ Formulation (equal to the reference, written for static-free shapes):
   (``"antidiagonal"``, in an ``If`` branch), threshold on the sorted cumulative mass computed as
   ``cumsum - mass`` like the reference (bit-equal prefix sums);
 * attention runs in the ORIGINAL key order: key ``j`` sits in permuted block
-  ``inv_perm[j] // block_size``, so the block mask is gathered per key and no key is moved.
+  ``inv_perm[j] // block_size``, so the block mask is gathered per key and no key is moved;
+* a local window (the prologue's ``lo``): permuted block ``J`` is inside the window of query
+  block ``I`` when its latest valid key (original position) is at or after ``lo(I * block_size)``;
+  candidates and forced blocks (own region, sink) outside it are dropped before the block
+  probabilities, so the threshold is a share of the in-window mass, as in the reference; the
+  permutation does not depend on the window.
 
 onnxruntime's reduction and matmul orders differ from torch's in the last bits only; keys or
 blocks whose scores tie to within that could sort differently (exact ties cannot: both sides
@@ -222,7 +227,22 @@ MASK_TEMPLATE = """
   cand_r = Or (cr_c, cr_n)
   kvalid_b = Greater (kcnt, fzero)
   kvalid_b5 = Unsqueeze (kvalid_b, i3)
-  cand = And (cand_r, kvalid_b5)
+  cand0 = And (cand_r, kvalid_b5)
+  kvs_b = Cast <to = 9> (kvs)
+  perm_v = Where (kvs_b, perm, m1s)
+  permv_shape = Concat <axis = 0> (B, Hkv, G, nbT1, BS1)
+  permv_r = Reshape (perm_v, permv_shape)
+  blast = ReduceMax <keepdims = 0> (permv_r, i4)
+  blast5 = Unsqueeze (blast, i3)
+  Nqm1 = Sub (Nq, one)
+  bq = Min (bstart, Nqm1)
+  lo_q = Gather <axis = 0> (lo, bq)
+  lo_q_col = Unsqueeze (lo_q, i1)
+  inside0 = GreaterOrEqual (blast5, lo_q_col)
+  win_on = Or (sw_on, cs_on)
+  win_off = Not (win_on)
+  inside = Or (inside0, win_off)
+  cand = And (cand0, inside)
   nk_row = Expand (Nk, Nk1)
   fpos_all = Where (kpm, jk_row, nk_row)
   fpos = ReduceMin <keepdims = 0> (fpos_all, i1)
@@ -238,7 +258,8 @@ MASK_TEMPLATE = """
   sink_on = And (has4, fsink)
   sinkm0 = And (is_sink_blk, sink_on)
   sinkm = Unsqueeze (sinkm0, i3)
-  forced = Or (own, sinkm)
+  forced0 = Or (own, sinkm)
+  forced = And (forced0, inside)
   blm = Where (cand, blog, ninf)
   bmx = ReduceMax <keepdims = 1> (blm, im1)
   bmx_inf = IsInf (bmx)

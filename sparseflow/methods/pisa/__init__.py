@@ -23,6 +23,7 @@ SPEC = register(
             node_type="PISAAttention",
             mask="sparseflow.methods.pisa.onnx:MASK",
             fields=TOPK_ONNX_FIELDS | {"branching", "score", "beam"},
+            windows=True,
         ),
         # generate(): the Triton backend appends each token to the model's cached pyramid
         decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),

@@ -13,7 +13,11 @@ are never visible and never selected, exactly like the reference's padding to a 
 At level ``l`` (span ``g**l`` leaves per node) the candidates are the nodes whose parent is kept
 and that hold a visible key; forced ones (ancestors of the current / previous / sink leaves)
 rank first, then ``TopK`` by score (ties to the lower node id, as the reference's stable sort),
-``top_k`` in total at the leaf level and ``beam * top_k`` at the levels above it. Node summaries and first-valid positions are reduced from the leaves with
+``top_k`` in total at the leaf level and ``beam * top_k`` at the levels above it. Inside a local
+window (the prologue's ``lo``, first leaf ``f = lo // C``) a node wholly before ``f`` (``u < f //
+span``) is no candidate, and a previous or sink leaf before ``f`` is not forced, nor its ancestors;
+scores are those without a window (a node straddling ``f`` is scored on all its children), as in
+the reference's walk. Node summaries and first-valid positions are reduced from the leaves with
 reshapes; raw-key leaf scores (``lse``/``mean_var``) are computed once, outside the loop.
 Summing a node's keys from its leaves (the reference sums level by level) and onnxruntime's own
 matmul order change scores in the last bits only; two candidates closer than that could rank
@@ -200,6 +204,8 @@ MASK = f"""
   hz = Where (causal, iq, nk_last_v)
   hz_col = Unsqueeze (hz, i1)
   cur = Div (iq, C)
+  fblk = Div (lo, C)
+  fblk_col = Unsqueeze (fblk, i1)
   cur_col = Unsqueeze (cur, i1)
   prev = Sub (cur, one)
   prev_s = Max (prev, zero)
@@ -208,12 +214,16 @@ MASK = f"""
   fv_prev = Gather <axis = 1> (fv0, prev_s)
   prev_vis = LessOrEqual (fv_prev, hz)
   prev_ok0 = And (prev_vis, has_prev)
-  prev_ok = And (prev_ok0, fprev)
+  prev_ok1 = And (prev_ok0, fprev)
+  prev_inw = GreaterOrEqual (prev, fblk)
+  prev_ok = And (prev_ok1, prev_inw)
   prev_ok3 = Unsqueeze (prev_ok, im1)
   fv_sink = Gather <axis = 1> (fv0, zero)
   fv_sink2 = Unsqueeze (fv_sink, i1)
   sink_vis = LessOrEqual (fv_sink2, hz)
-  sink_ok = And (sink_vis, fsink)
+  sink_ok0 = And (sink_vis, fsink)
+  sink_inw = LessOrEqual (fblk, zero)
+  sink_ok = And (sink_ok0, sink_inw)
   sink_ok3 = Unsqueeze (sink_ok, im1)
   fv_root = ReduceMin <keepdims = 1> (fv0, i1)
   root_ok = LessOrEqual (fv_root, hz)
@@ -241,8 +251,11 @@ MASK = f"""
       fvn3 = Unsqueeze (fvn, i1)
       visn = LessOrEqual (fvn3, hz_col)
       visn4 = Unsqueeze (visn, i1)
-      valid = And (parent, visn4)
+      valid0 = And (parent, visn4)
       u = Range (zero, nn, one)
+      fu = Div (fblk_col, span)
+      inw = GreaterOrEqual (u, fu)
+      valid = And (valid0, inw)
       cu = Div (cur_col, span)
       is_cur = Equal (u, cu)
       pu = Div (prev_col, span)

@@ -527,5 +527,6 @@ def pisa_attention(
         is_causal=is_causal,
         num_keys=k.shape[2],
         key_padding_mask=key_padding_mask,
+        **window,  # its key masks hold the window's keys only, as the attention above
     )
     return out, sel
