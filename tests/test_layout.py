@@ -214,9 +214,6 @@ LONG_MODULES_ALLOWED = {
     "methods/pbs/triton_select.py",
     # PISA's scan walk: four kernels handing each other one score table / pair index layout
     "methods/pisa/triton_select_scan.py",
-    # NOT a kernel file: PBS's plain-PyTorch oracle, over the bound and to be split by its
-    # pipeline stages (key scores, permutation, selection, attention) in a change of its own
-    "methods/pbs/reference.py",
 }
 
 
