@@ -24,7 +24,8 @@ import sys
 
 import torch
 
-from sparseflow.methods.pbs import reference as R
+from sparseflow.methods.pbs.block_selection import candidate_blocks, select_blocks
+from sparseflow.methods.pbs.estimate import block_probabilities
 
 BS, SEG = 128, 256
 SCORINGS = ("sampled_rows", "antidiagonal")
@@ -87,15 +88,15 @@ def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
         scoring=scoring,
         antidiagonal_stride=stride,
     )
-    ref = R.select_blocks(
+    ref = select_blocks(
         q, k, perm, block_size=BS, segment_size=SEG, threshold=thr, scoring=scoring, antidiagonal_stride=stride
     )
     diff = bm != ref
     n_diff = int(diff.sum())
-    cand = R.candidate_blocks(perm, q.shape[1], block_size=BS, segment_size=SEG)
+    cand = candidate_blocks(perm, q.shape[1], block_size=BS, segment_size=SEG)
     n_bad = 0
     if n_diff:
-        probs = R.block_probabilities(q, k, perm, cand, block_size=BS, scoring=scoring, antidiagonal_stride=stride)
+        probs = block_probabilities(q, k, perm, cand, block_size=BS, scoring=scoring, antidiagonal_stride=stride)
         n_bad = int((diff & ~near_tie_mask(probs, cand, thr)).sum())
     kept = float((ref & cand).sum()) / max(1.0, float(cand.sum()))  # of the candidates: not all, not none
     return {

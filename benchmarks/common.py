@@ -174,23 +174,24 @@ def causal_flops(b, hq, n, d):
 
 def exact_selection(b, hq, hp, n, bs, seg, seed=0, device="cuda"):
     """Exact-mode (100% density) selection with a random in-segment permutation."""
-    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs.block_selection import block_regions
+    from sparseflow.methods.pbs.permutation import segment_permutation
 
     g = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand(b, hp, n, device=device, generator=g)
-    perm = R.segment_permutation(scores, segment_size=seg)
+    perm = segment_permutation(scores, segment_size=seg)
     nb = -(-n // bs)
-    region = R.block_regions(None, b, n, block_size=bs, segment_size=seg, device=device)  # [B, nB]
+    region = block_regions(None, b, n, block_size=bs, segment_size=seg, device=device)  # [B, nB]
     bm = (region[:, None, :] <= region[:, :, None])[:, None].expand(b, hq, nb, nb).contiguous()
     return perm, bm
 
 
 def random_selection(perm, hq, n, bs, seg, density, seed=0):
     """Forced blocks (own region, sink) plus a random fraction of the candidates."""
-    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs.block_selection import candidate_blocks, forced_blocks
 
-    cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
-    forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
+    cand = candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
+    forced = forced_blocks(perm, hq, block_size=bs, segment_size=seg)
     g = torch.Generator(device=perm.device).manual_seed(seed)
     keep = torch.rand(cand.shape, device=perm.device, generator=g) < density
     return (cand & keep) | forced
@@ -198,8 +199,8 @@ def random_selection(perm, hq, n, bs, seg, density, seed=0):
 
 def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, density=1.0):
     """Everything the PBS attention kernel takes, for a random selection of ``density``."""
-    from sparseflow.methods.pbs import reference as R
     from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs.block_selection import selection_density
     from sparseflow.methods.pbs import triton_gather as TG
 
     hp = hq if gqa == "query_head" else hkv
@@ -213,7 +214,7 @@ def pbs_kernel_inputs(b, hq, hkv, n, d, dtype, gqa, layout, bs=128, seg=256, den
         kk, vv = k, v
     else:
         kk, vv = TG.permute_kv(k, perm), TG.permute_kv(v, perm)
-    dens = R.selection_density(bm, perm, block_size=bs).mean().item()
+    dens = selection_density(bm, perm, block_size=bs).mean().item()
     return dict(
         q=q,
         k=k,

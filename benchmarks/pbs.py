@@ -36,7 +36,10 @@ from common import (  # noqa: E402
     random_selection,
     sdpa_dense,
 )
-from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs.block_selection import candidate_blocks, forced_blocks, select_blocks, selection_density  # noqa: E402
+from sparseflow.methods.pbs.estimate import block_probabilities  # noqa: E402
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation  # noqa: E402
+from sparseflow.methods.pbs.permuted_attention import permuted_block_attention  # noqa: E402
 
 DEV = "cuda"
 
@@ -51,7 +54,7 @@ def selection_diff(q, k, perm, bm, bs, seg, thr, tie_tol=1e-4):
     ``tie_tol`` of the threshold, or its probability within ``tie_tol`` (relative) of the
     probability of the last block the reference keeps)."""
     hq = q.shape[1]
-    ref = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
+    ref = select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
     rows = (ref != bm).any(-1)  # [B, Hq, nB]
     out = dict(
         kern_same_selection=not bool(rows.any()),
@@ -59,9 +62,9 @@ def selection_diff(q, k, perm, bm, bs, seg, thr, tie_tol=1e-4):
         kern_sel_blocks_differing=int((ref != bm).sum()),
     )
     if rows.any() and thr < 1.0:
-        cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
-        forced = R.forced_blocks(perm, hq, block_size=bs, segment_size=seg)
-        probs = R.block_probabilities(q, k, perm, cand, block_size=bs)
+        cand = candidate_blocks(perm, hq, block_size=bs, segment_size=seg)
+        forced = forced_blocks(perm, hq, block_size=bs, segment_size=seg)
+        probs = block_probabilities(q, k, perm, cand, block_size=bs)
         idx = rows.nonzero(as_tuple=True)
         pr, cd, dif = probs[idx], cand[idx], (ref != bm)[idx] & ~forced[idx]  # [R, nB]
         key = torch.where(cd, pr, torch.full_like(pr, -1.0))
@@ -109,12 +112,12 @@ def part_check(args, results):
             kpm = torch.ones(b, n, dtype=torch.bool, device=DEV)
             kpm[0, n - n // 3 :] = False
             kpm[1, :7] = False
-        sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
-        perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-        bm = R.select_blocks(
+        sc = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+        perm = segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+        bm = select_blocks(
             q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
         )
-        ref = R.permuted_block_attention(
+        ref = permuted_block_attention(
             q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs
         )
         outs = []
@@ -384,11 +387,11 @@ def part_total(args, results):
 
         def stages():
             ev[0].record()
-            sc = R.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+            sc = key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
             ev[1].record()
-            perm = R.segment_permutation(sc, segment_size=seg)
+            perm = segment_permutation(sc, segment_size=seg)
             ev[2].record()
-            bm = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
+            bm = select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
             ev[3].record()
             kpos = TA.key_positions(perm)
             kv_num, kv_full, kv_idx = TA.block_mask_to_indices(
@@ -407,7 +410,7 @@ def part_total(args, results):
             torch.cuda.synchronize()
             times.append([ev[i].elapsed_time(ev[i + 1]) for i in range(5)])
         t = [sorted(x)[1] for x in zip(*times)]
-        dens = R.selection_density(bm, perm, block_size=bs).mean().item()
+        dens = selection_density(bm, perm, block_size=bs).mean().item()
         # attention alone, properly timed
         kpos = TA.key_positions(perm)
         kv_num, kv_full, kv_idx = TA.block_mask_to_indices(
@@ -472,7 +475,7 @@ def part_total(args, results):
                     )
                 )
                 kern_stage_ms = t_ks + t_kp + t_kl + t_kb
-                ref_sc = R.key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+                ref_sc = key_scores(q, k, block_size=bs, segment_size=seg, gqa_permutation=gqa)
                 diff = selection_diff(q, k, perm2, lists2[3], bs, seg, thr)
                 row.update(
                     kern_score_ms=t_ks,
@@ -497,7 +500,7 @@ def part_total(args, results):
         for dd in (0.05, 0.1, 0.2, 0.5):
             bm2 = random_selection(perm, hq, n, bs, seg, dd)
             kv2 = TA.block_mask_to_indices(bm2, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
-            d2 = R.selection_density(bm2, perm, block_size=bs).mean().item()
+            d2 = selection_density(bm2, perm, block_size=bs).mean().item()
             t2 = bench(lambda: TA.pbs_block_sparse_attention(q, kk, vv, kpos, *kv2, block_size=bs))
             ent = dict(
                 attention_ms=t2,
@@ -620,7 +623,7 @@ def part_stages(args, results):
             q, None, perm, block_size=bs, segment_size=seg, threshold=thr, layout=lay, cut="sort"
         )[3]
         row["sort_vs_bisect_rows_differing"] = (bm != bm_sort).any(-1).float().mean().item()
-        row["density"] = R.selection_density(bm, perm, block_size=bs).mean().item()
+        row["density"] = selection_density(bm, perm, block_size=bs).mean().item()
         if not args.no_stage_check:
             row.update(selection_diff(q, k, perm, bm, bs, seg, thr))
         # the whole op at lower densities: this pipeline, then the attention kernel over random
@@ -629,7 +632,7 @@ def part_stages(args, results):
         for dd in (0.05, 0.1, 0.2):
             bm2 = random_selection(perm, hq, n, bs, seg, dd)
             kv2 = TA.block_mask_to_indices(bm2, num_keys=n, block_size=bs, segment_size=seg, is_causal=True)
-            d2 = R.selection_density(bm2, perm, block_size=bs).mean().item()
+            d2 = selection_density(bm2, perm, block_size=bs).mean().item()
             t2 = bench(lambda: TA.pbs_block_sparse_attention(q, lay.k, lay.v, lay.kpos, *kv2, block_size=bs))
             sweep[f"{d2:.3f}"] = dict(
                 attention_ms=t2,

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 from common import bench, env_info, kernel_us_per_call, pbs_kernel_call, pbs_kernel_inputs, sdpa_dense, structured_qkv  # noqa: E402
-from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs.block_selection import selection_density  # noqa: E402
 
 KERNEL_NAME = "_permuted_block_sparse_attn_fwd"
 
@@ -139,7 +139,7 @@ def main(argv=None):
             q, k, v, block_size=bs, segment_size=seg, threshold=thr, gqa_permutation="query_head", return_selection=True
         )
         row["ours_err_vs_cudnn"] = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-        row["ours_density"] = R.selection_density(sel.block_mask, sel.permutation, block_size=bs).mean().item()
+        row["ours_density"] = selection_density(sel.block_mask, sel.permutation, block_size=bs).mean().item()
         del out, sel
         row["ours_ms"] = bench(ours)
         row["ours_speedup_vs_cudnn"] = t_cudnn / row["ours_ms"]

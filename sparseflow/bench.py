@@ -134,7 +134,7 @@ def _inputs(shape: BenchShape, device, dtype, seed: int, structured: bool):
 
 def op_timings(
     shapes: Sequence[BenchShape],
-    methods: Sequence[str] = ("pbs", "pisa", "bsa"),
+    methods: Optional[Sequence[str]] = None,
     backends: Sequence[str] = ("auto",),
     *,
     device=None,
@@ -147,17 +147,21 @@ def op_timings(
     """One row per (shape, method, backend): median seconds of the op and of dense causal SDPA
     on the same inputs, their ratio, and the density reached. Inputs are random normal Q/K/V
     (density on random data is a property of the selector, not of a model), or with
-    ``structured`` the :func:`structured_qkv` of the benchmarks. ``configs`` maps a method to
-    its config (default: the method's default config)."""
+    ``structured`` the :func:`structured_qkv` of the benchmarks. ``methods``: default every sparse
+    method of the registry (:func:`sparseflow.methods.sparse_names`, read at the call, so a method
+    registered later counts). ``configs`` maps a method to its config (default: the method's
+    default config)."""
     import torch
     import torch.nn.functional as F
 
     from .config import default_config
+    from .methods import sparse_names
     from .ops import attention
     from .recording import capture
 
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
+    methods = sparse_names() if methods is None else methods
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = []

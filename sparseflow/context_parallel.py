@@ -454,12 +454,12 @@ def _token_local(impl, q, k_all, v_all, layout: Layout, kwargs, is_causal: bool,
 def shared_pbs_rows(layout: Layout, block_size: int, segment_size: int, proxy_blocks: int, device) -> Tensor:
     """Sorted global positions every rank needs besides its own: the proxy rows and the rows of
     every query block that straddles a shard boundary."""
-    from .methods.pbs import reference as ref
+    from .methods.pbs.permutation import proxy_queries
 
     n = layout.total
     parts = [
         rows
-        for rows, _ in ref.proxy_queries(
+        for rows, _ in proxy_queries(
             None, 1, n, block_size=block_size, segment_size=segment_size, proxy_blocks=proxy_blocks, device=device
         )[0]
     ]
@@ -486,7 +486,7 @@ def _pbs_queries(q: Tensor, layout: Layout, pg, kwargs) -> Tuple[Tensor, Tensor]
 
 
 def _pbs_permutation(q_full: Tensor, k_all: Tensor, kwargs, scale, kernels: bool) -> Tensor:
-    from .methods.pbs import reference as ref
+    from .methods.pbs.permutation import key_scores, segment_permutation
 
     bsz, hq, n, _ = q_full.shape
     hp = hq if kwargs["gqa_permutation"] == "query_head" else k_all.shape[1]
@@ -497,7 +497,7 @@ def _pbs_permutation(q_full: Tensor, k_all: Tensor, kwargs, scale, kernels: bool
 
         score_fn, perm_fn = sel.key_scores, sel.segment_permutation
     else:
-        score_fn, perm_fn = ref.key_scores, ref.segment_permutation
+        score_fn, perm_fn = key_scores, segment_permutation
     names = ("block_size", "segment_size", "causal_proxy", "gqa_permutation", "proxy_blocks")
     scores = score_fn(q_full, k_all, key_padding_mask=None, scale=scale, **{x: kwargs[x] for x in names})
     return perm_fn(scores, segment_size=kwargs["segment_size"], key_padding_mask=None)
@@ -524,7 +524,8 @@ def _pbs_local(
     tuning: Tuning = DEFAULT_TUNING,
 ) -> Tensor:
     """PBS for the rank's query blocks: the single-device selection, restricted to them."""
-    from .methods.pbs import reference as ref
+    from .methods.pbs.block_selection import select_blocks
+    from .methods.pbs.permuted_attention import permuted_block_attention
 
     q_full, own = _pbs_queries(q, layout, pg, kwargs)
     # the Triton PBS kernel is forward-only: a call that needs gradients runs the reference stages,
@@ -539,7 +540,7 @@ def _pbs_local(
         out = _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, tuning=tuning, **geo)
     else:
         with torch.no_grad():
-            block_mask = ref.select_blocks(
+            block_mask = select_blocks(
                 q_full.detach(),
                 k_all.detach(),
                 perm,
@@ -551,7 +552,7 @@ def _pbs_local(
                 **geo,
             )
             block_mask[:, :, ~owned] = False  # other ranks' query blocks: no work
-        out = ref.permuted_block_attention(q_full, k_all, v_all, perm, block_mask, **geo)
+        out = permuted_block_attention(q_full, k_all, v_all, perm, block_mask, **geo)
     return out.index_select(SEQ_DIM, own).contiguous()
 
 

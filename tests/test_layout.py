@@ -192,6 +192,55 @@ def test_each_method_config_lives_in_its_folder():
         assert config.METHODS[spec.name] is spec.config_type
 
 
+# The core lists methods from the registry (sparseflow.methods.names / sparse_names), so that a
+# method registered there reaches every default; a literal list of method names in a core module
+# is one more place to edit for each new method. methods/ holds the methods themselves; tuning.py
+# names each method's options until they move into the methods' registry entries.
+METHOD_LISTS_ALLOWED = ("methods/", "tuning.py")
+
+
+def _method_name_lists(source: str, method_names) -> list:
+    """``(line, names)`` of each tuple, list or set literal in ``source`` holding two or more
+    string literals that name methods, by line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            named = [
+                e.value
+                for e in node.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in method_names
+            ]
+            if len(named) >= 2:
+                found.append((node.lineno, named))
+    return sorted(found)
+
+
+def test_the_method_list_scan_sees_literal_lists():
+    source = (
+        'A = ("pbs", "pisa")\n'
+        'def f(methods=["dense", "pbs"]):\n    return methods\n'
+        'ok = m in {"pisa", "pbs", "other"}\n'
+        'B = ("dense", None)\n'  # one name: a (name, value) pair, not a list of methods
+        'C = ("pbs_lse", "flat_lse")\n'  # names that only start like a method's
+        "D = sparse_names()\n"
+    )
+    found = _method_name_lists(source, ("dense", "pbs", "pisa"))
+    assert found == [(1, ["pbs", "pisa"]), (2, ["dense", "pbs"]), (4, ["pisa", "pbs"])]
+
+
+def test_the_core_spells_no_method_lists():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        found = [] if name.startswith(METHOD_LISTS_ALLOWED) else _method_name_lists(path.read_text(), methods.names())
+        if found:
+            offenders[name] = found
+    assert not offenders, (
+        "core modules listing methods by name; read them from the registry "
+        f"(sparseflow.methods.names / sparse_names): {offenders}"
+    )
+
+
 # A module longer than this holds several jobs: split it where its jobs part (issue 50).
 MAX_MODULE_LINES = 700
 # Files allowed past it, as paths under sparseflow/, each with why; the test fails when one of
@@ -214,9 +263,6 @@ LONG_MODULES_ALLOWED = {
     "methods/pbs/triton_select.py",
     # PISA's scan walk: four kernels handing each other one score table / pair index layout
     "methods/pisa/triton_select_scan.py",
-    # NOT a kernel file: PBS's plain-PyTorch oracle, over the bound and to be split by its
-    # pipeline stages (key scores, permutation, selection, attention) in a change of its own
-    "methods/pbs/reference.py",
 }
 
 

@@ -177,12 +177,12 @@ def test_rewrite_pass_carries_the_tuning(plain_attention):
 
 def _spy_pbs(monkeypatch):
     """Records (gather, TMA allowed) per attention launch and which selection ran."""
-    from sparseflow.methods.pbs import reference as R
     from sparseflow.methods.pbs import triton_attention as TA
+    from sparseflow.methods.pbs import triton_impl as TI
     from sparseflow.methods.pbs import triton_select as S
 
     seen = {"launch": [], "select": []}
-    real_tma, real_lists, real_blocks = TA._tma_ok, S.select_block_lists, R.select_blocks
+    real_tma, real_lists, real_blocks = TA._tma_ok, S.select_block_lists, TI.select_blocks
 
     def tma_ok(q, k, v, gather, allowed=True):
         seen["launch"].append((gather, allowed))
@@ -198,7 +198,7 @@ def _spy_pbs(monkeypatch):
 
     monkeypatch.setattr(TA, "_tma_ok", tma_ok)
     monkeypatch.setattr(S, "select_block_lists", lists)
-    monkeypatch.setattr(R, "select_blocks", blocks)
+    monkeypatch.setattr(TI, "select_blocks", blocks)  # the name the backend's torch selection calls
     return seen
 
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from ..methods import sparse_names
 from .common import _backends, _check_out_dir, _check_out_file, _count, _error, _ints, _sparse_methods
 
 
@@ -20,7 +21,10 @@ def add_parser(sub) -> None:
     be.add_argument("--hq", type=_count, default=8, help="query heads (default 8)")
     be.add_argument("--hkv", type=_count, default=2, help="KV heads (default 2)")
     be.add_argument("--d", type=_count, default=64, help="head dim (default 64)")
-    be.add_argument("--methods", type=_sparse_methods, default=["pbs", "pisa", "bsa"], help="comma list (default all)")
+    methods = list(sparse_names())  # the registry's, read when the parser is built
+    be.add_argument(
+        "--methods", type=_sparse_methods, default=methods, help=f"comma list (default all: {','.join(methods)})"
+    )
     be.add_argument("--backends", type=_backends, help="comma list (default reference on CPU, auto on CUDA)")
     be.add_argument("--reps", type=_count, default=3, help="timed repetitions per point (median; default 3)")
     be.add_argument("--benchmarks", help="run the scripts of this benchmarks folder instead of the package's parts")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..methods import sparse_names
+from ..methods import or_list, sparse_names
 
 BACKENDS = ("auto", "reference", "triton", "flex")
 SPARSE_METHODS = sparse_names()
@@ -75,7 +75,7 @@ def _check_in_dir(path: Optional[str], arg: str) -> None:
 def _check_recipe_has_method(args: argparse.Namespace) -> None:
     # without --method a converted folder's recorded plan runs: a --recipe would be ignored
     if args.recipe and not args.method:
-        raise UsageError(f"--recipe {args.recipe!r} applies to --method: pass --method too (pbs, pisa or bsa)")
+        raise UsageError(f"--recipe {args.recipe!r} applies to --method: pass --method too ({or_list(SPARSE_METHODS)})")
 
 
 def _error(command: str, exc: object) -> int:

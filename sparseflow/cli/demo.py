@@ -7,20 +7,21 @@ import datetime
 import json
 import platform
 
+from ..methods import sparse_names
 from .common import BACKENDS, _check_out_file, _error, _methods, _positive
 
 
 def add_parser(sub) -> None:
+    methods = list(sparse_names())  # the registry's, read when the parser is built
     demo = sub.add_parser(
-        "demo", help="rewrite SmolLM2-135M with pbs, pisa and bsa; print rewrites and fidelity vs dense"
+        "demo",
+        help=f"rewrite SmolLM2-135M with each sparse method ({', '.join(methods)}); print rewrites and fidelity vs dense",
     )
     demo.add_argument("--tokens", type=_positive, default=1024, help="prompt length in tokens (default 1024)")
     demo.add_argument(
         "--eval-positions", type=_positive, default=256, help="next-token predictions compared (default 256)"
     )
-    demo.add_argument(
-        "--methods", type=_methods, default=["pbs", "pisa", "bsa"], help="comma list (default pbs,pisa,bsa)"
-    )
+    demo.add_argument("--methods", type=_methods, default=methods, help=f"comma list (default {','.join(methods)})")
     demo.add_argument("--backend", default="auto", choices=BACKENDS)
     demo.add_argument("--json", help="also write the results to this JSON file")
     demo.set_defaults(func=run)

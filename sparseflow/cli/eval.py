@@ -17,6 +17,7 @@ from .common import (
     BACKENDS,
     DTYPES,
     RECIPE_HELP,
+    SPARSE_METHODS,
     TEXTS_CHOICES,
     UsageError,
     _check_in_dir,
@@ -53,7 +54,7 @@ def _add_plan_arguments(ev: argparse.ArgumentParser) -> None:
         "--method",
         type=_sparse_methods,
         default=None,
-        help="pbs, pisa, bsa or a comma list (default: the plan recorded by `sparseflow convert`)",
+        help=f"{', '.join(SPARSE_METHODS)} or a comma list (default: the plan recorded by `sparseflow convert`)",
     )
     ev.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
     ev.add_argument(
@@ -266,7 +267,9 @@ def _plans(args: argparse.Namespace, model_config, source) -> list:
         return plans
     if args.recall:
         return []
-    raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa, bsa or a comma list)")
+    raise ConversionError(
+        f"{args.model} is not a converted model: pass --method ({', '.join(SPARSE_METHODS)} or a comma list)"
+    )
 
 
 def _swept(args: argparse.Namespace, plans: list):

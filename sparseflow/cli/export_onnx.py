@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..methods import or_list
 from .common import DTYPES, RECIPE_HELP, SPARSE_METHODS, _check_out_file, _check_recipe_has_method, _error, _positive
 
 
@@ -104,4 +105,4 @@ def _plan(args: argparse.Namespace, model_config, source):
         )
     if recorded is not None:
         return Plan.from_dict(recorded)
-    raise ConversionError(f"{args.model} is not a converted model: pass --method (pbs, pisa or bsa)")
+    raise ConversionError(f"{args.model} is not a converted model: pass --method ({or_list(SPARSE_METHODS)})")

@@ -328,13 +328,14 @@ def _query_positions(positions: Optional[torch.Tensor], last: int, n: int) -> to
 
 def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
     """PBS's ``(permutation, block mask, density)`` for causal attention, by the reference."""
-    from ..methods.pbs import reference as R
+    from ..methods.pbs.block_selection import select_blocks, selection_density
+    from ..methods.pbs.permutation import key_scores, segment_permutation
     from ..methods.pbs.tail import mark_tail
 
     hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     bs = config.block_size
     if config.permute:
-        scores = R.key_scores(
+        scores = key_scores(
             q,
             k,
             block_size=bs,
@@ -343,11 +344,11 @@ def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
             gqa_permutation=config.gqa_permutation,
             proxy_blocks=config.proxy_blocks,
         )
-        perm = R.segment_permutation(scores, segment_size=config.segment_size)
+        perm = segment_permutation(scores, segment_size=config.segment_size)
     else:
         hp = hq if config.gqa_permutation == "query_head" else hkv
         perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
-    mask = R.select_blocks(
+    mask = select_blocks(
         q,
         k,
         perm,
@@ -360,7 +361,7 @@ def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
         antidiagonal_stride=config.antidiagonal_stride,
     )
     mask = mark_tail(mask, config.dense_tail_blocks)  # the tail's rows run dense
-    density = R.selection_density(mask, perm, is_causal=True, block_size=bs)
+    density = selection_density(mask, perm, is_causal=True, block_size=bs)
     return perm, mask, density
 
 

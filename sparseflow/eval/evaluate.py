@@ -11,6 +11,7 @@ import torch
 
 from ..config import AttentionConfig, default_config
 from ..hf import local_windows
+from ..methods import sparse_names
 from .fidelity import Fidelity, compare_logits
 from ..recording import capture
 
@@ -118,14 +119,15 @@ def dense_logits(model: torch.nn.Module, input_ids: torch.Tensor, keep: int, cac
 def evaluate_methods(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    methods: Sequence[str] = ("pbs", "pisa", "bsa"),
+    methods: Optional[Sequence[str]] = None,
     configs: Optional[Dict[str, AttentionConfig]] = None,
     *,
     eval_positions: int = 512,
     backend: str = "auto",
 ) -> List[MethodResult]:
     """Compare each method with the dense model on the last ``eval_positions`` next-token
-    predictions of ``input_ids`` ([1, N]). The model is copied per method; it is not changed."""
+    predictions of ``input_ids`` ([1, N]). The model is copied per method; it is not changed.
+    ``methods``: default every sparse method of the registry (:func:`sparseflow.methods.sparse_names`)."""
     from ..api import compile as sf_compile, report as sf_report
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -133,6 +135,7 @@ def evaluate_methods(
     n = input_ids.shape[1]
     if not (1 <= eval_positions < n):
         raise ValueError(f"eval_positions must be in [1, {n - 1}], got {eval_positions}")
+    methods = sparse_names() if methods is None else methods
     configs = dict(configs or {})
     targets = input_ids[0, n - eval_positions :].cpu()
     dense = last_logits(model, input_ids, eval_positions)

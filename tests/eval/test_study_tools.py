@@ -70,7 +70,8 @@ def test_oracle_variant_scores_blocks_by_exact_attention_mass():
     # the mean over its query rows of their exact softmax mass (over the candidate keys) in that block
     import torch
 
-    from sparseflow.methods.pbs import reference as R
+    from sparseflow.methods.pbs.block_selection import candidate_blocks
+    from sparseflow.methods.pbs.estimate import block_probabilities
 
     assert study.VARIANTS["oracle_no_permute"] == {
         "permute": False,
@@ -81,8 +82,8 @@ def test_oracle_variant_scores_blocks_by_exact_attention_mass():
     b, hq, hkv, n, d, bs = 1, 2, 1, 90, 8, 16  # ragged last block
     q, k = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g) * 2
     perm = torch.arange(n).expand(b, hq, n).clone()
-    cand = R.candidate_blocks(perm, hq, block_size=bs, segment_size=bs)
-    probs = R.block_probabilities(q, k, perm, cand, block_size=bs, scoring="antidiagonal", antidiagonal_stride=1)
+    cand = candidate_blocks(perm, hq, block_size=bs, segment_size=bs)
+    probs = block_probabilities(q, k, perm, cand, block_size=bs, scoring="antidiagonal", antidiagonal_stride=1)
     nb = -(-n // bs)
     checked = 0
     for h in range(hq):

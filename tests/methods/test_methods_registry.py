@@ -1,6 +1,7 @@
 """The method registry (sparseflow.methods): lookups, errors, the fields the core reads from every
 spec, and a method registered from outside the package resolving through the core."""
 
+import argparse
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
@@ -11,7 +12,18 @@ import torch
 
 from sparseflow import calibrate, context_parallel, op_backends, op_plan, option_checks, ops
 from sparseflow.config import METHODS, BSAConfig, DenseConfig, PBSConfig, PISAConfig
-from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, names_with, register, spec_for, specs, unregister
+from sparseflow.methods import (
+    Backend,
+    MethodSpec,
+    OnnxBody,
+    names,
+    names_with,
+    register,
+    sparse_names,
+    spec_for,
+    specs,
+    unregister,
+)
 from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, load_target, or_list
 
 
@@ -238,3 +250,39 @@ def test_spec_validation(changes, error, message):
 def test_part_validation(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+# --------------------------------------------------------------------------- the core's method lists
+
+
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    from sparseflow.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_cli_method_defaults_are_the_registrys(fake_method, command):
+    # the parser is built after "fake" registered: its default and its help name it
+    parser = _subcommand(command)
+    assert "fake" in sparse_names()
+    assert parser.parse_args([]).methods == list(sparse_names())
+    assert ",".join(sparse_names()) in parser.format_help()
+
+
+def test_bench_and_evaluation_default_to_the_sparse_methods():
+    from conftest import make_tiny
+    from sparseflow.bench import BenchShape, op_timings
+    from sparseflow.eval.evaluate import evaluate_methods
+
+    rows = op_timings([BenchShape(32, hq=2, hkv=1, d=8)], backends=["reference"], reps=1)
+    assert [r["method"] for r in rows] == list(sparse_names())
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    results = evaluate_methods(make_tiny("llama", layers=1).eval(), ids, eval_positions=4, backend="reference")
+    assert [r.method for r in results] == list(sparse_names())
+
+
+def test_the_pytest_plugin_yields_every_registered_method(fake_method, sparseflow_methods):
+    # (sparseflow_methods: the fixture of sparseflow.testing.pytest_plugin, loaded by its entry point)
+    assert sparseflow_methods == list(names()) and "fake" in sparseflow_methods

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import reference
+from .block_selection import selection_density
+from .reference import pbs_selections
 from .config import PBSConfig
 from .tail import mark_tail
 
@@ -26,9 +27,9 @@ def selection_densities(
     out: List[float] = [0.0] * len(cfgs)
     for idx in groups.values():
         cfg = cfgs[idx[0]]
-        perm, masks = reference.pbs_selections(q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale)
+        perm, masks = pbs_selections(q, k, cfg, [cfgs[i].threshold for i in idx], is_causal=True, scale=scale)
         for i, mask in zip(idx, masks):
             mask = mark_tail(mask, cfg.dense_tail_blocks)  # as the op reports its selection
-            density = reference.selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
+            density = selection_density(mask, perm, is_causal=True, block_size=cfg.block_size)
             out[i] = float(density.float().mean())  # as Selection.mean_density
     return out

@@ -32,7 +32,7 @@ class PBSConfig(AttentionConfig):
     earlier proxy sees only the complete segments strictly before its own segment, and a key's
     score is the mean of the probabilities it gets from the proxies that see it. Combines with
     ``causal_proxy`` (each proxy then normalises per segment). See
-    :func:`sparseflow.methods.pbs.reference.key_scores`.
+    :func:`sparseflow.methods.pbs.permutation.key_scores`.
     ``scoring``: how a query block's distribution over its candidate key blocks is estimated.
     ``"mean"`` (the paper's): softmax of the block-mean query against block-mean keys (the
     Triton selection kernels). ``"antidiagonal"`` (PBS+ / XAttention): logits from strided

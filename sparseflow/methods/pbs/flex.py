@@ -41,7 +41,10 @@ from .tail import apply_tail
 from ...selection import Selection
 from ...kernels import flex_common as fc
 from ...kernels.token_blocks import check_window, window_lower_bounds
-from .reference import key_scores, pbs_report, permuted_block_attention, segment_permutation, select_blocks
+from .block_selection import select_blocks
+from .permutation import key_scores, segment_permutation
+from .permuted_attention import permuted_block_attention
+from .reference import pbs_report
 from .memory import check_selection_memory
 
 __all__ = ["pbs_attention", "pbs_block_mask"]

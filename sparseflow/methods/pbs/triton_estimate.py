@@ -1,5 +1,5 @@
 """PBS-Attn strided block estimates in Triton: ``scoring="sampled_rows"`` and
-``scoring="antidiagonal"`` (definitions: reference.py's module docstring).
+``scoring="antidiagonal"`` (definitions: estimate.py's module docstring).
 
 One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]`` score matrix:
 
@@ -18,7 +18,7 @@ One pass of Q·K on tensor cores over the estimate's rows, never a ``[rows, N]``
   spans, ``_split_lse_kernel`` combines their partial row sums).
 * :func:`_strided_prob_row` -- the block probabilities of one query block from those: the mean
   over its rows that see a candidate key (and, for sampled rows, are valid query rows: the
-  reference's ``_query_validity``) of ``exp2(lbm - lse)``. Used by ``triton_select``'s
+  reference's ``query_validity``) of ``exp2(lbm - lse)``. Used by ``triton_select``'s
   selection kernel (which then thresholds exactly as for ``scoring="mean"``) and by
   :func:`block_probabilities` (the reference's ``block_probabilities`` contract, for tests).
 
@@ -65,7 +65,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from . import reference as _ref
+from .estimate import query_validity
+from .reference_common import effective_lengths
 from ...kernels._triton_env import interpreting
 from ...kernels.launch_sizes import pow2_at_least, sm_count
 from ...kernels.token_sparse_triton import _window_lo
@@ -756,7 +757,7 @@ def strided_estimate(
     """``(lbm [B*HC, rows, nB], lse [B*HC, rows])`` fp32 in log2 units for the query heads
     ``[h0, h0+hc)``. ``k_perm [B, Hp, N, D]`` permuted keys; with padding (``lens`` not None)
     ``kpos [B, Hp, N]`` int32 (``PAD_POS`` where padded), ``lens [B]`` int32 effective lengths and
-    ``qvalid [B, nB*bs]`` int8 (the reference's ``_query_validity``); all None without.
+    ``qvalid [B, nB*bs]`` int8 (the reference's ``query_validity``); all None without.
     ``block_m``/``block_n``/``num_warps``/``num_stages``: tile overrides (:func:`estimate_plan`);
     ``block_m`` None: :func:`default_row_tile`. ``key_splits``: programs per row tile, each over
     its own span of key blocks (their row masses summed after); None: :func:`default_key_splits`.
@@ -1000,8 +1001,8 @@ def padding_inputs(
     kpm = key_padding_mask.to(torch.bool)
     if kpos is None:
         kpos = key_positions(permutation, kpm)
-    lens = _ref.effective_lengths(kpm, bsz, n, kpm.device).to(torch.int32).contiguous()
-    qvalid = _ref._query_validity(kpm, block_size).to(torch.int8).contiguous()
+    lens = effective_lengths(kpm, bsz, n, kpm.device).to(torch.int32).contiguous()
+    qvalid = query_validity(kpm, block_size).to(torch.int8).contiguous()
     return kpos.contiguous(), lens, qvalid
 
 

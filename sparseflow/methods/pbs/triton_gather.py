@@ -17,7 +17,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ...kernels._triton_env import interpreting
-from . import reference as _ref
+from .estimate import query_block_means
+from .reference_common import first_valid, valid_positions
 from .config import PBSConfig
 from .triton_attention import PAD_POS
 
@@ -249,7 +250,7 @@ def _gather_buffers(x, y, key_padding_mask, *, hp, nb, write_x, write_y, pool, p
     sink_out = None
     if sink:
         if has_pad:
-            first = _ref._first_valid(key_padding_mask, b, n, dev)
+            first = first_valid(key_padding_mask, b, n, dev)
             sink_out = torch.full((b, hp), -1, dtype=torch.int32, device=dev)
         else:
             sink_out = torch.empty(b, hp, dtype=torch.int32, device=dev)  # every row has token 0
@@ -312,8 +313,8 @@ def pool_query_blocks(q: Tensor, key_padding_mask: Optional[Tensor], block_size:
     for a block with none: the reference's rule), one Triton launch (torch on CPU)."""
     if not _use_kernels(q):
         bsz, _, n, _ = q.shape
-        valid = _ref._valid_positions(key_padding_mask, bsz, n, q.device)
-        return _ref._query_block_means(q, valid, block_size)
+        valid = valid_positions(key_padding_mask, bsz, n, q.device)
+        return query_block_means(q, valid, block_size)
     return _launch_gather(
         q,
         None,

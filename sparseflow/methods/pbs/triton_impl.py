@@ -37,7 +37,9 @@ from ...config import backend_config
 from ...kernels.token_blocks import check_window
 from ...selection import Selection
 from ...tuning import DEFAULT_TUNING, Tuning
-from . import reference as _ref
+from .block_selection import select_blocks
+from .permutation import key_scores, segment_permutation
+from .reference import pbs_report
 from .triton_attention import block_mask_to_indices, key_positions, pbs_block_sparse_attention
 from .triton_gather import permute_kv, permuted_layout
 from .config import PBSConfig
@@ -113,7 +115,7 @@ def pbs_attention(
                 **window,
             )
             return _finish(out, block_mask, perm, cfg, key_padding_mask, is_causal, return_selection)
-        block_mask = _ref.select_blocks(
+        block_mask = select_blocks(
             q.detach(),
             k.detach(),
             perm,
@@ -176,7 +178,7 @@ def _permutation(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, scale
 
         score_fn, perm_fn = _sel.key_scores, _sel.segment_permutation
     else:
-        score_fn, perm_fn = _ref.key_scores, _ref.segment_permutation
+        score_fn, perm_fn = key_scores, segment_permutation
     scores = score_fn(
         qd,
         kd,
@@ -280,7 +282,7 @@ def _fused_select_attention(
 def _finish(out, block_mask, perm, cfg, key_padding_mask, is_causal, return_selection):
     if not return_selection:
         return out
-    return out, _ref.pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
+    return out, pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
 
 
 def attention_from_selection(

@@ -49,7 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference as _ref
+from .block_selection import block_last_keys
+from .permutation import proxy_queries
+from .reference_common import effective_lengths, first_valid
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
 from .triton_gather import pool_query_blocks
@@ -340,14 +342,14 @@ def select_block_lists(
     has_pad = key_padding_mask is not None and (padding_checked or not bool(key_padding_mask.all()))
     kpm = key_padding_mask.to(torch.bool) if has_pad else None
     exact, strided = _selection_kind(threshold, cut, scoring, block_size, antidiagonal_stride)
-    lens = _ref.effective_lengths(kpm, bsz, n, q.device).to(torch.int32) if has_pad else None
+    lens = effective_lengths(kpm, bsz, n, q.device).to(torch.int32) if has_pad else None
     kbar, kcnt, sink = _key_block_stats(
         layout, k_perm, permutation, kpm, force_sink, not exact and not strided, nb, block_size
     )
     kv_num, kv_full, kv_idx, bmask = outputs = _selection_outputs(bsz, hq, nb, q.device, return_block_mask)
     has_window = bool(sliding_window or chunk_size)
     # each permuted block's latest valid key: inside a window or not (unread without one)
-    klast = _ref.block_last_keys(permutation, kpm, block_size).to(torch.int32).contiguous() if has_window else kcnt
+    klast = block_last_keys(permutation, kpm, block_size).to(torch.int32).contiguous() if has_window else kcnt
     hp = permutation.shape[1]
     shape_args = (hq, nb, hq // hp, hp, n)
     seg_args = (
@@ -485,7 +487,7 @@ def _key_block_stats(layout, k_perm, permutation, kpm, force_sink: bool, need_kb
         kbar = pool_blocks(k_perm, slot_valid, block_size, fallback_all=False).contiguous() if need_kbar else None
         sink = None
         if force_sink:
-            first = _ref._first_valid(kpm, bsz, n, dev)  # [B], -1 if none
+            first = first_valid(kpm, bsz, n, dev)  # [B], -1 if none
             slot = (permutation == first.clamp_min(0)[:, None, None]).to(torch.int8).argmax(dim=-1)  # [B, Hp]
             sink = torch.where(first[:, None] >= 0, slot // block_size, torch.full_like(slot, -1))
     if sink is None:
@@ -824,7 +826,7 @@ def _multi_proxy_scores(q, k, out, kpm, proxy_blocks: int, geom: _ProxyGeometry)
     """``proxy_blocks > 1``: the two passes once per proxy slot of the reference's plan, each key's
     probabilities averaged over the proxies that see it."""
     bsz, n, dev = q.shape[0], q.shape[2], q.device
-    plan = _ref.proxy_queries(
+    plan = proxy_queries(
         kpm, bsz, n, block_size=geom.block_size, segment_size=geom.segment_size, proxy_blocks=proxy_blocks, device=dev
     )
     n_slots = max((len(p) for p in plan), default=0)
@@ -866,7 +868,7 @@ def _last_block_proxy_scores(q, k, out, kpm, geom: _ProxyGeometry) -> None:
         return
     bsz, n, dev = q.shape[0], q.shape[2], q.device
     block_size, block_p = geom.block_size, geom.block_p
-    lens = _ref.effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
+    lens = effective_lengths(kpm, bsz, n, dev).to(torch.int32).contiguous()
     pos = torch.arange(n, device=dev).expand(bsz, n)
     rank_from_end = kpm.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid position
     is_proxy = kpm & (rank_from_end <= block_size)
@@ -976,7 +978,7 @@ def segment_permutation(
     perm = torch.arange(n, device=scores.device).expand(bsz, hp, n).contiguous()
     if not permute or n // segment_size == 0:
         return perm
-    lens = _ref.effective_lengths(key_padding_mask, bsz, n, scores.device).to(torch.int32).contiguous()
+    lens = effective_lengths(key_padding_mask, bsz, n, scores.device).to(torch.int32).contiguous()
     block_s = max(16, triton.next_power_of_2(segment_size))
     sc = scores.float().clamp_min(0.0).contiguous()
     _segment_sort_kernel[(n // segment_size, bsz * hp)](sc, lens, perm, n, SEGMENT=segment_size, BLOCK_S=block_s, HP=hp)

@@ -1,6 +1,6 @@
 """PBS proxy_blocks (issue 8): P query blocks spread over the sequence score the keys.
 
-Conventions under test (sparseflow/methods/pbs/reference.py, module docstring): proxy j = 1..P is
+Conventions under test (sparseflow/methods/pbs/permutation.py, module docstring): proxy j = 1..P is
 the valid query block ending the first j/P of the valid query blocks; the last is the paper's
 proxy (last block_size valid queries, every complete segment); an earlier proxy sees only the
 complete segments strictly before its own; a key's score is the mean of the probabilities of
@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 import sparseflow  # noqa: E402
 from sparseflow import PBSConfig  # noqa: E402
 from sparseflow.config import config_from_dict  # noqa: E402
-from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs.permutation import key_scores, proxy_queries, segment_permutation  # noqa: E402
+from sparseflow.methods.pbs.reference_common import effective_lengths, safe_softmax  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +47,7 @@ def _key_scores_before(
     hkv = k.shape[1]
     g = hq // hkv
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    lengths = R.effective_lengths(key_padding_mask, bsz, n, q.device).tolist()
+    lengths = effective_lengths(key_padding_mask, bsz, n, q.device).tolist()
     out = torch.zeros(bsz, hq, n, dtype=torch.float32, device=q.device)
     for b in range(bsz):
         n_seg = lengths[b] // segment_size
@@ -70,9 +71,9 @@ def _key_scores_before(
                 if key_ok is not None:
                     logits.masked_fill_(~key_ok, float("-inf"))
                 if causal_proxy:
-                    probs = R._safe_softmax(logits.view(p, n_seg, segment_size)).view(p, lc)
+                    probs = safe_softmax(logits.view(p, n_seg, segment_size)).view(p, lc)
                 else:
-                    probs = R._safe_softmax(logits)
+                    probs = safe_softmax(logits)
                 out[b, h, :lc] = probs.mean(dim=0)
     if gqa_permutation == "kv_head":
         out = out.view(bsz, hkv, g, n).mean(dim=2)
@@ -105,8 +106,8 @@ def test_default_is_bit_identical_to_the_single_proxy(seed):
         for gqa in ("query_head", "kv_head"):
             kw = dict(key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=cp, gqa_permutation=gqa)
             before = _key_scores_before(q, k, **kw)
-            assert torch.equal(R.key_scores(q, k, **kw), before)
-            assert torch.equal(R.key_scores(q, k, proxy_blocks=1, **kw), before)
+            assert torch.equal(key_scores(q, k, **kw), before)
+            assert torch.equal(key_scores(q, k, proxy_blocks=1, **kw), before)
     assert PBSConfig().proxy_blocks == 1
 
 
@@ -129,14 +130,14 @@ def _far_back_case():
 def test_early_proxy_promotes_a_far_back_key():
     q, k, v = _far_back_case()
     kw = dict(block_size=4, segment_size=8)
-    assert [r.tolist() for r, _ in R.proxy_queries(None, 1, 64, proxy_blocks=2, **kw)[0]] == [
+    assert [r.tolist() for r, _ in proxy_queries(None, 1, 64, proxy_blocks=2, **kw)[0]] == [
         [28, 29, 30, 31],
         [60, 61, 62, 63],
     ]
-    s1 = R.key_scores(q, k, **kw)
-    s2 = R.key_scores(q, k, proxy_blocks=2, **kw)
-    p1 = R.segment_permutation(s1, segment_size=8)
-    p2 = R.segment_permutation(s2, segment_size=8)
+    s1 = key_scores(q, k, **kw)
+    s2 = key_scores(q, k, proxy_blocks=2, **kw)
+    p1 = segment_permutation(s1, segment_size=8)
+    p2 = segment_permutation(s2, segment_size=8)
     assert p1[0, 0, 0].item() == 5  # the last block alone ranks key 5 first in segment 0
     assert p2[0, 0, 0].item() == 2  # the middle proxy brings key 2 to the front
     assert p2[0, 0, 1].item() == 5
@@ -161,7 +162,7 @@ def test_proxies_never_see_their_own_or_later_segments(pad, causal_proxy):
     bs, seg, n = 4, 8, 70
     q, k, _, kpm = _random(2, 2, 1, n, 8, seed=3, pad=pad)
     kw = dict(key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=causal_proxy, proxy_blocks=4)
-    plan = R.proxy_queries(kpm, 2, n, block_size=bs, segment_size=seg, proxy_blocks=4)
+    plan = proxy_queries(kpm, 2, n, block_size=bs, segment_size=seg, proxy_blocks=4)
     tested = 0
     for b in range(2):
         assert len(plan[b]) >= 3
@@ -173,11 +174,11 @@ def test_proxies_never_see_their_own_or_later_segments(pad, causal_proxy):
                 if i != j:
                     qz[b, :, other] = 0.0
             qz[b, :, rows] = q[b, :, rows]  # (the last proxy may overlap the tested block)
-            base = R.key_scores(qz, k, **kw)[b]
+            base = key_scores(qz, k, **kw)[b]
             kp = k.clone()
             kp[b, :, start:] = 1e4 * torch.randn(kp[b, :, start:].shape, generator=torch.Generator().manual_seed(j))
             kp[b, :, start:, 0] = 1e4  # and aligned with the proxy's queries somewhere
-            poisoned = R.key_scores(qz, kp, **kw)[b]
+            poisoned = key_scores(qz, kp, **kw)[b]
             # every other proxy is uniform over what it sees, so even the poisoned keys' scores stay
             torch.testing.assert_close(poisoned, base, rtol=1e-5, atol=1e-7)
             tested += 1
@@ -186,10 +187,10 @@ def test_proxies_never_see_their_own_or_later_segments(pad, causal_proxy):
 
 def test_proxies_are_spread_and_deduplicated():
     kw = dict(block_size=4, segment_size=8)
-    plan = R.proxy_queries(None, 1, 64, proxy_blocks=4, **kw)[0]
+    plan = proxy_queries(None, 1, 64, proxy_blocks=4, **kw)[0]
     assert [(r.tolist()[0], s) for r, s in plan] == [(12, 1), (28, 3), (44, 5), (60, 8)]
     # more proxies than blocks that can see anything: duplicates and blind ones are dropped
-    plan = R.proxy_queries(None, 1, 20, proxy_blocks=50, **kw)[0]
+    plan = proxy_queries(None, 1, 20, proxy_blocks=50, **kw)[0]
     assert [(r.tolist(), s) for r, s in plan] == [([8, 9, 10, 11], 1), ([12, 13, 14, 15], 1), ([16, 17, 18, 19], 2)]
     # padded rows: valid query blocks only, valid rows only; all padded / too short: no proxy
     kpm = torch.ones(3, 40, dtype=torch.bool)
@@ -197,7 +198,7 @@ def test_proxies_are_spread_and_deduplicated():
     kpm[0, 13] = False
     kpm[1] = False
     kpm[2, 7:] = False
-    plan = R.proxy_queries(kpm, 3, 40, proxy_blocks=3, **kw)
+    plan = proxy_queries(kpm, 3, 40, proxy_blocks=3, **kw)
     assert [(r.tolist(), s) for r, s in plan[0]] == [([12, 14, 15], 1), ([16, 17, 18, 19], 2)]
     assert plan[1] == [] and plan[2] == []
 
@@ -208,8 +209,8 @@ def test_right_padding_equals_the_truncated_sequence():
     kpm[0, 61:] = False
     for cp in (False, True):
         kw = dict(block_size=4, segment_size=8, causal_proxy=cp, proxy_blocks=3)
-        padded = R.key_scores(q, k, key_padding_mask=kpm, **kw)
-        short = R.key_scores(q[:, :, :61], k[:, :, :61], **kw)
+        padded = key_scores(q, k, key_padding_mask=kpm, **kw)
+        short = key_scores(q[:, :, :61], k[:, :, :61], **kw)
         assert torch.equal(padded[:, :, :61], short)
         assert (padded[:, :, 61:] == 0).all()
 
@@ -217,13 +218,13 @@ def test_right_padding_equals_the_truncated_sequence():
 def test_kv_head_is_the_group_mean_and_scores_are_distributions():
     q, k, _, kpm = _random(3, 6, 2, 77, 8, seed=6, pad=True)
     kw = dict(key_padding_mask=kpm, block_size=4, segment_size=8, proxy_blocks=3)
-    per_q = R.key_scores(q, k, **kw)
-    per_kv = R.key_scores(q, k, gqa_permutation="kv_head", **kw)
+    per_q = key_scores(q, k, **kw)
+    per_kv = key_scores(q, k, gqa_permutation="kv_head", **kw)
     torch.testing.assert_close(per_kv, per_q.view(3, 2, 3, 77).mean(2), rtol=0, atol=0)
     # without causal_proxy each proxy is a distribution over what it sees: the last proxy's mass
     # (1) plus each earlier proxy's (1, spread over fewer segments) -> sum of score*seen_by = P_eff
-    lengths = R.effective_lengths(kpm, 3, 77).tolist()
-    plan = R.proxy_queries(kpm, 3, 77, block_size=4, segment_size=8, proxy_blocks=3)
+    lengths = effective_lengths(kpm, 3, 77).tolist()
+    plan = proxy_queries(kpm, 3, 77, block_size=4, segment_size=8, proxy_blocks=3)
     for b in range(3):
         lc = (lengths[b] // 8) * 8
         seen_by = torch.zeros(77)
@@ -249,7 +250,7 @@ def test_config_validation_and_serialisation():
     del old["proxy_blocks"]  # a config written before the option existed
     assert config_from_dict(old) == PBSConfig()
     with pytest.raises(ValueError, match="proxy_blocks"):
-        R.key_scores(torch.zeros(1, 1, 16, 4), torch.zeros(1, 1, 16, 4), block_size=4, segment_size=8, proxy_blocks=0)
+        key_scores(torch.zeros(1, 1, 16, 4), torch.zeros(1, 1, 16, 4), block_size=4, segment_size=8, proxy_blocks=0)
 
 
 @pytest.mark.parametrize(
@@ -270,13 +271,13 @@ def test_triton_scores_match_reference(gqa, pad, causal_proxy):
         gqa_permutation=gqa,
         proxy_blocks=3,
     )
-    ref = R.key_scores(q, k, **kw)
+    ref = key_scores(q, k, **kw)
     got = S.key_scores(q, k, **kw)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
-    assert not torch.equal(ref, R.key_scores(q, k, **dict(kw, proxy_blocks=1)))
+    assert not torch.equal(ref, key_scores(q, k, **dict(kw, proxy_blocks=1)))
     assert torch.equal(
         S.segment_permutation(got, segment_size=16, key_padding_mask=kpm),
-        R.segment_permutation(ref, segment_size=16, key_padding_mask=kpm),
+        segment_permutation(ref, segment_size=16, key_padding_mask=kpm),
     )
 
 

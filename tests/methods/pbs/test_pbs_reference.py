@@ -14,16 +14,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseflow.methods.pbs.reference import (
-    block_probabilities,
-    candidate_blocks,
-    key_scores,
-    pbs_attention,
-    permuted_block_attention,
-    segment_permutation,
-    select_blocks,
-    threshold_blocks,
-)
+from sparseflow.methods.pbs.block_selection import candidate_blocks, select_blocks, threshold_blocks
+from sparseflow.methods.pbs.estimate import block_probabilities
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation
+from sparseflow.methods.pbs.permuted_attention import permuted_block_attention
+from sparseflow.methods.pbs.reference import pbs_attention
 from sparseflow.selection import Selection
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -606,7 +601,8 @@ def test_gradients_match_masked_dense(p, threshold, causal):
 def test_pbs_selection_is_the_attentions_selection():
     """pbs_selection (the selection alone, as calibrate's costs use it) is what pbs_attention selects."""
     from sparseflow.config import PBSConfig
-    from sparseflow.methods.pbs.reference import pbs_attention, pbs_selection, pbs_selections, selection_density
+    from sparseflow.methods.pbs.block_selection import selection_density
+    from sparseflow.methods.pbs.reference import pbs_attention, pbs_selection, pbs_selections
 
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, h, 128, 16, generator=gen) * 3 for h in (4, 2, 2))  # peaked: not everything kept

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 import sparseflow
-from sparseflow.methods.pbs import reference as R
+from sparseflow.methods.pbs.block_selection import candidate_blocks
+from sparseflow.methods.pbs.estimate import block_probabilities
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation
+from sparseflow.methods.pbs.reference import pbs_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton backend runs (the CPU: interpreted)
 
@@ -62,13 +65,13 @@ def test_sampled_rows_matches_its_definition(stride, pad):
         kpm = torch.ones(1, n, dtype=torch.bool)
         kpm[0, 70:] = False
         kpm[0, 3] = False
-    perm = R.segment_permutation(
-        R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg),
+    perm = segment_permutation(
+        key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg),
         segment_size=seg,
         key_padding_mask=kpm,
     )
-    cand = R.candidate_blocks(perm, q.shape[1], key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    got = R.block_probabilities(
+    cand = candidate_blocks(perm, q.shape[1], key_padding_mask=kpm, block_size=bs, segment_size=seg)
+    got = block_probabilities(
         q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring="sampled_rows", antidiagonal_stride=stride
     )
     torch.testing.assert_close(got[0], _direct(q, k, perm, cand, bs, stride, kpm), rtol=1e-5, atol=1e-6)
@@ -76,10 +79,10 @@ def test_sampled_rows_matches_its_definition(stride, pad):
 
 def test_stride_one_is_the_exact_block_mass():
     q, k, _ = _inputs(seed=1)
-    perm = R.segment_permutation(torch.rand(1, 4, 90, generator=torch.Generator().manual_seed(2)), segment_size=32)
-    cand = R.candidate_blocks(perm, 4, block_size=16, segment_size=32)
-    rows = R.block_probabilities(q, k, perm, cand, block_size=16, scoring="sampled_rows", antidiagonal_stride=1)
-    exact = R.block_probabilities(q, k, perm, cand, block_size=16, scoring="antidiagonal", antidiagonal_stride=1)
+    perm = segment_permutation(torch.rand(1, 4, 90, generator=torch.Generator().manual_seed(2)), segment_size=32)
+    cand = candidate_blocks(perm, 4, block_size=16, segment_size=32)
+    rows = block_probabilities(q, k, perm, cand, block_size=16, scoring="sampled_rows", antidiagonal_stride=1)
+    exact = block_probabilities(q, k, perm, cand, block_size=16, scoring="antidiagonal", antidiagonal_stride=1)
     torch.testing.assert_close(rows, exact, rtol=1e-5, atol=1e-6)
 
 
@@ -90,7 +93,7 @@ def test_op_runs_sampled_rows_and_matches_masked_dense(backend):
     # and attends with its kernel (the CPU interpreter here)
     q, k, v = (t.to(DEV if backend == "triton" else "cpu") for t in _inputs(n=77, d=16))
     kw = dict(block_size=16, segment_size=32, threshold=0.7, scoring="sampled_rows", antidiagonal_stride=4)
-    ref, sel = R.pbs_attention(q, k, v, return_selection=True, **kw)
+    ref, sel = pbs_attention(q, k, v, return_selection=True, **kw)
     mask = sel.key_mask(q.shape[1])
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     dense = torch.nn.functional.scaled_dot_product_attention(q.double(), kr.double(), vr.double(), attn_mask=mask)

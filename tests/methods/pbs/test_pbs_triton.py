@@ -18,7 +18,12 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs.block_selection import select_blocks  # noqa: E402
+from sparseflow.methods.pbs.estimate import query_block_means  # noqa: E402
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation  # noqa: E402
+from sparseflow.methods.pbs.permuted_attention import permuted_block_attention  # noqa: E402
+from sparseflow.methods.pbs.reference import pbs_attention  # noqa: E402
+from sparseflow.methods.pbs.reference_common import first_valid, valid_positions  # noqa: E402
 from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
 from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
 from sparseflow.methods.pbs import triton_gather as TG  # noqa: E402
@@ -48,9 +53,9 @@ def _padding(b, n):
 
 
 def _selection(q, k, kpm, *, bs, seg, thr, causal, gqa):
-    sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
-    perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    bm = R.select_blocks(
+    sc = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+    perm = segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+    bm = select_blocks(
         q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
     )
     return perm, bm
@@ -124,7 +129,7 @@ def _check_attention_against_reference(case):
     )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any(), "unwritten or NaN output rows"
-    ref = R.permuted_block_attention(
+    ref = permuted_block_attention(
         q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=causal, block_size=bs
     )
     err = _rel(out, ref)
@@ -146,7 +151,7 @@ def test_rows_without_visible_keys_are_zero(poisoned):
     assert not out.isnan().any()
     assert out[0].abs().max() == 0
     assert out[1, :, :20].abs().max() == 0
-    ref = R.permuted_block_attention(
+    ref = permuted_block_attention(
         q.double(), k.double(), v.double(), perm, bm, key_padding_mask=kpm, is_causal=True, block_size=bs
     )
     assert _rel(out, ref) < 1e-5
@@ -169,11 +174,11 @@ def test_pipeline_matches_reference(gqa, pad):
         return_selection=True,
     )
     out, sel = TI.pbs_attention(q, k, v, **kw)
-    ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
+    ref_out, ref_sel = pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.permutation, ref_sel.permutation)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
     assert torch.equal(sel.density, ref_sel.density)
-    ref64 = R.permuted_block_attention(
+    ref64 = permuted_block_attention(
         q.double(),
         k.double(),
         v.double(),
@@ -269,7 +274,7 @@ def test_cuda_attention_matches_reference(dtype, d, poisoned):
     q, k, v = _qkv(1, 8, 2, n, d, dtype, seed=d)
     perm, bm = _selection(q, k, None, bs=bs, seg=seg, thr=0.9, causal=True, gqa="query_head")
     out = TI.attention_from_selection(q, k, v, perm, bm, block_size=bs, segment_size=seg)
-    ref = R.permuted_block_attention(q.double(), k.double(), v.double(), perm, bm, block_size=bs)
+    ref = permuted_block_attention(q.double(), k.double(), v.double(), perm, bm, block_size=bs)
     assert not out.isnan().any()
     assert _rel(out, ref) <= 2 * _torch_error(q, k, v, perm, bm, None, True, bs, ref) + 1e-6
 
@@ -308,9 +313,9 @@ def test_select_kernel_identical_to_reference(case):
     b = 2 if pad else 1
     q, k, _ = _qkv(b, hq, hkv, n, 32, torch.float32, seed=n + hq)
     kpm = _padding(b, n) if pad else None
-    sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
-    perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    ref_bm = R.select_blocks(
+    sc = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+    perm = segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+    ref_bm = select_blocks(
         q,
         k,
         perm,
@@ -352,9 +357,9 @@ def test_pipeline_with_select_kernel():
         key_padding_mask=kpm, is_causal=True, block_size=bs, segment_size=seg, threshold=0.8, return_selection=True
     )
     out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
-    ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
+    ref_out, ref_sel = pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
-    ref64 = R.permuted_block_attention(
+    ref64 = permuted_block_attention(
         q.double(),
         k.double(),
         v.double(),
@@ -378,11 +383,11 @@ def test_score_and_sort_kernels_match_reference(gqa, pad, causal_proxy):
     q, k, _ = _qkv(b, 6, 2, n, 40, torch.float32, seed=21)
     kpm = _padding(b, n) if pad else None
     kw = dict(key_padding_mask=kpm, block_size=bs, segment_size=seg, causal_proxy=causal_proxy, gqa_permutation=gqa)
-    ref = R.key_scores(q, k, **kw)
+    ref = key_scores(q, k, **kw)
     got = S.key_scores(q, k, **kw)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
     # the sort is exact: identical permutation from the same scores, and from the kernel's own
-    ref_perm = R.segment_permutation(ref, segment_size=seg, key_padding_mask=kpm)
+    ref_perm = segment_permutation(ref, segment_size=seg, key_padding_mask=kpm)
     assert torch.equal(S.segment_permutation(ref, segment_size=seg, key_padding_mask=kpm), ref_perm)
     assert torch.equal(S.segment_permutation(got, segment_size=seg, key_padding_mask=kpm), ref_perm)
 
@@ -392,7 +397,7 @@ def test_segment_sort_is_stable_with_ties():
 
     scores = torch.tensor([[[0.5, 0.5, 0.1, 0.5, 0.0, 0.0, 0.2, 0.2, 0.9]]], device=DEV)
     perm = S.segment_permutation(scores, segment_size=4)
-    assert perm.tolist() == R.segment_permutation(scores, segment_size=4).tolist() == [[[0, 1, 3, 2, 6, 7, 4, 5, 8]]]
+    assert perm.tolist() == segment_permutation(scores, segment_size=4).tolist() == [[[0, 1, 3, 2, 6, 7, 4, 5, 8]]]
 
 
 def test_dispatch_through_op():
@@ -451,7 +456,7 @@ def test_permute_kv_kernel_exact(hp_kind, dtype):
         torch.testing.assert_close(
             lay.kbar, pool_blocks(TG.permute_kv_torch(k, perm), slot_valid, bs, False), rtol=1e-6, atol=1e-6
         )
-        first = R._first_valid(mask, b, n, DEV)
+        first = first_valid(mask, b, n, DEV)
         sink = (perm == first[:, None, None]).to(torch.int8).argmax(-1) // bs
         assert torch.equal(lay.sink.long(), sink)
 
@@ -462,7 +467,7 @@ def test_pool_query_blocks_matches_reference():
     kpm = _padding(b, n)
     kpm[1, 16:32] = False  # a block with no valid query: pooled over all its positions
     for mask in (None, kpm):
-        ref = R._query_block_means(q, R._valid_positions(mask, b, n, DEV), bs)
+        ref = query_block_means(q, valid_positions(mask, b, n, DEV), bs)
         torch.testing.assert_close(TG.pool_query_blocks(q, mask, bs), ref, rtol=1e-6, atol=1e-6)
 
 
@@ -486,9 +491,9 @@ def test_select_from_layout_identical_to_reference(case):
     b = 2 if pad else 1
     q, k, v = _qkv(b, hq, hkv, n, 24, torch.float32, seed=n * 3 + hq)
     kpm = _padding(b, n) if pad else None
-    sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
-    perm = R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
-    ref_bm = R.select_blocks(
+    sc = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+    perm = segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+    ref_bm = select_blocks(
         q, k, perm, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg, threshold=thr
     )
     lay = TG.permuted_layout(k, v, perm, key_padding_mask=kpm, block_size=bs)
@@ -524,7 +529,7 @@ def test_threshold_ties_go_to_lower_blocks(cut, thr):
     q, _, _ = _qkv(1, 2, 1, n, 16, torch.float32, seed=2)
     k = torch.randn(1, 1, 1, 16, device=DEV).expand(1, 1, n, 16).contiguous()
     perm = torch.arange(n, device=DEV).expand(1, 1, n).contiguous()
-    ref_bm = R.select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
+    ref_bm = select_blocks(q, k, perm, block_size=bs, segment_size=seg, threshold=thr)
     bm = select_block_lists(
         q,
         None,

@@ -20,7 +20,11 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from sparseflow.methods.pbs import reference as R  # noqa: E402
+from sparseflow.methods.pbs import block_selection  # noqa: E402
+from sparseflow.methods.pbs.block_selection import candidate_blocks, forced_blocks, select_blocks  # noqa: E402
+from sparseflow.methods.pbs.estimate import block_probabilities  # noqa: E402
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation  # noqa: E402
+from sparseflow.methods.pbs.reference import pbs_attention  # noqa: E402
 from sparseflow.methods.pbs import triton_attention as TA  # noqa: E402
 from sparseflow.methods.pbs import triton_estimate as E  # noqa: E402
 from sparseflow.methods.pbs import triton_impl as TI  # noqa: E402
@@ -55,8 +59,8 @@ def _padding(kind, b, n):
 
 
 def _perm(q, k, kpm, bs, seg, gqa):
-    sc = R.key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
-    return R.segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
+    sc = key_scores(q, k, key_padding_mask=kpm, block_size=bs, segment_size=seg, gqa_permutation=gqa)
+    return segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
 
 
 # scoring, stride, n, hq, hkv, gqa, padding, causal, block, segment, b
@@ -90,8 +94,8 @@ def test_block_probabilities_match_reference(case, poisoned):
     q, k, _ = _qkv(b, hq, hkv, n, d, torch.float32, seed=n + s)
     kpm = _padding(pad, b, n)
     perm = _perm(q, k, kpm, bs, seg, gqa)
-    cand = R.candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
-    ref = R.block_probabilities(
+    cand = candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
+    ref = block_probabilities(
         q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring, antidiagonal_stride=s
     )
     got = poisoned(
@@ -285,14 +289,14 @@ def test_selection_identical_to_reference(case, poisoned):
     perm = _perm(q, k, kpm, bs, seg, gqa)
     for thr in thresholds:
         geo = dict(is_causal=causal, block_size=bs, segment_size=seg, threshold=thr, force_sink=sink)
-        ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, scoring=scoring, antidiagonal_stride=s, **geo)
+        ref_bm = select_blocks(q, k, perm, key_padding_mask=kpm, scoring=scoring, antidiagonal_stride=s, **geo)
         kv_num, kv_full, kv_idx, bm = poisoned(
             _block_lists, q, k, perm, kpm, scoring=scoring, antidiagonal_stride=s, **geo
         )
         assert torch.equal(bm, ref_bm), f"threshold {thr}: {(bm != ref_bm).sum().item()} blocks differ"
         _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, bs, seg, causal, kpm)
         if thr < 1.0:  # the cut is not trivial: some candidate is dropped, some is kept
-            cand = R.candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
+            cand = candidate_blocks(perm, hq, key_padding_mask=kpm, is_causal=causal, block_size=bs, segment_size=seg)
             assert (cand & ~ref_bm).any() and (cand & ref_bm).any()
 
 
@@ -331,8 +335,8 @@ def test_low_precision_matches_reference_on_same_inputs(dtype, scoring, s):
     q, k, _ = _qkv(2, 4, 2, n, 32, dtype, seed=11)
     kpm = _padding("holes", 2, n)
     perm = _perm(q, k, kpm, bs, seg, "kv_head")
-    cand = R.candidate_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    ref_p = R.block_probabilities(
+    cand = candidate_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
+    ref_p = block_probabilities(
         q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring=scoring, antidiagonal_stride=s
     )
     got_p = E.block_probabilities(
@@ -341,9 +345,9 @@ def test_low_precision_matches_reference_on_same_inputs(dtype, scoring, s):
     torch.testing.assert_close(got_p, ref_p, rtol=1e-5, atol=1e-6)
     for thr in (0.9,):
         geo = dict(block_size=bs, segment_size=seg, threshold=thr, scoring=scoring, antidiagonal_stride=s)
-        ref_bm = R.select_blocks(q, k, perm, key_padding_mask=kpm, **geo)
+        ref_bm = select_blocks(q, k, perm, key_padding_mask=kpm, **geo)
         bm = _block_lists(q, k, perm, kpm, **geo)[3]
-        forced = R.forced_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
+        forced = forced_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
         _assert_same_up_to_near_ties(bm & ~forced, ref_bm & ~forced, ref_p, cand, thr)
 
 
@@ -369,9 +373,12 @@ def test_op_through_triton_backend_uses_the_estimate(monkeypatch, scoring, s, la
         block_size=16, segment_size=32, threshold=0.8, scoring=scoring, antidiagonal_stride=s, gqa_permutation="kv_head"
     )
     ref = sparseflow.pbs_attention(q, k, v, config=cfg, backend="reference", attn_mask=mask, is_causal=False)
-    # the triton backend must not fall back to the torch selection for the strided scorings
-    monkeypatch.setattr(R, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
-    monkeypatch.setattr(R, "block_probabilities", lambda *a, **kw: pytest.fail("reference estimate called"))
+    # the triton backend must not fall back to the torch selection for the strided scorings (patched
+    # where each name is looked up: the backend's selection call, and the selection's estimate)
+    monkeypatch.setattr(TI, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
+    monkeypatch.setattr(
+        block_selection, "block_probabilities", lambda *a, **kw: pytest.fail("reference estimate called")
+    )
     out = sparseflow.pbs_attention(
         q, k, v, config=cfg, backend="triton", attn_mask=mask, is_causal=False, tuning=tuning
     )
@@ -393,7 +400,7 @@ def test_selection_through_pbs_attention():
         return_selection=True,
     )
     out, sel = TI.pbs_attention(q, k, v, tuning=Tuning(pbs_select="triton"), **kw)
-    ref_out, ref_sel = R.pbs_attention(q, k, v, **kw)
+    ref_out, ref_sel = pbs_attention(q, k, v, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask)
     assert torch.equal(sel.permutation, ref_sel.permutation)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
@@ -420,7 +427,7 @@ def test_short_sequences(n, causal, poisoned):
         geo = dict(
             is_causal=causal, block_size=16, segment_size=32, threshold=0.9, scoring=scoring, antidiagonal_stride=4
         )
-        ref_bm = R.select_blocks(q, k, perm, **geo)
+        ref_bm = select_blocks(q, k, perm, **geo)
         kv_num, kv_full, kv_idx, bm = poisoned(_block_lists, q, k, perm, None, **geo)
         assert torch.equal(bm, ref_bm)
         _assert_lists_match(kv_num, kv_full, kv_idx, ref_bm, n, 16, 32, causal, None)
@@ -434,8 +441,8 @@ def test_interior_steps_without_masks(scoring, s, causal, poisoned):
     n, bs, seg = 256, 16, 32
     q, k, _ = _qkv(1, 2, 1, n, 32, torch.float32, seed=s)
     perm = _perm(q, k, None, bs, seg, "query_head")
-    cand = R.candidate_blocks(perm, 2, is_causal=causal, block_size=bs, segment_size=seg)
-    ref = R.block_probabilities(q, k, perm, cand, block_size=bs, scoring=scoring, antidiagonal_stride=s)
+    cand = candidate_blocks(perm, 2, is_causal=causal, block_size=bs, segment_size=seg)
+    ref = block_probabilities(q, k, perm, cand, block_size=bs, scoring=scoring, antidiagonal_stride=s)
     got = poisoned(
         E.block_probabilities,
         q,
