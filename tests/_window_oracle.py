@@ -48,3 +48,11 @@ def one_sparse_call(q, k, v, kpm, cfg, backend, tuning=None):
     (call,) = cap.calls
     assert call.sparse and call.method == cfg.method, call.reason
     return out, call
+
+
+def cpu_qkv_inputs(*args, **kw):
+    """``_pisa_walk_inputs.qkv_inputs`` on the CPU, where the oracles and the reference backend
+    of the window tests run (a test moves them to the GPU for the Triton backend itself)."""
+    from _pisa_walk_inputs import qkv_inputs
+
+    return tuple(None if t is None else t.cpu() for t in qkv_inputs(*args, **kw))

@@ -10,8 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from _pisa_walk_inputs import qkv_inputs
-from _window_oracle import one_sparse_call
+from _window_oracle import cpu_qkv_inputs, one_sparse_call
 
 import sparseflow
 from sparseflow.kernels import token_blocks as tb
@@ -64,7 +63,7 @@ def _oracle_select(q, k, kpm, c, top_k, sliding_window, chunk_size):
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_reference_selection_is_the_top_k_inside_the_window(case):
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
-    q, k, _, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    q, k, _, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     got = bsa_ref.bsa_select(q, k, key_padding_mask=kpm, block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs)
     want = _oracle_select(q, k, kpm, c, kk, sw, cs)
     assert torch.equal(got, want)
@@ -80,7 +79,7 @@ def test_triton_selection_equals_reference(case):
     from sparseflow.methods.bsa import triton_select
 
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
-    q, k, _, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    q, k, _, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     kw = dict(block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs)
     want = bsa_ref.bsa_select(q, k, key_padding_mask=kpm, **kw)
     dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
@@ -94,7 +93,7 @@ def test_backends_equal_the_reference(case, backend):
     """The op runs BSA inside the window on every backend (no dense fallback): the same output as
     the reference backend, whose attention is the oracle's over the same blocks."""
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
-    q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    q, k, v, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     cfg = sparseflow.BSAConfig(block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs)
     want, _ = one_sparse_call(q, k, v, kpm, cfg, "reference")
     dev = DEVICE if backend == "triton" else "cpu"
@@ -109,7 +108,7 @@ def test_wide_top_k_is_the_exact_window(case):
     """A top-K at least the window's block count keeps every block of the window: BSA equals the
     dense method's exact window."""
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
-    q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    q, k, v, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     cfg = sparseflow.BSAConfig(block_size=c, top_k=-(-n // c), sliding_window=sw, chunk_size=cs)
     got, call = one_sparse_call(q, k, v, kpm, cfg, "reference")
     exact, _ = one_sparse_call(q, k, v, kpm, sparseflow.DenseConfig(sliding_window=sw, chunk_size=cs), "reference")
@@ -139,7 +138,7 @@ def test_the_selection_carries_the_window(case):
     """The op's Selection holds the call's window: its key mask is the selected blocks' keys cut
     to each query's window (the first block's keys before the bound are not attended)."""
     b, hq, hkv, n, d, c, kk, sw, cs, pad = case
-    q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
+    q, k, v, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad)
     _, call = one_sparse_call(
         q, k, v, kpm, sparseflow.BSAConfig(block_size=c, top_k=kk, sliding_window=sw, chunk_size=cs), "reference"
     )

@@ -17,8 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _pisa_walk_inputs import qkv_inputs
-from _window_oracle import dense_window_attention, one_sparse_call
+from _window_oracle import cpu_qkv_inputs, dense_window_attention, one_sparse_call
 
 import sparseflow
 from sparseflow import DenseConfig, PBSConfig, Tuning
@@ -39,7 +38,7 @@ CASES = {
 
 def _case(case):
     b, hq, hkv, n, d, bs, seg, thr, sw, cs, pad, gqa, permute = case
-    q, k, v, kpm = qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad, seed=n)
+    q, k, v, kpm = cpu_qkv_inputs(b, hq, hkv, n, n, d, torch.float32, pad, seed=n)
     k[:, :, ::7] *= 2.0  # a few strong keys: the block probabilities are not flat
     cfg = PBSConfig(
         block_size=bs,
@@ -189,6 +188,8 @@ def test_dense_tail_attends_its_whole_window():
 )
 def test_a_window_needs_causality(backend):
     q, k, v, _, cfg = _case(CASES["chunk-96-unpermuted"])
+    if backend == "triton":
+        q, k, v = (t.to(DEVICE) for t in (q, k, v))
     impl = sparseflow.methods.spec_for("pbs").backend(backend).load()
     with pytest.raises(ValueError, match="chunk_size=96 needs is_causal=True"):
         impl(q, k, v, cfg, is_causal=False)

@@ -15,8 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from _pisa_walk_inputs import qkv_inputs
-from _window_oracle import dense_window_attention, one_sparse_call
+from _window_oracle import cpu_qkv_inputs, dense_window_attention, one_sparse_call
 
 import sparseflow
 from sparseflow import Tuning
@@ -42,7 +41,7 @@ CASES = {
 
 def _inputs(case):
     b, hq, hkv, nq, nk, d, c, kk, g, score, pad, dtype, beam, sw, cs = case
-    q, k, v, kpm = qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)  # queries: the last nq positions
+    q, k, v, kpm = cpu_qkv_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)  # queries: the last nq positions
     kw = dict(block_size=c, top_k=kk, branching=g, score=score, beam=beam)
     return q, k, v, kpm, kw, dict(sliding_window=sw, chunk_size=cs)
 
@@ -233,9 +232,10 @@ def test_triton_walks_equal_the_reference(walk, case, monkeypatch, poisoned):
         monkeypatch.setitem(triton_select_scan.LAUNCH, "rows", 16)
     q, k, _, kpm, kw, window = _inputs(case)
     want = pisa_ref.pisa_select(q, k, key_padding_mask=kpm, **kw, **window)
+    q, k, kpm = (None if t is None else t.to(DEVICE) for t in (q, k, kpm))
     got = poisoned(triton_select.pisa_select, q, k, key_padding_mask=kpm, tuning=Tuning(pisa_walk=walk), **kw, **window)
     assert module is None or len(ran) == 1, f"the {walk} walk did not run"
-    assert torch.equal(got, want)
+    assert torch.equal(got.cpu(), want)
 
 
 OP_CASES = {key: CASES[key] for key in ("sliding-17-lse-gqa2", "chunk-24-bf16-g3-pad", "sliding-13-tiny-pad")}
@@ -282,7 +282,7 @@ def test_wide_top_k_is_the_exact_window(case):
 def test_a_window_narrower_than_the_top_k_is_exact():
     """Top-K 4 of blocks of 8 and a 20-key window (at most 4 blocks): the walk keeps every visible
     block of each window, so PISA is the exact window although most queries see 13 blocks."""
-    q, k, v, _ = qkv_inputs(1, 2, 1, 104, 104, 16, F32, False, seed=3)
+    q, k, v, _ = cpu_qkv_inputs(1, 2, 1, 104, 104, 16, F32, False, seed=3)
     window = dict(sliding_window=20, chunk_size=0)
     got, call = one_sparse_call(q, k, v, None, sparseflow.PISAConfig(block_size=8, top_k=4, **window), "reference")
     exact, _ = one_sparse_call(q, k, v, None, sparseflow.DenseConfig(**window), "reference")
@@ -321,7 +321,7 @@ def test_a_bad_window_is_refused_naming_it(window, is_causal, error, words, impl
         from sparseflow.methods.pisa.triton_select import pisa_select
     else:
         pisa_select = pisa_ref.pisa_select
-    q, k, _, _ = qkv_inputs(1, 2, 1, 40, 40, 16, F32, False)
+    q, k, _, _ = cpu_qkv_inputs(1, 2, 1, 40, 40, 16, F32, False)
     with pytest.raises(error, match=words):
         pisa_select(q, k, is_causal=is_causal, block_size=8, top_k=3, **window)
 
@@ -334,10 +334,10 @@ def test_a_decode_step_never_serves_a_window_from_the_cached_pyramid():
     window the same step is served from the cache (what the first two must not do)."""
     from sparseflow import decode_state
 
-    q, k, v, _ = qkv_inputs(1, 2, 1, 60, 60, 16, F32, False, seed=4)
+    q, k, v = (t.to(DEVICE) for t in cpu_qkv_inputs(1, 2, 1, 60, 60, 16, F32, False, seed=4)[:3])
     q1 = q[:, :, -1:]
     cfg = sparseflow.PISAConfig(block_size=8, top_k=3)
-    in_window = (torch.arange(60) > 59 - 20)[None, None, None, :]  # the step's last 20 keys
+    in_window = (torch.arange(60, device=DEVICE) > 59 - 20)[None, None, None, :]  # the step's last 20 keys
     state = decode_state.DecodeState()
     with decode_state.active(state), sparseflow.capture() as cap:
         got = sparseflow.attention(q1, k, v, config=cfg, attn_mask=in_window, is_causal=False, backend="triton")
