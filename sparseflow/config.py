@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, Mapping, Optional, Type, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Type, Union
 
 from ._config_base import BACKENDS, AttentionConfig, TopKConfig, _check_choice
 from .methods.bsa.config import BSAConfig
@@ -33,12 +33,32 @@ __all__ = [
     "backend_config",
 ]
 
-METHODS: Dict[str, Type[AttentionConfig]] = {
-    "dense": DenseConfig,
-    "pbs": PBSConfig,
-    "pisa": PISAConfig,
-    "bsa": BSAConfig,
-}
+class _MethodConfigs(Mapping):
+    """Method name -> config class, read from the method registry at each access, so a method
+    registered later (``sparseflow.methods.register``) is known here too."""
+
+    def _registry(self):
+        from .methods import registry  # the registry's methods import their configs from here
+
+        return registry
+
+    def __getitem__(self, name: str) -> Type[AttentionConfig]:
+        registry = self._registry()
+        if name not in registry.names():
+            raise KeyError(name)
+        return registry.spec_for(name).config_type
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registry().names())
+
+    def __len__(self) -> int:
+        return len(self._registry().names())
+
+    def __repr__(self) -> str:
+        return f"METHODS({dict(self)!r})"
+
+
+METHODS: Mapping[str, Type[AttentionConfig]] = _MethodConfigs()
 
 
 def default_config(method: str) -> AttentionConfig:

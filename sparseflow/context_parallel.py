@@ -1,4 +1,4 @@
-"""Context (sequence) parallel prefill for PBS, PISA, BSA and dense attention on ``torch.distributed``.
+"""Context (sequence) parallel prefill on ``torch.distributed``, for every registered method.
 
 Every rank of a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` (or a process group) holds
 a shard of the sequence (dim 2) of ``q``, ``k`` and ``v`` and gets the output rows of its own
@@ -15,16 +15,14 @@ whole sequence; each rank computes the selection of its own query rows only, the
 over the gathered K/V with the method's own functions, so every rank selects exactly what the
 single-device op selects:
 
-* PISA, BSA: a query token's selection and attention read only keys ``<= p_i`` (causal), so each
+* ``"token_chunks"`` (PISA, BSA): a query token's selection and attention read only keys ``<= p_i`` (causal), so each
   of the rank's chunks ``[s, e)`` runs the implementation on ``(q[s:e], k[:e], v[:e])``, whose
   bottom-right alignment puts the chunk at positions ``s..e-1``. Non-causal chunks run on the
   queries ``[s, N)`` (zeros past ``e``, discarded) so their positions stay right: correct, but
   the work is not balanced.
-* PBS: the permutation needs the proxy queries (the last block of the sequence, and more with
-  ``proxy_blocks``) and a query block straddling a shard boundary needs its rows from the
-  neighbour: those rows are shared by one small all-reduce. The selection and the block-sparse
-  attention then run on a full-length query tensor holding the rank's rows (zeros elsewhere),
-  with the block lists of other ranks' query blocks emptied so no work is spent on them.
+* a method whose selection needs more names its own strategy in its registry entry
+  (``MethodSpec.context_parallel``); PBS's shares the proxy and boundary query rows first
+  (:mod:`sparseflow.methods.pbs.context_parallel`).
 
 Communication per rank and call: the all-gather of K and V, ``2 (W-1)/W N Hkv D`` elements
 received; for PBS also the shared query rows, ``(proxy_blocks + boundary blocks) * block_size *
@@ -47,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import methods as _methods
+from .methods.registry import TOKEN_CHUNKS, load_target
 from . import op_backends as _backends
 from . import op_plan as _planning
 from . import recording as _capture
@@ -227,7 +226,7 @@ def gather_sequence(x: Tensor, layout: Layout, pg) -> Tensor:
     return _GatherSequence.apply(x, layout, pg)
 
 
-def _share_rows(q: Tensor, rows: Tensor, layout: Layout, pg) -> Tensor:
+def share_rows(q: Tensor, rows: Tensor, layout: Layout, pg) -> Tensor:
     """``[B, H, len(rows), D]``: the query rows at global positions ``rows``, whoever holds them
     (each rank fills the rows it holds, zeros elsewhere, and the ranks sum: ``x + 0`` is exact)."""
     own = layout.positions(device=q.device)
@@ -365,7 +364,7 @@ def attention(
     if reason is not None:
         return _dense_local(q, k_all, v_all, layout, is_causal, scale)
     kwargs = impl_kwargs(config)
-    strategy = _STRATEGIES[_methods.spec_for(method).context_parallel]
+    strategy = strategy_of(method)
     return strategy(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
 
 
@@ -448,195 +447,8 @@ def _token_local(impl, q, k_all, v_all, layout: Layout, kwargs, is_causal: bool,
     return torch.cat(outs, dim=SEQ_DIM).contiguous()
 
 
-# --------------------------------------------------------------------------- PBS
-
-
-def shared_pbs_rows(layout: Layout, block_size: int, segment_size: int, proxy_blocks: int, device) -> Tensor:
-    """Sorted global positions every rank needs besides its own: the proxy rows and the rows of
-    every query block that straddles a shard boundary."""
-    from .methods.pbs.permutation import proxy_queries
-
-    n = layout.total
-    parts = [
-        rows
-        for rows, _ in proxy_queries(
-            None, 1, n, block_size=block_size, segment_size=segment_size, proxy_blocks=proxy_blocks, device=device
-        )[0]
-    ]
-    for r in range(layout.world):
-        for s, e in layout.chunks(r):
-            for edge in (s, e):
-                if 0 < edge < n and edge % block_size:
-                    b0 = edge // block_size * block_size
-                    parts.append(torch.arange(b0, min(n, b0 + block_size), device=device))
-    if not parts:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return torch.unique(torch.cat(parts))
-
-
-def _pbs_queries(q: Tensor, layout: Layout, pg, kwargs) -> Tuple[Tensor, Tensor]:
-    """(full-length queries holding the rank's rows and the shared ones, zeros elsewhere;
-    the rank's global positions)."""
-    b, h, _, d = q.shape
-    own = layout.positions(device=q.device)
-    extra = shared_pbs_rows(layout, kwargs["block_size"], kwargs["segment_size"], kwargs["proxy_blocks"], q.device)
-    rows = _share_rows(q, extra, layout, pg)
-    full = q.new_zeros(b, h, layout.total, d).index_copy(SEQ_DIM, extra, rows)
-    return full.index_copy(SEQ_DIM, own, q), own
-
-
-def _pbs_permutation(q_full: Tensor, k_all: Tensor, kwargs, scale, kernels: bool) -> Tensor:
-    from .methods.pbs.permutation import key_scores, segment_permutation
-
-    bsz, hq, n, _ = q_full.shape
-    hp = hq if kwargs["gqa_permutation"] == "query_head" else k_all.shape[1]
-    if not kwargs["permute"]:
-        return torch.arange(n, device=q_full.device).expand(bsz, hp, n).clone()
-    if kernels:
-        from .methods.pbs import triton_select as sel
-
-        score_fn, perm_fn = sel.key_scores, sel.segment_permutation
-    else:
-        score_fn, perm_fn = key_scores, segment_permutation
-    names = ("block_size", "segment_size", "causal_proxy", "gqa_permutation", "proxy_blocks")
-    scores = score_fn(q_full, k_all, key_padding_mask=None, scale=scale, **{x: kwargs[x] for x in names})
-    return perm_fn(scores, segment_size=kwargs["segment_size"], key_padding_mask=None)
-
-
-def _owned_blocks(own: Tensor, n: int, block_size: int) -> Tensor:
-    """``[nB]`` bool: the query blocks holding one of the rank's rows."""
-    owned = torch.zeros(-(-n // block_size), dtype=torch.bool, device=own.device)
-    owned[own // block_size] = True
-    return owned
-
-
-def _pbs_local(
-    q,
-    k_all,
-    v_all,
-    layout: Layout,
-    pg,
-    cfg,
-    kwargs,
-    is_causal: bool,
-    scale,
-    backend: str,
-    tuning: Tuning = DEFAULT_TUNING,
-) -> Tensor:
-    """PBS for the rank's query blocks: the single-device selection, restricted to them."""
-    from .methods.pbs.block_selection import select_blocks
-    from .methods.pbs.permuted_attention import permuted_block_attention
-
-    q_full, own = _pbs_queries(q, layout, pg, kwargs)
-    # the Triton PBS kernel is forward-only: a call that needs gradients runs the reference stages,
-    # which select the same blocks (as the single-device op's backward does)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))
-    kernels = backend == "triton" and _pbs_kernels(q, tuning) and not needs_grad
-    with torch.no_grad():
-        perm = _pbs_permutation(q_full.detach(), k_all.detach(), kwargs, scale, kernels)
-    owned = _owned_blocks(own, layout.total, kwargs["block_size"])
-    geo = dict(key_padding_mask=None, is_causal=is_causal, scale=scale, block_size=kwargs["block_size"])
-    if kernels:
-        out = _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, tuning=tuning, **geo)
-    else:
-        with torch.no_grad():
-            block_mask = select_blocks(
-                q_full.detach(),
-                k_all.detach(),
-                perm,
-                segment_size=kwargs["segment_size"],
-                threshold=kwargs["threshold"],
-                force_sink=kwargs["force_sink"],
-                scoring=kwargs["scoring"],
-                antidiagonal_stride=kwargs["antidiagonal_stride"],
-                **geo,
-            )
-            block_mask[:, :, ~owned] = False  # other ranks' query blocks: no work
-        out = permuted_block_attention(q_full, k_all, v_all, perm, block_mask, **geo)
-    return out.index_select(SEQ_DIM, own).contiguous()
-
-
-def _shared_rows(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning) -> Tensor:
-    """The ``"shared_rows"`` strategy (PBS): the proxy and boundary query rows shared, the
-    single-device selection restricted to the rank's query blocks."""
-    return _pbs_local(q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning)
-
-
-# MethodSpec.context_parallel -> how the ranks run that method
-_STRATEGIES = {"token_chunks": _token_chunks, "shared_rows": _shared_rows}
-
-
-def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
-    """The Triton selection and attention (CUDA, or the interpreter with ``Tuning(pbs_select="triton")``)."""
-    from .methods.pbs import triton_gather, triton_impl
-
-    return triton_gather._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
-
-
-def _pbs_triton_owned(
-    q_full,
-    k_all,
-    v_all,
-    perm,
-    owned,
-    kwargs,
-    *,
-    key_padding_mask,
-    is_causal,
-    scale,
-    block_size,
-    tuning: Tuning = DEFAULT_TUNING,
-):
-    """The Triton selection's block lists with other ranks' query blocks emptied, then the kernel
-    (forward only, as the single-device Triton PBS)."""
-    from .methods.pbs import triton_impl as ti
-    from .methods.pbs.triton_select import select_block_lists
-
-    gather = ti.kv_layout(tuning) == "gather"
-    strided = kwargs["scoring"] != "mean" and float(kwargs["threshold"]) < 1.0
-    lay = ti.permuted_layout(
-        k_all,
-        None if gather else v_all,
-        perm,
-        key_padding_mask=None,
-        block_size=block_size,
-        write_kv=strided or not gather,
-        pool=True,
-        positions=True,
-        sink=kwargs["force_sink"],
-    )
-    seg = kwargs["segment_size"] if kwargs["permute"] else block_size
-    kv_num, kv_full, kv_idx, _ = select_block_lists(
-        q_full,
-        lay.k,
-        perm,
-        key_padding_mask=None,
-        is_causal=is_causal,
-        scale=scale,
-        block_size=block_size,
-        segment_size=kwargs["segment_size"],
-        threshold=kwargs["threshold"],
-        force_sink=kwargs["force_sink"],
-        mask_segment=seg,
-        return_block_mask=False,
-        layout=lay,
-        scoring=kwargs["scoring"],
-        antidiagonal_stride=kwargs["antidiagonal_stride"],
-    )
-    kv_num, kv_full = kv_num * owned.to(kv_num.dtype), kv_full * owned.to(kv_full.dtype)
-    kk, vv = (k_all, v_all) if gather else (lay.k, lay.v)
-    return ti.pbs_block_sparse_attention(
-        q_full,
-        kk,
-        vv,
-        lay.kpos,
-        kv_num,
-        kv_full,
-        kv_idx,
-        scale=scale,
-        block_size=block_size,
-        is_causal=is_causal,
-        has_padding=False,
-        gather=gather,
-        tma=tuning.pbs_tma,
-    )
+def strategy_of(method: str):
+    """How the ranks run ``method``: the shared ``"token_chunks"`` strategy, or the method's own
+    function named by its registry entry (``MethodSpec.context_parallel``)."""
+    named = _methods.spec_for(method).context_parallel
+    return _token_chunks if named == TOKEN_CHUNKS else load_target(named)

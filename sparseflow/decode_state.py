@@ -1,13 +1,14 @@
-"""Per-model decoding state for PISA: the pyramid of each layer's keys kept
-across ``generate()`` steps, so a step appends one key in O(log N) instead of rebuilding.
+"""Per-model decoding state: each layer's key cache that a method keeps across ``generate()``
+steps (PISA: the pyramid of the keys), so a step appends one key instead of rebuilding it.
 
 A model compiled by :func:`sparseflow.compile` owns one :class:`DecodeState`; its forward runs
-with that state active (a ``ContextVar``, so nothing is process-global), and the PISA op, on a
-one-query call without padding on the Triton backend, asks the state for the layer's pyramid:
+with that state active (a ``ContextVar``, so nothing is process-global), and a method's decode
+step (``MethodSpec.decode``), on a one-query call without padding, asks the state for the layer's
+cache:
 
-* the pyramid of the same layer (tag) and config that holds exactly the first ``Nk - 1`` keys of
+* the cache of the same layer (tag) and settings that holds exactly the first ``Nk - 1`` keys of
   this call -- checked by comparing its last key with ``k[..., Nk - 2, :]`` -- gets the new key
-  appended (one launch);
+  appended;
 * anything else (a new prompt, a different batch, a full cache) builds it afresh from the keys.
 """
 
@@ -16,18 +17,29 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Hashable, Iterator, Optional, Protocol, Tuple
 
 import torch
 
-__all__ = ["DecodeState", "active", "current"]
+__all__ = ["DecodeState", "LayerCache", "active", "current"]
+
+
+class LayerCache(Protocol):
+    """What a method's decode cache offers the state: the keys it holds, how many it can hold,
+    and an append of new keys ``[B, Hkv, n, D]``."""
+
+    length: int
+    capacity: int
+
+    def append(self, k: torch.Tensor) -> None: ...
+
 
 _ACTIVE: contextvars.ContextVar[Optional["DecodeState"]] = contextvars.ContextVar("sparseflow_decode", default=None)
 
 
 @dataclass
 class _Entry:
-    cache: object  # methods.pisa.pyramid_cache.PyramidCache
+    cache: "LayerCache"
     last_key: torch.Tensor  # [B, Hkv, D]: the key at position cache.length - 1
 
 
@@ -35,17 +47,19 @@ class _Entry:
 class DecodeState:
     entries: Dict[Tuple, _Entry] = field(default_factory=dict)
     appended: int = 0  # steps served by an O(log N) append
-    rebuilt: int = 0  # pyramids built from scratch
+    rebuilt: int = 0  # caches built from scratch
 
     def clear(self) -> None:
         self.entries.clear()
 
-    def pyramid(self, tag: str, k: torch.Tensor, *, block_size: int, branching: int):
-        """The layer's pyramid holding all ``Nk`` keys of ``k [B, Hkv, Nk, D]``."""
-        from .methods.pisa.pyramid_cache import PyramidCache
-
+    def layer_cache(
+        self, tag: str, k: torch.Tensor, settings: Hashable, build: Callable[[torch.Tensor, int], LayerCache]
+    ) -> LayerCache:
+        """The layer's cache holding all ``Nk`` keys of ``k [B, Hkv, Nk, D]``: the one kept for
+        ``tag`` and ``settings`` (what the method's cache depends on) with the new key appended,
+        or ``build(k, capacity)``."""
         n = k.shape[2]
-        key = (tag, block_size, branching, k.shape[0], k.shape[1], k.shape[3], k.dtype, str(k.device))
+        key = (tag, settings, k.shape[0], k.shape[1], k.shape[3], k.dtype, str(k.device))
         entry = self.entries.get(key)
         if (
             entry is not None
@@ -56,7 +70,7 @@ class DecodeState:
             entry.cache.append(k[:, :, n - 1 :])
             self.appended += 1
         else:
-            cache = PyramidCache(k, capacity=max(2 * n, n + 1024), block_size=block_size, branching=branching)
+            cache = build(k, max(2 * n, n + 1024))
             entry = _Entry(cache, k[:, :, n - 1].clone())
             self.entries[key] = entry
             self.rebuilt += 1

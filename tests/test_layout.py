@@ -156,6 +156,30 @@ def test_the_ops_layers_import_neither_the_ops_nor_context_parallelism():
     assert len(OP_LAYERS) > 2 and not offenders, f"imports of the layers above: {offenders}"
 
 
+# The registry is the only door into a method: outside sparseflow/methods/, a module reaches a
+# method through its MethodSpec (names of "module:function" targets included), never by importing
+# the method's package. Allowed, each with why:
+METHOD_IMPORTS_ALLOWED = {
+    "config.py": "re-exports the built-in config classes under their public names",
+    "eval/": "research tools that read a method's reference stages (never on a call's path)",
+    "testing/": "the property suite's oracles for users' CI (fp64 dense, PISA's selection contract)",
+}
+
+
+def test_nothing_outside_the_methods_imports_a_method():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name.startswith("methods/") or name.startswith(tuple(METHOD_IMPORTS_ALLOWED)):
+            continue
+        hits = _foreign_methods(_imported_modules(path.read_text(), _package_of(path)), "")
+        if hits:
+            offenders[name] = sorted(hits)
+    assert not offenders, f"modules importing a method's package instead of going through the registry: {offenders}"
+    # and the scan does see such an import
+    assert _foreign_methods(_imported_modules("from .methods.pbs import permutation", "sparseflow"), "")
+
+
 TESTS = pathlib.Path(__file__).resolve().parent
 
 

@@ -301,7 +301,7 @@ def test_context_parallel_receives_the_tuning(monkeypatch):
 
 @needs_triton
 def test_context_parallel_pbs_selection_follows_the_tuning():
-    from sparseflow import context_parallel as cpm
+    from sparseflow.methods.pbs import context_parallel as cpm
 
     q = _qkv()[0]
     assert cpm._pbs_kernels(q, Tuning(pbs_select="triton"))

@@ -36,17 +36,17 @@ __all__ = [
     "windowed",
     "window_span_blocks",
     "DIFFERENTIABILITY",
-    "CONTEXT_PARALLEL_STRATEGIES",
+    "TOKEN_CHUNKS",
 ]
 
 # "always": autograd differentiates the backend's output on every device; "cuda": only on CUDA
 # (compiled flex has no CPU backward); "never": the op's backward recomputes through the reference.
 DIFFERENTIABILITY = ("always", "cuda", "never")
 
-# How context-parallel ranks run the method (see sparseflow.context_parallel):
-# "token_chunks": each rank's query chunks are bottom-right aligned calls of the implementation;
-# "shared_rows": the selection needs query rows of other ranks (PBS's proxy and boundary blocks).
-CONTEXT_PARALLEL_STRATEGIES = ("token_chunks", "shared_rows")
+# How context-parallel ranks run a method whose selection of a query token reads only keys up to it
+# (sparseflow.context_parallel): each rank's query chunks are bottom-right aligned calls of the
+# implementation. A method that needs more (PBS: query rows of other ranks) names its own strategy.
+TOKEN_CHUNKS = "token_chunks"
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,6 +164,11 @@ class MethodSpec:
     ``window_rule(cfg, sliding_window, chunk_size)``: why a layer whose model gives it that local
     window runs the dense method's exact window instead of ``cfg`` ("" when ``cfg``'s selection
     inside the window can skip blocks worth skipping; :func:`windowed`); None: always ``cfg``.
+    ``context_parallel``: how context-parallel ranks run the method (:mod:`sparseflow.context_parallel`):
+    ``"token_chunks"`` (each rank's query chunks as bottom-right aligned calls of the implementation,
+    right for a method whose selection of a token reads only keys up to it), or ``"module:function"``
+    of the method's own strategy ``fn(method, q, k_all, v_all, layout, pg, cfg, kwargs, is_causal,
+    scale, backend, tuning)`` -> the rank's output rows (``kwargs``: the config's op fields).
     """
 
     name: str
@@ -201,11 +206,8 @@ class MethodSpec:
             )
         if self.selection_densities is not None:
             _check_target(f"MethodSpec {self.name!r}: selection_densities", self.selection_densities)
-        if self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
-            raise ValueError(
-                f"MethodSpec {self.name!r}: context_parallel must be one of "
-                f"{list(CONTEXT_PARALLEL_STRATEGIES)}, got {self.context_parallel!r}"
-            )
+        if self.context_parallel != TOKEN_CHUNKS:
+            _check_target(f"MethodSpec {self.name!r}: context_parallel ({TOKEN_CHUNKS!r} or)", self.context_parallel)
         # read-only, so a frozen spec cannot be changed through its mapping either
         object.__setattr__(self, "backends", types.MappingProxyType(dict(self.backends)))
 

@@ -24,7 +24,7 @@ from sparseflow.methods import (
     specs,
     unregister,
 )
-from sparseflow.methods.registry import CONTEXT_PARALLEL_STRATEGIES, load_target, or_list
+from sparseflow.methods.registry import TOKEN_CHUNKS, load_target, or_list
 
 
 # --------------------------------------------------------------------------- lookups
@@ -85,7 +85,7 @@ def test_or_list():
 @pytest.mark.parametrize("spec", specs(), ids=lambda s: s.name)
 def test_every_spec_has_what_the_core_needs(spec):
     assert ops.op_for(spec.name) is not None  # an op per registered method
-    assert spec.context_parallel in CONTEXT_PARALLEL_STRATEGIES
+    assert callable(context_parallel.strategy_of(spec.name))
     text = spec.onnx.mask_text()
     assert isinstance(text, str) and "allowed5" in text and "cfg_ok" in text
     # every option of the config has an ONNX body: the default config exports
@@ -109,8 +109,14 @@ def test_every_spec_has_what_the_core_needs(spec):
         assert spec.decode.backend in spec.backends and callable(spec.decode.load())
 
 
-def test_context_parallel_has_every_strategy():
-    assert set(context_parallel._STRATEGIES) == set(CONTEXT_PARALLEL_STRATEGIES)
+def test_context_parallel_strategies_come_from_the_registry():
+    # the core's own strategy unless the method names one in its folder
+    assert context_parallel.strategy_of("bsa") is context_parallel.strategy_of("pisa")
+    pbs = context_parallel.strategy_of("pbs")
+    assert pbs.__module__ == "sparseflow.methods.pbs.context_parallel"
+    assert spec_for("pisa").context_parallel == TOKEN_CHUNKS
+    with pytest.raises(ValueError, match="context_parallel"):
+        dataclasses.replace(spec_for("bsa"), context_parallel="shared_rows")
 
 
 def test_top_k_exact_config_covers_every_block():
@@ -230,7 +236,7 @@ def test_register_refuses_taken_names_and_types(fake_method):
         (dict(config_type=dict), TypeError, "config_type must be an AttentionConfig subclass"),
         (dict(backends={"reference": "a:b"}), TypeError, "backends must map backend names to Backend objects"),
         (dict(sparse=False), ValueError, r"a dense .sparse=False. method runs SDPA; its backends .windows=True. run"),
-        (dict(context_parallel="ring"), ValueError, "context_parallel must be one of"),
+        (dict(context_parallel="ring"), ValueError, "context_parallel"),
         (dict(selection_densities="no_colon"), ValueError, "selection_densities must be a 'module:attribute' string"),
     ],
 )

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
+
+from .pyramid_cache import PyramidCache
+
+
+def _pyramid(k: torch.Tensor, capacity: int, *, cfg) -> PyramidCache:
+    return PyramidCache(k, capacity=capacity, block_size=cfg.block_size, branching=cfg.branching)
 
 
 def decode_step(
     state, tag: str, cfg, tuning, q, k, v, scale, return_selection: bool
 ) -> Tuple[torch.Tensor, Optional[object]]:
-    cache = state.pyramid(tag, k, block_size=cfg.block_size, branching=cfg.branching)
+    cache = state.layer_cache(tag, k, (cfg.block_size, cfg.branching), functools.partial(_pyramid, cfg=cfg))
     out, idx = cache.decode_step(
         q,
         k,
