@@ -79,19 +79,20 @@ def random_gemma3(dtype: torch.dtype, device: str, vocab: int = 262144, layers: 
     return tf.Gemma3ForCausalLM(cfg).to(device, dtype).eval(), None
 
 
-def variant(base, row: str, recipe: Optional[str]):
-    """The model a row runs: a copy of ``base`` with that attention implementation or rewrite."""
+def variant(base, row: str, recipe: Optional[str], mode: Optional[str] = None):
+    """The model a row runs: a copy of ``base`` with that attention implementation or rewrite;
+    ``mode``: torch.compile's mode for every compiled row (None: its default)."""
     model = copy.deepcopy(base)
     impl = "flex_attention" if row.startswith("flex") else "sdpa"
     model.config._attn_implementation = impl
     if row in ("sdpa_compile", "flex_compile"):
-        model.compile()
+        model.compile(mode=mode)
     elif row == "windows":
-        sparseflow.compile(model, method="dense", recipe=None)
+        sparseflow.compile(model, method="dense", recipe=None, mode=mode)
     elif row in ("pbs", "pisa"):
-        sparseflow.compile(model, method=row, recipe=None)
+        sparseflow.compile(model, method=row, recipe=None, mode=mode)
     elif row == "recipe":
-        sparseflow.compile(model, method="pbs", recipe=recipe)
+        sparseflow.compile(model, method="pbs", recipe=recipe, mode=mode)
     return model
 
 
@@ -106,7 +107,7 @@ def run_length(base, tok, n: int, args) -> List[Dict[str, object]]:
     for row in args.rows:
         if row == "recipe" and not args.recipe:
             continue
-        model = variant(base, row, args.recipe)
+        model = variant(base, row, args.recipe, args.mode)
         timing = time_forward(model, ids, args.reps, args.warmup)
         fid = fidelity_row(model, ids, dense_logits, args.eval_positions, record=row in SPARSEFLOW)
         rows.append({"n": n, "row": row, **timing, **fid})
@@ -172,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=1, help="timing rounds, the rows taking turns (> 1: every row's model is kept)"
     )
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument(
+        "--mode",
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        help="torch.compile's mode for every compiled row",
+    )
     ap.add_argument("--json", help="write the rows and the environment here")
     return ap
 
