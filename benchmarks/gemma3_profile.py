@@ -5,7 +5,9 @@
 
 The rows are ``gemma3_e2e``'s (the same models). Each row is warmed up, then one forward runs
 under the PyTorch profiler; the table lists the row's GPU busy time and its ``--top`` kernels by
-summed CUDA time, so two rows side by side show which kernels make the difference.
+summed CUDA time, so two rows side by side show which kernels make the difference, then the host's
+side: the events that wait for the GPU (a sync inside a forward keeps the host from running ahead)
+and the ``--top`` host events by self time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from e2e_prefill import env_info  # noqa: E402
 from gemma3_e2e import ROWS, load_gemma3, random_gemma3, variant  # noqa: E402
 
 
+# host-side events that wait for the GPU: one inside a forward stops the host from running ahead
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::_local_scalar_dense", "aten::item")
+
+
 def profile_row(model, ids: torch.Tensor, warmup: int, top: int) -> Dict[str, object]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -31,9 +37,20 @@ def profile_row(model, ids: torch.Tensor, warmup: int, top: int) -> Dict[str, ob
         for _ in range(warmup):
             model(ids, logits_to_keep=1)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             model(ids, logits_to_keep=1)
             torch.cuda.synchronize()
+    host = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
+    syncs: Dict[str, int] = {}
+    for ev in host:
+        if any(ev.name.startswith(s) for s in SYNCS):
+            syncs[ev.name] = syncs.get(ev.name, 0) + 1
+    self_host: Dict[str, List[float]] = {}
+    for ev in host:
+        entry = self_host.setdefault(ev.name, [0.0, 0])
+        entry[0] += ev.self_cpu_time_total / 1e3
+        entry[1] += 1
+    host_top = sorted(self_host.items(), key=lambda kv: -kv[1][0])[:top]
     totals: Dict[str, List[float]] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -44,6 +61,8 @@ def profile_row(model, ids: torch.Tensor, warmup: int, top: int) -> Dict[str, ob
     return {
         "gpu_ms": sum(ms for ms, _ in totals.values()),
         "kernels": [{"name": name[:120], "ms": ms, "count": cnt} for name, (ms, cnt) in kernels[:top]],
+        "syncs": syncs,
+        "host_self": [{"name": name[:120], "ms": ms, "count": cnt} for name, (ms, cnt) in host_top],
     }
 
 
@@ -73,6 +92,9 @@ def main(argv=None) -> int:
         out.append(result)
         print(f"{row}: GPU busy {result['gpu_ms']:.2f} ms", flush=True)
         for k in result["kernels"]:
+            print(f"  {k['ms']:8.3f} ms  x{k['count']:<4} {k['name']}", flush=True)
+        print(f"  host events that wait for the GPU: {result['syncs'] or 'none'}; host self time:", flush=True)
+        for k in result["host_self"]:
             print(f"  {k['ms']:8.3f} ms  x{k['count']:<4} {k['name']}", flush=True)
     if args.json:
         write_result(args.json, env_info("cuda"), args, rows=out)
