@@ -650,7 +650,7 @@ def _beams(text):
 
 
 def _walks(text):
-    from sparseflow.tuning import PISA_WALKS
+    from sparseflow.methods.pisa.tuning import WALKS as PISA_WALKS
 
     walks = text.split(",")
     if not walks or any(w not in PISA_WALKS for w in walks) or len(set(walks)) != len(walks):

@@ -33,6 +33,7 @@ __all__ = [
     "backend_config",
 ]
 
+
 class _MethodConfigs(Mapping):
     """Method name -> config class, read from the method registry at each access, so a method
     registered later (``sparseflow.methods.register``) is known here too."""

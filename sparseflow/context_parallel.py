@@ -370,8 +370,9 @@ def attention(
 
 def _token_chunks(method, q, k_all, v_all, layout, pg, config, kwargs, is_causal, scale, chosen, tuning) -> Tensor:
     """The ``"token_chunks"`` strategy: the rank's query chunks as calls of the implementation."""
-    impl = _backends.load(method, chosen)
-    if _backends.takes_tuning(impl):
+    backend = _methods.spec_for(method).backend(chosen)
+    impl = backend.load()
+    if backend.tuned:
         kwargs = {**kwargs, "tuning": tuning}
     return _token_local(impl, q, k_all, v_all, layout, kwargs, is_causal, scale)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 from typing import Callable, List, Optional
 
 import torch
@@ -24,7 +23,6 @@ __all__ = [
     "fast_backends",
     "grad_backend",
     "load",
-    "takes_tuning",
     "call_impl",
 ]
 
@@ -77,16 +75,12 @@ def load(method: str, backend: str) -> Callable:
     return _methods.spec_for(method).backend(backend).load()
 
 
-@functools.lru_cache(maxsize=None)
-def takes_tuning(impl: Callable) -> bool:
-    return "tuning" in inspect.signature(impl).parameters
-
-
 def call_impl(method: str, backend: str, entry: ConfigEntry, q, k, v, mask, scale, return_selection: bool):
     """One implementation's call: the config object, the mask analysis's form of the mask (a
-    MaskAnalysis or a MaskView), and the tuning for an implementation that takes one."""
-    impl = load(method, backend)
-    extra = {"tuning": entry.tuning} if takes_tuning(impl) else {}
+    MaskAnalysis or a MaskView), and the tuning for an implementation that declares it takes one (``Backend.tuned``)."""
+    spec = _methods.spec_for(method).backend(backend)
+    impl = spec.load()
+    extra = {"tuning": entry.tuning} if spec.tuned else {}
     cfg = entry.cfg
     if (mask.sliding_window, mask.chunk_size) != (cfg.sliding_window, cfg.chunk_size):
         cfg = cfg.replace(sliding_window=mask.sliding_window, chunk_size=mask.chunk_size)  # a mask's window

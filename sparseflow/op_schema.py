@@ -107,6 +107,7 @@ FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
 NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in fields) for m, fields in FIELDS.items()}
 
 TUNING_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in _tuning_fields(m)) for m in _methods.names()}
+DEFAULT_TUNING.to_dict()  # the defaults' per-method options resolved now, not inside a traced call
 
 
 # --------------------------------------------------------------------------- the configs of op calls

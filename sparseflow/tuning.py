@@ -1,55 +1,40 @@
 """How the Triton kernels run, as opposed to what they compute (the method configs).
 
-A :class:`Tuning` changes speed, never results: which implementation selects PBS's blocks, how
-the PBS kernel reads K/V, whether it may use Hopper's TMA, and the launch settings of PISA's
-selection walk. It is passed to :func:`sparseflow.compile`, :func:`sparseflow.export` or
-:func:`sparseflow.attention` and travels with every call as op arguments (each op takes the
-fields of its own method, see :func:`fields_of`), so it is read per call and works under
-``torch.compile(fullgraph=True)``. The defaults are the measured best choices.
+A :class:`Tuning` changes speed, never results. It holds each method's own launch options (a
+:class:`MethodTuning` subclass in the method's folder, named by its registry entry) and the launch
+mechanics every method shares (CUDA-graph replay, programmatic dependent launch). This module
+names no method: the methods' option classes reach it through the registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+import types
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
-__all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WALKS", "PISA_WARPS"]
+from ._tuning_base import MethodTuning, check_bool
+from .methods import registry as _registry
 
-PBS_SELECT = ("auto", "triton", "reference")
-PBS_KV_LAYOUTS = ("permuted", "gather")
-PISA_WALKS = ("auto", "per_token", "tiled", "scan")
-PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
+__all__ = ["Tuning", "MethodTuning", "DEFAULT_TUNING", "fields_of", "check_tuning"]
 
 
-def _method(name: str, schema: str) -> Dict[str, Any]:
-    # which ops take the field (a method name, or a tuple of them), and its type in their schemas
-    return {"method": name, "schema": schema}
+# Tuning's own fields, every method's launch mechanics: (name, default, op-schema type)
+_SHARED = (("cuda_graphs", True, "bool"), ("pdl", False, "bool"))
 
 
-_SPARSE = ("pbs", "pisa", "bsa")
+def _method_types() -> Dict[str, Type[MethodTuning]]:
+    return {s.name: s.tuning_type for s in _registry.specs() if s.tuning_type is not None}
 
 
-@dataclass(frozen=True)
 class Tuning:
     """Launch options of the Triton backends (``backend="triton"``, or ``"auto"`` choosing it).
 
-    ``pbs_select``: the implementation of PBS's stages 1-3 (proxy scores, permutation, block
-    selection). ``"triton"``: the Triton kernels of ``methods/pbs/triton_select``; ``"reference"``:
-    the reference's torch stages; ``"auto"``: Triton on CUDA, the reference elsewhere.
-    ``pbs_kv_layout``: ``"permuted"`` writes K/V once in permuted order so the attention kernel
-    streams contiguous tiles; ``"gather"`` reads the original rows through the permutation.
-    ``pbs_tma``: let the PBS attention kernel use TMA loads where the device and layout allow
-    (Hopper or newer, permuted layout, 16-byte aligned rows); False never does.
-    ``pisa_walk``: how PISA's selection walk is parallelised (the selection is the same):
-    ``"per_token"``, one program per query token (``methods/pisa/triton_select_per_token``);
-    ``"tiled"``, one program per tile of consecutive queries sharing the scoring of each level
-    (``methods/pisa/triton_select_tiled``; shapes it does not cover run per token, logged);
-    ``"scan"``, query tiles score every node above the leaves, the per-token walk reads those
-    scores down to its leaf candidates, and the (query, leaf) pairs are scored a leaf at a time
-    (``methods/pisa/triton_select_scan``; calls it does not cover run per token, logged);
-    ``"auto"``: the scan on CUDA where it applies (faster at every shape timed on the H200), else
-    per token.
+    Two kinds of options. A method's own (its ``MethodTuning`` class in ``methods/<m>/tuning.py``,
+    named by its registry entry), passed as ``<method>_<field>``: for instance PBS's
+    ``pbs_select`` / ``pbs_kv_layout`` / ``pbs_tma`` and PISA's ``pisa_walk`` / ``pisa_warps`` /
+    ``pisa_leaf_bytes`` (each documented on its class), or whole as ``<method>=PBSTuning(...)``.
+    And the launch mechanics every method shares:
+
     ``cuda_graphs``: replay an eager ``backend="triton"`` call without gradient from a CUDA graph,
     recorded on the second call of the same signature (method config, shapes, strides, dtypes,
     device, stream), instead of launching its kernels one by one: the same kernels on the same
@@ -57,44 +42,75 @@ class Tuning:
     False launches them every call. Calls inside another capture (``torch.cuda.graph``) are
     captured by it as they are, and calls traced by ``torch.compile`` never replay (see
     :meth:`Tuning.traced`).
-    ``pdl``: launch PISA's scan walk and the token-sparse attention (PISA's and BSA's) as links
-    of a programmatic-dependent-launch chain (:mod:`sparseflow.kernels.pdl`; Hopper or newer,
-    compiled Triton), so that each kernel is scheduled while the one before it drains: 1-6 us a
-    layer at SmolLM2's 8K on the H200, the same output bit for bit. Eager calls and CUDA graphs
-    chain; calls traced by ``torch.compile`` launch plainly (logged), since Inductor's launcher of
-    a user kernel has not been checked with it. Elsewhere it changes nothing.
-    ``pisa_warps`` / ``pisa_leaf_bytes``: warps per program of PISA's selection walk and the shared
-    memory budget of one leaf-level chunk; None picks by the walk's candidate width (1 warp and
-    16 KB up to 16 candidates, else 4 warps and 64 KB, measured on the H200); the tiled walk takes
-    ``pisa_warps`` (None: 8, chosen by register use, not yet timed) and sizes its chunks by its tile.
+    ``pdl``: launch the kernels of the methods that chain them (their ``MethodTuning.shared``
+    lists ``pdl``) as links of a programmatic-dependent-launch chain (:mod:`sparseflow.kernels.pdl`;
+    Hopper or newer, compiled Triton), so that each kernel is scheduled while the one before it
+    drains: the same output bit for bit. Eager calls and CUDA graphs chain; calls traced by
+    ``torch.compile`` launch plainly (logged). Elsewhere it changes nothing.
+
+    A :class:`Tuning` changes speed, never results. It is passed to :func:`sparseflow.compile`,
+    :func:`sparseflow.export` or :func:`sparseflow.attention` and travels with every call as op
+    arguments (each op takes its method's fields and the shared ones it lists, see
+    :func:`fields_of`), so it is read per call and works under ``torch.compile(fullgraph=True)``.
+    The defaults are the measured best choices. Frozen and hashable; unknown keywords are a
+    ``TypeError``.
     """
 
-    pbs_select: str = field(default="auto", metadata=_method("pbs", "str"))
-    pbs_kv_layout: str = field(default="permuted", metadata=_method("pbs", "str"))
-    pbs_tma: bool = field(default=True, metadata=_method("pbs", "bool"))
-    pisa_walk: str = field(default="auto", metadata=_method("pisa", "str"))
-    pisa_warps: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
-    pisa_leaf_bytes: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
-    cuda_graphs: bool = field(default=True, metadata=_method(_SPARSE, "bool"))
-    pdl: bool = field(default=False, metadata=_method(("pisa", "bsa"), "bool"))
+    __slots__ = ("cuda_graphs", "pdl", "_options", "_per_method")
 
-    def __post_init__(self):
-        _check_choice("pbs_select", self.pbs_select, PBS_SELECT)
-        _check_choice("pbs_kv_layout", self.pbs_kv_layout, PBS_KV_LAYOUTS)
-        for name in ("pbs_tma", "cuda_graphs", "pdl"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"Tuning.{name} must be a bool, got {type(value).__name__} ({value!r})")
-        _check_choice("pisa_walk", self.pisa_walk, PISA_WALKS)
-        _check_optional_int("pisa_warps", self.pisa_warps)
-        if self.pisa_warps is not None and self.pisa_warps not in PISA_WARPS:
-            raise ValueError(f"Tuning.pisa_warps must be None or one of {list(PISA_WARPS)}, got {self.pisa_warps}")
-        _check_optional_int("pisa_leaf_bytes", self.pisa_leaf_bytes)
-        if self.pisa_leaf_bytes is not None and self.pisa_leaf_bytes < 1:
-            raise ValueError(f"Tuning.pisa_leaf_bytes must be None or an int >= 1, got {self.pisa_leaf_bytes}")
+    def __init__(self, *, cuda_graphs: bool = True, pdl: bool = False, **options: Any):
+        check_bool("Tuning.cuda_graphs", cuda_graphs)
+        check_bool("Tuning.pdl", pdl)
+        object.__setattr__(self, "cuda_graphs", cuda_graphs)
+        object.__setattr__(self, "pdl", pdl)
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_per_method", None)
+        if options:  # checked where they are written (the defaults are read once the methods registered)
+            self._methods()
+
+    def _methods(self) -> Mapping[str, MethodTuning]:
+        if self._per_method is None:
+            object.__setattr__(self, "_per_method", _resolve(self._options))
+        return self._per_method
+
+    def of(self, method: str) -> Optional[MethodTuning]:
+        """The method's own options (None for a method that has none)."""
+        return self._methods().get(method)
+
+    def __getattr__(self, key: str) -> Any:
+        # a method's field by its Tuning keyword: tuning.pbs_select is tuning.of("pbs").select
+        method, _, name = key.partition("_")
+        own = self._methods().get(method) if not key.startswith("_") else None
+        if own is not None and hasattr(own, name):
+            return getattr(own, name)
+        raise AttributeError(f"'Tuning' object has no attribute {key!r}")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {key!r}")
+
+    def _key(self) -> Tuple:
+        return (self.cuda_graphs, self.pdl, tuple(sorted(self._methods().items())))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Tuning) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        defaults = DEFAULT_TUNING.to_dict()
+        changed = {k: v for k, v in self.to_dict().items() if v != defaults.get(k)}
+        return "Tuning(" + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + ")"
+
+    def __reduce__(self):
+        return (_from_flat, (self.to_dict(),))
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option by its ``Tuning`` keyword (a method's fields first, then the shared ones)."""
+        flat = {
+            f"{m}_{f.name}": getattr(own, f.name) for m, own in self._methods().items() for f in dataclasses.fields(own)
+        }
+        return {**flat, "cuda_graphs": self.cuda_graphs, "pdl": self.pdl}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "tuning") -> "Tuning":
@@ -102,48 +118,75 @@ class Tuning:
         ``ValueError`` that names them (a field of a newer sparseflow is not silently dropped)."""
         if not isinstance(data, Mapping):
             raise TypeError(f"{where} must be a dict, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(_known(_method_types()))
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where} has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**data)
 
     def replace(self, **changes) -> "Tuning":
-        return dataclasses.replace(self, **changes)
+        return Tuning(**{**self.to_dict(), **changes})
 
     def traced(self) -> "Tuning":
         """This tuning for a call that ``torch.compile`` traces into its graph: no op-level CUDA
         graphs. The compiled graph is Inductor's to capture (``mode="reduce-overhead"``), and an
         op-level graph recorded while Inductor warms its graphs up would leave the graph's static
         inputs in Inductor's memory pool, which Inductor refuses at the first call."""
-        return self if not self.cuda_graphs else dataclasses.replace(self, cuda_graphs=False)
+        if not self.cuda_graphs:
+            return self
+        # built field by field, not through replace(): torch.compile traces this call
+        off = object.__new__(Tuning)
+        object.__setattr__(off, "cuda_graphs", False)
+        object.__setattr__(off, "pdl", self.pdl)
+        object.__setattr__(off, "_options", self._options)
+        object.__setattr__(off, "_per_method", self._methods())
+        return off
 
 
-def _check_choice(name: str, value: Any, choices: Tuple) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"Tuning.{name} must be a str, one of {list(choices)}, got {type(value).__name__} ({value!r})")
-    if value not in choices:
-        raise ValueError(f"Tuning.{name} must be one of {list(choices)}, got {value!r}")
+def _resolve(options: Mapping[str, Any]) -> Mapping[str, MethodTuning]:
+    """Each registered method's options from ``Tuning``'s keywords (``<method>_<field>``, or the
+    method's whole option object as ``<method>=``), the defaults elsewhere."""
+    types_ = _method_types()
+    given: Dict[str, Dict[str, Any]] = {m: {} for m in types_}
+    whole: Dict[str, MethodTuning] = {}
+    for key, value in options.items():
+        if key in types_:
+            if not isinstance(value, types_[key]):
+                raise TypeError(f"Tuning.{key} must be a {types_[key].__name__}, got {type(value).__name__}")
+            whole[key] = value
+            continue
+        method, _, name = key.partition("_")
+        if method not in types_ or name not in {f.name for f in dataclasses.fields(types_[method])}:
+            raise TypeError(f"Tuning() got an unexpected keyword argument {key!r}; known: {_known(types_)}")
+        given[method][name] = value
+    per_method = {}
+    for method, cls in types_.items():
+        base = whole.get(method, cls())
+        per_method[method] = dataclasses.replace(base, **given[method]) if given[method] else base
+    return types.MappingProxyType(per_method)
 
 
-def _check_optional_int(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(f"Tuning.{name} must be None or an int, got {type(value).__name__} ({value!r})")
+def _from_flat(data: Dict[str, Any]) -> Tuning:
+    return Tuning(**data)
+
+
+def _known(types_: Mapping[str, Type[MethodTuning]]) -> list:
+    own = [f"{m}_{f.name}" for m, cls in types_.items() for f in dataclasses.fields(cls)]
+    return own + [name for name, _, _ in _SHARED]
 
 
 DEFAULT_TUNING = Tuning()
 
-# method -> ((field name, schema type), ...) in declaration order: the op arguments of that method
-_BY_METHOD: Dict[str, Tuple[Tuple[str, str], ...]] = {}
-for _f in dataclasses.fields(Tuning):
-    _owners = _f.metadata["method"]
-    for _owner in (_owners,) if isinstance(_owners, str) else _owners:
-        _BY_METHOD[_owner] = _BY_METHOD.get(_owner, ()) + ((_f.name, _f.metadata["schema"]),)
-
 
 def fields_of(method: str) -> Tuple[Tuple[str, str], ...]:
-    """The tuning fields the ``method`` op takes, as ``(name, schema type)`` (empty for none)."""
-    return _BY_METHOD.get(method, ())
+    """The tuning fields the ``method`` op takes, as ``(Tuning keyword, schema type)``: the
+    method's own fields, then the shared ones its tuning class lists (empty for a method without
+    one)."""
+    cls = _method_types().get(method)
+    if cls is None:
+        return ()
+    own = tuple((f"{method}_{f.name}", f.metadata["schema"]) for f in dataclasses.fields(cls))
+    return own + tuple((name, schema) for name, _, schema in _SHARED if name in cls.shared)
 
 
 def check_tuning(tuning: Any, arg: str = "tuning") -> Tuning:

@@ -66,11 +66,12 @@ class Backend:
     """One implementation of a method. ``target``: ``"module:function"``, a function taking
     ``(q, k, v, config=None, *, key_padding_mask, is_causal, scale, return_selection, **fields)``
     (the op passes the config object; ``fields`` are config fields by keyword, for direct calls)
-    and, when its signature has it, ``tuning``."""
+    and, when ``tuned``, ``tuning`` (the call's :class:`sparseflow.Tuning`)."""
 
     target: str
     differentiable: str = "never"
     windows: bool = False  # runs a config's local window (else such calls run dense SDPA, logged)
+    tuned: bool = False  # takes the call's sparseflow.Tuning as ``tuning=``
 
     def __post_init__(self):
         _check_target("Backend.target", self.target)
@@ -164,6 +165,9 @@ class MethodSpec:
     ``window_rule(cfg, sliding_window, chunk_size)``: why a layer whose model gives it that local
     window runs the dense method's exact window instead of ``cfg`` ("" when ``cfg``'s selection
     inside the window can skip blocks worth skipping; :func:`windowed`); None: always ``cfg``.
+    ``tuning_type``: the method's launch options, a :class:`sparseflow.tuning.MethodTuning`
+    subclass (its fields are ``Tuning`` keywords ``<method>_<field>`` and the op's arguments);
+    None: the method has none.
     ``context_parallel``: how context-parallel ranks run the method (:mod:`sparseflow.context_parallel`):
     ``"token_chunks"`` (each rank's query chunks as bottom-right aligned calls of the implementation,
     right for a method whose selection of a token reads only keys up to it), or ``"module:function"``
@@ -186,6 +190,7 @@ class MethodSpec:
     estimate_cost: Optional[Callable[[AttentionConfig], float]] = None
     selection_densities: Optional[str] = None
     window_rule: Optional[Callable[[AttentionConfig, int, int], str]] = None
+    tuning_type: Optional[type] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -204,12 +209,25 @@ class MethodSpec:
                 f"MethodSpec {self.name!r}: a dense (sparse=False) method runs SDPA; its backends (windows=True) run "
                 "only windowed calls"
             )
+        self._check_tuning_type()
         if self.selection_densities is not None:
             _check_target(f"MethodSpec {self.name!r}: selection_densities", self.selection_densities)
         if self.context_parallel != TOKEN_CHUNKS:
             _check_target(f"MethodSpec {self.name!r}: context_parallel ({TOKEN_CHUNKS!r} or)", self.context_parallel)
         # read-only, so a frozen spec cannot be changed through its mapping either
         object.__setattr__(self, "backends", types.MappingProxyType(dict(self.backends)))
+
+    def _check_tuning_type(self) -> None:
+        from .._tuning_base import MethodTuning
+
+        t = self.tuning_type
+        if t is None:
+            return
+        if not (isinstance(t, type) and issubclass(t, MethodTuning)) or t.method != self.name:
+            raise TypeError(
+                f"MethodSpec {self.name!r}: tuning_type must be a sparseflow.tuning.MethodTuning subclass whose "
+                f"method is {self.name!r}, got {t!r}"
+            )
 
     @property
     def supports_decode(self) -> bool:

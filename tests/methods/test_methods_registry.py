@@ -24,7 +24,10 @@ from sparseflow.methods import (
     specs,
     unregister,
 )
+from sparseflow._tuning_base import MethodTuning, check_choice, choice_field
+from sparseflow.methods.pbs.tuning import PBSTuning
 from sparseflow.methods.registry import TOKEN_CHUNKS, load_target, or_list
+from sparseflow.tuning import Tuning, fields_of
 
 
 # --------------------------------------------------------------------------- lookups
@@ -205,6 +208,34 @@ def test_a_fourth_method_resolves_through_the_core(fake_method):
     torch.testing.assert_close(got, want)
     assert [c.key for c in calibrate.candidate_choices("fake", cfg, top_ks=(4, 8))] == ["top_k=4", "top_k=8"]
     assert calibrate.estimate_overhead(cfg) == 0.0  # no estimate_cost in its spec: nothing added
+
+
+@dataclass(frozen=True)
+class _FakeTuning(MethodTuning):
+    method: ClassVar[str] = "fake"
+
+    knob: str = choice_field("a", "str")
+
+    def __post_init__(self):
+        check_choice(self.label("knob"), self.knob, ("a", "b"))
+
+
+def test_a_method_brings_its_own_tuning_options():
+    register(_fake_spec(tuning_type=_FakeTuning))
+    try:
+        t = Tuning(fake_knob="b", pbs_select="triton")
+        assert t.fake_knob == "b" and t.of("fake") == _FakeTuning(knob="b") and t.pbs_select == "triton"
+        assert Tuning(fake=_FakeTuning(knob="b"), pbs_select="triton") == t
+        assert fields_of("fake") == (("fake_knob", "str"), ("cuda_graphs", "bool"))
+        assert Tuning.from_dict(t.to_dict()) == t
+        with pytest.raises(ValueError, match=r"Tuning.fake_knob must be one of \['a', 'b'\], got 'c'"):
+            Tuning(fake_knob="c")
+    finally:
+        unregister("fake")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fake_knob'"):
+        Tuning(fake_knob="b")  # gone with its method
+    with pytest.raises(TypeError, match="tuning_type must be a sparseflow.tuning.MethodTuning subclass"):
+        _fake_spec(tuning_type=PBSTuning)  # another method's options
 
 
 def test_unregister_leaves_nothing_behind(fake_method):

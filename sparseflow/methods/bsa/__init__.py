@@ -1,5 +1,6 @@
 """BSA (flat top-k block selection, the baseline): its spec in the method registry."""
 
+from .tuning import BSATuning
 from .config import BSAConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
@@ -12,11 +13,14 @@ SCAN_COST = 0.03
 
 SPEC = register(
     MethodSpec(
+        tuning_type=BSATuning,
         name="bsa",
         config_type=BSAConfig,
         backends={
             "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always", windows=True),
-            "triton": Backend(f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always", windows=True),
+            "triton": Backend(
+                f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always", windows=True, tuned=True
+            ),
             "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(

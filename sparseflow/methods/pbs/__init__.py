@@ -1,6 +1,7 @@
 """PBS-Attn (permuted block-sparse prefill): its spec in the method registry."""
 
 from ..._config_base import AttentionConfig
+from .tuning import PBSTuning
 from .config import PBSConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register, window_span_blocks
 
@@ -76,12 +77,13 @@ def window_rule(cfg: PBSConfig, sliding_window: int, chunk_size: int) -> str:
 
 SPEC = register(
     MethodSpec(
+        tuning_type=PBSTuning,
         name="pbs",
         config_type=PBSConfig,
         backends={
             "reference": Backend(f"{_KERNELS}.reference:pbs_attention", differentiable="always", windows=True),
             # forward-only kernel
-            "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention", windows=True),
+            "triton": Backend(f"{_KERNELS}.triton_impl:pbs_attention", windows=True, tuned=True),
             "flex": Backend(f"{_KERNELS}.flex:pbs_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(

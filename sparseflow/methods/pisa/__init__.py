@@ -1,5 +1,6 @@
 """PISA (pyramid block selection): its spec in the method registry."""
 
+from .tuning import PISATuning
 from .config import PISAConfig
 from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
@@ -12,11 +13,14 @@ WALK_COST = 0.02
 
 SPEC = register(
     MethodSpec(
+        tuning_type=PISATuning,
         name="pisa",
         config_type=PISAConfig,
         backends={
             "reference": Backend(f"{_KERNELS}.reference:pisa_attention", differentiable="always", windows=True),
-            "triton": Backend(f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always", windows=True),
+            "triton": Backend(
+                f"{_KERNELS}.triton_impl:pisa_attention", differentiable="always", windows=True, tuned=True
+            ),
             "flex": Backend(f"{_KERNELS}.flex:pisa_attention", differentiable="cuda", windows=True),
         },
         onnx=OnnxBody(
