@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sparseflow
-from sparseflow import PBSConfig, PISAConfig, Tuning
+from sparseflow import DenseConfig, PBSConfig, PISAConfig, Tuning
 from sparseflow import op_backends, op_schema, ops
 
 needs_triton = pytest.mark.skipif(
@@ -98,7 +98,8 @@ def test_schemas_carry_each_methods_tuning_fields():
     )
     for m in ("dense", "bsa"):
         assert "pbs_" not in schema[m] and "pisa_" not in schema[m]
-    assert "cuda_graphs" not in schema["dense"]  # the dense op runs SDPA: nothing to replay
+    # the dense op's windowed calls run Triton kernels, which an eager call may replay from a graph
+    assert "int chunk_size, bool cuda_graphs, str backend" in schema["dense"]
     assert "pdl" not in schema["pbs"] and "pdl" not in schema["dense"]  # their kernels do not chain
     t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False, pdl=True)
     assert ops.op_args(PBS_SMALL, t)[-4:] == ["auto", "gather", True, False]
@@ -153,6 +154,19 @@ def test_compiled_model_calls_replay_no_op_level_graph(plain_attention, mode):
     with ops.intercepting(_dense_answer(seen)):
         model(torch.randn(1, 64, 48))
     assert seen and not any(seen)
+
+
+def test_a_traced_windowed_dense_call_replays_no_op_level_graph():
+    # the dense op's windowed calls launch Triton kernels too: traced by torch.compile they must
+    # leave the graph to Inductor, as the sparse methods' calls do (an eager call may replay)
+    q, k, v = _qkv()
+    cfg = DenseConfig(sliding_window=16)
+    seen = []
+    f = torch.compile(lambda q, k, v: sparseflow.attention(q, k, v, config=cfg), fullgraph=True, backend="eager")
+    with ops.intercepting(_dense_answer(seen)):
+        f(q, k, v)
+        sparseflow.attention(q, k, v, config=cfg)
+    assert seen == [False, True]
 
 
 def test_exported_program_keeps_the_tuning(plain_attention):

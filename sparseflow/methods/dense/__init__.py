@@ -1,5 +1,6 @@
 """The dense pseudo-method: the rewrite with an SDPA body (proves the pass itself changes nothing)."""
 
+from .tuning import DenseTuning
 from .config import DenseConfig
 from ..registry import Backend, MethodSpec, OnnxBody, register
 
@@ -7,6 +8,7 @@ from ..registry import Backend, MethodSpec, OnnxBody, register
 # attention within the window, as block-sparse attention; without a window the op runs SDPA
 SPEC = register(
     MethodSpec(
+        tuning_type=DenseTuning,
         name="dense",
         config_type=DenseConfig,
         backends={
