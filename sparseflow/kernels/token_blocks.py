@@ -22,7 +22,7 @@ callers, ``attend_selected_blocks`` is differentiable in q, k and v.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -100,8 +100,39 @@ def window_block_indices(
 ) -> torch.Tensor:
     """``[1, 1, Nq, K]`` int32: the ascending ids of the blocks each query's causal local window
     touches, ``-1`` padded, ``K`` the most any query touches (at least 1): a window's selection with
-    no selection pass, for any batch and KV head (expand it)."""
+    no selection pass, for any batch and KV head (expand it). Read-only: the lists depend on the
+    arguments alone, so a model's windowed layers share one tensor per length instead of each
+    building it (a host cost above the kernel's own at 8K)."""
     check_window(sliding_window, chunk_size, True)
+    device = torch.device("cpu" if device is None else device)
+    key = (n_q, n_k, block_size, sliding_window, chunk_size, device)
+    ids = _WINDOW_LISTS.get(key)
+    if ids is None:
+        ids = _build_window_block_indices(*key)
+        if _may_keep(device):
+            if len(_WINDOW_LISTS) >= _WINDOW_LISTS_KEPT:
+                _WINDOW_LISTS.pop(next(iter(_WINDOW_LISTS)))
+            _WINDOW_LISTS[key] = ids
+    return ids
+
+
+# (n_q, n_k, block_size, sliding_window, chunk_size, device) -> window_block_indices' tensor; a few
+# lengths a process serves, each a few MB at most (Nq x K int32)
+_WINDOW_LISTS: Dict[Tuple, torch.Tensor] = {}
+_WINDOW_LISTS_KEPT = 16
+
+
+def _may_keep(device: torch.device) -> bool:
+    # never a tensor allocated inside a CUDA graph capture (it would live in the graph's private
+    # pool) or a traced call's; meta tensors hold nothing worth keeping
+    if device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _build_window_block_indices(
+    n_q: int, n_k: int, block_size: int, sliding_window: int, chunk_size: int, device: torch.device
+) -> torch.Tensor:
     span = (n_k, block_size, sliding_window, chunk_size)
     # the width from the positions on the host (a few integer ops a query): no device sync
     _, host_count = _window_block_span(query_positions(n_q, n_k), *span)

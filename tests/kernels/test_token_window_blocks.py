@@ -122,3 +122,18 @@ def test_reference_attention_applies_the_window(n_q, n_k, c, w, chunk):
     )
     with pytest.raises(ValueError, match="sliding_window|chunk_size"):
         tb.attend_selected_blocks(q, k, v, sel, is_causal=False, **kw)
+
+
+def test_a_windows_lists_are_built_once_per_length():
+    # the lists depend on the arguments alone: a model's windowed layers share one tensor
+    first = tb.window_block_indices(40, 40, 8, 12, 0)
+    assert tb.window_block_indices(40, 40, 8, 12, 0) is first
+    assert tb.window_block_indices(40, 40, 8, 13, 0) is not first  # another window: its own lists
+    torch.testing.assert_close(first, tb._build_window_block_indices(40, 40, 8, 12, 0, torch.device("cpu")))
+    # meta tensors and traced calls keep nothing
+    meta = tb.window_block_indices(40, 40, 8, 12, 0, "meta")
+    assert meta.is_meta and tb.window_block_indices(40, 40, 8, 12, 0, "meta") is not meta
+    # a bounded number of lengths is kept
+    for n in range(50, 50 + 2 * tb._WINDOW_LISTS_KEPT):
+        tb.window_block_indices(n, n, 8, 12, 0)
+    assert len(tb._WINDOW_LISTS) <= tb._WINDOW_LISTS_KEPT
