@@ -1,9 +1,10 @@
 """How the Triton kernels run, as opposed to what they compute (the method configs).
 
-A :class:`Tuning` changes speed, never results: which implementation selects PBS's blocks, how
-the PBS kernel reads K/V, whether it may use Hopper's TMA, and the launch settings of PISA's
-selection walk. It is passed to :func:`sparseflow.compile`, :func:`sparseflow.export` or
-:func:`sparseflow.attention` and travels with every call as op arguments (each op takes the
+A :class:`Tuning` changes speed, never results (but ``pisa_scores`` other than fp32, which keeps
+PISA's selection within its tolerance contract): which implementation selects PBS's blocks, how
+the PBS kernel reads K/V, whether it may use Hopper's TMA, and the launch settings and score
+precision of PISA's selection walk. It is passed to :func:`sparseflow.compile`,
+:func:`sparseflow.export` or :func:`sparseflow.attention` and travels with every call as op arguments (each op takes the
 fields of its own method, see :func:`fields_of`), so it is read per call and works under
 ``torch.compile(fullgraph=True)``. The defaults are the measured best choices.
 """
@@ -14,12 +15,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["Tuning", "DEFAULT_TUNING", "fields_of", "PBS_SELECT", "PBS_KV_LAYOUTS", "PISA_WALKS", "PISA_WARPS"]
+__all__ = [
+    "Tuning",
+    "DEFAULT_TUNING",
+    "fields_of",
+    "PBS_SELECT",
+    "PBS_KV_LAYOUTS",
+    "PISA_WALKS",
+    "PISA_WARPS",
+    "PISA_SCORES",
+]
 
 PBS_SELECT = ("auto", "triton", "reference")
 PBS_KV_LAYOUTS = ("permuted", "gather")
 PISA_WALKS = ("auto", "per_token", "tiled", "scan")
 PISA_WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
+PISA_SCORES = ("fp32", "bf16", "tf32")
 
 
 def _method(name: str, schema: str) -> Dict[str, Any]:
@@ -50,6 +61,16 @@ class Tuning:
     (``methods/pisa/triton_select_scan``; calls it does not cover run per token, logged);
     ``"auto"``: the scan on CUDA where it applies (faster at every shape timed on the H200), else
     per token.
+    ``pisa_scores``: the arithmetic of the walk's q . summary dots (the scores of the pyramid's
+    nodes above the leaves, and the leaves' own for ``score="mean"``), in every walk and in
+    decoding. ``"fp32"``: today's arithmetic, the reference's selection exactly, ties included.
+    ``"bf16"`` / ``"tf32"``: both operands rounded to nearest (ties to even) in that format, fp32
+    accumulation (one tensor-core dot in the scan walk instead of its three-part fp32 emulation);
+    the selection may then differ from the reference's among near-ties only, within PISA's
+    selection contract with that precision's tolerance (``methods/pisa/tolerance_check``;
+    docs/methods.md, "PISA's selection contract"). The leaf level's exact LSE over the raw 16-bit
+    keys stays as it is (its products are exact). Unlike the other fields, a lower precision may
+    change the selection, within that contract.
     ``cuda_graphs``: replay an eager ``backend="triton"`` call without gradient from a CUDA graph,
     recorded on the second call of the same signature (method config, shapes, strides, dtypes,
     device, stream), instead of launching its kernels one by one: the same kernels on the same
@@ -75,6 +96,7 @@ class Tuning:
     pisa_walk: str = field(default="auto", metadata=_method("pisa", "str"))
     pisa_warps: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
     pisa_leaf_bytes: Optional[int] = field(default=None, metadata=_method("pisa", "int?"))
+    pisa_scores: str = field(default="fp32", metadata=_method("pisa", "str"))
     cuda_graphs: bool = field(default=True, metadata=_method(_SPARSE, "bool"))
     pdl: bool = field(default=False, metadata=_method(("pisa", "bsa"), "bool"))
 
@@ -92,6 +114,7 @@ class Tuning:
         _check_optional_int("pisa_leaf_bytes", self.pisa_leaf_bytes)
         if self.pisa_leaf_bytes is not None and self.pisa_leaf_bytes < 1:
             raise ValueError(f"Tuning.pisa_leaf_bytes must be None or an int >= 1, got {self.pisa_leaf_bytes}")
+        _check_choice("pisa_scores", self.pisa_scores, PISA_SCORES)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
