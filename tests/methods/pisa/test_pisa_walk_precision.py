@@ -80,13 +80,18 @@ def test_lower_precision_walks_keep_the_contract(walk, precision, score):
 @pytest.mark.parametrize("walk", WALKS)
 def test_fp32_walks_are_the_reference(walk, score):
     cfg = CONFIGS[score]
-    for group, kind in ((3, "random"), (1, "near")):
+    for group, kind in ((3, "random"), (1, "ties")):  # exact ties included
         q, k, kpm = _call(kind, group, seed=1)
         trace = _trace(q, k, kpm, cfg, walk, "fp32")
         want = ref.pisa_select(q, k, key_padding_mask=kpm, **cfg)
         assert _same_leaves(trace[0], want), (group, kind)
         rep = _check(q, k, kpm, trace, cfg, delta=0.0)
         assert rep.ok and rep.leaf_agreement == 1.0, (group, kind, rep)
+    # blocks an fp32 ulp apart: the walk's fp32 dots sum in another order than torch's, so only
+    # fp32's own tolerance holds there (as before pisa_scores: these are the walks' fp32 dots)
+    q, k, kpm = _call("near", 3, seed=1)
+    rep = _check(q, k, kpm, _trace(q, k, kpm, cfg, walk, "fp32"), cfg, precision="fp32")
+    assert rep.ok, rep
 
 
 @pytest.mark.parametrize("precision", LOWER)
@@ -98,7 +103,8 @@ def test_the_trace_is_the_selection_the_op_returns(walk, precision):
     got = ts.pisa_select(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
     trace = walk_trace_triton(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
     assert _same_leaves(got, trace[0])
-    assert not _same_leaves(got, ref.pisa_select(q, k, key_padding_mask=kpm, **cfg))  # scored in lower precision
+    want = tc.walk_trace(q, k, key_padding_mask=kpm, **cfg)
+    assert not all(_same_leaves(a, b) for a, b in zip(trace, want))  # it scored in lower precision
 
 
 def test_a_walk_that_does_not_cover_the_call_is_named():
