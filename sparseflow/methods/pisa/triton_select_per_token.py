@@ -286,16 +286,16 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     if TRACE:
         # the start level and every level above it keep all their visible nodes (in the window)
         trace_row = trace_ptr + bh * stride_tbh + i.to(tl.int64) * stride_tn
-        for lv in range(0, N_LEVELS):
-            if lv >= start:
-                t_off = tl.load(lvl_off_ptr + lv)
-                t_in = ar_kp < tl.load(lvl_off_ptr + lv + 1) - t_off
-                t_span = tl.load(lvl_span_ptr + lv)
+        for t_lv in range(0, N_LEVELS):
+            if t_lv >= start:
+                t_off = tl.load(lvl_off_ptr + t_lv)
+                t_in = ar_kp < tl.load(lvl_off_ptr + t_lv + 1) - t_off
+                t_span = tl.load(lvl_span_ptr + t_lv)
                 t_vis = t_in & (_first_valid(nfv_base, t_off, tl.where(t_in, ar_kp, 0), t_span, Nk, C, LOADED) <= hz)
                 if HAS_WINDOW:
-                    t_vis = t_vis & (ar_kp >= _ancestor(first_leaf, lv, t_span, BR))
+                    t_vis = t_vis & (ar_kp >= _ancestor(first_leaf, t_lv, t_span, BR))
                 t_ids, t_ok = _compact(ar_kp, t_vis, ar_kp, ar_kp)
-                tl.store(trace_row + lv * KP + ar_kp, tl.where(t_ok, t_ids, -1))
+                tl.store(trace_row + t_lv * KP + ar_kp, tl.where(t_ok, t_ids, -1))
     # from the level below the start down to the leaves (a loop over these levels only: a branch
     # around a level body that skips the others costs ptxas's divergence handling)
     if N_LEVELS > 1:  # one leaf: the start level is the leaves

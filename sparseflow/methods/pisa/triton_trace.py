@@ -48,7 +48,8 @@ __all__ = ["walk_trace_triton", "walk_that_runs"]
 
 def walk_that_runs(q, k, cfg: PISAConfig, tuning: Tuning) -> str:
     """The walk ``pisa_select`` runs for this call and ``tuning``: "scan", "tiled" or "per_token"
-    (``pisa_walk`` "auto" and uncovered shapes run per token off CUDA)."""
+    (``pisa_walk="auto"``: the scan where it covers the call on CUDA, else per token; a shape the
+    asked walk does not cover: per token)."""
     n_k = k.shape[2]
     top_k = selection_width(cfg.top_k, n_k, cfg.block_size)
     summ_cols = sum(ts.level_sizes(max(1, -(-n_k // cfg.block_size)), cfg.branching))
@@ -75,15 +76,15 @@ def walk_trace_triton(
 ) -> List[torch.Tensor]:
     """The trace of the Triton walk ``tuning`` picks (module docstring), leaves first, root last;
     ``[]`` when there is nothing to select. ``fallback``: accept the per-token walk where the
-    asked walk does not cover the call (else a ValueError names the walk that would run)."""
+    asked walk does not cover the call (else a ValueError names the walk that would run;
+    ``pisa_walk="auto"`` takes the walk it picks)."""
     cfg = backend_config(PISAConfig, config, fields)
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     if n_k == 0 or b == 0 or n_q == 0:
         return []
     walk = walk_that_runs(q, k, cfg, tuning)
-    asked = "per_token" if tuning.pisa_walk == "auto" else tuning.pisa_walk
-    if walk != asked and not fallback:
+    if tuning.pisa_walk != "auto" and walk != tuning.pisa_walk and not fallback:
         raise ValueError(f"pisa_walk={tuning.pisa_walk!r} does not cover this call: the {walk} walk would run")
     top_k = selection_width(cfg.top_k, n_k, cfg.block_size)
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -11,6 +11,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from test_pisa_tolerance import _inputs  # noqa: E402
 
 from sparseflow.methods.pisa import reference as ref  # noqa: E402
@@ -20,7 +23,10 @@ from sparseflow.methods.pisa.triton_trace import walk_that_runs, walk_trace_trit
 from sparseflow.methods.pisa.config import PISAConfig  # noqa: E402
 from sparseflow.testing import check_pisa_selection  # noqa: E402
 from sparseflow.tuning import PISA_SCORES, Tuning  # noqa: E402
+from sparseflow.methods.pisa.tolerance import round_to_precision  # noqa: E402
+from sparseflow.methods.pisa.triton_select_common import _round_bits  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
 WALKS = ("per_token", "tiled", "scan")
 LOWER = ("bf16", "tf32")
 N, ROWS = 53, 6  # an odd prompt length; the walk runs its last ROWS queries (bottom-right aligned)
@@ -39,7 +45,7 @@ def _call(kind: str, group: int, seed: int = 0):
     """``(q, k, key_padding_mask)``: ``_inputs``' kind with ``group`` query heads a KV head, the
     queries cut to the last ``ROWS``."""
     q, k, kpm = _inputs(kind, hq=group, hkv=1, n=N, seed=seed)
-    return q[:, :, -ROWS:].contiguous(), k, kpm
+    return q[:, :, -ROWS:].contiguous().to(DEVICE), k.to(DEVICE), None if kpm is None else kpm.to(DEVICE)
 
 
 def _trace(q, k, kpm, cfg, walk: str, scores: str):
@@ -149,3 +155,20 @@ def test_tuning_refuses_an_unknown_precision():
         Tuning(pisa_scores="fp16")
     with pytest.raises(TypeError, match="pisa_scores"):
         Tuning(pisa_scores=16)
+
+
+@triton.jit
+def _rounded(x_ptr, out_ptr, DROP: tl.constexpr):
+    ar = tl.arange(0, 64)
+    tl.store(out_ptr + ar, _round_bits(tl.load(x_ptr + ar), DROP))
+
+
+@pytest.mark.parametrize("precision", LOWER)
+def test_the_kernels_round_as_the_tolerance_does(precision):
+    u = 2.0 ** -(8 if precision == "bf16" else 11)
+    ties = [1 + u, 1 + 3 * u, -(1 + u), 1 + u + u / 64, 3e38, 2.0**-140, -(2.0**-145), float("inf"), 0.0, -0.0]
+    x = torch.cat([torch.tensor(ties), torch.randn(54, generator=torch.Generator().manual_seed(0)) * 1e3]).to(DEVICE)
+    out = torch.empty_like(x)
+    _rounded[(1,)](x, out, DROP=16 if precision == "bf16" else 13)
+    want = round_to_precision(x, precision)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))

@@ -30,7 +30,7 @@ def test_lengths_and_checked_rows():
 def test_the_contract_check_runs_the_asked_walk_on_its_rows():
     import torch
 
-    q, k, _ = walk_inputs(1, 4, 2, 41, 41, 16, torch.float32, False, seed=2)
+    q, k, _ = walk_inputs(1, 4, 2, 41, 41, 16, torch.float32, False, seed=2)  # on the test device
     cfg = PISAConfig(block_size=2, top_k=3)
     found = study.check_contract(q, k, cfg, Tuning(pisa_walk="tiled", pisa_scores="bf16"), rows=8, mem_gib=1e-4)
     assert found["ok"] and found["ran"] == ["tiled"] and found["broken"] is None, found
