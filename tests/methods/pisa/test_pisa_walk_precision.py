@@ -29,7 +29,7 @@ from sparseflow.methods.pisa.triton_select_common import _round_bits  # noqa: E4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
 WALKS = ("per_token", "tiled", "scan")
 LOWER = ("bf16", "tf32")
-N, ROWS = 53, 6  # an odd prompt length; the walk runs its last ROWS queries (bottom-right aligned)
+N, ROWS = 53, 4  # an odd prompt length; the walk runs its last ROWS queries (bottom-right aligned)
 # per score: 27 leaves of 2 keys, top_k 3; levels 1 and up are scored (branching 2: 14, 7, 4 nodes
 # against widths 3 or 6; branching 3: 9 nodes against 6)
 CONFIGS = {
