@@ -1,6 +1,7 @@
 """How the Triton kernels run, as opposed to what they compute (the method configs).
 
-A :class:`Tuning` changes speed, never results. It holds each method's own launch options (a
+A :class:`Tuning` changes speed, never results (but PISA's ``pisa_scores`` below fp32, which keeps
+its selection within the method's tolerance contract). It holds each method's own launch options (a
 :class:`MethodTuning` subclass in the method's folder, named by its registry entry) and the launch
 mechanics every method shares (CUDA-graph replay, programmatic dependent launch). This module
 names no method: the methods' option classes reach it through the registry.
@@ -48,7 +49,8 @@ class Tuning:
     drains: the same output bit for bit. Eager calls and CUDA graphs chain; calls traced by
     ``torch.compile`` launch plainly (logged). Elsewhere it changes nothing.
 
-    A :class:`Tuning` changes speed, never results. It is passed to :func:`sparseflow.compile`,
+    A :class:`Tuning` changes speed, never results (``pisa_scores`` below fp32 aside: it keeps
+    PISA's selection within its stated tolerance). It is passed to :func:`sparseflow.compile`,
     :func:`sparseflow.export` or :func:`sparseflow.attention` and travels with every call as op
     arguments (each op takes its method's fields and the shared ones it lists, see
     :func:`fields_of`), so it is read per call and works under ``torch.compile(fullgraph=True)``.

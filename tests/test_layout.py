@@ -287,6 +287,9 @@ LONG_MODULES_ALLOWED = {
     "methods/pbs/triton_select.py",
     # PISA's scan walk: four kernels handing each other one score table / pair index layout
     "methods/pisa/triton_select_scan.py",
+    # PISA's tiled walk: one kernel with its union-scoring helpers, its op and the op's body
+    # (tiled_walk, which triton_trace also calls with the kernel's debug trace output)
+    "methods/pisa/triton_select_tiled.py",
 }
 
 

@@ -38,12 +38,13 @@ def _qkv(n=64, hq=4, hkv=2, d=16, seed=0):
 
 def test_defaults_are_the_former_environment_defaults():
     t = Tuning()
-    assert (t.pbs_select, t.pbs_kv_layout, t.pbs_tma, t.pisa_warps, t.pisa_leaf_bytes) == (
+    assert (t.pbs_select, t.pbs_kv_layout, t.pbs_tma, t.pisa_warps, t.pisa_leaf_bytes, t.pisa_scores) == (
         "auto",
         "permuted",
         True,
         None,
         None,
+        "fp32",
     )
     assert t == sparseflow.tuning.DEFAULT_TUNING and hash(t) == hash(Tuning())
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -66,6 +67,8 @@ def test_defaults_are_the_former_environment_defaults():
         ("pisa_warps", True, TypeError, ["pisa_warps", "int"]),
         ("pisa_leaf_bytes", 0, ValueError, ["pisa_leaf_bytes", ">= 1"]),
         ("pisa_leaf_bytes", "16K", TypeError, ["pisa_leaf_bytes", "int"]),
+        ("pisa_scores", "fp16", ValueError, ["pisa_scores", "'fp32'", "'bf16'", "'tf32'"]),
+        ("pisa_scores", None, TypeError, ["pisa_scores", "str"]),
     ],
 )
 def test_validation_names_the_field_and_what_works(field, value, exc, words):
@@ -91,7 +94,10 @@ def test_entry_points_refuse_a_non_tuning(plain_attention):
 def test_schemas_carry_each_methods_tuning_fields():
     schema = {m: str(ops.op_for(m)._schema) for m in ("dense", "pbs", "pisa", "bsa")}
     assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, bool cuda_graphs, str backend" in schema["pbs"]
-    assert "int? pisa_warps, int? pisa_leaf_bytes, bool cuda_graphs, bool pdl, str backend" in schema["pisa"]
+    assert (
+        "int? pisa_warps, int? pisa_leaf_bytes, str pisa_scores, bool cuda_graphs, bool pdl, str backend"
+        in schema["pisa"]
+    )
     assert (
         "float? scale, int sliding_window, int chunk_size, int block_size" in schema["bsa"]
         and "bool cuda_graphs, bool pdl, str backend" in schema["bsa"]
@@ -103,7 +109,7 @@ def test_schemas_carry_each_methods_tuning_fields():
     assert "pdl" not in schema["pbs"] and "pdl" not in schema["dense"]  # their kernels do not chain
     t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False, pdl=True)
     assert ops.op_args(PBS_SMALL, t)[-4:] == ["auto", "gather", True, False]
-    assert ops.op_args(PISA_SMALL, t)[-4:] == [2, None, False, True]
+    assert ops.op_args(PISA_SMALL, t)[-5:] == [2, None, "fp32", False, True]
     assert ops.op_args(PBS_SMALL)[-4:] == ["auto", "permuted", True, True]  # default: Tuning()
 
 

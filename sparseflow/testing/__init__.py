@@ -210,12 +210,26 @@ def check_finite(q, k, v, config: AttentionConfig, **kw) -> torch.Tensor:
     return out
 
 
-def check_pisa_selection(q, k, trace, config=None, **kw) -> ToleranceReport:
+def check_pisa_selection(q, k, trace=None, config=None, *, tuning=None, **kw) -> ToleranceReport:
     """Property 8: a PISA walk's ``trace`` (its kept nodes per level, leaves first;
     ``walk_trace`` gives the reference's) keeps what the fp32 reference walk keeps, up to
     near-ties within the tolerance of the precision it scores in (``precision=``, default
-    "bf16"; ``delta=0`` asks for the reference's selection). ``kw``: the call's
-    ``key_padding_mask``, ``is_causal``, ``scale`` and config fields. Returns the report."""
+    "bf16"; ``delta=0`` asks for the reference's selection). ``tuning``: a
+    :class:`sparseflow.Tuning` whose Triton walk (``pisa_walk``, scoring in ``pisa_scores``) is
+    checked: without a ``trace`` its trace is taken from that walk
+    (``methods.pisa.triton_trace.walk_trace_triton``; needs Triton, and a call the walk covers),
+    and ``precision`` defaults to its ``pisa_scores``. ``kw``: the call's ``key_padding_mask``,
+    ``is_causal``, ``scale`` and config fields. Returns the report."""
+    if tuning is not None:
+        kw.setdefault("precision", tuning.pisa_scores)
+        if trace is None:
+            from ..methods.pisa.triton_trace import walk_trace_triton
+
+            call = {name: kw[name] for name in ("key_padding_mask", "is_causal", "scale") if name in kw}
+            fields = {name: v for name, v in kw.items() if name not in ("precision", "delta", *call)}
+            trace = walk_trace_triton(q, k, config, tuning=tuning, **call, **fields)
+    if trace is None:
+        raise TypeError("check_pisa_selection needs a trace, or a tuning whose Triton walk gives one")
     rep = selection_within_tolerance(q, k, trace, config, **kw)
     if not rep.ok:
         where = f"level {rep.level}, batch {rep.batch}, KV head {rep.kv_head}, query {rep.query}, node {rep.node}"

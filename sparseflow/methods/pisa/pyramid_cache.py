@@ -343,6 +343,9 @@ class PyramidCache:
             tuning.pisa_warps,
             tuning.pisa_leaf_bytes,
             length,
+            PISAConfig.sliding_window,  # decoding walks without a window
+            PISAConfig.chunk_size,
+            tuning.pisa_scores,
         )
 
     def decode_step(

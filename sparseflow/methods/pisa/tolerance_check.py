@@ -27,7 +27,8 @@ that keeps the best ``width`` candidates by such scores passes.
 The trace is needed because the leaf selection alone does not say which coarse nodes a walk kept:
 a fast walk exposes its kept sets per level for its tests. :func:`walk_trace` gives the
 reference's trace, or the trace of the reference walk scoring with operands rounded to a precision
-(an emulated tensor-core walk).
+(an emulated tensor-core walk); ``triton_trace.walk_trace_triton`` gives a Triton walk's own
+(``Tuning.pisa_scores``: fp32, bf16 or tf32).
 """
 
 from __future__ import annotations

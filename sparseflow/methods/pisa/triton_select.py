@@ -18,11 +18,13 @@ Imported lazily (``backend="triton"``); this module imports Triton.
 What the walks share is ``triton_select_common``'s. The scan and the tiled walk are imported
 where they are picked, so that a test may swap their ops and launch settings on their modules.
 
-All three walks score in fp32 and select exactly the reference's blocks, ties included. The
-selection contract allows more (``tolerance_check``; docs/methods.md, "PISA's selection
-contract"): a walk scoring in bf16 / fp16 / tf32 may differ among near-ties within the stated
-``delta``, provided it exposes its kept nodes per level for the checker. None of these walks
-uses that yet.
+With ``Tuning.pisa_scores="fp32"`` (the default) all three walks score in fp32 and select
+exactly the reference's blocks, ties included. ``"bf16"`` / ``"tf32"`` round both operands of
+every q . summary dot (the node levels above the leaves, and the leaves of ``score="mean"``) to
+that format (``triton_select_common._round_bits``) with fp32 accumulation; the leaf level's LSE
+over the raw 16-bit keys stays exact. The selection then keeps within the selection contract
+(``tolerance_check``; docs/methods.md, "PISA's selection contract") with that precision's
+``delta``, which the tests check on the walks' own traces (``triton_trace``).
 """
 
 from __future__ import annotations
@@ -267,7 +269,8 @@ def pisa_select(
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
-    (``pisa_walk``: per-token, scan or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``).
+    (``pisa_walk``: per-token, scan or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``) and score
+    precision (``pisa_scores``).
     ``index_dtype``: ``torch.int32`` returns the kernel's own ids (what the attention kernel
     reads), saving a conversion each way. ``sliding_window`` / ``chunk_size``: the reference's
     walk inside each query's local window; every walk (per-token, scan, tiled) runs it."""
@@ -315,13 +318,13 @@ def pisa_select(
         if _use_scan_walk(tuning, q, k, summ, SCORE_CODES[score], block_size, top_k, beam, branching):
             from .triton_select_scan import pisa_select_scan_fwd
 
-            idx = pisa_select_scan_fwd(*args, tuning.pdl, *window)
+            idx = pisa_select_scan_fwd(*args, tuning.pdl, *window, tuning.pisa_scores)
         elif _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 
-            idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps, None, *window)
+            idx = pisa_select_tiled_fwd(*args, tuning.pisa_warps, None, *window, tuning.pisa_scores)
         else:
-            idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes, None, *window)
+            idx = _pisa_select_fwd(*args, tuning.pisa_warps, tuning.pisa_leaf_bytes, None, *window, tuning.pisa_scores)
     return idx.to(index_dtype)
 
 

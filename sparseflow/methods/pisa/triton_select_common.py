@@ -1,8 +1,10 @@
 """What the PISA selection's walks share: the per-token walk (``triton_select_per_token``), the
 tiled walk (``triton_select_tiled``) and the scan walk (``triton_select_scan``, which runs the
 per-token kernel as its middle stage). The score codes and row widths, the per-node score
-reductions, the per-row bookkeeping of the walks over tiles of queries, and the kernel arguments
-the per-token and the tiled walk take alike.
+reductions, the per-row bookkeeping of the walks over tiles of queries, the kernel arguments
+the per-token and the tiled walk take alike, and the rounded operands of the summary dots
+(``Tuning.pisa_scores``: :func:`scores_mode`, :func:`_round_bits`, :func:`_scores_operand`,
+:func:`_scores_dot`).
 
 The selection's modules import one way: ``triton_select`` (the pyramid and the choice of walk)
 above the walks, the walks above this module; of each other's, a walk imports only the per-token
@@ -11,9 +13,13 @@ kernel and its launch settings, which the scan runs. Imported lazily; this modul
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
 
+from ...kernels._triton_env import interpreting
 from ...kernels.token_sparse_triton import _window_lo
 
 __all__ = [
@@ -25,6 +31,8 @@ __all__ = [
     "walk_args",
     "walk_meta",
     "window_args",
+    "scores_mode",
+    "trace_args",
 ]
 
 
@@ -91,6 +99,66 @@ def _lse2_scaled(logit, okk, scale):
     return (mx_s + tl.log2(tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2))) * _LN2
 
 
+# --------------------------------------------------------------------------- score precision
+
+
+def scores_mode(scores: str) -> str:
+    """The ``SCORES`` constexpr of the walks' summary dots for ``Tuning.pisa_scores``: ``"fp32"``
+    (IEEE fp32 dots, the reference's arithmetic), ``"bf16"`` / ``"tf32"`` on a GPU (both operands
+    rounded to nearest, ties to even, by :func:`_round_bits`, then one bf16 or tf32 tensor-core dot
+    with fp32 accumulation). Under the interpreter, whose 16-bit and tf32 dots are not trusted,
+    ``"bf16_ieee"`` / ``"tf32_ieee"``: the same rounded operands in an IEEE fp32 dot (their
+    products are exact in fp32, so only the summation order differs from the GPU's)."""
+    if scores not in ("fp32", "bf16", "tf32"):
+        raise ValueError(f"pisa_scores must be one of ['fp32', 'bf16', 'tf32'], got {scores!r}")
+    return scores + "_ieee" if scores != "fp32" and interpreting() else scores
+
+
+@triton.jit
+def _round_bits(x, DROP: tl.constexpr):
+    """``x`` (fp32) rounded to nearest, ties to even, to ``23 - DROP`` stored mantissa bits
+    (``DROP`` 16: bf16, 13: tf32), as fp32: the fp32 bit pattern plus half the dropped bits'
+    weight (less one unless the kept last bit is odd), the dropped bits cleared. Integer
+    operations, so that the interpreter and every GPU round alike (Triton's tf32 dot truncates
+    on sm_90), and as ``tolerance.round_to_precision`` does; inf and NaN keep their bits, a
+    value past the format's largest rounds to inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & ~((1 << DROP) - 1)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scores_operand(x, SCORES: tl.constexpr):
+    """An operand of :func:`_scores_dot` (``SCORES`` from :func:`scores_mode`): fp32 as is for
+    ``"fp32"``, else rounded to the format (bf16 values as bf16 for the GPU's bf16 dot)."""
+    x = x.to(tl.float32)
+    if SCORES == "fp32":
+        out = x
+    elif SCORES == "bf16":
+        out = _round_bits(x, 16).to(tl.bfloat16)  # exact: already a bf16 value
+    elif SCORES == "bf16_ieee":
+        out = _round_bits(x, 16)
+    else:  # "tf32", "tf32_ieee"
+        out = _round_bits(x, 13)
+    return out
+
+
+@triton.jit
+def _scores_dot(q_op, s, SCORES: tl.constexpr):
+    """``q_op @ s`` in fp32: ``q_op`` from :func:`_scores_operand`, ``s`` the fp32 summaries,
+    rounded here the same way. ``"fp32"``: the IEEE fp32 dot of the reference's arithmetic."""
+    if SCORES == "fp32":
+        out = tl.dot(q_op, s, input_precision="ieee")
+    elif SCORES == "bf16":
+        out = tl.dot(q_op, _scores_operand(s, SCORES), out_dtype=tl.float32)
+    elif SCORES == "tf32":
+        out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="tf32")
+    else:  # the interpreter's: rounded operands, exact products, fp32 sums
+        out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="ieee")
+    return out
+
+
 # --------------------------------------------------------------------------- per-row bookkeeping
 # (the walks over tiles of queries: tiled and scan)
 
@@ -131,6 +199,14 @@ def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
     ptrs = (q, k, kpm if kpm is not None else nfv, summ, nfv, lvl_off, lvl_span, out)
     strides = (*q.stride()[:3], *k.stride()[:3], *summ.stride()[:3], *out.stride()[:3])
     return (*ptrs, *strides, q.shape[2], k.shape[2], summ.shape[2], k.shape[1], scale)
+
+
+def trace_args(placeholder: torch.Tensor, trace: Optional[torch.Tensor]) -> dict:
+    """The kernel's trace arguments: ``trace`` (``[B*Hkv, Nq, levels, KP]`` int32) and its strides,
+    or ``placeholder`` (never written: ``TRACE`` is off) and zeros."""
+    if trace is None:
+        return dict(trace_ptr=placeholder, stride_tbh=0, stride_tn=0)
+    return dict(trace_ptr=trace, stride_tbh=trace.stride(0), stride_tn=trace.stride(1))
 
 
 def window_args(sliding_window: int, chunk_size: int) -> dict:

@@ -6,8 +6,10 @@ level's width remain, the best-scoring ones fill the rest (ties to the lower ind
 ``top_k`` at the leaf level and ``beam * top_k`` above it (the reference's ``beam``); the
 kept-node registers hold ``KP = next_pow2(beam * top_k)`` slots and a level's ``CW >= KP *
 next_pow2(g)`` candidates. Scores are the reference's, summed over the ``G`` query heads of the
-group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32 summaries in IEEE fp32;
-raw keys in their own 16-bit dtype, whose products are exact in fp32). No query-key score matrix
+group, with the ``G`` heads as the rows of one ``tl.dot`` per level (fp32 summaries in IEEE fp32,
+or with ``Tuning.pisa_scores`` "bf16" / "tf32" both operands rounded to that format for one
+tensor-core dot, ``triton_select_common._scores_dot``; raw keys in their own 16-bit dtype, whose
+products are exact in fp32, at every ``pisa_scores``). No query-key score matrix
 is ever written: the only output is ``[B, Hkv, Nq, top_k]``. With a local window (``HAS_WINDOW``)
 a query's candidates wholly before its window's first leaf, and its forced leaves there, are
 dropped: the reference's walk inside the window.
@@ -32,14 +34,18 @@ from .config import PISAConfig
 from .triton_select_common import (
     _p2,
     _reduce,
+    _scores_dot,
+    _scores_operand,
     _window_first_leaf,
     candidate_width,
+    scores_mode,
+    trace_args,
     walk_args,
     walk_meta,
     window_args,
 )
 
-__all__ = ["no_scan_args"]
+__all__ = ["no_scan_args", "per_token_walk"]
 
 
 def _launch(cw: int, warps: Optional[int] = None, leaf_bytes: Optional[int] = None) -> Tuple[int, int]:
@@ -151,6 +157,9 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     stride_cn,
     count_ptr,
     rank_ptr,
+    trace_ptr,
+    stride_tbh,
+    stride_tn,
     SLIDING,
     CHUNK,
     N_LEVELS: tl.constexpr,
@@ -180,7 +189,13 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     PAIR_SIBLINGS: tl.constexpr = False,
     PDL: tl.constexpr = False,
     HAS_WINDOW: tl.constexpr = False,
+    SCORES: tl.constexpr = "fp32",
+    TRACE: tl.constexpr = False,
 ):
+    # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode: "fp32", the
+    # reference's IEEE dots; else operands rounded to bf16 / tf32). TRACE: every level's kept
+    # nodes go to trace_ptr ([B*Hkv, Nq, N_LEVELS, KP], -1 where none; with LEAF_OUT the leaf
+    # level is left to the caller), for the tests' contract check (triton_trace).
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads
     # every scored node's score from pre_ptr ([B*Hkv, Nq, T - pre_col0], filled by its tile scan)
     # instead of computing it; LEAF_OUT stops at the leaf level and writes the leaf candidates
@@ -223,6 +238,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     )
     q_raw = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q32 = q_raw.to(tl.float32)
+    q_s = _scores_operand(q32, SCORES)  # q32 itself for fp32
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     nfv_base = nfv_ptr + b * T
@@ -267,6 +283,19 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     if HAS_WINDOW:
         s_vis = s_vis & (ar_kp >= _ancestor(first_leaf, start, s_span, BR))
     kept, ok = _compact(ar_kp, s_vis, ar_kp, ar_kp)
+    if TRACE:
+        # the start level and every level above it keep all their visible nodes (in the window)
+        trace_row = trace_ptr + bh * stride_tbh + i.to(tl.int64) * stride_tn
+        for t_lv in range(0, N_LEVELS):
+            if t_lv >= start:
+                t_off = tl.load(lvl_off_ptr + t_lv)
+                t_in = ar_kp < tl.load(lvl_off_ptr + t_lv + 1) - t_off
+                t_span = tl.load(lvl_span_ptr + t_lv)
+                t_vis = t_in & (_first_valid(nfv_base, t_off, tl.where(t_in, ar_kp, 0), t_span, Nk, C, LOADED) <= hz)
+                if HAS_WINDOW:
+                    t_vis = t_vis & (ar_kp >= _ancestor(first_leaf, t_lv, t_span, BR))
+                t_ids, t_ok = _compact(ar_kp, t_vis, ar_kp, ar_kp)
+                tl.store(trace_row + t_lv * KP + ar_kp, tl.where(t_ok, t_ids, -1))
     # from the level below the start down to the leaves (a loop over these levels only: a branch
     # around a level body that skips the others costs ptxas's divergence handling)
     if N_LEVELS > 1:  # one leaf: the start level is the leaves
@@ -329,7 +358,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         mask=valid[None, :] & d_ok[:, None],
                         other=0.0,
                     )
-                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CW]
+                    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CW]
                     score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
                 elif lv > 0:
                     # intermediate node: LSE (or mean + var/2) over its visible children's summaries
@@ -352,7 +381,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         mask=c_ok[None, :] & d_ok[:, None],
                         other=0.0,
                     )
-                    logit = tl.dot(q32, s_t, input_precision="ieee") * qk_scale  # [GP, CH]
+                    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CH]
                     logit = tl.reshape(logit, (GP, CW, BRP))
                     per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
                     score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
@@ -391,6 +420,10 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
             else:
                 keep = valid
             kept, ok = _compact(cand, keep, ar_kp, ar_cw)
+            if TRACE:
+                if not LEAF_OUT or lv > 0:
+                    trace_row = trace_ptr + bh * stride_tbh + i.to(tl.int64) * stride_tn
+                    tl.store(trace_row + lv * KP + ar_kp, tl.where(ok, kept, -1))
             lv -= 1
     if not LEAF_OUT:
         out = tl.where(ok, kept, -1)
@@ -421,7 +454,62 @@ def _pisa_select_fwd(
     length: Optional[torch.Tensor] = None,
     sliding_window: int = PISAConfig.sliding_window,
     chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
 ) -> torch.Tensor:
+    return per_token_walk(
+        q,
+        k,
+        kpm,
+        summ,
+        nfv,
+        lvl_off,
+        lvl_span,
+        scale,
+        is_causal,
+        score,
+        block_size,
+        branching,
+        top_k,
+        force_sink,
+        force_previous,
+        beam,
+        warps,
+        leaf_bytes,
+        length,
+        sliding_window,
+        chunk_size,
+        scores,
+    )
+
+
+def per_token_walk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    warps: Optional[int] = None,
+    leaf_bytes: Optional[int] = None,
+    length: Optional[torch.Tensor] = None,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
+    trace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The body of the op ``_pisa_select_fwd`` (its arguments); ``trace``: None, or an int32
+    ``[B*Hkv, Nq, levels, KP]`` tensor (-1 filled) that receives every level's kept nodes
+    (``triton_trace``, tests only: not an op argument)."""
     if length is not None and kpm is not None:  # length: k's first length[0] keys are the cache (decode_step_static)
         raise ValueError("the PISA walk takes a device length or a key padding mask, not both")
     b, hq, n_q, d = q.shape
@@ -449,17 +537,21 @@ def _pisa_select_fwd(
         LC=lc,
         IEEE_KEYS=ieee,
         HAS_LEN=length is not None,
-        **no_scan_args(nfv),
+        **no_scan_args(nfv, trace),
         **window_args(sliding_window, chunk_size),
+        SCORES=scores_mode(scores),
+        TRACE=trace is not None,
         num_warps=warps,
     )
     return out
 
 
-def no_scan_args(placeholder: torch.Tensor) -> dict:
+def no_scan_args(placeholder: torch.Tensor, trace: Optional[torch.Tensor] = None) -> dict:
     """The scan walk's kernel arguments for a walk that reads no precomputed scores and writes no
-    leaf candidates (``placeholder``: any tensor of the call, never read)."""
+    leaf candidates (``placeholder``: any tensor of the call, never read), and the trace's
+    (:func:`trace_args`; ``trace`` None: none)."""
     return dict(
+        **trace_args(placeholder, trace),
         pre_ptr=placeholder,
         cand_ptr=placeholder,
         stride_pbh=0,
@@ -495,5 +587,6 @@ def _(
     length=None,
     sliding_window=PISAConfig.sliding_window,
     chunk_size=PISAConfig.chunk_size,
+    scores="fp32",
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -5,7 +5,9 @@ once per tile of queries (node summaries) or per leaf (raw keys).
 1. ``_node_scan_kernel``: one program per (tile of ``BQ`` consecutive queries, batch x KV head)
    scores every node of every level the walk may score (levels wider than their kept width) for
    all the tile's queries at once: ``[BQ * G, D] x [D, nodes]`` dots of the queries with the
-   fp32 summaries (near fp32 accuracy on the tensor cores: :func:`scan_dot`), the reference's
+   fp32 summaries (near fp32 accuracy on the tensor cores: :func:`scan_dot`; with
+   ``Tuning.pisa_scores`` "bf16" / "tf32" one dot of operands rounded to that format instead of
+   the three-part fp32 emulation, the selection within its tolerance contract), the reference's
    per-node score (LSE or mean + var/2 over the children's logits, or the node's own logit for
    PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node
    is scored only for queries it lies entirely before (others force it or drop it), so its
@@ -56,9 +58,13 @@ from .triton_select_common import (
     _reduce,
     _rows_compact,
     _rows_top_k_keep,
+    _scores_dot,
+    _scores_operand,
     candidate_width,
     log2_scale,
     _window_first_leaf,
+    scores_mode,
+    trace_args,
     walk_args,
     walk_meta,
     window_args,
@@ -74,6 +80,7 @@ __all__ = [
     "leaf_pair_index",
     "pair_order",
     "pisa_select_scan_fwd",
+    "scan_walk",
     "MAX_TABLE_BYTES",
     "LAUNCH",
 ]
@@ -132,10 +139,14 @@ def pair_unit(branching: int) -> Tuple[int, int]:
     raise ValueError(f'LAUNCH["pair_unit"] must be "leaf" or "siblings", got {choice!r}')
 
 
-def scan_dot(dtype: torch.dtype) -> str:
-    """The node scan's dot of the queries and the fp32 summaries: IEEE fp32 interpreted, else
-    ``LAUNCH["scan_dot"]`` ("bf16x3" applies to bf16 queries only: fp16 ones are not exact in
-    bf16; "tf32x3" for the others)."""
+def scan_dot(dtype: torch.dtype, scores: str = "fp32") -> str:
+    """The node scan's dot of the queries and the fp32 summaries. ``scores`` (``Tuning.pisa_scores``)
+    "bf16" / "tf32": ONE dot of operands rounded to that format (``scores_mode``: a bf16 or tf32
+    tensor-core dot, or its IEEE emulation interpreted). "fp32": near fp32 accuracy, IEEE fp32
+    interpreted, else ``LAUNCH["scan_dot"]`` ("bf16x3" applies to bf16 queries only: fp16 ones
+    are not exact in bf16; "tf32x3" for the others)."""
+    if scores != "fp32":
+        return scores_mode(scores)
     if interpreting():
         return "ieee"
     choice = LAUNCH["scan_dot"]
@@ -197,14 +208,19 @@ def _summary_dot(q, s_t, PREC: tl.constexpr):
     """``q @ s_t`` for fp32 summaries ``s_t`` near fp32 accuracy on the tensor cores. "bf16x3"
     (bf16 queries): each of the summaries' three bf16 parts dotted with the queries, whose bf16
     products are exact in the fp32 accumulator; half the time of "tf32x3" (Triton's three tf32
-    dots, for other dtypes) on the H200. "ieee": the interpreter's."""
+    dots, for other dtypes) on the H200. "ieee": the interpreter's. Any other ``PREC`` is a
+    ``scores_mode`` ("bf16", "tf32" or their "_ieee" emulation): one dot of rounded operands
+    (``Tuning.pisa_scores``; ``q`` already rounded by :func:`_dot_operand`)."""
     if PREC == "bf16x3":
         s_hi, s_mid, s_lo = _bf16x3_parts(s_t)
         acc = tl.dot(q, s_lo, out_dtype=tl.float32)  # the smallest part first
         acc = tl.dot(q, s_mid, acc, out_dtype=tl.float32)
-        return tl.dot(q, s_hi, acc, out_dtype=tl.float32)
+        out = tl.dot(q, s_hi, acc, out_dtype=tl.float32)
+    elif PREC == "tf32x3" or PREC == "ieee":
+        out = tl.dot(q, s_t, input_precision=PREC)
     else:
-        return tl.dot(q, s_t, input_precision=PREC)
+        out = _scores_dot(q, s_t, PREC)
+    return out
 
 
 @triton.jit
@@ -271,11 +287,13 @@ def _dot_rows_queries(
 @triton.jit
 def _dot_operand(x, PREC: tl.constexpr):
     """``x`` as :func:`_rows_dot` takes it: fp32 for the fp32 dots, as loaded for the 16-bit ones
-    (bf16x3 and exact16 take 16-bit queries as they are)."""
+    (bf16x3 and exact16 take 16-bit queries as they are), rounded for a ``scores_mode`` dot."""
     if PREC == "tf32x3" or PREC == "ieee":
         out = x.to(tl.float32)
-    else:
+    elif PREC == "bf16x3" or PREC == "exact16":
         out = x
+    else:
+        out = _scores_operand(x, PREC)
     return out
 
 
@@ -808,7 +826,58 @@ def pisa_select_scan_fwd(
     pdl: bool = False,
     sliding_window: int = PISAConfig.sliding_window,
     chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
 ) -> torch.Tensor:
+    return scan_walk(
+        q,
+        k,
+        kpm,
+        summ,
+        nfv,
+        lvl_off,
+        lvl_span,
+        scale,
+        is_causal,
+        score,
+        block_size,
+        branching,
+        top_k,
+        force_sink,
+        force_previous,
+        beam,
+        pdl,
+        sliding_window,
+        chunk_size,
+        scores,
+    )
+
+
+def scan_walk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    pdl: bool = False,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
+    trace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The body of the op :func:`pisa_select_scan_fwd` (its arguments); ``trace``: None, or an
+    int32 ``[B*Hkv, Nq, levels, KP]`` tensor (-1 filled) that receives the walk's kept nodes of
+    every level above the leaves (``triton_trace``, tests only: not an op argument)."""
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)
@@ -867,7 +936,7 @@ def pisa_select_scan_fwd(
         BQP=_p2(scan_q, 1),
         R=scan_rows,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
-        PREC=scan_dot(q.dtype),
+        PREC=scan_dot(q.dtype, scores),
         HEAD_LOOP=head_loop,
         num_warps=LAUNCH["scan_warps"],
         **chain,
@@ -887,6 +956,7 @@ def pisa_select_scan_fwd(
         stride_cn=cand.stride(1),
         count_ptr=counts if leaf_out else cand,
         rank_ptr=rank,
+        **trace_args(nfv, trace),
         **meta,
         GP=_p2(group, 16),
         CW=cw,
@@ -898,6 +968,7 @@ def pisa_select_scan_fwd(
         PAIR_RANKS=leaf_out,
         PAIR_SIBLINGS=unit[1] > 1,
         **window,
+        TRACE=trace is not None,
         num_warps=warps,
         **chain,
     )
@@ -988,5 +1059,6 @@ def _(
     pdl=False,
     sliding_window=PISAConfig.sliding_window,
     chunk_size=PISAConfig.chunk_size,
+    scores="fp32",
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

@@ -36,18 +36,20 @@ that grows with the tile, hence the tile bounds (``BQ * CW <= 256`` unless 16 do
 more, ``M`` near 128 rows, leaf dots of at most 8192 fp32 logits; ``block_q`` of the launcher
 overrides ``BQ``).
 
-Numerics are the per-token walk's: fp32 summaries in IEEE fp32 dots, 16-bit raw keys in their own
-dtype with fp32 accumulation on the tensor cores (16-bit products are exact in fp32); fp32 keys
-in IEEE fp32 dots too. A tf32 (or bf16) dot on the fp32 summaries rounds their mantissas to 10
-(7) bits, which moves scores by far more than the summation order does and can flip a
-selection, so it is not used. What that costs: the summary dots run at the CUDA cores' fp32
+Numerics are the per-token walk's: with ``Tuning.pisa_scores="fp32"`` (the default), fp32
+summaries in IEEE fp32 dots, 16-bit raw keys in their own dtype with fp32 accumulation on the
+tensor cores (16-bit products are exact in fp32); fp32 keys in IEEE fp32 dots too: the
+reference's selection exactly. What that costs: the summary dots run at the CUDA cores' fp32
 FMA rate, about ``G * D * CW * g`` FMAs per query and scored intermediate level
 (``16 * 64 * 16 * 2 = 32K`` at the benchmark shape; x ~11 levels x 256K queries x 2 KV heads at
 256K tokens: ~2e11 FMAs, ~6 ms at the H200's ~67 TFLOP/s fp32 peak). The per-token walk does
 the same FMAs (the tile does more where its union spills into a second chunk), but here they
-become the bulk of the arithmetic (the leaf dots are tensor-core work), and they leave little
-room within the goal of <= 10 ms at 256K. ``input_precision="tf32x3"`` would move them to the
-tensor cores at near-fp32 accuracy, not bitwise IEEE; that is left for a measured decision.
+become the bulk of the arithmetic (the leaf dots are tensor-core work). ``pisa_scores="bf16"``
+/ ``"tf32"`` moves them to the tensor cores: both operands rounded to that format
+(``triton_select_common._round_bits``, ties to even), one bf16 / tf32 dot with fp32
+accumulation. That moves scores by far more than the summation order does and can flip a
+selection among near-ties, within the selection contract's tolerance of that precision
+(``tolerance_check``); the leaves' raw-key LSE is unchanged.
 
 Every scored node lies entirely before the query of every row that reads its score (only the
 node holding the query's position can straddle it, and it is forced), so the union's scores
@@ -75,14 +77,18 @@ from .triton_select_common import (
     _reduce,
     _rows_compact,
     _rows_top_k_keep,
+    _scores_dot,
+    _scores_operand,
     _window_first_leaf,
     candidate_width,
+    scores_mode,
+    trace_args,
     walk_args,
     walk_meta,
     window_args,
 )
 
-__all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "leaf_chunk"]
+__all__ = ["DEFAULT_WARPS", "MAX_CW", "MAX_GROUP", "tiled_covers", "tile_rows", "leaf_chunk", "tiled_walk"]
 
 # sm_90 (ptxas -v on the benchmark shape: G 16, D 64, C 64, K 8, bf16): 8 warps fit the tile in
 # 216 registers a thread without spilling, 4 warps spill ~300 bytes; not yet timed
@@ -225,6 +231,7 @@ def _score_union_means(
     G: tl.constexpr,
     CW: tl.constexpr,
     UN: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     """PISA-1 (``mean``) at any level: ``q . summary(node) * scale``, UN union nodes per dot."""
     score = tl.full([BQ, CW], float("-inf"), dtype=tl.float32)
@@ -237,7 +244,8 @@ def _score_union_means(
             mask=u_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN]
+        q_s = _scores_operand(_q_tile(q_ptrs, q_mask, True), SCORES)
+        logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [BQ*GP, UN]
         score = _take_matches(score, cand, ids, u_ok, _group_sum(logit, BQ, GP, G, UN))
         c0 += UN
     return score
@@ -269,6 +277,7 @@ def _score_union_nodes(
     UN: tl.constexpr,
     BR: tl.constexpr,
     BRP: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     """Intermediate ``lse`` / ``mean_var``: over each union node's children that hold a valid key;
     the UN nodes' UN * BRP child summaries are the columns of one dot."""
@@ -288,7 +297,8 @@ def _score_union_nodes(
             mask=c_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        logit = tl.dot(_q_tile(q_ptrs, q_mask, True), s_t, input_precision="ieee") * qk_scale  # [BQ*GP, UN*BRP]
+        q_s = _scores_operand(_q_tile(q_ptrs, q_mask, True), SCORES)
+        logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [BQ*GP, UN*BRP]
         per_head = _reduce(tl.reshape(logit, (BQ * GP, UN, BRP)), tl.reshape(c_ok, (UN, BRP))[None, :, :], SCORE)
         score = _take_matches(score, cand, ids, u_ok, _group_sum(per_head, BQ, GP, G, UN))
         c0 += UN
@@ -358,7 +368,7 @@ def _anc(leaf, span):
 
 
 @triton.jit
-def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
+def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
     q_ptr,
     k_ptr,
     kpm_ptr,
@@ -384,6 +394,9 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
     T,
     HKV,
     qk_scale,
+    trace_ptr,
+    stride_tbh,
+    stride_tn,
     SLIDING,
     CHUNK,
     N_LEVELS: tl.constexpr,
@@ -409,7 +422,12 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
     UL: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
     HAS_WINDOW: tl.constexpr = False,
+    SCORES: tl.constexpr = "fp32",
+    TRACE: tl.constexpr = False,
 ):
+    # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode); TRACE: every
+    # level's kept nodes go to trace_ptr ([B*Hkv, Nq, N_LEVELS, KP], -1 where none), for the
+    # tests' contract check (triton_trace)
     # HAS_WINDOW: each row walks inside its local window (SLIDING / CHUNK keys), as the per-token
     # walk does; the union's scores do not depend on the window, so the tile still shares them
     # Inductor types a Python float argument fp64 (Triton's JIT: fp32): keep the math in fp32 either way
@@ -467,6 +485,9 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
     root_ok = (tl.load(nfv_base + tl.load(lvl_off_ptr + top)) <= hz) & row_ok
     kept = tl.zeros([BQ, KP], dtype=tl.int32)
     ok = (ar_kp[None, :] == 0) & root_ok[:, None]
+    trace_rows = trace_ptr + bh * stride_tbh + i.to(tl.int64)[:, None] * stride_tn + ar_kp[None, :]
+    if TRACE:
+        tl.store(trace_rows + top * KP, tl.where(ok, kept, -1), mask=row_ok[:, None])
     for it in range(0, N_LEVELS - 1):
         lv = top - 1 - it
         off = tl.load(lvl_off_ptr + lv)
@@ -506,6 +527,7 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
                     G,
                     CW,
                     UN,
+                    SCORES,
                 )
             elif lv > 0:
                 coff = tl.load(lvl_off_ptr + lv - 1)
@@ -534,6 +556,7 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
                     UN,
                     BR,
                     BRP,
+                    SCORES,
                 )
             else:
                 score = _score_union_leaves(
@@ -566,6 +589,8 @@ def _pisa_select_tiled_kernel(  # noqa: PLR0912, PLR0915
         else:
             keep = valid
         kept, ok = _rows_compact(cand, keep, ar_kp)
+        if TRACE:
+            tl.store(trace_rows + lv * KP, tl.where(ok, kept, -1), mask=row_ok[:, None])
     out = tl.where(ok, kept, -1)
     dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64)[:, None] * stride_on + ar_kp[None, :]
     tl.store(dst, out, mask=row_ok[:, None] & (ar_kp[None, :] < TOPK))
@@ -593,10 +618,64 @@ def pisa_select_tiled_fwd(
     block_q: Optional[int] = None,
     sliding_window: int = PISAConfig.sliding_window,
     chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
 ) -> torch.Tensor:
     """The per-token op's contract (``triton_select_per_token._pisa_select_fwd``) by query tiles of
     ``block_q`` queries (None: :func:`tile_rows`); ``warps`` None: :data:`DEFAULT_WARPS`;
-    ``sliding_window`` / ``chunk_size``: the walk inside each query's local window."""
+    ``sliding_window`` / ``chunk_size``: the walk inside each query's local window; ``scores``:
+    ``Tuning.pisa_scores``."""
+    return tiled_walk(
+        q,
+        k,
+        kpm,
+        summ,
+        nfv,
+        lvl_off,
+        lvl_span,
+        scale,
+        is_causal,
+        score,
+        block_size,
+        branching,
+        top_k,
+        force_sink,
+        force_previous,
+        beam,
+        warps,
+        block_q,
+        sliding_window,
+        chunk_size,
+        scores,
+    )
+
+
+def tiled_walk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: Optional[torch.Tensor],
+    summ: torch.Tensor,
+    nfv: torch.Tensor,
+    lvl_off: torch.Tensor,
+    lvl_span: torch.Tensor,
+    scale: float,
+    is_causal: bool,
+    score: int,
+    block_size: int,
+    branching: int,
+    top_k: int,
+    force_sink: bool,
+    force_previous: bool,
+    beam: int,
+    warps: Optional[int] = None,
+    block_q: Optional[int] = None,
+    sliding_window: int = PISAConfig.sliding_window,
+    chunk_size: int = PISAConfig.chunk_size,
+    scores: str = "fp32",
+    trace: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The body of the op :func:`pisa_select_tiled_fwd` (its arguments); ``trace``: None, or an
+    int32 ``[B*Hkv, Nq, levels, KP]`` tensor (-1 filled) that receives every level's kept nodes
+    (``triton_trace``, tests only: not an op argument)."""
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -612,6 +691,7 @@ def pisa_select_tiled_fwd(
     )
     wrap_triton(_pisa_select_tiled_kernel)[(triton.cdiv(n_q, bq), b * hkv)](
         *walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale),
+        **trace_args(nfv, trace),
         **meta,
         GP=_p2(g),
         CW=cw,
@@ -620,6 +700,8 @@ def pisa_select_tiled_fwd(
         UL=leaf_chunk(bq * _p2(g), meta["CP"]),
         IEEE_KEYS=ieee,
         **window_args(sliding_window, chunk_size),
+        SCORES=scores_mode(scores),
+        TRACE=trace is not None,
         num_warps=DEFAULT_WARPS if warps is None else warps,
     )
     return out
@@ -647,5 +729,6 @@ def _(
     block_q=None,
     sliding_window=PISAConfig.sliding_window,
     chunk_size=PISAConfig.chunk_size,
+    scores="fp32",
 ):
     return q.new_empty(q.shape[0], k.shape[1], q.shape[2], top_k, dtype=torch.int32)

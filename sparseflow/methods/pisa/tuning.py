@@ -7,10 +7,11 @@ from typing import ClassVar, Optional, Tuple
 
 from ..._tuning_base import MethodTuning, check_choice, check_optional_int, choice_field
 
-__all__ = ["PISATuning", "WALKS", "WARPS"]
+__all__ = ["PISATuning", "WALKS", "WARPS", "SCORES"]
 
 WALKS = ("auto", "per_token", "tiled", "scan")
 WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
+SCORES = ("fp32", "bf16", "tf32")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,18 @@ class PISATuning(MethodTuning):
     ``warps`` / ``leaf_bytes``: warps per program of the walk and the shared memory budget of one
     leaf-level chunk; None picks by the walk's candidate width (1 warp and 16 KB up to 16
     candidates, else 4 warps and 64 KB); the tiled walk takes ``warps`` (None: 8, chosen by
-    register use) and sizes its chunks by its tile. PISA's walk and attention chain their launches
-    under ``Tuning.pdl``."""
+    register use) and sizes its chunks by its tile.
+    ``scores``: the arithmetic of the walk's q . summary dots (the scores of the pyramid's nodes
+    above the leaves, and the leaves' own for ``score="mean"``), in every walk and in decoding.
+    ``"fp32"``: the reference's arithmetic, its selection exactly, ties included. ``"bf16"`` /
+    ``"tf32"``: both operands rounded to nearest (ties to even) in that format, fp32 accumulation
+    (one tensor-core dot in the scan walk instead of its three-part fp32 emulation); the selection
+    may then differ from the reference's among near-ties only, within PISA's selection contract
+    with that precision's tolerance (``methods/pisa/tolerance_check``; docs/methods.md, "PISA's
+    selection contract"). The leaf level's LSE over the raw 16-bit keys stays as it is (its
+    products are exact). Unlike the other options, a lower precision may change the selection,
+    within that contract.
+    PISA's walk and attention chain their launches under ``Tuning.pdl``."""
 
     method: ClassVar[str] = "pisa"
     shared: ClassVar[Tuple[str, ...]] = ("cuda_graphs", "pdl")
@@ -35,6 +46,7 @@ class PISATuning(MethodTuning):
     walk: str = choice_field("auto", "str")
     warps: Optional[int] = choice_field(None, "int?")
     leaf_bytes: Optional[int] = choice_field(None, "int?")
+    scores: str = choice_field("fp32", "str")
 
     def __post_init__(self):
         check_choice(self.label("walk"), self.walk, WALKS)
@@ -44,3 +56,4 @@ class PISATuning(MethodTuning):
         check_optional_int(self.label("leaf_bytes"), self.leaf_bytes)
         if self.leaf_bytes is not None and self.leaf_bytes < 1:
             raise ValueError(f"{self.label('leaf_bytes')} must be None or an int >= 1, got {self.leaf_bytes}")
+        check_choice(self.label("scores"), self.scores, SCORES)

@@ -1,0 +1,175 @@
+"""The Triton selection walks scoring in bf16 / tf32 (``Tuning.pisa_scores``, issue 49): each walk's
+own trace (``triton_trace``) keeps PISA's selection contract with that precision's tolerance, on
+random and adversarial inputs; fp32 is the reference's selection exactly; and the lower
+precisions really score lower (a "near" input breaks the contract with ``delta = 0``). CPU
+(Triton's interpreter), small shapes: a few query rows at the end of odd-length prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from test_pisa_tolerance import _inputs  # noqa: E402
+
+from sparseflow.methods.pisa import reference as ref  # noqa: E402
+from sparseflow.methods.pisa import tolerance_check as tc  # noqa: E402
+from sparseflow.methods.pisa import triton_select as ts  # noqa: E402
+from sparseflow.methods.pisa.triton_trace import walk_that_runs, walk_trace_triton  # noqa: E402
+from sparseflow.methods.pisa.config import PISAConfig  # noqa: E402
+from sparseflow.testing import check_pisa_selection  # noqa: E402
+from sparseflow.methods.pisa.tuning import SCORES as PISA_SCORES  # noqa: E402
+from sparseflow.tuning import Tuning  # noqa: E402
+from sparseflow.methods.pisa.tolerance import round_to_precision  # noqa: E402
+from sparseflow.methods.pisa.triton_select_common import _round_bits  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
+WALKS = ("per_token", "tiled", "scan")
+LOWER = ("bf16", "tf32")
+N, ROWS = 53, 4  # an odd prompt length; the walk runs its last ROWS queries (bottom-right aligned)
+# per score: 27 leaves of 2 keys, top_k 3; levels 1 and up are scored (branching 2: 14, 7, 4 nodes
+# against widths 3 or 6; branching 3: 9 nodes against 6)
+CONFIGS = {
+    "lse": dict(score="lse", block_size=2, top_k=3, branching=2),
+    "mean": dict(score="mean", block_size=2, top_k=3, branching=3, beam=2),
+    "mean_var": dict(score="mean_var", block_size=2, top_k=3, branching=2, beam=2, sliding_window=40),
+}
+# (group, input kind): each case walks all four; the random kind has key padding in both batch rows
+CASES = ((1, "random"), (1, "ties"), (3, "near"), (3, "flat"))
+
+
+def _call(kind: str, group: int, seed: int = 0):
+    """``(q, k, key_padding_mask)``: ``_inputs``' kind with ``group`` query heads a KV head, the
+    queries cut to the last ``ROWS``."""
+    q, k, kpm = _inputs(kind, hq=group, hkv=1, n=N, seed=seed)
+    return q[:, :, -ROWS:].contiguous().to(DEVICE), k.to(DEVICE), None if kpm is None else kpm.to(DEVICE)
+
+
+def _trace(q, k, kpm, cfg, walk: str, scores: str):
+    tuning = Tuning(pisa_walk=walk, pisa_scores=scores)
+    assert walk_that_runs(q, k, PISAConfig(**cfg), tuning) == walk  # the asked walk covers the call
+    return walk_trace_triton(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
+
+
+def _check(q, k, kpm, trace, cfg, **kw):
+    return tc.selection_within_tolerance(q, k, trace, key_padding_mask=kpm, **cfg, **kw)
+
+
+def _same_leaves(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal leaf sets per row (both ``-1`` padded; any order, any width)."""
+    width = max(a.shape[-1], b.shape[-1])
+    pad = [torch.nn.functional.pad(x.long(), (0, width - x.shape[-1]), value=-1) for x in (a, b)]
+    big = torch.iinfo(torch.long).max
+    srt = [torch.where(x >= 0, x, big).sort(-1).values for x in pad]
+    return torch.equal(srt[0], srt[1])
+
+
+@pytest.mark.parametrize("score", list(CONFIGS))
+@pytest.mark.parametrize("precision", LOWER)
+@pytest.mark.parametrize("walk", WALKS)
+def test_lower_precision_walks_keep_the_contract(walk, precision, score):
+    cfg = CONFIGS[score]
+    for group, kind in CASES:
+        q, k, kpm = _call(kind, group)
+        trace = _trace(q, k, kpm, cfg, walk, precision)
+        rep = _check(q, k, kpm, trace, cfg, precision=precision)
+        assert rep.ok, (group, kind, rep)
+        if kind == "near":  # blocks a rounding apart: the rounded scores tie where fp32's do not
+            strict = _check(q, k, kpm, trace, cfg, delta=0.0)
+            assert not strict.ok and strict.rule == "near_tie", (group, strict)
+
+
+@pytest.mark.parametrize("score", list(CONFIGS))
+@pytest.mark.parametrize("walk", WALKS)
+def test_fp32_walks_are_the_reference(walk, score):
+    cfg = CONFIGS[score]
+    for group, kind in ((3, "random"), (1, "ties")):  # exact ties included
+        q, k, kpm = _call(kind, group, seed=1)
+        trace = _trace(q, k, kpm, cfg, walk, "fp32")
+        want = ref.pisa_select(q, k, key_padding_mask=kpm, **cfg)
+        assert _same_leaves(trace[0], want), (group, kind)
+        rep = _check(q, k, kpm, trace, cfg, delta=0.0)
+        assert rep.ok and rep.leaf_agreement == 1.0, (group, kind, rep)
+    # blocks an fp32 ulp apart: the walk's fp32 dots sum in another order than torch's, so only
+    # fp32's own tolerance holds there (as before pisa_scores: these are the walks' fp32 dots)
+    q, k, kpm = _call("near", 3, seed=1)
+    rep = _check(q, k, kpm, _trace(q, k, kpm, cfg, walk, "fp32"), cfg, precision="fp32")
+    assert rep.ok, rep
+
+
+@pytest.mark.parametrize("precision", LOWER)
+@pytest.mark.parametrize("walk", WALKS)
+def test_the_trace_is_the_selection_the_op_returns(walk, precision):
+    cfg = CONFIGS["lse"]
+    q, k, kpm = _call("near", 3)
+    tuning = Tuning(pisa_walk=walk, pisa_scores=precision)
+    got = ts.pisa_select(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
+    trace = walk_trace_triton(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
+    assert _same_leaves(got, trace[0])
+    want = tc.walk_trace(q, k, key_padding_mask=kpm, **cfg)
+    assert not all(_same_leaves(a, b) for a, b in zip(trace, want))  # it scored in lower precision
+
+
+def test_a_walk_that_does_not_cover_the_call_is_named():
+    q, k, _ = _call("random", 1)
+    cfg = dict(CONFIGS["lse"], top_k=30)  # 27 leaves <= top_k: the scan scores no leaf
+    with pytest.raises(ValueError, match="per_token walk would run"):
+        walk_trace_triton(q, k, tuning=Tuning(pisa_walk="scan", pisa_scores="bf16"), **cfg)
+
+
+def test_check_pisa_selection_takes_the_walks_tuning():
+    cfg = CONFIGS["lse"]
+    q, k, kpm = _call("near", 3)
+    rep = check_pisa_selection(q, k, key_padding_mask=kpm, tuning=Tuning(pisa_walk="tiled", pisa_scores="bf16"), **cfg)
+    assert rep.ok
+    with pytest.raises(AssertionError, match="near_tie"):
+        check_pisa_selection(
+            q, k, key_padding_mask=kpm, tuning=Tuning(pisa_walk="tiled", pisa_scores="bf16"), delta=0.0, **cfg
+        )
+
+
+def test_decoding_passes_the_precision_on(monkeypatch):
+    from sparseflow.methods.pisa import triton_select_per_token as per_token
+    from sparseflow.methods.pisa.pyramid_cache import PyramidCache
+
+    seen = []
+    real = per_token.scores_mode
+
+    def spy(scores):
+        seen.append(scores)
+        return real(scores)
+
+    monkeypatch.setattr(per_token, "scores_mode", spy)
+    q, k, _ = _call("random", 2)
+    cache = PyramidCache(k[:1], capacity=64, block_size=2)
+    for scores in PISA_SCORES:
+        cache.select(q[:1, :, -1:], k[:1], top_k=3, tuning=Tuning(pisa_scores=scores))
+    assert seen == list(PISA_SCORES)
+
+
+def test_tuning_refuses_an_unknown_precision():
+    with pytest.raises(ValueError, match=r"Tuning.pisa_scores must be one of \['fp32', 'bf16', 'tf32'\]"):
+        Tuning(pisa_scores="fp16")
+    with pytest.raises(TypeError, match="pisa_scores"):
+        Tuning(pisa_scores=16)
+
+
+@triton.jit
+def _rounded(x_ptr, out_ptr, DROP: tl.constexpr):
+    ar = tl.arange(0, 64)
+    tl.store(out_ptr + ar, _round_bits(tl.load(x_ptr + ar), DROP))
+
+
+@pytest.mark.parametrize("precision", LOWER)
+def test_the_kernels_round_as_the_tolerance_does(precision):
+    u = 2.0 ** -(8 if precision == "bf16" else 11)
+    ties = [1 + u, 1 + 3 * u, -(1 + u), 1 + u + u / 64, 3e38, 2.0**-140, -(2.0**-145), float("inf"), 0.0, -0.0]
+    x = torch.cat([torch.tensor(ties), torch.randn(54, generator=torch.Generator().manual_seed(0)) * 1e3]).to(DEVICE)
+    out = torch.empty_like(x)
+    _rounded[(1,)](x, out, DROP=16 if precision == "bf16" else 13)
+    want = round_to_precision(x, precision)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
