@@ -388,6 +388,21 @@ def run_pisa_window(walk, windows=((300, 0),)):
         )
 
 
+def run_pisa_scores():
+    """Each walk scoring its dots in bf16 and tf32 (``Tuning(pisa_scores=...)``): the rounded
+    operands' tensor-core dots are GPU-only code (the interpreter runs them as fp32 dots)."""
+    from sparseflow import Tuning
+    from sparseflow.methods.pisa import triton_select as PT
+
+    q, k, _ = _qkv(1, 9, 3, 2000, 64, torch.bfloat16)
+    for walk in ("per_token", "tiled", "scan"):
+        for scores in ("bf16", "tf32"):
+            for score in ("lse", "mean") if walk == "scan" else ("lse",):
+                PT.pisa_select(
+                    q, k, block_size=64, top_k=8, score=score, tuning=Tuning(pisa_walk=walk, pisa_scores=scores)
+                )
+
+
 def run_pisa_tiled(cases):
     from sparseflow import Tuning
     from sparseflow.methods.pisa import triton_select as PT
@@ -641,6 +656,7 @@ ENTRIES = [
     "decode",
     "split_decode",
     "short",
+    "pisa_scores",
 ]
 
 
@@ -714,6 +730,7 @@ def main(argv=None) -> int:
         "token_window": lambda: run_token_window(TOKEN_WINDOW[: 1 if args.quick else None]),
         "bsa_select": run_bsa_bf16,
         "short": run_short_prompts,
+        "pisa_scores": run_pisa_scores,
         "decode": lambda: run_decode(dec),
         "split_decode": lambda: run_split_decode(SPLIT_DECODE[: 1 if args.quick else None]),
     }

@@ -18,7 +18,10 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sm90_co
 
 # two processes, each driving some entry points: the compiles are CPU-bound and one process uses
 # one core (every variant from a cold cache: ~12 min in one process on a slow 2-core CPU)
-SHARDS = ["pbs,pisa_tiled,pisa_scan,decode", "pbs_strided,pisa_bsa,bsa_select,split_decode,short,token_window"]
+SHARDS = [
+    "pbs,pisa_tiled,pisa_scan,decode",
+    "pbs_strided,pisa_bsa,bsa_select,split_decode,short,token_window,pisa_scores",
+]
 
 
 def _env():
