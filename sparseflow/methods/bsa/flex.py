@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from ...config import backend_config
+from ..topk_attention import flex_top_k_attention
 from .config import BSAConfig
-from ...kernels import flex_common as fc
 from .reference import bsa_select
 
 __all__ = ["bsa_attention"]
@@ -42,39 +42,17 @@ def bsa_attention(
     ``q_tile`` / ``kv_tile``: the BlockMask's query rows / key columns per tile (default
     ``block_size``; ``kv_tile`` a multiple of it)."""
     cfg = backend_config(BSAConfig, config, fields)
-    block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
-    force_previous = cfg.force_previous
-    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
-    fc.check_flex_inputs(q, k, v)
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-    idx = bsa_select(
-        q.detach(),
-        k.detach(),
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        scale=scale,
-        block_size=block_size,
-        top_k=top_k,
-        force_sink=force_sink,
-        force_previous=force_previous,
-        **window,
-    )
-    out = fc.token_block_attention(
+    return flex_top_k_attention(
+        "bsa",
+        bsa_select,
         q,
         k,
         v,
-        idx,
+        cfg,
         key_padding_mask=key_padding_mask,
         is_causal=is_causal,
         scale=scale,
-        block_size=block_size,
+        return_selection=return_selection,
         q_tile=q_tile,
         kv_tile=kv_tile,
-        **window,
-    )
-    if not return_selection:
-        return out
-    return out, fc.token_selection(
-        "bsa", idx, q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size, **window
     )

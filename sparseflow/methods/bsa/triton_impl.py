@@ -13,10 +13,9 @@ from typing import Optional
 import torch
 
 from ...config import backend_config
-from .config import BSAConfig
-from ...kernels import token_blocks as tb
-from ...kernels.token_sparse_triton import token_sparse_attention
 from ...tuning import DEFAULT_TUNING, Tuning
+from ..topk_attention import triton_top_k_attention
+from .config import BSAConfig
 from .triton_select import bsa_select
 
 __all__ = ["bsa_attention"]
@@ -37,36 +36,16 @@ def bsa_attention(
 ):
     """``tuning``: whether the attention's kernels chain (``pdl``, :class:`sparseflow.Tuning`)."""
     cfg = backend_config(BSAConfig, config, fields)
-    block_size, top_k, force_sink = cfg.block_size, cfg.top_k, cfg.force_sink
-    force_previous = cfg.force_previous
-    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
-    idx = bsa_select(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        scale=scale,
-        block_size=block_size,
-        top_k=top_k,
-        force_sink=force_sink,
-        force_previous=force_previous,
-        index_dtype=torch.int32,
-        **window,
-    )
-    out = token_sparse_attention(
+    return triton_top_k_attention(
+        "bsa",
+        bsa_select,
         q,
         k,
         v,
-        idx,
+        cfg,
         key_padding_mask=key_padding_mask,
         is_causal=is_causal,
         scale=scale,
-        block_size=block_size,
+        return_selection=return_selection,
         pdl=tuning.pdl,
-        **window,
-    )
-    if not return_selection:
-        return out
-    return out, tb.selection_for_indices(
-        "bsa", idx.long(), q, k, key_padding_mask=key_padding_mask, is_causal=is_causal, block_size=block_size, **window
     )

@@ -7,15 +7,15 @@ the kernels end to end; the selection itself carries no gradient.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from ...config import backend_config
-from .config import PISAConfig
 from ...tuning import DEFAULT_TUNING, Tuning
-from ...kernels import token_blocks as tb
-from ...kernels.token_sparse_triton import token_sparse_attention
+from ..topk_attention import triton_top_k_attention
+from .config import PISAConfig
 from .triton_select import pisa_select
 
 __all__ = ["pisa_attention"]
@@ -37,48 +37,16 @@ def pisa_attention(
     """``tuning``: the selection walk's launch settings and whether the kernels chain
     (:class:`sparseflow.Tuning`)."""
     cfg = backend_config(PISAConfig, config, fields)
-    block_size, top_k, branching = cfg.block_size, cfg.top_k, cfg.branching
-    score, force_sink, force_previous = cfg.score, cfg.force_sink, cfg.force_previous
-    beam = cfg.beam
-    window = dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
-    idx = pisa_select(
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        scale=scale,
-        block_size=block_size,
-        top_k=top_k,
-        branching=branching,
-        score=score,
-        force_sink=force_sink,
-        force_previous=force_previous,
-        beam=beam,
-        **window,
-        tuning=tuning,
-        index_dtype=torch.int32,
-    )
-    out = token_sparse_attention(
+    return triton_top_k_attention(
+        "pisa",
+        functools.partial(pisa_select, tuning=tuning),
         q,
         k,
         v,
-        idx,
+        cfg,
         key_padding_mask=key_padding_mask,
         is_causal=is_causal,
         scale=scale,
-        block_size=block_size,
+        return_selection=return_selection,
         pdl=tuning.pdl,
-        **window,
-    )
-    if not return_selection:
-        return out
-    return out, tb.selection_for_indices(
-        "pisa",
-        idx.long(),
-        q,
-        k,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        block_size=block_size,
-        **window,
     )
