@@ -43,7 +43,6 @@ __all__ = [
     "convert",
 ]
 
-SPARSE_METHODS = sparse_names()
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -317,8 +316,8 @@ def build_plan(
     from .hf import Plan
     from .recipes import RecipeError
 
-    if method not in SPARSE_METHODS:
-        raise ConversionError(f"method must be one of {list(SPARSE_METHODS)}, got {method!r}")
+    if method not in sparse_names():
+        raise ConversionError(f"method must be one of {list(sparse_names())}, got {method!r}")
     if backend not in ("auto", "reference", "triton", "flex"):
         raise ConversionError(f"backend must be one of ['auto', 'reference', 'triton', 'flex'], got {backend!r}")
     check_architecture(model_config)

@@ -99,14 +99,22 @@ def op_args(config: AttentionConfig, tuning: Optional[Tuning] = None) -> List[An
     return values + [getattr(tuning, name) for name in TUNING_NAMES[config.method]]
 
 
-# Precomputed so op_args stays traceable by Dynamo (it cannot introspect dataclass fields).
-FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {
-    s.name: tuple((f.name, _field_type(f)) for f in _config_fields(s.config_type)) for s in _methods.specs()
-}
+# Per method, precomputed so op_args stays traceable by Dynamo (it cannot introspect dataclass
+# fields): the config's fields with their types, their names, and the tuning's op arguments.
+FIELDS: Dict[str, Tuple[Tuple[str, type], ...]] = {}
+NAMES: Dict[str, Tuple[str, ...]] = {}
+TUNING_NAMES: Dict[str, Tuple[str, ...]] = {}
 
-NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in fields) for m, fields in FIELDS.items()}
 
-TUNING_NAMES: Dict[str, Tuple[str, ...]] = {m: tuple(name for name, _ in _tuning_fields(m)) for m in _methods.names()}
+def add_method_tables(method: str) -> None:
+    """Fill the tables above for a registered method (``sparseflow.ops`` does, as it defines the op)."""
+    FIELDS[method] = tuple((f.name, _field_type(f)) for f in _config_fields(_methods.spec_for(method).config_type))
+    NAMES[method] = tuple(name for name, _ in FIELDS[method])
+    TUNING_NAMES[method] = tuple(name for name, _ in _tuning_fields(method))
+
+
+for _name in _methods.names():
+    add_method_tables(_name)
 DEFAULT_TUNING.to_dict()  # the defaults' per-method options resolved now, not inside a traced call
 
 

@@ -51,7 +51,7 @@ from .op_memo import (
 )
 from .op_plan import PREPARED, Plan, checked_plan, plan_call, prepared_plan
 from .op_replay import REPLAY_NOTE, needs_autograd
-from .op_schema import IMPLEMENTATIONS, config_call, op_args, op_for, schema
+from .op_schema import IMPLEMENTATIONS, add_method_tables, config_call, op_args, op_for, schema
 from .op_validation import check_call_types, method_config
 from .op_windows import dense_sdpa
 from .tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -172,8 +172,25 @@ def _differentiable_grads(method: str, grad: torch.Tensor, args: Tuple) -> Tuple
     return tuple(grads)
 
 
-for _method in _methods.names():
-    _define(_method)
+def _prepare(spec) -> None:
+    """A registered method's op: defined on its registration (or here, for the methods registered
+    before this module), once per process; a later registration of the same name must bring the
+    same schema."""
+    add_method_tables(spec.name)
+    try:
+        defined = getattr(torch.ops.sparseflow, f"{spec.name}_attention")
+    except AttributeError:
+        defined = None
+    if defined is None:
+        _define(spec.name)
+    elif str(defined.default._schema).split("(", 1)[1] != schema(spec.name).split("(", 1)[1]:
+        raise ValueError(
+            f"method {spec.name!r}: its op sparseflow::{spec.name}_attention is already defined in this process "
+            "with other arguments (a config with other fields); register it under another name"
+        )
+
+
+_methods.registry.on_register(_prepare)
 
 
 # --------------------------------------------------------------------------- public functions

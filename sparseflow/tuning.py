@@ -58,7 +58,7 @@ class Tuning:
     ``TypeError``.
     """
 
-    __slots__ = ("cuda_graphs", "pdl", "_options", "_per_method")
+    __slots__ = ("cuda_graphs", "pdl", "_options", "_per_method", "_hash")
 
     def __init__(self, *, cuda_graphs: bool = True, pdl: bool = False, **options: Any):
         check_bool("Tuning.cuda_graphs", cuda_graphs)
@@ -67,6 +67,7 @@ class Tuning:
         object.__setattr__(self, "pdl", pdl)
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "_per_method", None)
+        object.__setattr__(self, "_hash", None)
         if options:  # checked where they are written (the defaults are read once the methods registered)
             self._methods()
 
@@ -83,6 +84,9 @@ class Tuning:
         # a method's field by its Tuning keyword: tuning.pbs_select is tuning.of("pbs").select
         method, _, name = key.partition("_")
         own = self._methods().get(method) if not key.startswith("_") else None
+        if own is None and not key.startswith("_"):  # a method registered after this tuning was made
+            late = _method_types().get(method)
+            own = late() if late is not None else None
         if own is not None and hasattr(own, name):
             return getattr(own, name)
         raise AttributeError(f"'Tuning' object has no attribute {key!r}")
@@ -97,7 +101,10 @@ class Tuning:
         return isinstance(other, Tuning) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        # kept: a call's tuning is hashed on every op call (the config cache's key)
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash(self._key()))
+        return self._hash
 
     def __repr__(self) -> str:
         defaults = DEFAULT_TUNING.to_dict()
@@ -142,6 +149,7 @@ class Tuning:
         object.__setattr__(off, "pdl", self.pdl)
         object.__setattr__(off, "_options", self._options)
         object.__setattr__(off, "_per_method", self._methods())
+        object.__setattr__(off, "_hash", None)
         return off
 
 

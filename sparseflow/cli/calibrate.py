@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..methods import sparse_names
 from .common import (
     BACKENDS,
     DTYPES,
-    SPARSE_METHODS,
     TEXTS_HELP,
     UsageError,
     _check_in_dir,
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
         "calibrate", help="measure a per-layer plan within a KL budget on real text; write a recipe file"
     )
     cal.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder (run dense)")
-    cal.add_argument("--method", required=True, choices=SPARSE_METHODS)
+    cal.add_argument("--method", required=True, choices=sparse_names())
     cal.add_argument(
         "--kl-budget",
         type=float,

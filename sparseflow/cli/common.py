@@ -16,7 +16,6 @@ from typing import List, Optional
 from ..methods import or_list, sparse_names
 
 BACKENDS = ("auto", "reference", "triton", "flex")
-SPARSE_METHODS = sparse_names()
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # sparseflow.texts.TEXTS and their kinds, repeated to keep the parser import-light (a test keeps them equal)
 TEXT_KINDS = {
@@ -75,7 +74,7 @@ def _check_in_dir(path: Optional[str], arg: str) -> None:
 def _check_recipe_has_method(args: argparse.Namespace) -> None:
     # without --method a converted folder's recorded plan runs: a --recipe would be ignored
     if args.recipe and not args.method:
-        raise UsageError(f"--recipe {args.recipe!r} applies to --method: pass --method too ({or_list(SPARSE_METHODS)})")
+        raise UsageError(f"--recipe {args.recipe!r} applies to --method: pass --method too ({or_list(sparse_names())})")
 
 
 def _error(command: str, exc: object) -> int:
@@ -124,7 +123,7 @@ def _methods(text: str) -> List[str]:
 
 def _sparse_methods(text: str) -> List[str]:
     return _comma_choices(
-        text, SPARSE_METHODS, f"--method must be {', '.join(SPARSE_METHODS)} or a comma list of them, got {{text}}"
+        text, sparse_names(), f"--method must be {', '.join(sparse_names())} or a comma list of them, got {{text}}"
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import BACKENDS, DTYPES, RECIPE_HELP, SPARSE_METHODS, _error
+from ..methods import sparse_names
+from .common import BACKENDS, DTYPES, RECIPE_HELP, _error
 
 
 def add_parser(sub) -> None:
@@ -13,7 +14,7 @@ def add_parser(sub) -> None:
         "convert", help="convert a HF folder or GGUF file into a HF folder that runs sparse attention"
     )
     conv.add_argument("src", help="Hugging Face model folder (config.json + safetensors/bin) or a .gguf file")
-    conv.add_argument("--method", required=True, choices=SPARSE_METHODS)
+    conv.add_argument("--method", required=True, choices=sparse_names())
     conv.add_argument("--out", required=True, help="output folder (written atomically)")
     conv.add_argument("--recipe", help=RECIPE_HELP)
     conv.add_argument(

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 from ..methods import names_with
 from ..eval.sweep import has_permute
+from ..methods import sparse_names
 from .common import (
     BACKENDS,
     DTYPES,
     RECIPE_HELP,
-    SPARSE_METHODS,
     TEXTS_CHOICES,
     UsageError,
     _check_in_dir,
@@ -54,7 +54,7 @@ def _add_plan_arguments(ev: argparse.ArgumentParser) -> None:
         "--method",
         type=_sparse_methods,
         default=None,
-        help=f"{', '.join(SPARSE_METHODS)} or a comma list (default: the plan recorded by `sparseflow convert`)",
+        help=f"{', '.join(sparse_names())} or a comma list (default: the plan recorded by `sparseflow convert`)",
     )
     ev.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
     ev.add_argument(
@@ -268,7 +268,7 @@ def _plans(args: argparse.Namespace, model_config, source) -> list:
     if args.recall:
         return []
     raise ConversionError(
-        f"{args.model} is not a converted model: pass --method ({', '.join(SPARSE_METHODS)} or a comma list)"
+        f"{args.model} is not a converted model: pass --method ({', '.join(sparse_names())} or a comma list)"
     )
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from ..methods import or_list
-from .common import DTYPES, RECIPE_HELP, SPARSE_METHODS, _check_out_file, _check_recipe_has_method, _error, _positive
+from ..methods import sparse_names
+from .common import DTYPES, RECIPE_HELP, _check_out_file, _check_recipe_has_method, _error, _positive
 
 
 def add_parser(sub) -> None:
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
         "sparseflow-domain attention nodes (see docs/onnx.md)",
     )
     onx.add_argument("model", help="Hugging Face model folder, .gguf file or converted folder")
-    onx.add_argument("--method", choices=SPARSE_METHODS, help="required unless MODEL is a converted folder")
+    onx.add_argument("--method", choices=sparse_names(), help="required unless MODEL is a converted folder")
     onx.add_argument("--recipe", help=RECIPE_HELP + " (for --method)")
     onx.add_argument(
         "--config", help="method config as JSON (or a JSON file); the fields it names change the recipe's config"
@@ -105,4 +106,4 @@ def _plan(args: argparse.Namespace, model_config, source):
         )
     if recorded is not None:
         return Plan.from_dict(recorded)
-    raise ConversionError(f"{args.model} is not a converted model: pass --method ({or_list(SPARSE_METHODS)})")
+    raise ConversionError(f"{args.model} is not a converted model: pass --method ({or_list(sparse_names())})")

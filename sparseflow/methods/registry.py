@@ -16,7 +16,7 @@ import functools
 import importlib
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type, Union
 
 from .._config_base import AttentionConfig
 
@@ -27,6 +27,7 @@ __all__ = [
     "MethodSpec",
     "register",
     "unregister",
+    "on_register",
     "spec_for",
     "specs",
     "names",
@@ -260,7 +261,25 @@ def register(spec: MethodSpec) -> MethodSpec:
         raise ValueError(f"method {spec.name!r} is already registered; unregister it first")
     _SPECS[spec.name] = spec
     _BY_TYPE[spec.config_type] = spec
+    try:
+        for prepare in _ON_REGISTER:
+            prepare(spec)
+    except Exception:
+        unregister(spec.name)
+        raise
     return spec
+
+
+# what a registration sets up beyond the registry itself (sparseflow.ops defines the method's op)
+_ON_REGISTER: List[Callable[[MethodSpec], None]] = []
+
+
+def on_register(prepare: Callable[[MethodSpec], None]) -> None:
+    """Call ``prepare(spec)`` for every method registered now and later (``sparseflow.ops`` defines
+    each method's torch op so); an exception it raises refuses that registration."""
+    _ON_REGISTER.append(prepare)
+    for spec in list(_SPECS.values()):
+        prepare(spec)
 
 
 def unregister(name: str) -> MethodSpec:

@@ -27,7 +27,7 @@ from sparseflow.methods import (
 from sparseflow._tuning_base import MethodTuning, check_choice, choice_field
 from sparseflow.methods.pbs.tuning import PBSTuning
 from sparseflow.methods.registry import TOKEN_CHUNKS, load_target, or_list
-from sparseflow.tuning import Tuning, fields_of
+from sparseflow.tuning import DEFAULT_TUNING, Tuning, fields_of
 
 
 # --------------------------------------------------------------------------- lookups
@@ -211,8 +211,13 @@ def test_a_fourth_method_resolves_through_the_core(fake_method):
 
 
 @dataclass(frozen=True)
-class _FakeTuning(MethodTuning):
-    method: ClassVar[str] = "fake"
+class _TunedConfig(BSAConfig):
+    method: ClassVar[str] = "tuned"
+
+
+@dataclass(frozen=True)
+class _TunedTuning(MethodTuning):
+    method: ClassVar[str] = "tuned"
 
     knob: str = choice_field("a", "str")
 
@@ -221,19 +226,21 @@ class _FakeTuning(MethodTuning):
 
 
 def test_a_method_brings_its_own_tuning_options():
-    register(_fake_spec(tuning_type=_FakeTuning))
+    register(_fake_spec(name="tuned", config_type=_TunedConfig, tuning_type=_TunedTuning))
     try:
-        t = Tuning(fake_knob="b", pbs_select="triton")
-        assert t.fake_knob == "b" and t.of("fake") == _FakeTuning(knob="b") and t.pbs_select == "triton"
-        assert Tuning(fake=_FakeTuning(knob="b"), pbs_select="triton") == t
-        assert fields_of("fake") == (("fake_knob", "str"), ("cuda_graphs", "bool"))
+        t = Tuning(tuned_knob="b", pbs_select="triton")
+        assert t.tuned_knob == "b" and t.of("tuned") == _TunedTuning(knob="b") and t.pbs_select == "triton"
+        assert Tuning(tuned=_TunedTuning(knob="b"), pbs_select="triton") == t
+        assert fields_of("tuned") == (("tuned_knob", "str"), ("cuda_graphs", "bool"))
+        assert "str tuned_knob, bool cuda_graphs, str backend" in str(ops.op_for("tuned")._schema)
+        assert DEFAULT_TUNING.tuned_knob == "a"  # a tuning made before the method came: its default
         assert Tuning.from_dict(t.to_dict()) == t
-        with pytest.raises(ValueError, match=r"Tuning.fake_knob must be one of \['a', 'b'\], got 'c'"):
-            Tuning(fake_knob="c")
+        with pytest.raises(ValueError, match=r"Tuning.tuned_knob must be one of \['a', 'b'\], got 'c'"):
+            Tuning(tuned_knob="c")
     finally:
-        unregister("fake")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'fake_knob'"):
-        Tuning(fake_knob="b")  # gone with its method
+        unregister("tuned")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tuned_knob'"):
+        Tuning(tuned_knob="b")  # gone with its method
     with pytest.raises(TypeError, match="tuning_type must be a sparseflow.tuning.MethodTuning subclass"):
         _fake_spec(tuning_type=PBSTuning)  # another method's options
 
