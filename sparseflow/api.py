@@ -134,13 +134,17 @@ def _compile_in_place(
     rep = RewriteReport(
         method=options.config.method, config=options.config.to_dict(), backend=options.backend, recipe=recipe_label
     )
+    inductor_graphs = bool(inductor_options.get("triton.cudagraphs"))
+    # the ops of a compiled graph that nothing captures may replay their own CUDA graphs (a few
+    # launches in place of each call's own: the host cost of a short prefill)
+    options = dataclasses.replace(options, op_graphs_in_dynamo=not inductor_graphs)
     install_compiled_call(
         model,
         RewritingBackend(options, inner_backend, rep, inductor_options),
         rep,
         dynamic,
         fullgraph,
-        cuda_graphs=mode if inductor_options.get("triton.cudagraphs") else None,
+        cuda_graphs=mode if inductor_graphs else None,
     )
     setattr(
         model,

@@ -150,12 +150,21 @@ def _dense_answer(seen):
     return answer
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_model_calls_replay_no_op_level_graph(plain_attention, mode):
-    # what an op keeps between the calls of a compiled graph: no CUDA graph of its own (whose
-    # static inputs would stay in the memory pool of Inductor's graphs), whatever the mode
+@pytest.mark.parametrize("mode,replays", [(None, True), ("default", True), ("reduce-overhead", False)])
+def test_compiled_model_calls_replay_op_level_graphs_unless_inductor_captures(plain_attention, mode, replays):
+    # under Inductor's CUDA graphs an op keeps no CUDA graph of its own (whose static inputs would
+    # stay in the memory pool of Inductor's graphs); a graph nothing captures keeps the tuning's
     model = plain_attention()
     sparseflow.compile(model, method="pbs", config=PBS_SMALL, backend="reference", mode=mode, tuning=Tuning())
+    seen = []
+    with ops.intercepting(_dense_answer(seen)):
+        model(torch.randn(1, 64, 48))
+    assert seen and all(s is replays for s in seen)
+
+
+def test_a_compiled_model_keeps_cuda_graphs_off_when_the_tuning_says_so(plain_attention):
+    model = plain_attention()
+    sparseflow.compile(model, method="pbs", config=PBS_SMALL, backend="reference", tuning=Tuning(cuda_graphs=False))
     seen = []
     with ops.intercepting(_dense_answer(seen)):
         model(torch.randn(1, 64, 48))

@@ -29,6 +29,7 @@ import torch.utils.checkpoint
 
 from .._config_base import check_window, window_lower_bounds
 from ..selection import Selection
+from .lasting import build_lasting
 
 __all__ = [
     "num_blocks",
@@ -107,12 +108,14 @@ def window_block_indices(
     device = torch.device("cpu" if device is None else device)
     key = (n_q, n_k, block_size, sliding_window, chunk_size, device)
     ids = _WINDOW_LISTS.get(key)
-    if ids is None:
-        ids = _build_window_block_indices(*key)
-        if _may_keep(device):
-            if len(_WINDOW_LISTS) >= _WINDOW_LISTS_KEPT:
-                _WINDOW_LISTS.pop(next(iter(_WINDOW_LISTS)))
-            _WINDOW_LISTS[key] = ids
+    if ids is not None:
+        return ids
+    if not _may_keep(device):
+        return _build_window_block_indices(*key)
+    ids = build_lasting(lambda: _build_window_block_indices(*key), device)
+    if len(_WINDOW_LISTS) >= _WINDOW_LISTS_KEPT:
+        _WINDOW_LISTS.pop(next(iter(_WINDOW_LISTS)))
+    _WINDOW_LISTS[key] = ids
     return ids
 
 

@@ -151,7 +151,7 @@ def rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) -> 
             "merged nn.MultiheadAttention mask (4-D, SDPA form): runtime-recognised by value "
             "(causal / key padding / both run sparse, anything else dense, logged)"
         )
-    spec = (cfg.method, tuple(op_args(cfg, options.tuning.traced())), options.backend, entry.tag)
+    spec = (cfg.method, tuple(op_args(cfg, options.call_tuning("dynamo"))), options.backend, entry.tag)
     node.target = mha_forward_routed
     node.args = (spec,) + tuple(node.args)
     entry.rewritten, entry.reason = True, ""

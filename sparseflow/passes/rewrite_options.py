@@ -27,6 +27,17 @@ class RewriteOptions:
     # a sparseflow.ContextParallel: every call becomes context parallel, and a call the user keeps
     # as SDPA runs as the dense op instead (see passes/context_parallel_rewrite.py)
     context_parallel: Any = None
+    # whether a call rewritten into a Dynamo graph may replay its own CUDA graph: true only where
+    # nothing captures the compiled graph (sparseflow.compile without Inductor's CUDA graphs);
+    # a graph that Inductor captures must hold no op-level graph (see Tuning.traced)
+    op_graphs_in_dynamo: bool = False
+
+    def call_tuning(self, graph_kind: str) -> Tuning:
+        """The tuning a rewritten call of a ``graph_kind`` graph carries: an exported program runs
+        eagerly and keeps it whole, as does a Dynamo graph that nothing captures."""
+        if graph_kind == "export" or self.op_graphs_in_dynamo:
+            return self.tuning
+        return self.tuning.traced()
 
     def resolve(self, tag: str, layer: Optional[int]) -> Tuple[Optional[AttentionConfig], str]:
         cfg, why = self._resolve(tag, layer)

@@ -79,7 +79,7 @@ def replace_with_op(
         mask,
         is_causal,
         None if scale is None else float(scale),
-        *op_args(cfg, options.tuning if graph_kind == "export" else options.tuning.traced()),
+        *op_args(cfg, options.call_tuning(graph_kind)),
         options.backend,
         entry.tag,
     )

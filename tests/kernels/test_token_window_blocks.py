@@ -137,3 +137,26 @@ def test_a_windows_lists_are_built_once_per_length():
     for n in range(50, 50 + 2 * tb._WINDOW_LISTS_KEPT):
         tb.window_block_indices(n, n, 8, 12, 0)
     assert len(tb._WINDOW_LISTS) <= tb._WINDOW_LISTS_KEPT
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flex"])
+def test_window_lists_kept_during_inductors_graph_warm_up_stay_out_of_its_pool(backend):
+    # Inductor's reduce-overhead warm-up routes the current stream's allocations to its graph's
+    # pool and refuses a live tensor there that the graph does not return: the first windowed call
+    # of a length, in that warm-up, keeps its lists outside the pool
+    import sparseflow
+    from sparseflow.config import DenseConfig
+
+    tb._WINDOW_LISTS.clear()
+    cfg = DenseConfig(sliding_window=96)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 384, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    f = torch.compile(
+        lambda q, k, v: sparseflow.attention(q, k, v, config=cfg, backend=backend) * 1.0, mode="reduce-overhead"
+    )
+    outs = [f(q, k, v).clone() for _ in range(3)]
+    assert len(tb._WINDOW_LISTS) == 1
+    want = dense_window_attention(q.double(), k.double(), v.double(), 96, 0, None)
+    for out in outs:
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
