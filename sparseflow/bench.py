@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "BenchShape",
@@ -37,11 +37,11 @@ __all__ = [
     "run_part",
     "structured_qkv",
     "SCRIPTS",
-    "PARTS",
+    "parts",
 ]
 
 # script -> arguments for a small CUDA run of the repository's script under ``--benchmarks DIR``
-# (``{json}`` is replaced by the output path)
+# (``{json}`` is replaced by the output path; a part's script not listed gets only ``--json``)
 SCRIPTS: Dict[str, List[str]] = {
     "pbs.py": ["--part", "check", "--part", "total", "--ns", "8192", "--json", "{json}"],
     "pisa.py": [
@@ -208,27 +208,25 @@ def op_timings(
 _CHECK_SHAPES = ((1, 9, 3, 1000, 64, False), (2, 6, 2, 301, 64, True))
 
 
-def _pbs_part() -> Tuple[List, List]:
-    from .config import PBSConfig
+def parts() -> Dict[str, Tuple[List, List]]:
+    """The CUDA parts, from the registry (each method's :class:`sparseflow.methods.registry.BenchPart`,
+    read at the call, so a method registered later counts): script -> (configs checked for
+    correctness, [(method -> config, shape) timed]); the methods timed at one shape share a row
+    group and its dense baseline."""
+    from .methods.registry import specs
 
-    checks = [PBSConfig(block_size=32, segment_size=64, threshold=0.8)]
-    timings = [({"pbs": PBSConfig()}, BenchShape(8192, hq=32, hkv=8, d=128))]
-    return checks, timings
-
-
-def _pisa_part() -> Tuple[List, List]:
-    from .config import BSAConfig, PISAConfig
-
-    checks = [PISAConfig(block_size=32, top_k=4), BSAConfig(block_size=32, top_k=4)]
-    select = {"pisa": PISAConfig(), "bsa": BSAConfig()}
-    timings = [(select, BenchShape(n, hq=32, hkv=2, d=64)) for n in (4096, 8192)]
-    timings.append(({"pisa": PISAConfig(top_k=32)}, BenchShape(16384, hq=32, hkv=8, d=128)))
-    return checks, timings
-
-
-# part -> (configs checked for correctness, [(method -> config, shape) timed]); named after the
-# repository scripts whose small CUDA run they stand for
-PARTS: Dict[str, Callable[[], Tuple[List, List]]] = {"pbs.py": _pbs_part, "pisa.py": _pisa_part}
+    found: Dict[str, Tuple[List, Dict]] = {}
+    for spec in specs():
+        if spec.bench is None:
+            continue
+        checks, timed = found.setdefault(spec.bench.script, ([], {}))
+        checks.extend(spec.bench.checks)
+        for cfg, shape in spec.bench.timings:
+            timed.setdefault(shape, {})[spec.name] = cfg
+    return {
+        script: (checks, [(configs, BenchShape(n, hq=hq, hkv=hkv, d=d)) for (n, hq, hkv, d), configs in timed.items()])
+        for script, (checks, timed) in found.items()
+    }
 
 
 def _check_row(cfg, shape, backend: str, device, dtype) -> Dict:
@@ -271,16 +269,17 @@ def run_part(
     reps: int = 10,
     max_n: Optional[int] = None,
 ) -> Dict:
-    """One CUDA part of ``sparseflow bench`` (a key of :data:`PARTS`): its correctness checks
+    """One CUDA part of ``sparseflow bench`` (a key of :func:`parts`): its correctness checks
     and op timings (structured inputs) on ``backend``, written to ``out_json``. ``max_n`` caps
     every length (a smoke run). Returns the JSON's content; ``ok`` is False when a check failed."""
     import torch
 
-    if name not in PARTS:
-        raise ValueError(f"unknown bench part {name!r}; expected one of {sorted(PARTS)}")
+    found = parts()
+    if name not in found:
+        raise ValueError(f"unknown bench part {name!r}; expected one of {sorted(found)}")
     device = torch.device(device or "cuda")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    checks, timings = PARTS[name]()
+    checks, timings = found[name]
     check_rows = [
         _check_row(cfg, _capped(shape, max_n), backend, device, dtype) for cfg in checks for shape in _CHECK_SHAPES
     ]
@@ -347,7 +346,7 @@ def _run_script(name: str, folder: Path, out_dir: Path, timeout: float) -> Dict:
         return dict(status="skipped", reason=f"{name} not found in {folder}")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     out_json = Path(out_dir) / f"bench_{Path(name).stem}.json"
-    args = [a.replace("{json}", str(out_json)) for a in SCRIPTS[name]]
+    args = [a.replace("{json}", str(out_json)) for a in SCRIPTS.get(name, ["--json", "{json}"])]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
@@ -374,16 +373,18 @@ def find_benchmarks(folder: Optional[str] = None) -> Optional[Path]:
 
 
 def run_scripts(
-    folder: Optional[Path], out_dir: Path, *, timeout: float = 1800.0, scripts: Sequence[str] = tuple(SCRIPTS)
+    folder: Optional[Path], out_dir: Path, *, timeout: float = 1800.0, scripts: Optional[Sequence[str]] = None
 ) -> List[Dict]:
     """Each CUDA part at its small size, one status row per part: the in-package part
-    (:func:`run_part`), or with ``folder`` the repository script of that name in it."""
+    (:func:`run_part`), or with ``folder`` the repository script of that name in it. ``scripts``:
+    default every part of :func:`parts`."""
     import torch
 
+    known = list(parts())
     rows = []
-    for name in scripts:
-        if name not in SCRIPTS:
-            raise ValueError(f"unknown benchmark script {name!r}; expected one of {sorted(SCRIPTS)}")
+    for name in known if scripts is None else scripts:
+        if name not in known:
+            raise ValueError(f"unknown benchmark script {name!r}; expected one of {sorted(known)}")
         row: Dict = {"script": name}
         if not torch.cuda.is_available():
             row.update(status="skipped", reason="needs a CUDA device (the CPU runs the op timing above)")

@@ -24,6 +24,7 @@ __all__ = [
     "Backend",
     "OnnxBody",
     "Decode",
+    "BenchPart",
     "MethodSpec",
     "register",
     "unregister",
@@ -144,6 +145,30 @@ class Decode:
         return load_target(self.step)
 
 
+@dataclass(frozen=True)
+class BenchPart:
+    """The method's share of one CUDA part of ``sparseflow bench`` (:mod:`sparseflow.bench`). A
+    part is named after the repository benchmark script it stands for (``script``); the methods
+    naming the same script share its run. ``checks``: configs whose correctness properties run on
+    the GPU backends; ``timings``: ``(config, (n, hq, hkv, d))`` whole-op timings against dense
+    SDPA (methods timed at the same shape share its dense baseline)."""
+
+    script: str
+    checks: Tuple[AttentionConfig, ...] = ()
+    timings: Tuple[Tuple[AttentionConfig, Tuple[int, int, int, int]], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.script, str) or not self.script.endswith(".py"):
+            raise ValueError(f"BenchPart.script must name a benchmark script ('name.py'), got {self.script!r}")
+        object.__setattr__(self, "checks", tuple(self.checks))
+        object.__setattr__(self, "timings", tuple((cfg, tuple(shape)) for cfg, shape in self.timings))
+        configs = list(self.checks) + [cfg for cfg, _ in self.timings]
+        if not all(isinstance(c, AttentionConfig) for c in configs):
+            raise TypeError("BenchPart.checks and the timings' configs must be AttentionConfig objects")
+        if not all(len(shape) == 4 for _, shape in self.timings):
+            raise ValueError("each BenchPart timing's shape must be (n, hq, hkv, d)")
+
+
 def _always_sparse(cfg: AttentionConfig, n_q: int, n_k: int) -> str:
     return ""
 
@@ -174,6 +199,8 @@ class MethodSpec:
     right for a method whose selection of a token reads only keys up to it), or ``"module:function"``
     of the method's own strategy ``fn(method, q, k_all, v_all, layout, pg, cfg, kwargs, is_causal,
     scale, backend, tuning)`` -> the rank's output rows (``kwargs``: the config's op fields).
+    ``bench``: the method's share of a CUDA part of ``sparseflow bench`` (:class:`BenchPart`);
+    None: the method has no GPU part.
     """
 
     name: str
@@ -192,6 +219,7 @@ class MethodSpec:
     selection_densities: Optional[str] = None
     window_rule: Optional[Callable[[AttentionConfig, int, int], str]] = None
     tuning_type: Optional[type] = None
+    bench: Optional[BenchPart] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -211,6 +239,8 @@ class MethodSpec:
                 "only windowed calls"
             )
         self._check_tuning_type()
+        if self.bench is not None and not isinstance(self.bench, BenchPart):
+            raise TypeError(f"MethodSpec {self.name!r}: bench must be a BenchPart or None, got {self.bench!r}")
         if self.selection_densities is not None:
             _check_target(f"MethodSpec {self.name!r}: selection_densities", self.selection_densities)
         if self.context_parallel != TOKEN_CHUNKS:

@@ -18,6 +18,7 @@ import torch
 import sparseflow
 from sparseflow import BSAConfig, ops
 from sparseflow.methods import Backend, MethodSpec, OnnxBody, names, register, unregister
+from sparseflow.methods.registry import BenchPart
 from sparseflow.methods.topk import TOPK_ONNX_FIELDS
 from sparseflow.testing import assert_rewrite_equivalent
 from sparseflow.testing.pytest_plugin import _registered_methods
@@ -35,6 +36,8 @@ SPEC = MethodSpec(
     onnx=OnnxBody(node_type="ToyAttention", mask="sparseflow.methods.bsa.onnx:MASK", fields=TOPK_ONNX_FIELDS),
     has_top_k=True,
     estimate_cost=lambda cfg: 0.01,
+    # a part of its own, and a timing beside BSA's in PISA's part (one shape: one dense baseline)
+    bench=BenchPart("toy.py", checks=(ToyConfig(block_size=32, top_k=4),), timings=((ToyConfig(), (4096, 32, 2, 64)),)),
 )
 SMALL = dict(block_size=16, top_k=3)
 
@@ -92,6 +95,17 @@ def test_the_property_suite(toy, plain_attention):
     assert_rewrite_equivalent(plain_attention(), (torch.randn(1, 64, 48),), method="toy")
 
 
+def test_the_bench_parts(toy, tmp_path):
+    from sparseflow import bench
+
+    checks, timings = bench.parts()["toy.py"]
+    assert [c.method for c in checks] == ["toy"] and [(list(m), s.n) for m, s in timings] == [(["toy"], 4096)]
+    result = bench.run_part("toy.py", tmp_path / "toy.json", device="cpu", backend="reference", reps=1, max_n=96)
+    assert result["ok"] and [r["method"] for r in result["check"]] == ["toy", "toy"]
+    # the built-in parts are unchanged by it
+    assert [c.method for c in bench.parts()["pisa.py"][0]] == ["pisa", "bsa"]
+
+
 def test_a_second_method_of_the_same_name_must_bring_the_same_op(toy):
     @dataclass(frozen=True)
     class OtherToy(sparseflow.PISAConfig):  # other fields: another op schema
@@ -111,3 +125,14 @@ class ToyConfig2(BSAConfig):
 
 def _spec_fields():
     return dict(backends=SPEC.backends, onnx=SPEC.onnx, has_top_k=True, estimate_cost=SPEC.estimate_cost)
+
+
+def test_a_bench_part_is_checked_when_made():
+    with pytest.raises(ValueError, match="BenchPart.script"):
+        BenchPart("toy", checks=(ToyConfig(),))
+    with pytest.raises(TypeError, match="AttentionConfig"):
+        BenchPart("toy.py", checks=({"top_k": 4},))
+    with pytest.raises(ValueError, match=r"\(n, hq, hkv, d\)"):
+        BenchPart("toy.py", timings=((ToyConfig(), (4096, 32, 2)),))
+    with pytest.raises(TypeError, match="bench must be a BenchPart"):
+        MethodSpec(**{**_spec_fields(), "name": "toy", "config_type": ToyConfig, "bench": "toy.py"})

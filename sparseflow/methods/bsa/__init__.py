@@ -2,7 +2,7 @@
 
 from .tuning import BSATuning
 from .config import BSAConfig
-from ..registry import Backend, MethodSpec, OnnxBody, register
+from ..registry import Backend, BenchPart, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
 
 _KERNELS = __name__  # the backends are modules of this package
@@ -30,5 +30,11 @@ SPEC = register(
         exact=exact_top_k,
         estimate_cost=lambda cfg: SCAN_COST,
         window_rule=top_k_window_rule,
+        # PISA's baseline: timed beside it, in its part
+        bench=BenchPart(
+            "pisa.py",
+            checks=(BSAConfig(block_size=32, top_k=4),),
+            timings=((BSAConfig(), (4096, 32, 2, 64)), (BSAConfig(), (8192, 32, 2, 64))),
+        ),
     )
 )

@@ -3,7 +3,7 @@
 from ..._config_base import AttentionConfig
 from .tuning import PBSTuning
 from .config import PBSConfig
-from ..registry import Backend, MethodSpec, OnnxBody, register, window_span_blocks
+from ..registry import Backend, BenchPart, MethodSpec, OnnxBody, register, window_span_blocks
 
 _KERNELS = __name__  # the backends are modules of this package
 
@@ -114,5 +114,10 @@ SPEC = register(
         estimate_cost=estimate_cost,
         selection_densities=f"{_KERNELS}.calibration:selection_densities",
         window_rule=window_rule,
+        bench=BenchPart(
+            "pbs.py",
+            checks=(PBSConfig(block_size=32, segment_size=64, threshold=0.8),),
+            timings=((PBSConfig(), (8192, 32, 8, 128)),),
+        ),
     )
 )

@@ -2,7 +2,7 @@
 
 from .tuning import PISATuning
 from .config import PISAConfig
-from ..registry import Backend, Decode, MethodSpec, OnnxBody, register
+from ..registry import Backend, BenchPart, Decode, MethodSpec, OnnxBody, register
 from ..topk import TOPK_ONNX_FIELDS, exact_top_k, top_k_window_rule
 
 _KERNELS = __name__  # the backends are modules of this package
@@ -35,5 +35,15 @@ SPEC = register(
         exact=exact_top_k,
         estimate_cost=lambda cfg: WALK_COST,
         window_rule=top_k_window_rule,
+        # the paper's latency setting at small lengths, and a K=32 call at a model's shape
+        bench=BenchPart(
+            "pisa.py",
+            checks=(PISAConfig(block_size=32, top_k=4),),
+            timings=(
+                (PISAConfig(), (4096, 32, 2, 64)),
+                (PISAConfig(), (8192, 32, 2, 64)),
+                (PISAConfig(top_k=32), (16384, 32, 8, 128)),
+            ),
+        ),
     )
 )
