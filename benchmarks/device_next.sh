@@ -6,14 +6,32 @@
 #                                                default mode and mode="reduce-overhead", in rounds
 #   bash benchmarks/device_next.sh pisa_scores   PISA's walks in fp32 / bf16 / tf32: time and contract
 #   bash benchmarks/device_next.sh windows       the window tests of every method on the GPU
+#   bash benchmarks/device_next.sh reduce_overhead   mode="reduce-overhead": the GPU tests (every
+#                                                method, the window lists kept during Inductor's
+#                                                warm-up), then Gemma 3 at 8K beside compiled flex
+#   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 32K / 128K (K=32), its walk
+#                                                scoring in fp32 and bf16, against dense SDPA decode
+#   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
+#   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
+#   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
+#   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
+#                                                (benchmarks/frontier.py; NS default 32768)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
 out=${OUT:-.device_out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_')
+gpu=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo cpu) | head -1 | tr ' ' '_')
 plan=benchmarks/results/gemma3_plan_32k_h100.json
+smollm2=/tmp/smollm2
+
+smollm2_env() {  # the joined GGUF and the gguf wheel on this machine
+  if [ ! -f $smollm2/model.gguf ]; then
+    cat $smollm2/part0 $smollm2/part1 > $smollm2/model.gguf
+  fi
+  export SPARSEFLOW_SMOLLM2_GGUF=$smollm2/model.gguf HF_HUB_OFFLINE=1 PYTHONPATH="$PYTHONPATH:$smollm2/site"
+}
 
 case "${1:-}" in
   gemma8k)
@@ -34,8 +52,43 @@ case "${1:-}" in
       tests/methods/pbs/test_pbs_window.py tests/methods/pisa/test_pisa_window.py \
       tests/methods/dense/test_dense_window.py tests/kernels/test_token_sparse_window.py 2>&1 | tail -5
     ;;
+  reduce_overhead)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_compile_cuda.py \
+      "tests/kernels/test_token_window_blocks.py::test_window_lists_kept_during_inductors_graph_warm_up_stay_out_of_its_pool" \
+      2>&1 | tail -6 || true
+    timeout 280 python3 benchmarks/gemma3_e2e.py --random --ns 8192 --rows flex_compile,windows,recipe \
+      --recipe "$plan" --mode reduce-overhead --reps 8 --rounds 3 \
+      --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    ;;
+  pisa_decode)
+    timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 32768,131072 --decode-scores fp32,bf16 \
+      --json "$out/pisa_decode_scores_${gpu}.json"
+    ;;
+  split_smollm2)
+    gguf=$(python3 -c "from sparseflow.checkpoints import smollm2_gguf; print(smollm2_gguf() or '')")
+    half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+    mkdir -p .gg .whl
+    head -c "$half" "$gguf" > .gg/smollm2.part0
+    tail -c +"$((half + 1))" "$gguf" > .gg/smollm2.part1
+    [ -n "$(ls .whl/gguf-*.whl 2>/dev/null)" ] || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+    ls -la .gg .whl
+    ;;
+  stash_smollm2)
+    mkdir -p $smollm2
+    cp ".gg/smollm2.part$2" "$smollm2/part$2"
+    if [ -n "$(ls .whl/gguf-*.whl 2>/dev/null)" ] && [ ! -d $smollm2/site/gguf ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $smollm2/site .whl/gguf-*.whl
+    fi
+    ls -la $smollm2
+    ;;
+  frontier)
+    smollm2_env
+    timeout 580 python3 benchmarks/frontier.py --ns "${2:-32768}" --estimates sampled_rows,antidiagonal \
+      --thresholds 0.95,0.98 --json "$out/frontier_smollm2_${2:-32768}_${gpu}.json" \
+      2>&1 | grep -v -i warn | tail -40
+    ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | windows" >&2
+    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS]" >&2
     exit 2
     ;;
 esac

@@ -484,7 +484,7 @@ def _graph_time(row, key, fn):
         torch.cuda.synchronize()
 
 
-def _decode_eager(q1, k, v, top_k):
+def _decode_eager(q1, k, v, top_k, tuning):
     """The eager step (PyramidCache.decode_step on the growing k/v): its times, its walk and its
     attention alone replayed from CUDA graphs (the GPU's share of a step: the tiled attention and
     the split-K one the step uses), and the output and selection of one real step for the
@@ -496,14 +496,17 @@ def _decode_eager(q1, k, v, top_k):
     n = k.shape[2]
     cache = PyramidCache(k[:, :, : n - 1], capacity=n + 1024, block_size=64, branching=2)
     base = cache.length
-    out, idx = cache.decode_step(q1, k, v, top_k=top_k)
+    out, idx = cache.decode_step(q1, k, v, top_k=top_k, tuning=tuning)
 
     def step():
         cache.length = base  # re-append the same token: the cost of one real step
-        return cache.decode_step(q1, k, v, top_k=top_k)[0]
+        return cache.decode_step(q1, k, v, top_k=top_k, tuning=tuning)[0]
 
-    row = dict(pisa_step_ms=bench(step), pisa_select_ms=bench(lambda: cache.select(q1, k, top_k=top_k)))
-    _graph_time(row, "pisa_select_graph", lambda: cache.select(q1, k, top_k=top_k))
+    def select():
+        return cache.select(q1, k, top_k=top_k, tuning=tuning)
+
+    row = dict(pisa_step_ms=bench(step), pisa_select_ms=bench(select))
+    _graph_time(row, "pisa_select_graph", select)
     _graph_time(row, "pisa_attention_graph", lambda: token_sparse_attention(q1, k, v, idx, block_size=64))
     _graph_time(row, "pisa_split_attention_graph", lambda: token_sparse_decode(q1, k, v, idx, block_size=64))
     row.update(_split_vs_tiled(q1, k, v, idx))
@@ -524,7 +527,7 @@ def _split_vs_tiled(q1, k, v, idx):
         return {"pisa_split_vs_tiled_error": _error(exc)}
 
 
-def _static_step(q1, k, v, top_k):
+def _static_step(q1, k, v, top_k, tuning):
     """A fresh cache on preallocated buffers and its step ``length += 1; decode_step_static``
     (the new token's q / k / v in static input tensors), with its length tensor."""
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
@@ -536,7 +539,7 @@ def _static_step(q1, k, v, top_k):
 
     def step():
         length.add_(1)
-        return cache.decode_step_static(*ins, k_buf, v_buf, length, top_k=top_k)
+        return cache.decode_step_static(*ins, k_buf, v_buf, length, top_k=top_k, tuning=tuning)
 
     return step, length
 
@@ -554,16 +557,16 @@ def _host_syncs(fn):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _decode_captured(q1, k, v, top_k, eager_out, eager_idx):
+def _decode_captured(q1, k, v, top_k, eager_out, eager_idx, tuning):
     """The static step replayed from a CUDA graph: its first replay (the real step) compared with
     the eager step's, then timed (each timed replay resets the length first: one fill kernel)."""
     n = k.shape[2]
-    warm, _ = _static_step(q1, k, v, top_k)  # its own cache: the captured one stays at the real step
+    warm, _ = _static_step(q1, k, v, top_k, tuning)  # its own cache: the captured one stays at the real step
     row = {}
     try:
         warm()  # compile first: the sync check is of a steady-state step
         row["pisa_static_host_sync"] = _host_syncs(warm)
-        step, length = _static_step(q1, k, v, top_k)
+        step, length = _static_step(q1, k, v, top_k, tuning)
         graph, (out, idx) = _capture(step, warm)
         graph.replay()
         w = eager_idx.shape[-1]
@@ -598,14 +601,18 @@ def _decode_dense(q1, k, v):
 
 def part_decode(args, results):
     """One decoding step at a long context: the eager PISA step, the static step replayed from a
-    CUDA graph, dense SDPA decode eager and graph-replayed (Hq 32, Hkv 8, D 128, C 64, bf16)."""
+    CUDA graph, dense SDPA decode eager and graph-replayed (Hq 32, Hkv 8, D 128, C 64, bf16), for
+    each walk score precision of ``--decode-scores`` (``Tuning.pisa_scores``)."""
+    from sparseflow import Tuning
+
     rows = []
-    for n in args.decode_ns:
+    for n, scores in [(n, s) for n in args.decode_ns for s in args.decode_scores]:
+        tuning = Tuning(pisa_scores=scores)
         q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
         q1 = q[:, :, -1:].contiguous()
-        row, eager_out, eager_idx = _decode_eager(q1, k, v, args.attn_k)
-        row = dict(n=n, top_k=args.attn_k, **row, **_decode_dense(q1, k, v))
-        row.update(_decode_captured(q1, k, v, args.attn_k, eager_out, eager_idx))
+        row, eager_out, eager_idx = _decode_eager(q1, k, v, args.attn_k, tuning)
+        row = dict(n=n, top_k=args.attn_k, scores=scores, **row, **_decode_dense(q1, k, v))
+        row.update(_decode_captured(q1, k, v, args.attn_k, eager_out, eager_idx, tuning))
         row["speedup_vs_dense"] = row["dense_sdpa_decode_ms"] / row["pisa_step_ms"]
         if "pisa_graph_step_ms" in row and "dense_sdpa_graph_ms" in row:
             row["graph_speedup_vs_dense_graph"] = row["dense_sdpa_graph_ms"] / row["pisa_graph_step_ms"]
@@ -621,7 +628,7 @@ def part_decode(args, results):
             )
         }
         print(
-            f"decode n={n:7d} K={args.attn_k}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
+            f"decode n={n:7d} K={args.attn_k} {scores}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
             f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
             f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
             f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
@@ -674,6 +681,12 @@ def main(argv=None):
     ap.add_argument("--flex-ns", type=ints, default=[16384, 32768])
     ap.add_argument("--decode-ns", type=ints, default=[32768, 131072])
     ap.add_argument("--attn-k", type=int, default=32)
+    ap.add_argument(
+        "--decode-scores",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=["fp32"],
+        help="comma list of the decode walk's score precisions (Tuning.pisa_scores: fp32, bf16, tf32)",
+    )
     ap.add_argument(
         "--beams",
         type=_beams,
