@@ -10,8 +10,8 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   below no permutation. At 8K the paper's permutation in every layer *hurts* this model (0.98: KL
   0.115 vs 0.018 without permutation). The damage comes from a few layers: permuting layer 7 alone
   (at 4K) raises KL 2.5x, most others lower it a little. A per-layer choice by the model's own KL
-  (``benchmarks/studies/smollm2_study.py --parts calib_kl``: each layer permuted alone against the no-permutation
-  curve, 4K tokens) permutes 22 of 29 layers.
+  (each layer permuted alone against the no-permutation curve, 4K tokens; the study and its
+  commit are in docs/results.md) permutes 22 of 29 layers.
 * Block scoring: with exact block masses (an oracle) the permutation pays on prose (density 0.338,
   KL 0.0102 against about 0.022 unpermuted at that density), so the estimate is what fails.
   Mean-pooled and antidiagonal scores average logits before the exponential and lose the mass of
@@ -33,8 +33,8 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
 from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
 
-# layers that permute: chosen one at a time by the model's KL (benchmarks/studies/smollm2_study.py --parts
-# calib_kl, 4096 tokens of pydoc_data.topics, threshold 0.95, CPU)
+# layers that permute: chosen one at a time by the model's KL (each layer permuted alone, 4096
+# tokens of pydoc_data.topics, threshold 0.95, CPU; docs/results.md names the study)
 PERMUTED_LAYERS = (1, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 16, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29)
 
 _WHERE = (

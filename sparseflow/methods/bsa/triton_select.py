@@ -17,7 +17,7 @@ product (the high and low tf32 parts of each operand; what is dropped, the low p
 about 2**-22 of it). That rounding is of the order of the differences fp32 summation order makes
 already, so selections equal the reference's except between blocks whose scores tie to about
 1e-6, as with any fp32 summation order; at twice the speed of ``"ieee"`` (IEEE fp32 on the CUDA
-cores). H200, SmolLM2's shape (``benchmarks/studies/bsa_dot_precision.py``): 57 us against 117 us
+cores). H200, SmolLM2's shape (docs/results.md): 57 us against 117 us
 at 8K, 578 against 1233 at 32K, with 1 row in 1e5 selecting otherwise than the reference on keys
 with a drift and none on Gaussian keys. ``"bf16"`` rounds the summed queries and the means to
 bf16: the fastest and the least faithful (1-4% of rows select another block).
