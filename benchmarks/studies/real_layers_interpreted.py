@@ -1,11 +1,11 @@
 """PISA's Triton kernels on SmolLM2's real layers, run by Triton's interpreter on the CPU: the
-scan walk's selection against the reference's, and the token-sparse forward against an fp64
-attention over the same selection, beside the plain torch implementation's error in the same
-dtype (the anchors' rule: a kernel may err about twice as much). ``--old`` also runs an earlier
-commit's ``token_sparse_triton.py`` on the same inputs and selections.
+scan walk's selection against the reference's (scoring in fp32, and with ``--scores`` in bf16 /
+tf32: the share of the reference's selected blocks kept and PISA's selection contract), and the
+token-sparse forward against an fp64 attention over the same selection, beside the plain torch
+implementation's error in the same dtype (the anchors' rule: a kernel may err about twice as much).
 
-    python benchmarks/studies/real_layers_interpreted.py --n 2048 --layers 3,15,27 \\
-        --old /tmp/old/token_sparse_triton.py --json benchmarks/results/real_layers_interpreted_2k_cpu.json
+    python benchmarks/studies/real_layers_interpreted.py --n 2048 --layers 3,15,27 --scores bf16,tf32 \\
+        --json benchmarks/results/real_layers_interpreted_2k_cpu.json
 
 q/k/v: one dense bf16 forward of SmolLM2-135M-Instruct on real text (``pydoc_topics``), recorded
 at the listed layers. PISA's defaults (C 64, K 8). Slow: the interpreter runs every program in
@@ -31,6 +31,7 @@ from sparseflow.kernels.token_blocks import attend_selected_blocks  # noqa: E402
 from sparseflow.kernels.token_sparse_triton import token_sparse_attention  # noqa: E402
 from sparseflow.methods.pisa import reference as pisa_ref  # noqa: E402
 from sparseflow.methods.pisa import triton_select  # noqa: E402
+from sparseflow.testing import check_pisa_selection  # noqa: E402
 from sparseflow.tuning import Tuning  # noqa: E402
 
 BLOCK = 64
@@ -40,12 +41,15 @@ def max_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return (out.double() - exact).abs().max().item()
 
 
-def check_layer(q, k, v, old=None, block_size: int = BLOCK):
-    """One layer's row of the table: selection equality and each forward's error against fp64."""
+def check_layer(q, k, v, block_size: int = BLOCK, scores=()):
+    """One layer's row of the table: selection equality (fp32 walk), each lower-precision walk's
+    kept share of the reference's blocks and its contract, and each forward's error against fp64."""
     kw = {"block_size": block_size}
     sel = pisa_ref.pisa_select(q.float(), k.float(), **kw)
     scan = triton_select.pisa_select(q.float(), k.float(), tuning=Tuning(pisa_walk="scan"), index_dtype=sel.dtype, **kw)
     row = {"scan selection equal": bool(torch.equal(scan, sel)), "rows": int(sel.shape[1] * sel.shape[2])}
+    for precision in scores:
+        row.update(lower_precision_walk(q, k, sel, precision, block_size))
     exact = attend_selected_blocks(q.double(), k.double(), v.double(), sel, **kw)
     for dtype in (torch.bfloat16, torch.float32):
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -54,30 +58,72 @@ def check_layer(q, k, v, old=None, block_size: int = BLOCK):
         row[f"{name} kernel error"] = max_error(out, exact)
         row[f"{name} plain torch error"] = max_error(attend_selected_blocks(qd, kd, vd, sel, **kw), exact)
         row[f"{name} kernel NaN"] = bool(out.isnan().any())
-        if old is not None and dtype == torch.bfloat16:
-            earlier = old.token_sparse_attention(qd, kd, vd, sel, **kw)
-            row[f"{name} old kernel error"] = max_error(earlier, exact)
-            row[f"{name} outputs differing from the old kernel's"] = (earlier != out).float().mean().item()
     return row
 
 
-def main(argv=None) -> int:
-    from pisa_layer_kernels import real_layer_qkv
-    from pisa_select_ab import exec_renamed
+def kept_share(sel: torch.Tensor, ref: torch.Tensor) -> float:
+    """The share of ``ref``'s selected blocks (ids >= 0) that ``sel`` also selects, row by row."""
+    hit = (sel.unsqueeze(-1) == ref.unsqueeze(-2)) & (ref >= 0).unsqueeze(-2)
+    return int(hit.any(-2).sum()) / max(1, int((ref >= 0).sum()))
 
+
+def lower_precision_walk(q, k, ref, precision: str, block_size: int, walk: str = "scan") -> dict:
+    """The ``walk`` scoring in ``precision``: its kept share of the reference's blocks and whether
+    PISA's selection contract holds (the fp32 reference's scores within the precision's
+    tolerance)."""
+    tuning = Tuning(pisa_walk=walk, pisa_scores=precision)
+    sel = triton_select.pisa_select(q.float(), k.float(), tuning=tuning, index_dtype=ref.dtype, block_size=block_size)
+    row = {f"{precision} kept share": kept_share(sel, ref)}
+    try:
+        check_pisa_selection(q.float(), k.float(), tuning=tuning, block_size=block_size)
+        row[f"{precision} contract"] = "held"
+    except AssertionError as exc:
+        row[f"{precision} contract"] = str(exc)[:200]
+    return row
+
+
+def real_layer_qkv(n: int, layers, text: str = "pydoc_topics", device: str = "cpu"):
+    """{layer: (q, k, v)}: what SmolLM2-135M-Instruct's attention sees at those layers on ``n``
+    tokens of real text (bf16; one dense forward through a recording attention function)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from e2e_prefill import repeated_tokens
+    from sparseflow.checkpoints import load_smollm2
+
+    model, tok = load_smollm2(dtype=torch.bfloat16)
+    model.to(device)
+    ids = repeated_tokens(tok, text, n).to(device)
+    got = {}
+
+    def record(module, query, key, value, *args, **kwargs):
+        if module.layer_idx in layers:
+            got[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("sf_study_record", record)
+    AttentionMaskInterface.register("sf_study_record", sdpa_mask)
+    model.set_attn_implementation("sf_study_record")
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return got
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--layers", default="3,15,27")
-    ap.add_argument("--old", help="an earlier commit's token_sparse_triton.py, run beside the tree's")
+    ap.add_argument("--scores", default="", help="comma list of lower walk precisions to check (bf16, tf32)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
-    old = exec_renamed(args.old, "sparseflow.kernels", "token_sparse_triton") if args.old else None
-    got = real_layer_qkv(args.n, layers, device="cpu")
+    scores = [x.strip() for x in args.scores.split(",") if x.strip()]
+    got = real_layer_qkv(args.n, layers)
     rows = {}
     for layer in layers:
         t0 = time.time()
-        rows[layer] = check_layer(*got[layer], old=old)
+        rows[layer] = check_layer(*got[layer], scores=scores)
         shown = "  ".join(f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[layer].items())
         print(f"layer {layer} ({time.time() - t0:.0f} s): {shown}", flush=True)
     if args.json:

@@ -34,3 +34,17 @@ def test_a_wrong_forward_shows_in_its_error(monkeypatch):
     monkeypatch.setattr(study, "token_sparse_attention", lambda q, k, v, sel, **kw: torch.zeros_like(q))
     row = study.check_layer(*_qkv(), block_size=16)
     assert row["float32 kernel error"] > 100 * row["float32 plain torch error"]
+
+
+def test_a_lower_precision_walk_reports_its_kept_share_and_contract():
+    q, k, _ = _qkv(n=128)
+    ref = study.pisa_ref.pisa_select(q, k, block_size=16)
+    row = study.lower_precision_walk(q, k, ref, "bf16", 16, walk="per_token")
+    assert 0.9 <= row["bf16 kept share"] <= 1.0 and row["bf16 contract"] == "held"
+
+
+def test_the_kept_share_counts_the_references_blocks_kept():
+    ref = torch.tensor([[[[0, 1, 2], [3, 4, -1]]]])
+    sel = torch.tensor([[[[2, 0, 5], [4, 3, -1]]]])
+    assert study.kept_share(sel, ref) == 4 / 5
+    assert study.kept_share(ref, ref) == 1.0
