@@ -25,9 +25,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype)
 PISA_CASES = {
-    "lse-gqa2-n150-causal": (1, 4, 2, 150, 150, 32, 16, 4, 2, "lse", True, False, torch.float32),
+    # the last 50 queries of 150 keys (mean_var-g3-pad-b2-n97 keeps a causal square)
+    "lse-gqa2-nq50-nk150-causal": (1, 4, 2, 50, 150, 32, 16, 4, 2, "lse", True, False, torch.float32),
     "mean_var-g3-pad-b2-n97": (2, 3, 1, 97, 97, 24, 8, 5, 3, "mean_var", True, True, torch.float32),
-    "mean-noncausal-pad-n77": (1, 2, 2, 77, 77, 16, 8, 3, 2, "mean", False, True, torch.float32),
+    # not causal, every query walks the same visible keys: 25 of 77 queries take the same paths
+    "mean-noncausal-pad-nq25-nk77": (1, 2, 2, 25, 77, 16, 8, 3, 2, "mean", False, True, torch.float32),
     "lse-bf16-nq40-nk133": (1, 2, 1, 40, 133, 32, 16, 3, 2, "lse", True, False, torch.bfloat16),
 }
 
@@ -178,9 +180,21 @@ def test_bsa_selection_breaks_ties_like_the_reference(ties, merge, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("case", BSA_CASES.values(), ids=BSA_CASES.keys())
-@pytest.mark.parametrize("merge", [m for m in BSA_MERGES if m != triton_select_default_merge()])
-@pytest.mark.parametrize("block_n", [16, 64])
+def _other_merge_runs():
+    """(case, merge, block_n), pairwise covering of the cases x other merges x block_n cross
+    product: every case with each other merge and each block_n, and every merge with each
+    block_n, at half the interpreter's time of all of them."""
+    merges = [m for m in BSA_MERGES if m != triton_select_default_merge()]
+    assert len(merges) == 2, merges  # the pairing below covers two
+    runs = []
+    for i, (name, case) in enumerate(BSA_CASES.items()):
+        for j, merge in enumerate(merges):
+            block_n = (16, 64)[(i // 2 + j) % 2]
+            runs.append(pytest.param(case, merge, block_n, id=f"{block_n}-{merge}-{name}"))
+    return runs
+
+
+@pytest.mark.parametrize("case, merge, block_n", _other_merge_runs())
 def test_bsa_other_merges_equal_reference(case, merge, block_n, monkeypatch):
     """Every merge of a chunk into the running top-K, at one chunk or many per row, selects what
     the reference selects (the default merge is checked above)."""
@@ -388,7 +402,8 @@ def test_selectors_return_int32_ids_on_request(method):
     from sparseflow.methods.pisa import triton_select as pisa_sel
 
     select = pisa_sel.pisa_select if method == "pisa" else bsa_sel.bsa_select
-    q, k, _, _ = qkv_inputs(1, 4, 2, 150, 150, 16, torch.float32, pad=False, seed=9)
+    # the last 40 queries of 150 keys: the id dtype is the store's, whatever the queries
+    q, k, _, _ = qkv_inputs(1, 4, 2, 40, 150, 16, torch.float32, pad=False, seed=9)
     want = select(q, k, block_size=16, top_k=4)
     got = select(q, k, block_size=16, top_k=4, index_dtype=torch.int32)
     assert want.dtype == torch.long and got.dtype == torch.int32

@@ -41,7 +41,9 @@ def scan_calls(monkeypatch):
     return calls
 
 
-LAYOUTS = {  # (LAUNCH["pair_unit"], LAUNCH["heads"])
+# (LAUNCH["pair_unit"], LAUNCH["heads"]): scored pairs of one leaf or of a kept parent's children,
+# and a group's heads packed into one dot's rows or one dot a head
+LAYOUTS = {
     "leaf-pairs-packed-heads": ("leaf", "packed"),
     "sibling-pairs-packed-heads": ("siblings", "packed"),
     "leaf-pairs-head-loop": ("leaf", "loop"),
@@ -56,21 +58,9 @@ def _use_layout(monkeypatch, layout):
     return layout
 
 
-@pytest.fixture(params=LAYOUTS.values(), ids=LAYOUTS.keys())
-def pair_unit(request, monkeypatch):
-    """Scored pairs of one leaf or of a kept parent's children (``LAUNCH["pair_unit"]``), and a
-    group's heads packed into one dot's rows or one dot a head (``LAUNCH["heads"]``)."""
-    return _use_layout(monkeypatch, request.param)
-
-
-# the small tiles run the default and the layout with both changes (each change alone runs the
-# reference cases), to keep the interpreter's time in CI down
+# the small tiles run the default and the layout with both changes (each change alone runs
+# with the reference cases), to keep the interpreter's time in CI down
 EDGE_LAYOUTS = {k: LAYOUTS[k] for k in ("leaf-pairs-packed-heads", "sibling-pairs-head-loop")}
-
-
-@pytest.fixture(params=EDGE_LAYOUTS.values(), ids=EDGE_LAYOUTS.keys())
-def edge_layout(request, monkeypatch):
-    return _use_layout(monkeypatch, request.param)
 
 
 # id: (B, Hq, Hkv, Nq, Nk, D, C, K, g, score, causal, pad, dtype, beam)
@@ -84,8 +74,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_scan_selection_equals_reference(case, scan_calls, pair_unit):
+# each case runs under two complementary layouts, one of each pair unit and each head mode (the
+# even cases the default and both changes, the odd ones each change alone): every case meets every
+# unit and every head mode, and every layout several scores, at half the cross product's time
+COMPLEMENT = (
+    ("leaf-pairs-packed-heads", "sibling-pairs-head-loop"),
+    ("leaf-pairs-head-loop", "sibling-pairs-packed-heads"),
+)
+SCAN_RUNS = [
+    pytest.param(case, LAYOUTS[lay], id=f"{lay}-{name}")
+    for i, (name, case) in enumerate(CASES.items())
+    for lay in COMPLEMENT[i % 2]
+]
+
+
+@pytest.mark.parametrize("case, layout", SCAN_RUNS)
+def test_scan_selection_equals_reference(case, layout, scan_calls, monkeypatch):
+    _use_layout(monkeypatch, layout)
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = case
     q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
@@ -98,29 +103,54 @@ def test_scan_selection_equals_reference(case, scan_calls, pair_unit):
     assert torch.equal(got, want)
 
 
-SMALL_TILE_CASES = [(1, 1), (3, 1), (1, 3), (3, 3), (3, 17)]  # (chunks per program, heads per KV head)
+# (chunks per program, heads per KV head, layout): a pairwise covering set of the 2 x 3 x 2 cross
+# product, each pair of values of any two axes run at least once (the interpreter's time in CI)
+SMALL_TILE_CASES = [
+    (1, 1, "leaf-pairs-packed-heads"),
+    (3, 1, "sibling-pairs-head-loop"),
+    (1, 3, "sibling-pairs-head-loop"),
+    (3, 3, "leaf-pairs-packed-heads"),
+    (3, 17, "leaf-pairs-packed-heads"),
+    (3, 17, "sibling-pairs-head-loop"),
+]
 
 
 @pytest.mark.parametrize(
-    "chunks, group", SMALL_TILE_CASES, ids=[f"{c}-chunks-per-program-group-{g}" for c, g in SMALL_TILE_CASES]
+    "chunks, group, layout",
+    SMALL_TILE_CASES,
+    ids=[f"{lay}-{c}-chunks-per-program-group-{g}" for c, g, lay in SMALL_TILE_CASES],
 )
-def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group, edge_layout):
+def test_small_tiles_and_pair_chunks(scan_calls, monkeypatch, poisoned, chunks, group, layout):
     """16-row node tiles with dots of 16 summary columns, and leaf-pair chunks of 16 rows, one
     or three per program (a leaf's pairs span several programs, and a program's last chunk or
     chunks run past its segment's end): still the reference's selection. A group of 3 heads packs
     5 queries (15 rows) into a tile or chunk of 16 rows; a group of 17, one query in 32 rows. Fresh buffers come poisoned (floats
     NaN), so a pair left unscored cannot pass for a scored one."""
+    _use_layout(monkeypatch, EDGE_LAYOUTS[layout])
     monkeypatch.setitem(scan.LAUNCH, "rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_rows", 16)
     monkeypatch.setitem(scan.LAUNCH, "pair_chunks", chunks)
     monkeypatch.setitem(scan.LAUNCH, "scan_cols", 16)  # 8 nodes of 2 children per node-scan dot
     assert scan.packed_rows(group, 16) == {1: (16, 16), 3: (5, 16), 17: (1, 32)}[group]
-    q, k, _ = walk_inputs(1, group, 1, 160, 190, 16, F32, False, seed=4)
+    index = []  # each segment's scored pairs and the pairs a program takes, as the walk asks
+    real_index = scan.leaf_pair_index
+
+    def spy(counts, slots, per_program, chain=None):
+        index.append((counts.cpu(), per_program))
+        return real_index(counts, slots, per_program, chain)
+
+    monkeypatch.setattr(scan, "leaf_pair_index", spy)
+    # the last 64 queries of 190 keys (bottom-right aligned): a leaf still gets more scored pairs
+    # than a program takes (up to 64 against at most 48), at 2/5 of 160 queries' interpreter time
+    q, k, _ = walk_inputs(1, group, 1, 64, 190, 16, F32, False, seed=4)
     kw = dict(is_causal=True, block_size=8, top_k=5)  # 3 forced blocks: 2 kept by score
     want = pisa_ref.pisa_select(q, k, **kw)
     got = poisoned(triton_select.pisa_select, q, k, tuning=SCAN, **kw)
     assert torch.equal(got, want)
     assert len(scan_calls) == 1
+    ((counts, per_program),) = index
+    assert (counts > per_program).any(), "a segment's pairs must span several programs"
+    assert (counts % per_program != 0).any(), "a program's chunks must run past its segment's end"
 
 
 def test_auto_runs_the_scan_on_cuda_only(scan_calls):
