@@ -384,7 +384,9 @@ def test_smollm2_calibrate_mix_short(tmp_path):
     # one run for what were two tests (one text, then this mix): the mix measures every choice on
     # pydoc_topics as the one-text run did, so that run cost ~200 s of CI for no check of its own
     out = tmp_path / "mix.json"
-    argv = ["calibrate", str(smollm2_gguf()), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "512"]
+    # 256 tokens (four 64-token blocks, two 128-token segments): the budget, per-text and held-out
+    # checks hold at any length; 512 doubled the run (~400 s) for no check of its own
+    argv = ["calibrate", str(smollm2_gguf()), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "256"]
     argv += ["--eval-positions", "128", "--config", '{"block_size": 64, "segment_size": 128}']
     argv += ["--thresholds", "0.9", "--scorings", "sampled_rows", "--text", "pydoc_topics,copy_clauses"]
     assert main(argv + ["--heldout-text", "argparse_source,copy_log", "--out", str(out)]) == 0
