@@ -71,10 +71,16 @@ _orig_run = _jit.JITFunction.run
 # False while an autotuner compiles its configs after the first: the fp64-scalar check is about how
 # a float argument is typed, which launch sizes do not change, so one config per call is checked
 _FP64_CHECK = [True]
+_FP64_PATHS: set = set()  # (kernel, its boolean constexprs) already compiled with fp64 scalars
 # the shared memory a program may take on the H200 (227 KiB); an autotuner drops configs that need
 # more at run time, so only launches without one are held to it
 SHARED_LIMIT = 227 * 1024
 _SHARED_CHECK = [True]
+# whether an autotuner compiles every config that survives pruning (the GPU may pick any) or only
+# its first: PBS's forward is the one autotuned kernel, and the "pbs" entry's cases compile all its
+# configs over the kernel's specialisations (dtypes, head dims, layouts); the other entries run the
+# whole PBS op for the kernels they are about, so its forward's other configs would only repeat
+_ALL_CONFIGS = [True]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -104,8 +110,12 @@ def _compile_with_fp64_scalars(fn, kernel) -> None:
 
     src = kernel.src
     floats = [name for name, ty in src.signature.items() if ty == "fp32"]
-    if not floats:
+    # once per code path: a kernel's boolean constexprs pick its branches (where a scalar's type
+    # could matter); tile sizes, head dims and dtypes of the tensors do not change a scalar's use
+    path = (fn.__name__, tuple(sorted((str(k), v) for k, v in src.constants.items() if isinstance(v, bool))))
+    if not floats or path in _FP64_PATHS:
         return
+    _FP64_PATHS.add(path)
     sig = {name: ("fp64" if name in floats else ty) for name, ty in src.signature.items()}
     md = kernel.metadata
     try:
@@ -129,6 +139,7 @@ def _autotune_all(self, *args, **kwargs):
     # compile every config that survives pruning (the GPU may pick any of them)
     self.nargs = dict(zip(self.arg_names, args))
     configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+    configs = configs if _ALL_CONFIGS[0] else configs[:1]
     _SHARED_CHECK[0] = False
     try:
         for i, config in enumerate(configs):
@@ -681,6 +692,8 @@ def main(argv=None) -> int:
         (128, bf16, "query_head", False, True, 1.0, False, 1),
         (80, bf16, "kv_head", True, False, 0.8, False, 1),
         (64, bf16, "query_head", True, True, 0.9, False, 3),
+        # fp32 (the strided entry's last case): every config of the forward for it too
+        (64, torch.float32, "query_head", False, True, 0.9, False, 1),
     ]
     pisa = [
         (64, bf16, False, 8, 1, "lse"),
@@ -740,6 +753,7 @@ def main(argv=None) -> int:
         ap.error(f"--entries takes a comma list of {','.join(ENTRIES)}; got {args.entries!r}")
     failures = []
     for name in entries:
+        _ALL_CONFIGS[0] = name == "pbs"
         try:
             runs[name]()
         except Exception:  # host-side failure around the launches: report, go on
