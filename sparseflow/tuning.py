@@ -41,8 +41,10 @@ class Tuning:
     device, stream), instead of launching its kernels one by one: the same kernels on the same
     inputs, so the same result, at a fraction of the host cost (:mod:`sparseflow.graph_replay`).
     False launches them every call. Calls inside another capture (``torch.cuda.graph``) are
-    captured by it as they are, and calls traced by ``torch.compile`` never replay (see
-    :meth:`Tuning.traced`).
+    captured by it as they are. In a graph traced by ``torch.compile``, the calls of a model
+    compiled by ``sparseflow.compile`` without Inductor's CUDA graphs replay too; under Inductor's
+    CUDA graphs (``mode="reduce-overhead"``), and in a graph compiled by other means, they never
+    do (see :meth:`Tuning.traced`).
     ``pdl``: launch the kernels of the methods that chain them (their ``MethodTuning.shared``
     lists ``pdl``) as links of a programmatic-dependent-launch chain (:mod:`sparseflow.kernels.pdl`;
     Hopper or newer, compiled Triton), so that each kernel is scheduled while the one before it
