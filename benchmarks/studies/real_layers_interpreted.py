@@ -82,32 +82,16 @@ def lower_precision_walk(q, k, ref, precision: str, block_size: int, walk: str =
     return row
 
 
-def real_layer_qkv(n: int, layers, text: str = "pydoc_topics", device: str = "cpu"):
+def real_layer_qkv(n: int, layers, text: str = "pydoc_topics") -> dict:
     """{layer: (q, k, v)}: what SmolLM2-135M-Instruct's attention sees at those layers on ``n``
-    tokens of real text (bf16; one dense forward through a recording attention function)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+    tokens of real text (one dense bf16 forward on the CPU; the values are bf16's, held in fp32)."""
     from e2e_prefill import repeated_tokens
     from sparseflow.checkpoints import load_smollm2
+    from sparseflow.eval.attention_mass import capture_qkv
 
     model, tok = load_smollm2(dtype=torch.bfloat16)
-    model.to(device)
-    ids = repeated_tokens(tok, text, n).to(device)
-    got = {}
-
-    def record(module, query, key, value, *args, **kwargs):
-        if module.layer_idx in layers:
-            got[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-
-    AttentionInterface.register("sf_study_record", record)
-    AttentionMaskInterface.register("sf_study_record", sdpa_mask)
-    model.set_attn_implementation("sf_study_record")
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    return got
+    every = capture_qkv(model, repeated_tokens(tok, text, n))
+    return {layer: every[layer] for layer in layers}
 
 
 def main(argv=None) -> int:
