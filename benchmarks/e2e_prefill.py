@@ -229,7 +229,7 @@ def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = T
     }
 
 
-def _replays_cuda_graphs(mode: Optional[str]) -> bool:
+def replays_cuda_graphs(mode: Optional[str]) -> bool:
     # what sparseflow.compile reads too: Inductor's settings for the mode
     from torch._inductor import list_mode_options
 
@@ -252,7 +252,7 @@ def measure(
     try:
         row.update(time_forward(model, ids, args.reps, args.warmup))
         if dense_logits is not None:
-            graphs = path == "compile" and _replays_cuda_graphs(args.compile_mode)
+            graphs = path == "compile" and replays_cuda_graphs(args.compile_mode)
             row.update(fidelity_row(model, ids, dense_logits, args.eval_positions, record=not graphs))
     except Exception as exc:  # a failing row is reported, the run goes on
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"

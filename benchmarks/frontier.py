@@ -3,6 +3,7 @@ paths, the dense baselines of the same run, and which settings are on the fronti
 
     python benchmarks/frontier.py --ns 32768,131072 --json benchmarks/results/frontier_smollm2_h100.json
     python benchmarks/frontier.py --plot benchmarks/results/frontier_smollm2_h100.json   # PNG from a JSON
+    python benchmarks/frontier.py --markdown A.json,B.json   # README's table (tests/test_readme_data.py)
 
 The grid is PBS with each ``--estimates`` scoring (``mean`` pooled blocks, ``sampled_rows``,
 ``antidiagonal``) at each ``--thresholds`` mass, plus any ``--extra`` settings (a shipped recipe's
@@ -81,7 +82,7 @@ def table(rows: List[Dict[str, object]]) -> str:
 def _table_row(r: Dict[str, object]) -> str:
     head = f"| {r['n']} | {r['rope']} | {r['path']} | {r.get('setting') or '-'} |"
     if "ms" not in r:
-        return f"{head} error: {r.get('error')} ||||||"
+        return f"{head} error: {str(r.get('error'))[:60]} ||||||"
 
     def num(key, fmt):
         return format(r[key], fmt) if key in r else "-"
@@ -90,6 +91,39 @@ def _table_row(r: Dict[str, object]) -> str:
     return (
         f"{head} {r['ms']:.2f} | {num('speedup', '.2f')}x | {num('mean_kl', '.4f')} | {num('top1', '.3f')} | "
         f"{num('density', '.3f')} | {mark} |"
+    )
+
+
+README_COLUMNS = "| tokens | path | setting | ms | speedup | KL | top-1 | density |\n|---|---|---|---|---|---|---|---|"
+
+
+def readme_table(json_paths: Iterable[str]) -> str:
+    """README's table from frontier JSONs: per length, the baselines, then each path's frontier
+    settings by KL; a caption names the card, versions, dates and files (``--markdown``)."""
+    lines, sources, versions = [README_COLUMNS], [], set()
+    for json_path in json_paths:
+        with open(json_path) as fh:
+            data = json.load(fh)
+        env = data.get("env", {})
+        sources.append(f"{os.path.basename(json_path)} ({env.get('gpu')}, {str(env.get('date', ''))[:10]})")
+        versions.add(f"torch {env.get('torch')}, triton {env.get('triton')}")
+        rows = mark_frontier([r for r in data["rows"] if "ms" in r])
+        for n in sorted({r["n"] for r in rows}):
+            at = [r for r in rows if r["n"] == n]
+            shown = [r for p in BASELINES for r in at if r["path"] == p]
+            for path in ("compile", "converted"):
+                shown += sorted((r for r in at if r["path"] == path and r.get("frontier")), key=lambda r: r["mean_kl"])
+            lines += [_readme_row(r) for r in shown]
+    lines += ["", f"Data: {'; '.join(sources)}; {', '.join(sorted(versions))}."]
+    return "\n".join(lines)
+
+
+def _readme_row(r: Dict[str, object]) -> str:
+    label = {"dense": "eager dense SDPA", "compile_dense": "`torch.compile`, dense"}.get(r["path"], r["path"])
+    tokens = f"{r['n'] // 1024}K" if r["n"] % 1024 == 0 else str(r["n"])
+    return (
+        f"| {tokens} | {label} | {r.get('setting') or '-'} | {r['ms']:.1f} | {r['speedup']:.2f}x | "
+        f"{r['mean_kl']:.4f} | {r['top1'] * 100:.1f}% | {r.get('density', 1.0):.2f} |"
     )
 
 
@@ -154,14 +188,16 @@ def parse_args(argv=None):
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--json")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an existing JSON")
+    ap.add_argument("--markdown", metavar="JSON,...", help="only print README's table of existing JSONs")
     args = ap.parse_args(argv)
-    if args.plot:
+    if args.plot or args.markdown:
         return args, None
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or set(paths) - {"compile", "converted"}:
         ap.error(f"--paths takes compile, converted; got {args.paths!r}")
     settings = ",".join(grid(args.estimates, args.thresholds, [s for s in args.extra.split(",") if s.strip()]))
-    e2e_argv = ["--ns", args.ns, "--settings", settings, "--paths", ",".join(paths + ["compile_dense"])]
+    baselines = ["compile_dense"] if "compile" in paths else []  # the compile path's own dense baseline
+    e2e_argv = ["--ns", args.ns, "--settings", settings, "--paths", ",".join(paths + baselines)]
     e2e_argv += ["--reps", str(args.reps), "--eval-positions", str(args.eval_positions), "--device", args.device]
     e2e_argv += ["--backend", args.backend] + (["--random-init"] if args.random_init else [])
     return args, e2e.parse_args(e2e_argv)
@@ -171,6 +207,9 @@ def main(argv=None) -> int:
     args, run = parse_args(argv)
     if args.plot:
         print(plot(args.plot))
+        return 0
+    if args.markdown:
+        print(readme_table([p for p in args.markdown.split(",") if p.strip()]))
         return 0
     import sparseflow.hf  # noqa: F401  (registers the attention function used by the converted rows)
     from sparseflow.checkpoints import load_smollm2
@@ -182,13 +221,17 @@ def main(argv=None) -> int:
     print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s on {run.device}", flush=True)
     rows: List[Dict[str, object]] = []
     out = {"env": e2e.env_info(), "args": vars(args), "rows": rows}
-    for n in run.ns:
-        rope = "yarn" if n > e2e.TRAINED_POSITIONS else "plain"
-        rows += e2e.run_length(model, tok, n, rope, run)
+
+    def keep(row: Dict[str, object]) -> None:  # written as each row lands: a run cut short keeps its rows
+        rows.append(row)
         mark_frontier(rows)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)
+
+    for n in run.ns:
+        rope = "yarn" if n > e2e.TRAINED_POSITIONS else "plain"
+        e2e.run_length(model, tok, n, rope, run, on_row=keep)
     print(table(rows))
     if args.json:
         print(f"wrote {args.json}")

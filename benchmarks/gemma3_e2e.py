@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sparseflow  # noqa: E402
 from sparseflow import hf  # noqa: E402
 from common import write_result  # noqa: E402
-from e2e_prefill import env_info, fidelity_row, repeated_tokens, time_forward  # noqa: E402
+from e2e_prefill import env_info, fidelity_row, repeated_tokens, replays_cuda_graphs, time_forward  # noqa: E402
 from sparseflow.eval.evaluate import last_logits  # noqa: E402
 
 BASELINES = ("sdpa", "sdpa_compile", "flex", "flex_compile")
@@ -109,7 +109,13 @@ def run_length(base, tok, n: int, args) -> List[Dict[str, object]]:
             continue
         model = variant(base, row, args.recipe, args.mode)
         timing = time_forward(model, ids, args.reps, args.warmup)
-        fid = fidelity_row(model, ids, dense_logits, args.eval_positions, record=row in SPARSEFLOW)
+        fid = fidelity_row(
+            model,
+            ids,
+            dense_logits,
+            args.eval_positions,
+            record=row in SPARSEFLOW and not replays_cuda_graphs(args.mode),
+        )
         rows.append({"n": n, "row": row, **timing, **fid})
         print(format_row(rows[-1]), flush=True)
         if args.rounds > 1:

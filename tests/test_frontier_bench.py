@@ -3,6 +3,7 @@ is a benchmark)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -83,3 +84,20 @@ def test_the_arguments_become_one_e2e_run():
     for bad in (["--thresholds", "1.5"], ["--estimates", "exact"], ["--paths", "dense"]):
         with pytest.raises(SystemExit):
             frontier.parse_args(bad)
+    _, run = frontier.parse_args(["--paths", "converted"])
+    assert run.paths == ["converted"]
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    def two_rows_then_a_crash(model, tok, n, rope, run, on_row):
+        on_row(_row("dense", None, 1.0, 0.0, n=n))
+        on_row(_row("converted", "smollm2:pbs", 1.3, 0.02, n=n))
+        raise RuntimeError("out of time")
+
+    monkeypatch.setattr(frontier.e2e, "run_length", two_rows_then_a_crash)
+    path = tmp_path / "frontier.json"
+    argv = ["--ns", "256", "--paths", "converted", "--random-init", "--device", "cpu", "--json", str(path)]
+    with pytest.raises(RuntimeError, match="out of time"):
+        frontier.main(argv)
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["path"], r.get("frontier")) for r in rows] == [("dense", None), ("converted", True)]
