@@ -96,6 +96,22 @@ def _run_case(config, sharding, n, is_causal, check_grad, group) -> str:
     return "; ".join(errors)
 
 
+def _run_triton_pbs(group) -> str:
+    """'' when PBS's Triton selection and attention (interpreted), restricted to the rank's query
+    blocks, give the single-process Triton op's rows, else what differs."""
+    cp = ContextParallel(group, sharding="zigzag")
+    q, k, v, _ = _inputs(168)
+    config, tuning = PBSConfig(threshold=0.3, **_PBS), sparseflow.Tuning(pbs_select="triton")
+    with torch.no_grad():
+        want = sparseflow.attention(q, k, v, config=config, backend="triton", tuning=tuning)
+        local = [cpm.shard(t, cp) for t in (q, k, v)]
+        got = sparseflow.attention(*local, config=config, backend="triton", tuning=tuning, context_parallel=cp)
+    whole = cpm.unshard(got, cp)
+    if whole.shape != want.shape or not torch.allclose(whole, want, atol=1e-5, rtol=1e-5):
+        return f"output differs by {(whole - want).abs().max():.3g}"
+    return ""
+
+
 def _run_error(kind, group) -> str:
     """The ValueError's message ('' when none was raised)."""
     rank = dist.get_rank()
@@ -161,6 +177,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             except Exception:  # reported by the case's test, not lost in the child
                 results[name] = traceback.format_exc()
         results["recorded"] = _run_recorded(group)
+        try:
+            results["pbs-triton"] = _run_triton_pbs(group)
+        except Exception:
+            results["pbs-triton"] = traceback.format_exc()
         for name, (kind, _) in ERRORS.items():
             results["error:" + name] = _run_error(kind, group)
     finally:
@@ -191,6 +211,12 @@ def test_fallback_logged_and_calls_recorded(outcomes):
 def _needs_two_ranks(outcomes, name):
     if name == "heads-disagree" and len(outcomes) == 1:
         pytest.skip("one rank cannot disagree with another")
+
+
+def test_pbs_triton_kernels_match_single_process(outcomes):
+    # the fused Triton selection and attention with other ranks' query blocks emptied
+    for rank, res in enumerate(outcomes):
+        assert res["pbs-triton"] == "", f"rank {rank}: {res['pbs-triton']}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

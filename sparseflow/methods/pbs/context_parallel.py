@@ -107,7 +107,24 @@ def _pbs_local(
     owned = _owned_blocks(own, layout.total, kwargs["block_size"])
     geo = dict(key_padding_mask=None, is_causal=is_causal, scale=scale, block_size=kwargs["block_size"])
     if kernels:
-        out = _pbs_triton_owned(q_full, k_all, v_all, perm, owned, kwargs, tuning=tuning, **geo)
+        from .triton_impl import select_and_attend
+
+        out, _ = select_and_attend(
+            q_full,
+            k_all,
+            v_all,
+            perm,
+            segment_size=kwargs["segment_size"],
+            threshold=kwargs["threshold"],
+            force_sink=kwargs["force_sink"],
+            mask_segment=kwargs["segment_size"] if kwargs["permute"] else kwargs["block_size"],
+            want_mask=False,
+            scoring=kwargs["scoring"],
+            antidiagonal_stride=kwargs["antidiagonal_stride"],
+            tuning=tuning,
+            owned=owned,
+            **geo,
+        )
     else:
         with torch.no_grad():
             block_mask = select_blocks(
@@ -137,72 +154,3 @@ def _pbs_kernels(q: Tensor, tuning: Tuning = DEFAULT_TUNING) -> bool:
     from . import triton_gather, triton_impl
 
     return triton_gather._use_kernels(q) and triton_impl.select_impl(q.device, tuning) == "triton"
-
-
-def _pbs_triton_owned(
-    q_full,
-    k_all,
-    v_all,
-    perm,
-    owned,
-    kwargs,
-    *,
-    key_padding_mask,
-    is_causal,
-    scale,
-    block_size,
-    tuning: Tuning = DEFAULT_TUNING,
-):
-    """The Triton selection's block lists with other ranks' query blocks emptied, then the kernel
-    (forward only, as the single-device Triton PBS)."""
-    from . import triton_impl as ti
-    from .triton_select import select_block_lists
-
-    gather = ti.kv_layout(tuning) == "gather"
-    strided = kwargs["scoring"] != "mean" and float(kwargs["threshold"]) < 1.0
-    lay = ti.permuted_layout(
-        k_all,
-        None if gather else v_all,
-        perm,
-        key_padding_mask=None,
-        block_size=block_size,
-        write_kv=strided or not gather,
-        pool=True,
-        positions=True,
-        sink=kwargs["force_sink"],
-    )
-    seg = kwargs["segment_size"] if kwargs["permute"] else block_size
-    kv_num, kv_full, kv_idx, _ = select_block_lists(
-        q_full,
-        lay.k,
-        perm,
-        key_padding_mask=None,
-        is_causal=is_causal,
-        scale=scale,
-        block_size=block_size,
-        segment_size=kwargs["segment_size"],
-        threshold=kwargs["threshold"],
-        force_sink=kwargs["force_sink"],
-        mask_segment=seg,
-        return_block_mask=False,
-        layout=lay,
-        scoring=kwargs["scoring"],
-        antidiagonal_stride=kwargs["antidiagonal_stride"],
-    )
-    kv_num, kv_full = kv_num * owned.to(kv_num.dtype), kv_full * owned.to(kv_full.dtype)
-    kk, vv = (k_all, v_all) if gather else (lay.k, lay.v)
-    return ti.pbs_block_sparse_attention(
-        q_full,
-        kk,
-        vv,
-        lay.kpos,
-        kv_num,
-        kv_full,
-        kv_idx,
-        scale=scale,
-        block_size=block_size,
-        is_causal=is_causal,
-        has_padding=False,
-        gather=gather,
-        tma=tuning.pbs_tma,
-    )

@@ -94,7 +94,7 @@ def pbs_attention(
     with torch.no_grad():
         perm = _permutation(q.detach(), k.detach(), cfg, key_padding_mask, scale, kernels)
         if kernels:
-            out, block_mask = _fused_select_attention(
+            out, block_mask = select_and_attend(
                 q,
                 k,
                 v,
@@ -193,7 +193,7 @@ def _permutation(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, scale
     return perm_fn(scores, segment_size=cfg.segment_size, key_padding_mask=key_padding_mask)
 
 
-def _fused_select_attention(
+def select_and_attend(
     q,
     k,
     v,
@@ -214,11 +214,14 @@ def _fused_select_attention(
     dense_from: Optional[int] = None,
     sliding_window: int = PBSConfig.sliding_window,
     chunk_size: int = PBSConfig.chunk_size,
+    owned: Optional[Tensor] = None,
 ):
     """Stages 2-4 on the Triton kernels: ``(out, block mask or None)``. Query blocks from
     ``dense_from`` on (the dense tail) keep every visible key block, so the attention kernel
     computes their rows exactly, in the same launch as the sparse ones. ``sliding_window`` /
-    ``chunk_size``: the selection inside the local window, the kernel's mask with its bound."""
+    ``chunk_size``: the selection inside the local window, the kernel's mask with its bound.
+    ``owned`` (bool per query block): only those blocks are computed, the others' lists emptied
+    (a context-parallel rank's share; their output rows are left for the caller to drop)."""
     window = dict(sliding_window=sliding_window, chunk_size=chunk_size)
     from .triton_select import select_block_lists
 
@@ -259,6 +262,8 @@ def _fused_select_attention(
         dense_from=dense_from,
         **window,
     )
+    if owned is not None:
+        kv_num, kv_full = kv_num * owned.to(kv_num.dtype), kv_full * owned.to(kv_full.dtype)
     kk, vv = (k, v) if gather else (lay.k, lay.v)
     out = pbs_block_sparse_attention(
         q,
