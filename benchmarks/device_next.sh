@@ -16,6 +16,11 @@
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
 #                                                (benchmarks/frontier.py; NS default 32768)
+#   bash benchmarks/device_next.sh calibrate [NS]    sparseflow calibrate at NS tokens (default
+#                                                32768; YaRN to NS, cost "time", the default text
+#                                                mix, held out on prose and copy-heavy text)
+#   bash benchmarks/device_next.sh frontier_plan PLAN [NS]   the recipe, sampled_rows 0.98 and a
+#                                                calibrated PLAN side by side, both paths
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -87,8 +92,21 @@ case "${1:-}" in
       --thresholds 0.95,0.98 --json "$out/frontier_smollm2_${2:-32768}_${gpu}.json" \
       2>&1 | grep -v -i warn | tail -40
     ;;
+  calibrate)
+    smollm2_env
+    ns=${2:-32768}
+    timeout 570 python3 -m sparseflow calibrate "$SPARSEFLOW_SMOLLM2_GGUF" --method pbs --kl-budget 0.01 \
+      --tokens "$ns" --rope-scaling "yarn:auto:$ns" --cost time --heldout-text stdlib_docs,copy_log \
+      --out "$out/calibrate_smollm2_pbs_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -30
+    ;;
+  frontier_plan)
+    smollm2_env
+    timeout 570 python3 benchmarks/frontier.py --ns "${3:-32768}" --estimates sampled_rows --thresholds 0.98 \
+      --extra "smollm2:pbs,$2:pbs" --json "$out/frontier_smollm2_plan_${3:-32768}_${gpu}.json" \
+      2>&1 | grep -v -i warn | tail -20
+    ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS]" >&2
+    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS]" >&2
     exit 2
     ;;
 esac

@@ -86,9 +86,8 @@ class Tuning:
         # a method's field by its Tuning keyword: tuning.pbs_select is tuning.of("pbs").select
         method, _, name = key.partition("_")
         own = self._methods().get(method) if not key.startswith("_") else None
-        if own is None and not key.startswith("_"):  # a method registered after this tuning was made
-            late = _method_types().get(method)
-            own = late() if late is not None else None
+        if own is None and not key.startswith("_"):  # a method registered after this tuning was made:
+            own = _method_types().get(method)  # its option class, whose attributes are the defaults
         if own is not None and hasattr(own, name):
             return getattr(own, name)
         raise AttributeError(f"'Tuning' object has no attribute {key!r}")
