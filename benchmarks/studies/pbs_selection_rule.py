@@ -1,0 +1,228 @@
+"""Which blocks to keep from an estimate: PBS's cumulative-mass threshold against a threshold
+relative to each query block's largest block (FlashPrefill's rule: no sort), on SmolLM2's real
+layers (issue 51).
+
+For every layer of the ``smollm2`` recipe that runs PBS (its per-layer permutation choice
+included), the study captures the layer's post-RoPE q / k on real text, computes the recipe's
+block estimate (``--scoring``, default the recipe's ``sampled_rows``) and the exact block masses
+(an oracle: the mean over each query block's rows of the true softmax mass per key block), and
+applies both rules to both at a range of settings:
+
+* ``mass@t``: keep the fewest blocks whose estimated mass reaches ``t`` (what PBS does);
+* ``ratio@a``: keep every block whose estimated mass is at least ``a`` times the query block's
+  largest.
+
+The forced blocks (sink, the query's own region) are kept by both. Each setting reports the
+density of the whole selection (mean over the sparse layers) and the true attention mass it
+misses on ``--queries`` query positions spread over the sequence (mean over layers and heads, and
+the worst head of any layer). At equal density, the rule that misses less mass is the better
+one; the model's KL follows the missed mass of its worst layers.
+
+    python benchmarks/studies/pbs_selection_rule.py --n 4096 --texts pydoc_topics,copy_clauses \\
+        --json benchmarks/results/pbs_selection_rule_4k_cpu.json
+
+CPU, fp32, the reference stages; a few minutes per text at 4K on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import e2e_prefill as e2e  # noqa: E402
+
+MASSES = (0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
+RATIOS = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
+
+
+def ratio_blocks(probs: torch.Tensor, candidates: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Candidates whose mass is at least ``ratio`` times their query block's largest."""
+    top = probs.masked_fill(~candidates, 0.0).amax(-1, keepdim=True)
+    return candidates & (probs >= ratio * top) & (top > 0)
+
+
+def exact_block_masses(q, k, perm, candidates, block_size: int, chunk: int = 256) -> torch.Tensor:
+    """``[1, Hq, nB, nB]``: per query block, the mean over its rows of the true causal softmax
+    mass on each permuted key block (zero outside the candidates, renormalised over them)."""
+    _, hq, n, d = q.shape
+    g, hp = hq // k.shape[1], perm.shape[1]
+    nb = -(-n // block_size)
+    out = torch.zeros(1, hq, nb, nb)
+    slot_of_key = torch.empty(hq, n, dtype=torch.long)
+    for h in range(hq):
+        slot_of_key[h, perm[0, h * hp // hq]] = torch.arange(n)
+    block_of_key = slot_of_key // block_size  # [Hq, N]: the permuted block each key sits in
+    for h in range(hq):
+        for r0 in range(0, n, chunk):
+            rows = torch.arange(r0, min(n, r0 + chunk))
+            logits = (q[0, h, rows] @ k[0, h // g].t()) / d**0.5
+            p = torch.softmax(logits.masked_fill(torch.arange(n)[None] > rows[:, None], float("-inf")), -1)
+            per_block = torch.zeros(rows.numel(), nb).index_add_(1, block_of_key[h], p)
+            out[0, h].index_add_(0, rows // block_size, per_block)
+    counts = torch.bincount(torch.arange(n) // block_size, minlength=nb).float()
+    out /= counts[None, None, :, None]
+    out = out * candidates
+    return out / out.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def layer_rows(q, k, cfg, positions, scoring: str) -> List[Dict[str, object]]:
+    """Every (estimate, rule, setting) of one layer: its density and missed mass per head."""
+    from sparseflow.eval.attention_mass import _selected_mass
+    from sparseflow.methods.pbs.block_selection import (
+        candidate_blocks,
+        forced_blocks,
+        selection_density,
+        threshold_blocks,
+    )
+    from sparseflow.methods.pbs.estimate import block_probabilities
+    from sparseflow.methods.pbs.permutation import key_scores, segment_permutation
+
+    hq, n = q.shape[1], q.shape[2]
+    bs = cfg.block_size
+    if cfg.permute:
+        scores = key_scores(
+            q,
+            k,
+            block_size=bs,
+            segment_size=cfg.segment_size,
+            causal_proxy=cfg.causal_proxy,
+            gqa_permutation=cfg.gqa_permutation,
+            proxy_blocks=cfg.proxy_blocks,
+        )
+        perm = segment_permutation(scores, segment_size=cfg.segment_size)
+    else:
+        hp = hq if cfg.gqa_permutation == "query_head" else k.shape[1]
+        perm = torch.arange(n).expand(1, hp, n).clone()
+    geo = dict(key_padding_mask=None, block_size=bs, segment_size=cfg.segment_size)
+    cand = candidate_blocks(perm, hq, is_causal=True, **geo)
+    forced = forced_blocks(perm, hq, force_sink=cfg.force_sink, **geo)
+    estimates = {
+        scoring: block_probabilities(
+            q,
+            k,
+            perm,
+            cand,
+            block_size=bs,
+            scoring=scoring,
+            antidiagonal_stride=cfg.antidiagonal_stride,
+        ),
+        "exact": exact_block_masses(q, k, perm, cand, bs),
+    }
+    rows = []
+    for name, probs in estimates.items():
+        settings = [("mass", t, threshold_blocks(probs, cand, t)) for t in MASSES]
+        settings += [("ratio", a, ratio_blocks(probs, cand, a)) for a in RATIOS]
+        for rule, value, keep in settings:
+            mask = keep | forced
+            kept, _, _ = _selected_mass(q, k, perm, mask, positions, bs, 128)
+            missed = (1.0 - kept / positions.numel()).clamp_min(0.0)
+            density = float(selection_density(mask, perm, is_causal=True, block_size=bs).mean())
+            rows.append({"estimate": name, "rule": rule, "value": value, "density": density, "missed": missed.tolist()})
+    return rows
+
+
+def summarise(per_layer: Dict[int, List[Dict[str, object]]]) -> List[Dict[str, object]]:
+    """Per (estimate, rule, setting): mean density and missed mass over layers, the worst head."""
+    keys = [(r["estimate"], r["rule"], r["value"]) for r in next(iter(per_layer.values()))]
+    out = []
+    for est, rule, value in keys:
+        rows = [
+            r for rs in per_layer.values() for r in rs if (r["estimate"], r["rule"], r["value"]) == (est, rule, value)
+        ]
+        missed = [m for r in rows for m in r["missed"]]
+        out.append(
+            {
+                "estimate": est,
+                "rule": rule,
+                "value": value,
+                "density": sum(r["density"] for r in rows) / len(rows),
+                "mean_missed": sum(missed) / len(missed),
+                "worst_missed": max(missed),
+                "mean_worst_head_missed": sum(max(r["missed"]) for r in rows) / len(rows),
+            }
+        )
+    return out
+
+
+def at_density(summary, estimate: str, rule: str, density: float, key: str):
+    """``key`` of (estimate, rule) linearly interpolated at ``density`` (None outside its range)."""
+    pts = sorted((r["density"], r[key]) for r in summary if (r["estimate"], r["rule"]) == (estimate, rule))
+    for (d0, y0), (d1, y1) in zip(pts, pts[1:]):
+        if d0 <= density <= d1:
+            return y0 if d1 == d0 else y0 + (y1 - y0) * (density - d0) / (d1 - d0)
+    return None
+
+
+def table(summary) -> str:
+    lines = [
+        "| estimate | rule | setting | density | missed mass (mean) | worst head per layer (mean) | "
+        "other rule at this density: mean / worst-head |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        other = "ratio" if r["rule"] == "mass" else "mass"
+        m = at_density(summary, r["estimate"], other, r["density"], "mean_missed")
+        w = at_density(summary, r["estimate"], other, r["density"], "mean_worst_head_missed")
+        cmp = "-" if m is None else f"{m:.4f} / {w:.4f}"
+        lines.append(
+            f"| {r['estimate']} | {r['rule']} | {r['value']:g} | {r['density']:.3f} | {r['mean_missed']:.4f} | "
+            f"{r['mean_worst_head_missed']:.4f} | {cmp} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--texts", default="pydoc_topics,copy_clauses")
+    ap.add_argument("--queries", type=int, default=512, help="query positions checked, spread over the sequence")
+    ap.add_argument("--scoring", default="sampled_rows")
+    ap.add_argument("--layers", default="", help="comma list of layers (default: every PBS layer of the recipe)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    from sparseflow.checkpoints import load_smollm2
+    from sparseflow.eval.attention_mass import capture_qkv, spread_positions
+    from sparseflow.recipes import get_recipe
+
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    model, tok = load_smollm2(dtype=torch.float32)
+    model.eval()
+    recipe = get_recipe("smollm2")
+    base = recipe.config_for("pbs")
+    n_layers = model.config.num_hidden_layers
+    per_layer_cfg = {i: base for i in range(n_layers) if i not in recipe.dense_layers}
+    per_layer_cfg.update(recipe.layer_configs_for("pbs", base, n_layers))
+    if args.layers:
+        wanted = {int(x) for x in args.layers.split(",")}
+        per_layer_cfg = {i: c for i, c in per_layer_cfg.items() if i in wanted}
+    positions = spread_positions(args.n, args.queries, start=2 * base.block_size)
+    out = {"env": e2e.env_info(), "args": vars(args), "texts": {}}
+    for text in [t.strip() for t in args.texts.split(",") if t.strip()]:
+        ids = e2e.repeated_tokens(tok, text, args.n)
+        layers = capture_qkv(model, ids)
+        per_layer = {}
+        for i, cfg in sorted(per_layer_cfg.items()):
+            q, k, _ = layers[i]
+            per_layer[i] = layer_rows(q, k, cfg, positions, args.scoring)
+        summary = summarise(per_layer)
+        out["texts"][text] = {"summary": summary, "per_layer": per_layer}
+        print(f"\n{text}, N={args.n}, {len(per_layer)} PBS layers ({time.perf_counter() - t0:.0f}s)")
+        print(table(summary), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
