@@ -177,10 +177,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             except Exception:  # reported by the case's test, not lost in the child
                 results[name] = traceback.format_exc()
         results["recorded"] = _run_recorded(group)
-        try:
-            results["pbs-triton"] = _run_triton_pbs(group)
-        except Exception:
-            results["pbs-triton"] = traceback.format_exc()
+        if world == 2:  # the interpreter is slow: one world size checks the kernels' share of the ranks
+            try:
+                results["pbs-triton"] = _run_triton_pbs(group)
+            except Exception:
+                results["pbs-triton"] = traceback.format_exc()
         for name, (kind, _) in ERRORS.items():
             results["error:" + name] = _run_error(kind, group)
     finally:
@@ -215,6 +216,8 @@ def _needs_two_ranks(outcomes, name):
 
 def test_pbs_triton_kernels_match_single_process(outcomes):
     # the fused Triton selection and attention with other ranks' query blocks emptied
+    if len(outcomes) != 2:
+        pytest.skip("checked with 2 ranks")
     for rank, res in enumerate(outcomes):
         assert res["pbs-triton"] == "", f"rank {rank}: {res['pbs-triton']}"
 
