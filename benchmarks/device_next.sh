@@ -21,6 +21,9 @@
 #                                                mix, held out on prose and copy-heavy text)
 #   bash benchmarks/device_next.sh frontier_plan PLAN [NS]   the recipe, sampled_rows 0.98 and a
 #                                                calibrated PLAN side by side, both paths
+#   bash benchmarks/device_next.sh selection_rule [NS]   the estimate against exact block masses
+#                                                and the mass rule against a max-relative one at NS
+#                                                (benchmarks/studies/pbs_selection_rule.py; 32768)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -105,8 +108,13 @@ case "${1:-}" in
       --extra "smollm2:pbs,$2:pbs" --json "$out/frontier_smollm2_plan_${3:-32768}_${gpu}.json" \
       2>&1 | grep -v -i warn | tail -20
     ;;
+  selection_rule)
+    smollm2_env
+    timeout 570 python3 benchmarks/studies/pbs_selection_rule.py --device cuda --n "${2:-32768}" \
+      --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
+    ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS]" >&2
+    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac

@@ -21,7 +21,8 @@ one; the model's KL follows the missed mass of its worst layers.
     python benchmarks/studies/pbs_selection_rule.py --n 4096 --texts pydoc_topics,copy_clauses \\
         --json benchmarks/results/pbs_selection_rule_4k_cpu.json
 
-CPU, fp32, the reference stages; a few minutes per text at 4K on 2 cores.
+CPU, fp32, the reference stages: about 10 minutes per text at 4K on 2 cores. Beyond SmolLM2's 8192
+trained positions the model is YaRN-extended to N (as ``e2e_prefill``); ``--device cuda`` for 32K+.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=512, help="query positions checked, spread over the sequence")
     ap.add_argument("--scoring", default="sampled_rows")
     ap.add_argument("--layers", default="", help="comma list of layers (default: every PBS layer of the recipe)")
+    ap.add_argument("--device", default="cpu", help="where the model and the study's tensors live (cuda at 32K+)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
@@ -218,9 +220,12 @@ def main(argv=None) -> int:
     from sparseflow.recipes import get_recipe
 
     torch.set_grad_enabled(False)
+    torch.set_default_device(args.device)  # every tensor the study makes, beside the captured q / k
     t0 = time.perf_counter()
     model, tok = load_smollm2(dtype=torch.float32)
-    model.eval()
+    model.to(args.device).eval()
+    rope = "yarn" if args.n > e2e.TRAINED_POSITIONS else "plain"  # the model extended to N, as e2e_prefill
+    e2e.set_rope(model, rope, args.n)
     recipe = get_recipe("smollm2")
     base = recipe.config_for("pbs")
     n_layers = model.config.num_hidden_layers
@@ -232,7 +237,7 @@ def main(argv=None) -> int:
     positions = spread_positions(args.n, args.queries, start=2 * base.block_size)
     out = {"env": e2e.env_info(), "args": vars(args), "texts": {}}
     for text in [t.strip() for t in args.texts.split(",") if t.strip()]:
-        ids = e2e.repeated_tokens(tok, text, args.n)
+        ids = e2e.repeated_tokens(tok, text, args.n).to(args.device)
         layers = capture_qkv(model, ids)
         per_layer = {}
         for i, cfg in sorted(per_layer_cfg.items()):
