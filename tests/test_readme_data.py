@@ -1,9 +1,11 @@
-"""README's generated tables match the data files they name: a table between
+"""README's and docs/results.md's numbers against the data: a table between
 ``<!-- frontier: A.json,B.json -->`` and ``<!-- /frontier -->`` is what ``benchmarks/frontier.py
---markdown A.json,B.json`` prints."""
+--markdown A.json,B.json`` prints, and every result file the two documents name is in
+benchmarks/results/."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import sys
@@ -47,3 +49,35 @@ def test_a_changed_number_is_caught(tmp_path):
 @pytest.mark.parametrize("text", ["no table here", "<!-- frontier: a.json -->\n| x |\n<!-- /frontier -->"])
 def test_the_block_is_found_only_between_its_markers(text):
     assert len(_blocks(text)) == text.count("<!-- /frontier -->")
+
+
+# a result file named in backticks: `name.json`, `name_{a,b}_h200.json`, `name_*.png`; fragments of
+# a name (starting with "_" or ".") are prose, not citations
+CITED = re.compile(r"`([A-Za-z0-9][A-Za-z0-9_{},.*-]*\.(?:json|png|log|csv))`")
+
+
+def _expand(name):
+    m = re.search(r"\{([^}]*)\}", name)
+    if not m:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in _expand(name[: m.start()] + alt + name[m.end() :])]
+
+
+def _missing(text):
+    names = {e for n in CITED.findall(text) for e in _expand(n)}
+    return sorted(n for n in names if not glob.glob(os.path.join(ROOT, "benchmarks", "results", n)))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def test_every_result_file_a_document_names_is_there(doc):
+    with open(os.path.join(ROOT, doc)) as fh:
+        text = fh.read()
+    assert CITED.findall(text), f"{doc} names no result file"
+    assert _missing(text) == [], f"{doc} names result files that benchmarks/results/ does not hold"
+
+
+def test_a_missing_result_file_is_caught():
+    assert _missing("see `frontier_smollm2_32768_h100.json` and `no_such_run_{a,b}_h200.json`") == [
+        "no_such_run_a_h200.json",
+        "no_such_run_b_h200.json",
+    ]
