@@ -18,6 +18,7 @@ a failure (or Ctrl-C) never leaves a half-written ``out_dir``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -313,7 +314,6 @@ def build_plan(
     file or "auto"; checked against the model) or the method's defaults, with ``config`` and
     ``dense_layers`` overriding. ``config`` given as a dict or JSON changes only the fields it
     names (over a recipe's config too); a config object replaces the recipe's whole."""
-    from .hf import Plan
     from .recipes import RecipeError
 
     if method not in sparse_names():
@@ -322,17 +322,39 @@ def build_plan(
         raise ConversionError(f"backend must be one of ['auto', 'reference', 'triton', 'flex'], got {backend!r}")
     check_architecture(model_config)
     n_layers = getattr(model_config, "num_hidden_layers", None)
-    cfg = parse_config(method, config)
-    dense = _parse_layers(dense_layers)
+    user_dense = _parse_layers(dense_layers)
     try:
         rec = _plan_recipe(recipe, model_config, method)
     except RecipeError as exc:
         raise ConversionError(f"bad recipe: {exc}") from exc
+    band = functools.partial(
+        _band_plan,
+        method=method,
+        config=config,
+        dense_layers=user_dense,
+        backend=backend,
+        source=source,
+        n_layers=n_layers,
+    )
+    if rec is None:
+        return band(None)
+    return band(rec, longer=tuple((tokens, band(r)) for tokens, r in rec.longer))
+
+
+def _band_plan(rec, *, method, config, dense_layers, backend, source, n_layers, longer=()):
+    """The plan of one recipe (or of the method's defaults when ``rec`` is None) with the user's
+    ``config`` and ``dense_layers`` over it; ``longer``: the bands for longer prompts, built alike."""
+    from .hf import Plan
+    from .recipes import RecipeError
+
+    dense = dense_layers
     if rec is not None:
-        # fields given as JSON or a dict change the recipe's config; a config object replaces it
+        # fields given as JSON or a dict change the recipe's config (not the defaults'); a config
+        # object replaces it
         cfg = _config_over(rec.config_for(method), config, method)
         dense = rec.dense_layers if dense is None else dense
-    cfg = cfg or default_config(method)
+    else:
+        cfg = parse_config(method, config) or default_config(method)
     dense = tuple(sorted(set(dense or ())))
     if n_layers is not None:
         bad = [i for i in dense if not (0 <= i < n_layers)]
@@ -358,6 +380,7 @@ def build_plan(
             recipe=None if rec is None else rec.label,
             num_layers=n_layers,
             source=source,
+            longer=longer,
         )
     except (TypeError, ValueError) as exc:
         raise ConversionError(f"bad plan: {exc}") from exc

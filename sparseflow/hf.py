@@ -58,6 +58,7 @@ logger = logging.getLogger("sparseflow")
 ATTN_IMPLEMENTATION = "sparseflow"
 PLAN_KEY = "sparseflow"  # the key in config.json
 PLAN_FORMAT = 1
+PLAN_FORMAT_BANDS = 2  # a plan with bands for longer prompts (Plan.longer)
 
 _LAYER_RE = re.compile(r"(\d+)")
 
@@ -80,6 +81,9 @@ class Plan:
     num_layers: Optional[int] = None
     source: Optional[str] = None
     tuning: Tuning = DEFAULT_TUNING
+    # plans for longer prompts: ``((tokens, plan), ...)``, tokens increasing; a call with at least
+    # ``tokens`` keys runs that plan (same method, backend and layer count)
+    longer: Tuple[Tuple[int, "Plan"], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.tuning, Tuning):
@@ -98,6 +102,33 @@ class Plan:
         both = sorted(set(self.dense_layers) & set(self.layer_configs))
         if both:
             raise ValueError(f"layers {both} are both dense and given a config")
+        self._check_longer()
+
+    def _check_longer(self) -> None:
+        previous = 0
+        for band in self.longer:
+            tokens, plan = band if isinstance(band, tuple) and len(band) == 2 else (None, None)
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= previous:
+                raise ValueError(
+                    f"Plan.longer must hold (tokens, Plan) pairs with increasing token counts > {previous}, got {band!r}"
+                )
+            previous = tokens
+            if not isinstance(plan, Plan) or plan.longer:
+                raise ValueError(f"Plan.longer[{tokens}] must be a Plan without bands of its own, got {plan!r}")
+            same = (plan.method, plan.backend, plan.num_layers)
+            if same != (self.method, self.backend, self.num_layers):
+                raise ValueError(
+                    f"Plan.longer[{tokens}] must share the plan's method, backend and layer count "
+                    f"{(self.method, self.backend, self.num_layers)}; it has {same}"
+                )
+
+    def for_keys(self, n_keys) -> "Plan":
+        """The plan a call with ``n_keys`` keys runs: the last band of :attr:`longer` it reaches."""
+        chosen = self
+        for tokens, plan in self.longer:
+            if n_keys >= tokens:
+                chosen = plan
+        return chosen
 
     def config_for(self, layer: Optional[int]) -> AttentionConfig:
         if layer is not None:
@@ -108,6 +139,13 @@ class Plan:
         return self.config
 
     def to_dict(self) -> Dict[str, Any]:
+        out = self._band_dict()
+        if self.longer:  # a reader of format 1 would run every length with the short-prompt plan
+            out["format"] = PLAN_FORMAT_BANDS
+            out["longer"] = [{"tokens": t, "plan": p._band_dict()} for t, p in self.longer]
+        return out
+
+    def _band_dict(self) -> Dict[str, Any]:
         from ._version import __version__
 
         return {
@@ -129,8 +167,18 @@ class Plan:
         if not isinstance(data, Mapping):
             raise TypeError(f"a sparseflow plan must be a dict, got {type(data).__name__}")
         fmt = data.get("format", PLAN_FORMAT)
-        if fmt != PLAN_FORMAT:
-            raise ValueError(f"sparseflow plan format {fmt} is not readable by this sparseflow (expects {PLAN_FORMAT})")
+        if fmt not in (PLAN_FORMAT, PLAN_FORMAT_BANDS):
+            raise ValueError(
+                f"sparseflow plan format {fmt} is not readable by this sparseflow (expects {PLAN_FORMAT} "
+                f"or {PLAN_FORMAT_BANDS})"
+            )
+        longer = data.get("longer") or []
+        if not isinstance(longer, list) or not all(
+            isinstance(b, Mapping) and set(b) == {"tokens", "plan"} for b in longer
+        ):
+            raise ValueError(
+                f'a sparseflow plan\'s "longer" must be a list of {{"tokens": int, "plan": {{...}}}}, got {longer!r}'
+            )
         cfg = config_from_dict(data["config"])
         return cls(
             method=data.get("method", cfg.method),
@@ -142,6 +190,7 @@ class Plan:
             num_layers=data.get("num_layers"),
             source=data.get("source"),
             tuning=_tuning_from(data.get("tuning")),
+            longer=tuple((b["tokens"], cls.from_dict(b["plan"])) for b in longer),
         )
 
 
@@ -216,6 +265,15 @@ class _Layer(NamedTuple):
     tag: str
     tuning: Tuning
     known: dict  # ops.attention_any_layout's notes of which call signatures run dense
+    longer: Tuple[Tuple[int, "_Layer"], ...] = ()  # the plan's bands for longer prompts, resolved
+
+    def for_keys(self, n_keys) -> "_Layer":
+        """What a call with ``n_keys`` keys runs (:meth:`Plan.for_keys`)."""
+        chosen = self
+        for tokens, entry in self.longer:
+            if n_keys >= tokens:
+                chosen = entry
+        return chosen
 
 
 _LAYER_ATTR = "_sparseflow_layer"  # where a module keeps its _Layer (in its __dict__, no nn.Module hooks)
@@ -235,12 +293,16 @@ def _layer_of(module) -> _Layer:
     if kept is not None and kept.config is config and kept.raw is raw and kept.layer == layer:
         return kept
     plan = plan_of(config)
-    cfg = plan.config_for(layer)
     window = local_windows(config).get(layer, (0, 0)) if layer is not None else (0, 0)
-    windowed_cfg = windowed(cfg, *window)[0] if any(window) else cfg
     tag = f"model.layers.{layer}.self_attn" if layer is not None else type(module).__name__
-    backend = plan.backend if spec_for(cfg).sparse else "auto"
-    entry = _Layer(config, raw, layer, cfg, window, windowed_cfg, backend, tag, plan.tuning, {})
+
+    def resolved(band: Plan, longer=()) -> _Layer:
+        cfg = band.config_for(layer)
+        windowed_cfg = windowed(cfg, *window)[0] if any(window) else cfg
+        backend = band.backend if spec_for(cfg).sparse else "auto"
+        return _Layer(config, raw, layer, cfg, window, windowed_cfg, backend, tag, plan.tuning, {}, longer)
+
+    entry = resolved(plan, tuple((tokens, resolved(band)) for tokens, band in plan.longer))
     if not compiling:  # module state written in a trace is a side effect the compiler replays
         module.__dict__[_LAYER_ATTR] = entry
     return entry
@@ -259,7 +321,7 @@ def sparseflow_attention_forward(
 ):
     """The attention function registered as ``"sparseflow"``: q ``[B, Hq, Nq, D]``, k/v
     ``[B, Hkv, Nk, D]`` (native GQA, no repeat) -> ``([B, Nq, Hq, D], None)``."""
-    entry = _layer_of(module)
+    entry = _layer_of(module).for_keys(key.shape[-2])
     _check_expressible(entry, kwargs)
     if dropout and getattr(module, "training", False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -45,6 +45,14 @@ def settings_marker(options: RewriteOptions, **extra) -> Dict[str, Any]:
         else getattr(options.filter_fn, "__qualname__", repr(options.filter_fn)),
         "tuning": options.tuning.to_dict(),
         "context_parallel": None if options.context_parallel is None else options.context_parallel.sharding,
+        "longer": {
+            tokens: {
+                "config": band.config.to_dict(),
+                "skip_layers": sorted(band.skip_layers),
+                "layer_configs": {i: (None if c is None else c.to_dict()) for i, c in band.layer_configs.items()},
+            }
+            for tokens, band in options.longer
+        },
         **extra,
     }
 

@@ -134,7 +134,11 @@ def check_model_context_parallel(context_parallel: Any):
 def check_no_dense_tail(options: RewriteOptions) -> None:
     """Context parallelism does not run PBS's dense tail: refused when the model is compiled,
     not at its first forward."""
-    configs = {"config": options.config, **{f"layer_configs[{i}]": c for i, c in options.layer_configs.items()}}
+    configs = {}
+    for tokens, band in ((0, options), *options.longer):
+        at = f" (the recipe's settings from {tokens} keys)" if tokens else ""
+        configs[f"config{at}"] = band.config
+        configs.update({f"layer_configs[{i}]{at}": c for i, c in band.layer_configs.items()})
     for where, cfg in configs.items():
         if cfg is not None and getattr(cfg, "dense_tail_blocks", 0):
             raise ValueError(

@@ -4,6 +4,7 @@ merge its settings under the user's own, into the pass's RewriteOptions."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Dict, Optional
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from .config import AttentionConfig
 from .option_checks import layer_indices, make_options
+from .passes.rewrite_options import RewriteOptions
 
 __all__ = ["options_with_recipe"]
 
@@ -110,5 +112,11 @@ def options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_
     if rec is None:
         return options, None
     skip = sorted(options.skip_layers)  # the checked copy: skip_layers may be a one-shot iterator
-    base, merged = _apply_recipe(rec, model, method, config, skip, dict(options.layer_configs))
-    return make_options(method, base, backend, filter_fn, skip, merged), rec.label
+    user_layers = dict(options.layer_configs)
+
+    def merged(band) -> RewriteOptions:
+        base, layers = _apply_recipe(band, model, method, config, skip, user_layers)
+        return make_options(method, base, backend, filter_fn, skip, layers)
+
+    longer = tuple((tokens, merged(band)) for tokens, band in rec.longer)
+    return dataclasses.replace(merged(rec), longer=longer), rec.label

@@ -811,3 +811,31 @@ def test_calibrate_checks_its_texts(models):
         cal.calibrate(model, {}, "pbs", BUDGET, **kw)
     with pytest.raises(TypeError, match=r"heldout_ids must be a \[1, N\] tensor or a mapping"):
         cal.calibrate(model, ids, "pbs", BUDGET, heldout_ids=[ids], **kw)
+
+
+def test_dense_where_run_dense_makes_only_measured_dense_sparse_layers_dense():
+    sparse = cal.Choice((("threshold", 0.9),))
+    chosen = [sparse, cal.DENSE, sparse, sparse, sparse]
+    out, ran = run.dense_where_run_dense(chosen, [1.0, 1.0, 0.4, 1.0, None], windows={3: (64, 0)})
+    assert ran == [0]  # layer 1 was dense already, layer 3 is windowed, layer 4 unmeasured
+    assert out == [cal.DENSE, cal.DENSE, sparse, sparse, sparse]
+
+
+def test_a_layer_that_ran_dense_in_the_plans_measurement_is_written_dense(models, tmp_path, monkeypatch):
+    """backend="auto" on a GPU runs dense SDPA where the sparse op is not faster: the calibration
+    measured that layer dense, so a recipe naming it sparse would run unmeasured on a forced backend."""
+    real = run.search
+
+    def search(*args, **kw):
+        chosen, calib, cost, steps = real(*args, **kw)
+        layer = next(i for i, c in enumerate(chosen) if not c.dense)
+        per_layer = list(calib["density_per_layer"])
+        per_layer[layer] = 1.0  # as a dense call records it
+        return chosen, {**calib, "density_per_layer": per_layer}, cost, steps
+
+    monkeypatch.setattr(run, "search", search)
+    res = _run(models["llama"], 1e-2, tmp_path)
+    ran = res.recipe.measured["ran_dense"]
+    assert len(ran) == 1 and ran[0] in res.recipe.dense_layers
+    assert res.choices[ran[0]].dense and res.recipe.measured["per_layer"][ran[0]]["choice"] != "dense"
+    assert ran[0] not in res.recipe.layer_overrides.get("pbs", {})

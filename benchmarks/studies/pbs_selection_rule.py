@@ -108,24 +108,11 @@ def layer_rows(q, k, cfg, positions, scoring: str) -> List[Dict[str, object]]:
         threshold_blocks,
     )
     from sparseflow.methods.pbs.estimate import block_probabilities
-    from sparseflow.methods.pbs.permutation import key_scores, segment_permutation
+    from sparseflow.methods.pbs.permutation import config_permutation
 
-    hq, n = q.shape[1], q.shape[2]
+    hq = q.shape[1]
     bs = cfg.block_size
-    if cfg.permute:
-        scores = key_scores(
-            q,
-            k,
-            block_size=bs,
-            segment_size=cfg.segment_size,
-            causal_proxy=cfg.causal_proxy,
-            gqa_permutation=cfg.gqa_permutation,
-            proxy_blocks=cfg.proxy_blocks,
-        )
-        perm = segment_permutation(scores, segment_size=cfg.segment_size)
-    else:
-        hp = hq if cfg.gqa_permutation == "query_head" else k.shape[1]
-        perm = torch.arange(n).expand(1, hp, n).clone()
+    perm = config_permutation(q, k, cfg, None, None)
     geo = dict(key_padding_mask=None, block_size=bs, segment_size=cfg.segment_size)
     cand = candidate_blocks(perm, hq, is_causal=True, **geo)
     forced = forced_blocks(perm, hq, force_sink=cfg.force_sink, **geo)

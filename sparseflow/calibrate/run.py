@@ -7,13 +7,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import AttentionConfig, default_config
 from ..eval.evaluate import dense_logits
-from .choices import Choice, candidate_choices, sparse_spec
+from .choices import DENSE, Choice, candidate_choices, sparse_spec
 from .grid import LazyGrid, measure_all, single_layer_report
 from .measure import measure_plan
 from .mix import combine_fidelity, mix_key, open_mix
@@ -114,6 +114,13 @@ def calibrate(
         mix, table, budget * margin, safety=safety, progress=progress, say=say,
         settle=None if grid is None else grid.settle,
     )  # fmt: skip
+    searched = chosen
+    chosen, ran_dense = dense_where_run_dense(searched, calib.get("density_per_layer") or (), mix.windows)
+    if ran_dense:
+        say(
+            f"layers {ran_dense} ran dense in the plan's measurement (backend {backend!r} chose dense SDPA, or "
+            "every block was kept): written as dense layers, so the recipe runs what was measured on any backend"
+        )
     single = single_layer_report(mix, choices, table, grid)
     say(single["summary"])
     held = None if heldout is None else heldout_check(mix.first, chosen, heldout, kinds, cache_dir, say)
@@ -136,7 +143,9 @@ def calibrate(
         "heldout": held,
         "predicted_cost": pred_cost,
         "search": steps,
-        "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()} for i, c in enumerate(chosen)],
+        # what the search chose per layer (a layer in ran_dense is written dense)
+        "per_layer": [{"layer": i, "choice": c.key, **table[i][c].to_dict()} for i, c in enumerate(searched)],
+        "ran_dense": ran_dense,
         "single_layer": single,
         "windowed_layers": {
             str(i): {"sliding_window": w, "chunk_size": c} for i, (w, c) in sorted(mix.windows.items())
@@ -148,6 +157,19 @@ def calibrate(
     return CalibrationResult(
         recipe=recipe, choices=chosen, calibration=calib, heldout=held, predicted_cost=pred_cost, steps=steps
     )
+
+
+def dense_where_run_dense(chosen, density_per_layer, windows) -> Tuple[List[Choice], List[int]]:
+    """``(choices, layers)``: ``chosen`` with every sparse choice whose layer ran dense in the plan's
+    measurement (density 1: ``backend="auto"`` found dense SDPA faster there, or every block was
+    kept) made dense, and those layers. Written as they are, a recipe run with a forced sparse
+    backend would run those layers sparse, which the calibration never measured."""
+    ran = [
+        i
+        for i, (c, d) in enumerate(zip(chosen, density_per_layer))
+        if not c.dense and i not in windows and d is not None and d >= 1.0
+    ]
+    return [DENSE if i in ran else c for i, c in enumerate(chosen)], ran
 
 
 def heldout_check(s: Session, chosen, heldout: Dict[str, torch.Tensor], kinds, cache_dir, say) -> Dict[str, Any]:

@@ -19,4 +19,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"    model types {list(r.model_types)}, dense layers {list(r.dense_layers)}")
         for m in r.methods:
             print(f"    {m}: {r.configs[m].to_json()}")
+        for tokens, band in r.longer:
+            print(f"    from {tokens} keys ({band.name}): dense layers {list(band.dense_layers)}")
+            for m in band.methods:
+                print(f"        {m}: {band.configs[m].to_json()}")
     return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +64,12 @@ def capture_qkv(model, input_ids: torch.Tensor) -> List[Tuple[torch.Tensor, torc
         if not isinstance(idx, int):
             raise ValueError(f"capture_qkv needs attention modules with an int layer_idx, got {type(module).__name__}")
         store[idx] = (query.detach().float().clone(), key.detach().float().clone(), value.detach().float().clone())
+        groups = query.shape[1] // key.shape[1]
+        if attention_mask is None and groups > 1:
+            # transformers passes enable_gqa here, which sends fp32 on CUDA to SDPA's math kernel
+            # (N x N scores: out of memory at 32K); repeated heads reach the memory-efficient one
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+            module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(_CAPTURE_NAME, record)
@@ -329,25 +336,11 @@ def _query_positions(positions: Optional[torch.Tensor], last: int, n: int) -> to
 def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
     """PBS's ``(permutation, block mask, density)`` for causal attention, by the reference."""
     from ..methods.pbs.block_selection import select_blocks, selection_density
-    from ..methods.pbs.permutation import key_scores, segment_permutation
+    from ..methods.pbs.permutation import config_permutation
     from ..methods.pbs.tail import mark_tail
 
-    hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
     bs = config.block_size
-    if config.permute:
-        scores = key_scores(
-            q,
-            k,
-            block_size=bs,
-            segment_size=config.segment_size,
-            causal_proxy=config.causal_proxy,
-            gqa_permutation=config.gqa_permutation,
-            proxy_blocks=config.proxy_blocks,
-        )
-        perm = segment_permutation(scores, segment_size=config.segment_size)
-    else:
-        hp = hq if config.gqa_permutation == "query_head" else hkv
-        perm = torch.arange(n, device=q.device).expand(1, hp, n).clone()
+    perm = config_permutation(q, k, config, None, None)
     mask = select_blocks(
         q,
         k,

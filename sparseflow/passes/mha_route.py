@@ -18,7 +18,7 @@ from ..ops import op_args, op_for
 from ..recording import log_fallback
 from .gqa_fold import fake_of
 from .rewrite_entry import RewriteEntry
-from .rewrite_options import RewriteOptions
+from .rewrite_options import RewriteOptions, options_for_call
 from .sdpa_call import SUPPORTED_DTYPES, const_float, shape_tuple
 
 __all__ = ["mha_forward_routed", "rewrite_mha"]
@@ -118,6 +118,8 @@ def rewrite_mha(node: fx.Node, entry: RewriteEntry, options: RewriteOptions) -> 
     entry.q_shape, entry.k_shape, entry.v_shape = shape_tuple(qf), shape_tuple(kf), shape_tuple(vf)
     entry.is_causal = a["is_causal"] if isinstance(a["is_causal"], bool) else None
     entry.notes.append("nn.MultiheadAttention: shapes are the module's [L, B, E] inputs")
+    if kf is not None:
+        options = options_for_call(options, kf.shape[0], entry.notes)
     cfg, why = options.resolve(entry.tag, entry.layer)
     if cfg is None:
         entry.reason = why

@@ -3,6 +3,7 @@ shapes, mask and GQA form it saw, its notes, and what the op did with it at run 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -60,8 +61,10 @@ class RewriteEntry:
 
     def key(self) -> Tuple:
         """Deduplication key across recompiles: the same call site (tag + its index among that
-        tag's calls in the graph) with the same decision is one entry."""
-        return (self.graph, self.tag, self.site, self.target, self.rewritten, self.reason, self.method)
+        tag's calls in the graph) with the same decision (a recipe's band for longer prompts may
+        give it another config) is one entry."""
+        config = None if self.config is None else json.dumps(self.config, sort_keys=True, default=str)
+        return (self.graph, self.tag, self.site, self.target, self.rewritten, self.reason, self.method, config)
 
 
 def _reasons(dense: Mapping[str, int], most: int = 2) -> str:

@@ -3,13 +3,14 @@ which calls to keep as SDPA."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from ..config import AttentionConfig, DenseConfig
 from ..tuning import DEFAULT_TUNING, Tuning
 
-__all__ = ["RewriteOptions"]
+__all__ = ["RewriteOptions", "options_for_call"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,24 @@ class RewriteOptions:
     # nothing captures the compiled graph (sparseflow.compile without Inductor's CUDA graphs);
     # a graph that Inductor captures must hold no op-level graph (see Tuning.traced)
     op_graphs_in_dynamo: bool = False
+    # a recipe's settings for longer prompts: ``((tokens, options), ...)``, tokens increasing; a
+    # call with at least ``tokens`` keys takes that band's config, layer_configs and skip_layers
+    longer: Tuple[Tuple[int, "RewriteOptions"], ...] = ()
+
+    def for_keys(self, n_keys) -> Tuple["RewriteOptions", int]:
+        """``(options, tokens)``: the options a call with ``n_keys`` keys is rewritten with, and
+        where its band starts (0: these options). ``n_keys`` symbolic in a Dynamo graph gets a
+        guard: a length in another band compiles anew."""
+        band, start = self, 0
+        for tokens, options in self.longer:
+            if n_keys >= tokens:
+                band, start = options, tokens
+        if start == 0:
+            return self, 0
+        chosen = dataclasses.replace(
+            self, config=band.config, layer_configs=band.layer_configs, skip_layers=band.skip_layers, longer=()
+        )
+        return chosen, start
 
     def call_tuning(self, graph_kind: str) -> Tuning:
         """The tuning a rewritten call of a ``graph_kind`` graph carries: an exported program runs
@@ -55,3 +74,15 @@ class RewriteOptions:
         if layer is not None and layer in self.layer_configs:
             return self.layer_configs[layer], ""
         return self.config, ""
+
+
+def options_for_call(options: RewriteOptions, n_keys, notes: List[str]) -> RewriteOptions:
+    """The options one call with ``n_keys`` keys is rewritten with (:meth:`RewriteOptions.for_keys`),
+    its band noted in ``notes``. (``sparseflow.export`` traces static lengths only: a symbolic
+    length is Dynamo's, which keeps the guard the choice adds.)"""
+    if not options.longer:
+        return options
+    chosen, start = options.for_keys(n_keys)
+    if start:
+        notes.append(f"the recipe's settings for {start} keys or more")
+    return chosen

@@ -36,7 +36,7 @@ from .mask_rewrite import proven_mask, windowed_config
 from .mha_route import rewrite_mha
 from .module_tags import layer_index, module_tag
 from .rewrite_entry import RewriteEntry
-from .rewrite_options import RewriteOptions
+from .rewrite_options import RewriteOptions, options_for_call
 from .sdpa_call import constant_args_reason, kv_heads, read_sdpa_call, tensor_args_reason
 from .sdpa_replace import keep_sdpa_causal, replace_with_op
 from .sdpa_targets import FASTPATH_REASON, FUSED_TARGETS, SDPA_TARGETS, SdpaTarget
@@ -51,6 +51,7 @@ def _rewrite_sdpa(
     call = read_sdpa_call(node, spec, entry)
     if call is None:
         return
+    options = options_for_call(options, call.kf.shape[-2], entry.notes)
     cfg, why = options.resolve(entry.tag, entry.layer)
     if cfg is None:
         entry.reason = why

@@ -12,6 +12,7 @@ Importing this package imports neither transformers nor any recipe's model.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -68,6 +69,9 @@ class Recipe:
     # method -> {layer: {config field: value}}: per-layer changes applied on top of the method's
     # config (the recipe's, or a user's override), e.g. a calibrated per-layer permute choice
     layer_overrides: Mapping[str, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
+    # settings for longer prompts: ``((tokens, recipe), ...)``, tokens increasing; a call with at
+    # least ``tokens`` keys runs that recipe (of the same family, covering the same methods)
+    longer: Tuple[Tuple[int, "Recipe"], ...] = ()
     # the file it was read from (None for a shipped recipe); not part of the recipe's identity
     path: Optional[str] = field(default=None, compare=False)
 
@@ -80,6 +84,7 @@ class Recipe:
         self._check_dense_layers()
         for method, per_layer in self.layer_overrides.items():
             self._check_overrides(method, per_layer)
+        self._check_longer()
 
     def _check_configs(self) -> None:
         if not self.configs:
@@ -117,6 +122,45 @@ class Recipe:
                 self.configs[method].replace(**dict(changes))
             except (TypeError, ValueError) as exc:
                 raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
+
+    def _check_longer(self) -> None:
+        previous = 0
+        for band in self.longer:
+            if not (isinstance(band, tuple) and len(band) == 2):
+                raise RecipeError(f"recipe {self.name!r}: longer must hold (tokens, Recipe) pairs, got {band!r}")
+            tokens, rec = band
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= previous:
+                raise RecipeError(
+                    f"recipe {self.name!r}: longer's token counts must be increasing integers > {previous}, "
+                    f"got {tokens!r}"
+                )
+            previous = tokens
+            if not isinstance(rec, Recipe):
+                raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] must be a Recipe, got {rec!r}")
+            if rec.longer:
+                raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] has bands of its own; give them all here")
+            if rec.methods != self.methods or not set(rec.model_types) <= set(self.model_types):
+                raise RecipeError(
+                    f"recipe {self.name!r}: longer[{tokens}] ({rec.name!r}) must cover the same methods "
+                    f"{self.methods} and model types {list(self.model_types)}; it has {rec.methods} and "
+                    f"{list(rec.model_types)}"
+                )
+
+    def with_longer(self, tokens: int, recipe: "Recipe") -> "Recipe":
+        """This recipe with ``recipe`` run from ``tokens`` keys on (after this one's other bands);
+        e.g. two calibrations at 8K and 32K made one recipe."""
+        return dataclasses.replace(
+            self, longer=(*self.longer, (tokens, dataclasses.replace(recipe, path=None))), path=None
+        )
+
+    def for_tokens(self, n_keys) -> "Recipe":
+        """The recipe a call with ``n_keys`` keys runs: the last band of :attr:`longer` it reaches,
+        else this one."""
+        chosen = self
+        for tokens, rec in self.longer:
+            if n_keys >= tokens:
+                chosen = rec
+        return chosen
 
     def layer_configs_for(
         self, method: str, base: AttentionConfig, n_layers: Optional[int] = None
@@ -165,6 +209,8 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r} expects {name}={want}, but the model has {got}")
         if n_layers is not None:
             self.check_layers(n_layers)
+        for _, rec in self.longer:
+            rec.check_model(model_config)
 
     def check_layers(self, n_layers: int) -> None:
         """Raise :class:`RecipeError` when a dense layer or a per-layer override names a layer
@@ -179,6 +225,8 @@ class Recipe:
                     f"recipe {self.name!r}: layer_overrides[{method!r}] name layers {bad}, "
                     f"which do not exist in a {n_layers}-layer model"
                 )
+        for _, rec in self.longer:
+            rec.check_layers(n_layers)
 
     @property
     def label(self) -> str:
@@ -190,21 +238,26 @@ class Recipe:
         ``model_config`` is given)."""
         from ..hf import Plan
 
-        cfg = self.config_for(method)
         n_layers = None
         if model_config is not None:
             self.check_model(model_config)
             n_layers = getattr(model_config, "num_hidden_layers", None)
-        return Plan(
-            method=method,
-            config=cfg,
-            backend=backend,
-            dense_layers=tuple(self.dense_layers),
-            layer_configs=self.layer_configs_for(method, cfg, n_layers),
-            recipe=self.name,
-            num_layers=n_layers,
-            source=source,
-        )
+
+        def plan_of(rec: "Recipe", longer=()):
+            cfg = rec.config_for(method)
+            return Plan(
+                method=method,
+                config=cfg,
+                backend=backend,
+                dense_layers=tuple(rec.dense_layers),
+                layer_configs=rec.layer_configs_for(method, cfg, n_layers),
+                recipe=rec.name,
+                num_layers=n_layers,
+                source=source,
+                longer=longer,
+            )
+
+        return plan_of(self, tuple((tokens, plan_of(rec)) for tokens, rec in self.longer))
 
     def to_dict(self) -> Dict[str, Any]:
         """The recipe as JSON-able data: what a recipe file holds (:meth:`from_dict` reads it)."""
@@ -223,6 +276,7 @@ class Recipe:
                 m: {str(i): dict(c) for i, c in sorted(per.items())} for m, per in sorted(self.layer_overrides.items())
             },
             "measured": dict(self.measured),
+            **({"longer": [{"tokens": t, "recipe": r.to_dict()} for t, r in self.longer]} if self.longer else {}),
         }
 
     @classmethod
@@ -337,7 +391,22 @@ def _read_fields(where: str, data: Mapping[str, Any]) -> Dict[str, Any]:
         raise _fail(where, f"measured must be an object, got {measured!r}")
     kw["measured"] = dict(measured)
     kw["layer_overrides"] = _read_overrides(where, data.get("layer_overrides", {}))
+    kw["longer"] = _read_longer(where, data.get("longer", []))
     return kw
+
+
+def _read_longer(where: str, raw: Any) -> Tuple[Tuple[int, Recipe], ...]:
+    if not isinstance(raw, list):
+        raise _fail(where, f'longer must be a list of {{"tokens": int, "recipe": {{...}}}}, got {raw!r}')
+    out = []
+    for i, band in enumerate(raw):
+        if not isinstance(band, Mapping) or set(band) != {"tokens", "recipe"}:
+            raise _fail(where, f'longer[{i}] must be an object {{"tokens": int, "recipe": {{...}}}}, got {band!r}')
+        tokens = band["tokens"]
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise _fail(where, f"longer[{i}].tokens must be a positive integer, got {tokens!r}")
+        out.append((tokens, _recipe_from_dict(band["recipe"], f"{where}, longer[{i}]")))
+    return tuple(out)
 
 
 def _recipe_from_dict(data: Any, where: str, path: Optional[str] = None) -> Recipe:

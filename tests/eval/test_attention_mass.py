@@ -154,3 +154,33 @@ def test_pbs_retained_mass_at_spread_positions():
         pbs_retained_mass(q, k, cfg, positions=torch.tensor([384]))
     with pytest.raises(ValueError, match="need 0 <= start < n"):
         spread_positions(10, 0)
+
+
+def test_capture_qkv_runs_gqa_without_enable_gqa_and_the_same_model(monkeypatch):
+    """enable_gqa sends fp32 on CUDA to SDPA's math kernel (N x N scores); the capture repeats the
+    heads instead, and the model it runs stays the same: the last layer's V (made from every
+    earlier layer's attention output) equals a plain forward's."""
+    pytest.importorskip("transformers")
+    import conftest
+    from sparseflow.eval.attention_mass import capture_qkv
+
+    model = conftest.make_tiny("llama", layers=3)
+    ids = torch.randint(3, 128, (1, 48), generator=torch.Generator().manual_seed(1))
+    last = model.model.layers[-1].self_attn
+    seen = {}
+    h = last.v_proj.register_forward_hook(lambda m, a, o: seen.update(v=o.detach()))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    h.remove()
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def spy(q, k, v, *a, **kw):
+        calls.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False)))
+        return real_sdpa(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    layers = capture_qkv(model, ids)
+    assert calls == [(6, 6, False)] * 3
+    want = seen["v"].view(1, 48, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(layers[-1][2], want.float(), rtol=1e-5, atol=1e-6)

@@ -124,8 +124,8 @@ def test_plan_validation():
         Plan("pbs", PBSConfig(), dense_layers=(1,), layer_configs={1: BSAConfig()})
     with pytest.raises(ValueError, match="backend must be one of"):
         Plan("pbs", PBSConfig(), backend="cuda")
-    with pytest.raises(ValueError, match="format 2"):
-        Plan.from_dict({"format": 2, "config": PBSConfig().to_dict()})
+    with pytest.raises(ValueError, match="format 3 is not readable"):
+        Plan.from_dict({"format": 3, "config": PBSConfig().to_dict()})
     p = Plan("pbs", PBSConfig(threshold=0.8), dense_layers=(0,), layer_configs={2: BSAConfig(top_k=4)}, num_layers=4)
     assert Plan.from_dict(p.to_dict()) == p
     assert [p.config_for(i).method for i in range(4)] == ["dense", "pbs", "bsa", "pbs"]
