@@ -338,7 +338,7 @@ def build_plan(
     )
     if rec is None:
         return band(None)
-    return band(rec, longer=tuple((tokens, band(r)) for tokens, r in rec.longer))
+    return band(rec, longer=tuple((tokens, band(r)) for tokens, r in rec.bands_for(method)))
 
 
 def _band_plan(rec, *, method, config, dense_layers, backend, source, n_layers, longer=()):

@@ -118,5 +118,5 @@ def options_with_recipe(recipe, model, method, config, backend, filter_fn, skip_
         base, layers = _apply_recipe(band, model, method, config, skip, user_layers)
         return make_options(method, base, backend, filter_fn, skip, layers)
 
-    longer = tuple((tokens, merged(band)) for tokens, band in rec.longer)
+    longer = tuple((tokens, merged(band)) for tokens, band in rec.bands_for(method))
     return dataclasses.replace(merged(rec), longer=longer), rec.label

@@ -1,7 +1,8 @@
 """README's and docs/results.md's numbers against the data: a table between
 ``<!-- frontier: A.json,B.json -->`` and ``<!-- /frontier -->`` is what ``benchmarks/frontier.py
---markdown A.json,B.json`` prints, and every result file the two documents name is in
-benchmarks/results/."""
+--markdown A.json,B.json`` prints; a hand-written table under ``<!-- checked against: A.json, ... -->``
+prints only speedups, KLs and top-1s that rows of those files hold at the row's length; and every
+result file the two documents name is in benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -80,4 +81,94 @@ def test_a_missing_result_file_is_caught():
     assert _missing("see `frontier_smollm2_32768_h100.json` and `no_such_run_{a,b}_h200.json`") == [
         "no_such_run_a_h200.json",
         "no_such_run_b_h200.json",
+    ]
+
+
+# --------------------------------------------------------------------------- hand-written tables
+
+# ``<!-- checked against: a.json, b.json -->`` right above a table: every speedup, KL and top-1 in
+# its rows is a value, rounded as printed, of a row of those files at the row's length
+CHECKED = re.compile(r"<!-- checked against: (?P<files>[^>]+?) -->\n(?P<table>(?:\|.*\n)+)")
+SPEEDUP_FIELDS = (
+    "speedup",
+    "ratio_vs_dense",
+    "paired_ratio",
+    "paired_quartiles",
+    "speedup_vs_fastest_dense",
+    "round_speedups",
+)
+FIGURES = {
+    "speedup": re.compile(r"(\d+\.\d+)(?:-(\d+\.\d+))?x|\((\d+\.\d+)-(\d+\.\d+)\)"),
+    "kl": re.compile(r"KL (\d+\.\d+)"),
+    "top1": re.compile(r"top-1 (\d+\.\d+)%"),
+}
+
+
+def _values(row, kind):
+    if kind == "kl":
+        return [row.get("mean_kl")]
+    if kind == "top1":
+        return [None if row.get("top1") is None else 100 * row["top1"]]
+    out = []
+    for f in SPEEDUP_FIELDS:
+        v = row.get(f)
+        out.extend(v if isinstance(v, list) else [v])
+    return out
+
+
+def _matches(printed: str, values) -> bool:
+    decimals = len(printed.split(".")[1])
+    return any(isinstance(v, (int, float)) and f"{v:.{decimals}f}" == printed for v in values)
+
+
+def _tokens(cell: str):
+    m = re.match(r"\s*(\d+)K\b", cell)
+    return None if m is None else int(m.group(1)) * 1024
+
+
+def unmatched_figures(files, table: str):
+    """``[(row's first cell, kind, printed figure)]`` that no row of ``files`` at that length holds."""
+    import json
+
+    rows = []
+    for f in files:
+        with open(os.path.join(ROOT, "benchmarks", "results", f.strip())) as fh:
+            rows.extend(json.load(fh)["rows"])
+    bad = []
+    for line in table.strip().split("\n")[2:]:
+        cells = line.strip("|").split("|")
+        n = _tokens(cells[0])
+        at_n = [r for r in rows if r.get("n") == n]
+        for cell in cells[1:]:
+            for kind, pattern in FIGURES.items():
+                for m in pattern.finditer(cell):
+                    for printed in filter(None, m.groups()):
+                        if not _matches(printed, [v for r in at_n for v in _values(r, kind)]):
+                            bad.append((cells[0].strip(), kind, printed))
+    return bad
+
+
+def _checked_tables(text):
+    return [(m["files"].split(","), m["table"]) for m in CHECKED.finditer(text)]
+
+
+def test_readmes_hand_written_tables_hold_their_datas_figures():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        tables = _checked_tables(fh.read())
+    assert len(tables) >= 3, "README.md's measured tables lost their <!-- checked against: ... --> lines"
+    for files, table in tables:
+        assert unmatched_figures(files, table) == [], f"README's table from {files} prints figures its data lacks"
+
+
+def test_a_figure_its_data_lacks_is_caught():
+    table = (
+        "| tokens | a | b |\n|---|---|---|\n"
+        "| 32K | 1.28x, KL 0.017, top-1 93.9% | 9.99x, KL 0.018 |\n"
+        "| 8K | (0.99-1.06x) | - |\n"
+    )
+    assert unmatched_figures(["e2e_prefill_h200.json"], table) == [
+        ("32K", "speedup", "9.99"),
+        ("32K", "kl", "0.018"),
+        ("8K", "speedup", "0.99"),
+        ("8K", "speedup", "1.06"),
     ]

@@ -139,9 +139,9 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] must be a Recipe, got {rec!r}")
             if rec.longer:
                 raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] has bands of its own; give them all here")
-            if rec.methods != self.methods or not set(rec.model_types) <= set(self.model_types):
+            if not set(rec.methods) <= set(self.methods) or not set(rec.model_types) <= set(self.model_types):
                 raise RecipeError(
-                    f"recipe {self.name!r}: longer[{tokens}] ({rec.name!r}) must cover the same methods "
+                    f"recipe {self.name!r}: longer[{tokens}] ({rec.name!r}) must cover some of the methods "
                     f"{self.methods} and model types {list(self.model_types)}; it has {rec.methods} and "
                     f"{list(rec.model_types)}"
                 )
@@ -153,11 +153,16 @@ class Recipe:
             self, longer=(*self.longer, (tokens, dataclasses.replace(recipe, path=None))), path=None
         )
 
-    def for_tokens(self, n_keys) -> "Recipe":
-        """The recipe a call with ``n_keys`` keys runs: the last band of :attr:`longer` it reaches,
-        else this one."""
+    def bands_for(self, method: str) -> Tuple[Tuple[int, "Recipe"], ...]:
+        """The bands of :attr:`longer` with settings for ``method``: a band without them leaves
+        ``method`` on the settings of the band before it."""
+        return tuple((tokens, rec) for tokens, rec in self.longer if method in rec.configs)
+
+    def for_tokens(self, n_keys, method: str) -> "Recipe":
+        """The recipe a ``method`` call with ``n_keys`` keys runs: the last band of
+        :meth:`bands_for` it reaches, else this one."""
         chosen = self
-        for tokens, rec in self.longer:
+        for tokens, rec in self.bands_for(method):
             if n_keys >= tokens:
                 chosen = rec
         return chosen
@@ -257,7 +262,7 @@ class Recipe:
                 longer=longer,
             )
 
-        return plan_of(self, tuple((tokens, plan_of(rec)) for tokens, rec in self.longer))
+        return plan_of(self, tuple((tokens, plan_of(rec)) for tokens, rec in self.bands_for(method)))
 
     def to_dict(self) -> Dict[str, Any]:
         """The recipe as JSON-able data: what a recipe file holds (:meth:`from_dict` reads it)."""

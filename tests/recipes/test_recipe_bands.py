@@ -4,6 +4,7 @@ converted model's plan (``Plan.longer``) and in ``sparseflow convert``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -36,7 +37,7 @@ BANDED = _recipe(1.0, "banded", dense_layers=(0,), longer=((BAND, LONG),))
 
 def test_for_tokens_picks_the_last_band_reached():
     three = _recipe(1.0, "three", longer=((BAND, LONG), (4 * BAND, _recipe(0.2, "longest"))))
-    assert [three.for_tokens(n).name for n in (1, BAND - 1, BAND, 4 * BAND - 1, 4 * BAND, 10**6)] == [
+    assert [three.for_tokens(n, "pbs").name for n in (1, BAND - 1, BAND, 4 * BAND - 1, 4 * BAND, 10**6)] == [
         "three",
         "three",
         "long",
@@ -44,7 +45,7 @@ def test_for_tokens_picks_the_last_band_reached():
         "longest",
         "longest",
     ]
-    assert SHORT.for_tokens(10**6) is SHORT
+    assert SHORT.for_tokens(10**6, "pbs") is SHORT
     built = _recipe(1.0, "three").with_longer(BAND, LONG).with_longer(4 * BAND, three.longer[1][1])
     assert built == three
     with pytest.raises(RecipeError, match=r"increasing integers > 384, got 96"):
@@ -67,20 +68,22 @@ def test_bad_bands_are_refused(longer, match):
         _recipe(1.0, "bad", longer=longer)
 
 
-def test_a_band_must_cover_the_same_methods_and_family():
+def test_a_band_covers_some_of_the_methods_of_the_same_family():
     from sparseflow.config import BSAConfig
 
+    bsa = BSAConfig(block_size=16, top_k=4)
     two = Recipe(
-        name="two",
-        description="",
-        model_types=("llama",),
-        configs={"pbs": PBSConfig(block_size=16), "bsa": BSAConfig(block_size=16, top_k=4)},
+        name="two", description="", model_types=("llama",), configs={"pbs": PBSConfig(block_size=16), "bsa": bsa}
     )
-    with pytest.raises(RecipeError, match=r"must cover the same methods \['bsa', 'pbs'\].*it has \['pbs'\]"):
-        Recipe(name="x", description="", model_types=("llama",), configs=two.configs, longer=((BAND, LONG),))
+    with pytest.raises(RecipeError, match=r"must cover some of the methods \['pbs'\].*it has \['bsa', 'pbs'\]"):
+        _recipe(1.0, "x", longer=((BAND, two),))
     other = Recipe(name="q", description="", model_types=("qwen2",), configs=LONG.configs)
     with pytest.raises(RecipeError, match=r"model types \['llama'\]; it has \['pbs'\] and \['qwen2'\]"):
         _recipe(1.0, "x", longer=((BAND, other),))
+    # a band without settings for a method leaves it on the shorter prompts' settings
+    banded = dataclasses.replace(two, longer=((BAND, LONG),))
+    assert banded.bands_for("bsa") == () and banded.for_tokens(10**6, "bsa") is banded
+    assert banded.plan("bsa").longer == () and banded.plan("pbs").longer[0][1].config.threshold == 0.3
 
 
 def test_a_banded_recipe_file_reads_back_equal(tmp_path):
@@ -89,7 +92,7 @@ def test_a_banded_recipe_file_reads_back_equal(tmp_path):
     assert [b["tokens"] for b in data["longer"]] == [BAND] and data["longer"][0]["recipe"]["name"] == "long"
     assert "longer" not in SHORT.to_dict()  # files without bands keep their old form
     back = load_recipe(path)
-    assert back == BANDED and back.for_tokens(BAND).configs["pbs"].threshold == 0.3
+    assert back == BANDED and back.for_tokens(BAND, "pbs").configs["pbs"].threshold == 0.3
 
 
 @pytest.mark.parametrize(
@@ -215,3 +218,21 @@ def test_recipes_command_lists_a_recipes_bands(monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     band = out.index(f"    from {BAND} keys (long): dense layers []")
     assert out[0].startswith("banded: threshold 1.0") and '"threshold": 0.3' in out[band + 1]
+
+
+def test_compile_of_a_method_no_band_covers_keeps_one_setting(tiny, tmp_path):
+    from sparseflow.config import BSAConfig
+
+    two = Recipe(
+        name="two",
+        description="",
+        model_types=("llama",),
+        configs={"pbs": PBSConfig(block_size=16, segment_size=32), "bsa": BSAConfig(block_size=16, top_k=4)},
+        head_dim=16,
+        longer=((BAND, LONG),),
+    )
+    path = _save(tmp_path, two)
+    bsa = sparseflow.compile(tiny("llama"), method="bsa", inner_backend="eager", recipe=path)
+    pbs = sparseflow.compile(tiny("llama"), method="pbs", inner_backend="eager", recipe=path)
+    assert getattr(bsa, "_sparseflow_config")["longer"] == {}
+    assert list(getattr(pbs, "_sparseflow_config")["longer"]) == [BAND]
