@@ -35,6 +35,7 @@ import torch
 
 from . import ops as _ops
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
+from .length_bands import band_for
 from .methods import spec_for, windowed
 from .tuning import DEFAULT_TUNING, Tuning
 
@@ -124,11 +125,7 @@ class Plan:
 
     def for_keys(self, n_keys) -> "Plan":
         """The plan a call with ``n_keys`` keys runs: the last band of :attr:`longer` it reaches."""
-        chosen = self
-        for tokens, plan in self.longer:
-            if n_keys >= tokens:
-                chosen = plan
-        return chosen
+        return band_for(self.longer, n_keys, self)[1]
 
     def config_for(self, layer: Optional[int]) -> AttentionConfig:
         if layer is not None:
@@ -269,11 +266,7 @@ class _Layer(NamedTuple):
 
     def for_keys(self, n_keys) -> "_Layer":
         """What a call with ``n_keys`` keys runs (:meth:`Plan.for_keys`)."""
-        chosen = self
-        for tokens, entry in self.longer:
-            if n_keys >= tokens:
-                chosen = entry
-        return chosen
+        return band_for(self.longer, n_keys, self)[1]
 
 
 _LAYER_ATTR = "_sparseflow_layer"  # where a module keeps its _Layer (in its __dict__, no nn.Module hooks)

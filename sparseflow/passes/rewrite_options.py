@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from ..config import AttentionConfig, DenseConfig
+from ..length_bands import band_for
 from ..tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["RewriteOptions", "options_for_call"]
@@ -40,10 +41,7 @@ class RewriteOptions:
         """``(options, tokens)``: the options a call with ``n_keys`` keys is rewritten with, and
         where its band starts (0: these options). ``n_keys`` symbolic in a Dynamo graph gets a
         guard: a length in another band compiles anew."""
-        band, start = self, 0
-        for tokens, options in self.longer:
-            if n_keys >= tokens:
-                band, start = options, tokens
+        start, band = band_for(self.longer, n_keys, self)
         if start == 0:
             return self, 0
         chosen = dataclasses.replace(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..config import METHODS, AttentionConfig, config_from_dict
+from ..length_bands import band_for
 from ..methods import sparse_names
 from ..methods.registry import or_list
 
@@ -161,11 +162,7 @@ class Recipe:
     def for_tokens(self, n_keys, method: str) -> "Recipe":
         """The recipe a ``method`` call with ``n_keys`` keys runs: the last band of
         :meth:`bands_for` it reaches, else this one."""
-        chosen = self
-        for tokens, rec in self.bands_for(method):
-            if n_keys >= tokens:
-                chosen = rec
-        return chosen
+        return band_for(self.bands_for(method), n_keys, self)[1]
 
     def layer_configs_for(
         self, method: str, base: AttentionConfig, n_layers: Optional[int] = None
