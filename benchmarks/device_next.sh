@@ -18,7 +18,9 @@
 #                                                (benchmarks/frontier.py; NS default 32768)
 #   bash benchmarks/device_next.sh calibrate [NS]    sparseflow calibrate at NS tokens (default
 #                                                32768; YaRN to NS, cost "time", the default text
-#                                                mix, held out on prose and copy-heavy text)
+#                                                mix, held out on prose and copy-heavy text); resumes
+#                                                from .gg/calibrate_smollm2_pbs_NS_GPU.json.progress.json
+#                                                when carried
 #   bash benchmarks/device_next.sh frontier_plan PLAN [NS]   the recipe, sampled_rows 0.98 and a
 #                                                calibrated PLAN side by side, both paths
 #   bash benchmarks/device_next.sh selection_rule [NS]   the estimate (strides 8, 16, 32) against
@@ -99,9 +101,18 @@ case "${1:-}" in
   calibrate)
     smollm2_env
     ns=${2:-32768}
-    timeout 570 python3 -m sparseflow calibrate "$SPARSEFLOW_SMOLLM2_GGUF" --method pbs --kl-budget 0.01 \
-      --tokens "$ns" --rope-scaling "yarn:auto:$ns" --cost time --heldout-text stdlib_docs,copy_log \
-      --out "$out/calibrate_smollm2_pbs_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -30
+    file="calibrate_smollm2_pbs_${ns}_${gpu}.json"
+    # past 119K tokens pydoc_topics (the default mix's prose) is too short: documentation and
+    # clauses, held out on source and logs; the 128K target's budget is 0.02
+    texts=() budget=0.01 heldout=stdlib_docs,copy_log
+    if [ "$ns" -gt 119000 ]; then texts=(--text stdlib_docs,copy_clauses) budget=0.02 heldout=stdlib_source,copy_log; fi
+    # a run cut off by the call's limit resumes from its progress file (kept here as .gg/FILE.progress.json
+    # and carried: the dense logits are recomputed, the measured layers are not)
+    if [ -f ".gg/$file.progress.json" ]; then cp ".gg/$file.progress.json" "$out/$file.progress.json"; fi
+    timeout 570 python3 -m sparseflow calibrate "$SPARSEFLOW_SMOLLM2_GGUF" --method pbs --kl-budget "$budget" \
+      --tokens "$ns" --rope-scaling "yarn:auto:$ns" --cost time "${texts[@]}" --heldout-text "$heldout" \
+      --out "$out/$file" 2>&1 | grep -v -i warn | grep -v "Converting\|Loading" | tail -30 || true
+    rm -rf "$out/$file.cache"  # the dense logits: too large to come back
     ;;
   frontier_plan)
     smollm2_env

@@ -117,10 +117,11 @@ def parse_settings(spec: str) -> List[str]:
     return names
 
 
-def plan_parts(name: str):
+def plan_parts(name: str, n_tokens: Optional[int] = None):
     """``(method, config, dense_layers, layer_configs, recipe)`` of a setting name: ``pbs``,
     ``smollm2:pbs`` or a recipe file's ``plan.json:pbs``, with optional field changes ``smollm2:pbs@threshold=0.97+scoring=mean`` (applied
-    to the base config; a recipe's per-layer changes are applied on top)."""
+    to the base config; a recipe's per-layer changes are applied on top). A recipe with bands for
+    longer prompts gives the band that ``n_tokens`` reaches (what the user's call would run)."""
     from sparseflow.config import default_config
     from sparseflow.recipes import resolve_recipe
 
@@ -136,6 +137,8 @@ def plan_parts(name: str):
         if recipe_name.strip().lower() == "auto":
             raise ValueError(f"setting {name!r}: name the recipe (or its .json file); 'auto' depends on the model")
         recipe = resolve_recipe(recipe_name)
+        if n_tokens is not None:
+            recipe = recipe.for_tokens(n_tokens, method)
         cfg = _replaced(recipe.config_for(method), fields)
         return method, cfg, tuple(recipe.dense_layers), recipe.layer_configs_for(method, cfg), recipe.name
     if base not in ("pbs", "pisa", "bsa"):
@@ -150,11 +153,17 @@ def _replaced(cfg, fields: Dict[str, str]):
 
 
 def converted_plan(
-    name: str, backend: str, n_layers: int, cuda_graphs: bool = True, pisa_walk: str = "auto", pdl: bool = False
+    name: str,
+    backend: str,
+    n_layers: int,
+    cuda_graphs: bool = True,
+    pisa_walk: str = "auto",
+    pdl: bool = False,
+    n_tokens: Optional[int] = None,
 ):
     from sparseflow.hf import Plan
 
-    method, cfg, dense, per_layer, recipe = plan_parts(name)
+    method, cfg, dense, per_layer, recipe = plan_parts(name, n_tokens)
     return Plan(
         method=method,
         config=cfg,
@@ -167,8 +176,10 @@ def converted_plan(
     )
 
 
-def compile_kwargs(name: str, backend: str, cuda_graphs: bool = True) -> Dict[str, object]:
-    method, cfg, dense, per_layer, _ = plan_parts(name)
+def compile_kwargs(
+    name: str, backend: str, cuda_graphs: bool = True, n_tokens: Optional[int] = None
+) -> Dict[str, object]:
+    method, cfg, dense, per_layer, _ = plan_parts(name, n_tokens)
     layer_configs = dict(per_layer)
     layer_configs.update({i: None for i in dense})
     return dict(
@@ -281,7 +292,7 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
         for name in args.settings:
             for backend in args.backend:
                 for graphs in args.cuda_graphs:
-                    sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers, graphs))
+                    sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers, graphs, n_tokens=n))
                     emit(measure(model, ids, "converted", name, dense, args, backend, graphs))
                     model.set_attn_implementation("sdpa")
     if n in args.compile_ns:
@@ -295,7 +306,7 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
                 for backend in args.backend:
                     for graphs in args.cuda_graphs:
                         m = copy.deepcopy(model)
-                        sparseflow.compile(m, **compile_kwargs(name, backend, graphs), mode=args.compile_mode)
+                        sparseflow.compile(m, **compile_kwargs(name, backend, graphs, n), mode=args.compile_mode)
                         emit(measure(m, ids, "compile", name, dense, args, backend, graphs))
                         if args.show_report:
                             print(sparseflow.report(m), flush=True)

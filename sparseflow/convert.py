@@ -18,6 +18,7 @@ a failure (or Ctrl-C) never leaves a half-written ``out_dir``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -386,9 +387,11 @@ def _band_plan(rec, *, method, config, dense_layers, backend, source, n_layers, 
         raise ConversionError(f"bad plan: {exc}") from exc
 
 
-def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa", device=None):
+def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa", device=None, config=None):
     """(model, tokenizer or None) of a source, offline, in eval mode. ``device``: where the model
-    will run (only read by ``dtype="auto"``)."""
+    will run (only read by ``dtype="auto"``). ``config``: the source's config when the caller has
+    read it already (:func:`load_config`): a GGUF file is then parsed once less (its tokenizer
+    vocabulary makes each parse seconds long)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -404,6 +407,8 @@ def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str
         torch_dtype = getattr(torch, dtype)
     kw = source.load_kwargs()
     try:
+        if config is not None:
+            kw["config"] = copy.deepcopy(config)  # the loaded model's to change, not the caller's
         model = AutoModelForCausalLM.from_pretrained(
             str(source.folder), dtype=torch_dtype, attn_implementation=attn_implementation, **kw
         )
@@ -521,7 +526,7 @@ def convert(
             f"dense layers {list(plan.dense_layers)}{f', recipe {plan.recipe}' if plan.recipe else ''}",
         )
         _say(progress, "[2/4] loading the weights" + (" (dequantising GGUF)" if source.kind == "gguf" else ""))
-        model, tok = load_source(source, dtype=dtype)
+        model, tok = load_source(source, dtype=dtype, config=model_config)
         _say(progress, "[3/4] writing the Hugging Face folder")
         model.save_pretrained(str(tmp))
         if tok is not None:

@@ -24,6 +24,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
@@ -66,6 +67,7 @@ class _CompileOnlyDriver:
 
 
 COMPILED: list = []
+SECONDS: dict = {}  # each kernel's compile time, its variants together (where the CI's minutes go)
 ERRORS: list = []
 _orig_run = _jit.JITFunction.run
 # False while an autotuner compiles its configs after the first: the fp64-scalar check is about how
@@ -84,6 +86,7 @@ _ALL_CONFIGS = [True]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
+    start = time.perf_counter()
     try:
         kernel = _orig_run(self, *args, grid=grid, warmup=True, **kwargs)
     except Exception as exc:  # a compile error: record it, keep compiling the others
@@ -99,6 +102,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         )
     if _FP64_CHECK[0]:
         _compile_with_fp64_scalars(self, kernel)
+    SECONDS[self.__name__] = SECONDS.get(self.__name__, 0.0) + time.perf_counter() - start
     return kernel
 
 
@@ -118,12 +122,15 @@ def _compile_with_fp64_scalars(fn, kernel) -> None:
     _FP64_PATHS.add(path)
     sig = {name: ("fp64" if name in floats else ty) for name, ty in src.signature.items()}
     md = kernel.metadata
+    triton.knobs.runtime.add_stages_inspection_hook = _stop_at_ptx
     try:
         triton.compile(
             ASTSource(fn=src.fn, signature=sig, constexprs=src.constants, attrs=src.attrs),
             target=TARGET,
             options={"num_warps": md.num_warps, "num_stages": md.num_stages},
         )
+    except _ReachedPtxas:
+        pass
     except Exception as exc:
         ERRORS.append(
             {
@@ -132,7 +139,26 @@ def _compile_with_fp64_scalars(fn, kernel) -> None:
             }
         )
         return
+    finally:
+        triton.knobs.runtime.add_stages_inspection_hook = None
     COMPILED.append(f"{fn.__name__}[fp64 scalars]")
+
+
+class _ReachedPtxas(Exception):
+    """The fp64-scalar compile got to valid PTX: done."""
+
+
+def _stop_at_ptx(backend, stages, options, language, capability) -> None:
+    """End the fp64-scalar compile before ptxas. A scalar's type is settled by then: Triton types it
+    when it builds the TTIR (a loop-carried type change or an fp64 constant fails there) and
+    lowers its arithmetic by LLVM and PTX, and the same specialisation with fp32 scalars went
+    through ptxas already. ptxas is about half the compile time of the large kernels. Raising
+    (rather than returning an empty cubin) keeps the unfinished kernel out of Triton's cache."""
+
+    def stop(src, metadata):
+        raise _ReachedPtxas
+
+    stages["cubin"] = stop
 
 
 def _autotune_all(self, *args, **kwargs):
@@ -189,6 +215,9 @@ def _pad(b, n):
     return m
 
 
+PBS_EVERY_CONFIG = (0, 3)  # indices into main's PBS cases
+
+
 def run_pbs(cases):
     from sparseflow import Tuning
     from sparseflow.methods.pbs import triton_attention as TA
@@ -199,7 +228,13 @@ def run_pbs(cases):
     tma_default = TA._tma_ok
     # CPU tensors launch head by head (triton_attention.heads_first); the first case also heads first
     orders = [(case, None) for case in cases] + [(case, True) for case in cases[:1]]
-    for (d, dtype, gqa, pad, causal, thr, tma, proxies), order in orders:
+    every_config = _ALL_CONFIGS[0]
+    for i, ((d, dtype, gqa, pad, causal, thr, tma, proxies), order) in enumerate(orders):
+        # every autotune config (the GPU may pick any) at the head dims whose tiles differ: 128 with
+        # TMA, 80 without. The other cases are about the selection's paths and dtypes and compile
+        # the first config: fp32's IEEE dot unrolls into scalar FMAs, about 20 s of ptxas a config
+        # (bf16: 2-5 s), and what a config changes is its tiles, not how a dtype compiles
+        _ALL_CONFIGS[0] = every_config and i in PBS_EVERY_CONFIG
         TA.HEADS_FIRST = order
         TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
         q, k, v = _qkv(2, 8, 2, 700, d, dtype)
@@ -218,6 +253,7 @@ def run_pbs(cases):
         )
     TA._tma_ok = tma_default
     TA.HEADS_FIRST = None
+    _ALL_CONFIGS[0] = every_config
 
 
 # PBS inside local windows: layout, TMA, padding, threshold, scoring, window (the attention's
@@ -239,7 +275,11 @@ def run_pbs_window(cases):
 
     TG._use_kernels = lambda t: True
     tma_default = TA._tma_ok
-    for layout, tma, pad, thr, scoring, window in cases:
+    every_config = _ALL_CONFIGS[0]
+    for i, (layout, tma, pad, thr, scoring, window) in enumerate(cases):
+        # the window adds a bound to the forward's loop, not to its tiles: every config once (with
+        # TMA), the first config for the window's other paths
+        _ALL_CONFIGS[0] = every_config and i == 0
         TA._tma_ok = (lambda *a, **k: True) if tma else (lambda *a, **k: False)
         q, k, v = _qkv(2, 8, 2, 700, 128, torch.bfloat16)
         TI.pbs_attention(
@@ -255,6 +295,7 @@ def run_pbs_window(cases):
             **window,
         )
     TA._tma_ok = tma_default
+    _ALL_CONFIGS[0] = every_config
 
 
 def run_pbs_strided(cases):
@@ -336,10 +377,13 @@ def run_pisa_bsa(cases):
         out = PI.pisa_attention(q, k, v, key_padding_mask=kpm, block_size=64, top_k=top_k, beam=beam, score=score)
         out.float().sum().backward()
         BI.bsa_attention(q.detach(), k.detach(), v.detach(), key_padding_mask=kpm, block_size=64, top_k=top_k)
-    # the attention's largest key/value blocks: its pipeline stages must fit the shared memory
+    # the attention's largest key/value blocks: its pipeline stages must fit the shared memory, at
+    # each stage count _fwd_launch picks (a block pair of 128 KiB: one stage; 64 KiB: two; 32: three).
+    # fp32 blocks of 128 x 128 (one stage, as bf16 256 x 128) compiled within the H200's shared
+    # memory at 3fa6659; they left this check for their FMA-unrolled dot's compile time (about a minute)
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
 
-    for d, c, dtype in ((256, 128, torch.bfloat16), (128, 128, torch.float32), (128, 64, torch.bfloat16)):
+    for d, c, dtype in ((256, 128, torch.bfloat16), (128, 128, torch.bfloat16), (128, 64, torch.bfloat16)):
         q, k, v = _qkv(1, 4, 1, 300, d, dtype)
         token_sparse_attention(q, k, v, torch.zeros(1, 1, 300, 4, dtype=torch.int32), block_size=c)
     # each tile's distinct blocks (on a GPU tile_block_lists launches this; here tensors are CPU)
@@ -361,7 +405,11 @@ TOKEN_WINDOW = [
     (9, 3, 900, 64, torch.bfloat16, 64, 256, 0, False),
     (8, 2, 700, 128, torch.bfloat16, 64, 0, 300, False),
     (4, 2, 700, 64, torch.float16, 64, 100, 192, True),
-    (4, 4, 300, 128, torch.float32, 128, 200, 0, True),
+    # fp32 takes the IEEE dot, which Triton unrolls into scalar FMAs: at D 128 and blocks of 128
+    # the three kernels' ptxas alone took about 4 minutes of the CI's 2 cores, so fp32 is checked
+    # at D 64 / 64, and the largest blocks by bf16 at D 256 / 128 (one pipeline stage)
+    (4, 4, 300, 64, torch.float32, 64, 200, 0, True),
+    (2, 2, 300, 256, torch.bfloat16, 128, 200, 0, False),
 ]
 
 
@@ -752,12 +800,15 @@ def main(argv=None) -> int:
     if unknown or not entries:
         ap.error(f"--entries takes a comma list of {','.join(ENTRIES)}; got {args.entries!r}")
     failures = []
+    seconds = {}
     for name in entries:
         _ALL_CONFIGS[0] = name == "pbs"
+        start, before = time.perf_counter(), len(COMPILED)
         try:
             runs[name]()
         except Exception:  # host-side failure around the launches: report, go on
             failures.append({"entry": name, "error": traceback.format_exc()[-2000:]})
+        seconds[name] = {"seconds": round(time.perf_counter() - start, 1), "compiles": len(COMPILED) - before}
     everything = set(entries) == set(ENTRIES)
     missing = sorted(EXPECTED - set(COMPILED)) if everything else []
     report = {
@@ -769,6 +820,8 @@ def main(argv=None) -> int:
         "host_failures": failures,
         "missing": missing,
         "entries": entries,
+        "entry_seconds": seconds,
+        "kernel_seconds": {k: round(v, 1) for k, v in sorted(SECONDS.items(), key=lambda kv: -kv[1])},
         "expected": sorted(EXPECTED),
         "all_entries": ENTRIES,
     }

@@ -34,7 +34,10 @@ SPARSE = {
 
 
 def _session(proto):
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    # as many threads as torch has here (tests/conftest.py shares the cores between test workers)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _rel(a, b) -> float:

@@ -195,7 +195,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--texts", default="pydoc_topics,copy_clauses")
-    ap.add_argument("--queries", type=int, default=512, help="query positions checked, spread over the sequence")
+    ap.add_argument(
+        "--queries", type=int, default=2048, help="query positions checked: runs of 64 spread over the sequence"
+    )
     ap.add_argument("--scoring", default="sampled_rows")
     ap.add_argument(
         "--strides", default="", help="comma list of more sampled-row strides to estimate with (e.g. 16,32)"
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
     if args.layers:
         wanted = {int(x) for x in args.layers.split(",")}
         per_layer_cfg = {i: c for i, c in per_layer_cfg.items() if i in wanted}
-    positions = spread_positions(args.n, args.queries, start=2 * base.block_size)
+    positions = spread_positions(args.n, max(1, args.queries // 64), start=2 * base.block_size, width=64)
     strides = [int(x) for x in args.strides.split(",") if x.strip()]
     out = {"env": e2e.env_info(), "args": vars(args), "texts": {}}
     for text in [t.strip() for t in args.texts.split(",") if t.strip()]:

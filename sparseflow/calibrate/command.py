@@ -82,7 +82,7 @@ def calibrate_file(
     choices = candidate_choices(method, base, thresholds=thresholds, top_ks=top_ks, scorings=scorings)
     progress_path, default_cache = side_paths(out)
     say = say or (lambda msg: None)
-    model, tok, rope_info = load_model(source, model_path, dtype, device, tokenizer, rope_scaling, say)
+    model, tok, rope_info = load_model(source, model_path, dtype, device, tokenizer, rope_scaling, say, model_config)
     ids, heldout = calibration_tokens(model, tok, tokens, text, heldout_text)
     say(
         f"{len(choices)} choice(s) + dense for each of {model.config.num_hidden_layers} layers; "
@@ -134,10 +134,13 @@ def _check_file_args(method: str, text: str, heldout_text: Optional[str], rope_s
         raise ValueError(f"--rope-scaling: {exc}") from None
 
 
-def load_model(source, model_path, dtype: str, device, tokenizer, rope_scaling, say: Callable[[str], None]):
-    """``(model, tokenizer, RoPE scaling applied)`` of a resolved source."""
+def load_model(
+    source, model_path, dtype: str, device, tokenizer, rope_scaling, say: Callable[[str], None], model_config=None
+):
+    """``(model, tokenizer, RoPE scaling applied)`` of a resolved source (``model_config``: its
+    config, when read already)."""
     say(f"loading {source} ...")
-    model, tok = load_source(source, dtype=dtype, device=device)
+    model, tok = load_source(source, dtype=dtype, device=device, config=model_config)
     say(f"weights in {next(model.parameters()).dtype} on {device or 'cpu'}")
     if device is not None:
         model.to(device)

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"--device {args.device}: --recall runs on the CPU; leave --device out")
             return _recall(args, c.source, c.model_config)
         map_at = _map_at(args, c.model_config) if args.plots else None
-        model, tok = _load(args, c.source)
+        model, tok = _load(args, c.source, c.model_config)
         rope_info = None if c.rope_scaling is None else set_rope_scaling(model, args.rope_scaling)
         if c.task == "niah":
             return _niah(args, model, tok, c.plans, c.source, rope_info)
@@ -301,13 +301,13 @@ def _map_at(args: argparse.Namespace, model_config):
     return (layer, args.map_head)
 
 
-def _load(args: argparse.Namespace, source):
+def _load(args: argparse.Namespace, source, model_config=None):
     """The model and its tokenizer (--tokenizer's when given)."""
     from ..convert import ConversionError, load_source, stderr_progress
 
     device = resolve_device(args.device)
     stderr_progress(f"loading {source} ...")
-    model, tok = load_source(source, dtype=args.dtype, device=device)
+    model, tok = load_source(source, dtype=args.dtype, device=device, config=model_config)
     model.to(device)
     args.device_label = device_label(model)
     if args.tokenizer:

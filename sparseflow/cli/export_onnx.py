@@ -60,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_out_file(args.out, "--out", example="model.onnx")
         source = resolve_source(args.model)
-        plan = _plan(args, load_config(source), source)
+        model_config = load_config(source)
+        plan = _plan(args, model_config, source)
         stderr_progress(f"loading {source} ...")
-        model, _ = load_source(source, dtype=args.dtype)
+        model, _ = load_source(source, dtype=args.dtype, config=model_config)
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         if vocab < 1:
             raise ConversionError(f"{args.model}: the model config has no vocab_size to draw example tokens from")

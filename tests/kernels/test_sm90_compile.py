@@ -17,8 +17,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sm90_co
 
 
 # two processes, each driving some entry points: the compiles are CPU-bound and one process uses
-# one core. Balanced by each entry's time from a cold cache (about 8 minutes a shard on the 2-core
-# machine): the window's backward kernels are the longest entry, PBS's autotuned forward the next
+# one core. Balanced by each entry's time from a cold cache (the script's "entry_seconds"; about
+# 4 minutes a shard on the 2-core machine): PISA's walks take the most, then PBS's autotuned forward
 SHARDS = [
     "token_window,pisa_tiled,pisa_scan,decode",
     "pbs,pbs_strided,pisa_bsa,bsa_select,split_decode,short,pisa_scores",
