@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import AttentionConfig, default_config
-from ..methods.dense.reference import dense_attention as _dense64
+from ..kernels.masked_attention import masked_attention as _dense64
 from ..methods import spec_for
 from ..methods.pisa.tolerance_check import ToleranceReport, selection_within_tolerance, walk_trace
 from ..ops import attention
