@@ -27,6 +27,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..methods import spec_for
+
 __all__ = [
     "capture_qkv",
     "topk_recall",
@@ -134,19 +136,16 @@ def check_selectors(selectors: Sequence[str]) -> List[str]:
 
 
 def _selector_indices(name: str, q, k, block_size: int, top_k: int, branching: int) -> Optional[torch.Tensor]:
-    """``[Hkv, N, K]`` block ids of a library selector, or None for ``flat_lse`` (done inline)."""
+    """``[Hkv, N, K]`` block ids of a library selector (its method's reference selection, through
+    the registry), or None for ``flat_lse`` (done inline)."""
     kind, score, beam = parse_selector(name)
-    if kind == "pisa":
-        from ..methods.pisa.reference import pisa_select
-
-        return pisa_select(
-            q, k, is_causal=True, block_size=block_size, top_k=top_k, branching=branching, score=score, beam=beam
-        )[0]
-    if kind == "bsa":
-        from ..methods.bsa.reference import bsa_select
-
-        return bsa_select(q, k, is_causal=True, block_size=block_size, top_k=top_k)[0]
-    return None  # flat_lse
+    if kind == "flat_lse":
+        return None
+    fields = dict(block_size=block_size, top_k=top_k)
+    if score is not None:  # a pyramid walk's options
+        fields.update(branching=branching, score=score, beam=beam)
+    spec = spec_for(kind)
+    return spec.select(q, k, spec.config_type(**fields), is_causal=True).block_indices[0]
 
 
 def topk_recall(
@@ -334,28 +333,10 @@ def _query_positions(positions: Optional[torch.Tensor], last: int, n: int) -> to
 
 
 def _pbs_selection(q: torch.Tensor, k: torch.Tensor, config):
-    """PBS's ``(permutation, block mask, density)`` for causal attention, by the reference."""
-    from ..methods.pbs.block_selection import select_blocks, selection_density
-    from ..methods.pbs.permutation import config_permutation
-    from ..methods.pbs.tail import mark_tail
-
-    bs = config.block_size
-    perm = config_permutation(q, k, config, None, None)
-    mask = select_blocks(
-        q,
-        k,
-        perm,
-        is_causal=True,
-        block_size=bs,
-        segment_size=config.segment_size,
-        threshold=config.threshold,
-        force_sink=config.force_sink,
-        scoring=config.scoring,
-        antidiagonal_stride=config.antidiagonal_stride,
-    )
-    mask = mark_tail(mask, config.dense_tail_blocks)  # the tail's rows run dense
-    density = selection_density(mask, perm, is_causal=True, block_size=bs)
-    return perm, mask, density
+    """PBS's ``(permutation, block mask, density)`` for causal attention, by its reference (through
+    the registry)."""
+    sel = spec_for(config).select(q, k, config, is_causal=True)
+    return sel.permutation, sel.block_mask, sel.density
 
 
 def _selected_mass(q, k, perm, mask, positions, bs: int, chunk: int):

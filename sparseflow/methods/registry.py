@@ -188,6 +188,9 @@ class MethodSpec:
     ``selection_densities``: ``"module:function"`` of ``fn(q, k, cfgs, scale) -> [density]``, the
     selections of several configs computed without their attention (sharing what they share) on
     the reference path, as the op reports them; None: calibration asks the op for each config.
+    ``selection``: ``"module:function"`` of ``fn(q, k, cfg, *, key_padding_mask=None,
+    is_causal=True, scale=None) -> Selection``, the reference's selection without its attention
+    (what :mod:`sparseflow.eval`'s diagnostics measure); None: the method selects nothing.
     ``window_rule(cfg, sliding_window, chunk_size)``: why a layer whose model gives it that local
     window runs the dense method's exact window instead of ``cfg`` ("" when ``cfg``'s selection
     inside the window can skip blocks worth skipping; :func:`windowed`); None: always ``cfg``.
@@ -217,6 +220,7 @@ class MethodSpec:
     context_parallel: str = "token_chunks"
     estimate_cost: Optional[Callable[[AttentionConfig], float]] = None
     selection_densities: Optional[str] = None
+    selection: Optional[str] = None
     window_rule: Optional[Callable[[AttentionConfig, int, int], str]] = None
     tuning_type: Optional[type] = None
     bench: Optional[BenchPart] = None
@@ -241,8 +245,9 @@ class MethodSpec:
         self._check_tuning_type()
         if self.bench is not None and not isinstance(self.bench, BenchPart):
             raise TypeError(f"MethodSpec {self.name!r}: bench must be a BenchPart or None, got {self.bench!r}")
-        if self.selection_densities is not None:
-            _check_target(f"MethodSpec {self.name!r}: selection_densities", self.selection_densities)
+        for name in ("selection_densities", "selection"):
+            if getattr(self, name) is not None:
+                _check_target(f"MethodSpec {self.name!r}: {name}", getattr(self, name))
         if self.context_parallel != TOKEN_CHUNKS:
             _check_target(f"MethodSpec {self.name!r}: context_parallel ({TOKEN_CHUNKS!r} or)", self.context_parallel)
         # read-only, so a frozen spec cannot be changed through its mapping either
@@ -276,6 +281,13 @@ class MethodSpec:
 
     def exact_config(self, cfg: AttentionConfig, seq_len: int) -> AttentionConfig:
         return cfg if self.exact is None else self.exact(cfg, seq_len)
+
+    def select(self, q, k, cfg: AttentionConfig, **call):
+        """The reference's :class:`sparseflow.selection.Selection` of ``cfg`` on ``q``, ``k``
+        without its attention (``call``: ``key_padding_mask``, ``is_causal``, ``scale``)."""
+        if self.selection is None:
+            raise ValueError(f"method {self.name!r} selects no blocks; it has no selection to compute")
+        return load_target(self.selection)(q, k, cfg, **call)
 
 
 _SPECS: Dict[str, MethodSpec] = {}

@@ -16,7 +16,7 @@ import torch
 
 from .._config_base import AttentionConfig
 
-__all__ = ["flex_top_k_attention", "triton_top_k_attention", "selection_fields"]
+__all__ = ["flex_top_k_attention", "triton_top_k_attention", "reference_top_k_selection", "selection_fields"]
 
 Select = Callable[..., torch.Tensor]
 
@@ -28,6 +28,29 @@ def selection_fields(cfg: AttentionConfig) -> dict:
 
 def _window(cfg: AttentionConfig) -> dict:
     return dict(sliding_window=cfg.sliding_window, chunk_size=cfg.chunk_size)
+
+
+def reference_top_k_selection(
+    method: str,
+    select: Select,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cfg: AttentionConfig,
+    *,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+):
+    """The :class:`~sparseflow.selection.Selection` of ``select`` on ``q``, ``k`` as the method's
+    attention reports it, without the attention (a method's registry ``selection``)."""
+    from ..kernels import token_blocks as tb
+
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
+    geo = dict(key_padding_mask=key_padding_mask, is_causal=is_causal)
+    with torch.no_grad():
+        idx = select(q.detach(), k.detach(), scale=scale, **geo, **selection_fields(cfg))
+    return tb.selection_for_indices(method, idx.long(), q, k, block_size=cfg.block_size, **geo, **_window(cfg))
 
 
 def flex_top_k_attention(

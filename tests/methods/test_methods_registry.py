@@ -112,6 +112,28 @@ def test_every_spec_has_what_the_core_needs(spec):
         assert spec.decode.backend in spec.backends and callable(spec.decode.load())
 
 
+@pytest.mark.parametrize("name", ["pbs", "pisa", "bsa"])
+@pytest.mark.parametrize("window", [0, 80])
+def test_a_methods_selection_is_the_one_its_reference_attention_reports(name, window):
+    # the registry's selection (what sparseflow.eval measures) against the reference's return_selection,
+    # with padding and a local window; a small block so several are skipped
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 200, 16, generator=g) for h in (4, 2, 2))
+    pad = torch.ones(2, 200, dtype=torch.bool)
+    pad[1, 170:] = False
+    spec = spec_for(name)
+    fields = {"pbs": dict(segment_size=32, threshold=0.7, dense_tail_blocks=1)}.get(name, dict(top_k=3))
+    cfg = spec.config_type(block_size=16, sliding_window=window, **fields)
+    call = dict(key_padding_mask=pad, is_causal=True, scale=0.3)
+    got = spec.select(q, k, cfg, **call)
+    _, want = spec.backend("reference").load()(q, k, v, cfg, return_selection=True, **call)
+    assert got.method == want.method == name and got.sliding_window == window
+    assert torch.equal(got.key_mask(4), want.key_mask(4))
+    assert torch.equal(got.density, want.density) and float(got.density.mean()) < 0.95
+    with pytest.raises(ValueError, match="'dense' selects no blocks"):
+        spec_for("dense").select(q, k, spec_for("dense").config_type())
+
+
 def test_context_parallel_strategies_come_from_the_registry():
     # the core's own strategy unless the method names one in its folder
     assert context_parallel.strategy_of("bsa") is context_parallel.strategy_of("pisa")
@@ -276,6 +298,7 @@ def test_register_refuses_taken_names_and_types(fake_method):
         (dict(sparse=False), ValueError, r"a dense .sparse=False. method runs SDPA; its backends .windows=True. run"),
         (dict(context_parallel="ring"), ValueError, "context_parallel"),
         (dict(selection_densities="no_colon"), ValueError, "selection_densities must be a 'module:attribute' string"),
+        (dict(selection="no_colon"), ValueError, "selection must be a 'module:attribute' string"),
     ],
 )
 def test_spec_validation(changes, error, message):

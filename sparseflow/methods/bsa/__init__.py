@@ -28,6 +28,7 @@ SPEC = register(
         ),
         has_top_k=True,
         exact=exact_top_k,
+        selection=f"{_KERNELS}.reference:bsa_reference_selection",
         estimate_cost=lambda cfg: SCAN_COST,
         window_rule=top_k_window_rule,
         # PISA's baseline: timed beside it, in its part

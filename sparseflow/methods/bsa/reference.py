@@ -20,9 +20,10 @@ import torch
 
 from ...config import backend_config
 from ...kernels import token_blocks as tb
+from ..topk_attention import reference_top_k_selection
 from .config import BSAConfig
 
-__all__ = ["bsa_select", "bsa_attention"]
+__all__ = ["bsa_select", "bsa_attention", "bsa_reference_selection"]
 
 
 def _select(
@@ -184,3 +185,9 @@ def bsa_attention(
         **window,
     )
     return out, sel
+
+
+def bsa_reference_selection(q: torch.Tensor, k: torch.Tensor, cfg: BSAConfig, **call):
+    """The :class:`~sparseflow.selection.Selection` :func:`bsa_attention` reports, without the
+    attention (the registry's ``selection``; ``call``: ``key_padding_mask``, ``is_causal``, ``scale``)."""
+    return reference_top_k_selection("bsa", bsa_select, q, k, cfg, **call)

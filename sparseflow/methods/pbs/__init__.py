@@ -113,6 +113,7 @@ SPEC = register(
         context_parallel="sparseflow.methods.pbs.context_parallel:shared_rows",
         estimate_cost=estimate_cost,
         selection_densities=f"{_KERNELS}.calibration:selection_densities",
+        selection=f"{_KERNELS}.reference:pbs_reference_selection",
         window_rule=window_rule,
         bench=BenchPart(
             "pbs.py",

@@ -58,13 +58,14 @@ from .config import PBSConfig
 from .memory import check_selection_memory
 from .permutation import config_permutation
 from .permuted_attention import permuted_block_attention
-from .tail import apply_tail
+from .tail import apply_tail, mark_tail
 
 __all__ = [
     "pbs_attention",
     "pbs_selection",
     "pbs_selections",
     "pbs_report",
+    "pbs_reference_selection",
 ]
 
 
@@ -135,6 +136,25 @@ def pbs_report(
         key_padding_mask=key_padding_mask,
         **window,
     )
+
+
+@torch.no_grad()
+def pbs_reference_selection(
+    q: Tensor,
+    k: Tensor,
+    cfg: PBSConfig,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+) -> Selection:
+    """The :class:`Selection` :func:`pbs_attention` reports, without the attention (the
+    registry's ``selection``): the blocks chosen, the dense tail's rows marked."""
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool)
+    perm, block_mask = pbs_selection(q, k, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale)
+    block_mask = mark_tail(block_mask, cfg.dense_tail_blocks)
+    return pbs_report(block_mask, perm, cfg, key_padding_mask=key_padding_mask, is_causal=is_causal)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ SPEC = register(
         decode=Decode(backend="triton", step="sparseflow.methods.pisa.decode:decode_step"),
         has_top_k=True,
         exact=exact_top_k,
+        selection=f"{_KERNELS}.reference:pisa_reference_selection",
         estimate_cost=lambda cfg: WALK_COST,
         window_rule=top_k_window_rule,
         # the paper's latency setting at small lengths, and a K=32 call at a model's shape

@@ -63,9 +63,10 @@ import torch
 
 from ...config import backend_config
 from ...kernels import token_blocks as tb
+from ..topk_attention import reference_top_k_selection
 from .config import PISAConfig
 
-__all__ = ["build_pyramid", "pisa_select", "pisa_attention", "SCORES", "check_beam"]
+__all__ = ["build_pyramid", "pisa_select", "pisa_attention", "pisa_reference_selection", "SCORES", "check_beam"]
 
 SCORES = ("lse", "mean", "mean_var")
 
@@ -530,3 +531,9 @@ def pisa_attention(
         **window,  # its key masks hold the window's keys only, as the attention above
     )
     return out, sel
+
+
+def pisa_reference_selection(q: torch.Tensor, k: torch.Tensor, cfg: PISAConfig, **call):
+    """The :class:`~sparseflow.selection.Selection` :func:`pisa_attention` reports, without the
+    attention (the registry's ``selection``; ``call``: ``key_padding_mask``, ``is_causal``, ``scale``)."""
+    return reference_top_k_selection("pisa", pisa_select, q, k, cfg, **call)
