@@ -35,7 +35,7 @@ import torch
 
 from . import ops as _ops
 from .config import BACKENDS, AttentionConfig, DenseConfig, config_from_dict
-from .length_bands import band_for
+from .length_bands import band_for, check_bands
 from .methods import spec_for, windowed
 from .tuning import DEFAULT_TUNING, Tuning
 
@@ -106,16 +106,8 @@ class Plan:
         self._check_longer()
 
     def _check_longer(self) -> None:
-        previous = 0
-        for band in self.longer:
-            tokens, plan = band if isinstance(band, tuple) and len(band) == 2 else (None, None)
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= previous:
-                raise ValueError(
-                    f"Plan.longer must hold (tokens, Plan) pairs with increasing token counts > {previous}, got {band!r}"
-                )
-            previous = tokens
-            if not isinstance(plan, Plan) or plan.longer:
-                raise ValueError(f"Plan.longer[{tokens}] must be a Plan without bands of its own, got {plan!r}")
+        check_bands(self.longer, Plan, "Plan.longer")
+        for tokens, plan in self.longer:
             same = (plan.method, plan.backend, plan.num_layers)
             if same != (self.method, self.backend, self.num_layers):
                 raise ValueError(

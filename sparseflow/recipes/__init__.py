@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..config import METHODS, AttentionConfig, config_from_dict
-from ..length_bands import band_for
+from ..length_bands import band_for, check_bands
 from ..methods import sparse_names
 from ..methods.registry import or_list
 
@@ -125,21 +125,8 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r}: layer_overrides[{method!r}][{i}]: {exc}") from exc
 
     def _check_longer(self) -> None:
-        previous = 0
-        for band in self.longer:
-            if not (isinstance(band, tuple) and len(band) == 2):
-                raise RecipeError(f"recipe {self.name!r}: longer must hold (tokens, Recipe) pairs, got {band!r}")
-            tokens, rec = band
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= previous:
-                raise RecipeError(
-                    f"recipe {self.name!r}: longer's token counts must be increasing integers > {previous}, "
-                    f"got {tokens!r}"
-                )
-            previous = tokens
-            if not isinstance(rec, Recipe):
-                raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] must be a Recipe, got {rec!r}")
-            if rec.longer:
-                raise RecipeError(f"recipe {self.name!r}: longer[{tokens}] has bands of its own; give them all here")
+        check_bands(self.longer, Recipe, f"recipe {self.name!r}: longer", RecipeError)
+        for tokens, rec in self.longer:
             if not set(rec.methods) <= set(self.methods) or not set(rec.model_types) <= set(self.model_types):
                 raise RecipeError(
                     f"recipe {self.name!r}: longer[{tokens}] ({rec.name!r}) must cover some of the methods "

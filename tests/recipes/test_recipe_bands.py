@@ -177,6 +177,22 @@ def test_plan_bands_round_trip_and_old_plans_still_read():
         Plan(method="pbs", config=plan.config, longer=((BAND, Plan(method="pbs", config=plan.config, backend="flex")),))
 
 
+@pytest.mark.parametrize(
+    "longer, match",
+    [
+        (lambda p: ((0, p),), r"Plan.longer's token counts must be increasing integers > 0, got 0"),
+        (lambda p: ((BAND, p), (BAND, p)), rf"increasing integers > {BAND}, got {BAND}"),
+        (lambda p: ((BAND, "plan"),), r"Plan.longer\[96\] must be a Plan, got 'plan'"),
+        (lambda p: ((BAND,),), r"Plan.longer must hold \(tokens, Plan\) pairs"),
+        (lambda p: ((BAND, BANDED.plan("pbs")),), r"Plan.longer\[96\] has bands of its own"),
+    ],
+)
+def test_bad_plan_bands_are_refused(longer, match):
+    plan = SHORT.plan("pbs")
+    with pytest.raises(ValueError, match=match):
+        Plan(method="pbs", config=plan.config, longer=longer(plan))
+
+
 def test_a_converted_model_runs_each_length_with_its_band(tiny):
     from sparseflow.hf import apply_plan
 
