@@ -4,7 +4,7 @@ could still change it (:func:`unsettled`)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .choices import DENSE_MEASUREMENT, Choice, Measurement
 
@@ -59,16 +59,22 @@ def chosen_options(table, picks) -> List[Tuple[Choice, Measurement]]:
 
 
 def unsettled(
-    table: Mapping[int, Mapping[Choice, Measurement]], costs: Mapping[int, Mapping[Choice, float]], allowed: float
+    table: Mapping[int, Mapping[Choice, Measurement]],
+    costs: Mapping[int, Mapping[Choice, float]],
+    allowed: float,
+    bounds: Optional[Mapping[int, Mapping[Choice, float]]] = None,
 ) -> List[Tuple[int, Choice]]:
     """The unmeasured (layer, choice) pairs that could make ``greedy_plan(table, allowed)`` differ
     from the whole grid's; none: it is the whole grid's plan. A choice can matter only where it
     could be a layer's cheapest option (the walk's start: its cost is the layer's lowest), or where,
-    at some step of the walk, its best possible upgrade (to KL 0 from the layer's current option,
-    at its known cost) is at least as good per added cost as the upgrade taken there: otherwise
-    every step takes the same upgrade with or without it. Choices costing at least dense's 1.0 never
-    matter (dense is on the frontier with KL 0). Returns those of the earliest step that has any
-    (the later steps may change once they are measured)."""
+    at some step of the walk, its best possible upgrade (from the layer's current option down to
+    its lowest possible KL, at its known cost) is at least as good per added cost as the upgrade
+    taken there: otherwise every step takes the same upgrade with or without it. Its lowest
+    possible KL is 0, or its ``bounds[layer][choice]`` when given: a lower bound of its KL (a mix's
+    KL is its largest over the texts, so one text's KL bounds it). Choices costing at least dense's
+    1.0 never matter (dense is on the frontier with KL 0). Returns those of the earliest step that
+    has any (the later steps may change once they are measured)."""
+    bounds = bounds or {}
     open_ = {
         layer: [(c, cost) for c, cost in opts.items() if c not in table[layer] and cost < DENSE_MEASUREMENT.cost]
         for layer, opts in costs.items()
@@ -87,7 +93,8 @@ def unsettled(
             (layer, c)
             for layer, opts in open_.items()
             for c, cost in opts
-            if cost > cur[layer].cost and cur[layer].kl / max(cost - cur[layer].cost, 1e-12) >= ratio
+            if cost > cur[layer].cost
+            and (cur[layer].kl - bounds.get(layer, {}).get(c, 0.0)) / max(cost - cur[layer].cost, 1e-12) >= ratio
         ]
         if hits:
             return hits

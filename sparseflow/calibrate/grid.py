@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .choices import DENSE, DENSE_MEASUREMENT, Choice, Measurement, Table
 from .greedy import unsettled
-from .mix import Mix, choice_costs, measure_entry
+from .mix import Mix, choice_costs, kl_bound, measure_entry, screen_entry, screens
 from .progress import Progress
 from .session import grid_size
 
@@ -40,7 +40,9 @@ class LazyGrid:
     """The choice grid measured on demand: every choice's cost is known first (its selection's
     density, or its time), and :meth:`settle` measures only the choices that could change the
     greedy walk at an allowed KL sum (see :func:`unsettled`), so the plan is the one the whole
-    grid gives."""
+    grid gives. On a mix of texts a choice is first measured on the first text alone (a
+    screen): that KL bounds the mix's from below, and a choice the bound settles is never
+    measured on the other texts."""
 
     s: Mix
     choices: List[Choice]
@@ -48,28 +50,36 @@ class LazyGrid:
     say: Callable[[str], None]
     table: Table = field(default_factory=dict)
     costs: Dict[int, Dict[Choice, float]] = field(default_factory=dict)
-    measured: int = 0  # measurements made by this process
+    bounds: Dict[int, Dict[Choice, float]] = field(default_factory=dict)  # unmeasured choices' KL lower bounds
+    measured: int = 0  # measurements made by this process (a screen counts as one)
 
     def __post_init__(self):
         self.table = stored_measurements(self.s, self.choices, self.progress)
         self.costs = choice_costs(self.s, self.choices, self.progress, self.say)
+        self.bounds = {
+            layer: {
+                c: bound
+                for c in opts
+                if c not in self.table[layer] and (bound := kl_bound(self.s, layer, c, self.progress)) > 0.0
+            }
+            for layer, opts in self.costs.items()
+        }
 
     def settle(self, allowed: float) -> None:
         while True:
-            todo = unsettled(self.table, self.costs, allowed)
+            todo = unsettled(self.table, self.costs, allowed, self.bounds)
             if not todo:
                 return
             for layer, choice in todo:
                 self.measured += 1
-                self.table[layer][choice] = measure_entry(
-                    self.s,
-                    layer,
-                    choice,
-                    self.progress,
-                    self.say,
-                    f"[measured {self.measured}]",
-                    self.costs[layer][choice],
-                )
+                label, cost = f"[measured {self.measured}]", self.costs[layer][choice]
+                if screens(self.s) and choice not in self.bounds[layer]:
+                    self.bounds[layer][choice] = screen_entry(
+                        self.s, layer, choice, self.progress, self.say, label, cost
+                    )
+                    continue
+                self.table[layer][choice] = measure_entry(self.s, layer, choice, self.progress, self.say, label, cost)
+                self.bounds[layer].pop(choice, None)
 
     def skipped(self) -> List[Dict[str, Any]]:
         """The choices never measured, each with its cost and why the plan cannot need it."""
@@ -77,14 +87,21 @@ class LazyGrid:
         for layer, costs in self.costs.items():
             for choice, cost in costs.items():
                 if choice not in self.table[layer]:
-                    out.append({"layer": layer, "choice": choice.key, "cost": cost, "reason": skip_reason(cost)})
+                    reason = skip_reason(cost, screened=choice in self.bounds[layer])
+                    out.append({"layer": layer, "choice": choice.key, "cost": cost, "reason": reason})
         return out
 
 
-def skip_reason(cost: float) -> str:
-    """Why an unmeasured choice of this cost cannot be in the plan."""
+def skip_reason(cost: float, screened: bool = False) -> str:
+    """Why an unmeasured choice of this cost cannot be in the plan (``screened``: measured on the
+    first text only, whose KL bounds the mix's)."""
     if cost >= DENSE_MEASUREMENT.cost:
         return "dominated by dense: costs at least as much, and dense has KL 0"
+    if screened:
+        return (
+            "cannot change the plan: measured on the first text only; at that KL (a lower bound of the "
+            "mix's) its KL reduction per added cost stays below the upgrade the greedy walk takes at every step"
+        )
     return (
         "cannot change the plan: even at KL 0 its KL reduction per added cost stays below the upgrade "
         "the greedy walk takes at every step"

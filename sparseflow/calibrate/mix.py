@@ -110,6 +110,34 @@ def measure_entry(
     return m
 
 
+def screens(mix: Mix) -> bool:
+    """Whether single-layer choices are screened on the first text before the others: with
+    several texts, one text's KL is a lower bound of the mix's (its largest), which settles some
+    choices without measuring them on the other texts (:func:`sparseflow.calibrate.greedy.unsettled`)."""
+    return len(mix.sessions) > 1
+
+
+def screen_entry(
+    mix: Mix, layer: int, choice: Choice, progress: Progress, say: Callable[[str], None], label: str, cost=None
+) -> float:
+    """The choice measured on the first text only (kept in that text's section): its KL, a lower
+    bound of the mix's."""
+    text, s = next(iter(mix.sessions.items()))
+    store, key = mix.store(progress, text), f"{layer}:{choice.key}"
+    got = store.layers.get(key)
+    if got is not None:
+        return float(got["kl"])
+    return _measure.measure_entry(s, layer, choice, store, say, f"{label} {text}", store.costs.get(key, cost)).kl
+
+
+def kl_bound(mix: Mix, layer: int, choice: Choice, progress: Progress) -> float:
+    """The largest KL the texts measured so far give the choice (0 when none has): a lower bound
+    of its mix KL."""
+    key = f"{layer}:{choice.key}"
+    kls = [got["kl"] for t in mix.sessions if (got := mix.store(progress, t).layers.get(key)) is not None]
+    return max(kls, default=0.0)
+
+
 def combine_measurements(per_text: Iterable[Measurement]) -> Measurement:
     """One choice over the texts: the largest KL, the lowest top-1, the mean density and cost."""
     ms = list(per_text)
