@@ -222,3 +222,26 @@ def poisoned(monkeypatch):
             return fn(*a, **kw)
 
     return call
+
+
+# --------------------------------------------------------------------------- the order files run in
+
+
+def pytest_configure(config):
+    # pytest-xdist's --dist loadfile hands out whole files, re-sorted by their number of tests
+    # unless told not to; the order of pytest_collection_modifyitems below is kept instead
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding a ``slow`` test first (minutes each, in few tests), then the others by their
+    number of tests, most first (xdist's own order). Sorted by count alone, the slow files came
+    last and one worker ran them while the other idled: on the 2-core CI machine the suite ended
+    minutes after most of it."""
+    per_file = {}
+    for item in items:
+        per_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = {f for f, its in per_file.items() if any(i.get_closest_marker("slow") for i in its)}
+    order = sorted(per_file, key=lambda f: (f not in slow, -len(per_file[f]) if f not in slow else 0))
+    items[:] = [item for f in order for item in per_file[f]]

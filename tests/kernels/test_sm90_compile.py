@@ -68,6 +68,7 @@ def test_checker_catches_a_gpu_only_compile_error():
     assert "compiled with fp32 scalars and failed with fp64 ones, as it must" in r.stdout
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90(tmp_path):
     codes, log, report = _run_shards(tmp_path)
     assert codes == [0] * len(SHARDS), log
