@@ -42,7 +42,7 @@ single-layer KL and every whole plan is measured on each text, and the plan's KL
 on the worst text (a choice's KL in the walk is its largest over the texts, a plan's measured KL
 its largest; costs and densities are means). A choice the pruned walk needs is measured on the
 first text before the others: that KL bounds the mix's from below, and a choice the bound already
-settles is not measured on the rest (on SmolLM2 at 128K tokens, about a third fewer single-text
+settles is not measured on the rest (on SmolLM2 at 128K tokens, 29% fewer single-text
 measurements; put the text with the largest KLs first). ``--heldout-text`` takes a list too (default one text
 of each kind: stdlib_docs, argparse_source, copy_log); the recipe's
 ``measured`` gives each text's KL, top-1 and density with its kind, and each kind's worst KL.
