@@ -161,7 +161,6 @@ def test_the_ops_layers_import_neither_the_ops_nor_context_parallelism():
 # the method's package. Allowed, each with why:
 METHOD_IMPORTS_ALLOWED = {
     "config.py": "re-exports the built-in config classes under their public names",
-    "testing/": "PISA's selection contract, a public check for users' CI (sparseflow.testing.check_pisa_selection)",
 }
 
 

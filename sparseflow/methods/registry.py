@@ -191,6 +191,11 @@ class MethodSpec:
     ``selection``: ``"module:function"`` of ``fn(q, k, cfg, *, key_padding_mask=None,
     is_causal=True, scale=None) -> Selection``, the reference's selection without its attention
     (what :mod:`sparseflow.eval`'s diagnostics measure); None: the method selects nothing.
+    ``selection_check``: ``"module:function"`` of the method's selection contract for users' CI,
+    for a method whose selection may be computed in a lower precision within a stated tolerance:
+    ``fn(q, k, trace=None, config=None, **call) -> report``, raising AssertionError when the
+    selection breaks it (:func:`sparseflow.testing.check_selection_tolerance`); None: the
+    selection is exact (the op-level checks cover it).
     ``window_rule(cfg, sliding_window, chunk_size)``: why a layer whose model gives it that local
     window runs the dense method's exact window instead of ``cfg`` ("" when ``cfg``'s selection
     inside the window can skip blocks worth skipping; :func:`windowed`); None: always ``cfg``.
@@ -221,6 +226,7 @@ class MethodSpec:
     estimate_cost: Optional[Callable[[AttentionConfig], float]] = None
     selection_densities: Optional[str] = None
     selection: Optional[str] = None
+    selection_check: Optional[str] = None
     window_rule: Optional[Callable[[AttentionConfig, int, int], str]] = None
     tuning_type: Optional[type] = None
     bench: Optional[BenchPart] = None
@@ -245,7 +251,7 @@ class MethodSpec:
         self._check_tuning_type()
         if self.bench is not None and not isinstance(self.bench, BenchPart):
             raise TypeError(f"MethodSpec {self.name!r}: bench must be a BenchPart or None, got {self.bench!r}")
-        for name in ("selection_densities", "selection"):
+        for name in ("selection_densities", "selection", "selection_check"):
             if getattr(self, name) is not None:
                 _check_target(f"MethodSpec {self.name!r}: {name}", getattr(self, name))
         if self.context_parallel != TOKEN_CHUNKS:

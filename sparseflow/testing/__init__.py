@@ -2,9 +2,11 @@
 
 Op level (any q/k/v you give):
     check_exact_mode, check_matches_own_selection, check_causality, check_finite
-PISA's selection contract (a walk scoring in bf16 / fp16 / tf32 keeps what the fp32
-reference keeps, up to near-ties within a stated tolerance):
-    check_pisa_selection, selection_within_tolerance, walk_trace
+A method's selection contract, for a selection computed in a lower precision within a stated
+tolerance (the method's registry ``selection_check``; PISA's: a walk scoring in bf16 / fp16 /
+tf32 keeps what the fp32 reference keeps, up to near-ties; its trace helpers are
+``sparseflow.methods.pisa.tolerance_check.walk_trace`` and ``selection_within_tolerance``):
+    check_selection_tolerance, check_pisa_selection
 Model level:
     assert_rewrite_equivalent(model, example_inputs, method=...)  # rewritten == original in exact mode
 Hypothesis strategies for random shapes live in ``sparseflow.testing.strategies``; a pytest plugin
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from ..config import AttentionConfig, default_config
 from ..kernels.masked_attention import masked_attention as _dense64
 from ..methods import spec_for
-from ..methods.pisa.tolerance_check import ToleranceReport, selection_within_tolerance, walk_trace
+from ..methods.registry import load_target
 from ..ops import attention
 from ..recording import capture
 
@@ -38,9 +40,8 @@ __all__ = [
     "check_finite",
     "assert_rewrite_equivalent",
     "run_with_selection",
+    "check_selection_tolerance",
     "check_pisa_selection",
-    "selection_within_tolerance",
-    "walk_trace",
 ]
 
 # Absolute floors under the 2x rule: when plain PyTorch happens to be almost exact, a kernel that
@@ -210,31 +211,30 @@ def check_finite(q, k, v, config: AttentionConfig, **kw) -> torch.Tensor:
     return out
 
 
-def check_pisa_selection(q, k, trace=None, config=None, *, tuning=None, **kw) -> ToleranceReport:
-    """Property 8: a PISA walk's ``trace`` (its kept nodes per level, leaves first;
-    ``walk_trace`` gives the reference's) keeps what the fp32 reference walk keeps, up to
-    near-ties within the tolerance of the precision it scores in (``precision=``, default
-    "bf16"; ``delta=0`` asks for the reference's selection). ``tuning``: a
-    :class:`sparseflow.Tuning` whose Triton walk (``pisa_walk``, scoring in ``pisa_scores``) is
-    checked: without a ``trace`` its trace is taken from that walk
-    (``methods.pisa.triton_trace.walk_trace_triton``; needs Triton, and a call the walk covers),
-    and ``precision`` defaults to its ``pisa_scores``. ``kw``: the call's ``key_padding_mask``,
-    ``is_causal``, ``scale`` and config fields. Returns the report."""
-    if tuning is not None:
-        kw.setdefault("precision", tuning.pisa_scores)
-        if trace is None:
-            from ..methods.pisa.triton_trace import walk_trace_triton
+def check_selection_tolerance(method: str, q, k, trace=None, config=None, **kw):
+    """Property 8: ``method``'s selection contract (its registry ``selection_check``) on a
+    selection computed in a lower precision: AssertionError when it breaks it, else the report.
+    ``trace`` / ``config`` / ``kw``: as the method's check takes them (PISA's:
+    :func:`check_pisa_selection`). A ValueError for a method whose selection is exact."""
+    spec = spec_for(method)
+    if spec.selection_check is None:
+        raise ValueError(
+            f"method {spec.name!r} states no selection tolerance (its selection is exact); "
+            "check_matches_own_selection covers it"
+        )
+    return load_target(spec.selection_check)(q, k, trace, config, **kw)
 
-            call = {name: kw[name] for name in ("key_padding_mask", "is_causal", "scale") if name in kw}
-            fields = {name: v for name, v in kw.items() if name not in ("precision", "delta", *call)}
-            trace = walk_trace_triton(q, k, config, tuning=tuning, **call, **fields)
-    if trace is None:
-        raise TypeError("check_pisa_selection needs a trace, or a tuning whose Triton walk gives one")
-    rep = selection_within_tolerance(q, k, trace, config, **kw)
-    if not rep.ok:
-        where = f"level {rep.level}, batch {rep.batch}, KV head {rep.kv_head}, query {rep.query}, node {rep.node}"
-        raise AssertionError(f"pisa selection breaks the {rep.rule!r} rule at {where} (margin {rep.margin:.3g})")
-    return rep
+
+def check_pisa_selection(q, k, trace=None, config=None, *, tuning=None, **kw):
+    """PISA's selection contract: a walk's ``trace`` (its kept nodes per level, leaves first;
+    ``sparseflow.methods.pisa.tolerance_check.walk_trace`` gives the reference's) keeps what the
+    fp32 reference walk keeps, up to near-ties within the tolerance of the precision it scores in
+    (``precision=``, default "bf16"; ``delta=0`` asks for the reference's selection). ``tuning``:
+    a :class:`sparseflow.Tuning` whose Triton walk (``pisa_walk``, scoring in ``pisa_scores``) is
+    checked: without a ``trace`` its trace is taken from that walk (needs Triton, and a call the
+    walk covers), and ``precision`` defaults to its ``pisa_scores``. ``kw``: the call's
+    ``key_padding_mask``, ``is_causal``, ``scale`` and config fields. Returns the report."""
+    return check_selection_tolerance("pisa", q, k, trace, config, tuning=tuning, **kw)
 
 
 def assert_rewrite_equivalent(

@@ -134,6 +134,24 @@ def test_a_methods_selection_is_the_one_its_reference_attention_reports(name, wi
         spec_for("dense").select(q, k, spec_for("dense").config_type())
 
 
+def test_selection_tolerance_checks_come_from_the_registry():
+    from sparseflow.testing import check_pisa_selection, check_selection_tolerance
+
+    assert [n for n in ("pbs", "pisa", "bsa") if spec_for(n).selection_check] == ["pisa"]
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 1, 40, 8, generator=g)
+    with pytest.raises(ValueError, match="'bsa' states no selection tolerance"):
+        check_selection_tolerance("bsa", q, k)
+    trace = load_target("sparseflow.methods.pisa.tolerance_check:walk_trace")(q, k, block_size=4, top_k=3)
+    fields = dict(block_size=4, top_k=3, delta=0.0)
+    assert (
+        check_pisa_selection(q, k, trace, **fields).ok and check_selection_tolerance("pisa", q, k, trace, **fields).ok
+    )
+    trace[0][..., -1, 0] = trace[0][..., -1, 1]  # a node kept twice
+    with pytest.raises(AssertionError, match="pisa selection breaks the"):
+        check_selection_tolerance("pisa", q, k, trace, **fields)
+
+
 def test_context_parallel_strategies_come_from_the_registry():
     # the core's own strategy unless the method names one in its folder
     assert context_parallel.strategy_of("bsa") is context_parallel.strategy_of("pisa")
@@ -299,6 +317,7 @@ def test_register_refuses_taken_names_and_types(fake_method):
         (dict(context_parallel="ring"), ValueError, "context_parallel"),
         (dict(selection_densities="no_colon"), ValueError, "selection_densities must be a 'module:attribute' string"),
         (dict(selection="no_colon"), ValueError, "selection must be a 'module:attribute' string"),
+        (dict(selection_check="no_colon"), ValueError, "selection_check must be a 'module:attribute' string"),
     ],
 )
 def test_spec_validation(changes, error, message):

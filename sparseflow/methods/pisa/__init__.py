@@ -34,6 +34,7 @@ SPEC = register(
         has_top_k=True,
         exact=exact_top_k,
         selection=f"{_KERNELS}.reference:pisa_reference_selection",
+        selection_check=f"{_KERNELS}.tolerance_check:check_selection",
         estimate_cost=lambda cfg: WALK_COST,
         window_rule=top_k_window_rule,
         # the paper's latency setting at small lengths, and a K=32 call at a model's shape

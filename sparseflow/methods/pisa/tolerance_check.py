@@ -43,7 +43,7 @@ from . import reference as ref
 from .config import PISAConfig
 from .tolerance import grouped_score_error_bound, key_bounds, round_to_precision
 
-__all__ = ["ToleranceReport", "walk_trace", "selection_within_tolerance", "RULES"]
+__all__ = ["ToleranceReport", "walk_trace", "selection_within_tolerance", "check_selection", "RULES"]
 
 # the rules in the order a row's first broken one is reported
 RULES = ("candidate", "duplicate", "count", "forced", "near_tie")
@@ -291,3 +291,30 @@ def _report(first, min_margin: float, agreement: float) -> ToleranceReport:
     margin = float(found.margin[b, h, i]) if rule == "near_tie" else math.nan
     node = int(found.node[b, h, i])
     return ToleranceReport(False, rule, level, int(b), int(h), int(i), node, margin, min_margin, agreement)
+
+
+def check_selection(q, k, trace=None, config=None, *, tuning=None, **kw) -> ToleranceReport:
+    """Raise AssertionError unless a PISA walk's ``trace`` (its kept nodes per level, leaves first;
+    :func:`walk_trace` gives the reference's) keeps what the fp32 reference walk keeps, up to
+    near-ties within the tolerance of the precision it scores in (``precision=``, default "bf16";
+    ``delta=0`` asks for the reference's selection); else return the report. ``tuning``: a
+    :class:`sparseflow.Tuning` whose Triton walk (``pisa_walk``, scoring in ``pisa_scores``) is
+    checked: without a ``trace`` its trace is taken from that walk
+    (``triton_trace.walk_trace_triton``; needs Triton, and a call the walk covers), and
+    ``precision`` defaults to its ``pisa_scores``. ``kw``: the call's ``key_padding_mask``,
+    ``is_causal``, ``scale`` and config fields. (The registry's ``selection_check``.)"""
+    if tuning is not None:
+        kw.setdefault("precision", tuning.pisa_scores)
+        if trace is None:
+            from .triton_trace import walk_trace_triton
+
+            call = {name: kw[name] for name in ("key_padding_mask", "is_causal", "scale") if name in kw}
+            fields = {name: v for name, v in kw.items() if name not in ("precision", "delta", *call)}
+            trace = walk_trace_triton(q, k, config, tuning=tuning, **call, **fields)
+    if trace is None:
+        raise TypeError("check_pisa_selection needs a trace, or a tuning whose Triton walk gives one")
+    rep = selection_within_tolerance(q, k, trace, config, **kw)
+    if not rep.ok:
+        where = f"level {rep.level}, batch {rep.batch}, KV head {rep.kv_head}, query {rep.query}, node {rep.node}"
+        raise AssertionError(f"pisa selection breaks the {rep.rule!r} rule at {where} (margin {rep.margin:.3g})")
+    return rep
