@@ -6,6 +6,7 @@ result file the two documents name is in benchmarks/results/."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import re
@@ -82,6 +83,53 @@ def test_a_missing_result_file_is_caught():
         "no_such_run_a_h200.json",
         "no_such_run_b_h200.json",
     ]
+
+
+# every file in benchmarks/results/ is data a document or a script names: by its name (a
+# backticked name or path, braces expanded: `a_{b,c}_h200.{json,log}`, `name_*.png`), or by its
+# stem (`pisa_layer_kernels_pdl_h200`, a run's .json and .log); a file nothing names is a loose
+# note, and its run's findings belong in docs/results.md with the commit that holds the file
+BACKTICKED = re.compile(r"`([^`\s]+)`")
+
+
+def _named_patterns(text):
+    return {os.path.basename(e) for tok in BACKTICKED.findall(text) for e in _expand(tok)}
+
+
+def _unnamed(files, text, sources):
+    pats = _named_patterns(text)
+
+    def named(f):
+        if any(fnmatch.fnmatch(f, p) for p in pats) or f in sources:
+            return True
+        return re.search(re.escape(f.rsplit(".", 1)[0]) + r"(?![A-Za-z0-9_])", text + sources) is not None
+
+    return sorted(f for f in files if not named(f))
+
+
+def _read(paths):
+    out = []
+    for path in paths:
+        with open(path) as fh:
+            out.append(fh.read())
+    return "\n".join(out)
+
+
+def test_every_result_file_is_named_somewhere():
+    docs = _read([os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))])
+    scripts = [
+        *glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.py"), recursive=True),
+        *glob.glob(os.path.join(ROOT, "benchmarks", "*.sh")),
+        *glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True),
+    ]
+    files = os.listdir(os.path.join(ROOT, "benchmarks", "results"))
+    assert len(files) > 100 and _unnamed(files, docs, _read(scripts)) == []
+
+
+def test_an_unnamed_result_file_is_caught():
+    text = "`a_{b,c}_h200.{json,log}` and `pisa_run_h200` and `plots_*.png`"
+    files = ["a_b_h200.json", "a_c_h200.log", "pisa_run_h200.json", "plots_1.png", "pisa_run_h200_old.json", "x.log"]
+    assert _unnamed(files, text, "see x.log") == ["pisa_run_h200_old.json"]
 
 
 # --------------------------------------------------------------------------- hand-written tables
