@@ -499,16 +499,24 @@ def _random_grid(rng, layers: int = 6, per_layer: int = 8):
     return table, costs
 
 
-def _lazy_picks(table, costs, allowed):
-    """greedy_plan on a table filled only as unsettled() asks: the chosen choices and how many measured."""
+def _lazy_picks(table, costs, allowed, first_text=None):
+    """greedy_plan on a table filled only as unsettled() asks: the chosen choices and how many
+    measured. With ``first_text`` (each choice's first-text KL, a lower bound of the mix's) a
+    choice asked for is screened first and measured whole only when asked for again, as LazyGrid
+    does on a mix."""
     known = {layer: {cal.DENSE: cal.DENSE_MEASUREMENT} for layer in table}
+    bounds = {layer: {} for layer in table}
     while True:
-        todo = cal.unsettled(known, costs, allowed)
+        todo = cal.unsettled(known, costs, allowed, bounds)
         if not todo:
             break
         for layer, c in todo:
             assert c not in known[layer]  # never asks twice
-            known[layer][c] = table[layer][c]
+            if first_text is not None and c not in bounds[layer]:
+                bounds[layer][c] = first_text[layer][c]
+            else:
+                known[layer][c] = table[layer][c]
+                bounds[layer].pop(c, None)
     chosen = [ch for ch, _ in cal.chosen_options(known, cal.greedy_plan(known, allowed))]
     return chosen, sum(len(k) - 1 for k in known.values())
 
@@ -528,26 +536,6 @@ def test_lazy_grid_gives_the_whole_grids_plan():
     assert skipped > 0  # the case is one where pruning applies
 
 
-def _screened_picks(table, first_text, costs, allowed):
-    """:func:`_lazy_picks` as LazyGrid runs it on a mix: a choice unsettled() asks for is first
-    screened (its first-text KL, a lower bound, ``first_text``), then measured whole if still asked for."""
-    known = {layer: {cal.DENSE: cal.DENSE_MEASUREMENT} for layer in table}
-    bounds = {layer: {} for layer in table}
-    while True:
-        todo = cal.unsettled(known, costs, allowed, bounds)
-        if not todo:
-            break
-        for layer, c in todo:
-            assert c not in known[layer]
-            if c in bounds[layer]:
-                known[layer][c] = table[layer][c]
-                del bounds[layer][c]
-            else:
-                bounds[layer][c] = first_text[layer][c]
-    chosen = [ch for ch, _ in cal.chosen_options(known, cal.greedy_plan(known, allowed))]
-    return chosen, sum(len(k) - 1 for k in known.values())
-
-
 def test_kl_bounds_settle_choices_and_keep_the_whole_grids_plan():
     import random
 
@@ -559,7 +547,7 @@ def test_kl_bounds_settle_choices_and_keep_the_whole_grids_plan():
         first = {layer: {c: m.kl * rng.uniform(0.3, 1.0) for c, m in opts.items()} for layer, opts in table.items()}
         for allowed in (1e-1, 1e-2, 3e-3, 1e-3, 1e-4, 0.0):
             full = [ch for ch, _ in cal.chosen_options(table, cal.greedy_plan(table, allowed))]
-            screened, measured = _screened_picks(table, first, costs, allowed)
+            screened, measured = _lazy_picks(table, costs, allowed, first)
             assert screened == full, (allowed, screened, full)
             spared += _lazy_picks(table, costs, allowed)[1] - measured
     assert spared > 0  # the bounds spared whole measurements
