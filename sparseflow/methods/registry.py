@@ -295,6 +295,16 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r} selects no blocks; it has no selection to compute")
         return load_target(self.selection)(q, k, cfg, **call)
 
+    def check_selection(self, q, k, trace=None, cfg: Optional[AttentionConfig] = None, **call):
+        """The method's ``selection_check`` on ``trace`` (AssertionError when the selection breaks
+        its contract, else the report)."""
+        if self.selection_check is None:
+            raise ValueError(
+                f"method {self.name!r} states no selection tolerance (its selection is exact); "
+                "check_matches_own_selection covers it"
+            )
+        return load_target(self.selection_check)(q, k, trace, cfg, **call)
+
 
 _SPECS: Dict[str, MethodSpec] = {}
 _BY_TYPE: Dict[type, MethodSpec] = {}

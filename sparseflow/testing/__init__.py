@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from ..config import AttentionConfig, default_config
 from ..kernels.masked_attention import masked_attention as _dense64
 from ..methods import spec_for
-from ..methods.registry import load_target
 from ..ops import attention
 from ..recording import capture
 
@@ -216,13 +215,7 @@ def check_selection_tolerance(method: str, q, k, trace=None, config=None, **kw):
     selection computed in a lower precision: AssertionError when it breaks it, else the report.
     ``trace`` / ``config`` / ``kw``: as the method's check takes them (PISA's:
     :func:`check_pisa_selection`). A ValueError for a method whose selection is exact."""
-    spec = spec_for(method)
-    if spec.selection_check is None:
-        raise ValueError(
-            f"method {spec.name!r} states no selection tolerance (its selection is exact); "
-            "check_matches_own_selection covers it"
-        )
-    return load_target(spec.selection_check)(q, k, trace, config, **kw)
+    return spec_for(method).check_selection(q, k, trace, config, **kw)
 
 
 def check_pisa_selection(q, k, trace=None, config=None, *, tuning=None, **kw):
