@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
+from .gguf_once import gguf_parsed_once
 from .texts import TEXTS, real_text  # the texts live in sparseflow.texts; imported here as before
 
 __all__ = [
@@ -105,6 +106,7 @@ def _cache_dir(cache_dir) -> Optional[str]:
     return cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV) or None
 
 
+@gguf_parsed_once()  # one header parse for the tokenizer, the config and the weights
 def _load_gguf_model(path: Path, dtype, cache_dir: Optional[str]) -> Tuple[object, object]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from .config import AttentionConfig, config_from_dict, default_config
+from .gguf_once import gguf_parsed_once
 from .methods import sparse_names
 
 __all__ = [
@@ -128,6 +129,7 @@ def _check_gguf(path: Path) -> None:
         ) from exc
 
 
+@gguf_parsed_once()
 def load_config(source: Source):
     """The transformers config of a resolved source (no weights load); ConversionError if unreadable."""
     from transformers import AutoConfig
@@ -387,6 +389,7 @@ def _band_plan(rec, *, method, config, dense_layers, backend, source, n_layers, 
         raise ConversionError(f"bad plan: {exc}") from exc
 
 
+@gguf_parsed_once()
 def load_source(source: Source, *, dtype: str = "auto", attn_implementation: str = "sdpa", device=None, config=None):
     """(model, tokenizer or None) of a source, offline, in eval mode. ``device``: where the model
     will run (only read by ``dtype="auto"``). ``config``: the source's config when the caller has
@@ -484,6 +487,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@gguf_parsed_once()  # one header parse for the check, the config, the tokenizer and the weights
 def convert(
     src: Union[str, os.PathLike],
     out: Union[str, os.PathLike],

@@ -513,9 +513,18 @@ def test_cli_eval_plots_without_matplotlib_fails_first(src, tmp_path, capsys, mo
 
 @pytest.mark.slow
 @pytest.mark.skipif(smollm2_gguf() is None, reason=f"SmolLM2 GGUF not installed ({SMOLLM2_PACKAGE_HINT})")
-def test_smollm2_gguf_convert_reload_eval(tmp_path, capsys):
+def test_smollm2_gguf_convert_reload_eval(tmp_path, capsys, monkeypatch):
+    import gguf
+
+    parses = []
+    real_init = gguf.GGUFReader.__init__
+    monkeypatch.setattr(
+        gguf.GGUFReader, "__init__", lambda self, *a, **kw: parses.append(a) or real_init(self, *a, **kw)
+    )
     out = tmp_path / "smollm2-pbs"
     assert main(["convert", str(smollm2_gguf()), "--method", "pbs", "--recipe", "smollm2", "--out", str(out)]) == 0
+    # the header check, the config, the tokenizer and the weights share one parse of the file
+    assert len(parses) == 1, parses
     plan = json.loads((out / "config.json").read_text())["sparseflow"]
     assert plan["recipe"] == "smollm2" and plan["num_layers"] == 30
     _check_session_cache_matches(out)
