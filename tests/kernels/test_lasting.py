@@ -20,8 +20,12 @@ from sparseflow.kernels import lasting
 from sparseflow.kernels import token_blocks as tb
 
 
-def _live_tensors() -> dict:
-    gc.collect()
+def _live_tensors(collect: bool) -> dict:
+    # a full collection and scan take about a second each in a test worker that has run hundreds
+    # of tests: the "before" snapshot needs no collection (it holds its tensors, garbage or not, so
+    # no later tensor can take one's id), and one snapshot serves all of a test's calls
+    if collect:
+        gc.collect()
     with warnings.catch_warnings():  # isinstance on a deprecated module attribute's proxy warns
         warnings.simplefilter("ignore")
         return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
@@ -47,12 +51,13 @@ def made_lasting(monkeypatch):
     tb._WINDOW_LISTS.clear()
 
 
-def _kept_by(call, made) -> list:
-    """``(shape, dtype)`` of the tensors that ``call()`` leaves alive that build_lasting did not make."""
-    before = _live_tensors()
-    out = call()
-    del out
-    after = _live_tensors()
+def _kept_by(calls, made) -> list:
+    """``(shape, dtype)`` of the tensors that ``calls`` (run in turn) leave alive that build_lasting
+    did not make."""
+    before = _live_tensors(collect=False)
+    for call in calls:
+        call()  # its output is dropped at once
+    after = _live_tensors(collect=True)
     return [(tuple(t.shape), t.dtype) for i, t in after.items() if i not in before and _storage(t) not in made]
 
 
@@ -80,13 +85,13 @@ def _first_calls_keep(cfg, backend, made) -> list:
     n = q.shape[2]
     padded = torch.ones(n, n, dtype=torch.bool).tril().expand(1, 1, n, n).clone()
     padded[..., :5] = False
-    kept = []
-    for mask in (None, padded):
-        kept += _kept_by(
-            lambda: sparseflow.attention(q, k, v, config=cfg, backend=backend, attn_mask=mask, is_causal=mask is None),
-            made,
+    calls = [
+        lambda mask=mask: sparseflow.attention(
+            q, k, v, config=cfg, backend=backend, attn_mask=mask, is_causal=mask is None
         )
-    return kept
+        for mask in (None, padded)
+    ]
+    return _kept_by(calls, made)
 
 
 @pytest.mark.parametrize("window", [0, 24])
@@ -110,7 +115,7 @@ def test_an_exported_models_first_call_keeps_only_lasting_tensors(made_lasting, 
     x = torch.randn(1, 64, 48)
     ep = sparseflow.export(plain_attention(), (x,), method="pbs", config=CONFIGS[0])
     with torch.no_grad():
-        assert _kept_by(lambda: ep.module()(x), made_lasting) == []
+        assert _kept_by([lambda: ep.module()(x)], made_lasting) == []
 
 
 def test_the_check_sees_a_cache_that_keeps_a_tensor(made_lasting, monkeypatch):
@@ -122,4 +127,4 @@ def test_the_check_sees_a_cache_that_keeps_a_tensor(made_lasting, monkeypatch):
         return q.clone()
 
     q, k, v = _qkv()
-    assert _kept_by(lambda: leaky(q, k, v), made_lasting) == [((3, 5), torch.float32)]
+    assert _kept_by([lambda: leaky(q, k, v)], made_lasting) == [((3, 5), torch.float32)]

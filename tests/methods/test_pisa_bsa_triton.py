@@ -261,12 +261,14 @@ def test_token_sparse_attention_forward_backward(case):
 
 @pytest.mark.parametrize("method", ["pisa", "bsa"])
 def test_op_triton_backend_matches_reference_and_reports_selection(method):
+    # 45 tokens in blocks of 8 (six blocks, the last partial, three kept): the walk runs a program
+    # per token and KV head under the interpreter, forward and again in the backward's recompute
     cfg = (
-        sparseflow.PISAConfig(block_size=16, top_k=3)
+        sparseflow.PISAConfig(block_size=8, top_k=3)
         if method == "pisa"
-        else sparseflow.BSAConfig(block_size=16, top_k=3)
+        else sparseflow.BSAConfig(block_size=8, top_k=3)
     )
-    q, k, v, _ = qkv_inputs(1, 4, 2, 70, 70, 16, torch.float32, False, seed=3)
+    q, k, v, _ = qkv_inputs(1, 4, 2, 45, 45, 16, torch.float32, False, seed=3)
     q.requires_grad_(True)
     with sparseflow.capture(keep_selections=True) as cap:
         out = sparseflow.attention(q, k, v, config=cfg, backend="triton")
@@ -320,8 +322,8 @@ def test_decode_pyramid_cache_beam_matches_reference_selection():
 def test_generate_on_pisa_model_uses_the_cached_pyramid(tiny):
     from sparseflow.model_marks import DECODE_STATE_ATTR
 
-    cfg = sparseflow.PISAConfig(block_size=16, top_k=3, min_seq_len=0)
-    prompt = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0))
+    cfg = sparseflow.PISAConfig(block_size=8, top_k=3, min_seq_len=0)
+    prompt = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(0))  # five blocks
     outs = {}
     for backend in ("triton", "reference"):
         model = tiny("llama", layers=2, seed=0).to(DEVICE)
