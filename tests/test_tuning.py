@@ -270,13 +270,12 @@ def _spy_pisa(monkeypatch):
 @needs_triton
 def test_pisa_tuning_reaches_the_launch_per_call(monkeypatch):
     seen = _spy_pisa(monkeypatch)
-    q, k, v = _qkv()
+    q, k, v = _qkv(n=40)  # five blocks of 8: the interpreter walks 40 tokens, not 64, per call
+    cfg = PISA_SMALL.replace(block_size=8)
     # candidate width 16 (K=3, branching 2): the defaults are 1 warp and 16 KB chunks
-    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton")
-    sparseflow.attention(
-        q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=2, pisa_leaf_bytes=4096)
-    )
-    sparseflow.attention(q, k, v, config=PISA_SMALL, backend="triton", tuning=Tuning(pisa_warps=8))
+    sparseflow.attention(q, k, v, config=cfg, backend="triton")
+    sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=Tuning(pisa_warps=2, pisa_leaf_bytes=4096))
+    sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=Tuning(pisa_warps=8))
     assert seen == [(1, 16384), (2, 4096), (8, 16384)]
 
 

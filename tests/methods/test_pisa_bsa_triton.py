@@ -404,8 +404,8 @@ def test_selectors_return_int32_ids_on_request(method):
     from sparseflow.methods.pisa import triton_select as pisa_sel
 
     select = pisa_sel.pisa_select if method == "pisa" else bsa_sel.bsa_select
-    # the last 40 queries of 150 keys: the id dtype is the store's, whatever the queries
-    q, k, _, _ = qkv_inputs(1, 4, 2, 40, 150, 16, torch.float32, pad=False, seed=9)
+    # the last 12 queries of 150 keys: the id dtype is the store's, whatever the queries
+    q, k, _, _ = qkv_inputs(1, 4, 2, 12, 150, 16, torch.float32, pad=False, seed=9)
     want = select(q, k, block_size=16, top_k=4)
     got = select(q, k, block_size=16, top_k=4, index_dtype=torch.int32)
     assert want.dtype == torch.long and got.dtype == torch.int32
