@@ -57,3 +57,59 @@ def test_the_real_class_comes_back_after_an_error(tmp_path):
         assert gguf.GGUFReader is not real
         raise RuntimeError("boom")
     assert gguf.GGUFReader is real
+
+
+class _ConfigRead(Exception):
+    pass
+
+
+def _shares_readers_when_the_config_is_read(monkeypatch, module, call):
+    """Run ``call`` until it reads the model's config; whether GGUF readers were shared then."""
+    seen = []
+
+    def load_config(source):
+        seen.append(getattr(gguf.GGUFReader, "shares_readers", False))
+        raise _ConfigRead
+
+    monkeypatch.setattr(module, "load_config", load_config)
+    try:
+        call()
+    except _ConfigRead:
+        pass
+    return seen
+
+
+@pytest.mark.parametrize("command", ["eval", "export-onnx", "calibrate"])
+def test_commands_that_load_a_gguf_share_its_readers_from_the_config_check_to_the_load(command, tmp_path, monkeypatch):
+    import sparseflow.calibrate.command as calibrate_command
+    import sparseflow.convert as convert
+    from sparseflow.cli import main
+
+    model = tmp_path / "m.gguf"
+    _write(model, 1)
+    argv = {
+        "eval": ["eval", str(model), "--method", "pbs", "--tokens", "128"],
+        "export-onnx": ["export-onnx", str(model), "--method", "pbs", "--out", str(tmp_path / "m.onnx")],
+        "calibrate": [
+            "calibrate",
+            str(model),
+            "--method",
+            "pbs",
+            "--kl-budget",
+            "0.01",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+    }[command]
+    module = calibrate_command if command == "calibrate" else convert
+    if command == "export-onnx":
+        pytest.importorskip("onnxscript")
+    assert _shares_readers_when_the_config_is_read(monkeypatch, module, lambda: main(argv)) == [True]
+
+
+def test_a_command_that_reads_no_gguf_does_not_import_gguf():
+    import subprocess
+    import sys
+
+    code = "import sys; from sparseflow.cli import main; main(['recipes']); assert 'gguf' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -13,6 +13,7 @@ import torch
 from ..config import default_config
 from ..convert import check_architecture, load_config, load_source, parse_config, resolve_source
 from ..eval.evaluate import model_device
+from ..gguf_once import gguf_parsed_once
 from ..rope import parse_rope_scaling, set_rope_scaling
 from .choices import candidate_choices, sparse_spec
 from .run import DEFAULT_MARGIN, CalibrationResult, calibrate, check_budget, check_share
@@ -38,6 +39,7 @@ def parse_values(text: Optional[str], kind, arg: str) -> Optional[Tuple]:
     return out
 
 
+@gguf_parsed_once()  # one header parse for the config check and the load
 def calibrate_file(
     model_path,
     out,

@@ -86,10 +86,8 @@ def _is_user_error(exc: BaseException) -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    from ..gguf_once import gguf_parsed_once  # standard library only: --help stays fast
-
     try:
-        with _sigterm_raises(), gguf_parsed_once():
+        with _sigterm_raises():
             return args.func(args)
     except Exception as exc:
         if _is_user_error(exc):

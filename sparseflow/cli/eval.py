@@ -14,6 +14,7 @@ from typing import NamedTuple
 from ..methods import names_with
 from ..eval.sweep import has_permute
 from ..methods import sparse_names
+from ..gguf_once import gguf_parsed_once
 from .common import (
     BACKENDS,
     DTYPES,
@@ -169,6 +170,7 @@ class _Checked(NamedTuple):
     field: object  # the swept config field, or None
 
 
+@gguf_parsed_once()  # one header parse for the config check and the load
 def run(args: argparse.Namespace) -> int:
     from ..checkpoints import real_tokens
     from ..eval.evaluate import model_device

@@ -7,6 +7,7 @@ import argparse
 
 from ..methods import or_list
 from ..methods import sparse_names
+from ..gguf_once import gguf_parsed_once
 from .common import DTYPES, RECIPE_HELP, _check_out_file, _check_recipe_has_method, _error, _positive
 
 
@@ -42,6 +43,7 @@ def _require_onnx() -> None:
         importlib.import_module(name)
 
 
+@gguf_parsed_once()  # one header parse for the config check and the load
 def run(args: argparse.Namespace) -> int:
     """HF folder / GGUF / converted folder -> ONNX file with one ``sparseflow`` node per layer."""
     import time
