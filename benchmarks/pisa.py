@@ -334,6 +334,27 @@ def _cudnn_fwd_bwd(q, k, v):
         return run2, "repeated-kv"
 
 
+def _user_call_fwd_bwd(q, k, v, kw):
+    """Forward + backward through the user's call (``sparseflow.attention``, Triton backend: the
+    backward differentiates the forward's own graph) and through the op, whose backward
+    recomputes the forward, selection included (what a compiled graph runs)."""
+    import sparseflow
+    from sparseflow.ops import op_args, op_for
+
+    cfg = sparseflow.PISAConfig(min_seq_len=0, **kw)
+    args = (q, k, v, None, True, None) + tuple(op_args(cfg, sparseflow.Tuning())) + ("triton", "")
+
+    def api():
+        o = sparseflow.attention(q, k, v, config=cfg, backend="triton")
+        o.backward(torch.ones_like(o))
+
+    def through_op():
+        o = op_for("pisa")(*args)
+        o.backward(torch.ones_like(o))
+
+    return bench(api), bench(through_op)
+
+
 def part_attn(args, results):
     from sparseflow.methods.pisa import triton_select as PT
     from sparseflow.kernels.token_sparse_triton import token_sparse_attention
@@ -362,6 +383,7 @@ def part_attn(args, results):
             o.backward(torch.ones_like(o))
 
         t_fb = bench(fb)
+        t_api_fb, t_op_fb = _user_call_fwd_bwd(qq, kk, vv, kw)
         fwd = t_sel + t_att
         row = dict(
             n=n,
@@ -379,12 +401,17 @@ def part_attn(args, results):
             fwd_speedup_vs_cudnn=t_cud / fwd,
             attention_only_fwd_speedup_vs_cudnn=t_cud / t_att,
             fwd_bwd_speedup_vs_cudnn=t_cud_fb / t_fb,
+            api_fwd_bwd_ms=t_api_fb,
+            op_recompute_fwd_bwd_ms=t_op_fb,
+            api_fwd_bwd_speedup_vs_cudnn=t_cud_fb / t_api_fb,
         )
         rows.append(row)
         print(
             f"attn n={n:7d} K={args.attn_k}: cudnn fwd {t_cud:8.3f} (flash {t_fla:8.3f}) fwd+bwd {t_cud_fb:8.3f} | pisa select "
             f"{t_sel:7.3f} attn {t_att:7.3f} fwd {fwd:7.3f} fwd+bwd {t_fb:8.3f} | fwd x{t_cud / fwd:5.2f} "
-            f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f}",
+            f"(attn only x{t_cud / t_att:5.2f}) fwd+bwd x{t_cud_fb / t_fb:5.2f} | tile union/K {union:.2f} | "
+            f"sparseflow.attention fwd+bwd {t_api_fb:8.3f} (through the op, recomputing: {t_op_fb:8.3f}) "
+            f"x{t_cud_fb / t_api_fb:5.2f}",
             flush=True,
         )
         q = k = v = qq = kk = vv = None  # frees them; not del, closures above name them

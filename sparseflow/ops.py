@@ -26,6 +26,7 @@ replayed through :mod:`~sparseflow.op_replay` when it may be), and :mod:`~sparse
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -51,6 +52,7 @@ from .op_memo import (
 )
 from .op_plan import PREPARED, Plan, checked_plan, plan_call, prepared_plan
 from .op_replay import REPLAY_NOTE, needs_autograd
+from .op_train import keeps_graph, kept_graph_call
 from .op_schema import IMPLEMENTATIONS, add_method_tables, config_call, op_args, op_for, schema
 from .op_validation import check_call_types, method_config
 from .op_windows import dense_sdpa
@@ -384,9 +386,14 @@ def _eager_call(config, tuning, memo, args, entry, contiguous: bool, plan: Optio
         cap = _capture.active_capture()
         out = dense_sdpa(method, tag, plan.reason, q, k, v, attn_mask, is_causal, scale, cap, plan.window)
         return out.contiguous() if contiguous else out
-    if plan.reason is None and not needs_autograd(q, k, v, attn_mask) and INTERCEPTOR.get() is None:
-        # what the op's implementation runs for this plan, without the dispatcher's cost
-        return execute(method, plan, args, record=True, for_grad=False, twice=False, contiguous=contiguous)
+    if plan.reason is None and INTERCEPTOR.get() is None:
+        if not needs_autograd(q, k, v, attn_mask):
+            # what the op's implementation runs for this plan, without the dispatcher's cost
+            return execute(method, plan, args, record=True, for_grad=False, twice=False, contiguous=contiguous)
+        if keeps_graph(method, plan, q.device):
+            # the backward differentiates this call's own graph: no second selection, no second forward
+            double = functools.partial(_differentiable_grads, method)
+            return kept_graph_call(method, plan, args, contiguous, double)
     token = PREPARED.set((method, args, plan))
     try:
         return op_for(method)(*args)
