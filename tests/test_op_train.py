@@ -107,3 +107,20 @@ def test_a_backward_retained_runs_twice_and_the_reference_keeps_recomputing(monk
     monkeypatch.setattr(op_train._KeptGraph, "apply", lambda *a: seen.append(a) or None)
     ref = sparseflow.attention(q, k, v, config=cfg, backend="reference")
     assert ref is not None and not seen
+
+
+def test_under_activation_checkpointing_the_gradients_are_the_same():
+    # non-reentrant checkpointing recomputes the region, and with it the kept graph, in the backward
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = CONFIGS["pisa"]
+    q, k, v = _inputs(n=33, seed=3)
+
+    def layer(q, k, v):
+        return sparseflow.attention(q, k, v, config=cfg, backend="triton").sin()
+
+    w = torch.randn(1, 4, 33, 16).to(DEV)
+    plain = _grads(layer(q, k, v), (q, k, v), w)
+    checkpointed = _grads(checkpoint(layer, q, k, v, use_reentrant=False), (q, k, v), w)
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
