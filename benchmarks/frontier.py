@@ -222,16 +222,20 @@ def main(argv=None) -> int:
     rows: List[Dict[str, object]] = []
     out = {"env": e2e.env_info(), "args": vars(args), "rows": rows}
 
-    def keep(row: Dict[str, object]) -> None:  # written as each row lands: a run cut short keeps its rows
-        rows.append(row)
+    def write() -> None:
         mark_frontier(rows)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)
 
+    def keep(row: Dict[str, object]) -> None:  # written as each row lands: a run cut short keeps its rows
+        rows.append(row)
+        write()
+
     for n in run.ns:
         rope = "yarn" if n > e2e.TRAINED_POSITIONS else "plain"
         e2e.run_length(model, tok, n, rope, run, on_row=keep)
+        write()  # with the speedups, known once the length's rows are in
     print(table(rows))
     if args.json:
         print(f"wrote {args.json}")

@@ -297,7 +297,7 @@ def _plan_recipe(spec, model_config, method: str):
     auto = isinstance(spec, str) and spec.strip().lower() == "auto"
     if auto and method not in rec.configs:
         return None
-    rec.check_model(model_config)
+    rec = rec.fitted(model_config)
     if method not in rec.configs:
         raise RecipeError(f"recipe {rec.label!r} has no {method!r} settings; it covers {rec.methods}")
     return rec

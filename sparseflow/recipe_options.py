@@ -63,8 +63,7 @@ def _recipe_for(recipe, model: nn.Module, method: str):
             "those methods, or recipe=None"
         )
     if model_config is not None:
-        if not auto:
-            rec.check_model(model_config)
+        rec = rec.fitted(model_config)  # "auto" chose a fitting one; an explicit one is checked here
     else:
         logger.info(
             "sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped", rec.label

@@ -180,7 +180,8 @@ class Recipe:
         return self.configs[method]
 
     def check_model(self, model_config) -> None:
-        """Raise :class:`RecipeError` when a transformers config is not of this recipe's family."""
+        """Raise :class:`RecipeError` when a transformers config is not of this recipe's family
+        (its bands for longer prompts aside: :meth:`fitted` drops those made for another model)."""
         mt = getattr(model_config, "model_type", None)
         if mt not in self.model_types:
             raise RecipeError(
@@ -198,8 +199,28 @@ class Recipe:
                 raise RecipeError(f"recipe {self.name!r} expects {name}={want}, but the model has {got}")
         if n_layers is not None:
             self.check_layers(n_layers)
-        for _, rec in self.longer:
-            rec.check_model(model_config)
+
+    def fitted(self, model_config) -> "Recipe":
+        """This recipe for ``model_config`` (:meth:`check_model` raises when it is not of the
+        family), without the bands for longer prompts calibrated on another model of the family
+        (a band's own check refuses the model): the band before such a band runs its lengths, logged."""
+        self.check_model(model_config)
+        kept = []
+        for tokens, rec in self.longer:
+            try:
+                rec.check_model(model_config)
+            except RecipeError as exc:
+                logger.warning(
+                    "sparseflow: recipe %r: its settings from %d tokens (%r) do not fit this model (%s); "
+                    "prompts of that length run the settings before them",
+                    self.name,
+                    tokens,
+                    rec.name,
+                    exc,
+                )
+                continue
+            kept.append((tokens, rec))
+        return self if len(kept) == len(self.longer) else dataclasses.replace(self, longer=tuple(kept))
 
     def check_layers(self, n_layers: int) -> None:
         """Raise :class:`RecipeError` when a dense layer or a per-layer override names a layer
@@ -227,9 +248,9 @@ class Recipe:
         ``model_config`` is given)."""
         from ..hf import Plan
 
-        n_layers = None
+        n_layers, rec = None, self
         if model_config is not None:
-            self.check_model(model_config)
+            rec = self.fitted(model_config)
             n_layers = getattr(model_config, "num_hidden_layers", None)
 
         def plan_of(rec: "Recipe", longer=()):
@@ -246,7 +267,7 @@ class Recipe:
                 longer=longer,
             )
 
-        return plan_of(self, tuple((tokens, plan_of(rec)) for tokens, rec in self.bands_for(method)))
+        return plan_of(rec, tuple((tokens, plan_of(band)) for tokens, band in rec.bands_for(method)))
 
     def to_dict(self) -> Dict[str, Any]:
         """The recipe as JSON-able data: what a recipe file holds (:meth:`from_dict` reads it)."""

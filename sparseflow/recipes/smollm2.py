@@ -26,12 +26,16 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   1.74x / 2.21x eager dense SDPA at 32K / 64K / 128K on a YaRN-extended model, 0.62x at 8K; of the
   re-tune candidates (threshold 0.98-0.99, stride 8 or 16) this is the fastest that keeps mean KL
   <= 0.01 on both texts at 8K (stride 16 is faster but exceeds it on code).
+* Long prompts: from 32K tokens the recipe's PBS settings are a plan calibrated at 32K on the GPU
+  (``smollm2_bands``: 2.08x eager dense at KL 0.0085 where this 8K plan gives 1.83x at KL
+  0.0146); from 128K this 8K plan again.
 * PISA / BSA: K=16 blocks of 64. At 8K neither is close to dense (KL 0.75 / 0.85 at density 0.40)
   — a fixed K covers a shrinking share of an 8K context; PISA stays below BSA at equal K and C.
 """
 
 from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
+from .smollm2_bands import BAND_32K
 
 # layers that permute: chosen one at a time by the model's KL (each layer permuted alone, 4096
 # tokens of pydoc_data.topics, threshold 0.95, CPU; docs/results.md names the study)
@@ -300,12 +304,12 @@ MEASURED = {
     "at_2k": "2048 tokens, last 256 positions: PISA K=16 KL 0.0063 vs BSA 0.0199; PBS 0.95 with permutation KL 0.0018",
 }
 
-RECIPE = Recipe(
+_PLAN_8K = Recipe(
     name="smollm2",
     description=(
         "SmolLM2 family (Llama architecture): layer 0 dense; PBS with sampled-row scoring, threshold "
         "0.98, permutation in the 22 layers a KL calibration chose (8K, H200: density 0.44, KL 0.0036, top-1 97.9%); "
-        "PISA/BSA with K=16 blocks of 64"
+        "PISA/BSA with K=16 blocks of 64; from 32K tokens PBS as calibrated at 32K"
     ),
     model_types=("llama",),
     configs={
@@ -318,3 +322,7 @@ RECIPE = Recipe(
     layer_overrides={"pbs": {i: {"permute": True} for i in PERMUTED_LAYERS}},
     measured=MEASURED,
 )
+
+# from 32K tokens the plan calibrated there; from 128K back to the 8K plan, the more faithful of
+# the two at that length (smollm2_bands says how each measured)
+RECIPE = _PLAN_8K.with_longer(32768, BAND_32K).with_longer(131072, _PLAN_8K)

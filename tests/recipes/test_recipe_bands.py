@@ -252,3 +252,45 @@ def test_compile_of_a_method_no_band_covers_keeps_one_setting(tiny, tmp_path):
     pbs = sparseflow.compile(tiny("llama"), method="pbs", inner_backend="eager", recipe=path)
     assert getattr(bsa, "_sparseflow_config")["longer"] == {}
     assert list(getattr(pbs, "_sparseflow_config")["longer"]) == [BAND]
+
+
+def _smollm2_config(layers=30, heads=9, kv=3):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, hidden_size=heads * 64
+    )
+
+
+def test_smollm2_runs_the_plan_calibrated_at_32k_from_32k_and_its_8k_plan_from_128k():
+    from sparseflow.recipes import get_recipe, resolve_recipe
+    from sparseflow.recipes.smollm2_bands import BAND_32K
+
+    rec = resolve_recipe("auto", _smollm2_config())
+    assert rec is get_recipe("smollm2")
+    plan = rec.plan("pbs", _smollm2_config())
+    assert [t for t, _ in plan.longer] == [32768, 131072]
+    assert [plan.for_keys(n).recipe for n in (8192, 32767, 32768, 131071, 131072, 262144)] == [
+        "smollm2", "smollm2", "smollm2-32k", "smollm2-32k", "smollm2", "smollm2"
+    ]  # fmt: skip
+    band = plan.for_keys(32768)
+    assert band.dense_layers == BAND_32K.dense_layers and band.config.scoring == "mean"
+    assert band.layer_configs[3].scoring == "sampled_rows" and band.layer_configs[3].permute
+    assert plan.for_keys(131072) == dataclasses.replace(plan, longer=())
+    assert get_recipe("smollm2-code").longer == ()
+
+
+def test_a_band_made_for_another_model_of_the_family_is_dropped_with_a_warning(caplog):
+    from sparseflow.recipes import get_recipe, resolve_recipe
+
+    other = _smollm2_config(layers=32, heads=15, kv=5)  # SmolLM2-360M's shape
+    rec = resolve_recipe("auto", other)
+    assert rec is get_recipe("smollm2")  # the family's recipe still fits
+    with caplog.at_level("WARNING", logger="sparseflow"):
+        plan = rec.plan("pbs", other)
+    assert "from 32768 tokens ('smollm2-32k') do not fit this model" in caplog.text
+    assert "num_hidden_layers=30" in caplog.text
+    assert [t for t, _ in plan.longer] == [131072]  # the 8K plan's own band stays
+    assert plan.for_keys(65536).recipe == "smollm2"
+    with pytest.raises(RecipeError, match="model types"):
+        rec.fitted(type("Cfg", (), {"model_type": "qwen2"})())
