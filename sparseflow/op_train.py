@@ -27,9 +27,9 @@ DoubleGrads = Callable[[torch.Tensor, Tuple], Tuple[Optional[torch.Tensor], ...]
 
 
 def keeps_graph(method: str, plan: Plan, device: torch.device) -> bool:
-    """Whether a sparse eager call under autograd runs through :func:`kept_graph_call`: its
-    backend differentiates itself on ``device`` (the backward would not switch to another) and
-    is not the reference."""
+    """Whether a sparse eager call under autograd (q, k or v requiring grad: a mask's gradient
+    is none either way) runs through :func:`kept_graph_call`: its backend differentiates itself
+    on ``device`` (the backward would not switch to another) and is not the reference."""
     return (
         plan.reason is None
         and plan.backend != "reference"

@@ -390,7 +390,7 @@ def _eager_call(config, tuning, memo, args, entry, contiguous: bool, plan: Optio
         if not needs_autograd(q, k, v, attn_mask):
             # what the op's implementation runs for this plan, without the dispatcher's cost
             return execute(method, plan, args, record=True, for_grad=False, twice=False, contiguous=contiguous)
-        if keeps_graph(method, plan, q.device):
+        if (q.requires_grad or k.requires_grad or v.requires_grad) and keeps_graph(method, plan, q.device):
             # the backward differentiates this call's own graph: no second selection, no second forward
             double = functools.partial(_differentiable_grads, method)
             return kept_graph_call(method, plan, args, contiguous, double)
