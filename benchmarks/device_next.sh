@@ -113,7 +113,8 @@ case "${1:-}" in
     # budget 0.025 measured 0.0156 there and 0.0085 on prose (docs/results.md, fifteenth session)
     texts=() grid=() budget=${3:-0.025} heldout=stdlib_docs,copy_log
     # past 119K tokens pydoc_topics (the default mix's prose) is too short: documentation and
-    # clauses, held out on source and logs; the 128K target is KL 0.02. The whole grid needs about
+    # clauses, held out on source and logs; the 128K target is KL 0.02 on prose, about half the
+    # copy-heavy text's at 32K, hence budget 0.05 (0.035 on the worst text). The whole grid needs about
     # 650 measurements there (two calls): mean scoring at three thresholds, as most layers of the
     # 32K plan chose, fits one
     if [ "$ns" -gt 119000 ]; then

@@ -63,12 +63,12 @@ def _recipe_for(recipe, model: nn.Module, method: str):
             "those methods, or recipe=None"
         )
     if model_config is not None:
-        rec = rec.fitted(model_config)  # "auto" chose a fitting one; an explicit one is checked here
-    else:
-        logger.info(
-            "sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped", rec.label
-        )
-    return rec
+        return rec.fitted(model_config)  # "auto" chose a fitting one; an explicit one is checked here
+    logger.info(
+        "sparseflow: recipe %r: the model has no transformers config, so its model checks are skipped", rec.label
+    )
+    n_layers = _model_layer_count(model)
+    return rec if n_layers is None else rec.fitted_to_layers(n_layers)
 
 
 def _model_layer_count(model: nn.Module) -> Optional[int]:

@@ -112,4 +112,5 @@ def test_a_command_that_reads_no_gguf_does_not_import_gguf():
     import sys
 
     code = "import sys; from sparseflow.cli import main; main(['recipes']); assert 'gguf' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

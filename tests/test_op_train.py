@@ -96,9 +96,11 @@ def test_a_backward_retained_runs_twice_and_the_reference_keeps_recomputing(monk
     out = sparseflow.attention(q, k, v, config=cfg, backend="triton")
     w = torch.randn_like(out)
     first = _grads(out, (q, k, v), w, retain_graph=True)
+    assert out.grad_fn.out is not None  # kept for the backward asked for
     again = _grads(out, (q, k, v), w)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+    assert out.grad_fn.out is None and out.grad_fn.inner is None  # freed by the last backward
 
     # the reference's graph would hold the N x N scores: it still goes through the op
     import sparseflow.op_train as op_train
@@ -109,9 +111,12 @@ def test_a_backward_retained_runs_twice_and_the_reference_keeps_recomputing(monk
     assert ref is not None and not seen
 
 
-def test_under_activation_checkpointing_the_gradients_are_the_same():
-    # non-reentrant checkpointing recomputes the region, and with it the kept graph, in the backward
+def test_under_activation_checkpointing_the_op_recomputes_and_the_gradients_are_the_same(monkeypatch):
+    # non-reentrant checkpointing's saved-tensor hooks cannot see a graph kept on the Function's
+    # context, so the call goes through the op there
     from torch.utils.checkpoint import checkpoint
+
+    import sparseflow.op_train as op_train
 
     cfg = CONFIGS["pisa"]
     q, k, v = _inputs(n=33, seed=3)
@@ -121,6 +126,10 @@ def test_under_activation_checkpointing_the_gradients_are_the_same():
 
     w = torch.randn(1, 4, 33, 16).to(DEV)
     plain = _grads(layer(q, k, v), (q, k, v), w)
+    kept = []
+    real = op_train._KeptGraph.apply
+    monkeypatch.setattr(op_train._KeptGraph, "apply", lambda *a: kept.append(1) or real(*a))
     checkpointed = _grads(checkpoint(layer, q, k, v, use_reentrant=False), (q, k, v), w)
+    assert not kept
     for a, b in zip(plain, checkpointed):
         assert torch.equal(a, b)

@@ -74,6 +74,9 @@ class Backend:
     differentiable: str = "never"
     windows: bool = False  # runs a config's local window (else such calls run dense SDPA, logged)
     tuned: bool = False  # takes the call's sparseflow.Tuning as ``tuning=``
+    # its autograd graph holds O(N) tensors (output, log-sum-exp, block lists): an eager training
+    # call keeps it for the backward rather than recompute the forward (sparseflow.op_train)
+    compact_graph: bool = False
 
     def __post_init__(self):
         _check_target("Backend.target", self.target)
@@ -87,6 +90,10 @@ class Backend:
 
     def differentiable_on(self, device_type: str) -> bool:
         return self.differentiable == "always" or (self.differentiable == "cuda" and device_type == "cuda")
+
+    def keeps_graph_on(self, device_type: str) -> bool:
+        """Whether an eager call under autograd keeps this backend's graph for the backward."""
+        return self.compact_graph and self.differentiable_on(device_type)
 
 
 _WINDOW_FIELDS = frozenset({"sliding_window", "chunk_size"})  # every config's: the shared prologue runs them

@@ -20,7 +20,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..config import METHODS, AttentionConfig, config_from_dict
 from ..length_bands import band_for, check_bands
@@ -205,10 +205,18 @@ class Recipe:
         family), without the bands for longer prompts calibrated on another model of the family
         (a band's own check refuses the model): the band before such a band runs its lengths, logged."""
         self.check_model(model_config)
+        return self._without_bands_refusing(lambda band: band.check_model(model_config))
+
+    def fitted_to_layers(self, n_layers: int) -> "Recipe":
+        """:meth:`fitted` for a model known only by its layer count (no transformers config)."""
+        self.check_layers(n_layers)
+        return self._without_bands_refusing(lambda band: band.check_layers(n_layers))
+
+    def _without_bands_refusing(self, check: Callable[["Recipe"], None]) -> "Recipe":
         kept = []
         for tokens, rec in self.longer:
             try:
-                rec.check_model(model_config)
+                check(rec)
             except RecipeError as exc:
                 logger.warning(
                     "sparseflow: recipe %r: its settings from %d tokens (%r) do not fit this model (%s); "
@@ -224,7 +232,8 @@ class Recipe:
 
     def check_layers(self, n_layers: int) -> None:
         """Raise :class:`RecipeError` when a dense layer or a per-layer override names a layer
-        beyond ``n_layers``: the model is then not of the family the recipe was made for."""
+        beyond ``n_layers``: the model is then not of the family the recipe was made for (its
+        bands aside: :meth:`fitted_to_layers`)."""
         bad = [i for i in self.dense_layers if i >= n_layers]
         if bad:
             raise RecipeError(f"recipe {self.name!r}: dense layers {bad} do not exist in a {n_layers}-layer model")
@@ -235,8 +244,6 @@ class Recipe:
                     f"recipe {self.name!r}: layer_overrides[{method!r}] name layers {bad}, "
                     f"which do not exist in a {n_layers}-layer model"
                 )
-        for _, rec in self.longer:
-            rec.check_layers(n_layers)
 
     @property
     def label(self) -> str:

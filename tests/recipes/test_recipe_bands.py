@@ -294,3 +294,18 @@ def test_a_band_made_for_another_model_of_the_family_is_dropped_with_a_warning(c
     assert plan.for_keys(65536).recipe == "smollm2"
     with pytest.raises(RecipeError, match="model types"):
         rec.fitted(type("Cfg", (), {"model_type": "qwen2"})())
+
+
+def test_a_band_naming_layers_the_model_lacks_is_dropped_not_the_recipe(caplog):
+    from sparseflow.recipes.smollm2_bands import BAND_32K
+
+    family = Recipe(name="family", description="", model_types=("llama",), configs=BAND_32K.configs)
+    banded = family.with_longer(32768, BAND_32K)  # the band names layers up to 28
+    config = _smollm2_config(layers=24)
+    with caplog.at_level("WARNING", logger="sparseflow"):
+        assert banded.fitted(config).longer == ()
+        assert banded.fitted_to_layers(24).longer == ()  # a model without a transformers config
+    assert caplog.text.count("do not fit this model") == 2
+    assert banded.fitted_to_layers(30) is banded
+    with pytest.raises(RecipeError, match="dense layers"):
+        dataclasses.replace(family, dense_layers=(25,)).fitted_to_layers(24)

@@ -19,7 +19,11 @@ SPEC = register(
         backends={
             "reference": Backend(f"{_KERNELS}.reference:bsa_attention", differentiable="always", windows=True),
             "triton": Backend(
-                f"{_KERNELS}.triton_impl:bsa_attention", differentiable="always", windows=True, tuned=True
+                f"{_KERNELS}.triton_impl:bsa_attention",
+                differentiable="always",
+                windows=True,
+                tuned=True,
+                compact_graph=True,
             ),
             "flex": Backend(f"{_KERNELS}.flex:bsa_attention", differentiable="cuda", windows=True),
         },
