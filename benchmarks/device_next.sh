@@ -141,7 +141,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 gemma8k | pisa_scores | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac

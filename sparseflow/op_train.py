@@ -46,14 +46,17 @@ def kept_graph_call(method: str, plan: Plan, args: Tuple, contiguous: bool, doub
     """``args`` (the op's, validated) run as ``plan`` says, differentiable in q, k and v, with the
     backend's own autograd graph kept for the backward (see the module's note)."""
     q, k, v = args[:3]
+    rest = tuple(args[3:])
 
     def run(q_, k_, v_):
         return execute(
-            method, plan, (q_, k_, v_) + tuple(args[3:]), record=True, for_grad=True, twice=False, contiguous=contiguous
+            method, plan, (q_, k_, v_) + rest, record=True, for_grad=True, twice=False, contiguous=contiguous
         )
 
-    rest = tuple(args[3:])
-    out = _KeptGraph.apply(run, lambda grad, q_, k_, v_: double_grads(grad, (q_, k_, v_) + rest), q, k, v)
+    def second_order(grad, q_, k_, v_):
+        return double_grads(grad, (q_, k_, v_) + rest)
+
+    out = _KeptGraph.apply(run, second_order, q, k, v)
     # contiguous=False: the op's layout, [B, N, H, D] memory, which the model's transpose back reads in place
     return out if contiguous else tokens_major(out)
 

@@ -5,8 +5,8 @@ Calibrated on the GPU at the serving length by ``sparseflow calibrate --method p
 (SmolLM2-135M, the default mix of prose, code and copy-heavy text, bf16, H100). The budget holds the
 plan's KL on the worst text of the mix, with the calibrator's margin (0.7: a target of 0.0175).
 The copy-heavy text is that worst text, well above prose: at budget 0.01 the plan kept half its
-layers dense. The plan's own measurements are in ``MEASURED_32K``. The 8K plan kept past its length runs at 32K
-with KL 0.0146 on prose; this one with 0.0085, and faster.
+layers dense. The plan's own measurements are in ``MEASURED_32K``. The 8K plan kept past its
+length runs at 32K with KL 0.0146 on prose; this one with 0.0085, and faster.
 
 From 128K tokens the recipe returns to its 8K plan: neither plan holds the budget there (this one
 measured KL 0.096, the 8K plan 0.064), and no plan calibrated at 128K is shipped yet.
