@@ -5,12 +5,15 @@
 #                                                flex against exact windows and the recipe, torch.compile's
 #                                                default mode and mode="reduce-overhead", in rounds
 #   bash benchmarks/device_next.sh pisa_scores   PISA's walks in fp32 / bf16 / tf32: time and contract
+#   bash benchmarks/device_next.sh pisa_walks    the per-token and the leaf-pairs walk in bf16 from 64K to 1M
+#                                                beside the BSA scans (paper's latency setting), then
+#                                                their contract at 64K / 256K
 #   bash benchmarks/device_next.sh windows       the window tests of every method on the GPU
 #   bash benchmarks/device_next.sh reduce_overhead   mode="reduce-overhead": the GPU tests (every
 #                                                method, the window lists kept during Inductor's
 #                                                warm-up), then Gemma 3 at 8K beside compiled flex
-#   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 32K / 128K (K=32), its walk
-#                                                scoring in fp32 and bf16, against dense SDPA decode
+#   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 128K (K=32), its walk scoring in
+#                                                bf16 on 4, 8 and 16 warps, against dense SDPA decode
 #   bash benchmarks/device_next.sh pisa_train    PISA's forward + backward at 16K / 32K (K=8): the kernels,
 #                                                sparseflow.attention (selects once) and the op's recomputing
 #                                                backward, against cuDNN's
@@ -58,6 +61,12 @@ case "${1:-}" in
       --recipe "$plan" --mode reduce-overhead --reps 8 --rounds 3 \
       --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -4 || true
     ;;
+  pisa_walks)
+    timeout 330 python3 benchmarks/pisa.py --part select --walk leaf_pairs,per_token --select-scores bf16 \
+      --select-ns 65536,262144,1048576 --json "$out/pisa_select_leaf_pairs_${gpu}.json" 2>&1 | tail -12 || true
+    timeout 240 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs,per_token --scores bf16 \
+      --ns 65536,262144 --check-rows 64 --json "$out/pisa_walk_leaf_pairs_${gpu}.json" 2>&1 | tail -6 || true
+    ;;
   pisa_scores)
     timeout 580 python3 benchmarks/studies/pisa_walk_precision.py --json "$out/pisa_walk_precision_${gpu}.json"
     ;;
@@ -75,8 +84,9 @@ case "${1:-}" in
       --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
     ;;
   pisa_decode)
-    timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 32768,131072 --decode-scores fp32,bf16 \
-      --json "$out/pisa_decode_scores_${gpu}.json"
+    # the walk is latency-bound at decode (one program per KV head): its width in warps, side by side
+    timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 131072 --decode-scores bf16 \
+      --decode-warps auto,8,16 --json "$out/pisa_decode_warps_${gpu}.json"
     ;;
   pisa_train)
     timeout 580 python3 benchmarks/pisa.py --part attn --attn-ns 16384,32768 --attn-k 8 \
@@ -141,7 +151,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 gemma8k | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,8 @@
         --json benchmarks/results/pisa_h200_walks.json
                                                # ... the per-token and the tiled walk (Tuning.pisa_walk)
                                                # side by side, their selections compared
+    python benchmarks/pisa.py --part select --walk per_token,leaf_pairs --select-scores bf16 \
+        --select-ns 262144,1048576      # ... scoring the nodes in bf16 (Tuning.pisa_scores)
     python benchmarks/pisa.py --part select_tiled --variant-n 262144
                                                # the walk alone: per-token vs tiled over tile sizes / warps
     python benchmarks/pisa.py --part attn      # select + attention, forward and forward+backward, vs cuDNN
@@ -147,7 +149,7 @@ def part_select(args, results):
     from sparseflow import Tuning
 
     rows = []
-    tunings = {w: Tuning(pisa_walk=w) for w in args.walks}
+    tunings = {w: Tuning(pisa_walk=w, pisa_scores=args.select_scores) for w in args.walks}
     for n in args.select_ns:
         q, k, _ = pisa_inputs(n, 32, 2, 64)
         kw = dict(block_size=64, top_k=8)
@@ -629,16 +631,18 @@ def _decode_dense(q1, k, v):
 def part_decode(args, results):
     """One decoding step at a long context: the eager PISA step, the static step replayed from a
     CUDA graph, dense SDPA decode eager and graph-replayed (Hq 32, Hkv 8, D 128, C 64, bf16), for
-    each walk score precision of ``--decode-scores`` (``Tuning.pisa_scores``)."""
+    each walk score precision of ``--decode-scores`` (``Tuning.pisa_scores``) and walk width of
+    ``--decode-warps`` (``Tuning.pisa_warps``: None picks by the candidate width)."""
     from sparseflow import Tuning
 
     rows = []
-    for n, scores in [(n, s) for n in args.decode_ns for s in args.decode_scores]:
-        tuning = Tuning(pisa_scores=scores)
+    runs = [(n, s, w) for n in args.decode_ns for s in args.decode_scores for w in args.decode_warps]
+    for n, scores, warps in runs:
+        tuning = Tuning(pisa_scores=scores, pisa_warps=warps)
         q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
         q1 = q[:, :, -1:].contiguous()
         row, eager_out, eager_idx = _decode_eager(q1, k, v, args.attn_k, tuning)
-        row = dict(n=n, top_k=args.attn_k, scores=scores, **row, **_decode_dense(q1, k, v))
+        row = dict(n=n, top_k=args.attn_k, scores=scores, warps=warps, **row, **_decode_dense(q1, k, v))
         row.update(_decode_captured(q1, k, v, args.attn_k, eager_out, eager_idx, tuning))
         row["speedup_vs_dense"] = row["dense_sdpa_decode_ms"] / row["pisa_step_ms"]
         if "pisa_graph_step_ms" in row and "dense_sdpa_graph_ms" in row:
@@ -655,7 +659,7 @@ def part_decode(args, results):
             )
         }
         print(
-            f"decode n={n:7d} K={args.attn_k} {scores}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
+            f"decode n={n:7d} K={args.attn_k} {scores} warps {warps}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
             f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
             f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
             f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
@@ -715,6 +719,12 @@ def main(argv=None):
         help="comma list of the decode walk's score precisions (Tuning.pisa_scores: fp32, bf16, tf32)",
     )
     ap.add_argument(
+        "--decode-warps",
+        type=lambda s: [None if x.strip() == "auto" else int(x) for x in s.split(",") if x.strip()],
+        default=[None],
+        help="comma list of the decode walk's warps (Tuning.pisa_warps; auto: by the candidate width)",
+    )
+    ap.add_argument(
         "--beams",
         type=_beams,
         default=[1],
@@ -728,6 +738,12 @@ def main(argv=None):
         default=["per_token"],
         help="comma list of PISA selection walks (Tuning.pisa_walk) timed side by side in --part select, "
         "their selections compared, e.g. per_token,tiled (default per_token)",
+    )
+    ap.add_argument(
+        "--select-scores",
+        choices=["fp32", "bf16", "tf32"],
+        default="fp32",
+        help="the walks' score precision in --part select (Tuning.pisa_scores; default fp32)",
     )
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pisa_h200.json"))
     args = ap.parse_args(argv)

@@ -449,7 +449,8 @@ def run_pisa_window(walk, windows=((300, 0),)):
 
 def run_pisa_scores():
     """Each walk scoring its dots in bf16 and tf32 (``Tuning(pisa_scores=...)``): the rounded
-    operands' tensor-core dots are GPU-only code (the interpreter runs them as fp32 dots)."""
+    operands' tensor-core dots are GPU-only code (the interpreter runs them as fp32 dots); the
+    leaf-pairs walk in fp32 and bf16."""
     from sparseflow import Tuning
     from sparseflow.methods.pisa import triton_select as PT
 
@@ -460,6 +461,9 @@ def run_pisa_scores():
                 PT.pisa_select(
                     q, k, block_size=64, top_k=8, score=score, tuning=Tuning(pisa_walk=walk, pisa_scores=scores)
                 )
+    # the leaf-pairs walk: the per-token kernel scoring its nodes and writing leaf candidates
+    for scores in ("fp32", "bf16"):
+        PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="leaf_pairs", pisa_scores=scores))
 
 
 def run_pisa_tiled(cases):

@@ -10,7 +10,9 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   ``"per_token"``, one program per query token (``triton_select_per_token``, which also serves
   decoding); ``"scan"`` (and ``"auto"`` on CUDA), the node scores from a scan by query tiles, the
   per-token kernel as the middle stage and the leaves scored by pairs grouped per leaf
-  (``triton_select_scan``); ``"tiled"``, the walk by tiles of consecutive queries
+  (``triton_select_scan``); ``"leaf_pairs"``, the scan without its node table: the per-token
+  kernel scores the nodes above the leaves and the leaves are scored by pairs
+  (``triton_select_pairs``); ``"tiled"``, the walk by tiles of consecutive queries
   (``triton_select_tiled``). A shape the chosen walk does not cover runs per token (logged).
   Each walk runs a local window (``sliding_window`` / ``chunk_size``, the reference's walk inside
   each query's window: ``HAS_WINDOW`` kernels).
@@ -269,11 +271,11 @@ def pisa_select(
     """The reference's ``pisa_select`` contract in Triton: ``[B, Hkv, Nq, top_k]`` int64 leaf
     block ids per query token, ascending, ``-1`` padded; ``beam`` as in the reference (the walk
     keeps ``beam * top_k`` nodes above the leaves). ``tuning``: the walk's launch settings
-    (``pisa_walk``: per-token, scan or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``) and score
+    (``pisa_walk``: per-token, scan, leaf-pairs or tiled walk, ``pisa_warps``, ``pisa_leaf_bytes``) and score
     precision (``pisa_scores``).
     ``index_dtype``: ``torch.int32`` returns the kernel's own ids (what the attention kernel
     reads), saving a conversion each way. ``sliding_window`` / ``chunk_size``: the reference's
-    walk inside each query's local window; every walk (per-token, scan, tiled) runs it."""
+    walk inside each query's local window; every walk runs it."""
     check_beam(beam)
     check_index_dtype(index_dtype)
     check_window(sliding_window, chunk_size, is_causal)
@@ -319,6 +321,10 @@ def pisa_select(
             from .triton_select_scan import pisa_select_scan_fwd
 
             idx = pisa_select_scan_fwd(*args, tuning.pdl, *window, tuning.pisa_scores)
+        elif _use_pairs_walk(tuning, q, k, block_size, top_k, beam, branching):
+            from .triton_select_pairs import pisa_select_pairs_fwd
+
+            idx = pisa_select_pairs_fwd(*args, tuning.pisa_warps, tuning.pdl, *window, tuning.pisa_scores)
         elif _use_tiled_walk(tuning, hq // k.shape[1], beam, top_k, branching):
             from .triton_select_tiled import pisa_select_tiled_fwd
 
@@ -338,6 +344,21 @@ def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching
     why = tiled_covers(group, beam, top_k, branching)
     if why is not None:
         _log.info("PISA selection: pisa_walk='tiled' runs the per-token walk: %s", why)
+    return why is None
+
+
+def _use_pairs_walk(tuning: Tuning, q, k, block_size: int, top_k: int, beam: int, branching: int) -> bool:
+    """Whether ``tuning.pisa_walk`` asks for the leaf-pairs walk and it covers the call; a call it
+    does not cover is logged."""
+    if tuning.pisa_walk != "leaf_pairs":
+        return False
+    from .triton_select_pairs import pairs_covers
+
+    n_leaves = max(1, -(-k.shape[2] // block_size))
+    slots = q.shape[0] * k.shape[1] * q.shape[2] * candidate_width(beam, top_k, branching)
+    why = pairs_covers(n_leaves, top_k, slots)
+    if why is not None:
+        _log.info("PISA selection: pisa_walk='leaf_pairs' runs the per-token walk: %s", why)
     return why is None
 
 

@@ -42,7 +42,7 @@ where it applies.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -886,22 +886,12 @@ def scan_walk(
     n_leaves = max(1, -(-k.shape[2] // block_size))
     rows, _, cols, col0 = table_shape(b, hkv, n_q, n_leaves, summ.shape[2], score)
     pre = torch.empty(rows, n_q, cols, dtype=torch.float32, device=q.device)
-    cw = candidate_width(beam, top_k, branching)
-    cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
-    leaf_out = score != 1
-    unit = pair_unit(branching)
-    n_units = -(-n_leaves // unit[0])
-    # the walk's per-(batch x KV head, unit) counters of scored pairs, and each pair's rank in its segment
-    counts = torch.zeros(rows * n_units if leaf_out else 0, dtype=torch.int32, device=q.device)
-    rank = torch.empty_like(cand) if leaf_out else cand
-    ieee = q.dtype == torch.float32 or interpreting()
     meta = walk_meta(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
-    group = hq // hkv
     chain = pdl_launch(q, pdl)
     window = window_args(sliding_window, chunk_size)
-    scan_q, scan_rows, head_loop = dot_rows(group, LAUNCH["rows"])
+    scan_q, scan_rows, head_loop = dot_rows(hq // hkv, LAUNCH["rows"])
     wrap_triton(_node_scan_kernel)[(triton.cdiv(n_q, scan_q), b * hkv)](
         q,
         summ,
@@ -924,7 +914,7 @@ def scan_walk(
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,
         SCORE=score,
-        G=group,
+        G=hq // hkv,
         D=d,
         DP=meta["DP"],
         C=block_size,
@@ -941,16 +931,74 @@ def scan_walk(
         num_warps=LAUNCH["scan_warps"],
         **chain,
     )
-    warps, _ = _launch(cw)
-    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
+    walk = WalkCall(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale, meta, chain, window)
+    return walk_then_leaf_pairs(walk, (pre, col0), beam, None, "fp32", trace)
+
+
+class WalkCall(NamedTuple):
+    """What stages 2-4 take from the call: its tensors (``out``, the selection, written by the
+    leaf keep, or by the walk itself when no leaf is scored by pairs), the scale, the walk's
+    compile-time shape (``walk_meta``), the launch chain (``pdl_launch``) and the window's
+    arguments (``window_args``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    kpm: Optional[torch.Tensor]
+    summ: torch.Tensor
+    nfv: torch.Tensor
+    lvl_off: torch.Tensor
+    lvl_span: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    meta: dict
+    chain: dict
+    window: dict
+
+
+def walk_then_leaf_pairs(
+    call: WalkCall,
+    table: Optional[Tuple[torch.Tensor, int]],
+    beam: int,
+    warps: Optional[int],
+    scores: str,
+    trace: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Stages 2-4: the per-token walk down to each query's leaf candidates, then the scored
+    (query, leaf) pairs a leaf at a time and each query's keep (PISA-1, whose leaves are scored
+    by their summaries, has the walk write the selection). ``table``: stage 1's ``(scores,
+    first column)``, which the walk reads instead of scoring the nodes above the leaves (its
+    ``warps`` are then the candidate width's, and ``scores`` is the table's); None: the walk
+    scores them itself in ``scores``' arithmetic with ``warps`` (``Tuning.pisa_warps``), as the
+    per-token walk does. Returns ``call.out``."""
+    q, k, kpm, summ, nfv, out, meta = call.q, call.k, call.kpm, call.summ, call.nfv, call.out, call.meta
+    b, hq, n_q, _ = q.shape
+    hkv = k.shape[1]
+    top_k, score = meta["TOPK"], meta["SCORE"]
+    n_leaves = max(1, -(-k.shape[2] // meta["C"]))
+    rows = b * hkv
+    cw = candidate_width(beam, top_k, meta["BR"])
+    cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
+    leaf_out = score != 1
+    unit = pair_unit(meta["BR"])
+    n_units = -(-n_leaves // unit[0])
+    # the walk's per-(batch x KV head, unit) counters of scored pairs, and each pair's rank in its segment
+    counts = torch.zeros(rows * n_units if leaf_out else 0, dtype=torch.int32, device=q.device)
+    rank = torch.empty_like(cand) if leaf_out else cand
+    group = hq // hkv
+    if table is None:
+        pre, col0, walk_scores = nfv, 0, scores_mode(scores)  # nfv: a placeholder, never read
+    else:
+        (pre, col0), walk_scores, warps = table, "fp32", None
+    warps, _ = _launch(cw, warps)
+    args = walk_args(q, k, kpm, summ, nfv, call.lvl_off, call.lvl_span, out, call.scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
         nfv,  # no device length
         *args[8:],
         pre_ptr=pre,
         cand_ptr=cand,
-        stride_pbh=pre.stride(0),
-        stride_pn=pre.stride(1),
+        stride_pbh=pre.stride(0) if table is not None else 0,
+        stride_pn=pre.stride(1) if table is not None else 0,
         pre_col0=col0,
         stride_cbh=cand.stride(0),
         stride_cn=cand.stride(1),
@@ -960,82 +1008,96 @@ def scan_walk(
         **meta,
         GP=_p2(group, 16),
         CW=cw,
-        LC=1,  # LC and IEEE_KEYS set the leaf scoring, which PRE_SCORES compiles out
+        LC=1,  # LC and IEEE_KEYS set the leaf scoring, which LEAF_OUT leaves to stage 3
         IEEE_KEYS=False,
         HAS_LEN=False,
-        PRE_SCORES=True,
+        PRE_SCORES=table is not None,
         LEAF_OUT=leaf_out,
         PAIR_RANKS=leaf_out,
         PAIR_SIBLINGS=unit[1] > 1,
-        **window,
+        SCORES=walk_scores,
+        **call.window,
         TRACE=trace is not None,
         num_warps=warps,
-        **chain,
+        **call.chain,
     )
     if leaf_out:
-        scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
-        qb, pair_rows, _ = dot_rows(group, LAUNCH["pair_rows"])
-        n_pairs = cand.numel() // unit[1]  # at most one pair a unit's slots
-        seg_end, chunk_end, prog_seg = leaf_pair_index(counts, n_pairs, qb * LAUNCH["pair_chunks"], chain)
-        # the keep's and the pair order's tiles: queries padded to a power of two of rows
-        bq = queries_per_program(group, LAUNCH["keep_rows"])
-        tiles = (triton.cdiv(n_q, bq), b * hkv)
-        order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, chain, unit)
-        wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
-            q,
-            k,
-            kpm if kpm is not None else nfv,
-            order,
-            seg_end,
-            chunk_end,
-            prog_seg,
-            scores,
-            *q.stride()[:3],
-            *k.stride()[:3],
-            n_q,
-            k.shape[2],
-            hkv,
-            n_units,
-            rows * n_units,
-            log2_scale(scale, score),
-            HAS_KPM=kpm is not None,
-            SCORE=score,
-            G=group,
-            D=d,
-            DP=meta["DP"],
-            C=block_size,
-            CP=meta["CP"],
-            CW=cw,
-            UN=unit[0],
-            UP=unit[1],
-            QB=qb,
-            QBP=_p2(qb, 1),
-            R=pair_rows,
-            CHUNKS=LAUNCH["pair_chunks"],
-            STAGES=LAUNCH["pair_stages"],
-            PREC="ieee" if ieee else "exact16",
-            INTERP=interpreting(),
-            HEAD_LOOP=head_loop,
-            num_warps=LAUNCH["leaf_warps"],
-            **chain,
-        )
-        wrap_triton(_leaf_keep_kernel)[tiles](
-            cand,
-            scores,
-            out,
-            cand.stride(0),
-            cand.stride(1),
-            *out.stride()[:3],
-            n_q,
-            hkv,
-            TOPK=top_k,
-            KP=meta["KP"],
-            CW=cw,
-            BQ=bq,
-            num_warps=4,
-            **chain,
-        )
+        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves)
     return out
+
+
+def _leaf_pairs_then_keep(call: WalkCall, cand, rank, counts, cw: int, unit, n_units: int, n_leaves: int) -> None:
+    """Stages 3 and 4: the walk's scored (query, leaf) pairs grouped by leaf and scored a leaf's
+    keys at a time, then each query's forced leaves plus its best-scoring others into
+    ``call.out``."""
+    q, k, kpm, nfv, out, meta, chain = call.q, call.k, call.kpm, call.nfv, call.out, call.meta, call.chain
+    b, hq, n_q, d = q.shape
+    hkv = k.shape[1]
+    group, top_k, rows = hq // hkv, meta["TOPK"], b * hkv
+    ieee = q.dtype == torch.float32 or interpreting()
+    _, _, head_loop = dot_rows(group, LAUNCH["rows"])
+    scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
+    qb, pair_rows, _ = dot_rows(group, LAUNCH["pair_rows"])
+    n_pairs = cand.numel() // unit[1]  # at most one pair a unit's slots
+    seg_end, chunk_end, prog_seg = leaf_pair_index(counts, n_pairs, qb * LAUNCH["pair_chunks"], chain)
+    # the keep's and the pair order's tiles: queries padded to a power of two of rows
+    bq = queries_per_program(group, LAUNCH["keep_rows"])
+    tiles = (triton.cdiv(n_q, bq), b * hkv)
+    order = pair_order(cand, rank, seg_end, top_k, n_leaves, bq, chain, unit)
+    wrap_triton(_leaf_pairs_kernel)[(prog_seg.numel(),)](
+        q,
+        k,
+        kpm if kpm is not None else nfv,
+        order,
+        seg_end,
+        chunk_end,
+        prog_seg,
+        scores,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        n_q,
+        k.shape[2],
+        hkv,
+        n_units,
+        rows * n_units,
+        log2_scale(call.scale, meta["SCORE"]),
+        HAS_KPM=kpm is not None,
+        SCORE=meta["SCORE"],
+        G=group,
+        D=d,
+        DP=meta["DP"],
+        C=meta["C"],
+        CP=meta["CP"],
+        CW=cw,
+        UN=unit[0],
+        UP=unit[1],
+        QB=qb,
+        QBP=_p2(qb, 1),
+        R=pair_rows,
+        CHUNKS=LAUNCH["pair_chunks"],
+        STAGES=LAUNCH["pair_stages"],
+        PREC="ieee" if ieee else "exact16",
+        INTERP=interpreting(),
+        HEAD_LOOP=head_loop,
+        num_warps=LAUNCH["leaf_warps"],
+        **chain,
+    )
+    wrap_triton(_leaf_keep_kernel)[tiles](
+        cand,
+        scores,
+        out,
+        cand.stride(0),
+        cand.stride(1),
+        *out.stride()[:3],
+        n_q,
+        hkv,
+        TOPK=top_k,
+        KP=meta["KP"],
+        CW=cw,
+        BQ=bq,
+        num_warps=4,
+        **chain,
+    )
 
 
 @pisa_select_scan_fwd.register_fake

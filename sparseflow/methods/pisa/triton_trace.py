@@ -12,8 +12,8 @@ walk computes it (``KP`` kept slots, ``-1`` where none). That is the simplest wa
 what the kernel really kept (re-running the walk with the pyramid cut at each level would run it
 once a level, and would test a walk the real calls never run), and it costs nothing when off:
 ``TRACE`` is a constexpr, and the ops (``pisa_select_fwd``, ``pisa_select_tiled_fwd``,
-``pisa_select_scan_fwd``) never set it; this module calls their bodies (``per_token_walk``,
-``tiled_walk``, ``scan_walk``) with the table. Per walk:
+``pisa_select_scan_fwd``, ``pisa_select_pairs_fwd``) never set it; this module calls their
+bodies (``per_token_walk``, ``tiled_walk``, ``scan_walk``, ``pairs_walk``) with the table. Per walk:
 
 * per-token: the levels it walks are stored after each keep; the levels from its start level up
   (those no wider than their width, which keep every visible node unscored) are stored from the
@@ -21,7 +21,8 @@ once a level, and would test a walk the real calls never run), and it costs noth
 * tiled: every level from the root down, after each keep;
 * scan: its middle stage is the per-token kernel (``PRE_SCORES``), which stores the levels above
   the leaves as above; the leaf level is the walk's output (stages 3-4 keep the leaves). For
-  ``score="mean"`` the middle stage walks to the leaves itself and stores them too.
+  ``score="mean"`` the middle stage walks to the leaves itself and stores them too;
+* leaf pairs: as the scan (its walk is the same kernel, scoring the nodes itself).
 
 The walk runs as ``pisa_select`` would run it (same pyramid, same kernels and launch settings);
 like ``pisa_select``, a shape the asked walk does not cover falls back to the per-token walk, and
@@ -47,7 +48,7 @@ __all__ = ["walk_trace_triton", "walk_that_runs"]
 
 
 def walk_that_runs(q, k, cfg: PISAConfig, tuning: Tuning) -> str:
-    """The walk ``pisa_select`` runs for this call and ``tuning``: "scan", "tiled" or "per_token"
+    """The walk ``pisa_select`` runs for this call and ``tuning``: "scan", "leaf_pairs", "tiled" or "per_token"
     (``pisa_walk="auto"``: the scan where it covers the call on CUDA, else per token; a shape the
     asked walk does not cover: per token)."""
     n_k = k.shape[2]
@@ -57,6 +58,8 @@ def walk_that_runs(q, k, cfg: PISAConfig, tuning: Tuning) -> str:
     score = SCORE_CODES[cfg.score]
     if ts._use_scan_walk(tuning, q, k, summ, score, cfg.block_size, top_k, cfg.beam, cfg.branching):
         return "scan"
+    if ts._use_pairs_walk(tuning, q, k, cfg.block_size, top_k, cfg.beam, cfg.branching):
+        return "leaf_pairs"
     if ts._use_tiled_walk(tuning, q.shape[1] // k.shape[1], cfg.beam, top_k, cfg.branching):
         return "tiled"
     return "per_token"
@@ -120,6 +123,12 @@ def walk_trace_triton(
 
             idx = scan_walk(*args, False, *window, scores, trace)
             if cfg.score != "mean":  # stages 3-4 keep the leaves: the output is the leaf level
+                trace[:, :, 0, :top_k] = idx.view(b * hkv, n_q, top_k)
+        elif walk == "leaf_pairs":
+            from .triton_select_pairs import pairs_walk
+
+            idx = pairs_walk(*args, tuning.pisa_warps, False, *window, scores, trace)
+            if cfg.score != "mean":
                 trace[:, :, 0, :top_k] = idx.view(b * hkv, n_q, top_k)
         elif walk == "tiled":
             from .triton_select_tiled import tiled_walk

@@ -9,7 +9,7 @@ from ..._tuning_base import MethodTuning, check_choice, check_optional_int, choi
 
 __all__ = ["PISATuning", "WALKS", "WARPS", "SCORES"]
 
-WALKS = ("auto", "per_token", "tiled", "scan")
+WALKS = ("auto", "per_token", "tiled", "scan", "leaf_pairs")
 WARPS = (1, 2, 4, 8, 16, 32)  # Triton launches a power-of-two number of warps
 SCORES = ("fp32", "bf16", "tf32")
 

@@ -1,0 +1,154 @@
+"""The leaf-pairs PISA walk (``Tuning.pisa_walk="leaf_pairs"``: the scan walk without its node
+table) against the reference, on the CPU through Triton's interpreter on small, odd shapes; the
+same tests run compiled on CUDA. In fp32 its selection equals the reference's exactly; in bf16 /
+tf32 its trace keeps PISA's selection contract."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _pisa_walk_inputs import walk_inputs
+from test_pisa_tolerance import _inputs
+
+import sparseflow
+from sparseflow import Tuning
+from sparseflow.methods.pisa import reference as pisa_ref
+
+pytest.importorskip("triton")
+from sparseflow.methods.pisa import tolerance_check as tc  # noqa: E402
+from sparseflow.methods.pisa import triton_select  # noqa: E402
+from sparseflow.methods.pisa import triton_select_pairs as pairs  # noqa: E402
+from sparseflow.methods.pisa import triton_select_scan as scan  # noqa: E402
+from sparseflow.methods.pisa.config import PISAConfig  # noqa: E402
+from sparseflow.methods.pisa.triton_trace import walk_that_runs, walk_trace_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAIRS = Tuning(pisa_walk="leaf_pairs")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture
+def walk_calls(monkeypatch):
+    """Counts the leaf-pairs walk's launches."""
+    calls = []
+    real = pairs.pisa_select_pairs_fwd
+
+    def op(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(pairs, "pisa_select_pairs_fwd", op)
+    return calls
+
+
+# id: (B, Hq, Hkv, Nq, Nk, D, C, K, branching, score, causal, pad, dtype, beam, sliding window),
+# each under one pair layout (LAUNCH["pair_unit"], LAUNCH["heads"])
+CASES = {
+    "lse-bf16-g2-nq40-nk133": ((1, 2, 1, 40, 133, 32, 16, 3, 2, "lse", True, False, BF16, 1, 0), ("leaf", "packed")),
+    "lse-fp16-g3-hq9-pad-nq29-nk83": (
+        (1, 9, 3, 29, 83, 16, 8, 3, 2, "lse", True, True, F16, 1, 0),
+        ("siblings", "loop"),
+    ),
+    "mean_var-br3-pad-b2-nq30-nk97": (
+        (2, 3, 1, 30, 97, 24, 8, 5, 3, "mean_var", True, True, F32, 1, 0),
+        ("leaf", "loop"),
+    ),
+    "mean-beam2-noncausal-nq21-nk101": (
+        (1, 8, 2, 21, 101, 16, 8, 3, 2, "mean", False, False, F32, 2, 0),
+        ("siblings", "packed"),
+    ),
+    "lse-beam2-window40-nq40-nk150": (
+        (1, 4, 2, 40, 150, 16, 8, 5, 2, "lse", True, False, F32, 2, 40),
+        ("leaf", "packed"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case, layout", list(CASES.values()), ids=list(CASES))
+def test_leaf_pairs_selection_equals_reference(case, layout, walk_calls, monkeypatch, poisoned):
+    """Fresh buffers come poisoned (floats NaN): a pair left unscored cannot pass for a scored one."""
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", layout[0])
+    monkeypatch.setitem(scan.LAUNCH, "heads", layout[1])
+    b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam, window = case
+    q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
+    kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
+    kw["sliding_window"] = window
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = poisoned(triton_select.pisa_select, q, k, tuning=PAIRS, **kw)
+    assert len(walk_calls) == 1, "the leaf-pairs walk must have run"
+    assert len(triton_select.level_sizes(-(-nk // c), g)) >= 3, "the case must exercise scored intermediate levels"
+    assert ((want >= 0).sum(-1) < -(-nk // c)).any(), "the case must be sparse somewhere"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_lower_precision_trace_keeps_the_contract(precision):
+    """The walk's nodes above the leaves scored in bf16 / tf32 (its own arithmetic, not a table's):
+    its trace keeps the selection contract at that precision's tolerance, and it really scored
+    lower than fp32 somewhere (the same trace fails the contract with ``delta = 0``)."""
+    cfg = dict(score="lse", block_size=2, top_k=3, branching=2)  # 27 leaves, levels 1 and up scored
+    q, k, _ = _inputs("near", hq=3, hkv=1, n=53, seed=0)  # blocks a rounding apart
+    q, k = q[:, :, -4:].contiguous().to(DEVICE), k.to(DEVICE)
+    tuning = Tuning(pisa_walk="leaf_pairs", pisa_scores=precision)
+    assert walk_that_runs(q, k, PISAConfig(**cfg), tuning) == "leaf_pairs"
+    trace = walk_trace_triton(q, k, tuning=tuning, **cfg)
+    assert tc.selection_within_tolerance(q, k, trace, **cfg, precision=precision).ok
+    assert torch.equal(triton_select.pisa_select(q, k, tuning=tuning, **cfg), trace[0][..., : cfg["top_k"]])
+    exact = walk_trace_triton(q, k, tuning=Tuning(pisa_walk="leaf_pairs"), **cfg)
+    # fp32: the reference's walk, up to the summation order of its dots (fp32's own tolerance)
+    assert tc.selection_within_tolerance(q, k, exact, **cfg, precision="fp32").ok
+    assert any(not torch.equal(a, b) for a, b in zip(trace, exact)), "the lower precision must score differently"
+
+
+def test_pisa_1_walks_to_the_leaves_itself(walk_calls):
+    """``score="mean"`` scores its leaves by their summaries: the walk writes the selection."""
+    q, k, _ = walk_inputs(1, 4, 2, 20, 90, 16, F32, False, seed=2)
+    kw = dict(block_size=8, top_k=3, score="mean")
+    got = triton_select.pisa_select(q, k, tuning=PAIRS, **kw)
+    assert len(walk_calls) == 1
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+
+
+def test_nothing_to_score_runs_per_token_and_says_why(walk_calls, caplog):
+    q, k, _ = walk_inputs(1, 2, 1, 12, 40, 16, F32, False)
+    kw = dict(block_size=8, top_k=8)
+    with caplog.at_level(logging.INFO, logger="sparseflow"):
+        got = triton_select.pisa_select(q, k, tuning=PAIRS, **kw)
+    assert walk_calls == []
+    assert "per-token walk" in caplog.text and "5 leaf blocks <= top_k=5" in caplog.text
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+
+
+def test_covers_names_each_reason():
+    assert pairs.pairs_covers(20, 8, 1000) is None
+    assert "int32" in pairs.pairs_covers(20, 8, 2**31)
+    assert "top_k=8" in pairs.pairs_covers(8, 8, 1000)
+
+
+def test_op_carries_the_walk_to_the_kernel(walk_calls):
+    """Through sparseflow.attention (the op's flattened tuning arguments), eager: the same output."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 16, generator=g).to(DEVICE) for h in (2, 1, 1))
+    cfg = sparseflow.PISAConfig(block_size=4, top_k=3)
+    want = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=Tuning(pisa_walk="per_token"))
+    assert walk_calls == []
+    got = sparseflow.attention(q, k, v, config=cfg, backend="triton", tuning=PAIRS)
+    assert len(walk_calls) == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_walk_choice_lists_leaf_pairs():
+    with pytest.raises(ValueError) as info:
+        Tuning(pisa_walk="pairs")
+    assert "'leaf_pairs'" in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_leaf_pairs_opcheck_and_compile():
+    q, k, _ = walk_inputs(1, 4, 2, 300, 300, 64, BF16, False)
+    kw = dict(block_size=16, top_k=4)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    compiled = torch.compile(lambda q, k: triton_select.pisa_select(q, k, tuning=PAIRS, **kw), fullgraph=True)
+    assert torch.equal(compiled(q, k), want)
