@@ -4,6 +4,11 @@
 #   bash benchmarks/device_next.sh gemma8k      Gemma 3's architecture (random weights) at 8K: compiled
 #                                                flex against exact windows and the recipe, torch.compile's
 #                                                default mode and mode="reduce-overhead", in rounds
+#   bash benchmarks/device_next.sh gemma_profile32k  Gemma 3's architecture (random weights) at 32K: one
+#                                                profiled forward of compiled flex and of exact windows,
+#                                                kernels by time (what the MLPs and projections take)
+#   bash benchmarks/device_next.sh estimate_cost PBS's estimate + selection stage against cuDNN at 32K / 128K
+#                                                on SmolLM2's heads: strides 8, 16, 32 and mean scoring
 #   bash benchmarks/device_next.sh pisa_scores   PISA's walks in fp32 / bf16 / tf32: time and contract
 #   bash benchmarks/device_next.sh pisa_walks    the per-token and the leaf-pairs walk in bf16 from 64K to 1M
 #                                                beside the BSA scans (paper's latency setting), then
@@ -60,6 +65,15 @@ case "${1:-}" in
     timeout 220 python3 benchmarks/gemma3_e2e.py --random --ns 8192 --rows windows,recipe \
       --recipe "$plan" --mode reduce-overhead --reps 8 --rounds 3 \
       --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -4 || true
+    ;;
+  gemma_profile32k)
+    timeout 500 python3 benchmarks/gemma3_profile.py --random --n 32768 --rows flex_compile,windows,recipe \
+      --recipe "$plan" --top 16 --json "$out/gemma3_profile_32k_${gpu}.json" 2>&1 | grep -v -i warn | tail -80 || true
+    ;;
+  estimate_cost)
+    timeout 400 python3 benchmarks/check_pbs_estimate_cuda.py --check-n 4096 --strides 8,16,32 \
+      --time-n 32768,131072 --time-scorings sampled_rows,mean --heads 9,3,64 \
+      --json "$out/pbs_estimate_strides_smollm2_${gpu}.json" 2>&1 | grep -v "other tiles" | tail -20 || true
     ;;
   pisa_walks)
     timeout 330 python3 benchmarks/pisa.py --part select --walk leaf_pairs,per_token --select-scores bf16 \
@@ -151,7 +165,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 gemma8k | gemma_profile32k | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac
