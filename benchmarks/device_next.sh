@@ -17,8 +17,9 @@
 #   bash benchmarks/device_next.sh reduce_overhead   mode="reduce-overhead": the GPU tests (every
 #                                                method, the window lists kept during Inductor's
 #                                                warm-up), then Gemma 3 at 8K beside compiled flex
-#   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 128K (K=32), its walk scoring in
-#                                                bf16 on 4, 8 and 16 warps, against dense SDPA decode
+#   bash benchmarks/device_next.sh pisa_decode   PISA's decode step at 32K / 128K (K=32), its walk scoring
+#                                                in bf16 on 4 and 8 warps, per token and with its leaf
+#                                                level split off, against dense SDPA decode
 #   bash benchmarks/device_next.sh pisa_train    PISA's forward + backward at 16K / 32K (K=8): the kernels,
 #                                                sparseflow.attention (selects once) and the op's recomputing
 #                                                backward, against cuDNN's
@@ -98,9 +99,10 @@ case "${1:-}" in
       --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
     ;;
   pisa_decode)
-    # the walk is latency-bound at decode (one program per KV head): its width in warps, side by side
-    timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 131072 --decode-scores bf16 \
-      --decode-warps auto,8,16 --json "$out/pisa_decode_warps_${gpu}.json"
+    # the walk is latency-bound at decode (one program per KV head): its width in warps, and its
+    # leaf level split off over many programs (pisa_walk="leaf_pairs"), side by side
+    timeout 580 python3 benchmarks/pisa.py --part decode --decode-ns 32768,131072 --decode-scores bf16 \
+      --decode-warps auto,8 --decode-walks auto,leaf_pairs --json "$out/pisa_decode_walks_${gpu}.json"
     ;;
   pisa_train)
     timeout 580 python3 benchmarks/pisa.py --part attn --attn-ns 16384,32768 --attn-k 8 \

@@ -631,18 +631,25 @@ def _decode_dense(q1, k, v):
 def part_decode(args, results):
     """One decoding step at a long context: the eager PISA step, the static step replayed from a
     CUDA graph, dense SDPA decode eager and graph-replayed (Hq 32, Hkv 8, D 128, C 64, bf16), for
-    each walk score precision of ``--decode-scores`` (``Tuning.pisa_scores``) and walk width of
-    ``--decode-warps`` (``Tuning.pisa_warps``: None picks by the candidate width)."""
+    each walk score precision of ``--decode-scores`` (``Tuning.pisa_scores``), walk width of
+    ``--decode-warps`` (``Tuning.pisa_warps``: None picks by the candidate width) and walk of
+    ``--decode-walks`` (``leaf_pairs``: the leaf level split off the walk)."""
     from sparseflow import Tuning
 
     rows = []
-    runs = [(n, s, w) for n in args.decode_ns for s in args.decode_scores for w in args.decode_warps]
-    for n, scores, warps in runs:
-        tuning = Tuning(pisa_scores=scores, pisa_warps=warps)
+    runs = [
+        (n, s, w, walk)
+        for n in args.decode_ns
+        for s in args.decode_scores
+        for w in args.decode_warps
+        for walk in args.decode_walks
+    ]
+    for n, scores, warps, walk in runs:
+        tuning = Tuning(pisa_scores=scores, pisa_warps=warps, pisa_walk=walk)
         q, k, v = pisa_inputs(n, 32, 8, 128, structured=True)
         q1 = q[:, :, -1:].contiguous()
         row, eager_out, eager_idx = _decode_eager(q1, k, v, args.attn_k, tuning)
-        row = dict(n=n, top_k=args.attn_k, scores=scores, warps=warps, **row, **_decode_dense(q1, k, v))
+        row = dict(n=n, top_k=args.attn_k, scores=scores, warps=warps, walk=walk, **row, **_decode_dense(q1, k, v))
         row.update(_decode_captured(q1, k, v, args.attn_k, eager_out, eager_idx, tuning))
         row["speedup_vs_dense"] = row["dense_sdpa_decode_ms"] / row["pisa_step_ms"]
         if "pisa_graph_step_ms" in row and "dense_sdpa_graph_ms" in row:
@@ -659,7 +666,7 @@ def part_decode(args, results):
             )
         }
         print(
-            f"decode n={n:7d} K={args.attn_k} {scores} warps {warps}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
+            f"decode n={n:7d} K={args.attn_k} {scores} warps {warps} walk {walk}: pisa step {us['pisa_step_ms']} us (select {us['pisa_select_ms']}) "
             f"dense {us['dense_sdpa_decode_ms']} us  x{row['speedup_vs_dense']:5.2f} | graphs: pisa "
             f"{us['pisa_graph_step_ms']} us dense {us['dense_sdpa_graph_ms']} us"
             f"  x{row.get('graph_speedup_vs_dense_graph', float('nan')):5.2f}"
@@ -717,6 +724,12 @@ def main(argv=None):
         type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
         default=["fp32"],
         help="comma list of the decode walk's score precisions (Tuning.pisa_scores: fp32, bf16, tf32)",
+    )
+    ap.add_argument(
+        "--decode-walks",
+        type=_walks,
+        default=["auto"],
+        help="comma list of the decode walks (Tuning.pisa_walk: auto walks per token, leaf_pairs splits the leaves off)",
     )
     ap.add_argument(
         "--decode-warps",

@@ -586,6 +586,7 @@ def run_bsa_bf16():
 
 
 def run_decode(cases):
+    from sparseflow import Tuning
     from sparseflow.methods.pisa.pyramid_cache import PyramidCache
 
     for d, dtype, top_k, beam in cases:
@@ -600,6 +601,18 @@ def run_decode(cases):
         k_buf, v_buf, length = static.static_buffers(k, v)
         static.decode_step_static(
             q[:, :, -1:], kk[:, :, -1:], vv[:, :, -1:], k_buf, v_buf, length + 1, top_k=top_k, beam=beam
+        )
+        # the walk with its leaf level split off (Tuning(pisa_walk="leaf_pairs")), bf16 scores
+        static.decode_step_static(
+            q[:, :, -1:],
+            kk[:, :, -1:],
+            vv[:, :, -1:],
+            k_buf,
+            v_buf,
+            length + 2,
+            top_k=top_k,
+            beam=beam,
+            tuning=Tuning(pisa_walk="leaf_pairs", pisa_scores="bf16"),
         )
 
 
@@ -705,6 +718,7 @@ EXPECTED = {
     "_pair_order_kernel",
     "_level_tables_kernel",
     "_pair_index_kernel",
+    "_leaf_split_kernel",
 }
 
 

@@ -318,11 +318,36 @@ class PyramidCache:
         return self._walk(q, k, None, width, score, scale, force_sink, force_previous, beam, tuning)
 
     def _walk(self, q, k, length, width, score, scale, force_sink, force_previous, beam, tuning):
-        """The fused walk over this pyramid (``length``: None, or the device length of a KV buffer ``k``)."""
+        """The fused walk over this pyramid (``length``: None, or the device length of a KV buffer ``k``);
+        ``tuning.pisa_walk="leaf_pairs"`` splits its leaf level off (``triton_select_leaf_split``)
+        where there are leaves to score (LSE or mean + var/2, more leaf blocks than ``width``)."""
         check_beam(beam)
         if score not in SCORE_CODES:
             raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if tuning.pisa_walk == "leaf_pairs" and score != "mean" and self.sizes[0] > width:
+            from .triton_select_leaf_split import pisa_select_leaf_split_fwd
+
+            return pisa_select_leaf_split_fwd(
+                q,
+                k,
+                self.summ,
+                self.first_valid,
+                self.lvl_off,
+                self.lvl_span,
+                sc,
+                True,
+                SCORE_CODES[score],
+                self.block_size,
+                self.branching,
+                width,
+                bool(force_sink),
+                bool(force_previous),
+                int(beam),
+                tuning.pisa_warps,
+                length,
+                tuning.pisa_scores,
+            )
         return _pisa_select_fwd(
             q,
             k,

@@ -195,9 +195,12 @@ _HOST_READS = (
 )
 
 
-def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_back():
+@pytest.mark.parametrize("walk, select_op", [("auto", "pisa_select_fwd"), ("leaf_pairs", "pisa_select_leaf_split_fwd")])
+def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_back(walk, select_op):
     """What a CUDA graph needs, checked on the CPU: one recorded op sequence (names and shapes)
     serves every length, and no op hands a device value to the host."""
+    from sparseflow import Tuning
+
     n0, steps = 13, 4
     q, k, v = _qkv(1, 4, 2, n0 + steps, 16, torch.float32, seed=5)
     _, static, k_buf, v_buf, length = _caches(k, v, n0, 40, 8)
@@ -205,16 +208,29 @@ def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_b
     for t in range(n0, n0 + steps):
         length += 1
         with _Ops() as rec:
-            static.decode_step_static(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], k_buf, v_buf, length)
+            static.decode_step_static(
+                q[:, :, t : t + 1],
+                k[:, :, t : t + 1],
+                v[:, :, t : t + 1],
+                k_buf,
+                v_buf,
+                length,
+                top_k=3,  # of 5 leaf blocks: the split walk has leaves to score
+                tuning=Tuning(pisa_walk=walk),
+            )
         seen.append(rec.ops)
     names = {name for name, _ in seen[0]}
-    assert "sparseflow.pisa_select_fwd.default" in names and "sparseflow.token_sparse_decode_fwd.default" in names
+    assert f"sparseflow.{select_op}.default" in names and "sparseflow.token_sparse_decode_fwd.default" in names
     assert not [name for name in names if any(r in name for r in _HOST_READS)], sorted(names)
     assert all(ops == seen[0] for ops in seen[1:]), "the step's ops or shapes depend on the length"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_static_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("walk", ["auto", "leaf_pairs"])
+def test_static_step_replays_in_a_cuda_graph(walk):
+    from sparseflow import Tuning
+
+    tuning = Tuning(pisa_walk=walk)
     b, n0, steps, c, top_k = 1, 300, 70, 64, 3
     n = n0 + steps
     q, k, v = _qkv(b, 8, 2, n, 64, torch.bfloat16, seed=4)
@@ -226,11 +242,11 @@ def test_static_step_replays_in_a_cuda_graph():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile the kernels outside the capture, then undo the warm-up steps
         length += 1
-        static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
+        static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k, tuning=tuning)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # a host sync in the step raises here
         try:
-            static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
+            static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k, tuning=tuning)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
@@ -239,7 +255,7 @@ def test_static_step_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         length += 1
-        out, idx = static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k)
+        out, idx = static.decode_step_static(q_in, k_in, v_in, k_buf, v_buf, length, top_k=top_k, tuning=tuning)
     for t in range(n0, n):
         for dst, src in ((q_in, q), (k_in, k), (v_in, v)):
             dst.copy_(src[:, :, t : t + 1])
