@@ -23,7 +23,13 @@ class PISATuning(MethodTuning):
     ``"scan"``, query tiles score every node above the leaves, the per-token walk reads those
     scores down to its leaf candidates, and the (query, leaf) pairs are scored a leaf at a time
     (``methods/pisa/triton_select_scan``; calls it does not cover run per token, logged);
-    ``"auto"``: the scan on CUDA where it applies (faster at every shape timed), else per token.
+    ``"leaf_pairs"``, the scan without its node table (which grows as ``N**2``): the per-token
+    walk scores the nodes above the leaves itself and the leaf pairs are scored as in the scan
+    (``methods/pisa/triton_select_pairs``; calls with no leaf to score run per token, logged); in
+    decoding (``PyramidCache``) it splits the walk's leaf level off, each query's candidate leaves
+    scored by chunks side by side (``methods/pisa/triton_select_leaf_split``);
+    ``"auto"``: the scan on CUDA where it applies (faster at every shape timed), else per token
+    (per token in decoding).
     ``warps`` / ``leaf_bytes``: warps per program of the walk and the shared memory budget of one
     leaf-level chunk; None picks by the walk's candidate width (1 warp and 16 KB up to 16
     candidates, else 4 warps and 64 KB); the tiled walk takes ``warps`` (None: 8, chosen by
