@@ -26,6 +26,8 @@
 #   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
 #   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
+#   bash benchmarks/device_next.sh pisa_e2e [NS]  SmolLM2 (YaRN to NS, default 131072) through sparseflow.compile:
+#                                                PISA and BSA K=8, PISA's walk auto, then leaf pairs in bf16
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
 #                                                (benchmarks/frontier.py; NS default 32768)
 #   bash benchmarks/device_next.sh calibrate [NS [BUDGET]]  sparseflow calibrate at NS tokens (default
@@ -125,6 +127,15 @@ case "${1:-}" in
     fi
     ls -la $smollm2
     ;;
+  pisa_e2e)
+    smollm2_env
+    ns=${2:-131072}
+    timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa,bsa --paths compile \
+      --reps 3 --json "$out/e2e_pisa_bsa_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa --paths compile \
+      --reps 3 --tuning pisa_walk=leaf_pairs,pisa_scores=bf16 \
+      --json "$out/e2e_pisa_leaf_pairs_bf16_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    ;;
   frontier)
     smollm2_env
     timeout 580 python3 benchmarks/frontier.py --ns "${2:-32768}" --estimates sampled_rows,antidiagonal \
@@ -167,7 +178,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | gemma_profile32k | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 gemma8k | gemma_profile32k | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac

@@ -110,6 +110,23 @@ def random_smollm2(dtype):
 # --------------------------------------------------------------------------- settings
 
 
+def parse_tuning(spec: str) -> Dict[str, object]:
+    """``field=value,...`` as :class:`sparseflow.Tuning` keywords (ints and true/false read as
+    such), checked by building the Tuning."""
+    out: Dict[str, object] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--tuning: expected field=value, got {item!r}")
+        low = value.lower()
+        out[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+    try:
+        sparseflow.Tuning(**out)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--tuning: {exc}") from None
+    return out
+
+
 def parse_settings(spec: str) -> List[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:
@@ -160,6 +177,7 @@ def converted_plan(
     pisa_walk: str = "auto",
     pdl: bool = False,
     n_tokens: Optional[int] = None,
+    tuning: Optional[Dict[str, object]] = None,
 ):
     from sparseflow.hf import Plan
 
@@ -172,12 +190,16 @@ def converted_plan(
         layer_configs=per_layer,
         recipe=recipe,
         num_layers=n_layers,
-        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs, pisa_walk=pisa_walk, pdl=pdl),
+        tuning=sparseflow.Tuning(**{"cuda_graphs": cuda_graphs, "pisa_walk": pisa_walk, "pdl": pdl, **(tuning or {})}),
     )
 
 
 def compile_kwargs(
-    name: str, backend: str, cuda_graphs: bool = True, n_tokens: Optional[int] = None
+    name: str,
+    backend: str,
+    cuda_graphs: bool = True,
+    n_tokens: Optional[int] = None,
+    tuning: Optional[Dict[str, object]] = None,
 ) -> Dict[str, object]:
     method, cfg, dense, per_layer, _ = plan_parts(name, n_tokens)
     layer_configs = dict(per_layer)
@@ -188,7 +210,7 @@ def compile_kwargs(
         backend=backend,
         layer_configs=layer_configs or None,
         recipe=None,  # the named setting only, not a shipped recipe on top
-        tuning=sparseflow.Tuning(cuda_graphs=cuda_graphs),
+        tuning=sparseflow.Tuning(**{"cuda_graphs": cuda_graphs, **(tuning or {})}),
     )
 
 
@@ -292,7 +314,9 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
         for name in args.settings:
             for backend in args.backend:
                 for graphs in args.cuda_graphs:
-                    sparseflow.hf.apply_plan(model, converted_plan(name, backend, n_layers, graphs, n_tokens=n))
+                    sparseflow.hf.apply_plan(
+                        model, converted_plan(name, backend, n_layers, graphs, n_tokens=n, tuning=args.tuning)
+                    )
                     emit(measure(model, ids, "converted", name, dense, args, backend, graphs))
                     model.set_attn_implementation("sdpa")
     if n in args.compile_ns:
@@ -306,7 +330,9 @@ def run_length(model, tok, n: int, rope: str, args, on_row=lambda row: None) -> 
                 for backend in args.backend:
                     for graphs in args.cuda_graphs:
                         m = copy.deepcopy(model)
-                        sparseflow.compile(m, **compile_kwargs(name, backend, graphs, n), mode=args.compile_mode)
+                        sparseflow.compile(
+                            m, **compile_kwargs(name, backend, graphs, n, args.tuning), mode=args.compile_mode
+                        )
                         emit(measure(m, ids, "compile", name, dense, args, backend, graphs))
                         if args.show_report:
                             print(sparseflow.report(m), flush=True)
@@ -491,6 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SmolLM2-135M's architecture with random weights and a byte tokenizer (timing and "
         "graph checks without the checkpoint; densities and fidelity are not the model's)",
+    )
+    ap.add_argument(
+        "--tuning",
+        type=parse_tuning,
+        default={},
+        help='sparseflow.Tuning fields of every sparse row, e.g. "pisa_walk=leaf_pairs,pisa_scores=bf16"',
     )
     ap.add_argument("--show-report", action="store_true", help="print sparseflow.report after each compile row")
     ap.add_argument(
