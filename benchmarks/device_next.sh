@@ -23,6 +23,9 @@
 #   bash benchmarks/device_next.sh pisa_train    PISA's forward + backward at 16K / 32K (K=8): the kernels,
 #                                                sparseflow.attention (selects once) and the op's recomputing
 #                                                backward, against cuDNN's
+#   bash benchmarks/device_next.sh first_call    one call's worth of the checks above that need no checkpoint:
+#                                                PISA's walks (selection), its decode walks, PBS's
+#                                                estimate by stride, Gemma 3's 32K profile
 #   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
 #   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
@@ -68,6 +71,18 @@ case "${1:-}" in
     timeout 220 python3 benchmarks/gemma3_e2e.py --random --ns 8192 --rows windows,recipe \
       --recipe "$plan" --mode reduce-overhead --reps 8 --rounds 3 \
       --json "$out/gemma3_random_8k_reduce-overhead_${gpu}.json" 2>&1 | grep -v -i warn | tail -4 || true
+    ;;
+  first_call)
+    timeout 170 python3 benchmarks/pisa.py --part select --walk leaf_pairs,per_token --select-scores bf16 \
+      --select-ns 65536,262144,1048576 --json "$out/pisa_select_leaf_pairs_${gpu}.json" 2>&1 | tail -8 || true
+    timeout 130 python3 benchmarks/pisa.py --part decode --decode-ns 131072 --decode-scores bf16 \
+      --decode-warps auto,8 --decode-walks auto,leaf_pairs --json "$out/pisa_decode_walks_${gpu}.json" \
+      2>&1 | grep "^decode" || true
+    timeout 120 python3 benchmarks/check_pbs_estimate_cuda.py --check-n 4096 --strides 8,16,32 \
+      --time-n 32768,131072 --time-scorings sampled_rows,mean --heads 9,3,64 \
+      --json "$out/pbs_estimate_strides_smollm2_${gpu}.json" 2>&1 | grep -v "other tiles" | tail -12 || true
+    timeout 150 python3 benchmarks/gemma3_profile.py --random --n 32768 --rows flex_compile,windows \
+      --top 12 --json "$out/gemma3_profile_32k_${gpu}.json" 2>&1 | grep -v -i warn | tail -40 || true
     ;;
   gemma_profile32k)
     timeout 500 python3 benchmarks/gemma3_profile.py --random --n 32768 --rows flex_compile,windows,recipe \
@@ -178,7 +193,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 gemma8k | gemma_profile32k | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac
