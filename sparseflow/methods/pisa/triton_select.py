@@ -46,7 +46,7 @@ from ...tuning import DEFAULT_TUNING, Tuning
 from .reference import check_beam
 from ...kernels._triton_env import interpreting
 from .config import PISAConfig
-from .triton_select_common import SCORE_CODES, _p2, candidate_width
+from .triton_select_common import SCORE_CODES, _p2, candidate_width, walk_summaries
 from .triton_select_per_token import _pisa_select_fwd
 
 __all__ = ["build_pyramid", "pisa_select", "level_sizes", "pyramid_tables"]
@@ -301,7 +301,7 @@ def pisa_select(
             q.detach(),
             kc,
             kpm,
-            summ,
+            walk_summaries(summ, tuning.pisa_scores),
             nfv,
             lvl_off,
             lvl_span,

@@ -114,6 +114,13 @@ def scores_mode(scores: str) -> str:
     return scores + "_ieee" if scores != "fp32" and interpreting() else scores
 
 
+def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
+    """The node summaries a walk reads for ``Tuning.pisa_scores`` = ``scores``: bf16 for
+    ``"bf16"`` (torch rounds to nearest, ties to even, as :func:`_round_bits` does, so the walk's
+    dots see the same operands from half the bytes), else the fp32 table."""
+    return summ.to(torch.bfloat16) if scores == "bf16" else summ
+
+
 @triton.jit
 def _round_bits(x, DROP: tl.constexpr):
     """``x`` (fp32) rounded to nearest, ties to even, to ``23 - DROP`` stored mantissa bits
@@ -146,8 +153,8 @@ def _scores_operand(x, SCORES: tl.constexpr):
 
 @triton.jit
 def _scores_dot(q_op, s, SCORES: tl.constexpr):
-    """``q_op @ s`` in fp32: ``q_op`` from :func:`_scores_operand`, ``s`` the fp32 summaries,
-    rounded here the same way. ``"fp32"``: the IEEE fp32 dot of the reference's arithmetic."""
+    """``q_op @ s`` in fp32: ``q_op`` from :func:`_scores_operand`, ``s`` the summaries (fp32, or
+    bf16 already rounded: :func:`walk_summaries`), rounded here the same way. ``"fp32"``: the IEEE fp32 dot of the reference's arithmetic."""
     if SCORES == "fp32":
         out = tl.dot(q_op, s, input_precision="ieee")
     elif SCORES == "bf16":

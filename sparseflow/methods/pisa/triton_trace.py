@@ -42,7 +42,7 @@ from ...kernels.token_blocks import selection_width
 from ...tuning import DEFAULT_TUNING, Tuning
 from . import triton_select as ts
 from .config import PISAConfig
-from .triton_select_common import SCORE_CODES, kept_slots
+from .triton_select_common import SCORE_CODES, kept_slots, walk_summaries
 
 __all__ = ["walk_trace_triton", "walk_that_runs"]
 
@@ -102,7 +102,7 @@ def walk_trace_triton(
             q.detach(),
             k.detach(),
             kpm,
-            summ,
+            walk_summaries(summ, tuning.pisa_scores),
             nfv,
             lvl_off,
             lvl_span,

@@ -207,3 +207,27 @@ def test_the_kernels_round_as_the_tolerance_does(precision):
     _rounded[(1,)](x, out, DROP=16 if precision == "bf16" else 13)
     want = round_to_precision(x, precision)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("walk", [*WALKS, "leaf_pairs"])
+def test_bf16_walks_read_bf16_summaries_and_select_the_same(walk, monkeypatch):
+    """``pisa_scores="bf16"`` walks read the summaries already rounded to bf16 (half the bytes):
+    the same selection as rounding the fp32 summaries in the kernel, on blocks a rounding apart."""
+    from sparseflow.methods.pisa import triton_select_common as common
+
+    cfg = CONFIGS["lse"]
+    q, k, kpm = _call("near", 3, seed=2)
+    tuning = Tuning(pisa_walk=walk, pisa_scores="bf16")
+    seen = []
+    real = common.walk_summaries
+
+    def spy(summ, scores):
+        out = real(summ, scores)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(ts, "walk_summaries", spy)
+    got = ts.pisa_select(q, k, key_padding_mask=kpm, tuning=tuning, **cfg)
+    assert seen == [torch.bfloat16]
+    monkeypatch.setattr(ts, "walk_summaries", lambda summ, scores: summ)  # fp32, rounded in the kernel
+    assert torch.equal(got, ts.pisa_select(q, k, key_padding_mask=kpm, tuning=tuning, **cfg))
