@@ -241,7 +241,9 @@ def leaf_split_walk(
         IEEE=q.dtype == torch.float32 or interpreting(),
         num_warps=4,
     )
-    bq = queries_per_program(group, LAUNCH["keep_rows"])
+    # the keep's tile: no more queries than the call has (a decoding step has one; a [BQ, CW, CW]
+    # compare over empty rows is what a prefill tile's size costs it)
+    bq = min(queries_per_program(group, LAUNCH["keep_rows"]), _p2(n_q, 1))
     wrap_triton(_leaf_keep_kernel)[(triton.cdiv(n_q, bq), b * hkv)](
         cand,
         leaf_scores,

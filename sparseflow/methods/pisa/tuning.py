@@ -28,8 +28,9 @@ class PISATuning(MethodTuning):
     (``methods/pisa/triton_select_pairs``; calls with no leaf to score run per token, logged); in
     decoding (``PyramidCache``) it splits the walk's leaf level off, each query's candidate leaves
     scored by chunks side by side (``methods/pisa/triton_select_leaf_split``);
-    ``"auto"``: the scan on CUDA where it applies (faster at every shape timed), else per token
-    (per token in decoding).
+    ``"auto"``: on CUDA the scan where it applies (faster at every shape timed), else the leaf
+    pairs where there are leaves to score, else per token; in decoding the leaf level split off
+    in the graph-capturable step (``decode_step_static``) on CUDA, else per token.
     ``warps`` / ``leaf_bytes``: warps per program of the walk and the shared memory budget of one
     leaf-level chunk; None picks by the walk's candidate width (1 warp and 16 KB up to 16
     candidates, else 4 warps and 64 KB); the tiled walk takes ``warps`` (None: 8, chosen by

@@ -90,3 +90,15 @@ def test_the_split_walk_names_what_it_cannot_take():
         leaf_split_walk(q, k, k, one, one, one, 0.25, True, 1, 8, 2, 3, True, True, 1)
     with pytest.raises(ValueError, match="two levels"):
         leaf_split_walk(q, k, k, one, one, one, 0.25, True, 0, 8, 2, 3, True, True, 1)
+
+
+def test_auto_splits_the_leaves_in_the_static_step_on_cuda_only(split_calls):
+    """``pisa_walk="auto"``: the leaf split in the graph-capturable step on CUDA (timed there),
+    per token in the eager step and under the interpreter."""
+    q, k, v = _qkv(1, 4, 2, 42, 16, torch.float32, seed=7)
+    eager, static, k_buf, v_buf, length = _caches(k, v, 41, 60, 8)
+    eager.decode_step(q[:, :, 41:42], k, v, top_k=3)
+    assert split_calls == []
+    length += 1
+    static.decode_step_static(q[:, :, 41:42], k[:, :, 41:42], v[:, :, 41:42], k_buf, v_buf, length, top_k=3)
+    assert len(split_calls) == (1 if torch.cuda.is_available() else 0)

@@ -195,7 +195,9 @@ _HOST_READS = (
 )
 
 
-@pytest.mark.parametrize("walk, select_op", [("auto", "pisa_select_fwd"), ("leaf_pairs", "pisa_select_leaf_split_fwd")])
+@pytest.mark.parametrize(
+    "walk, select_op", [("per_token", "pisa_select_fwd"), ("leaf_pairs", "pisa_select_leaf_split_fwd")]
+)
 def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_back(walk, select_op):
     """What a CUDA graph needs, checked on the CPU: one recorded op sequence (names and shapes)
     serves every length, and no op hands a device value to the host."""
@@ -226,7 +228,7 @@ def test_static_step_dispatches_the_same_ops_at_every_length_and_reads_nothing_b
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("walk", ["auto", "leaf_pairs"])
+@pytest.mark.parametrize("walk", ["per_token", "leaf_pairs"])
 def test_static_step_replays_in_a_cuda_graph(walk):
     from sparseflow import Tuning
 

@@ -152,3 +152,14 @@ def test_cuda_leaf_pairs_opcheck_and_compile():
     want = pisa_ref.pisa_select(q, k, **kw)
     compiled = torch.compile(lambda q, k: triton_select.pisa_select(q, k, tuning=PAIRS, **kw), fullgraph=True)
     assert torch.equal(compiled(q, k), want)
+
+
+def test_auto_takes_the_leaf_pairs_where_the_scan_table_does_not_fit_on_cuda(walk_calls, monkeypatch):
+    """``"auto"``: past the scan's table budget, the leaf pairs on CUDA (timed there), the
+    per-token walk under the interpreter; the reference's selection either way."""
+    monkeypatch.setattr(scan, "MAX_TABLE_BYTES", 1000)
+    q, k, _ = walk_inputs(1, 2, 1, 30, 120, 16, F32, False, seed=3)
+    kw = dict(block_size=8, top_k=3)
+    got = triton_select.pisa_select(q, k, tuning=Tuning(), **kw)
+    assert len(walk_calls) == (1 if DEVICE == "cuda" else 0)
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
