@@ -11,7 +11,7 @@ position ``p_i = i + Nk - Nq`` and sees key ``j`` iff ``j``'s block is among its
 ``p_i - sliding_window + 1`` and ``p_i``'s chunk start ``(p_i // chunk_size) * chunk_size``
 (``token_blocks.window_lower_bounds``). A query that sees no key outputs 0.
 
-Schedule. The forward tiles queries by ``forward_token_tile(G)`` tokens and runs the ``G``
+Schedule. The forward tiles queries by ``forward_token_tile(G, D)`` tokens and runs the ``G``
 query heads of a KV head in the same program (rows = tokens x heads; the heads share their
 token's blocks); a tile loops over the union of its tokens' blocks (``tile_block_lists``),
 loading each key block once for the whole tile and group, and tests membership per row against
@@ -843,9 +843,12 @@ def _bwd_dkdv_kernel(  # noqa: PLR0915
 
 # rows of a forward program (query tokens x the group's heads) and its launch; on real SmolLM2
 # layers at 8K on an H200 64 rows beat 48, 96 and 128, 3 stages beat 2 by 4-5%, and 8 warps are
-# slower than 4
+# slower than 4. From head dim 256 (Gemma 3's sliding windows on an H100, 8K-128K) 128 rows on
+# 8 warps take 0.57x the time of 64 on 4: each key block loaded serves twice the rows
 FWD_ROWS = 64
 _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
+FWD_WIDE_HEAD_DIM = 256
+_FWD_WIDE = dict(rows=128, num_warps=8)
 # each stage past the first holds one more key block and value block in shared memory: the most
 # bytes such a pair may take for 3 stages, and for 2 (sm_90 compiles: 64 x 64 bf16 blocks at 3
 # stages take 56 KiB; 128 x 128 fp32 ones 320 KiB at 3 and 192 at 2, of the H200's 227 KiB a
@@ -853,18 +856,25 @@ _FWD_LAUNCH = dict(num_warps=4, num_stages=3)
 _FWD_STAGE_PAIR_BYTES = {3: 32 * 1024, 2: 64 * 1024}
 
 
+def _wide(head_dim: int) -> bool:
+    return _p2(head_dim) >= FWD_WIDE_HEAD_DIM
+
+
 def _fwd_launch(k: torch.Tensor, block_size: int) -> dict:
-    """``_FWD_LAUNCH`` with its stages capped where a key/value block pair is large."""
+    """``_FWD_LAUNCH`` (8 warps from head dim 256) with its stages capped where a key/value block
+    pair is large."""
     pair_bytes = 2 * _p2(block_size) * _p2(k.shape[-1]) * k.element_size()
     stages = next((s for s, most in _FWD_STAGE_PAIR_BYTES.items() if pair_bytes <= most), 1)
-    return dict(_FWD_LAUNCH, num_stages=min(stages, _FWD_LAUNCH["num_stages"]))
+    warps = _FWD_WIDE["num_warps"] if _wide(k.shape[-1]) else _FWD_LAUNCH["num_warps"]
+    return dict(_FWD_LAUNCH, num_warps=warps, num_stages=min(stages, _FWD_LAUNCH["num_stages"]))
 
 
-def forward_token_tile(group: int) -> int:
-    """Query tokens per forward program for a GQA group of ``group`` query heads: as many as
-    fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group of 3), at
-    least one token."""
-    return max(1, FWD_ROWS // group)
+def forward_token_tile(group: int, head_dim: int = 64) -> int:
+    """Query tokens per forward program for a GQA group of ``group`` query heads and ``head_dim``:
+    as many as fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group
+    of 3; 128 rows from head dim 256), at least one token."""
+    rows = _FWD_WIDE["rows"] if _wide(head_dim) else FWD_ROWS
+    return max(1, rows // group)
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -874,7 +884,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _fwd_meta(q, k, block_size, top_k):
     g = q.shape[1] // k.shape[1]
-    tokens = forward_token_tile(g)
+    tokens = forward_token_tile(g, q.shape[-1])
     return dict(_meta(q, k, block_size, top_k), BLOCK_T=tokens, R=_p2(tokens * g), INTERP=interpreting())
 
 
@@ -1103,7 +1113,7 @@ def token_sparse_attention(
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
-        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1]), n_kb, pdl)
+        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1], d), n_kb, pdl)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     # the kernel reads any row strides (a model's [B, N, H, D] memory seen as [B, H, N, D] needs no copy)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))

@@ -69,6 +69,8 @@ CASES = {
     # bf16 (its own tolerance), a group of 5
     "bf16-w17-c8-g5-pad": (1, 5, 1, 50, 50, 32, 8, 17, 0, True, torch.bfloat16, "window"),
     "bf16-w11-chunk24-c4-random": (1, 4, 2, 55, 55, 16, 4, 11, 24, False, torch.bfloat16, "random"),
+    # head dim 256 (Gemma 3's): the wide forward launch, 32 tokens x 4 heads a tile
+    "bf16-d256-w40-c8-g4": (1, 4, 1, 75, 75, 256, 8, 40, 0, False, torch.bfloat16, "window"),
 }
 
 
@@ -198,3 +200,13 @@ def test_windows_need_causal_attention(arg):
         token_sparse_attention(q, k, v, sel, block_size=8, is_causal=False, **{arg: 4})
     with pytest.raises(ValueError, match=arg):
         token_sparse_attention(q, k, v, sel, block_size=8, **{arg: -1})
+
+
+def test_the_forward_tile_widens_from_head_dim_256():
+    from sparseflow.kernels import token_sparse_triton as ts
+
+    assert ts.forward_token_tile(3, 64) == 21 and ts.forward_token_tile(4, 128) == 16
+    assert ts.forward_token_tile(4, 256) == 32 and ts.forward_token_tile(1, 200) == 128
+    k64, k256 = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16), torch.empty(1, 1, 1, 256, dtype=torch.bfloat16)
+    assert ts._fwd_launch(k64, 64) == dict(num_warps=4, num_stages=3)
+    assert ts._fwd_launch(k256, 64) == dict(num_warps=8, num_stages=2)  # 64 keys x 256 dims: 2 stages fit
