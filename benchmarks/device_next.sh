@@ -9,6 +9,9 @@
 #                                                kernels by time (what the MLPs and projections take)
 #   bash benchmarks/device_next.sh estimate_cost PBS's estimate + selection stage against cuDNN at 32K / 128K
 #                                                on SmolLM2's heads: strides 8, 16, 32 and mean scoring
+#   bash benchmarks/device_next.sh gemma32k      Gemma 3's architecture (random weights) at 32K: compiled flex
+#                                                against exact windows and the recipe, in rounds (the
+#                                                windows' 128-row launch from head dim 256)
 #   bash benchmarks/device_next.sh window_launch Gemma 3's sliding-window kernel alone: dot rows, warps, stages
 #                                                and window blocks side by side, beside compiled flex
 #   bash benchmarks/device_next.sh pisa_scores   PISA's walks in fp32 / bf16 / tf32: time and contract
@@ -85,6 +88,11 @@ case "${1:-}" in
       --json "$out/pbs_estimate_strides_smollm2_${gpu}.json" 2>&1 | grep -v "other tiles" | tail -12 || true
     timeout 150 python3 benchmarks/gemma3_profile.py --random --n 32768 --rows flex_compile,windows \
       --top 12 --json "$out/gemma3_profile_32k_${gpu}.json" 2>&1 | grep -v -i warn | tail -40 || true
+    ;;
+  gemma32k)
+    timeout 560 python3 benchmarks/gemma3_e2e.py --random --ns 32768 --rows flex_compile,windows,recipe \
+      --recipe "$plan" --reps 5 --rounds 3 --json "$out/gemma3_random_32k_wide_tiles_${gpu}.json" \
+      2>&1 | grep -v -i warn | tail -6 || true
     ;;
   window_launch)
     timeout 560 python3 benchmarks/studies/window_kernel_launch.py --ns 32768 \
@@ -199,7 +207,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac
