@@ -45,9 +45,9 @@
 #                                                when carried
 #   bash benchmarks/device_next.sh frontier_plan PLAN [NS]   the recipe, sampled_rows 0.98 and a
 #                                                calibrated PLAN side by side, both paths
-#   bash benchmarks/device_next.sh selection_rule [NS]   the estimate (strides 8, 16, 32) against
-#                                                exact block masses, and the mass rule against a
-#                                                max-relative one, at NS
+#   bash benchmarks/device_next.sh selection_rule [NS]   the estimate (strides 8, 16, 32; the pooled
+#                                                mean and second-moment estimates) against exact block
+#                                                masses, and the mass rule against a max-relative one, at NS
 #                                                (benchmarks/studies/pbs_selection_rule.py; 32768)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
@@ -203,7 +203,7 @@ case "${1:-}" in
     ;;
   selection_rule)
     smollm2_env
-    timeout 570 python3 benchmarks/studies/pbs_selection_rule.py --device cuda --n "${2:-32768}" --strides 16,32 \
+    timeout 570 python3 benchmarks/studies/pbs_selection_rule.py --device cuda --n "${2:-32768}" --strides 16,32 --moments \
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)

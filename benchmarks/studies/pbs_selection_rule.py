@@ -14,7 +14,10 @@ applies both rules to both at a range of settings:
 
 ``--strides 16,32`` adds the estimate at those sampled-row strides: its cost falls with the
 stride (one exponential per sampled row and key; issue 51 asks for at most 5% of dense), and at
-equal density the missed mass says what a cheaper estimate gives up. The forced blocks (sink, the
+equal density the missed mass says what a cheaper estimate gives up. ``--moments`` adds the pooled
+estimates, which take no per-key exponential: PBS's ``scoring="mean"`` (the blocks' mean logit)
+and two that add each block pair's spread of logits from the blocks' second moments
+(:func:`moment_probabilities`). The forced blocks (sink, the
 query's own region) are kept by both rules. Each setting reports the
 density of the whole selection (mean over the sparse layers) and the true attention mass it
 misses on ``--queries`` query positions spread over the sequence (mean over layers and heads, and
@@ -77,6 +80,51 @@ def exact_block_masses(q, k, perm, candidates, block_size: int, chunk: int = 256
     return out / out.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
+def _block_moments(x: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """``(mean [H, nB, D], second moment [H, nB, D*D])`` of ``x [H, total, D]`` over each block's
+    ``valid [total]`` rows (uncentered: ``E[x x^T]``)."""
+    h, total, d = x.shape
+    nb = total // block_size
+    w = valid.view(1, nb, block_size, 1).float()
+    xb = x.view(h, nb, block_size, d) * w
+    cnt = w.sum(2).clamp_min(1.0)  # [1, nB, 1]
+    first = xb.sum(2) / cnt
+    second = torch.einsum("hnbd,hnbe->hnde", xb, x.view(h, nb, block_size, d)) / cnt[..., None]
+    return first, second.reshape(h, nb, d * d)
+
+
+def moment_probabilities(q, k, perm, candidates, block_size: int, kind: str) -> torch.Tensor:
+    """``[1, Hq, nB, nB]``: softmax over the candidates of a block-pair logit from the blocks'
+    first and second moments, no per-key exponential: ``mu = s q̄·k̄`` (PBS's ``scoring="mean"``)
+    and the variance of the pairs' logits ``var = s^2 <E[q q^T], E[k k^T]> - mu^2``;
+    ``"mean_var"``: ``mu + var / 2`` (the log of the mean of ``exp`` for Gaussian logits),
+    ``"mean_2sd"``: ``mu + 2 sqrt(var)``. A block's spread, which the mean averages away (a few
+    keys aligned with the queries, RoPE's fast-turning dimensions), enters through ``var``."""
+    _, hq, n, d = q.shape
+    hp = perm.shape[1]
+    g = hq // k.shape[1]
+    hq_per_hp = hq // hp
+    nb = -(-n // block_size)
+    total = nb * block_size
+    sc = d**-0.5
+    valid = torch.arange(total) < n
+    qf = torch.nn.functional.pad(q[0].float(), (0, 0, 0, total - n))
+    q1, q2 = _block_moments(qf, valid, block_size)
+    out = torch.zeros(1, hq, nb, nb)
+    for p in range(hp):
+        kv_head = (p * hq_per_hp) // g
+        slots = torch.nn.functional.pad(perm[0, p], (0, total - n), value=-1)
+        kp = torch.where((slots >= 0)[:, None], k[0, kv_head].float()[slots.clamp_min(0)], 0.0)
+        k1, k2 = _block_moments(kp[None], slots >= 0, block_size)
+        heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
+        mu = torch.matmul(q1[heads], k1[0].t()) * sc
+        var = (torch.matmul(q2[heads], k2[0].t()) * sc * sc - mu * mu).clamp_min(0.0)
+        logit = mu + var / 2 if kind == "mean_var" else mu + 2 * var.sqrt()
+        logit = logit.masked_fill(~candidates[0, heads], float("-inf"))
+        out[0, heads] = torch.nan_to_num(torch.softmax(logit, -1), nan=0.0)
+    return out
+
+
 def query_probabilities(q, k, positions) -> torch.Tensor:
     """``[Hq, m, N]``: the true causal softmax of the query ``positions`` (computed once a layer)."""
     hq, n, d = q.shape[1], q.shape[2], q.shape[3]
@@ -102,7 +150,7 @@ def missed_mass(true_probs, perm, mask, positions, block_size: int) -> torch.Ten
     return missed.clamp_min(0.0)
 
 
-def layer_rows(q, k, cfg, positions, scoring: str, strides=()) -> List[Dict[str, object]]:
+def layer_rows(q, k, cfg, positions, scoring: str, strides=(), moments: bool = False) -> List[Dict[str, object]]:
     """Every (estimate, rule, setting) of one layer: its density and missed mass per head."""
     from sparseflow.methods.pbs.block_selection import (
         candidate_blocks,
@@ -127,6 +175,10 @@ def layer_rows(q, k, cfg, positions, scoring: str, strides=()) -> List[Dict[str,
         )
         for s in (cfg.antidiagonal_stride, *[s for s in strides if s != cfg.antidiagonal_stride])
     }
+    if moments:  # the pooled estimates, no per-key exponential: PBS's mean and the second-moment ones
+        estimates["mean"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="mean")
+        for kind in ("mean_var", "mean_2sd"):
+            estimates[kind] = moment_probabilities(q, k, perm, cand, bs, kind)
     estimates["exact"] = exact_block_masses(q, k, perm, cand, bs)
     true_probs = query_probabilities(q, k, positions)
     rows = []
@@ -203,6 +255,11 @@ def main(argv=None) -> int:
         "--strides", default="", help="comma list of more sampled-row strides to estimate with (e.g. 16,32)"
     )
     ap.add_argument("--layers", default="", help="comma list of layers (default: every PBS layer of the recipe)")
+    ap.add_argument(
+        "--moments",
+        action="store_true",
+        help="also the pooled estimates: PBS's mean scoring and the second-moment ones (mean_var, mean_2sd)",
+    )
     ap.add_argument("--device", default="cpu", help="where the model and the study's tensors live (cuda at 32K+)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -235,7 +292,7 @@ def main(argv=None) -> int:
         per_layer = {}
         for i, cfg in sorted(per_layer_cfg.items()):
             q, k, _ = layers[i]
-            per_layer[i] = layer_rows(q, k, cfg, positions, args.scoring, strides)
+            per_layer[i] = layer_rows(q, k, cfg, positions, args.scoring, strides, args.moments)
         summary = summarise(per_layer)
         out["texts"][text] = {"summary": summary, "per_layer": per_layer}
         print(f"\n{text}, N={args.n}, {len(per_layer)} PBS layers ({time.perf_counter() - t0:.0f}s)")
