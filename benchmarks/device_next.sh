@@ -36,6 +36,8 @@
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
 #   bash benchmarks/device_next.sh pisa_e2e [NS]  SmolLM2 (YaRN to NS, default 131072) through sparseflow.compile:
 #                                                PISA and BSA K=8, PISA's walk auto, then leaf pairs in bf16
+#   bash benchmarks/device_next.sh pisa_real_layers  PISA's contract on SmolLM2's real layers at 8K and 32K,
+#                                                the auto walk scoring in bf16 and tf32
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
 #                                                (benchmarks/frontier.py; NS default 32768)
 #   bash benchmarks/device_next.sh calibrate [NS [BUDGET]]  sparseflow calibrate at NS tokens (default
@@ -165,6 +167,11 @@ case "${1:-}" in
       --reps 3 --tuning pisa_walk=leaf_pairs,pisa_scores=bf16 \
       --json "$out/e2e_pisa_leaf_pairs_bf16_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
     ;;
+  pisa_real_layers)
+    smollm2_env
+    timeout 570 python3 benchmarks/studies/pisa_real_layers_gpu.py --ns 8192,32768 \
+      --json "$out/pisa_real_layers_${gpu}.json" 2>&1 | grep "^N=" || true
+    ;;
   frontier)
     smollm2_env
     timeout 580 python3 benchmarks/frontier.py --ns "${2:-32768}" --estimates sampled_rows,antidiagonal \
@@ -207,7 +214,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET]] | frontier_plan PLAN [NS] | selection_rule [NS]" >&2
     exit 2
     ;;
 esac
