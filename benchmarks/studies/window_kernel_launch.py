@@ -45,7 +45,7 @@ def _variant_forward(q, k, v, rows: int, warps: int, stages: int, block: int):
 
     def run():
         real_tile, real_launch = ts.forward_token_tile, ts._fwd_launch
-        ts.forward_token_tile = lambda group, head_dim=64: tokens
+        ts.forward_token_tile = lambda *shape: tokens
         ts._fwd_launch = lambda k_, c_: dict(num_warps=warps, num_stages=stages)
         try:
             return ts.token_sparse_fwd(q, k, v, sel, num, lists, None, scale, block, True, False, SHAPE["window"], 0)[0]

@@ -856,24 +856,34 @@ _FWD_WIDE = dict(rows=128, num_warps=8)
 _FWD_STAGE_PAIR_BYTES = {3: 32 * 1024, 2: 64 * 1024}
 
 
-def _wide(head_dim: int) -> bool:
-    return _p2(head_dim) >= FWD_WIDE_HEAD_DIM
+def _pair_bytes(head_dim: int, block_size: int, elem_bytes: int) -> int:
+    return 2 * _p2(block_size) * _p2(head_dim) * elem_bytes
+
+
+def _wide(head_dim: int, block_size: int, elem_bytes: int) -> bool:
+    """The wide forward launch (``_FWD_WIDE``): from head dim 256, for 16-bit blocks whose key /
+    value pair fits 2 stages (the shape it was timed on: bf16, 64-key blocks). A wider pair (fp32,
+    or 128-key blocks) with 128 rows would pass the shared memory of a Hopper program."""
+    fits = _pair_bytes(head_dim, block_size, elem_bytes) <= _FWD_STAGE_PAIR_BYTES[2]
+    return _p2(head_dim) >= FWD_WIDE_HEAD_DIM and elem_bytes == 2 and fits
 
 
 def _fwd_launch(k: torch.Tensor, block_size: int) -> dict:
-    """``_FWD_LAUNCH`` (8 warps from head dim 256) with its stages capped where a key/value block
-    pair is large."""
-    pair_bytes = 2 * _p2(block_size) * _p2(k.shape[-1]) * k.element_size()
+    """``_FWD_LAUNCH`` (8 warps for the wide launch: :func:`_wide`) with its stages capped where a
+    key/value block pair is large."""
+    pair_bytes = _pair_bytes(k.shape[-1], block_size, k.element_size())
     stages = next((s for s, most in _FWD_STAGE_PAIR_BYTES.items() if pair_bytes <= most), 1)
-    warps = _FWD_WIDE["num_warps"] if _wide(k.shape[-1]) else _FWD_LAUNCH["num_warps"]
+    wide = _wide(k.shape[-1], block_size, k.element_size())
+    warps = _FWD_WIDE["num_warps"] if wide else _FWD_LAUNCH["num_warps"]
     return dict(_FWD_LAUNCH, num_warps=warps, num_stages=min(stages, _FWD_LAUNCH["num_stages"]))
 
 
-def forward_token_tile(group: int, head_dim: int = 64) -> int:
-    """Query tokens per forward program for a GQA group of ``group`` query heads and ``head_dim``:
-    as many as fill ``FWD_ROWS`` rows of tokens x heads packed (21 tokens in 63 rows for a group
-    of 3; 128 rows from head dim 256), at least one token."""
-    rows = _FWD_WIDE["rows"] if _wide(head_dim) else FWD_ROWS
+def forward_token_tile(group: int, head_dim: int, block_size: int, elem_bytes: int) -> int:
+    """Query tokens per forward program for a GQA group of ``group`` query heads, ``head_dim``,
+    key blocks of ``block_size`` and ``elem_bytes``-byte elements: as many as fill ``FWD_ROWS``
+    rows of tokens x heads packed (21 tokens in 63 rows for a group of 3; 128 rows for the wide
+    launch, :func:`_wide`), at least one token. The block lists and the kernel must agree on it."""
+    rows = _FWD_WIDE["rows"] if _wide(head_dim, block_size, elem_bytes) else FWD_ROWS
     return max(1, rows // group)
 
 
@@ -884,7 +894,7 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _fwd_meta(q, k, block_size, top_k):
     g = q.shape[1] // k.shape[1]
-    tokens = forward_token_tile(g, q.shape[-1])
+    tokens = forward_token_tile(g, q.shape[-1], block_size, k.element_size())
     return dict(_meta(q, k, block_size, top_k), BLOCK_T=tokens, R=_p2(tokens * g), INTERP=interpreting())
 
 
@@ -931,6 +941,12 @@ def token_sparse_fwd(
     if n_q == 0:
         return out, lse
     nqt = num.shape[2]
+    tokens = forward_token_tile(hq // hkv, d, block_size, k.element_size())
+    if n_q > 1 and nqt != -(-n_q // tokens):  # lists of another tile would attend the wrong blocks
+        raise ValueError(
+            f"the block lists tile {nqt} query tiles, the forward {-(-n_q // tokens)} of {tokens} tokens: "
+            "build them with tile_block_lists(sel, forward_token_tile(...)) for this call"
+        )
     wrap_triton(_fwd_kernel)[(nqt, b * hkv)](
         q,
         k,
@@ -1113,7 +1129,8 @@ def token_sparse_attention(
     n_kb = max(1, -(-k.shape[2] // block_size))
     with torch.no_grad():
         sel = block_indices.to(device=q.device, dtype=torch.int32).contiguous()
-        num, lists = tile_block_lists(sel, forward_token_tile(hq // k.shape[1], d), n_kb, pdl)
+        tokens = forward_token_tile(hq // k.shape[1], d, block_size, k.element_size())
+        num, lists = tile_block_lists(sel, tokens, n_kb, pdl)
         kpm = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.int8).contiguous()
     # the kernel reads any row strides (a model's [B, N, H, D] memory seen as [B, H, N, D] needs no copy)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))

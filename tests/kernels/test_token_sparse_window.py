@@ -119,7 +119,8 @@ def test_the_cases_run_whole_blocks_after_partial_window_blocks():
 
     for key in ("w40-c4-gqa2-random", "w40-c4-gqa2-window", "w30-chunk50-c4-g4-restricted"):
         _, hq, hkv, nq, nk, _, c, w, chunk, *_ = CASES[key]
-        assert _tiles_with_a_window_run(nq, nk, c, w, chunk, forward_token_tile(hq // hkv)) > 0, key
+        tile = forward_token_tile(hq // hkv, CASES[key][5], c, 4)  # fp32
+        assert _tiles_with_a_window_run(nq, nk, c, w, chunk, tile) > 0, key
 
 
 # id: (Nq, Nk, C, W, chunk)
@@ -205,8 +206,23 @@ def test_windows_need_causal_attention(arg):
 def test_the_forward_tile_widens_from_head_dim_256():
     from sparseflow.kernels import token_sparse_triton as ts
 
-    assert ts.forward_token_tile(3, 64) == 21 and ts.forward_token_tile(4, 128) == 16
-    assert ts.forward_token_tile(4, 256) == 32 and ts.forward_token_tile(1, 200) == 128
+    assert ts.forward_token_tile(3, 64, 64, 2) == 21 and ts.forward_token_tile(4, 128, 64, 2) == 16
+    assert ts.forward_token_tile(4, 256, 64, 2) == 32 and ts.forward_token_tile(1, 200, 64, 2) == 128
+    # past a Hopper program's shared memory with 128 rows: fp32 blocks, or 128-key blocks
+    assert ts.forward_token_tile(4, 256, 64, 4) == 16 and ts.forward_token_tile(4, 256, 128, 2) == 16
     k64, k256 = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16), torch.empty(1, 1, 1, 256, dtype=torch.bfloat16)
     assert ts._fwd_launch(k64, 64) == dict(num_warps=4, num_stages=3)
     assert ts._fwd_launch(k256, 64) == dict(num_warps=8, num_stages=2)  # 64 keys x 256 dims: 2 stages fit
+    assert ts._fwd_launch(k256.float(), 64) == dict(num_warps=4, num_stages=1)
+    assert ts._fwd_launch(k256, 128) == dict(num_warps=4, num_stages=1)
+
+
+def test_lists_of_another_tile_are_refused():
+    """Block lists built for another tile than the forward's would attend the wrong blocks."""
+    from sparseflow.kernels import token_sparse_triton as ts
+
+    q, k, v, _ = qkv_inputs(1, 3, 1, 60, 60, 16, torch.float32, False)
+    sel = tb.window_block_indices(60, 60, 4, 12, 0).expand(1, 1, -1, -1).contiguous()
+    num, lists = ts.tile_block_lists(sel, 7, 15)  # the forward tiles 21 tokens
+    with pytest.raises(ValueError, match="query tiles"):
+        ts.token_sparse_fwd(q, k, v, sel, num, lists, None, 0.25, 4, True, False, 12, 0)

@@ -25,11 +25,25 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
+from .triton_select import level_sizes
 from .triton_select_common import _p2, _reduce, candidate_width, scores_mode, walk_args, walk_meta, window_args
 from .triton_select_per_token import _launch, _pisa_select_kernel, no_scan_args
 from .triton_select_scan import LAUNCH, _leaf_keep_kernel, queries_per_program
 
-__all__ = ["pisa_select_leaf_split_fwd", "leaf_split_walk", "leaves_per_program"]
+__all__ = ["pisa_select_leaf_split_fwd", "leaf_split_walk", "leaves_per_program", "pyramid_leaves"]
+
+
+def pyramid_leaves(total_nodes: int, branching: int) -> int:
+    """The leaf count of the pyramid of ``total_nodes`` nodes (its levels' sizes summed, leaves
+    first: ``triton_select.level_sizes``), which grows with the leaves: found by bisection."""
+    lo, hi = 1, max(1, total_nodes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(level_sizes(mid, branching)) < total_nodes:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def leaves_per_program(cw: int, cp: int) -> int:
@@ -180,8 +194,9 @@ def leaf_split_walk(
     summaries in the walk: nothing to split off)."""
     if score == 1:
         raise ValueError("the leaf-split walk scores raw keys at the leaves: score='mean' walks per token")
-    if lvl_span.shape[0] < 2:  # one leaf: the walk has no level to stop at
-        raise ValueError("the leaf-split walk needs a pyramid of two levels or more (more than one leaf block)")
+    n_leaves = pyramid_leaves(summ.shape[2], branching)  # a cache's pyramid is its capacity's
+    if n_leaves <= top_k:  # the walk keeps every leaf without writing a candidate: nothing to split
+        raise ValueError(f"the leaf-split walk needs more leaf blocks than top_k={top_k}, got {n_leaves}")
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(b, hkv, n_q, top_k, dtype=torch.int32, device=q.device)

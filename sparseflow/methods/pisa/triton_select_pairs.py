@@ -120,6 +120,9 @@ def pairs_walk(
     out = torch.empty(b, k.shape[1], n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
+    why = pairs_covers(max(1, -(-k.shape[2] // block_size)), top_k, 0)
+    if why is not None:  # the walk would keep every leaf without writing a candidate
+        raise ValueError(f"the leaf-pairs walk does not take this call: {why}")
     meta = walk_meta(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )

@@ -977,8 +977,8 @@ def walk_then_leaf_pairs(
     n_leaves = max(1, -(-k.shape[2] // meta["C"]))
     rows = b * hkv
     cw = candidate_width(beam, top_k, meta["BR"])
-    cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device)
-    leaf_out = score != 1
+    leaf_out = score != 1  # PISA-1 scores its leaves by their summaries: the walk writes the selection
+    cand = torch.empty(rows, n_q, cw, dtype=torch.int32, device=q.device) if leaf_out else nfv
     unit = pair_unit(meta["BR"])
     n_units = -(-n_leaves // unit[0])
     # the walk's per-(batch x KV head, unit) counters of scored pairs, and each pair's rank in its segment
@@ -1000,8 +1000,8 @@ def walk_then_leaf_pairs(
         stride_pbh=pre.stride(0) if table is not None else 0,
         stride_pn=pre.stride(1) if table is not None else 0,
         pre_col0=col0,
-        stride_cbh=cand.stride(0),
-        stride_cn=cand.stride(1),
+        stride_cbh=cand.stride(0) if leaf_out else 0,
+        stride_cn=cand.stride(1) if leaf_out else 0,
         count_ptr=counts if leaf_out else cand,
         rank_ptr=rank,
         **trace_args(nfv, trace),

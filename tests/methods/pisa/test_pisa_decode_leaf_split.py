@@ -82,14 +82,18 @@ def test_nothing_to_split_walks_per_token(score, capacity, split_calls):
 
 
 def test_the_split_walk_names_what_it_cannot_take():
-    from sparseflow.methods.pisa.triton_select_leaf_split import leaf_split_walk
+    from sparseflow.methods.pisa.triton_select import build_pyramid, level_sizes
+    from sparseflow.methods.pisa.triton_select_leaf_split import leaf_split_walk, pyramid_leaves
 
-    q, k, _ = _qkv(1, 4, 2, 9, 16, torch.float32, seed=0)
-    one = torch.zeros(1, dtype=torch.int32)
+    q, k, _ = _qkv(1, 4, 2, 20, 16, torch.float32, seed=0)
+    summ, nfv, _, lvl_off, lvl_span = build_pyramid(k, block_size=8, branching=2)  # 3 leaves, 6 nodes
+    call = (q, k, summ, nfv, lvl_off, lvl_span, 0.25, True)
     with pytest.raises(ValueError, match="score='mean'"):
-        leaf_split_walk(q, k, k, one, one, one, 0.25, True, 1, 8, 2, 3, True, True, 1)
-    with pytest.raises(ValueError, match="two levels"):
-        leaf_split_walk(q, k, k, one, one, one, 0.25, True, 0, 8, 2, 3, True, True, 1)
+        leaf_split_walk(*call, 1, 8, 2, 2, True, True, 1)
+    with pytest.raises(ValueError, match="more leaf blocks than top_k=3, got 3"):
+        leaf_split_walk(*call, 0, 8, 2, 3, True, True, 1)
+    sizes = {n: sum(level_sizes(n, 3)) for n in range(1, 200)}
+    assert all(pyramid_leaves(total, 3) == n for n, total in sizes.items())
 
 
 def test_auto_splits_the_leaves_in_the_static_step_on_cuda_only(split_calls):

@@ -163,3 +163,16 @@ def test_auto_takes_the_leaf_pairs_where_the_scan_table_does_not_fit_on_cuda(wal
     got = triton_select.pisa_select(q, k, tuning=Tuning(), **kw)
     assert len(walk_calls) == (1 if DEVICE == "cuda" else 0)
     assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+
+
+def test_the_walk_refuses_a_call_with_no_leaf_to_score():
+    """With no more leaf blocks than top_k the walk keeps them all and writes no candidate: the
+    op refuses the call (``pisa_select`` sends it per token)."""
+    from sparseflow.methods.pisa.triton_select_common import SCORE_CODES
+
+    q, k, _ = walk_inputs(1, 2, 1, 12, 40, 16, F32, False)
+    summ, nfv, _, lvl_off, lvl_span = triton_select.build_pyramid(k, block_size=8, branching=2)
+    with pytest.raises(ValueError, match="5 leaf blocks <= top_k=5"):
+        pairs.pairs_walk(
+            q, k, None, summ, nfv, lvl_off, lvl_span, 0.25, True, SCORE_CODES["lse"], 8, 2, 5, True, True, 1
+        )
