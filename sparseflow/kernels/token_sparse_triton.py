@@ -941,7 +941,8 @@ def token_sparse_fwd(
     if n_q == 0:
         return out, lse
     nqt = num.shape[2]
-    tokens = forward_token_tile(hq // hkv, d, block_size, k.element_size())
+    meta = _fwd_meta(q, k, block_size, sel.shape[-1])
+    tokens = meta["BLOCK_T"]
     if n_q > 1 and nqt != -(-n_q // tokens):  # lists of another tile would attend the wrong blocks
         raise ValueError(
             f"the block lists tile {nqt} query tiles, the forward {-(-n_q // tokens)} of {tokens} tokens: "
@@ -984,7 +985,7 @@ def token_sparse_fwd(
         IS_CAUSAL=is_causal,
         HAS_WINDOW=_has_window(sliding_window, chunk_size),
         **_fwd_launch(k, block_size),
-        **_fwd_meta(q, k, block_size, sel.shape[-1]),
+        **meta,
         LWP=_p2(lists.shape[-1], 1),
         **pdl_launch(q, pdl),
     )

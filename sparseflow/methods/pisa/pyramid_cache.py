@@ -28,12 +28,11 @@ import triton
 import triton.language as tl
 
 from ...tuning import DEFAULT_TUNING, Tuning
-from ...kernels._triton_env import interpreting
 from ...kernels.token_blocks import selection_width
 from ...kernels.token_sparse_decode_triton import decode_splits, token_sparse_decode_fwd
 from ...kernels.token_sparse_triton import token_sparse_attention
 from .reference import check_beam
-from .triton_select import build_pyramid, pyramid_tables
+from .triton_select import auto_on_cuda, build_pyramid, pyramid_tables
 from .triton_select_common import SCORE_CODES
 from .triton_select_per_token import _pisa_select_fwd
 from .config import PISAConfig
@@ -326,7 +325,7 @@ class PyramidCache:
         step, bound by the host, took longer)."""
         if tuning.pisa_walk == "leaf_pairs":
             return True
-        return tuning.pisa_walk == "auto" and length is not None and q.is_cuda and not interpreting()
+        return length is not None and auto_on_cuda(tuning, q)
 
     def _walk(self, q, k, length, width, score, scale, force_sink, force_previous, beam, tuning):
         """The fused walk over this pyramid (``length``: None, or the device length of a KV buffer ``k``);
@@ -336,46 +335,19 @@ class PyramidCache:
         if score not in SCORE_CODES:
             raise ValueError(f"score must be one of {list(SCORE_CODES)}, got {score!r}")
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        # the pyramid and the walk's rules, the same in both walks' ops
+        pyramid = (self.summ, self.first_valid, self.lvl_off, self.lvl_span, sc, True, SCORE_CODES[score])
+        rules = (self.block_size, self.branching, width, bool(force_sink), bool(force_previous), int(beam))
         if self._split_leaves(tuning, q, length) and score != "mean" and self.sizes[0] > width:
             from .triton_select_leaf_split import pisa_select_leaf_split_fwd
 
-            return pisa_select_leaf_split_fwd(
-                q,
-                k,
-                self.summ,
-                self.first_valid,
-                self.lvl_off,
-                self.lvl_span,
-                sc,
-                True,
-                SCORE_CODES[score],
-                self.block_size,
-                self.branching,
-                width,
-                bool(force_sink),
-                bool(force_previous),
-                int(beam),
-                tuning.pisa_warps,
-                length,
-                tuning.pisa_scores,
-            )
+            return pisa_select_leaf_split_fwd(q, k, *pyramid, *rules, tuning.pisa_warps, length, tuning.pisa_scores)
         return _pisa_select_fwd(
             q,
             k,
             None,
-            self.summ,
-            self.first_valid,
-            self.lvl_off,
-            self.lvl_span,
-            sc,
-            True,
-            SCORE_CODES[score],
-            self.block_size,
-            self.branching,
-            width,
-            bool(force_sink),
-            bool(force_previous),
-            int(beam),
+            *pyramid,
+            *rules,
             tuning.pisa_warps,
             tuning.pisa_leaf_bytes,
             length,

@@ -347,13 +347,19 @@ def _use_tiled_walk(tuning: Tuning, group: int, beam: int, top_k: int, branching
     return why is None
 
 
+def auto_on_cuda(tuning: Tuning, q: torch.Tensor) -> bool:
+    """Whether ``pisa_walk="auto"`` may pick a walk timed on the GPU: compiled CUDA calls only
+    (the interpreter and the CPU walk per token)."""
+    return tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
+
+
 def _use_pairs_walk(tuning: Tuning, q, k, block_size: int, top_k: int, beam: int, branching: int) -> bool:
     """Whether ``tuning.pisa_walk`` asks for the leaf-pairs walk (``"leaf_pairs"``, or ``"auto"``
     on CUDA where the scan does not cover the call: its node table grows as ``N**2``. On an H100
     the leaf pairs took 0.45x the per-token walk's time at 256K and 1M tokens in bf16, and
     SmolLM2's whole forward at 128K 0.27x) and it covers the call; a call it does not cover is
     logged."""
-    auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
+    auto = auto_on_cuda(tuning, q)
     if tuning.pisa_walk != "leaf_pairs" and not auto:
         return False
     from .triton_select_pairs import pairs_covers
@@ -377,7 +383,7 @@ def _use_scan_walk(
     """Whether ``tuning.pisa_walk`` asks for the scan walk (``"scan"``, or ``"auto"`` on CUDA:
     faster than the per-token walk at every shape timed on an H200) and
     it covers the call; a call it does not cover runs per token, logged."""
-    auto = tuning.pisa_walk == "auto" and q.is_cuda and not interpreting()
+    auto = auto_on_cuda(tuning, q)
     if tuning.pisa_walk != "scan" and not auto:
         return False
     from .triton_select_scan import scan_covers, table_shape

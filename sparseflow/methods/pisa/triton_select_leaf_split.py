@@ -26,8 +26,8 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
 from .triton_select import level_sizes
-from .triton_select_common import _p2, _reduce, candidate_width, scores_mode, walk_args, walk_meta, window_args
-from .triton_select_per_token import _launch, _pisa_select_kernel, no_scan_args
+from .triton_select_common import _p2, candidate_width, scores_mode, walk_args, walk_meta, window_args
+from .triton_select_per_token import _launch, _leaf_scores, _pisa_select_kernel, no_scan_args
 from .triton_select_scan import LAUNCH, _leaf_keep_kernel, queries_per_program
 
 __all__ = ["pisa_select_leaf_split_fwd", "leaf_split_walk", "leaves_per_program", "pyramid_leaves"]
@@ -102,26 +102,37 @@ def _leaf_split_kernel(
     l_ok = (enc >= 0) & (enc < (1 << 30)) & (n_valid > TOPK)
     if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
         hz = i + Nk - Nq if IS_CAUSAL else Nk - 1  # the query's position (bottom-right aligned)
-        offs_c = tl.arange(0, CP)
         offs_d = tl.arange(0, DP)
         d_ok = offs_d < D
-        pos = tl.reshape(tl.where(l_ok, enc, 0)[:, None] * C + offs_c[None, :], (LC * CP,))
-        kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
-        k_t = tl.load(
-            k_ptr + b * stride_kb + hkv * stride_kh + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-            mask=kok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
         q_rows = q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i.to(tl.int64) * stride_qn
         q_raw = tl.load(q_rows + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            logit = tl.dot(q_raw.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
-        else:
-            logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-        per_head = _reduce(tl.reshape(logit, (GP, LC, CP)), tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
-        score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
+        k_base = k_ptr + b * stride_kb + hkv * stride_kh
+        leaf = tl.where(l_ok, enc, 0)
+        # the per-token walk's own leaf scores (no key padding at decode: q_ptr stands in for the mask)
+        score = _leaf_scores(
+            q_raw,
+            k_base,
+            q_ptr,
+            b,
+            leaf,
+            l_ok,
+            Nk,
+            hz,
+            stride_kn,
+            qk_scale,
+            g_ok,
+            offs_d,
+            d_ok,
+            GP,
+            C,
+            CP,
+            LC,
+            SCORE,
+            False,
+            IEEE,
+        )
         tl.store(score_ptr + row + sub, score, mask=l_ok)
 
 
@@ -210,10 +221,11 @@ def leaf_split_walk(
     leaf_scores = torch.empty(b * hkv, n_q, cw, dtype=torch.float32, device=q.device)
     group = hq // hkv
     len_arg = nfv if length is None else length  # nfv: a placeholder, never read
+    args = walk_args(q, k, None, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
-        *walk_args(q, k, None, summ, nfv, lvl_off, lvl_span, out, scale)[:8],
-        len_arg,
-        *walk_args(q, k, None, summ, nfv, lvl_off, lvl_span, out, scale)[8:],
+        *args[:8],
+        len_arg,  # the length pointer follows out_ptr
+        *args[8:],
         **{**no_scan_args(nfv), "cand_ptr": cand, "stride_cbh": cand.stride(0), "stride_cn": cand.stride(1)},
         **meta,
         GP=_p2(group, 16),

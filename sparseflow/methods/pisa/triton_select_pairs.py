@@ -24,20 +24,14 @@ from torch.library import triton_op
 
 from .config import PISAConfig
 from .triton_select_common import walk_meta, window_args
-from .triton_select_scan import WalkCall, walk_then_leaf_pairs
+from .triton_select_scan import WalkCall, leaf_pairs_cover, walk_then_leaf_pairs
 from ...kernels.pdl import pdl_launch
 
 __all__ = ["pairs_covers", "pisa_select_pairs_fwd", "pairs_walk"]
 
 
-def pairs_covers(n_leaves: int, top_k: int, candidate_slots: int) -> Optional[str]:
-    """None when the leaf-pairs walk takes the call, else why not (for the fallback's log).
-    ``candidate_slots``: ``B * Hkv * Nq * CW``, indexed in int32 by the leaf-pair index."""
-    if n_leaves <= top_k:
-        return f"{n_leaves} leaf blocks <= top_k={top_k}: no leaf is scored"
-    if candidate_slots >= 2**31:
-        return f"{candidate_slots} leaf candidate slots exceed the pair index's int32"
-    return None
+# the leaf-pairs walk is the scan's stages 2-4: their rules, without the table's budget
+pairs_covers = leaf_pairs_cover
 
 
 @triton_op("sparseflow::pisa_select_pairs_fwd", mutates_args={})

@@ -88,6 +88,52 @@ def _top_k_keep(valid, forced, score, ar, width):
 
 
 @triton.jit
+def _leaf_scores(
+    q_raw,
+    k_base,
+    kpm_ptr,
+    b,
+    leaf,
+    l_ok,
+    Nk,
+    hz,
+    stride_kn,
+    qk_scale,
+    g_ok,
+    offs_d,
+    d_ok,
+    GP: tl.constexpr,
+    C: tl.constexpr,
+    CP: tl.constexpr,
+    LC: tl.constexpr,
+    SCORE: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IEEE_KEYS: tl.constexpr,
+):
+    """``[LC]``: each of ``LC`` candidate leaves' score for one query, the exact LSE (or mean +
+    var/2) over its valid keys at or before ``hz``, summed over the group's heads (rows of
+    ``q_raw [GP, DP]`` where ``g_ok``); ``l_ok`` false: no key loaded. The leaves share one
+    ``[G, D] x [D, LC*C]`` dot, their keys gathered in one load (``k_base``: the KV head's keys)."""
+    offs_c = tl.arange(0, CP)
+    pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
+    kok = tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
+    if HAS_KPM:
+        kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
+    k_t = tl.load(
+        # 64-bit: a key position times a row stride can pass 2**31 elements
+        k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+        mask=kok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    if IEEE_KEYS:
+        logit = tl.dot(q_raw.to(tl.float32), k_t.to(tl.float32), input_precision="ieee") * qk_scale
+    else:
+        logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
+    per_head = _reduce(tl.reshape(logit, (GP, LC, CP)), tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
+    return tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+
+
+@triton.jit
 def _ancestor(leaf, lv, span, BR: tl.constexpr):
     """The level-``lv`` ancestor of ``leaf`` (``-1`` stays ``-1``): ``leaf // span`` (``span =
     BR**lv``), a shift when ``BR`` is a power of two (a division by a runtime value costs tens of
@@ -386,9 +432,8 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                     per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
                     score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
                 else:
-                    # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys; LC candidate
-                    # leaves at a time share one [G, D] x [D, LC*C] dot (their keys gathered in one load)
-                    offs_c = tl.arange(0, CP)
+                    # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys, LC candidate
+                    # leaves a dot (_leaf_scores)
                     ar_lc = tl.arange(0, LC)
                     for c0 in range(0, CW, LC):
                         sub = c0 + ar_lc
@@ -396,25 +441,28 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         leaf = tl.sum(tl.where(pick, cand[None, :], 0), axis=1)
                         l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
                         if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
-                            pos = tl.reshape(leaf[:, None] * C + offs_c[None, :], (LC * CP,))
-                            kok = (
-                                tl.reshape(l_ok[:, None] & (offs_c[None, :] < C), (LC * CP,)) & (pos < Nk) & (pos <= hz)
+                            s_sub = _leaf_scores(
+                                q_raw,
+                                k_base,
+                                kpm_ptr,
+                                b,
+                                leaf,
+                                l_ok,
+                                Nk,
+                                hz,
+                                stride_kn,
+                                qk_scale,
+                                g_ok,
+                                offs_d,
+                                d_ok,
+                                GP,
+                                C,
+                                CP,
+                                LC,
+                                SCORE,
+                                HAS_KPM,
+                                IEEE_KEYS,
                             )
-                            if HAS_KPM:
-                                kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
-                            k_t = tl.load(
-                                # 64-bit: a key position times a row stride can pass 2**31 elements
-                                k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-                                mask=kok[None, :] & d_ok[:, None],
-                                other=0.0,
-                            )
-                            if IEEE_KEYS:
-                                logit = tl.dot(q32, k_t.to(tl.float32), input_precision="ieee") * qk_scale
-                            else:
-                                logit = tl.dot(q_raw, k_t, out_dtype=tl.float32) * qk_scale  # exact 16-bit products
-                            logit = tl.reshape(logit, (GP, LC, CP))
-                            per_head = _reduce(logit, tl.reshape(kok, (LC, CP))[None, :, :], SCORE)
-                            s_sub = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)  # [LC]
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
                 keep = _top_k_keep(valid, forced, score, ar_cw, width)
             else:

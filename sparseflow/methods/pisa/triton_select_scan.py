@@ -73,6 +73,7 @@ from .triton_select_per_token import _launch, _pisa_select_kernel
 
 __all__ = [
     "scan_covers",
+    "leaf_pairs_cover",
     "queries_per_program",
     "packed_rows",
     "dot_rows",
@@ -172,13 +173,23 @@ def packed_rows(group: int, rows: int) -> Tuple[int, int]:
     return queries, max(rows, _p2(queries * group))
 
 
-def scan_covers(n_leaves: int, top_k: int, table_bytes: int, candidate_slots: int) -> Optional[str]:
-    """None when the scan walk takes the call, else why not (for the fallback's log).
-    ``candidate_slots``: ``B * Hkv * Nq * CW``, indexed in int32 by the leaf-pair index."""
+def leaf_pairs_cover(n_leaves: int, top_k: int, candidate_slots: int) -> Optional[str]:
+    """None when stages 2-4 (the walk to the leaf candidates, the leaf pairs, the keep) take the
+    call, else why not: a walk that keeps every leaf writes no candidate, and the pair index is
+    int32. ``candidate_slots``: ``B * Hkv * Nq * CW``."""
     if n_leaves <= top_k:
         return f"{n_leaves} leaf blocks <= top_k={top_k}: no leaf is scored"
     if candidate_slots >= 2**31:
         return f"{candidate_slots} leaf candidate slots exceed the pair index's int32"
+    return None
+
+
+def scan_covers(n_leaves: int, top_k: int, table_bytes: int, candidate_slots: int) -> Optional[str]:
+    """None when the scan walk takes the call, else why not (for the fallback's log): stages 2-4's
+    rules (:func:`leaf_pairs_cover`) and the node-score table's budget."""
+    why = leaf_pairs_cover(n_leaves, top_k, candidate_slots)
+    if why is not None:
+        return why
     if table_bytes > MAX_TABLE_BYTES:
         return f"its node-score table would take {table_bytes / 2**20:.0f} MiB (> {MAX_TABLE_BYTES >> 20} MiB)"
     return None
