@@ -253,9 +253,12 @@ def fidelity_row(model, ids, dense_logits, eval_positions: int, record: bool = T
     if cap is None:
         return row
     dens = [c.density if c.density is not None else 1.0 for c in cap.calls]
+    # a layer the rewrite left dense (a recipe's dense layer under sparseflow.compile) records no
+    # call: it counts 1, as it does on the converted path, where it records a dense call
+    dens += [1.0] * max(0, row["layers"] - len(dens))
     return {
         **row,
-        "density": float(sum(dens) / len(dens)) if dens else 1.0,
+        "density": float(sum(dens) / len(dens)),
         "op_calls": len(cap.calls),
         "sparse_calls": sum(c.sparse for c in cap.calls),
         "fallbacks": sorted({c.reason for c in cap.calls if not c.sparse and c.reason})[:4],

@@ -80,3 +80,35 @@ def test_env_info_is_the_common_one_with_transformers():
     assert {k: v for k, v in env.items() if k not in ("date", "transformers")} == {
         k: v for k, v in base.items() if k != "date"
     }
+
+
+def test_a_layer_left_dense_by_the_rewrite_counts_one_in_the_density():
+    # sparseflow.compile leaves a recipe's dense layers alone, so they record no call; the
+    # converted path records them as dense calls: both report one density for the same plan
+    import torch
+    import transformers
+
+    import sparseflow
+    from sparseflow.config import PBSConfig
+    from sparseflow.recipes import Recipe
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 128, (1, 512))
+    dense_logits = e2e_prefill.last_logits(model, ids, 16)
+    recipe = Recipe(
+        name="two-dense", description="layers 0 and 1 dense", model_types=("llama",),
+        configs={"pbs": PBSConfig(block_size=64, segment_size=128, threshold=0.5)}, dense_layers=(0, 1),
+    )  # fmt: skip
+    compiled = sparseflow.compile(model, method="pbs", recipe=recipe, backend="reference")
+    with sparseflow.capture(keep_selections=False) as cap:
+        e2e_prefill.last_logits(compiled, ids, 16)
+    recorded = [c.density for c in cap.calls]
+    assert len(recorded) == 2 and all(d < 0.95 for d in recorded)
+    row = e2e_prefill.fidelity_row(compiled, ids, dense_logits, 16)
+    assert row["density"] == pytest.approx((2.0 + sum(recorded)) / 4)

@@ -28,14 +28,15 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   <= 0.01 on both texts at 8K (stride 16 is faster but exceeds it on code).
 * Long prompts: from 32K tokens the recipe's PBS settings are a plan calibrated at 32K on the GPU
   (``smollm2_bands``: 2.08x eager dense at KL 0.0085 where this 8K plan gives 1.83x at KL
-  0.0146); from 128K this 8K plan again.
+  0.0146); from 128K tokens one calibrated at 128K (1.96x at KL 0.036 where this plan gives 2.45x
+  at KL 0.064).
 * PISA / BSA: K=16 blocks of 64. At 8K neither is close to dense (KL 0.75 / 0.85 at density 0.40)
   — a fixed K covers a shrinking share of an 8K context; PISA stays below BSA at equal K and C.
 """
 
 from ..config import BSAConfig, PBSConfig, PISAConfig
 from . import Recipe
-from .smollm2_bands import BAND_32K
+from .smollm2_bands import BAND_32K, BAND_128K
 
 # layers that permute: chosen one at a time by the model's KL (each layer permuted alone, 4096
 # tokens of pydoc_data.topics, threshold 0.95, CPU; docs/results.md names the study)
@@ -309,7 +310,7 @@ _PLAN_8K = Recipe(
     description=(
         "SmolLM2 family (Llama architecture): layer 0 dense; PBS with sampled-row scoring, threshold "
         "0.98, permutation in the 22 layers a KL calibration chose (8K, H200: density 0.44, KL 0.0036, top-1 97.9%); "
-        "PISA/BSA with K=16 blocks of 64; from 32K tokens PBS as calibrated at 32K"
+        "PISA/BSA with K=16 blocks of 64; from 32K and from 128K tokens PBS as calibrated at those lengths"
     ),
     model_types=("llama",),
     configs={
@@ -323,6 +324,5 @@ _PLAN_8K = Recipe(
     measured=MEASURED,
 )
 
-# from 32K tokens the plan calibrated there; from 128K back to the 8K plan, the more faithful of
-# the two at that length (smollm2_bands says how each measured)
-RECIPE = _PLAN_8K.with_longer(32768, BAND_32K).with_longer(131072, _PLAN_8K)
+# from 32K and from 128K tokens the plans calibrated there (smollm2_bands says how each measured)
+RECIPE = _PLAN_8K.with_longer(32768, BAND_32K).with_longer(131072, BAND_128K)

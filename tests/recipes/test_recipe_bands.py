@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import sparseflow
 from sparseflow.config import PBSConfig
 from sparseflow.hf import Plan
 from sparseflow.recipes import Recipe, RecipeError, load_recipe
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "results")
 
 BAND = 96  # where the tests' band for longer prompts starts (keys)
 
@@ -262,22 +265,36 @@ def _smollm2_config(layers=30, heads=9, kv=3):
     )
 
 
-def test_smollm2_runs_the_plan_calibrated_at_32k_from_32k_and_its_8k_plan_from_128k():
+def test_smollm2_runs_the_plans_calibrated_at_32k_and_at_128k_from_those_lengths():
     from sparseflow.recipes import get_recipe, resolve_recipe
-    from sparseflow.recipes.smollm2_bands import BAND_32K
+    from sparseflow.recipes.smollm2_bands import BAND_32K, BAND_128K
 
     rec = resolve_recipe("auto", _smollm2_config())
     assert rec is get_recipe("smollm2")
     plan = rec.plan("pbs", _smollm2_config())
     assert [t for t, _ in plan.longer] == [32768, 131072]
     assert [plan.for_keys(n).recipe for n in (8192, 32767, 32768, 131071, 131072, 262144)] == [
-        "smollm2", "smollm2", "smollm2-32k", "smollm2-32k", "smollm2", "smollm2"
+        "smollm2", "smollm2", "smollm2-32k", "smollm2-32k", "smollm2-128k", "smollm2-128k"
     ]  # fmt: skip
     band = plan.for_keys(32768)
     assert band.dense_layers == BAND_32K.dense_layers and band.config.scoring == "mean"
     assert band.layer_configs[3].scoring == "sampled_rows" and band.layer_configs[3].permute
-    assert plan.for_keys(131072) == dataclasses.replace(plan, longer=())
+    band = plan.for_keys(131072)
+    assert band.dense_layers == BAND_128K.dense_layers and band.config.permute
+    assert band.layer_configs[25].threshold == 0.9 and not band.layer_configs[25].permute
+    assert plan.for_keys(8192).dense_layers == (0,) and plan.for_keys(8192).config.scoring == "sampled_rows"
     assert get_recipe("smollm2-code").longer == ()
+
+
+def test_smollm2s_128k_band_is_the_plan_calibrated_on_the_gpu():
+    from sparseflow.recipes.smollm2_bands import BAND_128K
+
+    calibrated = load_recipe(os.path.join(RESULTS, "smollm2_plan_128k_h100.json"))
+    assert BAND_128K.configs == calibrated.configs
+    assert BAND_128K.layer_overrides == calibrated.layer_overrides
+    assert BAND_128K.dense_layers == calibrated.dense_layers
+    for field in ("model_types", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        assert getattr(BAND_128K, field) == getattr(calibrated, field), field
 
 
 def test_a_band_made_for_another_model_of_the_family_is_dropped_with_a_warning(caplog):
@@ -290,8 +307,9 @@ def test_a_band_made_for_another_model_of_the_family_is_dropped_with_a_warning(c
         plan = rec.plan("pbs", other)
     assert "from 32768 tokens ('smollm2-32k') do not fit this model" in caplog.text
     assert "num_hidden_layers=30" in caplog.text
-    assert [t for t, _ in plan.longer] == [131072]  # the 8K plan's own band stays
-    assert plan.for_keys(65536).recipe == "smollm2"
+    assert "from 131072 tokens ('smollm2-128k') do not fit this model" in caplog.text
+    assert plan.longer == ()  # both bands were calibrated on the 135M model
+    assert plan.for_keys(262144).recipe == "smollm2"
     with pytest.raises(RecipeError, match="model types"):
         rec.fitted(type("Cfg", (), {"model_type": "qwen2"})())
 
