@@ -7,7 +7,7 @@
 2. The estimate + selection stage (``select_block_lists`` given the permuted layout the attention
    builds anyway) and the estimate alone, timed with ``triton.testing.do_bench`` (median) against
    cuDNN causal SDPA (K/V repeated to Hq outside the timing) at 8K / 32K / 128K, for each of
-   ``--strides`` and ``--time-scorings`` (``mean``: the pooled blocks, no strided estimate) on
+   ``--strides`` and ``--time-scorings`` (``mean``, ``moments``: the pooled blocks, no strided estimate) on
    ``--heads``. Targets: ``estimate <= dense / (2 * stride)`` (one pass of Q·K over the sampled
    rows), and issue 51's stage at most 5% of dense.
 
@@ -178,7 +178,7 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda", heads=
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
 
-    strided = scoring in SCORINGS  # "mean" pools the blocks: no strided estimate to time alone
+    strided = scoring in SCORINGS  # "mean" / "moments" pool the blocks: no strided estimate to time alone
     t_stage, t_dense = _bench(stage), _bench(dense)
     t_est = _bench(estimate) if strided else float("nan")
     # other tiles for the estimate alone (the defaults are 128 x 128): what to tune next
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         "--time-scorings",
         type=lambda s: [x for x in s.split(",") if x],
         default=list(SCORINGS),
-        help="scorings timed (sampled_rows, antidiagonal, mean: the pooled blocks, one row whatever the stride)",
+        help="scorings timed (sampled_rows, antidiagonal; mean and moments: the pooled blocks, one row whatever the stride)",
     )
     ap.add_argument(
         "--heads",

@@ -5,8 +5,8 @@ paths, the dense baselines of the same run, and which settings are on the fronti
     python benchmarks/frontier.py --plot benchmarks/results/frontier_smollm2_h100.json   # PNG from a JSON
     python benchmarks/frontier.py --markdown A.json,B.json   # README's table (tests/test_readme_data.py)
 
-The grid is PBS with each ``--estimates`` scoring (``mean`` pooled blocks, ``sampled_rows``,
-``antidiagonal``) at each ``--thresholds`` mass, plus any ``--extra`` settings (a shipped recipe's
+The grid is PBS with each ``--estimates`` scoring (``mean`` pooled blocks, ``moments`` (their
+means plus the pairs' spread), ``sampled_rows``, ``antidiagonal``) at each ``--thresholds`` mass, plus any ``--extra`` settings (a shipped recipe's
 ``smollm2:pbs``, a calibrated ``plan.json:pbs``); each runs through ``sparseflow.compile`` and
 through the converted path (transformers' attention interface, what ``sparseflow convert``'s folder
 runs). The rows are ``e2e_prefill``'s (SmolLM2-135M, real text repeated to N, YaRN beyond its 8192
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import e2e_prefill as e2e  # noqa: E402
 
-ESTIMATES = ("mean", "sampled_rows", "antidiagonal")
+ESTIMATES = ("mean", "moments", "sampled_rows", "antidiagonal")
 BASELINES = ("dense", "compile_dense")
 
 

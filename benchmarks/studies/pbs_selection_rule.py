@@ -17,7 +17,7 @@ stride (one exponential per sampled row and key; issue 51 asks for at most 5% of
 equal density the missed mass says what a cheaper estimate gives up. ``--moments`` adds the pooled
 estimates, which take no per-key exponential: PBS's ``scoring="mean"`` (the blocks' mean logit)
 and two that add each block pair's spread of logits from the blocks' second moments
-(:func:`moment_probabilities`). The forced blocks (sink, the
+(``mean_var``, :func:`moment_probabilities`, and ``mean_2sd``, ``scoring="moments"``). The forced blocks (sink, the
 query's own region) are kept by both rules. Each setting reports the
 density of the whole selection (mean over the sparse layers) and the true attention mass it
 misses on ``--queries`` query positions spread over the sequence (mean over layers and heads, and
@@ -93,13 +93,11 @@ def _block_moments(x: torch.Tensor, valid: torch.Tensor, block_size: int):
     return first, second.reshape(h, nb, d * d)
 
 
-def moment_probabilities(q, k, perm, candidates, block_size: int, kind: str) -> torch.Tensor:
-    """``[1, Hq, nB, nB]``: softmax over the candidates of a block-pair logit from the blocks'
-    first and second moments, no per-key exponential: ``mu = s q̄·k̄`` (PBS's ``scoring="mean"``)
-    and the variance of the pairs' logits ``var = s^2 <E[q q^T], E[k k^T]> - mu^2``;
-    ``"mean_var"``: ``mu + var / 2`` (the log of the mean of ``exp`` for Gaussian logits),
-    ``"mean_2sd"``: ``mu + 2 sqrt(var)``. A block's spread, which the mean averages away (a few
-    keys aligned with the queries, RoPE's fast-turning dimensions), enters through ``var``."""
+def moment_probabilities(q, k, perm, candidates, block_size: int) -> torch.Tensor:
+    """``[1, Hq, nB, nB]``: softmax over the candidates of ``mu + var / 2`` (the log of the mean of
+    ``exp`` for Gaussian logits), ``mu = s q̄·k̄`` (PBS's ``scoring="mean"``) and the variance of
+    the pairs' logits ``var = s^2 <E[q q^T], E[k k^T]> - mu^2`` (``scoring="moments"`` takes
+    ``mu + 2 sqrt(var)`` from the same moments)."""
     _, hq, n, d = q.shape
     hp = perm.shape[1]
     g = hq // k.shape[1]
@@ -119,8 +117,7 @@ def moment_probabilities(q, k, perm, candidates, block_size: int, kind: str) -> 
         heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
         mu = torch.matmul(q1[heads], k1[0].t()) * sc
         var = (torch.matmul(q2[heads], k2[0].t()) * sc * sc - mu * mu).clamp_min(0.0)
-        logit = mu + var / 2 if kind == "mean_var" else mu + 2 * var.sqrt()
-        logit = logit.masked_fill(~candidates[0, heads], float("-inf"))
+        logit = (mu + var / 2).masked_fill(~candidates[0, heads], float("-inf"))
         out[0, heads] = torch.nan_to_num(torch.softmax(logit, -1), nan=0.0)
     return out
 
@@ -177,8 +174,9 @@ def layer_rows(q, k, cfg, positions, scoring: str, strides=(), moments: bool = F
     }
     if moments:  # the pooled estimates, no per-key exponential: PBS's mean and the second-moment ones
         estimates["mean"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="mean")
-        for kind in ("mean_var", "mean_2sd"):
-            estimates[kind] = moment_probabilities(q, k, perm, cand, bs, kind)
+        estimates["mean_var"] = moment_probabilities(q, k, perm, cand, bs)
+        # mean + 2 sd is PBSConfig's scoring="moments" now
+        estimates["mean_2sd"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="moments")
     estimates["exact"] = exact_block_masses(q, k, perm, cand, bs)
     true_probs = query_probabilities(q, k, positions)
     rows = []

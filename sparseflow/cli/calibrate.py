@@ -64,7 +64,9 @@ def add_parser(sub) -> None:
     )
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")
-    cal.add_argument("--scorings", help="PBS scorings to try (default sampled_rows,mean; antidiagonal is accepted too)")
+    cal.add_argument(
+        "--scorings", help="PBS scorings to try (default sampled_rows,mean; moments and antidiagonal are accepted too)"
+    )
     cal.add_argument("--top-ks", help="PISA/BSA top_k values to try (default 8,16,32)")
     cal.add_argument(
         "--safety",

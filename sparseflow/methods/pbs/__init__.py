@@ -7,7 +7,7 @@ from ..registry import Backend, BenchPart, MethodSpec, OnnxBody, register, windo
 
 _KERNELS = __name__  # the backends are modules of this package
 
-# the scorings the ONNX body reproduces ("sampled_rows" has no body)
+# the scorings the ONNX body reproduces ("sampled_rows" and "moments" have no body)
 ONNX_SCORINGS = ("mean", "antidiagonal")
 
 
@@ -38,15 +38,18 @@ def onnx_refusal(cfg: PBSConfig) -> str:
 
 # The estimate's rough cost in units of the layer's dense attention (QK^T and PV over the causal
 # triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples), about
-# 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the permutation adds
-# one proxy pass and a sort.
+# 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the moments add a
+# D x D product per block pair, D / B^2 of dense's multiply-adds in fp32 without tensor cores (a
+# few percent at head dim 64); the permutation adds one proxy pass and a sort.
 MEAN_SCORING_COST = 0.01
+MOMENTS_SCORING_COST = 0.04
 PERMUTATION_COST = 0.01
 
 
 def estimate_cost(cfg: PBSConfig) -> float:
     strided = cfg.scoring in ("sampled_rows", "antidiagonal")
-    scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else MEAN_SCORING_COST
+    pooled = MOMENTS_SCORING_COST if cfg.scoring == "moments" else MEAN_SCORING_COST
+    scoring = 1.0 / (2 * cfg.antidiagonal_stride) if strided else pooled
     return scoring + (PERMUTATION_COST if cfg.permute else 0.0)
 
 

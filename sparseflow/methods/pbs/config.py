@@ -35,7 +35,10 @@ class PBSConfig(AttentionConfig):
     :func:`sparseflow.methods.pbs.permutation.key_scores`.
     ``scoring``: how a query block's distribution over its candidate key blocks is estimated.
     ``"mean"`` (the paper's): softmax of the block-mean query against block-mean keys (the
-    Triton selection kernels). ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
+    Triton selection kernels). ``"moments"``: the block-mean logit plus twice the standard deviation
+    of the block pair's logits, from the blocks' second moments ``E[q qᵀ]``, ``E[k kᵀ]`` (no
+    per-key exponential; a ``D x D`` product per block pair where ``"mean"`` takes a ``D`` one): a
+    block with a few keys aligned to the queries keeps its score. ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
     antidiagonal samples of each tile. ``"sampled_rows"``: every ``antidiagonal_stride``-th query
     row of the block takes its exact softmax over the candidate keys, and the block's distribution
     is the mean of those rows' mass per key block -- no averaging before the exponential, so one
@@ -81,7 +84,7 @@ class PBSConfig(AttentionConfig):
         _check_bool("causal_proxy", self.causal_proxy)
         _check_int("proxy_blocks", self.proxy_blocks, 1)
         _check_choice("gqa_permutation", self.gqa_permutation, ("query_head", "kv_head"))
-        _check_choice("scoring", self.scoring, ("mean", "antidiagonal", "sampled_rows"))
+        _check_choice("scoring", self.scoring, ("mean", "moments", "antidiagonal", "sampled_rows"))
         _check_int("antidiagonal_stride", self.antidiagonal_stride, 1)
         if self.scoring == "antidiagonal" and self.block_size % self.antidiagonal_stride:
             raise ValueError(

@@ -8,6 +8,13 @@ cuts. ``triton_estimate`` computes the strided scorings with the same definition
   equals dense attention on every row. A key block's mean is over its valid keys.
 * **scoring="mean"**: block logit ``q̄_I · k̄_J · scale`` (= the mean over all valid (q, k) pairs of
   the block of ``q·k·scale``); block probability = softmax of the logits over the candidates.
+* **scoring="moments"**: the block pair's logits summarised by their first two moments, no per-key
+  exponential: the mean ``mu = q̄_I · k̄_J · scale`` (``"mean"``'s logit) and the variance over the
+  pairs ``var = scale**2 * <E_I[q qᵀ], E_J[k kᵀ]> - mu**2`` (``E[(q·k)**2]`` for a query of ``I``
+  and a key of ``J`` drawn independently, from each block's uncentred second moment over the same
+  positions as its mean); the block logit is ``mu + 2 sqrt(max(var, 0))`` and the probability its
+  softmax over the candidates. A block whose few keys align with the queries (which the mean
+  averages away) scores by its spread.
 * **scoring="antidiagonal"** (PBS+, XAttention style, stride ``s``): split the query block into
   ``bs/s`` strided rows and each key block into ``bs/s`` strided columns of ``s`` consecutive
   tokens. The strided logit of row ``r`` (queries ``I*bs + r*s + t``) and column ``c`` (permuted
@@ -40,6 +47,7 @@ __all__ = [
     "block_probabilities",
     "query_validity",
     "query_block_means",
+    "query_block_second_moments",
 ]
 
 _NEG_INF = float("-inf")
@@ -66,6 +74,19 @@ def query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
     # where, not a 0/1 weight: a NaN in an excluded (padded) row must not reach the mean
     total_q = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device)).sum(dim=3)
     return total_q / use.sum(dim=3).clamp_min(1).float()
+
+
+def query_block_second_moments(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
+    """fp32 ``[B, H, nB, D*D]``: each query block's uncentred second moment ``E[q qᵀ]`` over the
+    positions :func:`query_block_means` averages (see :func:`query_validity`)."""
+    bsz, h, n, d = q.shape
+    nb = num_blocks(n, block_size)
+    total = nb * block_size
+    use = query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1)
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
+    qf = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device))
+    second = torch.einsum("bhnsd,bhnse->bhnde", qf, qf).reshape(bsz, h, nb, d * d)
+    return second / use.sum(dim=3).clamp_min(1).float()
 
 
 def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
@@ -107,14 +128,16 @@ def block_probabilities(
         torch.where(perm_p < 0, torch.full_like(perm_p, n), perm_p),
     )  # [B, Hp, total]
     out = torch.zeros(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
-    if scoring == "mean":
-        return _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size)
+    if scoring in ("mean", "moments"):
+        return _pooled_block_probabilities(
+            q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size, scoring == "moments"
+        )
     if scoring == "sampled_rows":
         return _sampled_row_probabilities(
             q, k, perm_p, kvalid_slot, qvalid_eff, candidates, out, sc, block_size, antidiagonal_stride, chunk_blocks
         )
     if scoring != "antidiagonal":
-        raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
+        raise ValueError(f"scoring must be 'mean', 'moments', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
     if block_size % antidiagonal_stride:
         raise ValueError(f"antidiagonal_stride must divide block_size={block_size}, got {antidiagonal_stride}")
     return _antidiagonal_probabilities(
@@ -122,22 +145,31 @@ def block_probabilities(
     )
 
 
-def _mean_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size):
-    """``scoring="mean"``: softmax over the candidates of the block-mean logits ``q̄_I · k̄_J · scale``."""
+def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size, spread: bool):
+    """``scoring="mean"``: softmax over the candidates of the block-mean logits ``q̄_I · k̄_J ·
+    scale``; with ``spread`` (``scoring="moments"``) each logit plus twice the standard deviation
+    of the pair's logits (see the module docstring)."""
     bsz, hq, n, d = q.shape
     hkv, hp = k.shape[1], perm_p.shape[1]
     nb = out.shape[-1]
     total = nb * block_size
     hq_per_hp, g = hq // hp, hq // hkv
     qbar = query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
+    q2 = query_block_second_moments(q, valid, block_size) if spread else None  # [B, Hq, nB, D*D]
     for b in range(bsz):
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
             kp = _permuted_keys(k[b, kv_head], perm_p[b, p].clamp_min(0), total)
             use = kvalid_slot[b, p].view(nb, block_size, 1)
-            kbar = torch.where(use, kp.view(nb, block_size, d), 0.0).sum(1) / use.sum(1).clamp_min(1)  # [nB, D]
+            kb = torch.where(use, kp.view(nb, block_size, d), 0.0)
+            count = use.sum(1).clamp_min(1)
+            kbar = kb.sum(1) / count  # [nB, D]
             heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
             logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
+            if spread:
+                k2 = torch.einsum("nbd,nbe->nde", kb, kb).reshape(nb, d * d) / count
+                var = torch.matmul(q2[b, heads], k2.t()) * (sc * sc) - logits * logits
+                logits = logits + 2.0 * var.clamp_min(0.0).sqrt()
             logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
             out[b, heads] = safe_softmax(logits)
     return out

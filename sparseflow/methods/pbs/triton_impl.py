@@ -228,7 +228,8 @@ def select_and_attend(
     has_pad = key_padding_mask is not None and not bool(key_padding_mask.all())
     kpm = key_padding_mask if has_pad else None
     gather = kv_layout(tuning) == "gather"
-    # the strided estimates stream the permuted keys: written even when the attention gathers
+    # the strided estimates stream the permuted keys and the moments pool them: written even when
+    # the attention gathers
     strided = scoring != "mean" and float(threshold) < 1.0
     # one launch: permuted K/V (unless the kernel gathers), pooled key blocks, positions, sink
     lay = permuted_layout(

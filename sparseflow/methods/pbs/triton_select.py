@@ -52,6 +52,8 @@ import triton.language as tl
 from .block_selection import block_last_keys
 from .permutation import proxy_queries
 from .reference_common import effective_lengths, first_valid
+from . import estimate as _estimate
+from . import reference_common as _common
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
 from .triton_gather import pool_query_blocks
@@ -60,6 +62,9 @@ from ...kernels.launch_sizes import pow2_at_least
 from ...kernels.token_blocks import check_window
 from ...kernels.token_sparse_triton import _window_lo
 from .config import PBSConfig
+
+# the scorings whose block logits come from pooled blocks (the others from triton_estimate)
+POOLED_SCORINGS = ("mean", "moments")
 
 __all__ = ["pool_blocks", "block_logits", "select_block_lists", "key_scores", "segment_permutation"]
 
@@ -385,7 +390,8 @@ def select_block_lists(
             (int(sliding_window), int(chunk_size)),
         )
     else:
-        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes)
+        keys = _pooled_keys(layout, k_perm, permutation, kpm, block_size) if scoring == "moments" else None
+        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, keys)
     return kv_num, kv_full, kv_idx, bmask
 
 
@@ -454,9 +460,9 @@ def _selection_kind(threshold, cut: str, scoring: str, block_size: int, antidiag
     exact = float(threshold) >= 1.0
     if cut not in ("bisect", "sort"):
         raise ValueError(f"cut must be 'bisect' or 'sort', got {cut!r}")
-    if scoring not in ("mean", "sampled_rows", "antidiagonal"):
-        raise ValueError(f"scoring must be 'mean', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
-    strided = scoring != "mean" and not exact
+    if scoring not in POOLED_SCORINGS + ("sampled_rows", "antidiagonal"):
+        raise ValueError(f"scoring must be 'mean', 'moments', 'antidiagonal' or 'sampled_rows', got {scoring!r}")
+    strided = scoring not in POOLED_SCORINGS and not exact
     if strided:
         _est._check(scoring, block_size, antidiagonal_stride)
     return exact, strided
@@ -585,17 +591,54 @@ def _select_strided(
         launch.run(launch.unused, est, h0, hcc, nrows)
 
 
-def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes) -> None:
+def _pooled_keys(layout, k_perm, permutation, kpm, block_size: int) -> torch.Tensor:
+    """fp32 ``[B, Hp, nB, bs, D]``: the permuted keys by block, zero at invalid slots (what the
+    key blocks' second moments are taken over, as their means are)."""
+    k_src = layout.k if layout is not None and layout.k is not None else k_perm
+    if k_src is None:
+        raise ValueError("scoring='moments' needs the permuted keys: pass k_perm or a layout with k")
+    bsz, hp, n = permutation.shape
+    total = -(-n // block_size) * block_size
+    valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=permutation.device)
+    slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)
+    kf = torch.where(slot_valid[..., None], k_src.float(), 0.0)
+    kf = torch.nn.functional.pad(kf, (0, 0, 0, total - n))
+    return kf.view(bsz, hp, total // block_size, block_size, k_src.shape[-1])
+
+
+def _spread(qs: torch.Tensor, keys: torch.Tensor, kcount: torch.Tensor, valid, block_size: int, mu: torch.Tensor):
+    """``mu + 2 sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]``: the pairs'
+    variance from the blocks' second moments, ``<E[q qᵀ], E[k kᵀ]> - mu**2`` (``qs``: the P
+    permutation heads' query heads ``[B, P*G, N, D]``; ``keys`` their blocks, ``kcount`` their
+    valid counts)."""
+    bsz, pg, nb, _ = mu.shape
+    p, d = keys.shape[1], keys.shape[-1]
+    q2 = _estimate.query_block_second_moments(qs, valid, block_size).view(bsz, p, (pg // p) * nb, d * d)
+    k2 = torch.einsum("bpnsd,bpnse->bpnde", keys, keys).reshape(bsz, p, nb, d * d)
+    k2 = k2 / kcount.clamp_min(1).to(k2.dtype)[..., None]
+    with _ieee_fp32_matmul(mu.is_cuda):
+        second = torch.matmul(q2, k2.transpose(-1, -2)).view(bsz, pg, nb, nb)
+    return mu + 2.0 * (second - mu * mu).clamp_min(0.0).sqrt()
+
+
+def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes, keys=None) -> None:
     """Selection from the logits of pooled query blocks against pooled key blocks, in chunks of
-    permutation heads whose logits fit ``max_logit_bytes``."""
-    _, nb, g, hp, _ = launch.shape_args
+    permutation heads whose logits fit ``max_logit_bytes``; with ``keys`` (the permuted key
+    blocks, :func:`_pooled_keys`) each logit adds its pair's spread (``scoring="moments"``)."""
+    _, nb, g, hp, n = launch.shape_args
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()
     per_p = launch.bsz * g * nb * nb * 4
+    if keys is not None:  # the second moments of a permutation head's query and key blocks
+        per_p += launch.bsz * (g + 1) * nb * q.shape[-1] ** 2 * 4
+        valid = _common.valid_positions(kpm, launch.bsz, n, q.device)
+        kcount = launch.head_args[1]
     pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
     for p0 in range(0, hp, pc):
         p1 = min(hp, p0 + pc)
         logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
+        if keys is not None:
+            logits = _spread(q[:, p0 * g : p1 * g], keys[:, p0:p1], kcount[:, p0:p1], valid, block_size, logits)
         launch.run(logits, launch.no_est, p0 * g, (p1 - p0) * g, 0)
 
 
