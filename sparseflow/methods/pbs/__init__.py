@@ -102,6 +102,7 @@ SPEC = register(
                 "gqa_permutation",
                 "scoring",
                 "antidiagonal_stride",
+                "moments_sd",
                 "causal_proxy",
                 "proxy_blocks",
                 "min_seq_len",

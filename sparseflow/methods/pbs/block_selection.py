@@ -212,6 +212,7 @@ def select_blocks(
     force_sink: bool = PBSConfig.force_sink,
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
+    moments_sd: float = PBSConfig.moments_sd,
     sliding_window: int = PBSConfig.sliding_window,
     chunk_size: int = PBSConfig.chunk_size,
 ) -> Tensor:
@@ -231,6 +232,7 @@ def select_blocks(
         force_sink=force_sink,
         scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
+        moments_sd=moments_sd,
         sliding_window=sliding_window,
         chunk_size=chunk_size,
     )[0]
@@ -250,6 +252,7 @@ def threshold_selections(
     force_sink,
     scoring,
     antidiagonal_stride,
+    moments_sd=PBSConfig.moments_sd,
     sliding_window=PBSConfig.sliding_window,
     chunk_size=PBSConfig.chunk_size,
 ) -> List[Tensor]:
@@ -287,6 +290,7 @@ def threshold_selections(
                 block_size=block_size,
                 scoring=scoring,
                 antidiagonal_stride=antidiagonal_stride,
+                moments_sd=moments_sd,
             )
         out.append(threshold_blocks(probs, cand, threshold) | forced)
     return out

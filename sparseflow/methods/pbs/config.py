@@ -35,10 +35,12 @@ class PBSConfig(AttentionConfig):
     :func:`sparseflow.methods.pbs.permutation.key_scores`.
     ``scoring``: how a query block's distribution over its candidate key blocks is estimated.
     ``"mean"`` (the paper's): softmax of the block-mean query against block-mean keys (the
-    Triton selection kernels). ``"moments"``: the block-mean logit plus twice the standard deviation
-    of the block pair's logits, from the blocks' second moments ``E[q qᵀ]``, ``E[k kᵀ]`` (no
+    Triton selection kernels). ``"moments"``: the block-mean logit plus ``moments_sd`` standard
+    deviations of the block pair's logits, from the blocks' second moments ``E[q qᵀ]``, ``E[k kᵀ]`` (no
     per-key exponential; a ``D x D`` product per block pair where ``"mean"`` takes a ``D`` one): a
-    block with a few keys aligned to the queries keeps its score. ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
+    block with a few keys aligned to the queries keeps its score; ``moments_sd`` standard deviations
+    are added (0.5: at 4K on SmolLM2 the lowest KL on the worst of prose and copy-heavy text at equal
+    density among 0.5, 1 and 2; docs/results.md). ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
     antidiagonal samples of each tile. ``"sampled_rows"``: every ``antidiagonal_stride``-th query
     row of the block takes its exact softmax over the candidate keys, and the block's distribution
     is the mean of those rows' mass per key block -- no averaging before the exponential, so one
@@ -63,6 +65,7 @@ class PBSConfig(AttentionConfig):
     gqa_permutation: str = "query_head"
     scoring: str = "mean"
     antidiagonal_stride: int = 8
+    moments_sd: float = 0.5
     causal_proxy: bool = False
     proxy_blocks: int = 1
     min_seq_len: int = 0
@@ -86,6 +89,10 @@ class PBSConfig(AttentionConfig):
         _check_choice("gqa_permutation", self.gqa_permutation, ("query_head", "kv_head"))
         _check_choice("scoring", self.scoring, ("mean", "moments", "antidiagonal", "sampled_rows"))
         _check_int("antidiagonal_stride", self.antidiagonal_stride, 1)
+        if isinstance(self.moments_sd, bool) or not isinstance(self.moments_sd, (int, float)):
+            raise TypeError(f"moments_sd must be a float >= 0, got {self.moments_sd!r}")
+        if not (0.0 <= float(self.moments_sd) < float("inf")):
+            raise ValueError(f"moments_sd must be a finite float >= 0, got {self.moments_sd}")
         if self.scoring == "antidiagonal" and self.block_size % self.antidiagonal_stride:
             raise ValueError(
                 f"antidiagonal_stride must divide block_size={self.block_size}, got {self.antidiagonal_stride}"

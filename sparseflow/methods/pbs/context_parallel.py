@@ -121,6 +121,7 @@ def _pbs_local(
             want_mask=False,
             scoring=kwargs["scoring"],
             antidiagonal_stride=kwargs["antidiagonal_stride"],
+            moments_sd=kwargs["moments_sd"],
             tuning=tuning,
             owned=owned,
             **geo,
@@ -136,6 +137,7 @@ def _pbs_local(
                 force_sink=kwargs["force_sink"],
                 scoring=kwargs["scoring"],
                 antidiagonal_stride=kwargs["antidiagonal_stride"],
+                moments_sd=kwargs["moments_sd"],
                 **geo,
             )
             block_mask[:, :, ~owned] = False  # other ranks' query blocks: no work

@@ -12,7 +12,7 @@ cuts. ``triton_estimate`` computes the strided scorings with the same definition
   exponential: the mean ``mu = q̄_I · k̄_J · scale`` (``"mean"``'s logit) and the variance over the
   pairs ``var = scale**2 * <E_I[q qᵀ], E_J[k kᵀ]> - mu**2`` (``E[(q·k)**2]`` for a query of ``I``
   and a key of ``J`` drawn independently, from each block's uncentred second moment over the same
-  positions as its mean); the block logit is ``mu + 2 sqrt(max(var, 0))`` and the probability its
+  positions as its mean); the block logit is ``mu + moments_sd * sqrt(max(var, 0))`` and the probability its
   softmax over the candidates. A block whose few keys align with the queries (which the mean
   averages away) scores by its spread.
 * **scoring="antidiagonal"** (PBS+, XAttention style, stride ``s``): split the query block into
@@ -109,6 +109,7 @@ def block_probabilities(
     block_size: int = PBSConfig.block_size,
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
+    moments_sd: float = PBSConfig.moments_sd,
     chunk_blocks: int = 16,
 ) -> Tensor:
     """fp32 ``[B, Hq, nB, nB]``: each query block's distribution over its candidate key blocks
@@ -130,7 +131,16 @@ def block_probabilities(
     out = torch.zeros(bsz, hq, nb, nb, dtype=torch.float32, device=q.device)
     if scoring in ("mean", "moments"):
         return _pooled_block_probabilities(
-            q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size, scoring == "moments"
+            q,
+            k,
+            perm_p,
+            kvalid_slot,
+            valid,
+            candidates,
+            out,
+            sc,
+            block_size,
+            moments_sd if scoring == "moments" else 0.0,
         )
     if scoring == "sampled_rows":
         return _sampled_row_probabilities(
@@ -145,9 +155,9 @@ def block_probabilities(
     )
 
 
-def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size, spread: bool):
+def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, out, sc, block_size, sds: float):
     """``scoring="mean"``: softmax over the candidates of the block-mean logits ``q̄_I · k̄_J ·
-    scale``; with ``spread`` (``scoring="moments"``) each logit plus twice the standard deviation
+    scale``; with ``sds > 0`` (``scoring="moments"``) each logit plus ``sds`` standard deviations
     of the pair's logits (see the module docstring)."""
     bsz, hq, n, d = q.shape
     hkv, hp = k.shape[1], perm_p.shape[1]
@@ -155,7 +165,7 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
     total = nb * block_size
     hq_per_hp, g = hq // hp, hq // hkv
     qbar = query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
-    q2 = query_block_second_moments(q, valid, block_size) if spread else None  # [B, Hq, nB, D*D]
+    q2 = query_block_second_moments(q, valid, block_size) if sds else None  # [B, Hq, nB, D*D]
     for b in range(bsz):
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
@@ -166,10 +176,10 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
             kbar = kb.sum(1) / count  # [nB, D]
             heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
             logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
-            if spread:
+            if sds:
                 k2 = torch.einsum("nbd,nbe->nde", kb, kb).reshape(nb, d * d) / count
                 var = torch.matmul(q2[b, heads], k2.t()) * (sc * sc) - logits * logits
-                logits = logits + 2.0 * var.clamp_min(0.0).sqrt()
+                logits = logits + sds * var.clamp_min(0.0).sqrt()
             logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
             out[b, heads] = safe_softmax(logits)
     return out

@@ -290,6 +290,7 @@ def _select(qd: Tensor, kd: Tensor, cfg: PBSConfig, key_padding_mask, is_causal,
         force_sink=cfg.force_sink,
         scoring=cfg.scoring,
         antidiagonal_stride=cfg.antidiagonal_stride,
+        moments_sd=cfg.moments_sd,
         sliding_window=cfg.sliding_window,
         chunk_size=cfg.chunk_size,
     )

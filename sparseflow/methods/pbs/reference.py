@@ -208,6 +208,7 @@ def pbs_selections(
         force_sink=cfg.force_sink,
         scoring=cfg.scoring,
         antidiagonal_stride=cfg.antidiagonal_stride,
+        moments_sd=cfg.moments_sd,
         sliding_window=cfg.sliding_window,
         chunk_size=cfg.chunk_size,
     )

@@ -110,6 +110,7 @@ def pbs_attention(
                 want_mask=return_selection,
                 scoring=cfg.scoring,
                 antidiagonal_stride=cfg.antidiagonal_stride,
+                moments_sd=cfg.moments_sd,
                 tuning=tuning,
                 dense_from=tail_first_block(n, bs, cfg.dense_tail_blocks),
                 **window,
@@ -128,6 +129,7 @@ def pbs_attention(
             force_sink=cfg.force_sink,
             scoring=cfg.scoring,
             antidiagonal_stride=cfg.antidiagonal_stride,
+            moments_sd=cfg.moments_sd,
             **window,
         )
         out = attention_from_selection(
@@ -210,6 +212,7 @@ def select_and_attend(
     want_mask,
     scoring=PBSConfig.scoring,
     antidiagonal_stride=PBSConfig.antidiagonal_stride,
+    moments_sd=PBSConfig.moments_sd,
     tuning: Tuning = DEFAULT_TUNING,
     dense_from: Optional[int] = None,
     sliding_window: int = PBSConfig.sliding_window,
@@ -259,6 +262,7 @@ def select_and_attend(
         layout=lay,
         scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
+        moments_sd=moments_sd,
         padding_checked=True,
         dense_from=dense_from,
         **window,

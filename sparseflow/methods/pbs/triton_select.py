@@ -317,6 +317,7 @@ def select_block_lists(
     cut: str = "bisect",
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
+    moments_sd: float = PBSConfig.moments_sd,
     padding_checked: bool = False,
     dense_from: Optional[int] = None,
     sliding_window: int = PBSConfig.sliding_window,
@@ -390,8 +391,9 @@ def select_block_lists(
             (int(sliding_window), int(chunk_size)),
         )
     else:
-        keys = _pooled_keys(layout, k_perm, permutation, kpm, block_size) if scoring == "moments" else None
-        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, keys)
+        sds = float(moments_sd) if scoring == "moments" else 0.0
+        keys = _pooled_keys(layout, k_perm, permutation, kpm, block_size) if sds else None
+        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, keys, sds)
     return kv_num, kv_full, kv_idx, bmask
 
 
@@ -606,8 +608,8 @@ def _pooled_keys(layout, k_perm, permutation, kpm, block_size: int) -> torch.Ten
     return kf.view(bsz, hp, total // block_size, block_size, k_src.shape[-1])
 
 
-def _spread(qs: torch.Tensor, keys: torch.Tensor, kcount: torch.Tensor, valid, block_size: int, mu: torch.Tensor):
-    """``mu + 2 sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]``: the pairs'
+def _spread(qs: torch.Tensor, keys: torch.Tensor, kcount: torch.Tensor, valid, block_size: int, mu, sds: float):
+    """``mu + sds * sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]``: the pairs'
     variance from the blocks' second moments, ``<E[q qᵀ], E[k kᵀ]> - mu**2`` (``qs``: the P
     permutation heads' query heads ``[B, P*G, N, D]``; ``keys`` their blocks, ``kcount`` their
     valid counts)."""
@@ -618,13 +620,14 @@ def _spread(qs: torch.Tensor, keys: torch.Tensor, kcount: torch.Tensor, valid, b
     k2 = k2 / kcount.clamp_min(1).to(k2.dtype)[..., None]
     with _ieee_fp32_matmul(mu.is_cuda):
         second = torch.matmul(q2, k2.transpose(-1, -2)).view(bsz, pg, nb, nb)
-    return mu + 2.0 * (second - mu * mu).clamp_min(0.0).sqrt()
+    return mu + sds * (second - mu * mu).clamp_min(0.0).sqrt()
 
 
-def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes, keys=None) -> None:
+def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes, keys=None, sds=0.0):
     """Selection from the logits of pooled query blocks against pooled key blocks, in chunks of
     permutation heads whose logits fit ``max_logit_bytes``; with ``keys`` (the permuted key
-    blocks, :func:`_pooled_keys`) each logit adds its pair's spread (``scoring="moments"``)."""
+    blocks, :func:`_pooled_keys`) each logit adds ``sds`` standard deviations of its pair's
+    logits (``scoring="moments"``)."""
     _, nb, g, hp, n = launch.shape_args
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()
@@ -638,7 +641,7 @@ def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max
         p1 = min(hp, p0 + pc)
         logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
         if keys is not None:
-            logits = _spread(q[:, p0 * g : p1 * g], keys[:, p0:p1], kcount[:, p0:p1], valid, block_size, logits)
+            logits = _spread(q[:, p0 * g : p1 * g], keys[:, p0:p1], kcount[:, p0:p1], valid, block_size, logits, sds)
         launch.run(logits, launch.no_est, p0 * g, (p1 - p0) * g, 0)
 
 

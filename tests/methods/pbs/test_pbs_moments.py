@@ -1,5 +1,5 @@
-"""PBS's ``scoring="moments"``: the block-mean logit plus twice the standard deviation of the block
-pair's logits, from the blocks' second moments. The reference against the definition written out
+"""PBS's ``scoring="moments"``: the block-mean logit plus ``moments_sd`` standard deviations of the
+block pair's logits, from the blocks' second moments. The reference against the definition written out
 pair by pair in fp64; the Triton selection (pooled logits with the spread, Triton's interpreter on
 the CPU) against the reference's; the op through the triton backend.
 """
@@ -51,10 +51,10 @@ def _perm(q, k, kpm, bs, seg, gqa):
     return segment_permutation(sc, segment_size=seg, key_padding_mask=kpm)
 
 
-def _pairwise_moments(q, k, perm, cand, kpm, bs):
+def _pairwise_moments(q, k, perm, cand, kpm, bs, sds):
     """The definition, pair by pair in fp64: for every query block and candidate key block, the
     mean and variance of ``q_i . k_j * scale`` over the block's valid queries (all of its rows when
-    it has none) and its valid keys; logit ``mean + 2 sd``; softmax over the candidates."""
+    it has none) and its valid keys; logit ``mean + sds * sd``; softmax over the candidates."""
     b, hq, n, d = q.shape
     hp, g = perm.shape[1], hq // k.shape[1]
     nb = -(-n // bs)
@@ -76,22 +76,23 @@ def _pairwise_moments(q, k, perm, cand, kpm, bs):
                         continue
                     s = (qi @ kp[keys[kv[keys]]].t()).flatten() * d**-0.5
                     mu, var = s.mean(), (s * s).mean() - s.mean() ** 2
-                    logits[i, j] = mu + 2 * var.clamp_min(0).sqrt()
+                    logits[i, j] = mu + sds * var.clamp_min(0).sqrt()
             empty = torch.isneginf(logits).all(-1, keepdim=True)
             out[bi, h] = torch.softmax(logits, -1).masked_fill(empty, 0.0)
     return out
 
 
-@pytest.mark.parametrize("gqa,pad", [("query_head", False), ("kv_head", True)])
-def test_reference_is_the_pairwise_definition(gqa, pad):
+@pytest.mark.parametrize("gqa,pad,sds", [("query_head", False, 0.5), ("kv_head", True, 2.0)])
+def test_reference_is_the_pairwise_definition(gqa, pad, sds):
     n, bs, seg = 90, 16, 32
     q, k, _ = _inputs(2, 4, 2, n, 16, seed=3)
     q, k = q.double(), k.double()
     kpm = _holes(2, n) if pad else None
     perm = _perm(q, k, kpm, bs, seg, gqa)
     cand = candidate_blocks(perm, 4, key_padding_mask=kpm, block_size=bs, segment_size=seg)
-    got = block_probabilities(q, k, perm, cand, key_padding_mask=kpm, block_size=bs, scoring="moments")
-    want = _pairwise_moments(q, k, perm, cand, kpm, bs)
+    kw = dict(key_padding_mask=kpm, block_size=bs, scoring="moments", moments_sd=sds)
+    got = block_probabilities(q, k, perm, cand, **kw)
+    want = _pairwise_moments(q, k, perm, cand, kpm, bs, sds)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -113,12 +114,12 @@ def test_the_spread_changes_the_selection_where_one_key_dominates():
     assert int(spread[:-1].argmax()) == 1 and int(mean[:-1].argmax()) == 3
 
 
-# n, hq, hkv, gqa, padding, causal, block, segment, thresholds, sink
+# n, hq, hkv, gqa, padding, causal, block, segment, thresholds, sink, moments_sd
 SELECT_CASES = [
-    (100, 4, 2, "query_head", False, True, 16, 32, (0.5, 0.9, 0.95), True),
-    (90, 4, 2, "kv_head", True, False, 16, 32, (0.5, 0.9, 1.0), False),
-    (130, 2, 1, "query_head", True, True, 16, 32, (0.95,), True),
-    (70, 3, 1, "kv_head", False, True, 8, 16, (0.8,), True),
+    (100, 4, 2, "query_head", False, True, 16, 32, (0.5, 0.9, 0.95), True, 0.5),
+    (90, 4, 2, "kv_head", True, False, 16, 32, (0.5, 0.9, 1.0), False, 2.0),
+    (130, 2, 1, "query_head", True, True, 16, 32, (0.8, 0.95), True, 1.0),
+    (70, 3, 1, "kv_head", False, True, 8, 16, (0.8,), True, 2.0),
 ]
 
 
@@ -126,13 +127,21 @@ SELECT_CASES = [
     "case", SELECT_CASES, ids=[f"n{c[0]}-{c[3]}-pad{int(c[4])}-causal{int(c[5])}" for c in SELECT_CASES]
 )
 def test_triton_selection_equals_the_reference(case):
-    n, hq, hkv, gqa, pad, causal, bs, seg, thresholds, sink = case
+    n, hq, hkv, gqa, pad, causal, bs, seg, thresholds, sink, sds = case
     q, k, _ = _inputs(2, hq, hkv, n, 32, seed=n)
     kpm = _holes(2, n) if pad else None
     perm = _perm(q, k, kpm, bs, seg, gqa)
     differs = []
     for thr in thresholds:
-        geo = dict(is_causal=causal, block_size=bs, segment_size=seg, threshold=thr, force_sink=sink, scoring="moments")
+        geo = dict(
+            is_causal=causal,
+            block_size=bs,
+            segment_size=seg,
+            threshold=thr,
+            force_sink=sink,
+            scoring="moments",
+            moments_sd=sds,
+        )
         ref = select_blocks(q, k, perm, key_padding_mask=kpm, **geo)
         k_perm = TG.permute_kv(k, perm)
         whole = S.select_block_lists(q, k_perm, perm, key_padding_mask=kpm, **geo)
@@ -166,6 +175,20 @@ def test_the_config_names_the_scoring_and_onnx_refuses_it():
     assert PBSConfig(scoring="moments").scoring == "moments"
     with pytest.raises(ValueError, match="scoring"):
         PBSConfig(scoring="moment")
+    with pytest.raises(ValueError, match="moments_sd must be a finite float >= 0"):
+        PBSConfig(scoring="moments", moments_sd=-1.0)
+    with pytest.raises(TypeError, match="moments_sd"):
+        PBSConfig(scoring="moments", moments_sd="2")
     from sparseflow.methods.pbs import onnx_refusal
 
     assert "scoring='moments'" in onnx_refusal(PBSConfig(scoring="moments"))
+
+
+def test_no_spread_is_mean_scoring():
+    q, k, _ = _inputs(1, 4, 2, 70, 16, seed=5)
+    perm = _perm(q, k, None, 16, 32, "kv_head")
+    cand = candidate_blocks(perm, 4, block_size=16, segment_size=32)
+    mean = block_probabilities(q, k, perm, cand, block_size=16, scoring="mean")
+    none = block_probabilities(q, k, perm, cand, block_size=16, scoring="moments", moments_sd=0.0)
+    some = block_probabilities(q, k, perm, cand, block_size=16, scoring="moments", moments_sd=0.5)
+    assert torch.equal(none, mean) and not torch.allclose(some, mean)
