@@ -90,12 +90,24 @@ def _node_fields(method: str) -> List[Tuple[str, type]]:
 
 # node attributes with a default: a node without them has no local window (files written before
 # windows were exported stay valid, and a runtime binding the node may leave them out)
-_OPTIONAL_ATTRS = {"sliding_window": 0, "chunk_size": 0}
+_WINDOW_ATTRS = {"sliding_window": 0, "chunk_size": 0}
+
+
+def _optional_attrs(method: str) -> Dict[str, Any]:
+    """The node's attributes with a default: the local window's, and the fields its method's body
+    added after its first files (``OnnxBody.optional``), at the config's default."""
+    body, defaults = spec_for(method).onnx, METHODS[method]()
+    added = sorted(body.optional) if body is not None else []
+    return {**_WINDOW_ATTRS, **{n: getattr(defaults, n) for n in added}}
 
 
 def _attr_names(method: str) -> List[str]:
     names = ["is_causal", "scale"] + [name for name, _ in _node_fields(method)]
-    return [f"{n}: int = {_OPTIONAL_ATTRS[n]}" if n in _OPTIONAL_ATTRS else n for n in names]
+    optional = _optional_attrs(method)
+    return [
+        f"{n}: {'float' if isinstance(optional[n], float) else 'int'} = {optional[n]!r}" if n in optional else n
+        for n in names
+    ]
 
 
 # --------------------------------------------------------------------------- function bodies
@@ -264,9 +276,11 @@ def _schema_attribute(method: str, name: str, kind: type):
     from onnx import defs, helper
 
     doc = f"{METHODS[method].__name__}.{name}"
-    if name in _OPTIONAL_ATTRS:
-        default = helper.make_attribute(name, _OPTIONAL_ATTRS[name])
-        return defs.OpSchema.Attribute(name, default, doc + " (0: no such window)")
+    optional = _optional_attrs(method)
+    if name in optional:
+        default = helper.make_attribute(name, optional[name])
+        note = " (0: no such window)" if name in _WINDOW_ATTRS else f" (default {optional[name]!r})"
+        return defs.OpSchema.Attribute(name, default, doc + note)
     return defs.OpSchema.Attribute(name, _attr_type(kind), doc)
 
 

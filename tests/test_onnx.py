@@ -371,7 +371,7 @@ def _single_node_model(method, attrs, dtype=onnx.TensorProto.FLOAT):
         functions=[function_protos()[method]],
         opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid(DOMAIN, DOMAIN_VERSION)],
     )
-    onnx.checker.check_model(model)
+    onnx.checker.check_model(model, full_check=True)  # attributes against the registered schemas
     return _session(model)
 
 
@@ -684,6 +684,20 @@ def test_window_attributes_are_optional():
     ref = sparseflow.attention(
         q, k, v, config=sparseflow.DenseConfig(), attn_mask=kpm[:, None, None, :], is_causal=True, scale=0.3
     )
+    assert _rel(got, ref) < 1e-5
+
+
+def test_attributes_added_after_a_nodes_first_files_are_optional():
+    """PBS's ``moments_sd`` came after PBSAttention files were written: a node without it passes
+    the checker against the registered schema (full check) and computes what the op computes."""
+    cfg = sparseflow.PBSConfig(block_size=8, segment_size=16, threshold=0.9)
+    attrs = _node_attrs(cfg, True, 0.3)
+    assert "moments_sd" in attrs
+    del attrs["moments_sd"]
+    sess = _single_node_model("pbs", attrs)
+    q, k, v, kpm = _node_inputs(40, False, 0)
+    got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "kpm": kpm.numpy()})[0]
+    ref = sparseflow.attention(q, k, v, config=cfg, attn_mask=kpm[:, None, None, :], is_causal=True, scale=0.3)
     assert _rel(got, ref) < 1e-5
 
 

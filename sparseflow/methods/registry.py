@@ -106,17 +106,25 @@ class OnnxBody:
     text implements, and ``refusal(cfg)``: why a config cannot be exported ("" when it can).
     ``windows``: the text chooses a sparse method's blocks inside each query's local window, as
     the reference does (a body that chose them over all keys and left the cut to the shared
-    epilogue would compute another selection, so a window is refused without it)."""
+    epilogue would compute another selection, so a window is refused without it). ``optional``:
+    fields (of ``fields``) added after the node's first files were written: their attributes
+    default to the config's default, so those files stay valid."""
 
     node_type: str
     mask: str
     fields: FrozenSet[str] = frozenset()
     refusal: Optional[Callable[[AttentionConfig], str]] = None
     windows: bool = False
+    optional: FrozenSet[str] = frozenset()
 
     def __post_init__(self):
         _check_target("OnnxBody.mask", self.mask)
         object.__setattr__(self, "fields", frozenset(self.fields))
+        object.__setattr__(self, "optional", frozenset(self.optional))
+        if not self.optional <= self.fields:
+            raise ValueError(
+                f"OnnxBody.optional must name fields the body lists, got {sorted(self.optional - self.fields)}"
+            )
 
     def mask_text(self) -> str:
         return load_target(self.mask)

@@ -109,6 +109,7 @@ SPEC = register(
                 "dense_tail_blocks",
             },
             refusal=onnx_refusal,
+            optional={"moments_sd"},  # no exportable scoring reads it
         ),
         dense_rule=dense_rule,
         has_permute=True,

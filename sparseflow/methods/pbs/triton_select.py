@@ -391,9 +391,9 @@ def select_block_lists(
             (int(sliding_window), int(chunk_size)),
         )
     else:
-        sds = float(moments_sd) if scoring == "moments" else 0.0
-        keys = _pooled_keys(layout, k_perm, permutation, kpm, block_size) if sds else None
-        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, keys, sds)
+        moments = scoring == "moments" and float(moments_sd) > 0.0
+        spread = _moments_spread(layout, k_perm, permutation, kpm, q, float(moments_sd), sc) if moments else None
+        _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, spread)
     return kv_num, kv_full, kv_idx, bmask
 
 
@@ -593,55 +593,73 @@ def _select_strided(
         launch.run(launch.unused, est, h0, hcc, nrows)
 
 
-def _pooled_keys(layout, k_perm, permutation, kpm, block_size: int) -> torch.Tensor:
-    """fp32 ``[B, Hp, nB, bs, D]``: the permuted keys by block, zero at invalid slots (what the
-    key blocks' second moments are taken over, as their means are)."""
+class _Spread(NamedTuple):
+    """What ``scoring="moments"`` adds to the pooled logits: ``sds`` standard deviations (signed as
+    the scale, which the selection kernel applies to the raw logits), over the permuted keys
+    ``k_src [B, Hp, N, D]`` of ``permutation`` and the valid query positions ``valid [B, N]``."""
+
+    sds: float
+    k_src: torch.Tensor
+    permutation: torch.Tensor
+    valid: torch.Tensor
+
+
+def _moments_spread(layout, k_perm, permutation, kpm, q, sds: float, scale: float) -> _Spread:
     k_src = layout.k if layout is not None and layout.k is not None else k_perm
     if k_src is None:
         raise ValueError("scoring='moments' needs the permuted keys: pass k_perm or a layout with k")
-    bsz, hp, n = permutation.shape
+    valid = _common.valid_positions(kpm, q.shape[0], q.shape[2], q.device)
+    return _Spread(math.copysign(sds, scale), k_src, permutation, valid)
+
+
+def _key_blocks(spread: _Spread, p0: int, p1: int, block_size: int) -> torch.Tensor:
+    """fp32 ``[B, P, nB, bs, D]``: permutation heads ``[p0, p1)``'s permuted keys by block, zero at
+    invalid slots (what the key blocks' second moments are taken over, as their means are)."""
+    perm = spread.permutation[:, p0:p1]
+    bsz, hp, n = perm.shape
     total = -(-n // block_size) * block_size
-    valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=permutation.device)
-    slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)
-    kf = torch.where(slot_valid[..., None], k_src.float(), 0.0)
+    slot_valid = torch.gather(spread.valid[:, None, :].expand(bsz, hp, n), 2, perm)
+    kf = torch.where(slot_valid[..., None], spread.k_src[:, p0:p1].float(), 0.0)
     kf = torch.nn.functional.pad(kf, (0, 0, 0, total - n))
-    return kf.view(bsz, hp, total // block_size, block_size, k_src.shape[-1])
+    return kf.view(bsz, hp, total // block_size, block_size, kf.shape[-1])
 
 
-def _spread(qs: torch.Tensor, keys: torch.Tensor, kcount: torch.Tensor, valid, block_size: int, mu, sds: float):
-    """``mu + sds * sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]``: the pairs'
-    variance from the blocks' second moments, ``<E[q qᵀ], E[k kᵀ]> - mu**2`` (``qs``: the P
-    permutation heads' query heads ``[B, P*G, N, D]``; ``keys`` their blocks, ``kcount`` their
-    valid counts)."""
+def _add_spread(spread: _Spread, qs, kcount, p0: int, p1: int, block_size: int, mu):
+    """``mu + sds * sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]`` of permutation
+    heads ``[p0, p1)``: the pairs' variance from the blocks' second moments, ``<E[q qᵀ], E[k kᵀ]> -
+    mu**2`` (``qs``: their query heads ``[B, P*G, N, D]``; ``kcount``: their valid key counts),
+    every product in fp32 without TF32."""
     bsz, pg, nb, _ = mu.shape
-    p, d = keys.shape[1], keys.shape[-1]
-    q2 = _estimate.query_block_second_moments(qs, valid, block_size).view(bsz, p, (pg // p) * nb, d * d)
-    k2 = torch.einsum("bpnsd,bpnse->bpnde", keys, keys).reshape(bsz, p, nb, d * d)
-    k2 = k2 / kcount.clamp_min(1).to(k2.dtype)[..., None]
+    p = p1 - p0
     with _ieee_fp32_matmul(mu.is_cuda):
+        keys = _key_blocks(spread, p0, p1, block_size)
+        d = keys.shape[-1]
+        q2 = _estimate.query_block_second_moments(qs, spread.valid, block_size).view(bsz, p, (pg // p) * nb, d * d)
+        k2 = torch.einsum("bpnsd,bpnse->bpnde", keys, keys).reshape(bsz, p, nb, d * d)
+        k2 = k2 / kcount[:, p0:p1].clamp_min(1).to(k2.dtype)[..., None]
         second = torch.matmul(q2, k2.transpose(-1, -2)).view(bsz, pg, nb, nb)
-    return mu + sds * (second - mu * mu).clamp_min(0.0).sqrt()
+    return mu + spread.sds * (second - mu * mu).clamp_min(0.0).sqrt()
 
 
-def _select_from_pooled_logits(launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes, keys=None, sds=0.0):
+def _select_from_pooled_logits(
+    launch: _RowLaunch, q, kpm, kbar, block_size, max_logit_bytes, spread: Optional[_Spread] = None
+) -> None:
     """Selection from the logits of pooled query blocks against pooled key blocks, in chunks of
-    permutation heads whose logits fit ``max_logit_bytes``; with ``keys`` (the permuted key
-    blocks, :func:`_pooled_keys`) each logit adds ``sds`` standard deviations of its pair's
-    logits (``scoring="moments"``)."""
-    _, nb, g, hp, n = launch.shape_args
+    permutation heads whose logits fit ``max_logit_bytes``; with ``spread`` each logit adds its
+    pair's spread (``scoring="moments"``)."""
+    _, nb, g, hp, _ = launch.shape_args
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()
     per_p = launch.bsz * g * nb * nb * 4
-    if keys is not None:  # the second moments of a permutation head's query and key blocks
-        per_p += launch.bsz * (g + 1) * nb * q.shape[-1] ** 2 * 4
-        valid = _common.valid_positions(kpm, launch.bsz, n, q.device)
-        kcount = launch.head_args[1]
+    if spread is not None:  # a permutation head's second moments and the fp32 blocks they come from
+        d = q.shape[-1]
+        per_p += launch.bsz * (g + 1) * nb * (d * d + 2 * block_size * d) * 4
     pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
     for p0 in range(0, hp, pc):
         p1 = min(hp, p0 + pc)
         logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
-        if keys is not None:
-            logits = _spread(q[:, p0 * g : p1 * g], keys[:, p0:p1], kcount[:, p0:p1], valid, block_size, logits, sds)
+        if spread is not None:
+            logits = _add_spread(spread, q[:, p0 * g : p1 * g], launch.head_args[1], p0, p1, block_size, logits)
         launch.run(logits, launch.no_est, p0 * g, (p1 - p0) * g, 0)
 
 

@@ -154,21 +154,37 @@ def test_triton_selection_equals_the_reference(case):
 
 
 @pytest.mark.parametrize("layout", ["permuted", "gather"])
-def test_the_triton_backend_selects_and_attends_as_the_reference(monkeypatch, layout):
+def test_every_backend_selects_with_the_configs_spread(monkeypatch, layout):
+    # a moments_sd other than the default: a path that dropped it would select with 0.5
+    from sparseflow.methods.pbs import flex
     from sparseflow.methods.pbs.reference import pbs_attention
 
     n = 80
     q, k, v = _inputs(2, 4, 2, n, 32, seed=21)
-    kw = dict(
-        key_padding_mask=_holes(2, n), block_size=16, segment_size=32, threshold=0.8, scoring="moments",
-        gqa_permutation="kv_head", return_selection=True,
-    )  # fmt: skip
-    ref_out, ref_sel = pbs_attention(q, k, v, **kw)
+    kpm = _holes(2, n)
+    cfg = PBSConfig(block_size=16, segment_size=32, threshold=0.8, scoring="moments", moments_sd=2.0)
+    cfg = cfg.replace(gqa_permutation="kv_head")
+    kw = dict(key_padding_mask=kpm, return_selection=True)
+    ref_out, ref_sel = pbs_attention(q, k, v, config=cfg, **kw)
+    _, default_sel = pbs_attention(q, k, v, config=cfg.replace(moments_sd=0.5), **kw)
+    assert not torch.equal(ref_sel.block_mask, default_sel.block_mask)
+    assert torch.equal(flex._select(q, k, cfg, kpm, True, None)[1], ref_sel.block_mask)
     monkeypatch.setattr(TI, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
     tuning = sparseflow.Tuning(pbs_select="triton", pbs_kv_layout=layout)
-    out, sel = TI.pbs_attention(q, k, v, tuning=tuning, **kw)
+    out, sel = TI.pbs_attention(q, k, v, config=cfg, tuning=tuning, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask) and not bool(sel.block_mask.all())
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+
+
+def test_a_negative_scale_subtracts_no_spread():
+    # the Triton selection adds the spread to raw logits the kernel then scales: signed as the scale
+    n = 64
+    q, k, _ = _inputs(1, 2, 1, n, 16, seed=9)
+    perm = _perm(q, k, None, 8, 16, "query_head")
+    geo = dict(block_size=8, segment_size=16, threshold=0.8, scoring="moments", moments_sd=2.0, scale=-0.3)
+    ref = select_blocks(q, k, perm, **geo)
+    got = S.select_block_lists(q, TG.permute_kv(k, perm), perm, **geo)[3]
+    assert torch.equal(got, ref)
 
 
 def test_the_config_names_the_scoring_and_onnx_refuses_it():
