@@ -43,21 +43,20 @@ MEASURED_32K = {
     },
 }
 
+# the model both bands were calibrated on: another model of the family drops them (Recipe.fitted)
+_SMOLLM2_135M = dict(model_types=("llama",), num_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
 BAND_32K = Recipe(
     name="smollm2-32k",
     description=(
         "SmolLM2 from 32K tokens: PBS calibrated at 32K on the GPU (prose, code and copy-heavy text; "
         "layers 0, 5, 7, 8 and 18 dense; H100: 2.08x eager dense at KL 0.0085 on prose)"
     ),
-    model_types=("llama",),
     configs={
         "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.9, permute=False, scoring="mean"),
     },
     dense_layers=(0, 5, 7, 8, 18),
-    num_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
+    **_SMOLLM2_135M,
     layer_overrides={
         "pbs": {
             2: {"threshold": 0.95, "permute": True},
@@ -113,15 +112,11 @@ BAND_128K = Recipe(
         "SmolLM2 from 128K tokens: PBS calibrated at 128K on the GPU (documentation and clauses, mean "
         "scoring; layers 0-10 and 18 dense; H100: 1.96x eager dense at KL 0.036 on prose)"
     ),
-    model_types=("llama",),
     configs={
         "pbs": PBSConfig(block_size=128, segment_size=256, threshold=0.98, permute=True, scoring="mean"),
     },
     dense_layers=(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18),
-    num_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
+    **_SMOLLM2_135M,
     layer_overrides={
         "pbs": {
             12: {"threshold": 0.95, "permute": False},

@@ -233,7 +233,7 @@ def select_and_attend(
     gather = kv_layout(tuning) == "gather"
     # the strided estimates stream the permuted keys and the moments pool them: written even when
     # the attention gathers
-    strided = scoring != "mean" and float(threshold) < 1.0
+    reads_keys = scoring != "mean" and float(threshold) < 1.0
     # one launch: permuted K/V (unless the kernel gathers), pooled key blocks, positions, sink
     lay = permuted_layout(
         k,
@@ -241,7 +241,7 @@ def select_and_attend(
         perm,
         key_padding_mask=kpm,
         block_size=block_size,
-        write_kv=strided or not gather,
+        write_kv=reads_keys or not gather,
         pool=True,
         positions=True,
         sink=force_sink,

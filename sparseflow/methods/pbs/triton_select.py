@@ -486,7 +486,7 @@ def _key_block_stats(layout, k_perm, permutation, kpm, force_sink: bool, need_kb
         sink = layout.sink if force_sink else None
     else:  # pooled keys, counts and sink from the permuted K in torch
         valid = kpm if kpm is not None else torch.ones(bsz, n, dtype=torch.bool, device=dev)
-        slot_valid = torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)  # [B, Hp, N]
+        slot_valid = _slot_validity(valid, permutation)
         kcnt = (
             torch.nn.functional.pad(slot_valid, (0, nb * block_size - n))
             .view(bsz, hp, nb, block_size)
@@ -561,9 +561,7 @@ def _select_strided(
     estimate skips the segments before)."""
     hq, nb, _, hp, _ = launch.shape_args
     bsz = launch.bsz
-    k_src = layout.k if layout is not None and layout.k is not None else k_perm
-    if k_src is None:
-        raise ValueError(f"scoring={scoring!r} needs the permuted keys: pass k_perm or a layout with k")
+    k_src = _permuted_key_source(layout, k_perm, scoring)
     kpos = layout.kpos if layout is not None else None
     kpos, _, qvalid = _est.padding_inputs(kpm, permutation, block_size, kpos=kpos)
     launch.meta.update(_est.prob_meta(scoring, block_size, antidiagonal_stride, launch.meta["BLOCK_B"]))
@@ -604,10 +602,22 @@ class _Spread(NamedTuple):
     valid: torch.Tensor
 
 
-def _moments_spread(layout, k_perm, permutation, kpm, q, sds: float, scale: float) -> _Spread:
+def _permuted_key_source(layout, k_perm, scoring: str) -> torch.Tensor:
+    """The permuted keys a scoring reads: the layout's, else ``k_perm``."""
     k_src = layout.k if layout is not None and layout.k is not None else k_perm
     if k_src is None:
-        raise ValueError("scoring='moments' needs the permuted keys: pass k_perm or a layout with k")
+        raise ValueError(f"scoring={scoring!r} needs the permuted keys: pass k_perm or a layout with k")
+    return k_src
+
+
+def _slot_validity(valid: torch.Tensor, permutation: torch.Tensor) -> torch.Tensor:
+    """``[B, Hp, N]`` bool: whether each permuted slot holds a valid key (``valid [B, N]``)."""
+    bsz, hp, n = permutation.shape
+    return torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)
+
+
+def _moments_spread(layout, k_perm, permutation, kpm, q, sds: float, scale: float) -> _Spread:
+    k_src = _permuted_key_source(layout, k_perm, "moments")
     valid = _common.valid_positions(kpm, q.shape[0], q.shape[2], q.device)
     return _Spread(math.copysign(sds, scale), k_src, permutation, valid)
 
@@ -618,7 +628,7 @@ def _key_blocks(spread: _Spread, p0: int, p1: int, block_size: int) -> torch.Ten
     perm = spread.permutation[:, p0:p1]
     bsz, hp, n = perm.shape
     total = -(-n // block_size) * block_size
-    slot_valid = torch.gather(spread.valid[:, None, :].expand(bsz, hp, n), 2, perm)
+    slot_valid = _slot_validity(spread.valid, perm)
     kf = torch.where(slot_valid[..., None], spread.k_src[:, p0:p1].float(), 0.0)
     kf = torch.nn.functional.pad(kf, (0, 0, 0, total - n))
     return kf.view(bsz, hp, total // block_size, block_size, kf.shape[-1])
