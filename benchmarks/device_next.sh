@@ -52,11 +52,12 @@
 #                                                mean and second-moment estimates) against exact block
 #                                                masses, and the mass rule against a max-relative one, at NS
 #                                                (benchmarks/studies/pbs_selection_rule.py; 32768)
-#   bash benchmarks/device_next.sh moments [NS]  PBS's scoring="moments" (the pooled blocks' means plus
+#   bash benchmarks/device_next.sh moments_cost  PBS's scoring="moments" (the pooled blocks' means plus
 #                                                the pairs' spread): its tests on the GPU, its stage
 #                                                beside mean scoring against cuDNN on SmolLM2's and
-#                                                Gemma 3's heads, then the frontier at NS (32768) of
-#                                                mean and moments at three thresholds, both paths
+#                                                Gemma 3's heads (no checkpoint: fits beside stash_smollm2 0)
+#   bash benchmarks/device_next.sh moments_frontier [NS]  the frontier at NS (32768) of mean and moments
+#                                                at three thresholds, both paths
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -216,15 +217,17 @@ case "${1:-}" in
       --extra "smollm2:pbs,$2:pbs" --json "$out/frontier_smollm2_plan_${3:-32768}_${gpu}.json" \
       2>&1 | grep -v -i warn | tail -20
     ;;
-  moments)
-    smollm2_env
-    ns=${2:-32768}
+  moments_cost)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/methods/pbs/test_pbs_moments.py 2>&1 | tail -3 || true
     for heads in 9,3,64 4,1,256; do
       timeout 100 python3 benchmarks/check_pbs_estimate_cuda.py --check-n 4096 --strides 8 --time-n 32768,131072 \
         --time-scorings mean,moments --heads "$heads" --json "$out/pbs_estimate_moments_${heads//,/_}_${gpu}.json" \
         2>&1 | grep -v "other tiles\|^check" | tail -6 || true
     done
+    ;;
+  moments_frontier)
+    smollm2_env
+    ns=${2:-32768}
     timeout 330 python3 benchmarks/frontier.py --ns "$ns" --estimates mean,moments --thresholds 0.9,0.95,0.98 \
       --extra smollm2:pbs --json "$out/frontier_smollm2_moments_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -20
     ;;
@@ -234,7 +237,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS]" >&2
     exit 2
     ;;
 esac
