@@ -9,12 +9,11 @@ cuts. ``triton_estimate`` computes the strided scorings with the same definition
 * **scoring="mean"**: block logit ``q̄_I · k̄_J · scale`` (= the mean over all valid (q, k) pairs of
   the block of ``q·k·scale``); block probability = softmax of the logits over the candidates.
 * **scoring="moments"**: the block pair's logits summarised by their first two moments, no per-key
-  exponential: the mean ``mu = q̄_I · k̄_J · scale`` (``"mean"``'s logit) and the variance over the
-  pairs ``var = scale**2 * <E_I[q qᵀ], E_J[k kᵀ]> - mu**2`` (``E[(q·k)**2]`` for a query of ``I``
-  and a key of ``J`` drawn independently, from each block's uncentred second moment over the same
-  positions as its mean); the block logit is ``mu + moments_sd * sqrt(max(var, 0))`` and the probability its
-  softmax over the candidates. A block whose few keys align with the queries (which the mean
-  averages away) scores by its spread.
+  exponential: the mean ``mu = q̄_I · k̄_J · scale`` (``"mean"``'s logit) and the variance of
+  ``q·k·scale`` for a query of ``I`` and a key of ``J`` drawn independently (over the same positions
+  as the means), from the blocks' centred second moments (:mod:`.moments`); the block logit is
+  ``mu + moments_sd * sqrt(max(var, 0))`` and the probability its softmax over the candidates. A
+  block whose few keys align with the queries (which the mean averages away) scores by its spread.
 * **scoring="antidiagonal"** (PBS+, XAttention style, stride ``s``): split the query block into
   ``bs/s`` strided rows and each key block into ``bs/s`` strided columns of ``s`` consecutive
   tokens. The strided logit of row ``r`` (queries ``I*bs + r*s + t``) and column ``c`` (permuted
@@ -35,19 +34,20 @@ cuts. ``triton_estimate`` computes the strided scorings with the same definition
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .config import PBSConfig
+from . import moments as _moments
 from .reference_common import num_blocks, padded_permutation, safe_softmax, softmax_scale, valid_positions
 
 __all__ = [
     "block_probabilities",
     "query_validity",
     "query_block_means",
-    "query_block_second_moments",
+    "query_blocks",
 ]
 
 _NEG_INF = float("-inf")
@@ -76,17 +76,14 @@ def query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
     return total_q / use.sum(dim=3).clamp_min(1).float()
 
 
-def query_block_second_moments(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
-    """fp32 ``[B, H, nB, D*D]``: each query block's uncentred second moment ``E[q qᵀ]`` over the
+def query_blocks(q: Tensor, valid: Tensor, block_size: int) -> Tuple[Tensor, Tensor]:
+    """``(fp32 [B, H, nB, bs, D], bool [B, 1, nB, bs])``: q by block (zero past N) and the
     positions :func:`query_block_means` averages (see :func:`query_validity`)."""
     bsz, h, n, d = q.shape
     nb = num_blocks(n, block_size)
-    total = nb * block_size
-    use = query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1)
-    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
-    qf = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device))
-    second = torch.einsum("bhnsd,bhnse->bhnde", qf, qf).reshape(bsz, h, nb, d * d)
-    return second / use.sum(dim=3).clamp_min(1).float()
+    use = query_validity(valid, block_size).view(bsz, 1, nb, block_size)
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, nb * block_size - n)).view(bsz, h, nb, block_size, d)
+    return qf, use
 
 
 def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
@@ -165,7 +162,9 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
     total = nb * block_size
     hq_per_hp, g = hq // hp, hq // hkv
     qbar = query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
-    q2 = query_block_second_moments(q, valid, block_size) if sds else None  # [B, Hq, nB, D*D]
+    # the reference's spread: fp32 products, whatever the global setting
+    with _moments.products("ieee", q.is_cuda):
+        left = _moments.left_operand(*_moments.block_moments(*query_blocks(q, valid, block_size))) if sds else None
     for b in range(bsz):
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
@@ -177,8 +176,9 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
             heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
             logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
             if sds:
-                k2 = torch.einsum("nbd,nbe->nde", kb, kb).reshape(nb, d * d) / count
-                var = torch.matmul(q2[b, heads], k2.t()) * (sc * sc) - logits * logits
+                with _moments.products("ieee", q.is_cuda):
+                    right = _moments.right_operand(*_moments.block_moments(kp.view(nb, block_size, d), use[..., 0]))
+                    var = _moments.pair_variance(left[b, heads], right) * (sc * sc)
                 logits = logits + sds * var.clamp_min(0.0).sqrt()
             logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
             out[b, heads] = safe_softmax(logits)

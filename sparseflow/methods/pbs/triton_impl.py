@@ -263,6 +263,7 @@ def select_and_attend(
         scoring=scoring,
         antidiagonal_stride=antidiagonal_stride,
         moments_sd=moments_sd,
+        moments_product=tuning.pbs_moments_product,
         padding_checked=True,
         dense_from=dense_from,
         **window,

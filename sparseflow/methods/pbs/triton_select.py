@@ -53,6 +53,7 @@ from .block_selection import block_last_keys
 from .permutation import proxy_queries
 from .reference_common import effective_lengths, first_valid
 from . import estimate as _estimate
+from . import moments as _moments
 from . import reference_common as _common
 from . import triton_estimate as _est
 from .triton_estimate import _strided_prob_row
@@ -62,6 +63,7 @@ from ...kernels.launch_sizes import pow2_at_least
 from ...kernels.token_blocks import check_window
 from ...kernels.token_sparse_triton import _window_lo
 from .config import PBSConfig
+from .tuning import PBSTuning
 
 # the scorings whose block logits come from pooled blocks (the others from triton_estimate)
 POOLED_SCORINGS = ("mean", "moments")
@@ -318,6 +320,7 @@ def select_block_lists(
     scoring: str = PBSConfig.scoring,
     antidiagonal_stride: int = PBSConfig.antidiagonal_stride,
     moments_sd: float = PBSConfig.moments_sd,
+    moments_product: str = PBSTuning.moments_product,
     padding_checked: bool = False,
     dense_from: Optional[int] = None,
     sliding_window: int = PBSConfig.sliding_window,
@@ -334,6 +337,8 @@ def select_block_lists(
     ``antidiagonal_stride``): the block probabilities come from triton_estimate's one-pass
     strided estimate over the permuted keys (``layout.k`` or ``k_perm``), the estimate buffer
     bounded by ``max_logit_bytes`` the same way; the threshold rule is the same.
+    ``moments_product`` (``scoring="moments"``): the spread's products on TF32 tensor cores
+    (``"tf32"``) or in IEEE fp32 (``"ieee"``, the reference's arithmetic); see :mod:`.moments`.
     ``padding_checked``: the caller passes ``key_padding_mask`` only when it hides a key, so
     this call need not read it on the host again (each such read waits for the device).
     ``dense_from``: the query blocks from this one on keep every visible key block (the dense
@@ -392,7 +397,11 @@ def select_block_lists(
         )
     else:
         moments = scoring == "moments" and float(moments_sd) > 0.0
-        spread = _moments_spread(layout, k_perm, permutation, kpm, q, float(moments_sd), sc) if moments else None
+        spread = (
+            _moments_spread(layout, k_perm, permutation, kpm, q, float(moments_sd), sc, moments_product)
+            if moments
+            else None
+        )
         _select_from_pooled_logits(launch, q, kpm, kbar, block_size, max_logit_bytes, spread)
     return kv_num, kv_full, kv_idx, bmask
 
@@ -594,12 +603,14 @@ def _select_strided(
 class _Spread(NamedTuple):
     """What ``scoring="moments"`` adds to the pooled logits: ``sds`` standard deviations (signed as
     the scale, which the selection kernel applies to the raw logits), over the permuted keys
-    ``k_src [B, Hp, N, D]`` of ``permutation`` and the valid query positions ``valid [B, N]``."""
+    ``k_src [B, Hp, N, D]`` of ``permutation`` and the valid query positions ``valid [B, N]``, its
+    products in ``product``'s arithmetic (:mod:`.moments`)."""
 
     sds: float
     k_src: torch.Tensor
     permutation: torch.Tensor
     valid: torch.Tensor
+    product: str
 
 
 def _permuted_key_source(layout, k_perm, scoring: str) -> torch.Tensor:
@@ -616,39 +627,36 @@ def _slot_validity(valid: torch.Tensor, permutation: torch.Tensor) -> torch.Tens
     return torch.gather(valid[:, None, :].expand(bsz, hp, n), 2, permutation)
 
 
-def _moments_spread(layout, k_perm, permutation, kpm, q, sds: float, scale: float) -> _Spread:
+def _moments_spread(layout, k_perm, permutation, kpm, q, sds: float, scale: float, product: str) -> _Spread:
     k_src = _permuted_key_source(layout, k_perm, "moments")
     valid = _common.valid_positions(kpm, q.shape[0], q.shape[2], q.device)
-    return _Spread(math.copysign(sds, scale), k_src, permutation, valid)
+    return _Spread(math.copysign(sds, scale), k_src, permutation, valid, product)
 
 
-def _key_blocks(spread: _Spread, p0: int, p1: int, block_size: int) -> torch.Tensor:
-    """fp32 ``[B, P, nB, bs, D]``: permutation heads ``[p0, p1)``'s permuted keys by block, zero at
-    invalid slots (what the key blocks' second moments are taken over, as their means are)."""
+def _key_blocks(spread: _Spread, p0: int, p1: int, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(fp32 [B, P, nB, bs, D], bool [B, P, nB, bs])``: permutation heads ``[p0, p1)``'s permuted
+    keys by block (zero past N) and which slots hold a valid key (what the key blocks' moments are
+    taken over, as their means are)."""
     perm = spread.permutation[:, p0:p1]
     bsz, hp, n = perm.shape
     total = -(-n // block_size) * block_size
-    slot_valid = _slot_validity(spread.valid, perm)
-    kf = torch.where(slot_valid[..., None], spread.k_src[:, p0:p1].float(), 0.0)
-    kf = torch.nn.functional.pad(kf, (0, 0, 0, total - n))
-    return kf.view(bsz, hp, total // block_size, block_size, kf.shape[-1])
+    slot_valid = torch.nn.functional.pad(_slot_validity(spread.valid, perm), (0, total - n))
+    kf = torch.nn.functional.pad(spread.k_src[:, p0:p1].float(), (0, 0, 0, total - n))
+    nb = total // block_size
+    return kf.view(bsz, hp, nb, block_size, kf.shape[-1]), slot_valid.view(bsz, hp, nb, block_size)
 
 
-def _add_spread(spread: _Spread, qs, kcount, p0: int, p1: int, block_size: int, mu):
+def _add_spread(spread: _Spread, qs, p0: int, p1: int, block_size: int, mu):
     """``mu + sds * sd`` of the raw (unscaled) block logits ``mu [B, P*G, nB, nB]`` of permutation
-    heads ``[p0, p1)``: the pairs' variance from the blocks' second moments, ``<E[q qᵀ], E[k kᵀ]> -
-    mu**2`` (``qs``: their query heads ``[B, P*G, N, D]``; ``kcount``: their valid key counts),
-    every product in fp32 without TF32."""
+    heads ``[p0, p1)`` (``qs``: their query heads ``[B, P*G, N, D]``): the pairs' variance from the
+    blocks' centred second moments (:mod:`.moments`), in ``spread.product``'s arithmetic."""
     bsz, pg, nb, _ = mu.shape
     p = p1 - p0
-    with _ieee_fp32_matmul(mu.is_cuda):
-        keys = _key_blocks(spread, p0, p1, block_size)
-        d = keys.shape[-1]
-        q2 = _estimate.query_block_second_moments(qs, spread.valid, block_size).view(bsz, p, (pg // p) * nb, d * d)
-        k2 = torch.einsum("bpnsd,bpnse->bpnde", keys, keys).reshape(bsz, p, nb, d * d)
-        k2 = k2 / kcount[:, p0:p1].clamp_min(1).to(k2.dtype)[..., None]
-        second = torch.matmul(q2, k2.transpose(-1, -2)).view(bsz, pg, nb, nb)
-    return mu + spread.sds * (second - mu * mu).clamp_min(0.0).sqrt()
+    with _moments.products(spread.product, mu.is_cuda):
+        left = _moments.left_operand(*_moments.block_moments(*_estimate.query_blocks(qs, spread.valid, block_size)))
+        right = _moments.right_operand(*_moments.block_moments(*_key_blocks(spread, p0, p1, block_size)))
+        var = _moments.pair_variance(left.view(bsz, p, (pg // p) * nb, -1), right).view(bsz, pg, nb, nb)
+    return mu + spread.sds * var.clamp_min(0.0).sqrt()
 
 
 def _select_from_pooled_logits(
@@ -661,15 +669,15 @@ def _select_from_pooled_logits(
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()
     per_p = launch.bsz * g * nb * nb * 4
-    if spread is not None:  # a permutation head's second moments and the fp32 blocks they come from
+    if spread is not None:  # a permutation head's operands, covariances and the fp32 blocks they come from
         d = q.shape[-1]
-        per_p += launch.bsz * (g + 1) * nb * (d * d + 2 * block_size * d) * 4
+        per_p += launch.bsz * (g + 1) * nb * (4 * d * d + 3 * block_size * d) * 4
     pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
     for p0 in range(0, hp, pc):
         p1 = min(hp, p0 + pc)
         logits = block_logits(qbar, kbar, p0, p1)  # [B, HC, nB, nB]
         if spread is not None:
-            logits = _add_spread(spread, q[:, p0 * g : p1 * g], launch.head_args[1], p0, p1, block_size, logits)
+            logits = _add_spread(spread, q[:, p0 * g : p1 * g], p0, p1, block_size, logits)
         launch.run(logits, launch.no_est, p0 * g, (p1 - p0) * g, 0)
 
 
