@@ -38,10 +38,19 @@ def _qkv(n=64, hq=4, hkv=2, d=16, seed=0):
 
 def test_defaults_are_the_former_environment_defaults():
     t = Tuning()
-    assert (t.pbs_select, t.pbs_kv_layout, t.pbs_tma, t.pisa_warps, t.pisa_leaf_bytes, t.pisa_scores) == (
+    assert (
+        t.pbs_select,
+        t.pbs_kv_layout,
+        t.pbs_tma,
+        t.pbs_moments_product,
+        t.pisa_warps,
+        t.pisa_leaf_bytes,
+        t.pisa_scores,
+    ) == (
         "auto",
         "permuted",
         True,
+        "tf32",
         None,
         None,
         "fp32",
@@ -59,6 +68,7 @@ def test_defaults_are_the_former_environment_defaults():
         ("pbs_kv_layout", "copy", ValueError, ["pbs_kv_layout", "'permuted'", "'gather'"]),
         ("pbs_tma", 0, TypeError, ["pbs_tma", "bool"]),
         ("pbs_tma", "0", TypeError, ["pbs_tma", "bool"]),
+        ("pbs_moments_product", "bf16", ValueError, ["pbs_moments_product", "'tf32'", "'ieee'"]),
         ("cuda_graphs", 1, TypeError, ["cuda_graphs", "bool"]),
         ("cuda_graphs", None, TypeError, ["cuda_graphs", "bool"]),
         ("pdl", 1, TypeError, ["pdl", "bool"]),
@@ -93,7 +103,10 @@ def test_entry_points_refuse_a_non_tuning(plain_attention):
 
 def test_schemas_carry_each_methods_tuning_fields():
     schema = {m: str(ops.op_for(m)._schema) for m in ("dense", "pbs", "pisa", "bsa")}
-    assert "str pbs_select, str pbs_kv_layout, bool pbs_tma, bool cuda_graphs, str backend" in schema["pbs"]
+    assert (
+        "str pbs_select, str pbs_kv_layout, bool pbs_tma, str pbs_moments_product, bool cuda_graphs, str backend"
+        in schema["pbs"]
+    )
     assert (
         "int? pisa_warps, int? pisa_leaf_bytes, str pisa_scores, bool cuda_graphs, bool pdl, str backend"
         in schema["pisa"]
@@ -108,9 +121,9 @@ def test_schemas_carry_each_methods_tuning_fields():
     assert "int chunk_size, bool cuda_graphs, str backend" in schema["dense"]
     assert "pdl" not in schema["pbs"] and "pdl" not in schema["dense"]  # their kernels do not chain
     t = Tuning(pbs_kv_layout="gather", pisa_warps=2, cuda_graphs=False, pdl=True)
-    assert ops.op_args(PBS_SMALL, t)[-4:] == ["auto", "gather", True, False]
+    assert ops.op_args(PBS_SMALL, t)[-5:] == ["auto", "gather", True, "tf32", False]
     assert ops.op_args(PISA_SMALL, t)[-5:] == [2, None, "fp32", False, True]
-    assert ops.op_args(PBS_SMALL)[-4:] == ["auto", "permuted", True, True]  # default: Tuning()
+    assert ops.op_args(PBS_SMALL)[-5:] == ["auto", "permuted", True, "tf32", True]  # default: Tuning()
 
 
 def test_compiled_graph_holds_the_tuning(plain_attention):
@@ -121,7 +134,7 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
         return gm
 
     q, k, v = _qkv()
-    t = Tuning(pbs_kv_layout="gather", pbs_tma=False)
+    t = Tuning(pbs_kv_layout="gather", pbs_tma=False, pbs_moments_product="ieee")
     f = torch.compile(
         lambda q, k, v: sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference", tuning=t),
         fullgraph=True,
@@ -130,7 +143,7 @@ def test_compiled_graph_holds_the_tuning(plain_attention):
     torch.testing.assert_close(f(q, k, v), sparseflow.attention(q, k, v, config=PBS_SMALL, backend="reference"))
     calls = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.op_for("pbs")]
     # cuda_graphs off in the traced call: the compiled graph is Inductor's to capture
-    assert len(calls) == 1 and list(calls[0].args[-6:-2]) == ["auto", "gather", False, False]
+    assert len(calls) == 1 and list(calls[0].args[-7:-2]) == ["auto", "gather", False, "ieee", False]
 
 
 def _cuda_graphs_arg(method, args):

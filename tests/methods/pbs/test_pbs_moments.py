@@ -144,8 +144,10 @@ def test_triton_selection_equals_the_reference(case):
         )
         ref = select_blocks(q, k, perm, key_padding_mask=kpm, **geo)
         k_perm = TG.permute_kv(k, perm)
-        whole = S.select_block_lists(q, k_perm, perm, key_padding_mask=kpm, **geo)
-        chunked = S.select_block_lists(q, k_perm, perm, key_padding_mask=kpm, max_logit_bytes=1, **geo)
+        # the reference's fp32 products (TF32's near-ties: tests/methods/pbs/test_pbs_moments_precision.py)
+        geo_ieee = dict(geo, moments_product="ieee")
+        whole = S.select_block_lists(q, k_perm, perm, key_padding_mask=kpm, **geo_ieee)
+        chunked = S.select_block_lists(q, k_perm, perm, key_padding_mask=kpm, max_logit_bytes=1, **geo_ieee)
         assert torch.equal(whole[3], ref), f"threshold {thr}: {(whole[3] != ref).sum().item()} blocks differ"
         assert all(torch.equal(a, c) for a, c in zip(whole, chunked))  # one permutation head at a time
         mean = select_blocks(q, k, perm, key_padding_mask=kpm, **{**geo, "scoring": "mean"})
@@ -170,7 +172,7 @@ def test_every_backend_selects_with_the_configs_spread(monkeypatch, layout):
     assert not torch.equal(ref_sel.block_mask, default_sel.block_mask)
     assert torch.equal(flex._select(q, k, cfg, kpm, True, None)[1], ref_sel.block_mask)
     monkeypatch.setattr(TI, "select_blocks", lambda *a, **kw: pytest.fail("reference selection called"))
-    tuning = sparseflow.Tuning(pbs_select="triton", pbs_kv_layout=layout)
+    tuning = sparseflow.Tuning(pbs_select="triton", pbs_kv_layout=layout, pbs_moments_product="ieee")
     out, sel = TI.pbs_attention(q, k, v, config=cfg, tuning=tuning, **kw)
     assert torch.equal(sel.block_mask, ref_sel.block_mask) and not bool(sel.block_mask.all())
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
@@ -183,7 +185,7 @@ def test_a_negative_scale_subtracts_no_spread():
     perm = _perm(q, k, None, 8, 16, "query_head")
     geo = dict(block_size=8, segment_size=16, threshold=0.8, scoring="moments", moments_sd=2.0, scale=-0.3)
     ref = select_blocks(q, k, perm, **geo)
-    got = S.select_block_lists(q, TG.permute_kv(k, perm), perm, **geo)[3]
+    got = S.select_block_lists(q, TG.permute_kv(k, perm), perm, moments_product="ieee", **geo)[3]
     assert torch.equal(got, ref)
 
 
