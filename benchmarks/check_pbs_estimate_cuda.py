@@ -104,6 +104,7 @@ def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
     return {
         "n": n,
         "scoring": scoring,
+        "moments_product": product if scoring == "moments" else None,
         "stride": stride,
         "gqa": gqa,
         "threshold": thr,
@@ -121,7 +122,7 @@ def _bench(fn):
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda", heads=(32, 8, 128)):
+def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda", heads=(32, 8, 128), product="tf32"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sparseflow.methods.pbs import triton_estimate as E
@@ -146,6 +147,7 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda", heads=
             return_block_mask=False,
             scoring=scoring,
             antidiagonal_stride=stride,
+            moments_product=product,
         )
 
     # the estimate alone, in the head chunks select_block_lists would use
@@ -192,6 +194,7 @@ def time_stage(n, scoring, stride, gqa="kv_head", thr=0.9, device="cuda", heads=
         "n": n,
         "heads": list(heads),
         "scoring": scoring,
+        "moments_product": product if scoring == "moments" else None,
         "stride": stride,
         "gqa": gqa,
         "stage_ms": t_stage,
@@ -228,7 +231,8 @@ def main(argv=None) -> int:
         "--time-scorings",
         type=lambda s: [x for x in s.split(",") if x],
         default=list(SCORINGS),
-        help="scorings timed (sampled_rows, antidiagonal; mean and moments: the pooled blocks, one row whatever the stride)",
+        help="scorings timed (sampled_rows, antidiagonal; mean and moments: the pooled blocks, one row whatever the "
+        "stride; moments:ieee its spread's products in IEEE fp32 instead of TF32)",
     )
     ap.add_argument(
         "--heads",
@@ -258,13 +262,14 @@ def main(argv=None) -> int:
                     )
     print(f"{'n':>7} {'scoring':12} {'s':>2} {'stage ms':>9} {'est ms':>8} {'cuDNN ms':>9} {'ratio':>6} {'target':>6}")
     for n in args.time_n:
-        for scoring in args.time_scorings:
+        for name in args.time_scorings:
+            scoring, _, product = name.partition(":")
             for stride in args.strides if scoring in SCORINGS else args.strides[:1]:
-                r = time_stage(n, scoring, stride, heads=args.heads)
+                r = time_stage(n, scoring, stride, heads=args.heads, product=product or "tf32")
                 timings.append(r)
                 target = "-" if r["target_over_dense"] is None else f"{r['target_over_dense']:6.3f}"
                 print(
-                    f"{n:7d} {scoring:12} {stride:2d} {r['stage_ms']:9.3f} {r['estimate_ms']:8.3f} "
+                    f"{n:7d} {name:12} {stride:2d} {r['stage_ms']:9.3f} {r['estimate_ms']:8.3f} "
                     f"{r['cudnn_causal_ms']:9.3f} {r['stage_over_dense']:6.3f} {target:>6}"
                     f"{'' if r['within_5_percent_of_dense'] else '  (above 5% of dense)'}"
                 )
