@@ -104,7 +104,6 @@ def check_selection(n, scoring, stride, gqa, thr, device="cuda"):
     return {
         "n": n,
         "scoring": scoring,
-        "moments_product": product if scoring == "moments" else None,
         "stride": stride,
         "gqa": gqa,
         "threshold": thr,
