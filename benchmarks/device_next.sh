@@ -218,7 +218,7 @@ case "${1:-}" in
       2>&1 | grep -v -i warn | tail -20
     ;;
   moments_cost)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/methods/pbs/test_pbs_moments.py 2>&1 | tail -3 || true
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/methods/pbs/test_pbs_moments.py tests/methods/pbs/test_pbs_moments_precision.py 2>&1 | tail -3 || true
     for heads in 9,3,64 4,1,256; do
       timeout 100 python3 benchmarks/check_pbs_estimate_cuda.py --check-n 4096 --strides 8 --time-n 32768,131072 \
         --time-scorings mean,moments,moments:ieee --heads "$heads" --json "$out/pbs_estimate_moments_${heads//,/_}_${gpu}.json" \
