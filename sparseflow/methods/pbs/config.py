@@ -36,8 +36,9 @@ class PBSConfig(AttentionConfig):
     ``scoring``: how a query block's distribution over its candidate key blocks is estimated.
     ``"mean"`` (the paper's): softmax of the block-mean query against block-mean keys (the
     Triton selection kernels). ``"moments"``: the block-mean logit plus ``moments_sd`` standard
-    deviations of the block pair's logits, from the blocks' second moments ``E[q qᵀ]``, ``E[k kᵀ]`` (no
-    per-key exponential; a ``D x D`` product per block pair where ``"mean"`` takes a ``D`` one): a
+    deviations of the block pair's logits, from the blocks' centred second moments (no per-key
+    exponential; a ``2·D²`` product per block pair where ``"mean"`` takes a ``D`` one, on TF32
+    tensor cores in the Triton selection within a stated tolerance: ``methods/pbs/moments.py``): a
     block with a few keys aligned to the queries keeps its score; ``moments_sd`` standard deviations
     are added (0.5: at 4K on SmolLM2 the lowest KL on the worst of prose and copy-heavy text at equal
     density among 0.5, 1 and 2; docs/results.md). ``"antidiagonal"`` (PBS+ / XAttention): logits from strided
