@@ -41,7 +41,6 @@ near-ties of the threshold rule (``selection_diff`` in benchmarks/pbs.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -271,20 +270,6 @@ def pool_blocks(x: torch.Tensor, valid: torch.Tensor, block_size: int, fallback_
     return (xf * w).sum(dim=3) / w.sum(dim=3).clamp_min(1.0)
 
 
-@contextlib.contextmanager
-def _ieee_fp32_matmul(enabled: bool):
-    """Exact fp32 matmuls (no TF32) inside, whatever the global setting; restored after."""
-    if not enabled:
-        yield
-        return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def block_logits(qbar: torch.Tensor, kbar: torch.Tensor, p0: int = 0, p1: Optional[int] = None) -> torch.Tensor:
     """fp32 ``[B, (p1-p0)*G, nB, nB]`` raw block logits ``q̄_I · k̄_J`` of the query heads of
     permutation heads ``[p0, p1)``: one batched fp32 GEMM (no TF32) with the group of query heads
@@ -295,7 +280,7 @@ def block_logits(qbar: torch.Tensor, kbar: torch.Tensor, p0: int = 0, p1: Option
     p1 = hp if p1 is None else p1
     g = hq // hp
     qv = qbar.view(bsz, hp, g * nb, d)[:, p0:p1]
-    with _ieee_fp32_matmul(qbar.is_cuda):
+    with _moments.products("ieee", qbar.is_cuda):
         out = torch.matmul(qv, kbar[:, p0:p1].transpose(-1, -2))  # [B, P, G*nB, nB]
     return out.view(bsz, (p1 - p0) * g, nb, nb)
 
