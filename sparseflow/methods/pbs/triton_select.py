@@ -654,9 +654,9 @@ def _select_from_pooled_logits(
     qbar = pool_query_blocks(q, kpm, block_size).contiguous()
     kbar = kbar.contiguous()
     per_p = launch.bsz * g * nb * nb * 4
-    if spread is not None:  # a permutation head's operands, covariances and the fp32 blocks they come from
+    if spread is not None:  # a head's operands, covariances, fp32 blocks, variances and their roots
         d = q.shape[-1]
-        per_p += launch.bsz * (g + 1) * nb * (4 * d * d + 3 * block_size * d) * 4
+        per_p += launch.bsz * ((g + 1) * nb * (4 * d * d + 3 * block_size * d) + 2 * g * nb * nb) * 4
     pc = max(1, min(hp, max_logit_bytes // max(per_p, 1)))
     for p0 in range(0, hp, pc):
         p1 = min(hp, p0 + pc)
