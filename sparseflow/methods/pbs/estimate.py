@@ -162,9 +162,7 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
     total = nb * block_size
     hq_per_hp, g = hq // hp, hq // hkv
     qbar = query_block_means(q, valid, block_size)  # [B, Hq, nB, D]
-    # the reference's spread: fp32 products, whatever the global setting
-    with _moments.products("ieee", q.is_cuda):
-        left = _moments.left_operand(*_moments.block_moments(*query_blocks(q, valid, block_size))) if sds else None
+    qblocks, quse = query_blocks(q, valid, block_size) if sds else (None, None)
     for b in range(bsz):
         for p in range(hp):
             kv_head = (p * hq_per_hp) // g
@@ -176,9 +174,11 @@ def _pooled_block_probabilities(q, k, perm_p, kvalid_slot, valid, candidates, ou
             heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
             logits = torch.matmul(qbar[b, heads], kbar.t()) * sc  # [hpp, nB, nB]
             if sds:
+                # the reference's spread: fp32 products, whatever the global setting
                 with _moments.products("ieee", q.is_cuda):
+                    left = _moments.left_operand(*_moments.block_moments(qblocks[b, heads], quse[b]))
                     right = _moments.right_operand(*_moments.block_moments(kp.view(nb, block_size, d), use[..., 0]))
-                    var = _moments.pair_variance(left[b, heads], right) * (sc * sc)
+                    var = _moments.pair_variance(left, right) * (sc * sc)
                 logits = logits + sds * var.clamp_min(0.0).sqrt()
             logits = logits.masked_fill(~candidates[b, heads], _NEG_INF)
             out[b, heads] = safe_softmax(logits)

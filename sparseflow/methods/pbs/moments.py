@@ -17,7 +17,8 @@ pairs' product on TF32 tensor cores by default (``Tuning(pbs_moments_product="tf
 fp32 without TF32, the reference's arithmetic). Either way each block logit is within
 :func:`logit_tolerance` of its exact value, a bound derived from the rounding of each product's
 operands (TF32 keeps 10 of fp32's 23 mantissa bits: a relative error of at most ``2**-10`` whether
-the hardware rounds or truncates) and fp32's accumulation; the selection is the threshold rule
+the hardware rounds or truncates), their fp32 accumulation (a bit more for tensor cores, which
+truncate their aligned partial sums) and the fp32 means; the selection is the threshold rule
 applied to those logits, so it differs from the reference's only among blocks whose logits are
 within the two tolerances of each other.
 """
@@ -35,40 +36,50 @@ from .tuning import MOMENTS_PRODUCTS as PRODUCTS
 __all__ = ["PRODUCTS", "products", "block_moments", "left_operand", "right_operand", "pair_variance", "logit_tolerance"]
 
 _UNIT = {"tf32": 2.0**-10, "ieee": 2.0**-24}  # relative rounding of a product's operands
-_FP32 = 2.0**-24  # fp32's unit roundoff (sums, divisions, the means)
+# a product's accumulation: tensor cores align their fp32 partial sums to the largest term and
+# truncate (one more bit than IEEE round-to-nearest's)
+_ACC = {"tf32": 2.0**-23, "ieee": 2.0**-24}
+_FP32 = 2.0**-24  # fp32's unit roundoff (sums, the means)
+_DIV = 3 * _FP32  # one fp32 division (Triton's fast division is within 2 ulp)
 
 
 @contextlib.contextmanager
 def products(product: str, cuda: bool):
     """fp32 matmuls inside in ``product``'s arithmetic (TF32 tensor cores or IEEE fp32), whatever
-    the global setting; restored after. Off CUDA every product is IEEE fp32."""
+    the global setting; restored after (by the API the setting was made with). Off CUDA every
+    product is IEEE fp32."""
     if product not in PRODUCTS:
         raise ValueError(f"moments product must be one of {PRODUCTS}, got {product!r}")
     if not cuda:
         yield
         return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = product == "tf32"
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")  # torch >= 2.9: reading allow_tf32 may raise there
+    name = "fp32_precision" if new_api else "allow_tf32"
+    prev = getattr(matmul, name)
+    setattr(matmul, name, product if new_api else product == "tf32")
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+        setattr(matmul, name, prev)
 
 
-def _mm(a: Tensor, b: Tensor) -> Tensor:
-    # every product of the spread goes through here (a test emulates TF32's rounding on the CPU)
+def _mm(a: Tensor, b: Tensor, product: str) -> Tensor:
+    # every product of the spread goes through here, in the arithmetic :func:`products` set for
+    # ``product`` (a test emulates TF32's rounding on the CPU here)
     return torch.matmul(a, b)
 
 
-def block_moments(x: Tensor, use: Tensor) -> Tuple[Tensor, Tensor]:
+def block_moments(x: Tensor, use: Tensor, product: str = "ieee") -> Tuple[Tensor, Tensor]:
     """``(mean [..., nB, D], covariance [..., nB, D, D])`` of ``x [..., nB, bs, D]`` over each
-    block's rows where ``use [..., nB, bs]`` (zeros for a block without any), in ``x``'s dtype."""
+    block's rows where ``use [..., nB, bs]`` (zeros for a block without any), in ``x``'s dtype,
+    the covariance's product in ``product``'s arithmetic (inside :func:`products`)."""
     w = use[..., None]
     count = use.sum(-1).clamp_min(1).to(x.dtype)[..., None]  # [..., nB, 1]
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     mean = torch.where(w, x, zero).sum(-2) / count
     centred = torch.where(w, x - mean[..., None, :], zero)
-    cov = _mm(centred.transpose(-1, -2), centred) / count[..., None]
+    cov = _mm(centred.transpose(-1, -2), centred, product) / count[..., None]
     return mean, cov
 
 
@@ -87,12 +98,13 @@ def right_operand(kbar: Tensor, kcov: Tensor) -> Tensor:
     return torch.cat([kcov.flatten(-2), _outer(kbar).flatten(-2)], dim=-1)
 
 
-def pair_variance(left: Tensor, right: Tensor) -> Tensor:
-    """``[..., nBq, nBk]`` raw (unscaled) variances of the block pairs' ``q·k``."""
-    return _mm(left, right.transpose(-1, -2))
+def pair_variance(left: Tensor, right: Tensor, product: str = "ieee") -> Tensor:
+    """``[..., nBq, nBk]`` raw (unscaled) variances of the block pairs' ``q·k``, in ``product``'s
+    arithmetic (inside :func:`products`)."""
+    return _mm(left, right.transpose(-1, -2), product)
 
 
-def _moment_errors(x: Tensor, use: Tensor, unit: float):
+def _moment_errors(x: Tensor, use: Tensor, unit: float, acc: float):
     """One side's blocks ``x [..., nB, bs, D]`` in fp64: ``(mean, bound of the fp32 mean's
     magnitude, bound of its outer product's error, covariance, bound of its error)``."""
     bs = x.shape[-2]
@@ -100,8 +112,8 @@ def _moment_errors(x: Tensor, use: Tensor, unit: float):
     w = use[..., None]
     count = use.sum(-1).clamp_min(1).double()[..., None]
     mean = torch.where(w, x, 0.0).sum(-2) / count
-    # the fp32 mean is off by at most (bs + 1) roundings of the mean absolute value
-    mean_err = (bs + 1) * _FP32 * torch.where(w, x.abs(), 0.0).sum(-2) / count
+    # the fp32 mean is off by at most bs sums and a division of the mean absolute value
+    mean_err = (bs * _FP32 + _DIV) * torch.where(w, x.abs(), 0.0).sum(-2) / count
     centred = torch.where(w, x - mean[..., None, :], 0.0)
     # each fp32 centred value is off by the mean's error plus one rounding of |x| + |mean|
     big = centred.abs() + torch.where(w, mean_err[..., None, :] + _FP32 * (x.abs() + mean.abs()[..., None, :]), 0.0)
@@ -109,8 +121,8 @@ def _moment_errors(x: Tensor, use: Tensor, unit: float):
     def second(a: Tensor, b: Tensor) -> Tensor:
         return (a.transpose(-1, -2) @ b) / count[..., None]
 
-    # the covariance's product: both operands rounded (2u + u^2), bs-term fp32 sums, the division
-    e_cov = 2 * unit + unit * unit + (bs + 2) * _FP32
+    # the covariance's product: both operands rounded (2u + u^2), bs-term sums, the division
+    e_cov = 2 * unit + unit * unit + bs * acc + _DIV
     cov_err = (1 + e_cov) * second(big, big) - second(centred.abs(), centred.abs())
     mean_abs = mean.abs() + mean_err
     outer_err = (1 + _FP32) * _outer(mean_abs) - _outer(mean.abs())
@@ -130,17 +142,17 @@ def logit_tolerance(
     against both magnitudes; a standard deviation moves by at most ``min(√e, e/√var)`` for a
     variance error ``e``; the mean logit by ``D + 2`` fp32 roundings of ``|q̄|·|k̄|`` plus the
     means' own errors."""
-    unit = _UNIT[product]
+    unit, acc = _UNIT[product], _ACC[product]
     d = q_blocks.shape[-1]
-    qbar, qabs, qouter_err, qcov, qcov_err = _moment_errors(q_blocks, q_use, unit)
-    kbar, kabs, kouter_err, kcov, kcov_err = _moment_errors(k_blocks, k_use, unit)
+    qbar, qabs, qouter_err, qcov, qcov_err = _moment_errors(q_blocks, q_use, unit, acc)
+    kbar, kabs, kouter_err, kcov, kcov_err = _moment_errors(k_blocks, k_use, unit, acc)
     left, right = left_operand(qbar, qcov), right_operand(kbar, kcov)
     sum_err = qcov_err + qouter_err + _FP32 * (qcov.abs() + _outer(qbar).abs())  # E[q qᵀ] = C + q̄ q̄ᵀ
     left_err = torch.cat([sum_err.flatten(-2), qcov_err.flatten(-2)], -1)
     right_err = torch.cat([kcov_err.flatten(-2), kouter_err.flatten(-2)], -1)
     left_abs, right_abs = left.abs() + left_err, right.abs() + right_err
     tr = lambda t: t.transpose(-1, -2)  # noqa: E731
-    e_prod = 2 * unit + unit * unit + 2 * d * d * _FP32
+    e_prod = 2 * unit + unit * unit + 2 * d * d * acc
     var_err = left_err @ tr(right_abs) + left.abs() @ tr(right_err) + e_prod * (left_abs @ tr(right_abs))
     var = (left @ tr(right)).clamp_min(0.0)
     sd_err = torch.minimum(var_err.sqrt(), var_err / var.sqrt().clamp_min(1e-300))

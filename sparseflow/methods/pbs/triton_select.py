@@ -637,10 +637,12 @@ def _add_spread(spread: _Spread, qs, p0: int, p1: int, block_size: int, mu):
     blocks' centred second moments (:mod:`.moments`), in ``spread.product``'s arithmetic."""
     bsz, pg, nb, _ = mu.shape
     p = p1 - p0
-    with _moments.products(spread.product, mu.is_cuda):
-        left = _moments.left_operand(*_moments.block_moments(*_estimate.query_blocks(qs, spread.valid, block_size)))
-        right = _moments.right_operand(*_moments.block_moments(*_key_blocks(spread, p0, p1, block_size)))
-        var = _moments.pair_variance(left.view(bsz, p, (pg // p) * nb, -1), right).view(bsz, pg, nb, nb)
+    prod = spread.product
+    with _moments.products(prod, mu.is_cuda):
+        qblocks, quse = _estimate.query_blocks(qs, spread.valid, block_size)
+        left = _moments.left_operand(*_moments.block_moments(qblocks, quse, prod))
+        right = _moments.right_operand(*_moments.block_moments(*_key_blocks(spread, p0, p1, block_size), prod))
+        var = _moments.pair_variance(left.view(bsz, p, (pg // p) * nb, -1), right, prod).view(bsz, pg, nb, nb)
     return mu + spread.sds * var.clamp_min(0.0).sqrt()
 
 
