@@ -141,7 +141,7 @@ def logit_tolerance(
     other's magnitude and the product's rounding (both operands rounded, ``2·D²`` fp32 sums)
     against both magnitudes; a standard deviation moves by at most ``min(√e, e/√var)`` for a
     variance error ``e``; the mean logit by ``D + 2`` fp32 roundings of ``|q̄|·|k̄|`` plus the
-    means' own errors."""
+    means' own errors; the logit's last steps (root, product, sum) by three fp32 roundings."""
     unit, acc = _UNIT[product], _ACC[product]
     d = q_blocks.shape[-1]
     qbar, qabs, qouter_err, qcov, qcov_err = _moment_errors(q_blocks, q_use, unit, acc)
@@ -157,4 +157,7 @@ def logit_tolerance(
     var = (left @ tr(right)).clamp_min(0.0)
     sd_err = torch.minimum(var_err.sqrt(), var_err / var.sqrt().clamp_min(1e-300))
     mu_err = (d + 2) * _FP32 * (qabs @ tr(kabs)) + (qabs - qbar.abs()) @ tr(kabs) + qbar.abs() @ tr(kabs - kbar.abs())
-    return mu_err + abs(float(sds)) * sd_err
+    # the square root, the product with sds and the sum: three fp32 roundings of the logit's terms
+    sds = abs(float(sds))
+    last = 3 * _FP32 * ((qbar @ tr(kbar)).abs() + mu_err + sds * (var.sqrt() + sd_err))
+    return mu_err + sds * sd_err + last
