@@ -38,11 +38,13 @@ def onnx_refusal(cfg: PBSConfig) -> str:
 
 # The estimate's rough cost in units of the layer's dense attention (QK^T and PV over the causal
 # triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples), about
-# 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the moments add a
-# D x D product per block pair, D / B^2 of dense's multiply-adds in fp32 without tensor cores (a
-# few percent at head dim 64); the permutation adds one proxy pass and a sort.
+# 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the moments add the
+# blocks' covariances and a 2 D^2 product per block pair, measured at a third of cuDNN's dense
+# time at 32K on SmolLM2's heads (a tenth at 128K; more at head dim 256: benchmarks/results/
+# pbs_estimate_moments_*_h100.json), their torch elementwise work more than the products; the
+# permutation adds one proxy pass and a sort.
 MEAN_SCORING_COST = 0.01
-MOMENTS_SCORING_COST = 0.04
+MOMENTS_SCORING_COST = 0.3
 PERMUTATION_COST = 0.01
 
 

@@ -93,7 +93,7 @@ def test_reference_is_the_pairwise_definition(gqa, pad, sds):
     kw = dict(key_padding_mask=kpm, block_size=bs, scoring="moments", moments_sd=sds)
     got = block_probabilities(q, k, perm, cand, **kw)
     want = _pairwise_moments(q, k, perm, cand, kpm, bs, sds)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_the_spread_changes_the_selection_where_one_key_dominates():
