@@ -58,6 +58,8 @@
 #                                                Gemma 3's heads (no checkpoint: fits beside stash_smollm2 0)
 #   bash benchmarks/device_next.sh moments_frontier [NS]  the frontier at NS (32768) of mean and moments
 #                                                at three thresholds, both paths
+#   bash benchmarks/device_next.sh moments_profile [NS]  the moments stage's kernels by time beside mean
+#                                                scoring's (benchmarks/studies/pbs_moments_profile.py)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -225,10 +227,14 @@ case "${1:-}" in
         2>&1 | grep -v "other tiles\|^check" | tail -6 || true
     done
     ;;
+  moments_profile)
+    timeout 200 python3 benchmarks/studies/pbs_moments_profile.py --n "${2:-32768}" --heads 9,3,64 \
+      --json "$out/pbs_moments_profile_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | tail -34
+    ;;
   moments_frontier)
     smollm2_env
     ns=${2:-32768}
-    timeout 330 python3 benchmarks/frontier.py --ns "$ns" --estimates mean,moments --thresholds 0.9,0.95,0.98 \
+    timeout 560 python3 benchmarks/frontier.py --ns "$ns" --estimates mean,moments --thresholds 0.9,0.95,0.98 \
       --extra smollm2:pbs --json "$out/frontier_smollm2_moments_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -20
     ;;
   selection_rule)
@@ -237,7 +243,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
     exit 2
     ;;
 esac

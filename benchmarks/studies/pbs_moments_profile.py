@@ -35,8 +35,16 @@ def main() -> None:
 
         def stage():
             S.select_block_lists(
-                q, lay.k, perm, block_size=128, segment_size=256, threshold=0.9, layout=lay,
-                return_block_mask=False, scoring=scoring, moments_product=a.product,
+                q,
+                lay.k,
+                perm,
+                block_size=128,
+                segment_size=256,
+                threshold=0.9,
+                layout=lay,
+                return_block_mask=False,
+                scoring=scoring,
+                moments_product=a.product,
             )
 
         for _ in range(3):
@@ -58,7 +66,18 @@ def main() -> None:
         out[scoring] = rows
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"n": a.n, "heads": a.heads, "product": a.product, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": out}, fh, indent=1)
+            json.dump(
+                {
+                    "n": a.n,
+                    "heads": a.heads,
+                    "product": a.product,
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "kernels": out,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
