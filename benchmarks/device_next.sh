@@ -40,7 +40,7 @@
 #                                                the auto walk scoring in bf16 and tf32
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
 #                                                (benchmarks/frontier.py; NS default 32768)
-#   bash benchmarks/device_next.sh calibrate [NS [BUDGET [SCORINGS]]]  sparseflow calibrate at NS tokens (default
+#   bash benchmarks/device_next.sh calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]]  sparseflow calibrate at NS tokens (default
 #                                                32768; YaRN to NS, cost "time", the default text
 #                                                mix, held out on prose and copy-heavy text); resumes
 #                                                from .gg/calibrate_smollm2_pbs_NS_GPU.json.progress.json
@@ -201,7 +201,7 @@ case "${1:-}" in
     # 32K plan chose, fits one
     if [ "$ns" -gt 119000 ]; then
       texts=(--text stdlib_docs,copy_clauses) budget=${3:-0.05} heldout=stdlib_source,copy_log
-      grid=(--thresholds 0.9,0.95,0.98 --scorings "${4:-mean}")
+      grid=(--thresholds "${5:-0.9,0.95,0.98}" --scorings "${4:-mean}")
     elif [ -n "${4:-}" ]; then
       grid=(--scorings "$4")
     fi
@@ -243,7 +243,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
     exit 2
     ;;
 esac
