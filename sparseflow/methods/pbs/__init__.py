@@ -40,9 +40,8 @@ def onnx_refusal(cfg: PBSConfig) -> str:
 # triangle): the strided scorings compute 1 / stride of the QK^T rows (or samples), about
 # 1 / (2 * stride) of dense; block-mean scoring touches O(N^2 / B^2) scores; the moments add the
 # blocks' covariances and a 2 D^2 product per block pair, measured at a third of cuDNN's dense
-# time at 32K on SmolLM2's heads (a tenth at 128K; more at head dim 256: benchmarks/results/
-# pbs_estimate_moments_*_h100.json), their torch elementwise work more than the products; the
-# permutation adds one proxy pass and a sort.
+# time at 32K on SmolLM2's heads (a tenth at 128K, more at head dim 256; docs/results.md), their
+# torch elementwise work more than the products; the permutation adds one proxy pass and a sort.
 MEAN_SCORING_COST = 0.01
 MOMENTS_SCORING_COST = 0.3
 PERMUTATION_COST = 0.01
