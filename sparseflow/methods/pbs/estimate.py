@@ -64,18 +64,6 @@ def query_validity(valid: Tensor, block_size: int) -> Tensor:
     return torch.where(vb.any(dim=-1, keepdim=True), vb, exists).reshape(bsz, total)
 
 
-def query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
-    """fp32 ``[B, H, nB, D]``: block means of q ``[B, H, N, D]`` (see :func:`query_validity`)."""
-    bsz, h, n, d = q.shape
-    nb = num_blocks(n, block_size)
-    total = nb * block_size
-    use = query_validity(valid, block_size).view(bsz, 1, nb, block_size, 1)
-    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, total - n)).view(bsz, h, nb, block_size, d)
-    # where, not a 0/1 weight: a NaN in an excluded (padded) row must not reach the mean
-    total_q = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device)).sum(dim=3)
-    return total_q / use.sum(dim=3).clamp_min(1).float()
-
-
 def query_blocks(q: Tensor, valid: Tensor, block_size: int) -> Tuple[Tensor, Tensor]:
     """``(fp32 [B, H, nB, bs, D], bool [B, 1, nB, bs])``: q by block (zero past N) and the
     positions :func:`query_block_means` averages (see :func:`query_validity`)."""
@@ -84,6 +72,15 @@ def query_blocks(q: Tensor, valid: Tensor, block_size: int) -> Tuple[Tensor, Ten
     use = query_validity(valid, block_size).view(bsz, 1, nb, block_size)
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, nb * block_size - n)).view(bsz, h, nb, block_size, d)
     return qf, use
+
+
+def query_block_means(q: Tensor, valid: Tensor, block_size: int) -> Tensor:
+    """fp32 ``[B, H, nB, D]``: block means of q ``[B, H, N, D]`` (see :func:`query_validity`)."""
+    qf, use = query_blocks(q, valid, block_size)
+    use = use[..., None]
+    # where, not a 0/1 weight: a NaN in an excluded (padded) row must not reach the mean
+    total_q = torch.where(use, qf, torch.zeros((), dtype=qf.dtype, device=qf.device)).sum(dim=3)
+    return total_q / use.sum(dim=3).clamp_min(1).float()
 
 
 def _permuted_keys(k_bh: Tensor, perm_row: Tensor, total: int) -> Tensor:
