@@ -60,6 +60,10 @@
 #                                                at three thresholds, both paths
 #   bash benchmarks/device_next.sh moments_profile [NS]  the moments stage's kernels by time beside mean
 #                                                scoring's (benchmarks/studies/pbs_moments_profile.py)
+#   bash benchmarks/device_next.sh pisa_profile [NS]  PISA's selection kernels by time at NS (262144),
+#                                                the leaf-pairs, per-token and tiled walks in bf16, paper's setting
+#                                                (benchmarks/studies/pisa_select_profile.py); then
+#                                                SmolLM2's heads at 32K: the scan walk beside BSA's scan
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -193,7 +197,7 @@ case "${1:-}" in
     file="calibrate_smollm2_pbs_${ns}_${gpu}.json"
     # the budget holds the plan's KL on the mix's worst text (copy-heavy) with margin 0.7: at 32K
     # budget 0.025 measured 0.0156 there and 0.0085 on prose (docs/results.md, fifteenth session)
-    texts=() grid=() budget=${3:-0.025} heldout=stdlib_docs,copy_log
+    texts=() grid=() budget=${3:-0.025} heldout=stdlib_docs,more_stdlib_source,copy_log
     # past 119K tokens pydoc_topics (the default mix's prose) is too short: documentation and
     # clauses, held out on source and logs; the 128K target is KL 0.02 on prose, about half the
     # copy-heavy text's at 32K, hence budget 0.05 (0.035 on the worst text). The whole grid needs about
@@ -236,6 +240,14 @@ case "${1:-}" in
     ns=${2:-32768}
     timeout 560 python3 benchmarks/frontier.py --ns "$ns" --estimates mean,moments --thresholds 0.9,0.95,0.98 \
       --extra smollm2:pbs --json "$out/frontier_smollm2_moments_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -20
+    ;;
+  pisa_profile)
+    ns=${2:-262144}
+    timeout 300 python3 benchmarks/studies/pisa_select_profile.py --n "$ns" --walks leaf_pairs,per_token,tiled \
+      --scores bf16 --json "$out/pisa_select_profile_${ns}_${gpu}.json" 2>&1 | grep -v -i warn || true
+    # SmolLM2's shape at 32K, where the end-to-end bar is BSA's time: the scan walk beside BSA's scan
+    timeout 120 python3 benchmarks/studies/pisa_select_profile.py --n 32768 --heads 9,3,64 --walks scan,bsa \
+      --scores fp32 --json "$out/pisa_select_profile_32768_smollm2_${gpu}.json" 2>&1 | grep -v -i warn || true
     ;;
   selection_rule)
     smollm2_env

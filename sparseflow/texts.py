@@ -48,6 +48,21 @@ def _stdlib_source() -> str:
     return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in _STDLIB_MODULES)
 
 
+# A second long code text, held out for the first at 32K-128K (argparse_source is too short there):
+# pure-Python twins of C modules and tools, none of them in _STDLIB_MODULES or _DOC_MODULES
+_HELDOUT_CODE_MODULES = (
+    "_pydecimal", "_pyio", "pickletools", "email._header_value_parser", "logging.handlers", "pdb",
+    "asyncio.base_events", "multiprocessing.managers",
+)  # fmt: skip
+
+
+def _more_stdlib_source() -> str:
+    import importlib
+    import inspect
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(name)) for name in _HELDOUT_CODE_MODULES)
+
+
 # Modules whose docstrings make the second prose text: none is a source of the code texts, so
 # a plan calibrated on code can be checked on this prose and the other way round.
 _DOC_MODULES = (
@@ -117,6 +132,12 @@ TEXTS = {
         "sources of " + ", ".join(_STDLIB_MODULES) + " of the running Python (~0.67 MB of code and docstrings)",
         "code",
     ),
+    "more_stdlib_source": Text(
+        _more_stdlib_source,
+        "sources of " + ", ".join(_HELDOUT_CODE_MODULES) + " of the running Python (~0.77 MB of code and docstrings, "
+        "no module of stdlib_source or stdlib_docs)",
+        "code",
+    ),
     "copy_clauses": Text(
         lambda: copy_texts.clauses(copy_texts.passages(_pydoc_topics())[::-1]),
         "numbered sections of pydoc_topics passages, last topic first; about half the sections repeat an earlier "
@@ -133,7 +154,7 @@ TEXTS = {
 
 
 # the texts of more than 128K SmolLM2 tokens (tests/test_texts.py checks), for long-context runs
-LONG_TEXTS = ("stdlib_source", "stdlib_docs", "copy_clauses", "copy_log")
+LONG_TEXTS = ("stdlib_source", "more_stdlib_source", "stdlib_docs", "copy_clauses", "copy_log")
 
 
 def real_text(name: str = "pydoc_topics") -> str:

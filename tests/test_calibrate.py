@@ -691,10 +691,10 @@ def test_row_kl_refuses_shapes_that_would_broadcast(shapes, word):
 def test_cli_held_out_text_too_short_names_a_longer_one(llama_dir, tmp_path, capsys):
     # the tiny models' tokenizer is per character: argparse.py holds ~90K, pydoc_topics ~460K
     argv = ["calibrate", str(llama_dir), "--method", "pbs", "--kl-budget", "0.01", "--tokens", "200000"]
-    assert main(argv + ["--out", str(tmp_path / "r.json")]) == 2
+    assert main(argv + ["--heldout-text", "argparse_source", "--out", str(tmp_path / "r.json")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("sparseflow calibrate: error: --tokens (held-out text): n_tokens=200000"), last
-    assert "of the text 'argparse_source'; pick a longer text (stdlib_source, stdlib_docs, copy_clauses" in last
+    assert "of the text 'argparse_source'; pick a longer text (stdlib_source, more_stdlib_source, stdlib_docs" in last
     assert not (tmp_path / "r.json").exists()
 
 

@@ -44,7 +44,7 @@ its largest; costs and densities are means). A choice the pruned walk needs is m
 first text before the others: that KL bounds the mix's from below, and a choice the bound already
 settles is not measured on the rest (on SmolLM2 at 128K tokens, 29% fewer single-text
 measurements; put the text with the largest KLs first). ``--heldout-text`` takes a list too (default one text
-of each kind: stdlib_docs, argparse_source, copy_log); the recipe's
+of each kind: stdlib_docs, more_stdlib_source, copy_log); the recipe's
 ``measured`` gives each text's KL, top-1 and density with its kind, and each kind's worst KL.
 
 The result is a :class:`sparseflow.recipes.Recipe` (base config in ``configs``, per-layer

@@ -21,8 +21,8 @@ Texts = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 # 1.06x on a text of each kind (docs/results.md, "Calibration across kinds of text"). The CLI
 # repeats both values (it imports only the standard library at the top); a test keeps them equal.
 DEFAULT_TEXT = "pydoc_topics,stdlib_source,copy_clauses"
-# one held-out text of each kind, none calibrating; argparse_source holds ~22K SmolLM2 tokens
-DEFAULT_HELDOUT_TEXT = "stdlib_docs,argparse_source,copy_log"
+# one held-out text of each kind, none calibrating, each over 128K SmolLM2 tokens
+DEFAULT_HELDOUT_TEXT = "stdlib_docs,more_stdlib_source,copy_log"
 
 
 def parse_texts(value: Optional[str], arg: str) -> Tuple[str, ...]:

@@ -23,7 +23,7 @@ from .common import (
 DEFAULT_MARGIN = 0.7  # sparseflow.calibrate.DEFAULT_MARGIN (tests/test_calibrate.py keeps them equal)
 # sparseflow.calibrate.texts.DEFAULT_TEXT / DEFAULT_HELDOUT_TEXT (the same test keeps them equal)
 DEFAULT_TEXT = "pydoc_topics,stdlib_source,copy_clauses"
-DEFAULT_HELDOUT_TEXT = "stdlib_docs,argparse_source,copy_log"
+DEFAULT_HELDOUT_TEXT = "stdlib_docs,more_stdlib_source,copy_log"
 
 
 def add_parser(sub) -> None:
@@ -59,8 +59,7 @@ def add_parser(sub) -> None:
         "--heldout-text",
         default=DEFAULT_HELDOUT_TEXT,
         help="text(s) the plan is checked on afterwards, a comma list reported per text and kind, none of them a "
-        f"--text (default {DEFAULT_HELDOUT_TEXT}; argparse_source holds ~22K SmolLM2 tokens, the others over "
-        "128K; none to skip)",
+        f"--text (default {DEFAULT_HELDOUT_TEXT}: one of each kind, each over 128K SmolLM2 tokens; none to skip)",
     )
     cal.add_argument("--config", help="base method config as JSON (block sizes ...); the choices change its fields")
     cal.add_argument("--thresholds", help="PBS thresholds to try (default 0.9,0.95,0.98,0.99)")

@@ -23,6 +23,7 @@ TEXT_KINDS = {
     "stdlib_docs": "prose",
     "argparse_source": "code",
     "stdlib_source": "code",
+    "more_stdlib_source": "code",
     "copy_clauses": "copy",
     "copy_log": "copy",
 }
