@@ -138,16 +138,20 @@ def _round_bits(x, DROP: tl.constexpr):
 @triton.jit
 def _scores_operand(x, SCORES: tl.constexpr):
     """An operand of :func:`_scores_dot` (``SCORES`` from :func:`scores_mode`): fp32 as is for
-    ``"fp32"``, else rounded to the format (bf16 values as bf16 for the GPU's bf16 dot)."""
-    x = x.to(tl.float32)
-    if SCORES == "fp32":
-        out = x
-    elif SCORES == "bf16":
-        out = _round_bits(x, 16).to(tl.bfloat16)  # exact: already a bf16 value
+    ``"fp32"``, else rounded to the format (bf16 values as bf16 for the GPU's bf16 dot; a bf16
+    ``x``, such as :func:`walk_summaries`' table or bf16 queries, is one already and passes as is:
+    rounding it again is the identity, at about eight integer operations an element)."""
+    if SCORES == "bf16":
+        if x.dtype == tl.bfloat16:
+            out = x
+        else:
+            out = _round_bits(x.to(tl.float32), 16).to(tl.bfloat16)  # exact: a bf16 value
+    elif SCORES == "fp32":
+        out = x.to(tl.float32)
     elif SCORES == "bf16_ieee":
-        out = _round_bits(x, 16)
+        out = _round_bits(x.to(tl.float32), 16)
     else:  # "tf32", "tf32_ieee"
-        out = _round_bits(x, 13)
+        out = _round_bits(x.to(tl.float32), 13)
     return out
 
 

@@ -167,6 +167,70 @@ def _compact(cand, keep, ar_kp, ar_cw):
 
 
 @triton.jit
+def _level_candidates(
+    kept, ok, lv, lvl_off_ptr, lvl_span_ptr, nfv_base, Nk, hz, first_leaf, cur_f, prev_f, sink_f, here, ar_cw,
+    KP: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr, C: tl.constexpr, LOADED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Level ``lv``'s ``[CW]`` candidate slots, ``BRP`` a kept node above (``kept``, ``ok``:
+    ``[KP]``): ``(off, cand, valid, forced, par_id)``, the level's first row in the pyramid, each
+    slot's node id (0 where invalid), whether it is a node of the level with a key at or before
+    ``hz`` (and inside the window), whether it is an ancestor of a forced leaf or of the query's
+    own, and its parent's id."""
+    off = tl.load(lvl_off_ptr + lv)
+    n_lv = tl.load(lvl_off_ptr + lv + 1) - off
+    span = tl.load(lvl_span_ptr + lv)
+    par = ar_cw // BRP
+    j = ar_cw % BRP
+    # each candidate's parent, gathered within the warp (-1: no kept parent)
+    par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
+    par_ok = (par < KP) & (par_enc >= 0)
+    par_id = tl.where(par_ok, par_enc, 0)
+    cand = par_id * BR + j
+    valid = par_ok & (j < BR) & (cand < n_lv)
+    cand = tl.where(valid, cand, 0)
+    valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
+    if HAS_WINDOW:  # the node's last leaf is at or after the window's first one
+        valid = valid & (cand >= _ancestor(first_leaf, lv, span, BR))
+    forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
+    forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
+    return off, cand, valid, forced & valid, par_id
+
+
+@triton.jit
+def _node_scores(
+    q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale, g_ok, offs_d, d_ok,
+    GP: tl.constexpr, CW: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr, SCORE: tl.constexpr,
+    SCORES: tl.constexpr,
+):  # fmt: skip
+    """``[CW]``: each candidate node's score at level ``lv > 0`` (first row ``off``), the LSE (or
+    mean + var/2) over its visible children's summaries, summed over the group's heads (rows of
+    ``q_s [GP, DP]`` where ``g_ok``); one ``[GP, D] x [D, CW * BRP]`` dot."""
+    coff = tl.load(lvl_off_ptr + lv - 1)
+    n_ch = off - coff
+    ar_ch = tl.arange(0, CW * BRP)
+    owner = ar_ch // BRP
+    jc = ar_ch % BRP
+    # each child slot's candidate, gathered within the warp
+    own_id = tl.gather(cand, owner, 0)
+    own_ok = tl.gather(valid.to(tl.int32), owner, 0) > 0
+    child = own_id * BR + jc
+    c_ok = own_ok & (jc < BR) & (child < n_ch)
+    child = tl.where(c_ok, child, 0)
+    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+    s_t = tl.load(
+        # 64-bit: a node id times its row stride can pass 2**31 elements
+        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+        mask=c_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CW * BRP]
+    logit = tl.reshape(logit, (GP, CW, BRP))
+    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
+    return tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+
+
+@triton.jit
 def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     q_ptr,
     k_ptr,
@@ -283,8 +347,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
         q_ptr + b * stride_qb + (hkv * G + offs_g)[:, None] * stride_qh + i.to(tl.int64) * stride_qn + offs_d[None, :]
     )
     q_raw = tl.load(q_rows, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    q32 = q_raw.to(tl.float32)
-    q_s = _scores_operand(q32, SCORES)  # q32 itself for fp32
+    q_s = _scores_operand(q_raw, SCORES)  # q32 for fp32; bf16 queries as they are for bf16
     summ_base = summ_ptr + b * stride_mb + hkv * stride_mh
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     nfv_base = nfv_ptr + b * T
@@ -301,6 +364,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
         if FORCE_PREV:
             sink = tl.where(prev == 0, -1, sink)
     LOADED: tl.constexpr = HAS_KPM or HAS_LEN  # else a node's first valid key is its first key
+    LOWEST: tl.constexpr = 1 if LEAF_OUT else 0  # the lowest level the loop below walks
     cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
     prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
     sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
@@ -345,53 +409,24 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     # from the level below the start down to the leaves (a loop over these levels only: a branch
     # around a level body that skips the others costs ptxas's divergence handling)
     if N_LEVELS > 1:  # one leaf: the start level is the leaves
+        # from the level below the start down to the leaves (a loop over these levels only: a branch
+        # around a level body that skips the others costs ptxas's divergence handling); with
+        # LEAF_OUT the loop stops above the leaves, whose candidates are written after it
         lv = start - 1
-        while lv >= 0:
-            off = tl.load(lvl_off_ptr + lv)
-            n_lv = tl.load(lvl_off_ptr + lv + 1) - off
-            span = tl.load(lvl_span_ptr + lv)
-            par = ar_cw // BRP
-            j = ar_cw % BRP
-            # each candidate's parent, gathered within the warp (-1: no kept parent)
-            par_enc = tl.gather(tl.where(ok, kept, -1), tl.minimum(par, KP - 1), 0)
-            par_ok = (par < KP) & (par_enc >= 0)
-            par_id = tl.where(par_ok, par_enc, 0)
-            cand = par_id * BR + j
-            valid = par_ok & (j < BR) & (cand < n_lv)
-            cand = tl.where(valid, cand, 0)
-            valid = valid & (_first_valid(nfv_base, off, cand, span, Nk, C, LOADED) <= hz)
-            if HAS_WINDOW:  # the node's last leaf is at or after the window's first one
-                valid = valid & (cand >= _ancestor(first_leaf, lv, span, BR))
-            forced = (cand == _ancestor(cur_f, lv, span, BR)) | (cand == _ancestor(prev_f, lv, span, BR))
-            forced = forced | (cand == _ancestor(sink_f, lv, span, BR)) | (cand == _ancestor(here, lv, span, BR))
-            forced = forced & valid
+        while lv >= LOWEST:
+            off, cand, valid, forced, par_id = _level_candidates(
+                kept, ok, lv, lvl_off_ptr, lvl_span_ptr, nfv_base, Nk, hz, first_leaf, cur_f, prev_f, sink_f, here,
+                ar_cw, KP, BR, BRP, C, LOADED, HAS_WINDOW,
+            )  # fmt: skip
             n_valid = tl.sum(valid.to(tl.int32), axis=0)
             width = tl.where(lv > 0, WIDE, TOPK)  # nodes kept at this level
             scoring = n_valid > width
-            if LEAF_OUT:
-                if lv == 0:
-                    enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
-                    tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
-                    if PAIR_RANKS:
-                        pair = valid & ~forced & (n_valid > TOPK)
-                        rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
-                        if PAIR_SIBLINGS:
-                            # a kept parent's children hold slots par * BRP + j: one rank per parent
-                            n_par = tl.load(lvl_off_ptr + 2) - n_leaves
-                            grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
-                            parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
-                            rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
-                            tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
-                        else:
-                            rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
-                            tl.store(rank_row + ar_cw, rank, mask=pair)
-                scoring = scoring & (lv > 0)
-            # the scan's walk (PRE_SCORES) runs every level's keep unbranched: a level that needs no
-            # scoring (no more valid candidates than its width) keeps them all either way, and a
-            # branch around the keep's warp shuffles costs ptxas's divergence handling (a third of
-            # the walk's instructions)
-            if scoring or PRE_SCORES:
-                score = tl.zeros([CW], dtype=tl.float32)
+            # the scan's walk (PRE_SCORES) and the walks that stop above the leaves (LEAF_OUT) run
+            # every level's keep unbranched: a level that needs no scoring (no more valid
+            # candidates than its width) keeps them all either way, and a branch around the keep's
+            # warp shuffles costs ptxas's divergence handling (a third of the scan walk's
+            # instructions)
+            if scoring or PRE_SCORES or LEAF_OUT:
                 if PRE_SCORES:
                     # this node's score for this query, from the tile scan (the leaves' too for PISA-1)
                     pre_row = pre_ptr + bh * stride_pbh + i.to(tl.int64) * stride_pn - pre_col0
@@ -406,34 +441,20 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                     )
                     logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CW]
                     score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
+                elif LEAF_OUT:
+                    score = _node_scores(
+                        q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
+                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES,
+                    )  # fmt: skip
                 elif lv > 0:
-                    # intermediate node: LSE (or mean + var/2) over its visible children's summaries
-                    coff = tl.load(lvl_off_ptr + lv - 1)
-                    n_ch = off - coff
-                    ar_ch = tl.arange(0, CW * BRP)
-                    owner = ar_ch // BRP
-                    jc = ar_ch % BRP
-                    own_id = tl.sum(tl.where(owner[:, None] == ar_cw[None, :], cand[None, :], 0), axis=1)
-                    own_ok = (
-                        tl.sum(tl.where(owner[:, None] == ar_cw[None, :], valid[None, :].to(tl.int32), 0), axis=1) > 0
-                    )
-                    child = own_id * BR + jc
-                    c_ok = own_ok & (jc < BR) & (child < n_ch)
-                    child = tl.where(c_ok, child, 0)
-                    c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
-                    s_t = tl.load(
-                        # 64-bit: a node id times its row stride can pass 2**31 elements
-                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                        mask=c_ok[None, :] & d_ok[:, None],
-                        other=0.0,
-                    )
-                    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CH]
-                    logit = tl.reshape(logit, (GP, CW, BRP))
-                    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
-                    score = tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
+                    score = _node_scores(
+                        q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
+                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES,
+                    )  # fmt: skip
                 else:
                     # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys, LC candidate
                     # leaves a dot (_leaf_scores)
+                    score = tl.zeros([CW], dtype=tl.float32)
                     ar_lc = tl.arange(0, LC)
                     for c0 in range(0, CW, LC):
                         sub = c0 + ar_lc
@@ -469,10 +490,29 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                 keep = valid
             kept, ok = _compact(cand, keep, ar_kp, ar_cw)
             if TRACE:
-                if not LEAF_OUT or lv > 0:
-                    trace_row = trace_ptr + bh * stride_tbh + i.to(tl.int64) * stride_tn
-                    tl.store(trace_row + lv * KP + ar_kp, tl.where(ok, kept, -1))
+                trace_row = trace_ptr + bh * stride_tbh + i.to(tl.int64) * stride_tn
+                tl.store(trace_row + lv * KP + ar_kp, tl.where(ok, kept, -1))
             lv -= 1
+        if LEAF_OUT:
+            _, cand, valid, forced, par_id = _level_candidates(
+                kept, ok, 0, lvl_off_ptr, lvl_span_ptr, nfv_base, Nk, hz, first_leaf, cur_f, prev_f, sink_f, here,
+                ar_cw, KP, BR, BRP, C, LOADED, HAS_WINDOW,
+            )  # fmt: skip
+            enc = tl.where(valid, tl.where(forced, cand | (1 << 30), cand), -1)
+            tl.store(cand_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn + ar_cw, enc)
+            if PAIR_RANKS:
+                pair = valid & ~forced & (tl.sum(valid.to(tl.int32), axis=0) > TOPK)
+                rank_row = rank_ptr + bh * stride_cbh + i.to(tl.int64) * stride_cn
+                if PAIR_SIBLINGS:
+                    # a kept parent's children hold slots par * BRP + j: one rank per parent
+                    n_par = tl.load(lvl_off_ptr + 2) - n_leaves
+                    grp = tl.max(tl.reshape(pair.to(tl.int32), (CW // BRP, BRP)), axis=1) > 0
+                    parent = tl.max(tl.reshape(par_id, (CW // BRP, BRP)), axis=1)
+                    rank = tl.atomic_add(count_ptr + bh * n_par + parent, 1, mask=grp)
+                    tl.store(rank_row + tl.arange(0, CW // BRP) * BRP, rank, mask=grp)
+                else:
+                    rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
+                    tl.store(rank_row + ar_cw, rank, mask=pair)
     if not LEAF_OUT:
         out = tl.where(ok, kept, -1)
         dst = out_ptr + b * stride_ob + hkv * stride_oh + i.to(tl.int64) * stride_on  # 64-bit: query index x row stride
