@@ -64,6 +64,10 @@
 #                                                the leaf-pairs, per-token and tiled walks in bf16, paper's setting
 #                                                (benchmarks/studies/pisa_select_profile.py); then
 #                                                SmolLM2's heads at 32K: the scan walk beside BSA's scan
+#   bash benchmarks/device_next.sh pisa_rows     PISA's selection beside BSA's bf16 scan on five shapes
+#                                                (benchmarks/studies/pisa_select_rows.py: checksums of the
+#                                                selections), the 256K profile, then the bf16 contract at
+#                                                64K / 256K (pisa_walk_precision.py)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -248,6 +252,14 @@ case "${1:-}" in
     # SmolLM2's shape at 32K, where the end-to-end bar is BSA's time: the scan walk beside BSA's scan
     timeout 120 python3 benchmarks/studies/pisa_select_profile.py --n 32768 --heads 9,3,64 --walks scan,bsa \
       --scores fp32 --json "$out/pisa_select_profile_32768_smollm2_${gpu}.json" 2>&1 | grep -v -i warn || true
+    ;;
+  pisa_rows)
+    timeout 200 python3 benchmarks/studies/pisa_select_rows.py --json "$out/pisa_select_rows_${gpu}.json" \
+      2>&1 | grep -v -i warn || true
+    timeout 150 python3 benchmarks/studies/pisa_select_profile.py --n 262144 --walks leaf_pairs --scores bf16 \
+      --json "$out/pisa_select_profile_262144_${gpu}.json" 2>&1 | grep -v -i warn | head -8 || true
+    timeout 200 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs --scores bf16,tf32 \
+      --ns 65536,262144 --check-rows 64 --json "$out/pisa_walk_leaf_pairs_${gpu}.json" 2>&1 | tail -6 || true
     ;;
   selection_rule)
     smollm2_env

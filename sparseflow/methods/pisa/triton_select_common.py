@@ -61,6 +61,7 @@ def candidate_width(beam: int, top_k: int, branching: int) -> int:
 
 LOG2E = 1.4426950408889634  # log2(e): a logit times it is in base-2 units
 _LN2 = tl.constexpr(0.6931471805599453)  # a kernel reads only constexpr globals
+_LOG2E = tl.constexpr(LOG2E)
 
 
 def log2_scale(scale: float, score: int) -> float:
@@ -89,14 +90,29 @@ def _reduce(logit, okk, SCORE: tl.constexpr):
 
 
 @triton.jit
-def _lse2_scaled(logit, okk, scale):
+def _lse2_scaled(logit, okk, scale, FAST_LOG: tl.constexpr = False):
     """:func:`_reduce`'s base-2 LSE (in natural units) of ``logit * scale`` (``scale > 0``, from
     :func:`log2_scale`) over the entries where ``okk``, from the unscaled logits: the scale
-    multiplies the maxima only and joins each logit's subtraction in one fused multiply-add."""
+    multiplies the maxima only and joins each logit's subtraction in one fused multiply-add.
+    ``FAST_LOG`` (GPU only): the log by the special function unit (:func:`_log2_approx`)."""
     masked = tl.where(okk, logit, float("-inf"))
     mx = tl.max(masked, axis=2) * scale
     mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-    return (mx_s + tl.log2(tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2))) * _LN2
+    total = tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2)
+    if FAST_LOG:
+        out = (mx_s + _log2_approx(total)) * _LN2
+    else:
+        out = (mx_s + tl.log2(total)) * _LN2
+    return out
+
+
+@triton.jit
+def _log2_approx(x):
+    """``log2(x)`` by the special function unit (``lg2.approx.ftz.f32``: absolute error about
+    ``2**-22`` over the LSE's sums, which lie in ``[1, J]``; ``tolerance`` allows 4 ulp of each
+    logit's scale). Triton's ``tl.log2`` is the precise library log, a dozen fused multiply-adds an
+    element. The CPU interpreter cannot run PTX: its walks take ``tl.log2``."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 # --------------------------------------------------------------------------- score precision

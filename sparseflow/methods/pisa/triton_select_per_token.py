@@ -32,6 +32,8 @@ from ...kernels._triton_env import interpreting
 from ...kernels.pdl import pdl_start
 from .config import PISAConfig
 from .triton_select_common import (
+    _LOG2E,
+    _lse2_scaled,
     _p2,
     _reduce,
     _scores_dot,
@@ -66,25 +68,34 @@ def _leaf_chunk(cw: int, cp: int, dp: int, elem_bytes: int, budget: int = 65536)
 
 
 @triton.jit
-def _top_k_keep(valid, forced, score, ar, width):
+def _top_k_keep(valid, forced, score, ar, width, BY_RANK: tl.constexpr = False):
     """Keep the forced entries and the best-scoring others, ``width`` (at most the row's length,
     a runtime value: the level's width) in total (ties to the lower position, i.e. the lower node
     id): returns the kept flags. One bitonic sort of the scores' 32-bit order-preserving bits
     finds the width-th best score; entries above it are kept, and of those equal to it the first
     ones in position order fill the rest (sorting 64-bit keys that carry the position costs more
-    instructions, and the walk is bound by its instructions)."""
+    instructions, and the walk is bound by its instructions). ``BY_RANK``: the same keep by a
+    ``[CW, CW]`` rank compare instead of the sort (an entry is kept when fewer than ``width``
+    rank above it), which compiles to fewer instructions when the scores come from the level's
+    own dot, and to more when they come from the scan's table (sm_90, ``CW`` 16)."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
     key = tl.where(valid, key, float("-inf"))
-    bits = key.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
-    srt = tl.sort(ordered, 0, descending=True)
-    kth = tl.gather(srt, tl.zeros_like(ar) + (width - 1), 0)  # the width-th best, in every lane
-    above = ordered > kth
-    tied = ordered == kth
-    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
-    return valid & (above | (tied & (tied_before < width - tl.sum(above.to(tl.int32), axis=0))))
+    # (if/else, no early return: Triton traces the statements after a return in a constexpr branch)
+    if BY_RANK:
+        ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ar[None, :] < ar[:, None]))
+        keep = valid & (tl.sum(ahead.to(tl.int32), axis=1) < width)
+    else:
+        bits = key.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # float order as signed-int order
+        srt = tl.sort(ordered, 0, descending=True)
+        kth = tl.gather(srt, tl.zeros_like(ar) + (width - 1), 0)  # the width-th best, in every lane
+        above = ordered > kth
+        tied = ordered == kth
+        tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+        keep = valid & (above | (tied & (tied_before < width - tl.sum(above.to(tl.int32), axis=0))))
+    return keep
 
 
 @triton.jit
@@ -224,9 +235,15 @@ def _node_scores(
         mask=c_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CW * BRP]
-    logit = tl.reshape(logit, (GP, CW, BRP))
-    per_head = _reduce(logit, tl.reshape(c_ok, (CW, BRP))[None, :, :], SCORE)
+    logit = tl.reshape(_scores_dot(q_s, s_t, SCORES), (GP, CW, BRP))  # unscaled
+    okk = tl.reshape(c_ok, (CW, BRP))[None, :, :]
+    if SCORE == 0 and SCORES != "fp32":
+        # a lower-precision walk (a stated tolerance) takes the LSE in base 2 on the special
+        # function unit, as the scan's kernels do: a precise log costs a dozen fused multiply-adds
+        # an element, most of a level's arithmetic. The fp32 walk keeps the reference's arithmetic
+        per_head = _lse2_scaled(logit, okk, qk_scale * _LOG2E, SCORES == "bf16" or SCORES == "tf32")
+    else:
+        per_head = _reduce(logit * qk_scale, okk, SCORE)
     return tl.sum(tl.where(g_ok[:, None], per_head, 0.0), axis=0)
 
 
@@ -485,7 +502,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                                 IEEE_KEYS,
                             )
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-                keep = _top_k_keep(valid, forced, score, ar_cw, width)
+                keep = _top_k_keep(valid, forced, score, ar_cw, width, not PRE_SCORES)
             else:
                 keep = valid
             kept, ok = _compact(cand, keep, ar_kp, ar_cw)

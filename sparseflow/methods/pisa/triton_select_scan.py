@@ -333,30 +333,34 @@ def _group_scores(
     SCORE: tl.constexpr,
     HEAD_LOOP: tl.constexpr,
     PREC: tl.constexpr,
+    FAST_LOG: tl.constexpr = False,
 ):
     """``[QP, U]``: each query's score of ``U`` units of ``W`` columns of ``k_t`` (children's
     summaries or raw keys; ``okk [1, U, W]`` the valid ones), summed over the group's heads in
     head order: per-head dots then a sum in registers (``HEAD_LOOP``), or one dot over the packed
     rows then a gather of each query's rows (:func:`_sum_packed_heads`). ``W == 0``: PISA-1, the
-    unit's own logit."""
+    unit's own logit. ``FAST_LOG``: the LSE's log by the special function unit."""
     if HEAD_LOOP:
         total = tl.zeros([QP, U], dtype=tl.float32)
         for g in tl.static_range(G):
-            total += _head_scores(_rows_dot(qs[g], k_t, PREC), qk_scale, okk, R, U, W, SCORE)
+            total += _head_scores(_rows_dot(qs[g], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG)
     else:
-        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC), qk_scale, okk, R, U, W, SCORE)
+        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG)
         total = _sum_packed_heads(per_head, G, R, U, QP)
     return total
 
 
 @triton.jit
-def _head_scores(logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr):
+def _head_scores(
+    logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr,
+    FAST_LOG: tl.constexpr = False,
+):  # fmt: skip
     """``[R, U]`` per-row scores of ``U`` units of ``W`` columns of unscaled logits (``W == 0``:
     the scaled logits themselves, PISA-1's); ``qk_scale`` from :func:`log2_scale`."""
     if W == 0:
         out = logit * qk_scale
     elif SCORE == 0:
-        out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale)
+        out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale, FAST_LOG)
     else:
         out = _reduce(tl.reshape(logit * qk_scale, (R, U, W)), okk, SCORE)
     return out
@@ -560,6 +564,7 @@ def _leaf_pairs_kernel(
     INTERP: tl.constexpr,
     HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    FAST_LOG: tl.constexpr = False,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, unit) pairs of one segment
     (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
@@ -569,7 +574,8 @@ def _leaf_pairs_kernel(
     candidate slot on (a sibling that is not scored for the query gets a score the keep never
     reads). ``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
-    each program's segment, ``n_segments`` past the last program's work."""
+    each program's segment, ``n_segments`` past the last program's work. ``FAST_LOG``: the
+    LSE's log by the special function unit (a walk scoring in bf16 / tf32: a stated tolerance)."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
@@ -612,7 +618,7 @@ def _leaf_pairs_kernel(
             qs = _dot_rows_queries(
                 q_ptr, r_row, r_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC
             )
-            s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC)  # [QBP, UP]
+            s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC, FAST_LOG)
             e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
             flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
             ar_u = tl.arange(0, UP)
@@ -1033,14 +1039,17 @@ def walk_then_leaf_pairs(
         **call.chain,
     )
     if leaf_out:
-        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves)
+        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
     return out
 
 
-def _leaf_pairs_then_keep(call: WalkCall, cand, rank, counts, cw: int, unit, n_units: int, n_leaves: int) -> None:
+def _leaf_pairs_then_keep(
+    call: WalkCall, cand, rank, counts, cw: int, unit, n_units: int, n_leaves: int, scores: str
+) -> None:
     """Stages 3 and 4: the walk's scored (query, leaf) pairs grouped by leaf and scored a leaf's
     keys at a time, then each query's forced leaves plus its best-scoring others into
-    ``call.out``."""
+    ``call.out``. ``scores``: ``Tuning.pisa_scores``; a lower precision than fp32 (a stated
+    tolerance) takes the LSE's log by the special function unit on the GPU."""
     q, k, kpm, nfv, out, meta, chain = call.q, call.k, call.kpm, call.nfv, call.out, call.meta, call.chain
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]
@@ -1090,6 +1099,7 @@ def _leaf_pairs_then_keep(call: WalkCall, cand, rank, counts, cw: int, unit, n_u
         PREC="ieee" if ieee else "exact16",
         INTERP=interpreting(),
         HEAD_LOOP=head_loop,
+        FAST_LOG=scores != "fp32" and not interpreting(),
         num_warps=LAUNCH["leaf_warps"],
         **chain,
     )
