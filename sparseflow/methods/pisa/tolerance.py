@@ -18,7 +18,9 @@ real arithmetic on those same fp32 summaries and keys, for any computation that
 * accumulates the ``D`` products in fp32 in any order and multiplies by ``scale`` in fp32 (or
   folded ``scale`` into ``q`` as above);
 * evaluates the score from its logits (max, exp, log, sums, means, the head sum) in fp32 with
-  ``exp`` / ``log`` within 4 ulp.
+  ``exp`` / ``log`` within 4 ulp (the GPU's lower-precision walks take the LSE in base 2 with the
+  special function unit's ``ex2`` / ``lg2``: relative error about ``2**-22`` for ``ex2``, absolute
+  ``2**-22`` for the log of a sum in ``[1, J]``, inside step 5's allowance below).
 
 ``score_tolerance`` adds the same bound for the reference's own fp32 arithmetic: it bounds
 ``|fast walk's score - reference's fp32 score|``, the quantity the checker needs. A walk whose

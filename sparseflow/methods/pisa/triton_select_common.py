@@ -31,6 +31,7 @@ __all__ = [
     "walk_args",
     "walk_meta",
     "window_args",
+    "rounded_summaries",
     "scores_mode",
     "trace_args",
 ]
@@ -137,6 +138,21 @@ def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
     return summ.to(torch.bfloat16) if scores == "bf16" else summ
 
 
+def rounded_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
+    """The node summaries as a per-token walk kernel launched with ``SUMM_ROUNDED =
+    scores_mode(scores) == "tf32"`` reads them: for tf32 on the GPU the fp32 table rounded here
+    once, to nearest with ties to even (``tolerance.round_to_precision``, as :func:`_round_bits`
+    does in a kernel), so that no level of the walk rounds its tile of summaries again (about
+    eight integer operations an element, which made the tf32 walk the slower of the two lower
+    precisions); otherwise ``summ`` as it is (a bf16 table, :func:`walk_summaries`, passes the
+    bf16 rounding as it is)."""
+    if scores_mode(scores) != "tf32" or summ.dtype != torch.float32:
+        return summ
+    from .tolerance import round_to_precision
+
+    return round_to_precision(summ.contiguous(), "tf32")
+
+
 @triton.jit
 def _round_bits(x, DROP: tl.constexpr):
     """``x`` (fp32) rounded to nearest, ties to even, to ``23 - DROP`` stored mantissa bits
@@ -172,15 +188,20 @@ def _scores_operand(x, SCORES: tl.constexpr):
 
 
 @triton.jit
-def _scores_dot(q_op, s, SCORES: tl.constexpr):
+def _scores_dot(q_op, s, SCORES: tl.constexpr, S_ROUNDED: tl.constexpr = False):
     """``q_op @ s`` in fp32: ``q_op`` from :func:`_scores_operand`, ``s`` the summaries (fp32, or
-    bf16 already rounded: :func:`walk_summaries`), rounded here the same way. ``"fp32"``: the IEEE fp32 dot of the reference's arithmetic."""
+    bf16 already rounded: :func:`walk_summaries`), rounded here the same way unless
+    ``S_ROUNDED`` says they hold the format already (:func:`rounded_summaries`). ``"fp32"``: the
+    IEEE fp32 dot of the reference's arithmetic."""
     if SCORES == "fp32":
         out = tl.dot(q_op, s, input_precision="ieee")
     elif SCORES == "bf16":
         out = tl.dot(q_op, _scores_operand(s, SCORES), out_dtype=tl.float32)
     elif SCORES == "tf32":
-        out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="tf32")
+        if S_ROUNDED:
+            out = tl.dot(q_op, s, input_precision="tf32")
+        else:
+            out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="tf32")
     else:  # the interpreter's: rounded operands, exact products, fp32 sums
         out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="ieee")
     return out

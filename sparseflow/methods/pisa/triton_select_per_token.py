@@ -40,6 +40,7 @@ from .triton_select_common import (
     _scores_operand,
     _window_first_leaf,
     candidate_width,
+    rounded_summaries,
     scores_mode,
     trace_args,
     walk_args,
@@ -212,7 +213,7 @@ def _level_candidates(
 def _node_scores(
     q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale, g_ok, offs_d, d_ok,
     GP: tl.constexpr, CW: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr, SCORE: tl.constexpr,
-    SCORES: tl.constexpr,
+    SCORES: tl.constexpr, SUMM_ROUNDED: tl.constexpr,
 ):  # fmt: skip
     """``[CW]``: each candidate node's score at level ``lv > 0`` (first row ``off``), the LSE (or
     mean + var/2) over its visible children's summaries, summed over the group's heads (rows of
@@ -235,7 +236,7 @@ def _node_scores(
         mask=c_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    logit = tl.reshape(_scores_dot(q_s, s_t, SCORES), (GP, CW, BRP))  # unscaled
+    logit = tl.reshape(_scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED), (GP, CW, BRP))  # unscaled
     okk = tl.reshape(c_ok, (CW, BRP))[None, :, :]
     if SCORE == 0 and SCORES != "fp32":
         # a lower-precision walk (a stated tolerance) takes the LSE in base 2 on the special
@@ -318,6 +319,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     HAS_WINDOW: tl.constexpr = False,
     SCORES: tl.constexpr = "fp32",
     TRACE: tl.constexpr = False,
+    SUMM_ROUNDED: tl.constexpr = False,
 ):
     # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode: "fp32", the
     # reference's IEEE dots; else operands rounded to bf16 / tf32). TRACE: every level's kept
@@ -335,6 +337,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     # (batch x KV head, parent) one of each kept parent with a scored child ([B*Hkv * parents]),
     # and the rank is stored at the parent's first child slot: its children are scored together.
     # PDL: launched as a link of a programmatic-dependent chain (kernels.pdl)
+    # SUMM_ROUNDED: the summaries hold the scores' format already (rounded_summaries, tf32)
     # HAS_WINDOW: the walk inside the query's local window (SLIDING / CHUNK keys): no candidate
     # wholly before the window's first leaf, no forced leaf before it (reference's docstring)
     pdl_start(PDL)
@@ -456,17 +459,17 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         mask=valid[None, :] & d_ok[:, None],
                         other=0.0,
                     )
-                    logit = _scores_dot(q_s, s_t, SCORES) * qk_scale  # [GP, CW]
+                    logit = _scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED) * qk_scale  # [GP, CW]
                     score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
                 elif LEAF_OUT:
                     score = _node_scores(
                         q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
-                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES,
+                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED,
                     )  # fmt: skip
                 elif lv > 0:
                     score = _node_scores(
                         q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
-                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES,
+                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED,
                     )  # fmt: skip
                 else:
                     # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys, LC candidate
@@ -480,27 +483,9 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         l_ok = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
                         if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
                             s_sub = _leaf_scores(
-                                q_raw,
-                                k_base,
-                                kpm_ptr,
-                                b,
-                                leaf,
-                                l_ok,
-                                Nk,
-                                hz,
-                                stride_kn,
-                                qk_scale,
-                                g_ok,
-                                offs_d,
-                                d_ok,
-                                GP,
-                                C,
-                                CP,
-                                LC,
-                                SCORE,
-                                HAS_KPM,
-                                IEEE_KEYS,
-                            )
+                                q_raw, k_base, kpm_ptr, b, leaf, l_ok, Nk, hz, stride_kn, qk_scale, g_ok, offs_d,
+                                d_ok, GP, C, CP, LC, SCORE, HAS_KPM, IEEE_KEYS,
+                            )  # fmt: skip
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
                 keep = _top_k_keep(valid, forced, score, ar_cw, width, not PRE_SCORES)
             else:
@@ -631,7 +616,8 @@ def per_token_walk(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
-    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
+    mode = scores_mode(scores)
+    args = walk_args(q, k, kpm, rounded_summaries(summ, scores), nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
         nfv if length is None else length,
@@ -644,7 +630,8 @@ def per_token_walk(
         HAS_LEN=length is not None,
         **no_scan_args(nfv, trace),
         **window_args(sliding_window, chunk_size),
-        SCORES=scores_mode(scores),
+        SCORES=mode,
+        SUMM_ROUNDED=mode == "tf32",
         TRACE=trace is not None,
         num_warps=warps,
     )

@@ -63,6 +63,7 @@ from .triton_select_common import (
     candidate_width,
     log2_scale,
     _window_first_leaf,
+    rounded_summaries,
     scores_mode,
     trace_args,
     walk_args,
@@ -1007,7 +1008,9 @@ def walk_then_leaf_pairs(
     else:
         (pre, col0), walk_scores, warps = table, "fp32", None
     warps, _ = _launch(cw, warps)
-    args = walk_args(q, k, kpm, summ, nfv, call.lvl_off, call.lvl_span, out, call.scale)
+    # the walk reads the summaries only where it scores the nodes itself (no table)
+    walk_summ = summ if table is not None else rounded_summaries(summ, scores)
+    args = walk_args(q, k, kpm, walk_summ, nfv, call.lvl_off, call.lvl_span, out, call.scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
         nfv,  # no device length
@@ -1033,6 +1036,7 @@ def walk_then_leaf_pairs(
         PAIR_RANKS=leaf_out,
         PAIR_SIBLINGS=unit[1] > 1,
         SCORES=walk_scores,
+        SUMM_ROUNDED=walk_scores == "tf32",
         **call.window,
         TRACE=trace is not None,
         num_warps=warps,

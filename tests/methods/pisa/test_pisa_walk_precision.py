@@ -231,3 +231,27 @@ def test_bf16_walks_read_bf16_summaries_and_select_the_same(walk, monkeypatch):
     assert seen == [torch.bfloat16]
     monkeypatch.setattr(ts, "walk_summaries", lambda summ, scores: summ)  # fp32, rounded in the kernel
     assert torch.equal(got, ts.pisa_select(q, k, key_padding_mask=kpm, tuning=tuning, **cfg))
+
+
+def test_tf32_walks_read_summaries_rounded_once(monkeypatch):
+    """On the GPU a tf32 walk reads its summaries rounded once on the host (``rounded_summaries``,
+    with ``SUMM_ROUNDED``) instead of rounding its tile at every level: the host rounds as the
+    kernels do, and the kernels' rounding of a rounded value is the identity, so the dots see the
+    same operands. Under the interpreter (and for the other precisions) the table passes as it is."""
+    from sparseflow.methods.pisa import triton_select_common as common
+
+    summ = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(3)) * 1e2
+    summ[0, 0, 0, :4] = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, float("inf"), 3e38])  # ties, inf, large
+    assert common.rounded_summaries(summ, "tf32") is summ  # the interpreter rounds in the kernel
+    for scores in ("fp32", "bf16"):
+        assert common.rounded_summaries(summ, scores) is summ
+    monkeypatch.setattr(common, "interpreting", lambda: False)  # as on the GPU
+    table = common.rounded_summaries(summ, "tf32")
+    want = round_to_precision(summ, "tf32")
+    assert table.shape == summ.shape and torch.equal(table.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(table, summ)  # it rounds
+    assert common.rounded_summaries(summ.to(torch.bfloat16), "tf32").dtype == torch.bfloat16
+    flat = table.flatten()[:64].contiguous().to(DEVICE)
+    again = torch.empty_like(flat)
+    _rounded[(1,)](flat, again, DROP=13)  # the kernels' rounding, applied to the rounded table
+    assert torch.equal(again.view(torch.int32), flat.view(torch.int32))
