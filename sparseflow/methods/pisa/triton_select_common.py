@@ -110,10 +110,11 @@ def _lse2_scaled(logit, okk, scale, FAST_LOG: tl.constexpr = False):
 @triton.jit
 def _log2_approx(x):
     """``log2(x)`` by the special function unit (``lg2.approx.ftz.f32``: absolute error about
-    ``2**-22`` over the LSE's sums, which lie in ``[1, J]``; ``tolerance`` allows 4 ulp of each
-    logit's scale). Triton's ``tl.log2`` is the precise library log, a dozen fused multiply-adds an
-    element. The CPU interpreter cannot run PTX: its walks take ``tl.log2``."""
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    ``2**-22`` over the LSE's sums, which lie in ``[1, J]``, or are 0 where no entry is valid:
+    -inf, as ``tl.log2`` gives; ``tolerance`` allows 4 ulp of each logit's scale). Triton's
+    ``tl.log2`` is the precise library log, a dozen fused multiply-adds an element. The CPU
+    interpreter cannot run PTX: its walks take ``tl.log2``."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 # --------------------------------------------------------------------------- score precision
@@ -139,14 +140,14 @@ def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
 
 
 def rounded_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
-    """The node summaries as a per-token walk kernel launched with ``SUMM_ROUNDED =
-    scores_mode(scores) == "tf32"`` reads them: for tf32 on the GPU the fp32 table rounded here
-    once, to nearest with ties to even (``tolerance.round_to_precision``, as :func:`_round_bits`
-    does in a kernel), so that no level of the walk rounds its tile of summaries again (about
-    eight integer operations an element, which made the tf32 walk the slower of the two lower
-    precisions); otherwise ``summ`` as it is (a bf16 table, :func:`walk_summaries`, passes the
-    bf16 rounding as it is)."""
-    if scores_mode(scores) != "tf32" or summ.dtype != torch.float32:
+    """The node summaries as a walk kernel launched with ``SUMM_ROUNDED = scores_mode(scores) ==
+    "tf32"`` reads them: for tf32 on the GPU the table rounded once a call, before the launch, to
+    nearest with ties to even (``tolerance.round_to_precision``, as :func:`_round_bits` does in a
+    kernel), so that no level of the walk rounds its tile again (about eight integer operations
+    an element, which made the tf32 walk the slower of the two lower precisions); otherwise
+    ``summ`` as it is. For the prefill walks only: a decoding step would round its cache's whole
+    table at every step."""
+    if scores_mode(scores) != "tf32":
         return summ
     from .tolerance import round_to_precision
 

@@ -26,15 +26,7 @@ from torch.library import triton_op, wrap_triton
 
 from ...kernels._triton_env import interpreting
 from .triton_select import level_sizes
-from .triton_select_common import (
-    _p2,
-    candidate_width,
-    rounded_summaries,
-    scores_mode,
-    walk_args,
-    walk_meta,
-    window_args,
-)
+from .triton_select_common import _p2, candidate_width, scores_mode, walk_args, walk_meta, window_args
 from .triton_select_per_token import _launch, _leaf_scores, _pisa_select_kernel, no_scan_args
 from .triton_select_scan import LAUNCH, _leaf_keep_kernel, queries_per_program
 
@@ -229,8 +221,7 @@ def leaf_split_walk(
     leaf_scores = torch.empty(b * hkv, n_q, cw, dtype=torch.float32, device=q.device)
     group = hq // hkv
     len_arg = nfv if length is None else length  # nfv: a placeholder, never read
-    mode = scores_mode(scores)
-    args = walk_args(q, k, None, rounded_summaries(summ, scores), nfv, lvl_off, lvl_span, out, scale)
+    args = walk_args(q, k, None, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
         len_arg,  # the length pointer follows out_ptr
@@ -244,8 +235,7 @@ def leaf_split_walk(
         HAS_LEN=length is not None,
         LEAF_OUT=True,
         **window_args(0, 0),  # decoding walks without a window
-        SCORES=mode,
-        SUMM_ROUNDED=mode == "tf32",
+        SCORES=scores_mode(scores),
         num_warps=_launch(cw, warps)[0],
     )
     lc = leaves_per_program(cw, meta["CP"])

@@ -40,7 +40,6 @@ from .triton_select_common import (
     _scores_operand,
     _window_first_leaf,
     candidate_width,
-    rounded_summaries,
     scores_mode,
     trace_args,
     walk_args,
@@ -78,7 +77,9 @@ def _top_k_keep(valid, forced, score, ar, width, BY_RANK: tl.constexpr = False):
     instructions, and the walk is bound by its instructions). ``BY_RANK``: the same keep by a
     ``[CW, CW]`` rank compare instead of the sort (an entry is kept when fewer than ``width``
     rank above it), which compiles to fewer instructions when the scores come from the level's
-    own dot, and to more when they come from the scan's table (sm_90, ``CW`` 16)."""
+    own dot, and to more when they come from the scan's table (sm_90, ``CW`` 16); its
+    ``[CW, CW]`` compare is for small widths only. The two differ on signed zeros alone: the sort
+    orders -0.0 below +0.0, the rank compare ties them, as the reference's sort does."""
     big = 3.0e38
     key = tl.where(score != score, -big, tl.minimum(tl.maximum(score, -big), big))
     key = tl.where(forced, float("inf"), key)
@@ -426,12 +427,12 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                     t_vis = t_vis & (ar_kp >= _ancestor(first_leaf, t_lv, t_span, BR))
                 t_ids, t_ok = _compact(ar_kp, t_vis, ar_kp, ar_kp)
                 tl.store(trace_row + t_lv * KP + ar_kp, tl.where(t_ok, t_ids, -1))
-    # from the level below the start down to the leaves (a loop over these levels only: a branch
-    # around a level body that skips the others costs ptxas's divergence handling)
     if N_LEVELS > 1:  # one leaf: the start level is the leaves
         # from the level below the start down to the leaves (a loop over these levels only: a branch
         # around a level body that skips the others costs ptxas's divergence handling); with
-        # LEAF_OUT the loop stops above the leaves, whose candidates are written after it
+        # LEAF_OUT the loop stops above the leaves, whose candidates are written after it (its
+        # callers run it only with more leaves than TOPK, so the start is above the leaves and
+        # ``kept`` holds level-1 nodes there: leaf_pairs_cover, leaf_split, the pyramid cache)
         lv = start - 1
         while lv >= LOWEST:
             off, cand, valid, forced, par_id = _level_candidates(
@@ -487,7 +488,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                                 d_ok, GP, C, CP, LC, SCORE, HAS_KPM, IEEE_KEYS,
                             )  # fmt: skip
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
-                keep = _top_k_keep(valid, forced, score, ar_cw, width, not PRE_SCORES)
+                keep = _top_k_keep(valid, forced, score, ar_cw, width, not PRE_SCORES and CW <= 32)
             else:
                 keep = valid
             kept, ok = _compact(cand, keep, ar_kp, ar_cw)
@@ -616,8 +617,7 @@ def per_token_walk(
         q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
-    mode = scores_mode(scores)
-    args = walk_args(q, k, kpm, rounded_summaries(summ, scores), nfv, lvl_off, lvl_span, out, scale)
+    args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],
         nfv if length is None else length,
@@ -630,8 +630,7 @@ def per_token_walk(
         HAS_LEN=length is not None,
         **no_scan_args(nfv, trace),
         **window_args(sliding_window, chunk_size),
-        SCORES=mode,
-        SUMM_ROUNDED=mode == "tf32",
+        SCORES=scores_mode(scores),
         TRACE=trace is not None,
         num_warps=warps,
     )

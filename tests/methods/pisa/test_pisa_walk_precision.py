@@ -234,24 +234,29 @@ def test_bf16_walks_read_bf16_summaries_and_select_the_same(walk, monkeypatch):
 
 
 def test_tf32_walks_read_summaries_rounded_once(monkeypatch):
-    """On the GPU a tf32 walk reads its summaries rounded once on the host (``rounded_summaries``,
-    with ``SUMM_ROUNDED``) instead of rounding its tile at every level: the host rounds as the
-    kernels do, and the kernels' rounding of a rounded value is the identity, so the dots see the
-    same operands. Under the interpreter (and for the other precisions) the table passes as it is."""
+    """On the GPU a tf32 prefill walk reads its summaries rounded once before the launch
+    (``rounded_summaries``, with ``SUMM_ROUNDED``) instead of rounding its tile at every level: the
+    table is rounded as the kernels round, and the kernels' rounding of a rounded value is the
+    identity, so the dots see the same operands. Under the interpreter (and for the other
+    precisions) the table passes as it is."""
     from sparseflow.methods.pisa import triton_select_common as common
 
     summ = torch.randn(2, 3, 40, 16, generator=torch.Generator().manual_seed(3)) * 1e2
     summ[0, 0, 0, :4] = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, float("inf"), 3e38])  # ties, inf, large
+    monkeypatch.setattr(common, "interpreting", lambda: True)
     assert common.rounded_summaries(summ, "tf32") is summ  # the interpreter rounds in the kernel
+    monkeypatch.setattr(common, "interpreting", lambda: False)  # as on the GPU
     for scores in ("fp32", "bf16"):
         assert common.rounded_summaries(summ, scores) is summ
-    monkeypatch.setattr(common, "interpreting", lambda: False)  # as on the GPU
     table = common.rounded_summaries(summ, "tf32")
-    want = round_to_precision(summ, "tf32")
-    assert table.shape == summ.shape and torch.equal(table.view(torch.int32), want.view(torch.int32))
-    assert not torch.equal(table, summ)  # it rounds
-    assert common.rounded_summaries(summ.to(torch.bfloat16), "tf32").dtype == torch.bfloat16
+    assert table.shape == summ.shape and table.dtype == torch.float32 and not torch.equal(table, summ)
+    raw = summ.flatten()[:64].contiguous().to(DEVICE)
+    by_kernel = torch.empty_like(raw)
+    _rounded[(1,)](raw, by_kernel, DROP=13)  # the kernels' own rounding of the raw summaries
     flat = table.flatten()[:64].contiguous().to(DEVICE)
+    assert torch.equal(flat.view(torch.int32), by_kernel.view(torch.int32))
     again = torch.empty_like(flat)
-    _rounded[(1,)](flat, again, DROP=13)  # the kernels' rounding, applied to the rounded table
+    _rounded[(1,)](flat, again, DROP=13)  # and of the rounded table: the identity
     assert torch.equal(again.view(torch.int32), flat.view(torch.int32))
+    half = common.rounded_summaries(summ.to(torch.bfloat16), "tf32")  # a 16-bit table: rounded as fp32
+    assert half.dtype == torch.float32 and torch.equal(half, summ.to(torch.bfloat16).float())
