@@ -281,6 +281,13 @@ def kernel_launches_and_us(fn: Callable[[], object], reps: int = 10, warmup: int
     return per_name
 
 
+def kernel_rows(fn: Callable[[], object], reps: int = 5, warmup: int = 3) -> List[Tuple[str, float, float]]:
+    """``(kernel name, ms per call, launches per call)`` of ``fn``'s CUDA kernels, the slowest first
+    (:func:`kernel_launches_and_us`): a profile study's table."""
+    rows = [(name, us / 1000.0, count) for name, (count, us) in kernel_launches_and_us(fn, reps, warmup).items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def kernel_us_by_name(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> Dict[str, float]:
     """Mean GPU time per call (us) of each CUDA kernel name ``fn`` launches
     (:func:`kernel_launches_and_us`)."""

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
-from sparseflow.methods.pbs import triton_gather as TG
-from sparseflow.methods.pbs import triton_select as S
-from sparseflow.methods.pbs.permutation import key_scores, segment_permutation
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import kernel_rows  # noqa: E402
+
+from sparseflow.methods.pbs import triton_gather as TG  # noqa: E402
+from sparseflow.methods.pbs import triton_select as S  # noqa: E402
+from sparseflow.methods.pbs.permutation import key_scores, segment_permutation  # noqa: E402
 
 
 def main() -> None:
@@ -47,22 +53,10 @@ def main() -> None:
                 moments_product=a.product,
             )
 
-        for _ in range(3):
-            stage()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                stage()
-            torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if t > 0:
-                rows.append((e.key[:90], t / 5 / 1000.0, e.count // 5))
-        rows.sort(key=lambda r: -r[1])
+        rows = kernel_rows(stage)
         print(f"== {scoring} n={a.n} heads={a.heads} product={a.product}: total {sum(r[1] for r in rows):.3f} ms")
         for name, ms, cnt in rows[:14]:
-            print(f"  {ms:8.3f} ms  x{cnt:<4d} {name}")
+            print(f"  {ms:8.3f} ms  x{cnt:<4.0f} {name[:90]}")
         out[scoring] = rows
     if a.json:
         with open(a.json, "w") as fh:

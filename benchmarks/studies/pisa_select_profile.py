@@ -16,33 +16,13 @@ import json
 import os
 import sys
 
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from common import env_info  # noqa: E402
+from common import env_info, kernel_rows  # noqa: E402
 from pisa import pisa_inputs  # noqa: E402
-
-REPS = 5
-
-
-def kernel_rows(fn) -> list:
-    """``(kernel, ms per call, launches per call)`` of ``fn``'s CUDA kernels, slowest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPS):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            rows.append((e.key[:90], t / REPS / 1000.0, e.count // REPS))
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def main() -> None:
@@ -70,7 +50,7 @@ def main() -> None:
         total = sum(r[1] for r in rows)
         print(f"== {walk} n={a.n} scores={a.scores}: {total:.3f} ms of kernels a call")
         for name, ms, count in rows[:12]:
-            print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{count:<3d} {name}")
+            print(f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{count:<3.0f} {name[:90]}")
         out["walks"][walk] = {"total_ms": total, "kernels": rows}
     if a.json:
         with open(a.json, "w") as fh:

@@ -462,12 +462,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                     )
                     logit = _scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED) * qk_scale  # [GP, CW]
                     score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
-                elif LEAF_OUT:
-                    score = _node_scores(
-                        q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
-                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED,
-                    )  # fmt: skip
-                elif lv > 0:
+                elif LEAF_OUT or lv > 0:  # constant with LEAF_OUT: no leaf scoring compiled
                     score = _node_scores(
                         q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
                         g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED,
