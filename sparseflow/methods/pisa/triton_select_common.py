@@ -242,6 +242,22 @@ def _rows_compact(cand, keep, ar_kp):
 # --------------------------------------------------------------------------- walk kernel arguments
 
 
+def passes_int32(t: torch.Tensor) -> bool:
+    """Whether an element offset inside one (batch, head) slice of ``t`` (``[B, H, rows, D]``,
+    any strides) can pass 2**31: the walks then take a row's offset in 64 bits (``I64_ROWS``)."""
+    return (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3) >= 2**31 - 1
+
+
+@triton.jit
+def _row_offsets(rows, stride, I64_ROWS: tl.constexpr):
+    """``rows * stride``, the element offset of rows inside one (batch, head) slice, in 64 bits
+    only where the slice passes 2**31 elements (``I64_ROWS``): a 64-bit product costs about six
+    more instructions an element loaded, a tenth of a walk level's."""
+    if I64_ROWS:
+        return rows.to(tl.int64) * stride
+    return rows * stride
+
+
 def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:
     """The positional arguments of the per-token and the tiled walk kernels (the same in both):
     pointers (``nfv`` stands in for an absent ``kpm``), strides, sizes and the scale."""
@@ -274,11 +290,12 @@ def _window_first_leaf(p, SLIDING, CHUNK, C: tl.constexpr, HAS_WINDOW: tl.conste
 
 
 def walk_meta(
-    q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+    q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
 ) -> dict:
     """The compile-time arguments the two walk kernels share (the walk's shape and rules)."""
     d = q.shape[-1]
     return dict(
+        I64_ROWS=any(passes_int32(t) for t in (q, k, summ)),
         N_LEVELS=lvl_span.shape[0],
         HAS_KPM=kpm is not None,
         IS_CAUSAL=is_causal,

@@ -83,6 +83,7 @@ def _leaf_split_kernel(
     TOPK: tl.constexpr,
     LC: tl.constexpr,
     IEEE: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """Program (query ``i``, chunk, batch x KV head): the chunk's ``LC`` candidate slots of the
     query's row in ``cand`` (``[B*Hkv, Nq, CW]``: -1 invalid, ``id | 2**30`` forced), each scored
@@ -132,6 +133,7 @@ def _leaf_split_kernel(
             SCORE,
             False,
             IEEE,
+            I64_ROWS,
         )
         tl.store(score_ptr + row + sub, score, mask=l_ok)
 
@@ -215,7 +217,7 @@ def leaf_split_walk(
         return out
     cw = candidate_width(beam, top_k, branching)
     meta = walk_meta(
-        q, k, None, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+        q, k, None, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     cand = torch.empty(b * hkv, n_q, cw, dtype=torch.int32, device=q.device)
     leaf_scores = torch.empty(b * hkv, n_q, cw, dtype=torch.float32, device=q.device)
@@ -266,6 +268,7 @@ def leaf_split_walk(
         TOPK=top_k,
         LC=lc,
         IEEE=q.dtype == torch.float32 or interpreting(),
+        I64_ROWS=meta["I64_ROWS"],
         num_warps=4,
     )
     # the keep's tile: no more queries than the call has (a decoding step has one; a [BQ, CW, CW]

@@ -118,7 +118,7 @@ def pairs_walk(
     if why is not None:  # the walk would keep every leaf without writing a candidate
         raise ValueError(f"the leaf-pairs walk does not take this call: {why}")
     meta = walk_meta(
-        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+        q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     window = window_args(sliding_window, chunk_size)
     call = WalkCall(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale, meta, pdl_launch(q, pdl), window)

@@ -36,6 +36,7 @@ from .triton_select_common import (
     _lse2_scaled,
     _p2,
     _reduce,
+    _row_offsets,
     _scores_dot,
     _scores_operand,
     _window_first_leaf,
@@ -122,6 +123,7 @@ def _leaf_scores(
     SCORE: tl.constexpr,
     HAS_KPM: tl.constexpr,
     IEEE_KEYS: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """``[LC]``: each of ``LC`` candidate leaves' score for one query, the exact LSE (or mean +
     var/2) over its valid keys at or before ``hz``, summed over the group's heads (rows of
@@ -133,8 +135,7 @@ def _leaf_scores(
     if HAS_KPM:
         kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
     k_t = tl.load(
-        # 64-bit: a key position times a row stride can pass 2**31 elements
-        k_base + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+        k_base + _row_offsets(pos, stride_kn, I64_ROWS)[None, :] + offs_d[:, None],
         mask=kok[None, :] & d_ok[:, None],
         other=0.0,
     )
@@ -214,7 +215,7 @@ def _level_candidates(
 def _node_scores(
     q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale, g_ok, offs_d, d_ok,
     GP: tl.constexpr, CW: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr, SCORE: tl.constexpr,
-    SCORES: tl.constexpr, SUMM_ROUNDED: tl.constexpr,
+    SCORES: tl.constexpr, SUMM_ROUNDED: tl.constexpr, I64_ROWS: tl.constexpr,
 ):  # fmt: skip
     """``[CW]``: each candidate node's score at level ``lv > 0`` (first row ``off``), the LSE (or
     mean + var/2) over its visible children's summaries, summed over the group's heads (rows of
@@ -224,17 +225,18 @@ def _node_scores(
     ar_ch = tl.arange(0, CW * BRP)
     owner = ar_ch // BRP
     jc = ar_ch % BRP
-    # each child slot's candidate, gathered within the warp
-    own_id = tl.gather(cand, owner, 0)
-    own_ok = tl.gather(valid.to(tl.int32), owner, 0) > 0
-    child = own_id * BR + jc
-    c_ok = own_ok & (jc < BR) & (child < n_ch)
+    # each child slot's candidate (-1: none), gathered within the warp
+    own = tl.gather(tl.where(valid, cand, -1), owner, 0)
+    child = own * BR + jc
+    c_ok = (own >= 0) & (jc < BR) & (child < n_ch)
     child = tl.where(c_ok, child, 0)
     c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) <= hz)
+    # every slot loads a row of the level (an invalid one its first, which every pyramid holds):
+    # its column of the dot is masked out below, and a load without a row mask spares the
+    # zeroing and predicates of each 16-byte load
     s_t = tl.load(
-        # 64-bit: a node id times its row stride can pass 2**31 elements
-        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-        mask=c_ok[None, :] & d_ok[:, None],
+        summ_base + _row_offsets(coff + child, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
+        mask=d_ok[:, None],
         other=0.0,
     )
     logit = tl.reshape(_scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED), (GP, CW, BRP))  # unscaled
@@ -321,6 +323,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     SCORES: tl.constexpr = "fp32",
     TRACE: tl.constexpr = False,
     SUMM_ROUNDED: tl.constexpr = False,
+    I64_ROWS: tl.constexpr = True,
 ):
     # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode: "fp32", the
     # reference's IEEE dots; else operands rounded to bf16 / tf32). TRACE: every level's kept
@@ -455,8 +458,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                 elif SCORE == 1:
                     # PISA-1: q . mean(node) * scale
                     s_t = tl.load(
-                        # 64-bit: a node id times its row stride can pass 2**31 elements
-                        summ_base + (off + cand).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        summ_base + _row_offsets(off + cand, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
                         mask=valid[None, :] & d_ok[:, None],
                         other=0.0,
                     )
@@ -465,7 +467,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                 elif LEAF_OUT or lv > 0:  # constant with LEAF_OUT: no leaf scoring compiled
                     score = _node_scores(
                         q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
-                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED,
+                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED, I64_ROWS,
                     )  # fmt: skip
                 else:
                     # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys, LC candidate
@@ -480,7 +482,7 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                         if tl.sum(l_ok.to(tl.int32), axis=0) > 0:
                             s_sub = _leaf_scores(
                                 q_raw, k_base, kpm_ptr, b, leaf, l_ok, Nk, hz, stride_kn, qk_scale, g_ok, offs_d,
-                                d_ok, GP, C, CP, LC, SCORE, HAS_KPM, IEEE_KEYS,
+                                d_ok, GP, C, CP, LC, SCORE, HAS_KPM, IEEE_KEYS, I64_ROWS,
                             )  # fmt: skip
                             score += tl.sum(tl.where(pick, s_sub[:, None], 0.0), axis=0)
                 keep = _top_k_keep(valid, forced, score, ar_cw, width, not PRE_SCORES and CW <= 32)
@@ -609,7 +611,7 @@ def per_token_walk(
     # summation order; the interpreter's 16-bit dot is not trustworthy, so it gets fp32
     ieee = q.dtype == torch.float32 or interpreting()
     meta = walk_meta(
-        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+        q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     lc = _leaf_chunk(cw, meta["CP"], meta["DP"], 4 if ieee else 2, leaf_bytes)
     args = walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale)

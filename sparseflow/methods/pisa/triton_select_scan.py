@@ -56,6 +56,7 @@ from .triton_select_common import (
     _p2,
     _lse2_scaled,
     _reduce,
+    _row_offsets,
     _rows_compact,
     _rows_top_k_keep,
     _scores_dot,
@@ -265,6 +266,7 @@ def _dot_rows_queries(
     R: tl.constexpr,
     HEAD_LOOP: tl.constexpr,
     PREC: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """The queries' rows of the dots, a tuple: the ``G`` heads packed into one ``[R, DP]`` block
     (row ``i * G + g``: head ``g`` of query ``row_q[i * G + g]``), or with ``HEAD_LOOP`` one
@@ -276,7 +278,7 @@ def _dot_rows_queries(
                 q_ptr
                 + b * stride_qb
                 + (hkv * G + g) * stride_qh
-                + row_q.to(tl.int64)[:, None] * stride_qn
+                + _row_offsets(row_q, stride_qn, I64_ROWS)[:, None]
                 + offs_d[None, :],
                 mask=q_ok[:, None] & (offs_d < D)[None, :],
                 other=0.0,
@@ -287,7 +289,7 @@ def _dot_rows_queries(
             q_ptr
             + b * stride_qb
             + (hkv * G + tl.arange(0, R) % G)[:, None] * stride_qh
-            + row_q.to(tl.int64)[:, None] * stride_qn
+            + _row_offsets(row_q, stride_qn, I64_ROWS)[:, None]
             + offs_d[None, :],
             mask=q_ok[:, None] & (offs_d < D)[None, :],
             other=0.0,
@@ -411,12 +413,15 @@ def _node_scan_kernel(  # noqa: PLR0912, PLR0915
     HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
     HAS_WINDOW: tl.constexpr = False,
+    I64_ROWS: tl.constexpr = True,
+    FAST_LOG: tl.constexpr = False,
 ):
     """Scores of every node the walk may score, for the tile's ``BQ`` queries, whose heads fill
     the ``R`` dot rows packed (:func:`packed_rows`), or one dot a head (``HEAD_LOOP``, ``R`` rows
     a query each; see the module doc). ``HAS_WINDOW``: the nodes wholly before the local window
     of the tile's first query (whose window starts first) are no candidate of any of its
-    queries: they are not scored, and their columns are never read."""
+    queries: they are not scored, and their columns are never read. ``FAST_LOG``: the LSE's log
+    by the special function unit (a scan scoring in bf16 / tf32: a stated tolerance)."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
@@ -435,7 +440,9 @@ def _node_scan_kernel(  # noqa: PLR0912, PLR0915
     else:
         qi = tile * BQ + rows // G
         q_ok = (rows < BQ * G) & (qi < Nq)
-    qs = _dot_rows_queries(q_ptr, qi, q_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC)
+    qs = _dot_rows_queries(
+        q_ptr, qi, q_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC, I64_ROWS
+    )
     ar_t = tl.arange(0, BQP)
     t_ok = (ar_t < BQ) & (tile * BQ + ar_t < Nq)
     ar_nb = tl.arange(0, NB)
@@ -469,7 +476,7 @@ def _node_scan_kernel(  # noqa: PLR0912, PLR0915
                 if SCORE == 1:
                     # PISA-1: q . mean(node) * scale
                     s_t = tl.load(
-                        summ_base + (off + u).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+                        summ_base + _row_offsets(off + u, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
                         mask=u_ok[None, :] & (offs_d < D)[:, None],
                         other=0.0,
                     )
@@ -483,10 +490,12 @@ def _node_scan_kernel(  # noqa: PLR0912, PLR0915
                     in_lv = (jc < BR) & (owner < n_hi) & (child < off - coff)
                     child = tl.where(in_lv, child, 0)
                     # the summaries load whatever the children hold (an empty node's mean is 0), so
-                    # that this load need not wait for the next one
+                    # that this load need not wait for the next one; a slot outside the level loads
+                    # its first child (masked out of the scores below): a load without a row mask
+                    # spares each 16-byte load its zeroing and predicate
                     s_t = tl.load(
-                        summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
-                        mask=in_lv[None, :] & (offs_d < D)[:, None],
+                        summ_base + _row_offsets(coff + child, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
+                        mask=(offs_d < D)[:, None],
                         other=0.0,
                     )
                     # a scored node's children are all before its query: visible iff they hold a valid key
@@ -495,7 +504,7 @@ def _node_scan_kernel(  # noqa: PLR0912, PLR0915
                     else:  # without key padding every node of a level holds a valid key
                         c_ok = in_lv
                     okc = tl.reshape(c_ok, (NB, BRP))[None, :, :]
-                    score = _group_scores(qs, s_t, okc, qk_scale, G, R, NB, BRP, BQP, SCORE, HEAD_LOOP, PREC)
+                    score = _group_scores(qs, s_t, okc, qk_scale, G, R, NB, BRP, BQP, SCORE, HEAD_LOOP, PREC, FAST_LOG)
                 tl.store(pre_rows + off + u[None, :], score, mask=t_ok[:, None] & u_ok[None, :])
                 u0 += NB
 
@@ -566,6 +575,7 @@ def _leaf_pairs_kernel(
     HEAD_LOOP: tl.constexpr = False,
     PDL: tl.constexpr = False,
     FAST_LOG: tl.constexpr = False,
+    I64_ROWS: tl.constexpr = True,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, unit) pairs of one segment
     (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
@@ -600,30 +610,62 @@ def _leaf_pairs_kernel(
         if HAS_KPM:
             kok = kok & (tl.load(kpm_ptr + b * Nk + pos, mask=kok, other=0) != 0)
         k_t = tl.load(
-            k_ptr + b * stride_kb + hkv * stride_kh + pos.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+            k_ptr + b * stride_kb + hkv * stride_kh + _row_offsets(pos, stride_kn, I64_ROWS)[None, :] + offs_d[:, None],
             mask=kok[None, :] & (offs_d < D)[:, None],
             other=0.0,
         )
         k_t = _dot_operand(k_t, PREC)
-        okk = tl.reshape(kok, (1, UP, CP))
-        ar_r = tl.arange(0, R)
-        r_pair = ar_r if HEAD_LOOP else ar_r // G  # the row's pair in the chunk
-        ar_e = tl.arange(0, QBP)
-        # (the interpreter cannot range() over a runtime bound: it runs every chunk, those past the
-        # segment's end masked out)
-        for c in tl.range(0, CHUNKS if INTERP else tl.cdiv(stop - start, QB), num_stages=STAGES):
-            chunk_start = start + c * QB
-            r_ok = (r_pair < QB) & (chunk_start + r_pair < stop)
-            # the pair's slot in [B*Hkv, Nq, CW], read by each of its head rows (L1 serves the repeats)
-            r_row = (tl.load(order_ptr + chunk_start + r_pair, mask=r_ok, other=0) // CW) % Nq
-            qs = _dot_rows_queries(
-                q_ptr, r_row, r_ok, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC
-            )
-            s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC, FAST_LOG)
-            e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
-            flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
-            ar_u = tl.arange(0, UP)
-            tl.store(score_ptr + flat[:, None] + ar_u[None, :], s_e, mask=e_ok[:, None] & (ar_u < UN)[None, :])
+        row0 = (bh * Nq).to(tl.int32)  # the segment's first row of cand's [B*Hkv*Nq, CW] slots
+        # every key of the unit valid (all but a segment's last unit, without key padding): a
+        # constant mask, which compiles the LSE's masking out of the loop (a tenth of it)
+        full = (tl.min(kok.to(tl.int32), axis=0) > 0) & (UP == UN and CP == C)
+        if full:
+            _score_pair_chunks(
+                q_ptr, k_t, tl.full((1, UP, CP), True, tl.int1), order_ptr, score_ptr, start, stop, row0, b,
+                hkv, stride_qb, stride_qh, stride_qn, qk_scale, offs_d, SCORE, G, D, CW, UN, UP, CP, QB, QBP, R,
+                CHUNKS, STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS,
+            )  # fmt: skip
+        else:
+            _score_pair_chunks(
+                q_ptr, k_t, tl.reshape(kok, (1, UP, CP)), order_ptr, score_ptr, start, stop, row0, b, hkv,
+                stride_qb, stride_qh, stride_qn, qk_scale, offs_d, SCORE, G, D, CW, UN, UP, CP, QB, QBP, R, CHUNKS,
+                STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _score_pair_chunks(
+    q_ptr, k_t, okk, order_ptr, score_ptr, start, stop, row0, b, hkv, stride_qb, stride_qh, stride_qn, qk_scale,
+    offs_d,
+    SCORE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, UN: tl.constexpr, UP: tl.constexpr,
+    CP: tl.constexpr, QB: tl.constexpr, QBP: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
+    STAGES: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, HEAD_LOOP: tl.constexpr, FAST_LOG: tl.constexpr,
+    I64_ROWS: tl.constexpr,
+):  # fmt: skip
+    """:func:`_leaf_pairs_kernel`'s chunks ``[start, stop)`` of its segment's pairs, ``QB`` a
+    chunk, against the unit's keys ``k_t`` (``okk [1, UP, CP]``: the valid ones): each pair's
+    ``UN`` leaf scores stored from its slot on (the interpreter cannot range() over a runtime
+    bound: it runs ``CHUNKS`` chunks, those past the segment's end masked out)."""
+    ar_r = tl.arange(0, R)
+    r_pair = ar_r if HEAD_LOOP else ar_r // G  # the row's pair in the chunk
+    ar_e = tl.arange(0, QBP)
+    ar_u = tl.arange(0, UP)
+    every_row = tl.full([R], True, tl.int1)
+    for c in tl.range(0, CHUNKS if INTERP else tl.cdiv(stop - start, QB), num_stages=STAGES):
+        chunk_start = start + c * QB
+        r_ok = (r_pair < QB) & (chunk_start + r_pair < stop)
+        # the pair's slot in [B*Hkv, Nq, CW], read by each of its head rows (L1 serves the repeats),
+        # less the segment's first row (a subtraction, not a division by Nq); a row past the
+        # chunk reads query 0, whose scores are not stored: the queries' load needs no row mask
+        r_row = tl.load(order_ptr + chunk_start + r_pair, mask=r_ok, other=row0 * CW) // CW - row0
+        qs = _dot_rows_queries(
+            q_ptr, r_row, every_row, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC,
+            I64_ROWS,
+        )  # fmt: skip
+        s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC, FAST_LOG)
+        e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
+        flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
+        tl.store(score_ptr + flat[:, None] + ar_u[None, :], s_e, mask=e_ok[:, None] & (ar_u < UN)[None, :])
 
 
 # most segments the one-program pair index holds in registers; above, torch
@@ -905,7 +947,7 @@ def scan_walk(
     rows, _, cols, col0 = table_shape(b, hkv, n_q, n_leaves, summ.shape[2], score)
     pre = torch.empty(rows, n_q, cols, dtype=torch.float32, device=q.device)
     meta = walk_meta(
-        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+        q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     chain = pdl_launch(q, pdl)
     window = window_args(sliding_window, chunk_size)
@@ -945,12 +987,14 @@ def scan_walk(
         R=scan_rows,
         NB=max(1, LAUNCH["scan_cols"] // meta["BRP"]),
         PREC=scan_dot(q.dtype, scores),
+        I64_ROWS=meta["I64_ROWS"],
+        FAST_LOG=scores != "fp32" and not interpreting(),
         HEAD_LOOP=head_loop,
         num_warps=LAUNCH["scan_warps"],
         **chain,
     )
     walk = WalkCall(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale, meta, chain, window)
-    return walk_then_leaf_pairs(walk, (pre, col0), beam, None, "fp32", trace)
+    return walk_then_leaf_pairs(walk, (pre, col0), beam, None, scores, trace)
 
 
 class WalkCall(NamedTuple):
@@ -1104,6 +1148,7 @@ def _leaf_pairs_then_keep(
         INTERP=interpreting(),
         HEAD_LOOP=head_loop,
         FAST_LOG=scores != "fp32" and not interpreting(),
+        I64_ROWS=meta["I64_ROWS"],
         num_warps=LAUNCH["leaf_warps"],
         **chain,
     )

@@ -75,6 +75,7 @@ from .config import PISAConfig
 from .triton_select_common import (
     _p2,
     _reduce,
+    _row_offsets,
     _rows_compact,
     _rows_top_k_keep,
     _scores_dot,
@@ -232,6 +233,7 @@ def _score_union_means(
     CW: tl.constexpr,
     UN: tl.constexpr,
     SCORES: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """PISA-1 (``mean``) at any level: ``q . summary(node) * scale``, UN union nodes per dot."""
     score = tl.full([BQ, CW], float("-inf"), dtype=tl.float32)
@@ -239,8 +241,7 @@ def _score_union_means(
     while c0 < n_u:  # (while: the interpreter cannot range() over a runtime bound)
         ids, u_ok = _union_chunk(flat, first, slot, n_u, c0, UN)
         s_t = tl.load(
-            # 64-bit: a node id times its row stride can pass 2**31 elements
-            summ_base + (off + ids).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+            summ_base + _row_offsets(off + ids, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
             mask=u_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -278,6 +279,7 @@ def _score_union_nodes(
     BR: tl.constexpr,
     BRP: tl.constexpr,
     SCORES: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """Intermediate ``lse`` / ``mean_var``: over each union node's children that hold a valid key;
     the UN nodes' UN * BRP child summaries are the columns of one dot."""
@@ -292,8 +294,7 @@ def _score_union_nodes(
         child = tl.where(c_ok, child, 0)
         c_ok = c_ok & (tl.load(nfv_base + coff + child, mask=c_ok, other=Nk) < Nk)
         s_t = tl.load(
-            # 64-bit: a node id times its row stride can pass 2**31 elements
-            summ_base + (coff + child).to(tl.int64)[None, :] * stride_mt + offs_d[:, None],
+            summ_base + _row_offsets(coff + child, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
             mask=c_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
@@ -331,6 +332,7 @@ def _score_union_leaves(
     UL: tl.constexpr,
     C: tl.constexpr,
     CP: tl.constexpr,
+    I64_ROWS: tl.constexpr,
 ):
     """Leaf ``lse`` / ``mean_var``: exact over each union leaf's valid raw keys; UL leaves' keys
     (UL * CP columns) per dot, each key block loaded once for the whole tile."""
@@ -345,7 +347,7 @@ def _score_union_leaves(
         pos = tl.where(kok, pos, 0)
         if HAS_KPM:
             kok = kok & (tl.load(kpm_base + pos, mask=kok, other=0) != 0)
-        k_rows = k_base + pos.to(tl.int64)[None, :] * stride_kn  # 64-bit: key position x row stride
+        k_rows = k_base + _row_offsets(pos, stride_kn, I64_ROWS)[None, :]
         k_t = tl.load(k_rows + offs_d[:, None], mask=kok[None, :] & d_ok[:, None], other=0.0)
         if IEEE_KEYS:
             logit = tl.dot(_q_tile(q_ptrs, q_mask, True), k_t.to(tl.float32), input_precision="ieee") * qk_scale
@@ -424,6 +426,7 @@ def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
     HAS_WINDOW: tl.constexpr = False,
     SCORES: tl.constexpr = "fp32",
     TRACE: tl.constexpr = False,
+    I64_ROWS: tl.constexpr = True,
 ):
     # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode); TRACE: every
     # level's kept nodes go to trace_ptr ([B*Hkv, Nq, N_LEVELS, KP], -1 where none), for the
@@ -528,6 +531,7 @@ def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
                     CW,
                     UN,
                     SCORES,
+                    I64_ROWS,
                 )
             elif lv > 0:
                 coff = tl.load(lvl_off_ptr + lv - 1)
@@ -557,6 +561,7 @@ def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
                     BR,
                     BRP,
                     SCORES,
+                    I64_ROWS,
                 )
             else:
                 score = _score_union_leaves(
@@ -584,6 +589,7 @@ def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
                     UL,
                     C,
                     CP,
+                    I64_ROWS,
                 )
             keep = _rows_top_k_keep(valid, forced, score, ar_cw, width)
         else:
@@ -687,7 +693,7 @@ def tiled_walk(
     # as in the per-token walk: 16-bit products are exact in fp32; the interpreter's 16-bit dot is not
     ieee = q.dtype == torch.float32 or interpreting()
     meta = walk_meta(
-        q, k, kpm, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
+        q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam
     )
     wrap_triton(_pisa_select_tiled_kernel)[(triton.cdiv(n_q, bq), b * hkv)](
         *walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale),
