@@ -64,6 +64,9 @@
 #                                                the leaf-pairs, per-token and tiled walks in bf16, paper's setting
 #                                                (benchmarks/studies/pisa_select_profile.py); then
 #                                                SmolLM2's heads at 32K: the scan walk beside BSA's scan
+#   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
+#                                                registers a thread (more programs an SM) against none, in
+#                                                rounds (benchmarks/studies/pisa_walk_registers.py)
 #   bash benchmarks/device_next.sh pisa_rows     PISA's selection beside BSA's bf16 scan on five shapes
 #                                                (benchmarks/studies/pisa_select_rows.py: checksums of the
 #                                                selections), the 256K profile, then the bf16 contract at
@@ -131,6 +134,10 @@ case "${1:-}" in
       --select-ns 65536,262144,1048576 --json "$out/pisa_select_leaf_pairs_${gpu}.json" 2>&1 | tail -12 || true
     timeout 240 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs,per_token --scores bf16 \
       --ns 65536,262144 --check-rows 64 --json "$out/pisa_walk_leaf_pairs_${gpu}.json" 2>&1 | tail -6 || true
+    ;;
+  pisa_regs)
+    timeout 400 python3 benchmarks/studies/pisa_walk_registers.py --caps 0,96,80 \
+      --json "$out/pisa_walk_registers_${gpu}.json" 2>&1 | grep "^n=" || true
     ;;
   pisa_scores)
     timeout 580 python3 benchmarks/studies/pisa_walk_precision.py --json "$out/pisa_walk_precision_${gpu}.json"

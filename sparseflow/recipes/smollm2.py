@@ -28,8 +28,8 @@ reference backend, layer 0 dense in every row. Density is the mean over all 30 a
   <= 0.01 on both texts at 8K (stride 16 is faster but exceeds it on code).
 * Long prompts: from 32K tokens the recipe's PBS settings are a plan calibrated at 32K on the GPU
   (``smollm2_bands``: 2.08x eager dense at KL 0.0085 where this 8K plan gives 1.83x at KL
-  0.0146); from 128K tokens one calibrated at 128K (1.96x at KL 0.036 where this plan gives 2.45x
-  at KL 0.064).
+  0.0146); from 128K tokens one calibrated at 128K (2.02x at KL 0.030; this plan gave 2.45x at
+  KL 0.064 in an earlier run).
 * PISA / BSA: K=16 blocks of 64. At 8K neither is close to dense (KL 0.75 / 0.85 at density 0.40)
   — a fixed K covers a shrinking share of an 8K context; PISA stays below BSA at equal K and C.
 """

@@ -289,7 +289,7 @@ def test_smollm2_runs_the_plans_calibrated_at_32k_and_at_128k_from_those_lengths
 def test_smollm2s_128k_band_is_the_plan_calibrated_on_the_gpu():
     from sparseflow.recipes.smollm2_bands import BAND_128K
 
-    calibrated = load_recipe(os.path.join(RESULTS, "smollm2_plan_128k_h100.json"))
+    calibrated = load_recipe(os.path.join(RESULTS, "calibrate_smollm2_pbs_131072_b0.05_h100.json"))
     assert BAND_128K.configs == calibrated.configs
     assert BAND_128K.layer_overrides == calibrated.layer_overrides
     assert BAND_128K.dense_layers == calibrated.dense_layers
