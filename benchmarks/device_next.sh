@@ -67,10 +67,10 @@
 #   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
 #                                                registers a thread (more programs an SM) against none, in
 #                                                rounds (benchmarks/studies/pisa_walk_registers.py)
-#   bash benchmarks/device_next.sh pisa_rows     PISA's selection beside BSA's bf16 scan on five shapes
+#   bash benchmarks/device_next.sh pisa_rows     PISA's selection beside BSA's bf16 scan on six shapes
 #                                                (benchmarks/studies/pisa_select_rows.py: checksums of the
-#                                                selections), the 256K profile, then the bf16 contract at
-#                                                64K / 256K (pisa_walk_precision.py)
+#                                                selections), the 256K profile, then the contract in fp32,
+#                                                bf16 and tf32 at 64K / 256K (pisa_walk_precision.py)
 #
 # Each writes under $OUT (the device call's folder) and prints its table.
 set -euo pipefail
@@ -265,7 +265,7 @@ case "${1:-}" in
       2>&1 | grep -v -i warn || true
     timeout 150 python3 benchmarks/studies/pisa_select_profile.py --n 262144 --walks leaf_pairs --scores bf16 \
       --json "$out/pisa_select_profile_262144_${gpu}.json" 2>&1 | grep -v -i warn | head -8 || true
-    timeout 200 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs --scores bf16,tf32 \
+    timeout 200 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs --scores fp32,bf16,tf32 \
       --ns 65536,262144 --check-rows 64 --json "$out/pisa_walk_leaf_pairs_${gpu}.json" 2>&1 | tail -6 || true
     ;;
   selection_rule)

@@ -13,7 +13,7 @@ kernel and its launch settings, which the scan runs. Imported lazily; this modul
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -139,6 +139,29 @@ def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
     return summ.to(torch.bfloat16) if scores == "bf16" else summ
 
 
+def summary_parts(summ: torch.Tensor) -> torch.Tensor:
+    """``summ`` (fp32, ``[..., D]``) as three bf16 parts whose sum keeps about fp32's 24 bits,
+    side by side in one row: ``[..., 3 * D]``, the largest first (the scan's ``_bf16x3_parts``
+    split once a call). Dotted with bf16 queries each part's products are exact in fp32."""
+    hi = summ.to(torch.bfloat16)
+    rest = summ - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], dim=-1)
+
+
+def prefill_walk_table(summ: torch.Tensor, scores: str, q_dtype: torch.dtype) -> Tuple[torch.Tensor, str]:
+    """The table a prefill walk reads and its ``SCORES``: for fp32 scores with bf16 queries,
+    :func:`summary_parts` and ``"bf16x3"``: three bf16 tensor-core dots a level, near fp32's
+    accuracy (each part's products exact, fp32 sums), instead of IEEE fp32 dots on the CUDA cores,
+    which spill (under the interpreter, whose bf16 dot is not the hardware's, ``"bf16x3_ieee"``:
+    the same parts in fp32 dots); for tf32, :func:`rounded_summaries`; otherwise the table as it
+    is. A decoding step keeps its cache's fp32 table (it would split the whole table each step)."""
+    if scores == "fp32" and q_dtype == torch.bfloat16:
+        return summary_parts(summ), "bf16x3_ieee" if interpreting() else "bf16x3"
+    return rounded_summaries(summ, scores), scores_mode(scores)
+
+
 def rounded_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
     """The node summaries as a walk kernel launched with ``SUMM_ROUNDED = scores_mode(scores) ==
     "tf32"`` reads them: for tf32 on the GPU the table rounded once a call, before the launch, to
@@ -181,6 +204,10 @@ def _scores_operand(x, SCORES: tl.constexpr):
             out = _round_bits(x.to(tl.float32), 16).to(tl.bfloat16)  # exact: a bf16 value
     elif SCORES == "fp32":
         out = x.to(tl.float32)
+    elif SCORES == "bf16x3":  # bf16 queries (prefill_walk_table), exact in bf16
+        out = x
+    elif SCORES == "bf16x3_ieee":
+        out = x.to(tl.float32)
     elif SCORES == "bf16_ieee":
         out = _round_bits(x.to(tl.float32), 16)
     else:  # "tf32", "tf32_ieee"
@@ -205,6 +232,27 @@ def _scores_dot(q_op, s, SCORES: tl.constexpr, S_ROUNDED: tl.constexpr = False):
             out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="tf32")
     else:  # the interpreter's: rounded operands, exact products, fp32 sums
         out = tl.dot(q_op, _scores_operand(s, SCORES), input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _summary_scores(q_s, rows, mask, offs_d, D: tl.constexpr, SCORES: tl.constexpr, S_ROUNDED: tl.constexpr):
+    """``q_s @ s`` in fp32, ``s [DP, N]`` the summaries whose rows start at ``rows [1, N]``
+    (pointers; ``mask [DP, N]``). ``"bf16x3"``: a row holds a summary's three bf16 parts D apart
+    (:func:`summary_parts`), each dotted with the bf16 queries, the smallest first
+    (``"bf16x3_ieee"``: the interpreter's, in IEEE fp32 dots); else :func:`_scores_dot` of the
+    loaded tile."""
+    ptrs = rows + offs_d[:, None]
+    if SCORES == "bf16x3":
+        out = tl.dot(q_s, tl.load(ptrs + 2 * D, mask=mask, other=0.0), out_dtype=tl.float32)
+        out = tl.dot(q_s, tl.load(ptrs + D, mask=mask, other=0.0), out, out_dtype=tl.float32)
+        out = tl.dot(q_s, tl.load(ptrs, mask=mask, other=0.0), out, out_dtype=tl.float32)
+    elif SCORES == "bf16x3_ieee":
+        out = tl.dot(q_s, tl.load(ptrs + 2 * D, mask=mask, other=0.0).to(tl.float32), input_precision="ieee")
+        out = tl.dot(q_s, tl.load(ptrs + D, mask=mask, other=0.0).to(tl.float32), out, input_precision="ieee")
+        out = tl.dot(q_s, tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), out, input_precision="ieee")
+    else:
+        out = _scores_dot(q_s, tl.load(ptrs, mask=mask, other=0.0), SCORES, S_ROUNDED)
     return out
 
 

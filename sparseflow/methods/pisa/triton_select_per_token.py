@@ -37,8 +37,8 @@ from .triton_select_common import (
     _p2,
     _reduce,
     _row_offsets,
-    _scores_dot,
     _scores_operand,
+    _summary_scores,
     _window_first_leaf,
     candidate_width,
     scores_mode,
@@ -214,8 +214,8 @@ def _level_candidates(
 @triton.jit
 def _node_scores(
     q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale, g_ok, offs_d, d_ok,
-    GP: tl.constexpr, CW: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr, SCORE: tl.constexpr,
-    SCORES: tl.constexpr, SUMM_ROUNDED: tl.constexpr, I64_ROWS: tl.constexpr,
+    GP: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, BR: tl.constexpr, BRP: tl.constexpr,
+    SCORE: tl.constexpr, SCORES: tl.constexpr, SUMM_ROUNDED: tl.constexpr, I64_ROWS: tl.constexpr,
 ):  # fmt: skip
     """``[CW]``: each candidate node's score at level ``lv > 0`` (first row ``off``), the LSE (or
     mean + var/2) over its visible children's summaries, summed over the group's heads (rows of
@@ -234,14 +234,12 @@ def _node_scores(
     # every slot loads a row of the level (an invalid one its first, which every pyramid holds):
     # its column of the dot is masked out below, and a load without a row mask spares the
     # zeroing and predicates of each 16-byte load
-    s_t = tl.load(
-        summ_base + _row_offsets(coff + child, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
-        mask=d_ok[:, None],
-        other=0.0,
-    )
-    logit = tl.reshape(_scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED), (GP, CW, BRP))  # unscaled
+    rows = summ_base + _row_offsets(coff + child, stride_mt, I64_ROWS)[None, :]
+    logit = _summary_scores(q_s, rows, d_ok[:, None], offs_d, D, SCORES, SUMM_ROUNDED)  # unscaled
+    logit = tl.reshape(logit, (GP, CW, BRP))
     okk = tl.reshape(c_ok, (CW, BRP))[None, :, :]
-    if SCORE == 0 and SCORES != "fp32":
+    NEAR_FP32: tl.constexpr = SCORES == "fp32" or SCORES == "bf16x3" or SCORES == "bf16x3_ieee"
+    if SCORE == 0 and not NEAR_FP32:
         # a lower-precision walk (a stated tolerance) takes the LSE in base 2 on the special
         # function unit, as the scan's kernels do: a precise log costs a dozen fused multiply-adds
         # an element, most of a level's arithmetic. The fp32 walk keeps the reference's arithmetic
@@ -457,17 +455,14 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
                     score = tl.load(pre_row + off + cand, mask=valid & scoring, other=0.0)
                 elif SCORE == 1:
                     # PISA-1: q . mean(node) * scale
-                    s_t = tl.load(
-                        summ_base + _row_offsets(off + cand, stride_mt, I64_ROWS)[None, :] + offs_d[:, None],
-                        mask=valid[None, :] & d_ok[:, None],
-                        other=0.0,
-                    )
-                    logit = _scores_dot(q_s, s_t, SCORES, SUMM_ROUNDED) * qk_scale  # [GP, CW]
+                    rows = summ_base + _row_offsets(off + cand, stride_mt, I64_ROWS)[None, :]
+                    mask = valid[None, :] & d_ok[:, None]
+                    logit = _summary_scores(q_s, rows, mask, offs_d, D, SCORES, SUMM_ROUNDED) * qk_scale  # [GP, CW]
                     score = tl.sum(tl.where(g_ok[:, None], logit, 0.0), axis=0)
                 elif LEAF_OUT or lv > 0:  # constant with LEAF_OUT: no leaf scoring compiled
                     score = _node_scores(
                         q_s, summ_base, nfv_base, lvl_off_ptr, lv, off, cand, valid, Nk, hz, stride_mt, qk_scale,
-                        g_ok, offs_d, d_ok, GP, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED, I64_ROWS,
+                        g_ok, offs_d, d_ok, GP, D, CW, BR, BRP, SCORE, SCORES, SUMM_ROUNDED, I64_ROWS,
                     )  # fmt: skip
                 else:
                     # leaf: exact LSE (or mean + var/2) over its valid, visible raw keys, LC candidate

@@ -64,7 +64,8 @@ from .triton_select_common import (
     candidate_width,
     log2_scale,
     _window_first_leaf,
-    rounded_summaries,
+    passes_int32,
+    prefill_walk_table,
     scores_mode,
     trace_args,
     walk_args,
@@ -1048,12 +1049,13 @@ def walk_then_leaf_pairs(
     rank = torch.empty_like(cand) if leaf_out else cand
     group = hq // hkv
     if table is None:
-        pre, col0, walk_scores = nfv, 0, scores_mode(scores)  # nfv: a placeholder, never read
+        # the walk scores the nodes itself, from the summaries as prefill_walk_table lays them out
+        pre, col0 = nfv, 0  # nfv: a placeholder, never read
+        walk_summ, walk_scores = prefill_walk_table(summ, scores, q.dtype)
+        meta = {**meta, "I64_ROWS": meta["I64_ROWS"] or passes_int32(walk_summ)}
     else:
-        (pre, col0), walk_scores, warps = table, "fp32", None
+        (pre, col0), walk_summ, walk_scores, warps = table, summ, "fp32", None
     warps, _ = _launch(cw, warps)
-    # the walk reads the summaries only where it scores the nodes itself (no table)
-    walk_summ = summ if table is not None else rounded_summaries(summ, scores)
     args = walk_args(q, k, kpm, walk_summ, nfv, call.lvl_off, call.lvl_span, out, call.scale)
     wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
         *args[:8],

@@ -1,6 +1,7 @@
 """The leaf-pairs PISA walk (``Tuning.pisa_walk="leaf_pairs"``: the scan walk without its node
 table) against the reference, on the CPU through Triton's interpreter on small, odd shapes; the
-same tests run compiled on CUDA. In fp32 its selection equals the reference's exactly; in bf16 /
+same tests run compiled on CUDA. In fp32 (with bf16 queries: three bf16 parts of each summary,
+near fp32's accuracy) its selection equals the reference's on these cases; in bf16 /
 tf32 its trace keeps PISA's selection contract."""
 
 from __future__ import annotations
@@ -176,3 +177,31 @@ def test_the_walk_refuses_a_call_with_no_leaf_to_score():
         pairs.pairs_walk(
             q, k, None, summ, nfv, lvl_off, lvl_span, 0.25, True, SCORE_CODES["lse"], 8, 2, 5, True, True, 1
         )
+
+
+def test_fp32_walk_on_three_bf16_parts_keeps_the_reference(monkeypatch, walk_calls):
+    """With fp32 scores and bf16 queries the leaf-pairs walk reads the summaries as three bf16
+    parts a row (``summary_parts``: one table, split once a call) and dots each with the queries
+    (bf16 tensor-core dots on a GPU, IEEE fp32 ones in the interpreter): the parts hold each
+    summary to fp32's rounding, and the selection is the reference's."""
+    from sparseflow.methods.pisa import triton_select_common as common
+
+    summ = torch.randn(2, 3, 40, 24, generator=torch.Generator().manual_seed(3)) * 7
+    parts = common.summary_parts(summ)
+    assert parts.dtype == BF16 and parts.shape == (2, 3, 40, 72)
+    total = parts[..., :24].double() + parts[..., 24:48].double() + parts[..., 48:].double()
+    assert ((total - summ.double()).abs() <= summ.double().abs() * 2.0**-24).all()
+    table, mode = common.prefill_walk_table(summ, "fp32", BF16)
+    assert mode == "bf16x3_ieee" and torch.equal(table, parts), "the interpreter's dots are IEEE"
+    assert common.prefill_walk_table(summ, "fp32", F16)[1] == "fp32", "fp16 queries are not exact in bf16"
+    with monkeypatch.context() as gpu:
+        gpu.setattr(common, "interpreting", lambda: False)
+        assert common.prefill_walk_table(summ, "fp32", BF16)[1] == "bf16x3"
+    q, k, _ = walk_inputs(1, 4, 2, 37, 301, 16, BF16, False, seed=8)
+    kw = dict(block_size=8, top_k=7, branching=2, score="lse", is_causal=True)  # 4 kept beside the forced 3
+    spied = []
+    real = common.summary_parts
+    monkeypatch.setattr(common, "summary_parts", lambda s: spied.append(s.shape) or real(s))
+    got = triton_select.pisa_select(q, k, tuning=PAIRS, **kw)
+    assert len(walk_calls) == 1 and len(spied) == 1, "the walk must have read the three parts"
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
