@@ -94,10 +94,22 @@ def _qk(b, hq, nq, nk, d, seed):
     return q.to(torch.float16), k.to(torch.float16)
 
 
-@pytest.mark.parametrize("layout", QK_LAYOUTS.values(), ids=QK_LAYOUTS.keys())
-def test_tiled_walk_reads_queries_and_keys_past_int32_elements(layout):
-    from sparseflow.methods.pisa import triton_select as ts
+def _qk_walk_op(name):
+    from sparseflow.methods.pisa.triton_select_pairs import pisa_select_pairs_fwd
+    from sparseflow.methods.pisa.triton_select_scan import pisa_select_scan_fwd
     from sparseflow.methods.pisa.triton_select_tiled import pisa_select_tiled_fwd
+
+    return {"tiled": pisa_select_tiled_fwd, "scan": pisa_select_scan_fwd, "leaf-pairs": pisa_select_pairs_fwd}[name]
+
+
+@pytest.mark.parametrize("walk_name", ["tiled", "scan", "leaf-pairs"])
+@pytest.mark.parametrize("layout", QK_LAYOUTS.values(), ids=QK_LAYOUTS.keys())
+def test_walks_read_queries_and_keys_past_int32_elements(layout, walk_name):
+    """The tiled walk, and the scan's node scores, walk and leaf pairs, take a row's offset in 32
+    bits only where the tensors' (batch, head) slices stay under 2**31 elements (``I64_ROWS``):
+    the key-major layout passes it inside one head, the batch layout only across batches."""
+    from sparseflow.methods.pisa import triton_select as ts
+    from sparseflow.methods.pisa.triton_select_common import walk_meta
 
     b, hq, nq, nk, d, specs = layout
     k_far, q_far = far_views(specs, torch.float16, DEVICE)
@@ -106,49 +118,12 @@ def test_tiled_walk_reads_queries_and_keys_past_int32_elements(layout):
     q_far.copy_(q)
     c, g, kk = 4, 2, 3
     summ, nfv, _, lvl_off, lvl_span = ts.build_pyramid(k, block_size=c, branching=g)
-
-    def walk(qq, kk_):
-        return pisa_select_tiled_fwd(
-            qq, kk_, None, summ, nfv, lvl_off, lvl_span, d**-0.5, False, 0, c, g, kk, False, False, 1
-        )
-
-    want = walk(q, k)
-    assert (want >= 0).all() and kk < nk // c, "the leaves must be scored from the raw keys"
-    assert not torch.equal(walk(blinded(q, q_far), k), want), "the selection must depend on the far queries"
-    assert not torch.equal(walk(q, blinded(k, k_far)), want), "the selection must depend on the far keys"
-    assert torch.equal(walk(q_far, k_far), want)
-
-
-def _scan_or_pairs_op(name):
-    from sparseflow.methods.pisa.triton_select_pairs import pisa_select_pairs_fwd
-    from sparseflow.methods.pisa.triton_select_scan import pisa_select_scan_fwd
-
-    return {"scan": pisa_select_scan_fwd, "leaf-pairs": pisa_select_pairs_fwd}[name]
-
-
-@pytest.mark.parametrize("walk_name", ["scan", "leaf-pairs"])
-@pytest.mark.parametrize("layout", QK_LAYOUTS.values(), ids=QK_LAYOUTS.keys())
-def test_scan_and_leaf_pairs_read_queries_and_keys_past_int32_elements(layout, walk_name):
-    """The node scan, the walk and the leaf pairs take a row's offset in 32 bits only where the
-    tensors' (batch, head) slices stay under 2**31 elements (``I64_ROWS``): the key-major layout
-    passes it inside one head, the batch layout only across batches."""
-    from sparseflow.methods.pisa import triton_select as ts
-    from sparseflow.methods.pisa.triton_select_common import walk_meta
-
-    b, hq, nq, nk, d, specs = layout
-    k_far, q_far = far_views(specs, torch.float16, DEVICE)
-    q, k = _qk(b, hq, nq, nk, d, seed=5)
-    k_far.copy_(k)
-    q_far.copy_(q)
-    c, g, kk = 4, 2, 3
-    summ, nfv, _, lvl_off, lvl_span = ts.build_pyramid(k, block_size=c, branching=g)
-    rules = (d**-0.5, False, 0, c, g, kk, False, False, 1)
     wide = walk_meta(q_far, k_far, None, summ, lvl_span, False, 0, False, False, c, g, kk, 1)["I64_ROWS"]
     assert wide == (layout is QK_LAYOUTS["key-positions"])
-    op = _scan_or_pairs_op(walk_name)
+    op = _qk_walk_op(walk_name)
 
     def walk(qq, kk_):
-        return op(qq, kk_, None, summ, nfv, lvl_off, lvl_span, *rules)
+        return op(qq, kk_, None, summ, nfv, lvl_off, lvl_span, d**-0.5, False, 0, c, g, kk, False, False, 1)
 
     want = walk(q, k)
     assert (want >= 0).all() and kk < nk // c, "the leaves must be scored from the raw keys"
