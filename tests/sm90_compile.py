@@ -450,7 +450,7 @@ def run_pisa_window(walk, windows=((300, 0),)):
 def run_pisa_scores():
     """Each walk scoring its dots in bf16 and tf32 (``Tuning(pisa_scores=...)``): the rounded
     operands' tensor-core dots are GPU-only code (the interpreter runs them as fp32 dots); the
-    leaf-pairs walk in fp32 and bf16."""
+    leaf-pairs walk in fp32 and bf16; every walk with 64-bit row offsets."""
     from sparseflow import Tuning
     from sparseflow.methods.pisa import triton_select as PT
 
@@ -461,9 +461,29 @@ def run_pisa_scores():
                 PT.pisa_select(
                     q, k, block_size=64, top_k=8, score=score, tuning=Tuning(pisa_walk=walk, pisa_scores=scores)
                 )
-    # the leaf-pairs walk: the per-token kernel scoring its nodes and writing leaf candidates
-    for scores in ("fp32", "bf16"):
-        PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="leaf_pairs", pisa_scores=scores))
+    # the leaf-pairs walk: the per-token kernel scoring its nodes and writing leaf candidates; the
+    # leaf pairs take the approximate log only below fp32 (the flag is host code, as on a GPU here)
+    from sparseflow.methods.pisa import triton_select_scan as scan
+
+    fast_log, run = [], scan._leaf_pairs_kernel.run
+    scan._leaf_pairs_kernel.run = lambda *a, **kw: fast_log.append(kw["FAST_LOG"]) or run(*a, **kw)
+    try:
+        for scores in ("fp32", "bf16"):
+            PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="leaf_pairs", pisa_scores=scores))
+    finally:
+        scan._leaf_pairs_kernel.run = run
+    assert fast_log == [False, True], f"the leaf pairs' FAST_LOG for fp32, bf16 scores: {fast_log}"
+    # every walk with 64-bit row offsets (I64_ROWS: a (batch, head) slice past 2**31 elements,
+    # which no tensor of this size has)
+    from sparseflow.methods.pisa import triton_select_common as common
+
+    passes_int32 = common.passes_int32
+    common.passes_int32 = lambda t: True
+    try:
+        for walk, scores in (("per_token", "bf16"), ("tiled", "bf16"), ("scan", "bf16"), ("leaf_pairs", "fp32")):
+            PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk=walk, pisa_scores=scores))
+    finally:
+        common.passes_int32 = passes_int32
 
 
 def run_pisa_tiled(cases):

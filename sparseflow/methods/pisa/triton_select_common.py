@@ -32,6 +32,9 @@ __all__ = [
     "walk_meta",
     "window_args",
     "rounded_summaries",
+    "summary_parts",
+    "prefill_walk_table",
+    "passes_int32",
     "scores_mode",
     "trace_args",
 ]
@@ -135,7 +138,8 @@ def scores_mode(scores: str) -> str:
 def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:
     """The node summaries a walk reads for ``Tuning.pisa_scores`` = ``scores``: bf16 for
     ``"bf16"`` (torch rounds to nearest, ties to even, as :func:`_round_bits` does, so the walk's
-    dots see the same operands from half the bytes), else the fp32 table."""
+    dots see the same operands from half the bytes), else the fp32 table (which the leaf-pairs
+    walk lays out again for its own dots: :func:`prefill_walk_table`)."""
     return summ.to(torch.bfloat16) if scores == "bf16" else summ
 
 
@@ -193,10 +197,12 @@ def _round_bits(x, DROP: tl.constexpr):
 
 @triton.jit
 def _scores_operand(x, SCORES: tl.constexpr):
-    """An operand of :func:`_scores_dot` (``SCORES`` from :func:`scores_mode`): fp32 as is for
-    ``"fp32"``, else rounded to the format (bf16 values as bf16 for the GPU's bf16 dot; a bf16
-    ``x``, such as :func:`walk_summaries`' table or bf16 queries, is one already and passes as is:
-    rounding it again is the identity, at about eight integer operations an element)."""
+    """An operand of :func:`_scores_dot` / :func:`_summary_scores` (``SCORES`` from
+    :func:`scores_mode` or :func:`prefill_walk_table`): fp32 as is for ``"fp32"`` (and the
+    queries of ``"bf16x3_ieee"``), bf16 queries as they are for ``"bf16x3"``, else rounded to the
+    format (bf16 values as bf16 for the GPU's bf16 dot; a bf16 ``x``, such as
+    :func:`walk_summaries`' table or bf16 queries, is one already and passes as is: rounding it
+    again is the identity, at about eight integer operations an element)."""
     if SCORES == "bf16":
         if x.dtype == tl.bfloat16:
             out = x
@@ -301,9 +307,12 @@ def _row_offsets(rows, stride, I64_ROWS: tl.constexpr):
     """``rows * stride``, the element offset of rows inside one (batch, head) slice, in 64 bits
     only where the slice passes 2**31 elements (``I64_ROWS``): a 64-bit product costs about six
     more instructions an element loaded, a tenth of a walk level's."""
+    # (if/else, one return: Triton compiles the statements after a return in a constexpr branch)
     if I64_ROWS:
-        return rows.to(tl.int64) * stride
-    return rows * stride
+        out = rows.to(tl.int64) * stride
+    else:
+        out = rows * stride
+    return out
 
 
 def walk_args(q, k, kpm, summ, nfv, lvl_off, lvl_span, out, scale) -> tuple:

@@ -23,7 +23,7 @@ import torch
 from torch.library import triton_op
 
 from .config import PISAConfig
-from .triton_select_common import walk_meta, window_args
+from .triton_select_common import candidate_width, walk_meta, window_args
 from .triton_select_scan import WalkCall, leaf_pairs_cover, walk_then_leaf_pairs
 from ...kernels.pdl import pdl_launch
 
@@ -114,8 +114,10 @@ def pairs_walk(
     out = torch.empty(b, k.shape[1], n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    why = pairs_covers(max(1, -(-k.shape[2] // block_size)), top_k, 0)
-    if why is not None:  # the walk would keep every leaf without writing a candidate
+    # the candidate slots (int32 pair indices) as the dispatcher counts them
+    slots = b * k.shape[1] * n_q * candidate_width(beam, top_k, branching)
+    why = pairs_covers(max(1, -(-k.shape[2] // block_size)), top_k, slots)
+    if why is not None:  # every leaf kept without a candidate written, or slots past int32
         raise ValueError(f"the leaf-pairs walk does not take this call: {why}")
     meta = walk_meta(
         q, k, kpm, summ, lvl_span, is_causal, score, force_sink, force_previous, block_size, branching, top_k, beam

@@ -324,7 +324,8 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     I64_ROWS: tl.constexpr = True,
 ):
     # SCORES: the summary dots' arithmetic (triton_select_common.scores_mode: "fp32", the
-    # reference's IEEE dots; else operands rounded to bf16 / tf32). TRACE: every level's kept
+    # reference's IEEE dots; else operands rounded to bf16 / tf32; or prefill_walk_table's
+    # "bf16x3" / "bf16x3_ieee": a table of three bf16 parts a summary). TRACE: every level's kept
     # nodes go to trace_ptr ([B*Hkv, Nq, N_LEVELS, KP], -1 where none; with LEAF_OUT the leaf
     # level is left to the caller), for the tests' contract check (triton_trace).
     # PRE_SCORES / LEAF_OUT: the scan walk's middle stage (triton_select_scan). PRE_SCORES reads

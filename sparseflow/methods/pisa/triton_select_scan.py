@@ -1106,7 +1106,7 @@ def _leaf_pairs_then_keep(
     group, top_k, rows = hq // hkv, meta["TOPK"], b * hkv
     ieee = q.dtype == torch.float32 or interpreting()
     _, _, head_loop = dot_rows(group, LAUNCH["rows"])
-    scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
+    leaf_scores = torch.empty(rows, n_q, cw, dtype=torch.float32, device=q.device)
     qb, pair_rows, _ = dot_rows(group, LAUNCH["pair_rows"])
     n_pairs = cand.numel() // unit[1]  # at most one pair a unit's slots
     seg_end, chunk_end, prog_seg = leaf_pair_index(counts, n_pairs, qb * LAUNCH["pair_chunks"], chain)
@@ -1122,7 +1122,7 @@ def _leaf_pairs_then_keep(
         seg_end,
         chunk_end,
         prog_seg,
-        scores,
+        leaf_scores,
         *q.stride()[:3],
         *k.stride()[:3],
         n_q,
@@ -1156,7 +1156,7 @@ def _leaf_pairs_then_keep(
     )
     wrap_triton(_leaf_keep_kernel)[tiles](
         cand,
-        scores,
+        leaf_scores,
         out,
         cand.stride(0),
         cand.stride(1),
