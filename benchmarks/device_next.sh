@@ -64,6 +64,9 @@
 #                                                the leaf-pairs, per-token and tiled walks in bf16, paper's setting
 #                                                (benchmarks/studies/pisa_select_profile.py); then
 #                                                SmolLM2's heads at 32K: the scan walk beside BSA's scan
+#   bash benchmarks/device_next.sh pisa_tests    PISA's walk tests compiled on the GPU (leaf pairs with the fp32
+#                                                walk's three bf16 parts, scan, offsets past 2**31 elements,
+#                                                the contract): first after a change the CPU could only compile
 #   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
 #                                                registers a thread (more programs an SM) against none, in
 #                                                rounds (benchmarks/studies/pisa_walk_registers.py)
@@ -134,6 +137,11 @@ case "${1:-}" in
       --select-ns 65536,262144,1048576 --json "$out/pisa_select_leaf_pairs_${gpu}.json" 2>&1 | tail -12 || true
     timeout 240 python3 benchmarks/studies/pisa_walk_precision.py --walks leaf_pairs,per_token --scores bf16 \
       --ns 65536,262144 --check-rows 64 --json "$out/pisa_walk_leaf_pairs_${gpu}.json" 2>&1 | tail -6 || true
+    ;;
+  pisa_tests)
+    timeout 580 python3 -m pytest -q -p no:cacheprovider tests/methods/pisa/test_pisa_leaf_pairs.py \
+      tests/methods/pisa/test_pisa_scan.py tests/methods/pisa/test_pisa_offsets.py \
+      tests/methods/pisa/test_pisa_walk_precision.py 2>&1 | tail -8
     ;;
   pisa_regs)
     timeout 400 python3 benchmarks/studies/pisa_walk_registers.py --caps 0,96,80 \
