@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Tuple
 
 import torch
 
@@ -34,6 +35,13 @@ ROWS = (
 )
 
 
+def timed_selection(select) -> Tuple[int, float]:
+    """``(checksum, ms)`` of a selection call: the sum of its selected block ids (two runs of
+    different code compare by it), then its median time (:func:`common.bench`)."""
+    checksum = int(select().long().sum().item())
+    return checksum, bench(select)
+
+
 def main() -> None:
     from sparseflow import Tuning
     from sparseflow.methods.bsa import triton_select as BT
@@ -50,8 +58,7 @@ def main() -> None:
         def select():
             return PT.pisa_select(q, k, block_size=64, top_k=8, branching=2, tuning=tuning)
 
-        checksum = int(select().long().sum().item())
-        ms = bench(select)
+        checksum, ms = timed_selection(select)
         bsa = bench(lambda: BT.bsa_select(q, k, block_size=64, top_k=8, precision="bf16"))
         row = dict(n=n, heads=[hq, hkv, d], walk=walk, scores=scores, ms=ms, bsa_bf16_ms=bsa, checksum=checksum)
         rows.append(row)

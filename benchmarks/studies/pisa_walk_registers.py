@@ -26,8 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from common import bench, env_info, write_result  # noqa: E402
+from common import env_info, write_result  # noqa: E402
 from pisa import pisa_inputs  # noqa: E402
+from pisa_select_rows import timed_selection  # noqa: E402
 
 SHAPES = ((65536, (32, 2, 64)), (262144, (32, 2, 64)), (131072, (9, 3, 64)))
 
@@ -63,8 +64,7 @@ def main() -> None:
             for cap in caps:
                 run = _capped(_pisa_select_kernel, cap)
                 try:
-                    checksum = int(select().long().sum().item())
-                    ms = bench(select)
+                    checksum, ms = timed_selection(select)
                 finally:
                     _pisa_select_kernel.run = run
                 row = dict(n=n, heads=[hq, hkv, d], cap=cap, round=r, ms=ms, checksum=checksum)

@@ -362,11 +362,9 @@ def _use_pairs_walk(tuning: Tuning, q, k, block_size: int, top_k: int, beam: int
     auto = auto_on_cuda(tuning, q)
     if tuning.pisa_walk != "leaf_pairs" and not auto:
         return False
-    from .triton_select_pairs import pairs_covers
+    from .triton_select_pairs import pairs_walk_covers
 
-    n_leaves = max(1, -(-k.shape[2] // block_size))
-    slots = q.shape[0] * k.shape[1] * q.shape[2] * candidate_width(beam, top_k, branching)
-    why = pairs_covers(n_leaves, top_k, slots)
+    why = pairs_walk_covers(q, k, block_size, top_k, beam, branching)
     if why is not None:
         _log.log(
             logging.DEBUG if auto else logging.INFO,

@@ -32,6 +32,7 @@ __all__ = [
     "walk_meta",
     "window_args",
     "rounded_summaries",
+    "fast_log",
     "summary_parts",
     "prefill_walk_table",
     "passes_int32",
@@ -133,6 +134,13 @@ def scores_mode(scores: str) -> str:
     if scores not in ("fp32", "bf16", "tf32"):
         raise ValueError(f"pisa_scores must be one of ['fp32', 'bf16', 'tf32'], got {scores!r}")
     return scores + "_ieee" if scores != "fp32" and interpreting() else scores
+
+
+def fast_log(scores: str) -> bool:
+    """Whether a kernel scoring for ``Tuning.pisa_scores`` = ``scores`` takes its LSE's log by
+    the special function unit (``FAST_LOG``): below fp32 (a stated tolerance), on a GPU (the
+    interpreter cannot run PTX)."""
+    return scores != "fp32" and not interpreting()
 
 
 def walk_summaries(summ: torch.Tensor, scores: str) -> torch.Tensor:

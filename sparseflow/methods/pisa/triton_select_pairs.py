@@ -27,11 +27,18 @@ from .triton_select_common import candidate_width, walk_meta, window_args
 from .triton_select_scan import WalkCall, leaf_pairs_cover, walk_then_leaf_pairs
 from ...kernels.pdl import pdl_launch
 
-__all__ = ["pairs_covers", "pisa_select_pairs_fwd", "pairs_walk"]
+__all__ = ["pairs_covers", "pairs_walk_covers", "pisa_select_pairs_fwd", "pairs_walk"]
 
 
 # the leaf-pairs walk is the scan's stages 2-4: their rules, without the table's budget
 pairs_covers = leaf_pairs_cover
+
+
+def pairs_walk_covers(q, k, block_size: int, top_k: int, beam: int, branching: int) -> Optional[str]:
+    """Why the leaf-pairs walk does not take a call of queries ``q`` and keys ``k``
+    (:func:`pairs_covers` of its leaves and candidate slots, int32 pair indices), or None."""
+    slots = q.shape[0] * k.shape[1] * q.shape[2] * candidate_width(beam, top_k, branching)
+    return pairs_covers(max(1, -(-k.shape[2] // block_size)), top_k, slots)
 
 
 @triton_op("sparseflow::pisa_select_pairs_fwd", mutates_args={})
@@ -114,9 +121,7 @@ def pairs_walk(
     out = torch.empty(b, k.shape[1], n_q, top_k, dtype=torch.int32, device=q.device)
     if n_q == 0:
         return out
-    # the candidate slots (int32 pair indices) as the dispatcher counts them
-    slots = b * k.shape[1] * n_q * candidate_width(beam, top_k, branching)
-    why = pairs_covers(max(1, -(-k.shape[2] // block_size)), top_k, slots)
+    why = pairs_walk_covers(q, k, block_size, top_k, beam, branching)
     if why is not None:  # every leaf kept without a candidate written, or slots past int32
         raise ValueError(f"the leaf-pairs walk does not take this call: {why}")
     meta = walk_meta(
