@@ -34,8 +34,9 @@
 #   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
 #   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
-#   bash benchmarks/device_next.sh pisa_e2e [NS]  SmolLM2 (YaRN to NS, default 131072) through sparseflow.compile:
-#                                                PISA and BSA K=8, PISA's walk auto, then leaf pairs in bf16
+#   bash benchmarks/device_next.sh pisa_e2e [NS [TUNING]]  SmolLM2 (YaRN to NS, default 131072) through
+#                                                sparseflow.compile: PISA and BSA K=8, PISA's walk auto,
+#                                                then PISA with TUNING (default pisa_walk=leaf_pairs,pisa_scores=bf16)
 #   bash benchmarks/device_next.sh pisa_real_layers  PISA's contract on SmolLM2's real layers at 8K and 32K,
 #                                                the auto walk scoring in bf16 and tf32
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
@@ -195,9 +196,10 @@ case "${1:-}" in
     ns=${2:-131072}
     timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa,bsa --paths compile \
       --reps 3 --json "$out/e2e_pisa_bsa_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    tuning=${3:-pisa_walk=leaf_pairs,pisa_scores=bf16}
     timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa --paths compile \
-      --reps 3 --tuning pisa_walk=leaf_pairs,pisa_scores=bf16 \
-      --json "$out/e2e_pisa_leaf_pairs_bf16_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+      --reps 3 --tuning "$tuning" \
+      --json "$out/e2e_pisa_$(echo "$tuning" | tr ',=' '__')_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
     ;;
   pisa_real_layers)
     smollm2_env
@@ -282,7 +284,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS [TUNING]] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
     exit 2
     ;;
 esac

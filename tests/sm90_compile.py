@@ -346,7 +346,7 @@ def run_pbs_strided(cases):
 
 
 def _pair_index(n_seg, **launch):
-    """The scan's one-program pair index for ``n_seg`` segments (CPU tensors: the selection would
+    """The scan's pair index (one program of it) for ``n_seg`` segments (CPU tensors: the selection would
     take its torch form), with extra ``launch`` arguments."""
     from sparseflow.methods.pisa import triton_select_scan as PS
 

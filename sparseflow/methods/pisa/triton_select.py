@@ -90,8 +90,9 @@ def _node_kernel(
     BL: tl.constexpr,
 ):
     """One program per node of every level (leaves included): summary = sum of its leaves'
-    key sums / their valid-key count; first valid position = min over its leaves."""
-    t = tl.program_id(0)
+    key sums / their valid-key count; first valid position = min over its leaves. The top
+    levels' nodes, which sum the most leaves, start first (the launch's last wave holds leaves)."""
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch x head strides pass 2**31 elements at long contexts
     b = bh // HKV
     h = bh % HKV
@@ -189,6 +190,9 @@ def _(n_leaves, branching, levels, device):
     )
 
 
+_NODE_LEAVES = 128  # most leaves a pyramid node's program sums at a time
+
+
 @triton_op("sparseflow::pisa_pyramid_nodes", mutates_args={})
 def _pisa_nodes(
     sums: torch.Tensor,
@@ -223,7 +227,9 @@ def _pisa_nodes(
         N_LEVELS=lvl_span.shape[0],
         D=d,
         DP=_p2(d, 16),
-        BL=32,
+        # the top node sums every leaf: its loads, one block of leaves after another, bound the
+        # launch's time, so a block is wide (the lower levels' programs mask most of it off)
+        BL=min(_NODE_LEAVES, _p2(n_leaves, 16)),
     )
     return summ, nfv
 

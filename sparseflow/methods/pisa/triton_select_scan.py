@@ -17,7 +17,7 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    writing each query's leaf candidates.
 3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
    giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
-   into chunks (two cumsums and a search, one program on the device), :func:`pair_order` places each
+   into chunks (two cumsums and a search, one launch on the device), :func:`pair_order` places each
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
    one leaf: the leaf's raw keys loaded once, the chunk's query rows gathered, one
    ``[chunk * G, D] x [D, C]`` dot in the keys' 16-bit dtype (exact products), the exact LSE (or
@@ -670,8 +670,9 @@ def _score_pair_chunks(
         tl.store(score_ptr + flat[:, None] + ar_u[None, :], s_e, mask=e_ok[:, None] & (ar_u < UN)[None, :])
 
 
-# most segments the one-program pair index holds in registers; above, torch
+# most segments each program of the pair index holds in registers; above, torch
 _PAIR_INDEX_MAX_SEGMENTS = 4096
+_PAIR_INDEX_BLOCK = 1024  # programs of the leaf pairs a program of the index places
 
 
 def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, chain: Optional[dict] = None):
@@ -680,7 +681,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, chain: Optional[d
     sync): ``(seg_end, chunk_end, prog_seg)``, the inclusive pair and chunk counts per segment
     and each program's segment for :func:`_leaf_pairs_kernel`, whose grid is ``prog_seg``'s
     length (an upper bound on the chunks of ``qb`` pairs for ``slots`` candidate slots; programs
-    past the last chunk hold the segment count and return at once). One Triton program on a GPU
+    past the last chunk hold the segment count and return at once). One Triton launch on a GPU
     and under the interpreter up to ``_PAIR_INDEX_MAX_SEGMENTS`` segments (torch takes about ten
     launches, a measurable share of a short layer's selection); :func:`leaf_pair_index_torch`
     otherwise. ``chain``: the launch arguments of a link of a PDL chain (:func:`pdl_launch`)."""
@@ -690,7 +691,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, chain: Optional[d
     seg_end = torch.empty(n_seg, dtype=torch.int32, device=counts.device)
     chunk_end = torch.empty_like(seg_end)
     prog_seg = torch.empty(slots // qb + n_seg, dtype=torch.int32, device=counts.device)
-    wrap_triton(_pair_index_kernel)[(1,)](
+    wrap_triton(_pair_index_kernel)[(triton.cdiv(prog_seg.numel(), _PAIR_INDEX_BLOCK),)](
         counts,
         seg_end,
         chunk_end,
@@ -700,7 +701,7 @@ def leaf_pair_index(counts: torch.Tensor, slots: int, qb: int, chain: Optional[d
         qb,
         SEG_P=_p2(n_seg, 16),
         LOG_SEG=_p2(n_seg, 16).bit_length() - 1,
-        BLOCK=1024,
+        BLOCK=_PAIR_INDEX_BLOCK,
         num_warps=4,
         **(chain or {}),
     )
@@ -730,29 +731,28 @@ def _pair_index_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """:func:`leaf_pair_index` in one program, every segment in registers. A program's segment
-    is the number of segments whose chunks end at or before it (``searchsorted(right=True)``),
-    found by a binary search over the chunk ends gathered in registers, a block of programs at a
-    time."""
+    """:func:`leaf_pair_index`, ``BLOCK`` leaf-pair programs a program: each program sums every
+    segment's chunks in registers (a few thousand integers: cheaper than a second launch), the
+    first also writes the two sums, and each finds the segment of its ``BLOCK`` programs, the
+    number of segments whose chunks end at or before it (``searchsorted(right=True)``), by a
+    binary search over the chunk ends (the blocks' searches run side by side, not one after
+    another)."""
     pdl_start(PDL)
     ar = tl.arange(0, SEG_P)
     ok = ar < n_segments
     c = tl.load(counts_ptr + ar, mask=ok, other=0)
     ends = tl.cumsum((c + QB - 1) // QB, axis=0)
-    tl.store(seg_end_ptr + ar, tl.cumsum(c, axis=0), mask=ok)
-    tl.store(chunk_end_ptr + ar, ends, mask=ok)
+    first = tl.program_id(0) == 0
+    tl.store(seg_end_ptr + ar, tl.cumsum(c, axis=0), mask=ok & first)
+    tl.store(chunk_end_ptr + ar, ends, mask=ok & first)
     ends = tl.where(ok, ends, 2**31 - 1)  # past the last segment: after every program
-    ar_b = tl.arange(0, BLOCK)
-    p0 = tl.zeros([], dtype=tl.int32)
-    while p0 < n_programs:
-        prog = p0 + ar_b
-        below = tl.zeros([BLOCK], dtype=tl.int32)  # segments known to end at or before prog
-        for i in tl.static_range(LOG_SEG + 1):
-            probe = below + (SEG_P >> i)  # does the probe-th segment end at or before prog?
-            end = tl.gather(ends, tl.minimum(probe, SEG_P) - 1, 0)
-            below = tl.where((probe <= SEG_P) & (end <= prog), probe, below)
-        tl.store(prog_seg_ptr + prog, below, mask=prog < n_programs)
-        p0 += BLOCK
+    prog = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    below = tl.zeros([BLOCK], dtype=tl.int32)  # segments known to end at or before prog
+    for i in tl.static_range(LOG_SEG + 1):
+        probe = below + (SEG_P >> i)  # does the probe-th segment end at or before prog?
+        end = tl.gather(ends, tl.minimum(probe, SEG_P) - 1, 0)
+        below = tl.where((probe <= SEG_P) & (end <= prog), probe, below)
+    tl.store(prog_seg_ptr + prog, below, mask=prog < n_programs)
 
 
 @triton.jit
@@ -1168,7 +1168,7 @@ def _leaf_pairs_then_keep(
         KP=meta["KP"],
         CW=cw,
         BQ=bq,
-        num_warps=4,
+        num_warps=8,  # its [rows, CW, CW] rank compare: at 4 warps, 110 registers a thread
         **chain,
     )
 

@@ -235,9 +235,9 @@ def test_pair_unit_names_the_expected_values(monkeypatch):
     ids=lambda v: str(v),
 )
 def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, poisoned):
-    """The one-program index (GPU / interpreter) equals the torch ops' on random counts: empty
-    segments, segments of many chunks, programs over several blocks, no pair at all, the most
-    segments one program holds (4096) and more (torch). Its fresh buffers are poisoned with -7,
+    """The Triton index (GPU / interpreter) equals the torch ops' on random counts: empty
+    segments, segments of many chunks, programs over several blocks (one program of the index
+    each), no pair at all, the most segments a program holds (4096) and more (torch). Its fresh buffers are poisoned with -7,
     so a slot it fails to write shows."""
     g = torch.Generator().manual_seed(n_seg)
     counts = torch.randint(0, most + 1, (n_seg,), generator=g, dtype=torch.int32)
