@@ -739,6 +739,7 @@ EXPECTED = {
     "_level_tables_kernel",
     "_pair_index_kernel",
     "_leaf_split_kernel",
+    "scan_walk_rows_kernel",
 }
 
 

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from common import env_info, kernel_rows  # noqa: E402
+from common import env_info, kernel_rows, use_scan_launch  # noqa: E402
 from pisa import pisa_inputs  # noqa: E402
 
 
@@ -36,11 +36,13 @@ def main() -> None:
     ap.add_argument("--walks", default="leaf_pairs", help="comma list of Tuning.pisa_walk values, or bsa")
     ap.add_argument("--scores", default="bf16")
     ap.add_argument("--structured", action="store_true", help="benchmarks/common.py's structured inputs")
+    ap.add_argument("--scan-launch", default="", help='one variant of the scan\'s LAUNCH settings, e.g. "heads=packed"')
     ap.add_argument("--json")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
     q, k, _ = pisa_inputs(a.n, hq, hkv, d, structured=a.structured)
-    out = {"env": env_info(), "args": vars(a), "walks": {}}
+    launch = use_scan_launch(a.scan_launch)
+    out = {"env": env_info(), "args": vars(a), "launch": launch, "walks": {}}
     for walk in a.walks.split(","):
         if walk == "bsa":
             rows = kernel_rows(lambda: BT.bsa_select(q, k, block_size=64, top_k=8, precision="bf16"))

@@ -12,11 +12,12 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node
    is scored only for queries it lies entirely before (others force it or drop it), so its
    children's visibility is whether they hold a valid key, the same for every query of the tile.
-2. the per-token walk (``triton_select_per_token._pisa_select_kernel`` with ``PRE_SCORES``)
-   reads those scores instead of computing them and, with ``LEAF_OUT``, stops at the leaves,
-   writing each query's leaf candidates.
-3. the walk also counts each leaf's scored (query, leaf) pairs with atomics (``PAIR_RANKS``),
-   giving every pair its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
+2. the walk (``triton_select_scan_walk.scan_walk_rows_kernel``, a few queries a program) reads
+   those scores instead of computing them and stops at the leaves, writing each query's leaf
+   candidates (PISA-1, whose leaves are scored by their summaries too, walks per token to the
+   selection: ``triton_select_per_token._pisa_select_kernel`` with ``PRE_SCORES``).
+3. the walk also counts each leaf's scored (query, leaf) pairs with atomics, giving every pair
+   its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
    into chunks (two cumsums and a search, one launch on the device), :func:`pair_order` places each
    pair at its segment's start plus its rank, and ``_leaf_pairs_kernel`` scores them in chunks of
    one leaf: the leaf's raw keys loaded once, the chunk's query rows gathered, one
@@ -1027,11 +1028,12 @@ def walk_then_leaf_pairs(
     scores: str,
     trace: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Stages 2-4: the per-token walk down to each query's leaf candidates, then the scored
-    (query, leaf) pairs a leaf at a time and each query's keep (PISA-1, whose leaves are scored
-    by their summaries, has the walk write the selection). ``table``: stage 1's ``(scores,
-    first column)``, which the walk reads instead of scoring the nodes above the leaves (its
-    ``warps`` are then the candidate width's, and ``scores`` is the table's); None: the walk
+    """Stages 2-4: the walk down to each query's leaf candidates, then the scored (query, leaf)
+    pairs a leaf at a time and each query's keep (PISA-1, whose leaves are scored by their
+    summaries, has the per-token walk write the selection). ``table``: stage 1's ``(scores,
+    first column)``, which the walk reads instead of scoring the nodes above the leaves (by rows
+    of queries, ``triton_select_scan_walk``; PISA-1's per token with the candidate width's
+    ``warps``; ``scores`` is the table's); None: the per-token walk
     scores them itself in ``scores``' arithmetic with ``warps`` (``Tuning.pisa_warps``), as the
     per-token walk does. Returns ``call.out``."""
     q, k, kpm, summ, nfv, out, meta = call.q, call.k, call.kpm, call.summ, call.nfv, call.out, call.meta
@@ -1054,6 +1056,10 @@ def walk_then_leaf_pairs(
         pre, col0 = nfv, 0  # nfv: a placeholder, never read
         walk_summ, walk_scores = prefill_walk_table(summ, scores, q.dtype)
         meta = {**meta, "I64_ROWS": meta["I64_ROWS"] or passes_int32(walk_summ)}
+    elif leaf_out:
+        _rows_walk(call, table, cand, counts, rank, cw, unit, trace)
+        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
+        return out
     else:
         (pre, col0), walk_summ, walk_scores, warps = table, summ, "fp32", None
     warps, _ = _launch(cw, warps)
@@ -1092,6 +1098,45 @@ def walk_then_leaf_pairs(
     if leaf_out:
         _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
     return out
+
+
+def _rows_walk(call: WalkCall, table: Tuple[torch.Tensor, int], cand, counts, rank, cw: int, unit, trace) -> None:
+    """Stage 2 from stage 1's table (``(scores, first column)``), ``WALK_QUERIES`` queries a program
+    (``triton_select_scan_walk``): each query's leaf candidates into ``cand`` and its scored pairs'
+    ranks into ``rank``, counted in ``counts``."""
+    from .triton_select_scan_walk import WALK_QUERIES, rows_walk_grid, scan_walk_rows_kernel
+
+    pre, col0 = table
+    q, k, meta = call.q, call.k, call.meta
+    b, _, n_q, _ = q.shape
+    wrap_triton(scan_walk_rows_kernel)[rows_walk_grid(n_q, b * k.shape[1])](
+        pre,
+        call.nfv,
+        call.lvl_off,
+        call.lvl_span,
+        cand,
+        counts,
+        rank,
+        **trace_args(call.nfv, trace),
+        stride_pbh=pre.stride(0),
+        stride_pn=pre.stride(1),
+        pre_col0=col0,
+        stride_cbh=cand.stride(0),
+        stride_cn=cand.stride(1),
+        Nq=n_q,
+        Nk=k.shape[2],
+        T=call.summ.shape[2],
+        HKV=k.shape[1],
+        **call.window,
+        **{key: meta[key] for key in ("N_LEVELS", "HAS_KPM", "IS_CAUSAL", "FORCE_SINK", "FORCE_PREV", "C", "BR")},
+        **{key: meta[key] for key in ("BRP", "TOPK", "WIDE", "KP")},
+        CW=cw,
+        QR=WALK_QUERIES,
+        PAIR_SIBLINGS=unit[1] > 1,
+        TRACE=trace is not None,
+        num_warps=1,
+        **call.chain,
+    )
 
 
 def _leaf_pairs_then_keep(

@@ -249,6 +249,24 @@ def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, poisoned):
         assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
 
 
+@pytest.mark.parametrize("queries", [1, 4], ids=["one-query", "four-queries"])
+@pytest.mark.parametrize("case", ["lse-fp16-g3-hq9-pad-nq29-nk83", "lse-beam2-g2-nq40-nk150"])
+def test_rows_walk_by_other_query_counts_keeps_the_reference(queries, case, scan_calls, monkeypatch, poisoned):
+    """The scan's walk from its table takes ``WALK_QUERIES`` queries a program (2); one, and four
+    (29 queries: the last program's rows run past the last query), select the reference's blocks.
+    Fresh buffers come poisoned, so a candidate or rank left unwritten shows."""
+    from sparseflow.methods.pisa import triton_select_scan_walk as rows_walk
+
+    monkeypatch.setattr(rows_walk, "WALK_QUERIES", queries)
+    b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = CASES[case]
+    q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
+    kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
+    want = pisa_ref.pisa_select(q, k, **kw)
+    got = poisoned(triton_select.pisa_select, q, k, tuning=SCAN, **kw)
+    assert len(scan_calls) == 1
+    assert torch.equal(got, want)
+
+
 def test_queries_before_every_key_select_nothing(scan_calls):
     """Causal with more queries than keys: the first queries see no key (all -1)."""
     q, k, _ = walk_inputs(1, 2, 1, 70, 40, 16, F32, False)
