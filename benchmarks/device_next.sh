@@ -71,6 +71,9 @@
 #   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
 #                                                registers a thread (more programs an SM) against none, in
 #                                                rounds (benchmarks/studies/pisa_walk_registers.py)
+#   bash benchmarks/device_next.sh pisa_scan_profile  the scan's kernels by time on SmolLM2's heads (32K bf16 /
+#                                                fp32, 8K fp32), its heads' layout "auto" beside "packed",
+#                                                BSA's bf16 scan beside them
 #   bash benchmarks/device_next.sh pisa_rows     PISA's selection beside BSA's bf16 scan on six shapes
 #                                                (benchmarks/studies/pisa_select_rows.py: checksums of the
 #                                                selections), the 256K profile, then the contract in fp32,
@@ -270,6 +273,18 @@ case "${1:-}" in
     timeout 120 python3 benchmarks/studies/pisa_select_profile.py --n 32768 --heads 9,3,64 --walks scan,bsa \
       --scores fp32 --json "$out/pisa_select_profile_32768_smollm2_${gpu}.json" 2>&1 | grep -v -i warn || true
     ;;
+  pisa_scan_profile)
+    # SmolLM2's heads: the scan's kernels by time, heads "auto" (the loop for a group of 3) beside
+    # "packed", fp32 and bf16 at 32K and fp32 at 8K, with BSA's bf16 scan of the same shape
+    for ns in 32768:bf16 32768:fp32 8192:fp32; do
+      for heads in auto packed; do
+        walks=scan; [ $heads = auto ] && walks=scan,bsa
+        timeout 100 python3 benchmarks/studies/pisa_select_profile.py --n "${ns%%:*}" --heads 9,3,64 --walks $walks \
+          --scores "${ns##*:}" --scan-launch heads=$heads \
+          --json "$out/pisa_select_profile_${ns%%:*}_smollm2_${ns##*:}_heads_${heads}_${gpu}.json" 2>&1 | grep -v -i warn | head -24 || true
+      done
+    done
+    ;;
   pisa_rows)
     timeout 200 python3 benchmarks/studies/pisa_select_rows.py --json "$out/pisa_select_rows_${gpu}.json" \
       2>&1 | grep -v -i warn || true
@@ -284,7 +299,7 @@ case "${1:-}" in
       --json "$out/pbs_selection_rule_${2:-32768}_${gpu}.json" 2>&1 | grep -v -i warn | grep "^|\|layers" | tail -60
     ;;
   *)
-    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS [TUNING]] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS]" >&2
+    echo "usage: $0 first_call | gemma8k | gemma_profile32k | gemma32k | window_launch | estimate_cost | pisa_scores | pisa_walks | pisa_train | windows | reduce_overhead | pisa_decode | pisa_e2e [NS [TUNING]] | pisa_real_layers | split_smollm2 | stash_smollm2 K | frontier [NS] | calibrate [NS [BUDGET [SCORINGS [THRESHOLDS]]]] | frontier_plan PLAN [NS] | selection_rule [NS] | moments_cost | moments_frontier [NS] | moments_profile [NS] | pisa_tests | pisa_regs | pisa_rows | pisa_scan_profile | pisa_profile [NS]" >&2
     exit 2
     ;;
 esac

@@ -100,7 +100,8 @@ MAX_TABLE_BYTES = 1 << 30
 # pipeline stages. Each is the fastest of those timed on an H200, or level with it: 128 rows beat
 # 64 for node-scan tiles and leaf pairs, 4 warps beat 8 for the pairs; 32 columns beat 64 and 128,
 # 8 warps tie 4 for the node scan; bf16x3 dots take half tf32x3's time; 4 chunks a program match
-# the best of 1, 2, 8 and 16 at SmolLM2's 8K and 32K, and pipelining them gains nothing at 8K
+# the best of 1, 2, 8 and 16 at SmolLM2's 8K and 32K, and pipelining them gains nothing at 8K.
+# The heads' layout (:func:`dot_rows`) is chosen by the instructions compiled for sm_90
 LAUNCH = {
     "rows": 128,
     "keep_rows": 128,
@@ -112,23 +113,28 @@ LAUNCH = {
     "pair_chunks": 4,
     "pair_stages": 1,
     "pair_unit": "leaf",
-    "heads": "packed",
+    "heads": "auto",
 }
 
 
 def dot_rows(group: int, rows: int) -> Tuple[int, int, bool]:
     """``(queries, dot rows, head loop)`` of a node-scan tile or a leaf-pair chunk, by
     ``LAUNCH["heads"]``: ``"packed"``, the group's heads packed into about ``rows`` rows
-    (:func:`packed_rows`, one dot, each query's rows summed by a gather); ``"loop"``, one dot a
-    head over the queries' rows (queries: ``rows / group`` rounded up to a power of two, at least
-    16), summed in registers with no gather."""
+    (:func:`packed_rows`, one dot, each query's rows summed by a reshape for a power-of-two group,
+    else by a gather); ``"loop"``, one dot a head over the queries' rows (queries: ``rows / group``
+    rounded up to a power of two, at least 16), summed in registers with no gather; ``"auto"``,
+    packed for a power-of-two group, else the loop: compiled for sm_90, a gather of a group's
+    rows costs more instructions a query than the loop's extra dots, and a wide power-of-two
+    group (16 heads) makes the loop's dots the dearer (docs/results.md)."""
     choice = LAUNCH["heads"]
+    if choice == "auto":
+        choice = "packed" if group & (group - 1) == 0 else "loop"
     if choice == "packed":
         return (*packed_rows(group, rows), False)
     if choice == "loop":
         queries = max(16, _p2(-(-rows // group)))
         return queries, queries, True
-    raise ValueError(f'LAUNCH["heads"] must be "packed" or "loop", got {choice!r}')
+    raise ValueError(f'LAUNCH["heads"] must be "auto", "packed" or "loop", got {choice!r}')
 
 
 def pair_unit(branching: int) -> Tuple[int, int]:

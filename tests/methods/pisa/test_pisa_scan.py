@@ -216,8 +216,16 @@ def test_dot_rows_of_each_head_layout(monkeypatch):
     assert [scan.dot_rows(g, 128) for g in (1, 3, 16)] == [(128, 128, True), (64, 64, True), (16, 16, True)]
     monkeypatch.setitem(scan.LAUNCH, "heads", "packed")
     assert scan.dot_rows(3, 128) == (42, 128, False)
+    monkeypatch.setitem(scan.LAUNCH, "heads", "auto")  # packed for a power-of-two group, else the loop
+    assert [scan.dot_rows(g, 128) for g in (1, 3, 4, 6, 16)] == [
+        (128, 128, False),
+        (64, 64, True),
+        (32, 128, False),
+        (32, 32, True),
+        (8, 128, False),
+    ]
     monkeypatch.setitem(scan.LAUNCH, "heads", "padded")
-    with pytest.raises(ValueError, match=r'LAUNCH\["heads"\] must be "packed" or "loop", got \'padded\''):
+    with pytest.raises(ValueError, match=r'LAUNCH\["heads"\] must be "auto", "packed" or "loop", got \'padded\''):
         scan.dot_rows(3, 128)
 
 
