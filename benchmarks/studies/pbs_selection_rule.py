@@ -17,7 +17,11 @@ stride (one exponential per sampled row and key; issue 51 asks for at most 5% of
 equal density the missed mass says what a cheaper estimate gives up. ``--moments`` adds the pooled
 estimates, which take no per-key exponential: PBS's ``scoring="mean"`` (the blocks' mean logit)
 and two that add each block pair's spread of logits from the blocks' second moments
-(``mean_var``, :func:`moment_probabilities`, and ``mean_2sd``, ``scoring="moments"``). The forced blocks (sink, the
+(``mean_var``, :func:`moment_probabilities`, and ``moments``, ``scoring="moments"``: the mean
+plus ``PBSConfig.moments_sd`` standard deviations, 0.5 by default). ``--bands
+derot@0.5,var@1`` adds pooled estimates that score the rotary frequency bands apart
+(:func:`band_probabilities`, ``HIGH@CUT``: the pairs turning by more than ``CUT`` pi over one block
+are the high band, scored by ``HIGH``), beside ``mean``. The forced blocks (sink, the
 query's own region) are kept by both rules. Each setting reports the
 density of the whole selection (mean over the sparse layers) and the true attention mass it
 misses on ``--queries`` query positions spread over the sequence (mean over layers and heads, and
@@ -26,6 +30,8 @@ one; the model's KL follows the missed mass of its worst layers.
 
     python benchmarks/studies/pbs_selection_rule.py --n 4096 --texts pydoc_topics,copy_clauses \\
         --json benchmarks/results/pbs_selection_rule_4k_cpu.json
+    python benchmarks/studies/pbs_selection_rule.py --n 4096 --texts pydoc_topics,copy_clauses \\
+        --bands derot@0.5,energy@1,var@1,sd@1 --json benchmarks/results/pbs_selection_rule_bands_4k_cpu.json
 
 CPU, fp32, the reference stages: about 10 minutes per text at 4K on 2 cores. Beyond SmolLM2's 8192
 trained positions the model is YaRN-extended to N (as ``e2e_prefill``); ``--device cuda`` for 32K+.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -122,6 +129,95 @@ def moment_probabilities(q, k, perm, candidates, block_size: int) -> torch.Tenso
     return out
 
 
+def _block_pool(x: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[H, nB, ...]``: the mean of ``x [H, total, ...]`` over each block's ``valid [total]`` rows."""
+    nb = valid.numel() // block_size
+    w = valid.view(1, nb, block_size, *([1] * (x.dim() - 2))).to(x.real.dtype)
+    xb = x.reshape(x.shape[0], nb, block_size, *x.shape[2:]) * w
+    return xb.sum(2) / w.sum(2).clamp_min(1.0)
+
+
+def band_probabilities(q, k, perm, candidates, block_size: int, inv_freq, cutoff: float, high: str) -> torch.Tensor:
+    """``[1, Hq, nB, nB]``: softmax over the candidates of a pooled logit scored per rotary band.
+
+    In rotary (``rotate_half``) coordinates dim ``f`` and ``f + D/2`` form the complex number
+    ``z_f``, and the captured post-RoPE ``z_f`` at position ``p`` is the content ``c_f`` times
+    ``exp(i p theta_f)``. A pair whose phase turns by more than ``cutoff`` radians over one block
+    (``block_size * theta_f > cutoff``) is *high*: across a block pair the relative phase of its
+    (query, key) pairs sweeps the circle, so the block means cancel and ``q̄·k̄`` keeps little of
+    it; the other pairs are *low* and pool faithfully.
+
+    * low band: ``s Re sum_f conj(q̄_f) k̄_f`` over the low pairs (``scoring="mean"`` restricted
+      to them; ``s = D^-1/2``);
+    * high band, ``high=``
+      - ``"derot"``: each row is rotated back by its offset from its block's mean position
+        (exact on post-RoPE vectors), then pooled: the logit of the blocks' mean content at the
+        blocks' mean distance, ``s Re sum_f conj(Q_f) K_f exp(i (r_J - r_I) theta_f)``;
+      - ``"bessel"``: the relative phase taken as uniform over the block pair, the log of the
+        mean of ``exp`` of ``s |Q_f| |K_f| cos(phi)`` is ``log I0(s |Q_f| |K_f|)`` per pair
+        (``Q``, ``K``: the de-rotated means, i.e. the blocks' coherent content);
+      - ``"energy"``: the same phase average of the Gaussian log-mean-exp ``var / 2`` of the
+        pairs' logits, ``var = s^2 / 2 sum_f E|q_f|^2 E|k_f|^2`` (per-pair energies: distinct
+        frequencies' cross terms average out), which also keeps the content's spread in a block;
+      - ``"var"`` / ``"sd"``: a band-specific spread added to the whole mean logit ``s q̄·k̄``: the
+        low band's exact pair variance from its second moments ``E[x x^T]`` over its dims only
+        (phases coherent: content spread, as ``mean_var``) plus the high band's phase-averaged
+        ``"energy"`` variance (no ``D x D`` cross terms, the low-high ones dropped), then
+        ``mu + var / 2`` (``"var"``) or ``mu + 2 sd`` (``"sd"``). With no high band, ``"var"``
+        is ``mean_var`` exactly.
+    The band logits add (the high band's ``mean`` term is ~0 for these pairs anyway).
+    """
+    _, hq, n, d = q.shape
+    hp, g, f2 = perm.shape[1], hq // k.shape[1], d // 2
+    hq_per_hp = hq // hp
+    nb = -(-n // block_size)
+    total = nb * block_size
+    sc = d**-0.5
+    theta = inv_freq.float().to(q.device)
+    hi = block_size * theta > cutoff
+    lo = ~hi
+    lo_dims = torch.cat([torch.nonzero(lo)[:, 0], torch.nonzero(lo)[:, 0] + f2])
+    pos = torch.arange(total, dtype=torch.float32)
+    unrot = torch.polar(torch.ones(total, f2), -pos[:, None] * theta)  # [total, F]: exp(-i p theta)
+
+    def pooled(x, slots):  # x [H, N, D] post-RoPE, slots [total] positions (-1: none)
+        ok = slots >= 0
+        z = torch.complex(x[..., :f2], x[..., f2:])[:, slots.clamp_min(0)] * ok[None, :, None]
+        content = z * unrot[slots.clamp_min(0)]
+        ref = _block_pool(slots.float()[None], ok, block_size)[0]  # [nB]: the block's mean position
+        c_ref = _block_pool(content, ok, block_size) * torch.polar(torch.ones(nb, f2), ref[:, None] * theta)
+        xl = x[:, slots.clamp_min(0)][..., lo_dims] * ok[None, :, None]  # the low band's real dims
+        second = _block_pool(xl[..., :, None] * xl[..., None, :], ok, block_size).flatten(2)
+        return _block_pool(z, ok, block_size), c_ref, _block_pool(z.abs() ** 2, ok, block_size), second
+
+    qslots = torch.where(torch.arange(total) < n, torch.arange(total), -1)
+    q_mean, q_ref, q_en, q_2 = pooled(q[0].float(), qslots)
+    out = torch.zeros(1, hq, nb, nb)
+    for p in range(hp):
+        kv_head = (p * hq_per_hp) // g
+        slots = torch.nn.functional.pad(perm[0, p], (0, total - n), value=-1)
+        k_mean, k_ref, k_en, k_2 = pooled(k[0, kv_head : kv_head + 1].float(), slots)
+        heads = slice(p * hq_per_hp, (p + 1) * hq_per_hp)
+        logit = sc * (q_mean[heads][..., lo].conj() @ k_mean[0][:, lo].t()).real
+        if high == "derot":
+            logit = logit + sc * (q_ref[heads][..., hi].conj() @ k_ref[0][:, hi].t()).real
+        elif high == "bessel":
+            a = sc * q_ref[heads][..., hi].abs()[:, :, None, :] * k_ref[0][:, hi].abs()[None, None]
+            logit = logit + (torch.log(torch.special.i0e(a)) + a).sum(-1)
+        elif high == "energy":
+            logit = logit + sc * sc / 4 * (q_en[heads][..., hi] @ k_en[0][:, hi].t())
+        elif high in ("var", "sd"):
+            mu_hi = sc * (q_mean[heads][..., hi].conj() @ k_mean[0][:, hi].t()).real
+            var = (sc * sc * (q_2[heads] @ k_2[0].t()) - logit * logit).clamp_min(0.0)
+            var = var + sc * sc / 2 * (q_en[heads][..., hi] @ k_en[0][:, hi].t())
+            logit = logit + mu_hi + (var / 2 if high == "var" else 2 * var.sqrt())
+        else:
+            raise ValueError(f"high must be 'derot', 'bessel', 'energy', 'var' or 'sd', got {high!r}")
+        logit = logit.masked_fill(~candidates[0, heads], float("-inf"))
+        out[0, heads] = torch.nan_to_num(torch.softmax(logit, -1), nan=0.0)
+    return out
+
+
 def query_probabilities(q, k, positions) -> torch.Tensor:
     """``[Hq, m, N]``: the true causal softmax of the query ``positions`` (computed once a layer)."""
     hq, n, d = q.shape[1], q.shape[2], q.shape[3]
@@ -147,8 +243,12 @@ def missed_mass(true_probs, perm, mask, positions, block_size: int) -> torch.Ten
     return missed.clamp_min(0.0)
 
 
-def layer_rows(q, k, cfg, positions, scoring: str, strides=(), moments: bool = False) -> List[Dict[str, object]]:
-    """Every (estimate, rule, setting) of one layer: its density and missed mass per head."""
+def layer_rows(
+    q, k, cfg, positions, scoring: str, strides=(), moments: bool = False, bands=(), inv_freq=None
+) -> List[Dict[str, object]]:
+    """Every (estimate, rule, setting) of one layer: its density and missed mass per head.
+    ``bands``: ``(high, cutoff / pi)`` pairs of :func:`band_probabilities` (``inv_freq``: the
+    model's rotary frequencies), each beside ``mean``."""
     from sparseflow.methods.pbs.block_selection import (
         candidate_blocks,
         forced_blocks,
@@ -175,8 +275,13 @@ def layer_rows(q, k, cfg, positions, scoring: str, strides=(), moments: bool = F
     if moments:  # the pooled estimates, no per-key exponential: PBS's mean and the second-moment ones
         estimates["mean"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="mean")
         estimates["mean_var"] = moment_probabilities(q, k, perm, cand, bs)
-        # mean + 2 sd is PBSConfig's scoring="moments" now
-        estimates["mean_2sd"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="moments")
+        # PBSConfig's scoring="moments": the mean plus moments_sd (0.5) standard deviations (files
+        # written before that field called it "mean_2sd": 2 sd then)
+        estimates["moments"] = block_probabilities(q, k, perm, cand, block_size=bs, scoring="moments")
+    if bands:  # the band-pooled estimates, beside the mean scoring they refine
+        estimates.setdefault("mean", block_probabilities(q, k, perm, cand, block_size=bs, scoring="mean"))
+    for high, cut in bands:
+        estimates[f"band_{high}@{cut:g}pi"] = band_probabilities(q, k, perm, cand, bs, inv_freq, cut * math.pi, high)
     estimates["exact"] = exact_block_masses(q, k, perm, cand, bs)
     true_probs = query_probabilities(q, k, positions)
     rows = []
@@ -256,7 +361,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--moments",
         action="store_true",
-        help="also the pooled estimates: PBS's mean scoring and the second-moment ones (mean_var, mean_2sd)",
+        help="also the pooled estimates: PBS's mean scoring and the second-moment ones (mean_var, moments)",
+    )
+    ap.add_argument(
+        "--bands",
+        default="",
+        help="comma list of band-pooled estimates HIGH@CUT (HIGH: derot, bessel, energy, var or sd; CUT: the "
+        "high band's rotation over one block, in units of pi), e.g. energy@1,bessel@0.5; adds mean",
     )
     ap.add_argument("--device", default="cpu", help="where the model and the study's tensors live (cuda at 32K+)")
     ap.add_argument("--json")
@@ -283,6 +394,8 @@ def main(argv=None) -> int:
         per_layer_cfg = {i: c for i, c in per_layer_cfg.items() if i in wanted}
     positions = spread_positions(args.n, max(1, args.queries // 64), start=2 * base.block_size, width=64)
     strides = [int(x) for x in args.strides.split(",") if x.strip()]
+    bands = [(b.split("@")[0].strip(), float(b.split("@")[1])) for b in args.bands.split(",") if b.strip()]
+    inv_freq = model.model.rotary_emb.inv_freq.float()  # the rotary frequencies of the run's rope
     out = {"env": e2e.env_info(), "args": vars(args), "texts": {}}
     for text in [t.strip() for t in args.texts.split(",") if t.strip()]:
         ids = e2e.repeated_tokens(tok, text, args.n).to(args.device)
@@ -290,7 +403,7 @@ def main(argv=None) -> int:
         per_layer = {}
         for i, cfg in sorted(per_layer_cfg.items()):
             q, k, _ = layers[i]
-            per_layer[i] = layer_rows(q, k, cfg, positions, args.scoring, strides, args.moments)
+            per_layer[i] = layer_rows(q, k, cfg, positions, args.scoring, strides, args.moments, bands, inv_freq)
         summary = summarise(per_layer)
         out["texts"][text] = {"summary": summary, "per_layer": per_layer}
         print(f"\n{text}, N={args.n}, {len(per_layer)} PBS layers ({time.perf_counter() - t0:.0f}s)")
