@@ -527,14 +527,14 @@ def run_pisa_scan(cases):
 
 
 def run_pisa_scan_layouts(cases):
-    """The scan's other layouts (``LAUNCH``): each pair covering a kept parent's children (the
-    walk's per-parent counters, the sibling keys in one dot), one dot a head instead of the
-    group's heads packed into the rows, and both."""
+    """The scan's layouts besides the default (``LAUNCH``): each pair covering a kept parent's
+    children (the walk's per-parent counters, the sibling keys in one dot), and the heads' layout
+    forced either way (the default, "auto", packs a power-of-two group and loops over the others)."""
     from sparseflow.methods.pisa import triton_select_scan as scan
 
     saved = dict(scan.LAUNCH)
     try:
-        for unit, heads in (("siblings", "packed"), ("leaf", "loop"), ("siblings", "loop")):
+        for unit, heads in (("siblings", "packed"), ("leaf", "packed"), ("leaf", "loop"), ("siblings", "loop")):
             scan.LAUNCH.update(pair_unit=unit, heads=heads)
             run_pisa_scan(cases)
     finally:
