@@ -8,8 +8,8 @@ Imported lazily (``backend="triton"``); this module imports Triton.
   it, as in the reference). All levels live in one ``[B, Hkv, T, D]`` fp32 table, leaves first.
 * ``pisa_select``: the pyramid, then the coarse-to-fine walk ``Tuning.pisa_walk`` picks:
   ``"per_token"``, one program per query token (``triton_select_per_token``, which also serves
-  decoding); ``"scan"`` (and ``"auto"`` on CUDA), the node scores from a scan by query tiles, the
-  per-token kernel as the middle stage and the leaves scored by pairs grouped per leaf
+  decoding); ``"scan"`` (and ``"auto"`` on CUDA), the node scores from a scan by query tiles, a
+  walk by rows of queries as the middle stage and the leaves scored by pairs grouped per leaf
   (``triton_select_scan``); ``"leaf_pairs"`` (and ``"auto"`` on CUDA where the scan's table
   does not fit), the scan without its node table: the per-token kernel scores the nodes above
   the leaves and the leaves are scored by pairs (``triton_select_pairs``); ``"tiled"``, the walk by tiles of consecutive queries

@@ -1,6 +1,6 @@
 """What the PISA selection's walks share: the per-token walk (``triton_select_per_token``), the
-tiled walk (``triton_select_tiled``) and the scan walk (``triton_select_scan``, which runs the
-per-token kernel as its middle stage). The score codes and row widths, the per-node score
+tiled walk (``triton_select_tiled``) and the scan walk (``triton_select_scan``, whose middle
+stage walks rows of queries, ``triton_select_scan_walk``, or the per-token kernel). The score codes and row widths, the per-node score
 reductions, the per-row bookkeeping of the walks over tiles of queries, the kernel arguments
 the per-token and the tiled walk take alike, and the rounded operands of the summary dots
 (``Tuning.pisa_scores``: :func:`scores_mode`, :func:`_round_bits`, :func:`_scores_operand`,
@@ -352,6 +352,45 @@ def _window_first_leaf(p, SLIDING, CHUNK, C: tl.constexpr, HAS_WINDOW: tl.conste
     (``token_blocks.window_first_blocks``; 0 without a window): the walk's nodes wholly before it
     are no candidates of that query."""
     return _window_lo(p, SLIDING, CHUNK, HAS_WINDOW) // C
+
+
+@triton.jit
+def _first_valid(nfv_base, off, u, span, Nk, C: tl.constexpr, LOADED: tl.constexpr):
+    """First valid key position of node ``u`` (in range) of the level at ``off`` whose nodes
+    cover ``span`` leaves: read from the table when ``LOADED`` (key padding or a device length),
+    else computed, the node's first key (one dependent load fewer per level of the walk)."""
+    if LOADED:
+        return tl.load(nfv_base + off + u)
+    first = u * (span * C)
+    return tl.where(first < Nk, first, Nk)
+
+
+@triton.jit
+def _forced_leaves(p, hz, n_leaves, nfv_base, Nk, SLIDING, CHUNK, C: tl.constexpr, FORCE_SINK: tl.constexpr,
+                   FORCE_PREV: tl.constexpr, LOADED: tl.constexpr, HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """The walks' forced leaves of queries at positions ``p`` (a scalar or a vector; reference:
+    ``token_blocks.forced_leaf_blocks``), each -1 unless it holds a key at or before ``hz``:
+    ``(current, previous, sink, the leaf holding p, the window's first leaf)``. With a local
+    window a forced leaf before it is not forced (nor, through it, its ancestors); the current
+    leaf is always inside."""
+    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
+    prev = tl.zeros_like(cur) - 1
+    if FORCE_PREV:
+        prev = tl.where(cur >= 1, cur - 1, -1)
+    sink = tl.zeros_like(cur) - 1
+    if FORCE_SINK:
+        sink = tl.where(cur != 0, 0, -1)
+        if FORCE_PREV:
+            sink = tl.where(prev == 0, -1, sink)
+    cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
+    prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
+    sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
+    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
+    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)
+    if HAS_WINDOW:
+        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
+        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
+    return cur_f, prev_f, sink_f, here, first_leaf
 
 
 def walk_meta(

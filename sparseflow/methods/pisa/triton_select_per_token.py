@@ -15,7 +15,8 @@ a query's candidates wholly before its window's first leaf, and its forced leave
 dropped: the reference's walk inside the window.
 
 The scan walk (``triton_select_scan``) runs this kernel as its middle stage (``PRE_SCORES``,
-``LEAF_OUT``); decoding (``pyramid_cache``, ``Nq = 1``) runs it as is: ``O(g * beam * K *
+``LEAF_OUT``) where a level has more candidates than its rows walk takes, and for PISA-1
+(``PRE_SCORES``); decoding (``pyramid_cache``, ``Nq = 1``) runs it as is: ``O(g * beam * K *
 log(N / C))`` per token. Imported lazily; this module imports Triton.
 """
 
@@ -33,13 +34,14 @@ from ...kernels.pdl import pdl_start
 from .config import PISAConfig
 from .triton_select_common import (
     _LOG2E,
+    _first_valid,
+    _forced_leaves,
     _lse2_scaled,
     _p2,
     _reduce,
     _row_offsets,
     _scores_operand,
     _summary_scores,
-    _window_first_leaf,
     candidate_width,
     scores_mode,
     trace_args,
@@ -158,17 +160,6 @@ def _ancestor(leaf, lv, span, BR: tl.constexpr):
             log_br: tl.constexpr = (BR > 1) + (BR > 2) + (BR > 4) + (BR > 8) + (BR > 16) + (BR > 32) + (BR > 64)
             up = leaf >> tl.minimum(lv * log_br, 31)  # a leaf id is below 2**31
     return tl.where(leaf >= 0, up, -1)
-
-
-@triton.jit
-def _first_valid(nfv_base, off, u, span, Nk, C: tl.constexpr, LOADED: tl.constexpr):
-    """First valid key position of node ``u`` (in range) of the level at ``off`` whose nodes
-    cover ``span`` leaves: read from the table when ``LOADED`` (key padding or a device length),
-    else computed, the node's first key (one dependent load fewer per level of the walk)."""
-    if LOADED:
-        return tl.load(nfv_base + off + u)
-    first = u * (span * C)
-    return tl.where(first < Nk, first, Nk)
 
 
 @triton.jit
@@ -375,29 +366,12 @@ def _pisa_select_kernel(  # noqa: C901, PLR0912, PLR0915
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     nfv_base = nfv_ptr + b * T
 
-    # forced leaves (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
-    n_leaves = tl.load(lvl_off_ptr + 1)
-    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
-    prev = -1
-    if FORCE_PREV:
-        prev = tl.where(cur >= 1, cur - 1, -1)
-    sink = -1
-    if FORCE_SINK:
-        sink = tl.where(cur != 0, 0, -1)
-        if FORCE_PREV:
-            sink = tl.where(prev == 0, -1, sink)
     LOADED: tl.constexpr = HAS_KPM or HAS_LEN  # else a node's first valid key is its first key
     LOWEST: tl.constexpr = 1 if LEAF_OUT else 0  # the lowest level the loop below walks
-    cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
-    prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
-    sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
-    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
-    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)
-    if HAS_WINDOW:
-        # a forced leaf before the window is not forced (nor, through it, its ancestors); the
-        # current leaf is always inside
-        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
-        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
+    n_leaves = tl.load(lvl_off_ptr + 1)
+    cur_f, prev_f, sink_f, here, first_leaf = _forced_leaves(
+        p, hz, n_leaves, nfv_base, Nk, SLIDING, CHUNK, C, FORCE_SINK, FORCE_PREV, LOADED, HAS_WINDOW
+    )
 
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)

@@ -12,10 +12,12 @@ once per tile of queries (node summaries) or per leaf (raw keys).
    PISA-1) summed over the group's heads, written to a ``[B*Hkv, Nq, nodes]`` fp32 table. A node
    is scored only for queries it lies entirely before (others force it or drop it), so its
    children's visibility is whether they hold a valid key, the same for every query of the tile.
-2. the walk (``triton_select_scan_walk.scan_walk_rows_kernel``, a few queries a program) reads
+2. the walk (``triton_select_scan_walk.scan_walk_rows_kernel``, a few queries a program, or
+   with more than ``ROWS_WALK_MAX_CANDIDATES`` candidates a level the per-token kernel,
+   ``triton_select_per_token._pisa_select_kernel`` with ``PRE_SCORES`` and ``LEAF_OUT``) reads
    those scores instead of computing them and stops at the leaves, writing each query's leaf
    candidates (PISA-1, whose leaves are scored by their summaries too, walks per token to the
-   selection: ``triton_select_per_token._pisa_select_kernel`` with ``PRE_SCORES``).
+   selection).
 3. the walk also counts each leaf's scored (query, leaf) pairs with atomics, giving every pair
    its rank in the leaf's segment; :func:`leaf_pair_index` turns the counts
    into chunks (two cumsums and a search, one launch on the device), :func:`pair_order` places each
@@ -33,8 +35,9 @@ writes only the candidates inside each query's window, which stages 3 and 4 read
 do not depend on the window, and stage 1 skips the nodes before every window of its tile.
 
 Stages 1 and 3 pack a query's group of heads into consecutive dot rows and sum each query's
-rows with a gather (``LAUNCH["heads"] = "packed"``), or run one dot a head over the queries' rows
-and sum the heads in registers (``"loop"``: no gather, no padding, fewer registers).
+rows (``LAUNCH["heads"] = "packed"``), or run one dot a head over the queries' rows and sum the
+heads in registers (``"loop"``: no gather, no padding, fewer registers); ``"auto"``, the
+default, packs a power-of-two group (a reshape sums its rows) and loops over the others.
 
 The table costs ``4 * Nq * nodes`` bytes per batch x KV head (``nodes`` about ``N / C``) and the
 node scan grows as ``N**2``, so the scan serves short and middle lengths; :func:`scan_covers` says
@@ -1038,8 +1041,9 @@ def walk_then_leaf_pairs(
     pairs a leaf at a time and each query's keep (PISA-1, whose leaves are scored by their
     summaries, has the per-token walk write the selection). ``table``: stage 1's ``(scores,
     first column)``, which the walk reads instead of scoring the nodes above the leaves (by rows
-    of queries, ``triton_select_scan_walk``; PISA-1's per token with the candidate width's
-    ``warps``; ``scores`` is the table's); None: the per-token walk
+    of queries, ``triton_select_scan_walk``, up to ``ROWS_WALK_MAX_CANDIDATES`` candidates a
+    level; else, and for PISA-1, per token with the candidate width's ``warps``; ``scores`` is
+    the table's); None: the per-token walk
     scores them itself in ``scores``' arithmetic with ``warps`` (``Tuning.pisa_warps``), as the
     per-token walk does. Returns ``call.out``."""
     q, k, kpm, summ, nfv, out, meta = call.q, call.k, call.kpm, call.summ, call.nfv, call.out, call.meta
@@ -1062,7 +1066,7 @@ def walk_then_leaf_pairs(
         pre, col0 = nfv, 0  # nfv: a placeholder, never read
         walk_summ, walk_scores = prefill_walk_table(summ, scores, q.dtype)
         meta = {**meta, "I64_ROWS": meta["I64_ROWS"] or passes_int32(walk_summ)}
-    elif leaf_out:
+    elif leaf_out and cw <= ROWS_WALK_MAX_CANDIDATES:
         _rows_walk(call, table, cand, counts, rank, cw, unit, trace)
         _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
         return out
@@ -1104,6 +1108,11 @@ def walk_then_leaf_pairs(
     if leaf_out:
         _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
     return out
+
+
+# widest candidate rows the rows walk takes (K=8 with branching 2); wider ones (K=32, or a beam)
+# walk per token on 4 warps: on one warp the rows walk's [rows, KP, CW] compaction spills
+ROWS_WALK_MAX_CANDIDATES = 16
 
 
 def _rows_walk(call: WalkCall, table: Tuple[torch.Tensor, int], cand, counts, rank, cw: int, unit, trace) -> None:

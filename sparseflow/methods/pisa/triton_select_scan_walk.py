@@ -1,16 +1,15 @@
 """The scan walk's middle stage by rows of queries: from the node-score table of
 ``triton_select_scan`` (stage 1) down to each query's leaf candidates, ``QR`` queries a program.
 
-The per-token kernel (``triton_select_per_token``, ``PRE_SCORES`` with ``LEAF_OUT``) walks one
-query a program: a level's ``CW`` (16 at K=8) candidates fill half of its one warp, and Hopper holds
-at most 32 programs an SM, so the walk issued a full warp's instructions for half a warp's work
-with 32 warps an SM. Here a program walks ``QR`` queries side by side, ``[QR, CW]`` a level: the
-same instructions a level for ``QR`` times the queries. The rules are the per-token walk's: a
-level's candidates are the children of the nodes kept above, future / empty nodes and nodes wholly
-before the local window dropped, the ancestors of the forced leaves kept without scoring, and the
-best-scoring others fill the level's width (ties to the lower node id, by a sort of each row's
-scores, as the per-token kernel's scan walk did). The level loop runs every
-level's keep unbranched: a level with no more valid candidates than its width keeps them all.
+A level of one query's walk is ``CW`` candidates (16 at K=8): half of a warp's 32 lanes, and
+Hopper holds at most 32 programs an SM. A program here walks ``QR`` queries side by side,
+``[QR, CW]`` a level, on one warp: about the instructions of one query's level for ``QR`` times
+the queries. The rules are the per-token walk's: a level's candidates are the children of the
+nodes kept above, future / empty nodes and nodes wholly before the local window dropped, the
+ancestors of the forced leaves kept without scoring, and the best-scoring others fill the level's
+width (ties to the lower node id, by a sort of each row's scores: signed zeros order -0.0 below
++0.0). The level loop runs every level's keep unbranched: a level with no more valid candidates
+than its width keeps them all.
 Imported lazily; this module imports Triton.
 """
 
@@ -20,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ...kernels.pdl import pdl_start
-from .triton_select_common import _rows_compact, _window_first_leaf
-from .triton_select_per_token import _ancestor, _first_valid
+from .triton_select_common import _first_valid, _forced_leaves, _rows_compact
+from .triton_select_per_token import _ancestor
 
 __all__ = ["WALK_QUERIES", "rows_walk_grid", "scan_walk_rows_kernel"]
 
@@ -156,23 +155,9 @@ def scan_walk_rows_kernel(  # noqa: PLR0915
     nfv_base = nfv_ptr + b * T
     LOADED: tl.constexpr = HAS_KPM  # else a node's first valid key is its first key
     n_leaves = tl.load(lvl_off_ptr + 1)
-    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
-    prev = tl.full([QR], -1, tl.int32)
-    if FORCE_PREV:
-        prev = tl.where(cur >= 1, cur - 1, -1)
-    sink = tl.full([QR], -1, tl.int32)
-    if FORCE_SINK:
-        sink = tl.where(cur != 0, 0, -1)
-        if FORCE_PREV:
-            sink = tl.where(prev == 0, -1, sink)
-    cur_f = tl.where((cur >= 0) & (_first_valid(nfv_base, 0, tl.maximum(cur, 0), 1, Nk, C, LOADED) <= hz), cur, -1)
-    prev_f = tl.where((prev >= 0) & (_first_valid(nfv_base, 0, tl.maximum(prev, 0), 1, Nk, C, LOADED) <= hz), prev, -1)
-    sink_f = tl.where((sink >= 0) & (_first_valid(nfv_base, 0, tl.maximum(sink, 0), 1, Nk, C, LOADED) <= hz), sink, -1)
-    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
-    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)
-    if HAS_WINDOW:  # a forced leaf before the window is not forced; the query's own is inside
-        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
-        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
+    cur_f, prev_f, sink_f, here, first_leaf = _forced_leaves(
+        p, hz, n_leaves, nfv_base, Nk, SLIDING, CHUNK, C, FORCE_SINK, FORCE_PREV, LOADED, HAS_WINDOW
+    )
 
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)

@@ -73,6 +73,7 @@ from torch.library import triton_op, wrap_triton
 from ...kernels._triton_env import interpreting
 from .config import PISAConfig
 from .triton_select_common import (
+    _forced_leaves,
     _p2,
     _reduce,
     _row_offsets,
@@ -80,7 +81,6 @@ from .triton_select_common import (
     _rows_top_k_keep,
     _scores_dot,
     _scores_operand,
-    _window_first_leaf,
     candidate_width,
     scores_mode,
     trace_args,
@@ -461,25 +461,10 @@ def _pisa_select_tiled_kernel(  # noqa: C901, PLR0912, PLR0915
     k_base = k_ptr + b * stride_kb + hkv * stride_kh
     kpm_base = kpm_ptr + b * Nk
 
-    # forced leaves of every row (reference: token_blocks.forced_leaf_blocks) and the leaf holding p
     n_leaves = tl.load(lvl_off_ptr + 1)
-    cur = tl.where((p >= 0) & (p < n_leaves * C), p // C, -1)
-    prev = tl.full([BQ], -1, dtype=tl.int32)
-    if FORCE_PREV:
-        prev = tl.where(cur >= 1, cur - 1, -1)
-    sink = tl.full([BQ], -1, dtype=tl.int32)
-    if FORCE_SINK:
-        sink = tl.where(cur != 0, 0, -1)
-        if FORCE_PREV:
-            sink = tl.where(prev == 0, -1, sink)
-    cur_f = tl.where((cur >= 0) & (tl.load(nfv_base + tl.maximum(cur, 0)) <= hz), cur, -1)
-    prev_f = tl.where((prev >= 0) & (tl.load(nfv_base + tl.maximum(prev, 0)) <= hz), prev, -1)
-    sink_f = tl.where((sink >= 0) & (tl.load(nfv_base + tl.maximum(sink, 0)) <= hz), sink, -1)
-    here = tl.where((p >= 0) & (p < Nk), p // C, -1)
-    first_leaf = _window_first_leaf(p, SLIDING, CHUNK, C, HAS_WINDOW)  # [BQ]
-    if HAS_WINDOW:  # a forced leaf before the row's window is not forced
-        prev_f = tl.where(prev_f >= first_leaf, prev_f, -1)
-        sink_f = tl.where(sink_f >= first_leaf, sink_f, -1)
+    cur_f, prev_f, sink_f, here, first_leaf = _forced_leaves(  # [BQ] each: the nodes' first keys read
+        p, hz, n_leaves, nfv_base, Nk, SLIDING, CHUNK, C, FORCE_SINK, FORCE_PREV, True, HAS_WINDOW
+    )
 
     ar_kp = tl.arange(0, KP)
     ar_cw = tl.arange(0, CW)

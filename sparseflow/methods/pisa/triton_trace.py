@@ -19,8 +19,8 @@ bodies (``per_token_walk``, ``tiled_walk``, ``scan_walk``, ``pairs_walk``) with 
   (those no wider than their width, which keep every visible node unscored) are stored from the
   same visibility test the start uses;
 * tiled: every level from the root down, after each keep;
-* scan: its middle stage is the per-token kernel (``PRE_SCORES``), which stores the levels above
-  the leaves as above; the leaf level is the walk's output (stages 3-4 keep the leaves). For
+* scan: its middle stage (the rows walk, ``triton_select_scan_walk``, or the per-token kernel with
+  ``PRE_SCORES``) stores the levels above the leaves as above; the leaf level is the walk's output (stages 3-4 keep the leaves). For
   ``score="mean"`` the middle stage walks to the leaves itself and stores them too;
 * leaf pairs: as the scan (its walk is the same kernel, scoring the nodes itself).
 

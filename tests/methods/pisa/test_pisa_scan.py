@@ -258,21 +258,48 @@ def test_leaf_pair_index_program_matches_torch(n_seg, qb, most, poisoned):
 
 
 @pytest.mark.parametrize("queries", [1, 4], ids=["one-query", "four-queries"])
-@pytest.mark.parametrize("case", ["lse-fp16-g3-hq9-pad-nq29-nk83", "lse-beam2-g2-nq40-nk150"])
-def test_rows_walk_by_other_query_counts_keeps_the_reference(queries, case, scan_calls, monkeypatch, poisoned):
+@pytest.mark.parametrize("unit", ["leaf", "siblings"])
+@pytest.mark.parametrize("case", ["lse-fp16-g3-hq9-pad-nq29-nk83", "lse-bf16-g2-nq40-nk133"])
+def test_rows_walk_by_other_query_counts_keeps_the_reference(queries, unit, case, scan_calls, monkeypatch, poisoned):
     """The scan's walk from its table takes ``WALK_QUERIES`` queries a program (2); one, and four
     (29 queries: the last program's rows run past the last query), select the reference's blocks.
-    Fresh buffers come poisoned, so a candidate or rank left unwritten shows."""
+    The walk writes into views of larger buffers: rows past the last query stay untouched, and
+    every segment's ranks are 0 .. its count - 1 (a row past the last query that counted a pair
+    would break both). Fresh buffers come poisoned, so a candidate or rank left unwritten shows."""
     from sparseflow.methods.pisa import triton_select_scan_walk as rows_walk
 
     monkeypatch.setattr(rows_walk, "WALK_QUERIES", queries)
+    monkeypatch.setitem(scan.LAUNCH, "pair_unit", unit)
+    seen = []
+    real = scan._rows_walk
+
+    def padded(call, table, cand, counts, rank, cw, unit_, trace):
+        rows, n_q, _ = cand.shape
+        big_cand, big_rank = (torch.full((rows, n_q + 4, cw), -7, dtype=torch.int32) for _ in range(2))
+        real(call, table, big_cand[:, :n_q], counts, big_rank[:, :n_q], cw, unit_, trace)
+        cand.copy_(big_cand[:, :n_q])
+        rank.copy_(big_rank[:, :n_q])
+        seen.append((big_cand[:, n_q:], big_rank[:, n_q:], cand.clone(), counts.clone(), rank.clone(), unit_))
+
+    monkeypatch.setattr(scan, "_rows_walk", padded)
     b, hq, hkv, nq, nk, d, c, kk, g, score, causal, pad, dtype, beam = CASES[case]
     q, k, kpm = walk_inputs(b, hq, hkv, nq, nk, d, dtype, pad, seed=nq)
     kw = dict(key_padding_mask=kpm, is_causal=causal, block_size=c, top_k=kk, branching=g, score=score, beam=beam)
     want = pisa_ref.pisa_select(q, k, **kw)
     got = poisoned(triton_select.pisa_select, q, k, tuning=SCAN, **kw)
-    assert len(scan_calls) == 1
+    assert len(scan_calls) == 1 and len(seen) == 1, "the rows walk must have run"
     assert torch.equal(got, want)
+    past_cand, past_rank, cand, counts, rank, (leaves, slots) = seen[0]
+    assert (past_cand == -7).all() and (past_rank == -7).all(), "a row past the last query was written"
+    valid = cand >= 0
+    scored = valid & (cand < (1 << 30)) & (valid.sum(-1, keepdim=True) > kk)
+    first = scored.view(*cand.shape[:2], -1, slots).any(-1)  # a unit's pair sits at its first slot
+    ids = torch.where(valid, cand & ((1 << 30) - 1), -1).view(*cand.shape[:2], -1, slots).amax(-1) // leaves
+    segment = torch.arange(cand.shape[0]).view(-1, 1, 1) * (counts.numel() // cand.shape[0]) + ids
+    ranks = rank.view(*cand.shape[:2], -1, slots)[..., 0]
+    for s in range(counts.numel()):
+        mine = ranks[first & (segment == s)]
+        assert sorted(mine.tolist()) == list(range(int(counts[s]))), f"segment {s}"
 
 
 def test_queries_before_every_key_select_nothing(scan_calls):

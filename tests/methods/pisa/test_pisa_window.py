@@ -200,7 +200,8 @@ def test_reference_attention_is_dense_attention_on_selection_and_window(case):
 
 # the scan (the slowest interpreted) on the cases of padding with two batch rows, both bounds
 # with fewer queries than keys, 16-bit inputs, and a wide window (scored levels whose first node
-# the early tiles read and the later ones skip); its middle stage is the per-token walk's kernel
+# the early tiles read and the later ones skip); its middle stage is the rows walk (8 candidates
+# a level) or, with the beam and 3 children (32), the per-token walk's kernel
 SCAN_CASES = (
     "sliding-19-mean_var-pad-b2",
     "sliding-20-chunk-32-mean-br3-beam2-nq40-nk133",
