@@ -1,7 +1,7 @@
 """What the PISA selection's walks share: the per-token walk (``triton_select_per_token``), the
 tiled walk (``triton_select_tiled``) and the scan walk (``triton_select_scan``, whose middle
-stage walks rows of queries, ``triton_select_scan_walk``, or the per-token kernel). The score codes and row widths, the per-node score
-reductions, the per-row bookkeeping of the walks over tiles of queries, the kernel arguments
+stage walks rows of queries, ``triton_select_scan_walk``, or the per-token kernel). The score
+codes and row widths, the per-node score reductions, the per-row bookkeeping of the walks over tiles of queries, the kernel arguments
 the per-token and the tiled walk take alike, and the rounded operands of the summary dots
 (``Tuning.pisa_scores``: :func:`scores_mode`, :func:`_round_bits`, :func:`_scores_operand`,
 :func:`_scores_dot`).

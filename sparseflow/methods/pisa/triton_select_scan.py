@@ -1046,8 +1046,8 @@ def walk_then_leaf_pairs(
     the table's); None: the per-token walk
     scores them itself in ``scores``' arithmetic with ``warps`` (``Tuning.pisa_warps``), as the
     per-token walk does. Returns ``call.out``."""
-    q, k, kpm, summ, nfv, out, meta = call.q, call.k, call.kpm, call.summ, call.nfv, call.out, call.meta
-    b, hq, n_q, _ = q.shape
+    q, k, nfv, out, meta = call.q, call.k, call.nfv, call.out, call.meta
+    b, _, n_q, _ = q.shape
     hkv = k.shape[1]
     top_k, score = meta["TOPK"], meta["SCORE"]
     n_leaves = max(1, -(-k.shape[2] // meta["C"]))
@@ -1060,21 +1060,32 @@ def walk_then_leaf_pairs(
     # the walk's per-(batch x KV head, unit) counters of scored pairs, and each pair's rank in its segment
     counts = torch.zeros(rows * n_units if leaf_out else 0, dtype=torch.int32, device=q.device)
     rank = torch.empty_like(cand) if leaf_out else cand
-    group = hq // hkv
+    if table is not None and leaf_out and cw <= ROWS_WALK_MAX_CANDIDATES:
+        _rows_walk(call, table, cand, counts, rank, cw, unit, trace)
+    else:
+        _token_walk(call, table, cand, counts, rank, cw, unit, warps, scores, trace)
+    if leaf_out:
+        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
+    return out
+
+
+def _token_walk(call: WalkCall, table, cand, counts, rank, cw: int, unit, warps, scores: str, trace) -> None:
+    """Stage 2 per token (``triton_select_per_token._pisa_select_kernel``): from stage 1's table,
+    or scoring the nodes itself (``table`` None, in ``scores``' arithmetic on ``warps``); with
+    PISA-1 (``cand`` is then ``call.nfv``, a placeholder) it writes the selection to ``call.out``."""
+    q, k, kpm, summ, nfv, out, meta = call.q, call.k, call.kpm, call.summ, call.nfv, call.out, call.meta
+    b, hq, n_q, _ = q.shape
+    leaf_out = meta["SCORE"] != 1
     if table is None:
         # the walk scores the nodes itself, from the summaries as prefill_walk_table lays them out
         pre, col0 = nfv, 0  # nfv: a placeholder, never read
         walk_summ, walk_scores = prefill_walk_table(summ, scores, q.dtype)
         meta = {**meta, "I64_ROWS": meta["I64_ROWS"] or passes_int32(walk_summ)}
-    elif leaf_out and cw <= ROWS_WALK_MAX_CANDIDATES:
-        _rows_walk(call, table, cand, counts, rank, cw, unit, trace)
-        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
-        return out
     else:
         (pre, col0), walk_summ, walk_scores, warps = table, summ, "fp32", None
     warps, _ = _launch(cw, warps)
     args = walk_args(q, k, kpm, walk_summ, nfv, call.lvl_off, call.lvl_span, out, call.scale)
-    wrap_triton(_pisa_select_kernel)[(n_q, b * hkv)](
+    wrap_triton(_pisa_select_kernel)[(n_q, b * k.shape[1])](
         *args[:8],
         nfv,  # no device length
         *args[8:],
@@ -1089,7 +1100,7 @@ def walk_then_leaf_pairs(
         rank_ptr=rank,
         **trace_args(nfv, trace),
         **meta,
-        GP=_p2(group, 16),
+        GP=_p2(hq // k.shape[1], 16),
         CW=cw,
         LC=1,  # LC and IEEE_KEYS set the leaf scoring, which LEAF_OUT leaves to stage 3
         IEEE_KEYS=False,
@@ -1105,9 +1116,6 @@ def walk_then_leaf_pairs(
         num_warps=warps,
         **call.chain,
     )
-    if leaf_out:
-        _leaf_pairs_then_keep(call, cand, rank, counts, cw, unit, n_units, n_leaves, scores)
-    return out
 
 
 # widest candidate rows the rows walk takes (K=8 with branching 2); wider ones (K=32, or a beam)
@@ -1115,16 +1123,32 @@ def walk_then_leaf_pairs(
 ROWS_WALK_MAX_CANDIDATES = 16
 
 
+# the walk's shape and rules (walk_meta) the rows walk takes
+_ROWS_WALK_META = (
+    "N_LEVELS",
+    "HAS_KPM",
+    "IS_CAUSAL",
+    "FORCE_SINK",
+    "FORCE_PREV",
+    "C",
+    "BR",
+    "BRP",
+    "TOPK",
+    "WIDE",
+    "KP",
+)
+
+
 def _rows_walk(call: WalkCall, table: Tuple[torch.Tensor, int], cand, counts, rank, cw: int, unit, trace) -> None:
     """Stage 2 from stage 1's table (``(scores, first column)``), ``WALK_QUERIES`` queries a program
     (``triton_select_scan_walk``): each query's leaf candidates into ``cand`` and its scored pairs'
     ranks into ``rank``, counted in ``counts``."""
-    from .triton_select_scan_walk import WALK_QUERIES, rows_walk_grid, scan_walk_rows_kernel
+    from .triton_select_scan_walk import WALK_QUERIES, scan_walk_rows_kernel
 
     pre, col0 = table
     q, k, meta = call.q, call.k, call.meta
     b, _, n_q, _ = q.shape
-    wrap_triton(scan_walk_rows_kernel)[rows_walk_grid(n_q, b * k.shape[1])](
+    wrap_triton(scan_walk_rows_kernel)[(triton.cdiv(n_q, WALK_QUERIES), b * k.shape[1])](
         pre,
         call.nfv,
         call.lvl_off,
@@ -1143,8 +1167,7 @@ def _rows_walk(call: WalkCall, table: Tuple[torch.Tensor, int], cand, counts, ra
         T=call.summ.shape[2],
         HKV=k.shape[1],
         **call.window,
-        **{key: meta[key] for key in ("N_LEVELS", "HAS_KPM", "IS_CAUSAL", "FORCE_SINK", "FORCE_PREV", "C", "BR")},
-        **{key: meta[key] for key in ("BRP", "TOPK", "WIDE", "KP")},
+        **{key: meta[key] for key in _ROWS_WALK_META},
         CW=cw,
         QR=WALK_QUERIES,
         PAIR_SIBLINGS=unit[1] > 1,

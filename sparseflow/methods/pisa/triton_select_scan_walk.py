@@ -22,7 +22,7 @@ from ...kernels.pdl import pdl_start
 from .triton_select_common import _first_valid, _forced_leaves, _rows_compact
 from .triton_select_per_token import _ancestor
 
-__all__ = ["WALK_QUERIES", "rows_walk_grid", "scan_walk_rows_kernel"]
+__all__ = ["WALK_QUERIES", "scan_walk_rows_kernel"]
 
 # queries a program of the rows walk (a power of two), on one warp: two queries of CW = 16
 # candidates fill its 32 lanes (sm_90, K=8: 149 instructions a query a level, against the
@@ -222,8 +222,3 @@ def scan_walk_rows_kernel(  # noqa: PLR0915
     else:
         rank = tl.atomic_add(count_ptr + bh * n_leaves + cand, 1, mask=pair)
         tl.store(rank_ptr + slots + ar_cw[None, :], rank, mask=pair)
-
-
-def rows_walk_grid(n_q: int, rows: int) -> tuple:
-    """The rows walk's launch grid for ``n_q`` queries and ``rows`` (batch x KV head) rows."""
-    return (triton.cdiv(n_q, WALK_QUERIES), rows)
