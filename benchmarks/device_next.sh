@@ -34,9 +34,10 @@
 #   SmolLM2's real checkpoint, one part a call on one warm machine (GGUF halves of 49 MB):
 #   bash benchmarks/device_next.sh split_smollm2     here, once: .gg/smollm2.part0/1 and the gguf wheel
 #   bash benchmarks/device_next.sh stash_smollm2 K   carry .gg/smollm2.partK (and .whl with K=0)
-#   bash benchmarks/device_next.sh pisa_e2e [NS [TUNING]]  SmolLM2 (YaRN to NS, default 131072) through
-#                                                sparseflow.compile: PISA and BSA K=8, PISA's walk auto,
+#   bash benchmarks/device_next.sh pisa_e2e [NS [TUNING [TUNING2]]]  SmolLM2 (YaRN to NS, default 131072)
+#                                                through sparseflow.compile: PISA and BSA K=8, PISA's walk auto,
 #                                                then PISA with TUNING (default pisa_walk=leaf_pairs,pisa_scores=bf16)
+#                                                and TUNING2 if given
 #   bash benchmarks/device_next.sh pisa_real_layers  PISA's contract on SmolLM2's real layers at 8K and 32K,
 #                                                the auto walk scoring in bf16 and tf32
 #   bash benchmarks/device_next.sh frontier [NS]     every estimate and threshold, both paths
@@ -68,6 +69,8 @@
 #   bash benchmarks/device_next.sh pisa_tests    PISA's walk tests compiled on the GPU (leaf pairs with the fp32
 #                                                walk's three bf16 parts, scan, offsets past 2**31 elements,
 #                                                the contract): first after a change the CPU could only compile
+#   bash benchmarks/device_next.sh pisa_fma     PISA's leaf pairs with an eighth of their exponentials on the FMA units
+#                                                against none, in rounds (benchmarks/studies/pisa_fma_exps.py)
 #   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
 #                                                registers a thread (more programs an SM) against none, in
 #                                                rounds (benchmarks/studies/pisa_walk_registers.py)
@@ -147,6 +150,9 @@ case "${1:-}" in
       tests/methods/pisa/test_pisa_scan.py tests/methods/pisa/test_pisa_offsets.py \
       tests/methods/pisa/test_pisa_walk_precision.py 2>&1 | tail -8
     ;;
+  pisa_fma)
+    timeout 400 python3 benchmarks/studies/pisa_fma_exps.py --json "$out/pisa_fma_exps_${gpu}.json" 2>&1 | grep "^n=" || true
+    ;;
   pisa_regs)
     timeout 400 python3 benchmarks/studies/pisa_walk_registers.py --caps 0,96,80 \
       --json "$out/pisa_walk_registers_${gpu}.json" 2>&1 | grep "^n=" || true
@@ -197,12 +203,14 @@ case "${1:-}" in
   pisa_e2e)
     smollm2_env
     ns=${2:-131072}
-    timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa,bsa --paths compile \
+    limit=280; [ -n "${4:-}" ] && limit=190  # three runs share the call's 10 minutes
+    timeout $limit python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa,bsa --paths compile \
       --reps 3 --json "$out/e2e_pisa_bsa_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
-    tuning=${3:-pisa_walk=leaf_pairs,pisa_scores=bf16}
-    timeout 280 python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa --paths compile \
-      --reps 3 --tuning "$tuning" \
-      --json "$out/e2e_pisa_$(echo "$tuning" | tr ',=' '__')_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    for tuning in "${3:-pisa_walk=leaf_pairs,pisa_scores=bf16}" ${4:-}; do
+      timeout $limit python3 benchmarks/e2e_prefill.py --ns "$ns" --ropes yarn --settings pisa --paths compile \
+        --reps 3 --tuning "$tuning" \
+        --json "$out/e2e_pisa_$(echo "$tuning" | tr ',=' '__')_${ns}_${gpu}.json" 2>&1 | grep -v -i warn | tail -8 || true
+    done
     ;;
   pisa_real_layers)
     smollm2_env

@@ -462,17 +462,19 @@ def run_pisa_scores():
                     q, k, block_size=64, top_k=8, score=score, tuning=Tuning(pisa_walk=walk, pisa_scores=scores)
                 )
     # the leaf-pairs walk: the per-token kernel scoring its nodes and writing leaf candidates; the
-    # leaf pairs take the approximate log only below fp32 (the flag is host code, as on a GPU here)
+    # leaf pairs take the approximate log, and an eighth of their exponentials on the FMA units,
+    # only below fp32 (the flags are host code, as on a GPU here)
     from sparseflow.methods.pisa import triton_select_scan as scan
 
-    fast_log, run = [], scan._leaf_pairs_kernel.run
-    scan._leaf_pairs_kernel.run = lambda *a, **kw: fast_log.append(kw["FAST_LOG"]) or run(*a, **kw)
+    flags, run = [], scan._leaf_pairs_kernel.run
+    scan._leaf_pairs_kernel.run = lambda *a, **kw: flags.append((kw["FAST_LOG"], kw["FMA_EXPS"])) or run(*a, **kw)
     try:
-        for scores in ("fp32", "bf16"):
+        for scores in ("fp32", "bf16", "tf32"):
             PT.pisa_select(q, k, block_size=64, top_k=8, tuning=Tuning(pisa_walk="leaf_pairs", pisa_scores=scores))
     finally:
         scan._leaf_pairs_kernel.run = run
-    assert fast_log == [False, True], f"the leaf pairs' FAST_LOG for fp32, bf16 scores: {fast_log}"
+    want = [(False, 0), (True, 8), (True, 8)]
+    assert flags == want, f"the leaf pairs' (FAST_LOG, FMA_EXPS) for fp32, bf16, tf32 scores: {flags}"
     # every walk with 64-bit row offsets (I64_ROWS: a (batch, head) slice past 2**31 elements,
     # which no tensor of this size has)
     from sparseflow.methods.pisa import triton_select_common as common

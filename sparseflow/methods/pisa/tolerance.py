@@ -20,7 +20,9 @@ real arithmetic on those same fp32 summaries and keys, for any computation that
 * evaluates the score from its logits (max, exp, log, sums, means, the head sum) in fp32 with
   ``exp`` / ``log`` within 4 ulp (the GPU's lower-precision walks take the LSE in base 2 with the
   special function unit's ``ex2`` / ``lg2``: relative error about ``2**-22`` for ``ex2``, absolute
-  ``2**-22`` for the log of a sum in ``[1, J]``, inside step 5's allowance below).
+  ``2**-22`` for the log of a sum in ``[1, J]``; their leaf pairs take an eighth of the ``ex2``
+  by a polynomial on the FMA units, relative error under ``2**-22`` too; all inside step 5's
+  allowance below).
 
 ``score_tolerance`` adds the same bound for the reference's own fp32 arithmetic: it bounds
 ``|fast walk's score - reference's fp32 score|``, the quantity the checker needs. A walk whose

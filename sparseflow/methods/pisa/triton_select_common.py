@@ -33,6 +33,7 @@ __all__ = [
     "window_args",
     "rounded_summaries",
     "fast_log",
+    "fma_exps",
     "summary_parts",
     "prefill_walk_table",
     "passes_int32",
@@ -95,20 +96,52 @@ def _reduce(logit, okk, SCORE: tl.constexpr):
 
 
 @triton.jit
-def _lse2_scaled(logit, okk, scale, FAST_LOG: tl.constexpr = False):
+def _lse2_scaled(logit, okk, scale, FAST_LOG: tl.constexpr = False, FMA_EXPS: tl.constexpr = 0):
     """:func:`_reduce`'s base-2 LSE (in natural units) of ``logit * scale`` (``scale > 0``, from
     :func:`log2_scale`) over the entries where ``okk``, from the unscaled logits: the scale
     multiplies the maxima only and joins each logit's subtraction in one fused multiply-add.
-    ``FAST_LOG`` (GPU only): the log by the special function unit (:func:`_log2_approx`)."""
+    ``FAST_LOG`` (GPU only): the log by the special function unit (:func:`_log2_approx`).
+    ``FMA_EXPS``: the first ``FMA_EXPS`` entries of each unit take their exponential by
+    :func:`_exp2_fma` (see :func:`fma_exps`), the rest by the special function unit."""
     masked = tl.where(okk, logit, float("-inf"))
     mx = tl.max(masked, axis=2) * scale
     mx_s = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.sum(tl.exp2(tl.fma(masked, scale, -mx_s[:, :, None])), axis=2)
+    shifted = tl.fma(masked, scale, -mx_s[:, :, None])
+    if FMA_EXPS > 0:
+        # a column's side is known at compile time where each register holds fixed columns
+        # (the tensor cores' accumulator layout): the other side is never computed
+        col = tl.arange(0, logit.shape[2])[None, None, :]
+        by_fma = tl.where(okk, _exp2_fma(shifted), 0.0)  # clamped below: not 0 at -inf
+        total = tl.sum(tl.where(col < FMA_EXPS, by_fma, tl.exp2(shifted)), axis=2)
+    else:
+        total = tl.sum(tl.exp2(shifted), axis=2)
     if FAST_LOG:
         out = (mx_s + _log2_approx(total)) * _LN2
     else:
         out = (mx_s + tl.log2(total)) * _LN2
     return out
+
+
+@triton.jit
+def _exp2_fma(x):
+    """``2**x`` for ``x <= 0`` on the FMA units, not the special function unit: ``x`` split
+    into its nearest integer ``j`` (the round-to-nearest of adding ``1.5 * 2**23``, whose low
+    bits then hold ``j``) and ``f`` in ``[-1/2, 1/2]``; ``2**f`` by a degree-5 polynomial; ``j``
+    added to the result's exponent bits. Relative error at most ``1.7e-7`` with fused
+    multiply-adds (2 ulp; exact at integers; the coefficients: a minimax fit of the relative
+    error with the constant term 1, rounded to fp32; test_pisa_tolerance.py checks the bound).
+    ``x`` below ``-125`` gives ``2**-125`` (the exponent's floor): negligible beside the LSE's
+    largest term, 1."""
+    x = tl.maximum(x, -125.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = tl.fma(0.001326472731307149, f, 0.009671512991189957)
+    p = tl.fma(p, f, 0.05550733581185341)
+    p = tl.fma(p, f, 0.24022242426872253)
+    p = tl.fma(p, f, 0.6931470036506653)
+    p = tl.fma(p, f, 1.0)
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -134,6 +167,19 @@ def scores_mode(scores: str) -> str:
     if scores not in ("fp32", "bf16", "tf32"):
         raise ValueError(f"pisa_scores must be one of ['fp32', 'bf16', 'tf32'], got {scores!r}")
     return scores + "_ieee" if scores != "fp32" and interpreting() else scores
+
+
+def fma_exps(width: int, scores: str, dtype: torch.dtype) -> int:
+    """``FMA_EXPS`` of a leaf-pairs LSE of ``width`` keys a unit for ``Tuning.pisa_scores`` =
+    ``scores`` and queries of ``dtype``: an eighth of the exponentials by :func:`_exp2_fma`,
+    below fp32 (a stated tolerance) with 16-bit queries (tensor-core dots), else none. Hopper's
+    special function unit issues a warp's exponentials over 8 cycles, and the leaf pairs' loop
+    (64 a thread in 417 instructions, compiled for sm_90) waits on it; the polynomial costs
+    about 9 instructions, so an eighth balances the two. Widths under 64 would split columns
+    that one register holds for some threads and not others: none."""
+    if scores == "fp32" or dtype == torch.float32 or width < 64:
+        return 0
+    return width // 8
 
 
 def fast_log(scores: str) -> bool:

@@ -67,6 +67,7 @@ from .triton_select_common import (
     _scores_operand,
     candidate_width,
     fast_log,
+    fma_exps,
     log2_scale,
     _window_first_leaf,
     passes_int32,
@@ -349,18 +350,19 @@ def _group_scores(
     HEAD_LOOP: tl.constexpr,
     PREC: tl.constexpr,
     FAST_LOG: tl.constexpr = False,
+    FMA_EXPS: tl.constexpr = 0,
 ):
     """``[QP, U]``: each query's score of ``U`` units of ``W`` columns of ``k_t`` (children's
     summaries or raw keys; ``okk [1, U, W]`` the valid ones), summed over the group's heads in
     head order: per-head dots then a sum in registers (``HEAD_LOOP``), or one dot over the packed
     rows then a gather of each query's rows (:func:`_sum_packed_heads`). ``W == 0``: PISA-1, the
-    unit's own logit. ``FAST_LOG``: the LSE's log by the special function unit."""
+    unit's own logit. ``FAST_LOG``, ``FMA_EXPS``: :func:`_lse2_scaled`'s."""
     if HEAD_LOOP:
         total = tl.zeros([QP, U], dtype=tl.float32)
         for g in tl.static_range(G):
-            total += _head_scores(_rows_dot(qs[g], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG)
+            total += _head_scores(_rows_dot(qs[g], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG, FMA_EXPS)
     else:
-        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG)
+        per_head = _head_scores(_rows_dot(qs[0], k_t, PREC), qk_scale, okk, R, U, W, SCORE, FAST_LOG, FMA_EXPS)
         total = _sum_packed_heads(per_head, G, R, U, QP)
     return total
 
@@ -368,14 +370,14 @@ def _group_scores(
 @triton.jit
 def _head_scores(
     logit, qk_scale, okk, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, SCORE: tl.constexpr,
-    FAST_LOG: tl.constexpr = False,
+    FAST_LOG: tl.constexpr = False, FMA_EXPS: tl.constexpr = 0,
 ):  # fmt: skip
     """``[R, U]`` per-row scores of ``U`` units of ``W`` columns of unscaled logits (``W == 0``:
     the scaled logits themselves, PISA-1's); ``qk_scale`` from :func:`log2_scale`."""
     if W == 0:
         out = logit * qk_scale
     elif SCORE == 0:
-        out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale, FAST_LOG)
+        out = _lse2_scaled(tl.reshape(logit, (R, U, W)), okk, qk_scale, FAST_LOG, FMA_EXPS)
     else:
         out = _reduce(tl.reshape(logit * qk_scale, (R, U, W)), okk, SCORE)
     return out
@@ -588,6 +590,7 @@ def _leaf_pairs_kernel(
     PDL: tl.constexpr = False,
     FAST_LOG: tl.constexpr = False,
     I64_ROWS: tl.constexpr = True,
+    FMA_EXPS: tl.constexpr = 0,
 ):
     """Program p scores up to ``CHUNKS`` chunks of ``QB`` (query, unit) pairs of one segment
     (batch x KV head, unit of ``UN`` sibling leaves: :func:`pair_unit`): the unit's keys loaded
@@ -598,7 +601,8 @@ def _leaf_pairs_kernel(
     reads). ``order`` holds the flat slot index of every scored pair, grouped by segment;
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
     each program's segment, ``n_segments`` past the last program's work. ``FAST_LOG``: the
-    LSE's log by the special function unit (a walk scoring in bf16 / tf32: a stated tolerance)."""
+    LSE's log by the special function unit (a walk scoring in bf16 / tf32: a stated tolerance);
+    ``FMA_EXPS``: the keys of a leaf whose exponentials the FMA units take (``fma_exps``)."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
@@ -635,13 +639,13 @@ def _leaf_pairs_kernel(
             _score_pair_chunks(
                 q_ptr, k_t, tl.full((1, UP, CP), True, tl.int1), order_ptr, score_ptr, start, stop, row0, b,
                 hkv, stride_qb, stride_qh, stride_qn, qk_scale, offs_d, SCORE, G, D, CW, UN, UP, CP, QB, QBP, R,
-                CHUNKS, STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS,
+                CHUNKS, STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS, FMA_EXPS,
             )  # fmt: skip
         else:
             _score_pair_chunks(
                 q_ptr, k_t, tl.reshape(kok, (1, UP, CP)), order_ptr, score_ptr, start, stop, row0, b, hkv,
                 stride_qb, stride_qh, stride_qn, qk_scale, offs_d, SCORE, G, D, CW, UN, UP, CP, QB, QBP, R, CHUNKS,
-                STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS,
+                STAGES, PREC, INTERP, HEAD_LOOP, FAST_LOG, I64_ROWS, FMA_EXPS,
             )  # fmt: skip
 
 
@@ -652,7 +656,7 @@ def _score_pair_chunks(
     SCORE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, CW: tl.constexpr, UN: tl.constexpr, UP: tl.constexpr,
     CP: tl.constexpr, QB: tl.constexpr, QBP: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
     STAGES: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr, HEAD_LOOP: tl.constexpr, FAST_LOG: tl.constexpr,
-    I64_ROWS: tl.constexpr,
+    I64_ROWS: tl.constexpr, FMA_EXPS: tl.constexpr,
 ):  # fmt: skip
     """:func:`_leaf_pairs_kernel`'s chunks ``[start, stop)`` of its segment's pairs, ``QB`` a
     chunk, against the unit's keys ``k_t`` (``okk [1, UP, CP]``: the valid ones): each pair's
@@ -674,7 +678,7 @@ def _score_pair_chunks(
             q_ptr, r_row, every_row, b, hkv, stride_qb, stride_qh, stride_qn, offs_d, D, G, R, HEAD_LOOP, PREC,
             I64_ROWS,
         )  # fmt: skip
-        s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC, FAST_LOG)
+        s_e = _group_scores(qs, k_t, okk, qk_scale, G, R, UP, CP, QBP, SCORE, HEAD_LOOP, PREC, FAST_LOG, FMA_EXPS)
         e_ok = (ar_e < QB) & (chunk_start + ar_e < stop)
         flat = tl.load(order_ptr + chunk_start + ar_e, mask=e_ok, other=0)
         tl.store(score_ptr + flat[:, None] + ar_u[None, :], s_e, mask=e_ok[:, None] & (ar_u < UN)[None, :])
@@ -1235,6 +1239,7 @@ def _leaf_pairs_then_keep(
         HEAD_LOOP=head_loop,
         FAST_LOG=fast_log(scores),
         I64_ROWS=meta["I64_ROWS"],
+        FMA_EXPS=fma_exps(meta["CP"], scores, q.dtype),
         num_warps=LAUNCH["leaf_warps"],
         **chain,
     )

@@ -205,3 +205,40 @@ def test_fp32_walk_on_three_bf16_parts_keeps_the_reference(monkeypatch, walk_cal
     got = triton_select.pisa_select(q, k, tuning=PAIRS, **kw)
     assert len(walk_calls) == 1 and len(spied) == 1, "the walk must have read the three parts"
     assert torch.equal(got, pisa_ref.pisa_select(q, k, **kw))
+
+
+def test_an_eighth_of_the_leaf_exponentials_on_the_fma_units_selects_the_same(monkeypatch, walk_calls):
+    """In bf16 / tf32 with 16-bit queries the leaf pairs take the first eighth of each leaf's keys'
+    exponentials by a polynomial (``_exp2_fma``), the rest by the special function unit. Each leaf
+    here has one key far above its others, in the polynomial's columns in the odd leaves, and
+    the leaves' maxima lie 0.6 apart, odd and even leaves alternating: the selection is the one
+    without the polynomial and the reference's (a polynomial that lost its terms, or scaled them
+    by a quarter, would trade the last odd leaf kept for the even one below it)."""
+    from sparseflow.methods.pisa import triton_select_common as common
+
+    assert common.fma_exps(64, "bf16", BF16) == 8 and common.fma_exps(128, "tf32", F16) == 16
+    assert (
+        common.fma_exps(64, "fp32", BF16) == common.fma_exps(64, "bf16", F32) == common.fma_exps(32, "bf16", BF16) == 0
+    )
+    gen = torch.Generator().manual_seed(11)
+    c, n_leaves, d = 64, 12, 16
+    u = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=0)
+    k = 0.05 * torch.randn(1, 1, c * n_leaves, d, generator=gen)
+    height = torch.zeros(n_leaves)  # forced: the sink (0), the queries' leaf (11) and the one before
+    for rank, leaf in enumerate([4, 9, 8, 7, 6, 5, 3, 2, 1]):
+        height[leaf] = 0.6 * (9 - rank)  # hot logits 0.6 apart, odd and even alternating
+    for leaf in range(n_leaves):
+        k[0, 0, leaf * c + (3 if leaf % 2 else 40)] = (2.0 + height[leaf]) * u
+    q = (4.0 * u).expand(1, 2, 4, d).to(BF16)  # 2 heads, the prompt's last 4 queries
+    k = k.to(BF16)
+    cfg = dict(score="lse", block_size=c, top_k=5, branching=2)
+    seen = []
+    real = scan.fma_exps
+    monkeypatch.setattr(scan, "fma_exps", lambda *a: seen.append(real(*a)) or seen[-1])
+    tuning = Tuning(pisa_walk="leaf_pairs", pisa_scores="bf16")
+    got = triton_select.pisa_select(q, k, tuning=tuning, **cfg)
+    assert len(walk_calls) == 1 and seen == [8], "the leaf pairs must have run with the polynomial"
+    monkeypatch.setattr(scan, "fma_exps", lambda *a: 0)
+    assert torch.equal(got, triton_select.pisa_select(q, k, tuning=tuning, **cfg))
+    assert torch.equal(got, pisa_ref.pisa_select(q, k, **cfg))
+    assert set(got[0, 0, -1].tolist()) == {0, 10, 11, 4, 9}, "the last free pick: odd leaf 9 over even 8"

@@ -25,7 +25,7 @@ from sparseflow.testing import check_pisa_selection  # noqa: E402
 from sparseflow.methods.pisa.tuning import SCORES as PISA_SCORES  # noqa: E402
 from sparseflow.tuning import Tuning  # noqa: E402
 from sparseflow.methods.pisa.tolerance import round_to_precision  # noqa: E402
-from sparseflow.methods.pisa.triton_select_common import _round_bits  # noqa: E402
+from sparseflow.methods.pisa.triton_select_common import _exp2_fma, _round_bits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
 WALKS = ("per_token", "tiled", "scan")
@@ -207,6 +207,32 @@ def test_the_kernels_round_as_the_tolerance_does(precision):
     _rounded[(1,)](x, out, DROP=16 if precision == "bf16" else 13)
     want = round_to_precision(x, precision)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@triton.jit
+def _exp2_by_fma(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    ar = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + ar, _exp2_fma(tl.load(x_ptr + ar, mask=ar < n)), mask=ar < n)
+
+
+def test_the_fma_exponential_is_within_the_tolerance_s_ulps():
+    """The leaf pairs' polynomial ``2**x`` (an eighth of their exponentials in bf16 / tf32) errs
+    relatively by at most ``2**-22``, as the special function unit's ``ex2`` does (the
+    tolerance's step 5 allows 4 ulp), from 0 down to -125 (the interpreter's fused multiply-add
+    rounds twice, so this bound is looser than the GPU needs); exact at the integers; below -125,
+    and at -inf, ``2**-125``, which the LSE's sum of at least 1 absorbs."""
+    grid = torch.linspace(-125.0, 0.0, 200_001)
+    edges = torch.tensor([0.0, -0.5, -0.5 + 2.0**-24, 0.5 - 2.0**-24, -1.0, -3.0, -124.5, -125.0, -1e-30])
+    below = torch.tensor([-125.5, -200.0, float("-inf")])
+    x = torch.cat([grid, edges, below]).to(DEVICE)
+    out = torch.empty_like(x)
+    _exp2_by_fma[(triton.cdiv(x.numel(), 8192),)](x, out, x.numel(), BLOCK=8192)
+    want = torch.exp2(x.double())
+    ok = x >= -125.0
+    assert ((out.double() - want).abs()[ok] <= 2.0**-22 * want[ok]).all()
+    integers = ok & (x == x.round())
+    assert torch.equal(out[integers], want[integers].float())
+    assert (out[~ok] == 2.0**-125).all()
 
 
 @pytest.mark.parametrize("walk", [*WALKS, "leaf_pairs"])
