@@ -124,15 +124,16 @@ def _lse2_scaled(logit, okk, scale, FAST_LOG: tl.constexpr = False, FMA_EXPS: tl
 
 @triton.jit
 def _exp2_fma(x):
-    """``2**x`` for ``x <= 0`` on the FMA units, not the special function unit: ``x`` split
-    into its nearest integer ``j`` (the round-to-nearest of adding ``1.5 * 2**23``, whose low
-    bits then hold ``j``) and ``f`` in ``[-1/2, 1/2]``; ``2**f`` by a degree-5 polynomial; ``j``
-    added to the result's exponent bits. Relative error at most ``1.7e-7`` with fused
-    multiply-adds (2 ulp; exact at integers; the coefficients: a minimax fit of the relative
-    error with the constant term 1, rounded to fp32; test_pisa_tolerance.py checks the bound).
-    ``x`` below ``-125`` gives ``2**-125`` (the exponent's floor): negligible beside the LSE's
-    largest term, 1."""
-    x = tl.maximum(x, -125.0)
+    """``2**x`` on the FMA units, not the special function unit, for the LSE's shifted logits
+    (``x <= 0``, or a rounding above): ``x`` split into its nearest integer ``j`` (the
+    round-to-nearest of adding ``1.5 * 2**23``, whose low bits then hold ``j``) and ``f`` in
+    ``[-1/2, 1/2]``; ``2**f`` by a degree-5 polynomial (a minimax fit of the relative error with
+    the constant term 1, rounded to fp32); times ``2**j`` built in the exponent bits. Relative
+    error at most ``1.72e-7`` with fused multiply-adds (2.04 ulp; exact at the integers;
+    test_pisa_walk_precision.py checks ``2**-22``, the special function unit's). ``x`` below
+    -125 gives ``2**-125`` (the exponent's floor), which the LSE's largest term, 1, absorbs;
+    NaN gives NaN, as ``tl.exp2`` does; ``x >= 128`` is outside its range."""
+    x = tl.maximum(x, -125.0, propagate_nan=tl.PropagateNan.ALL)
     t = x + 12582912.0
     f = x - (t - 12582912.0)
     p = tl.fma(0.001326472731307149, f, 0.009671512991189957)
@@ -140,8 +141,9 @@ def _exp2_fma(x):
     p = tl.fma(p, f, 0.24022242426872253)
     p = tl.fma(p, f, 0.6931470036506653)
     p = tl.fma(p, f, 1.0)
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
+    # t's low bits hold j: shifted into the exponent field they give 2**j (j + 127 >= 2)
+    scale = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
+    return p * scale  # a product, so a NaN in p stays NaN
 
 
 @triton.jit

@@ -373,7 +373,8 @@ def _head_scores(
     FAST_LOG: tl.constexpr = False, FMA_EXPS: tl.constexpr = 0,
 ):  # fmt: skip
     """``[R, U]`` per-row scores of ``U`` units of ``W`` columns of unscaled logits (``W == 0``:
-    the scaled logits themselves, PISA-1's); ``qk_scale`` from :func:`log2_scale`."""
+    the scaled logits themselves, PISA-1's); ``qk_scale`` from :func:`log2_scale`; ``FAST_LOG``,
+    ``FMA_EXPS``: :func:`_lse2_scaled`'s."""
     if W == 0:
         out = logit * qk_scale
     elif SCORE == 0:
@@ -602,7 +603,8 @@ def _leaf_pairs_kernel(
     ``seg_end`` and ``chunk_end`` the segments' inclusive pair and program counts, ``prog_seg``
     each program's segment, ``n_segments`` past the last program's work. ``FAST_LOG``: the
     LSE's log by the special function unit (a walk scoring in bf16 / tf32: a stated tolerance);
-    ``FMA_EXPS``: the keys of a leaf whose exponentials the FMA units take (``fma_exps``)."""
+    ``FMA_EXPS``: how many of each leaf's first keys take their exponentials on the FMA units
+    (``fma_exps``)."""
     pdl_start(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)
     p = tl.program_id(0)
@@ -1187,7 +1189,8 @@ def _leaf_pairs_then_keep(
     """Stages 3 and 4: the walk's scored (query, leaf) pairs grouped by leaf and scored a leaf's
     keys at a time, then each query's forced leaves plus its best-scoring others into
     ``call.out``. ``scores``: ``Tuning.pisa_scores``; a lower precision than fp32 (a stated
-    tolerance) takes the LSE's log by the special function unit on the GPU."""
+    tolerance) takes the LSE's log by the special function unit on the GPU, and with 16-bit
+    queries an eighth of its exponentials on the FMA units (``fma_exps``)."""
     q, k, kpm, nfv, out, meta, chain = call.q, call.k, call.kpm, call.nfv, call.out, call.meta, call.chain
     b, hq, n_q, d = q.shape
     hkv = k.shape[1]

@@ -210,27 +210,30 @@ def test_fp32_walk_on_three_bf16_parts_keeps_the_reference(monkeypatch, walk_cal
 def test_an_eighth_of_the_leaf_exponentials_on_the_fma_units_selects_the_same(monkeypatch, walk_calls):
     """In bf16 / tf32 with 16-bit queries the leaf pairs take the first eighth of each leaf's keys'
     exponentials by a polynomial (``_exp2_fma``), the rest by the special function unit. Each leaf
-    here has one key far above its others, in the polynomial's columns in the odd leaves, and
-    the leaves' maxima lie 0.6 apart, odd and even leaves alternating: the selection is the one
-    without the polynomial and the reference's (a polynomial that lost its terms, or scaled them
-    by a quarter, would trade the last odd leaf kept for the even one below it)."""
+    has its largest key at column 40 and eight keys 0.375 below it (85% of its LSE's sum), in
+    the polynomial's columns in the odd leaves and in others in the even ones; every logit is
+    exact in bf16. The last free pick, odd leaf 9, lies 1/32 above even leaf 8: a polynomial off by
+    4% at those keys' shift (its linear part alone), one that dropped the fraction's terms, or
+    scaled them, trades it for leaf 8. The selection is the one without the polynomial and the
+    reference's."""
     from sparseflow.methods.pisa import triton_select_common as common
 
     assert common.fma_exps(64, "bf16", BF16) == 8 and common.fma_exps(128, "tf32", F16) == 16
     assert (
         common.fma_exps(64, "fp32", BF16) == common.fma_exps(64, "bf16", F32) == common.fma_exps(32, "bf16", BF16) == 0
     )
-    gen = torch.Generator().manual_seed(11)
     c, n_leaves, d = 64, 12, 16
-    u = torch.nn.functional.normalize(torch.randn(d, generator=gen), dim=0)
-    k = 0.05 * torch.randn(1, 1, c * n_leaves, d, generator=gen)
-    height = torch.zeros(n_leaves)  # forced: the sink (0), the queries' leaf (11) and the one before
-    for rank, leaf in enumerate([4, 9, 8, 7, 6, 5, 3, 2, 1]):
-        height[leaf] = 0.6 * (9 - rank)  # hot logits 0.6 apart, odd and even alternating
-    for leaf in range(n_leaves):
-        k[0, 0, leaf * c + (3 if leaf % 2 else 40)] = (2.0 + height[leaf]) * u
-    q = (4.0 * u).expand(1, 2, 4, d).to(BF16)  # 2 heads, the prompt's last 4 queries
-    k = k.to(BF16)
+    k = torch.zeros(1, 1, c * n_leaves, d)  # logit = k[..., 0]: queries 4 e_0, scale 1/4
+    heights = {4: 7.0, 9: 6.03125, 8: 6.0, 7: 5.0, 6: 4.5, 5: 4.0, 3: 3.5, 2: 3.0, 1: 2.5}
+    for leaf, height in heights.items():  # forced: the sink (0), the queries' leaf (11), the one before
+        first = leaf * c + (0 if leaf % 2 else 16)
+        k[0, 0, first : first + 8, 0] = height - 0.375
+        k[0, 0, leaf * c + 40, 0] = height
+    q32 = torch.zeros(1, 2, 4, d)  # 2 heads, the prompt's last 4 queries
+    q32[..., 0] = 4.0
+    k32 = k
+    q, k = q32.to(BF16), k32.to(BF16)
+    assert torch.equal(k.float(), k32) and torch.equal(q.float(), q32), "every logit exact in bf16"
     cfg = dict(score="lse", block_size=c, top_k=5, branching=2)
     seen = []
     real = scan.fma_exps

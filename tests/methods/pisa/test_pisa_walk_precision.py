@@ -25,7 +25,7 @@ from sparseflow.testing import check_pisa_selection  # noqa: E402
 from sparseflow.methods.pisa.tuning import SCORES as PISA_SCORES  # noqa: E402
 from sparseflow.tuning import Tuning  # noqa: E402
 from sparseflow.methods.pisa.tolerance import round_to_precision  # noqa: E402
-from sparseflow.methods.pisa.triton_select_common import _exp2_fma, _round_bits  # noqa: E402
+from sparseflow.methods.pisa.triton_select_common import _exp2_fma, _lse2_scaled, _round_bits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run the kernels interpreted only
 WALKS = ("per_token", "tiled", "scan")
@@ -233,6 +233,47 @@ def test_the_fma_exponential_is_within_the_tolerance_s_ulps():
     integers = ok & (x == x.round())
     assert torch.equal(out[integers], want[integers].float())
     assert (out[~ok] == 2.0**-125).all()
+    nan = torch.full((4,), float("nan"), device=DEVICE)
+    _exp2_by_fma[(1,)](nan, out, 4, BLOCK=8192)
+    assert out[:4].isnan().all(), "NaN gives NaN, as tl.exp2 does"
+
+
+@triton.jit
+def _unit_lse(
+    logit_ptr, ok_ptr, out_ptr, scale, R: tl.constexpr, U: tl.constexpr, W: tl.constexpr, FMA_EXPS: tl.constexpr
+):
+    ar = tl.arange(0, R)[:, None, None] * (U * W) + tl.arange(0, U)[None, :, None] * W + tl.arange(0, W)[None, None, :]
+    okk = tl.load(ok_ptr + tl.arange(0, U)[:, None] * W + tl.arange(0, W)[None, :]) != 0
+    out = _lse2_scaled(tl.load(logit_ptr + ar), okk[None, :, :], scale, False, FMA_EXPS)
+    tl.store(out_ptr + tl.arange(0, R)[:, None] * U + tl.arange(0, U)[None, :], out)
+
+
+def test_the_lse_with_fma_exponentials_keeps_its_masks():
+    """``_lse2_scaled`` with the first 8 of 64 columns' exponentials by the polynomial, on units
+    masked in every way (all, none, only the polynomial's columns, only the others, scattered, the
+    largest entry) and logits whose largest lies outside the polynomial's columns: the same LSE as
+    without it and float64's (within 1e-6), -inf for a unit with no valid entry, NaN where a valid
+    logit is NaN."""
+    r, u, w = 2, 8, 64
+    gen = torch.Generator().manual_seed(4)
+    logit = torch.randn(r, u, w, generator=gen) * 3
+    logit[:, :, 40] = 9.0  # each unit's largest: the polynomial's columns hold non-integer shifts
+    ok = torch.ones(u, w, dtype=torch.int32)
+    ok[0], ok[2, :8], ok[3, 8:], ok[4, 1::3], ok[6, 40] = 0, 0, 0, 0, 0  # units 1, 5 and 7 all valid
+    logit[1, 5, 2] = float("nan")
+    scale = 1.4426950408889634 * 0.25  # log2(e) times a softmax scale, as log2_scale gives
+    outs = {}
+    for fma in (0, 8):
+        outs[fma] = torch.empty(r, u, device=DEVICE)
+        _unit_lse[(1,)](logit.to(DEVICE), ok.to(DEVICE), outs[fma], scale, R=r, U=u, W=w, FMA_EXPS=fma)
+    masked = torch.where(ok.bool(), logit.double() * 0.25, float("-inf"))
+    want = torch.logsumexp(masked, dim=2)
+    got = outs[8].cpu().double()
+    assert (got[:, 0] == float("-inf")).all() and got[1, 5].isnan() and outs[0][1, 5].isnan()
+    fine = torch.ones(r, u, dtype=torch.bool)
+    fine[:, 0], fine[1, 5] = False, False
+    assert ((got - want).abs()[fine] <= 1e-6 * want.abs()[fine].clamp_min(1.0)).all()
+    assert ((got - outs[0].cpu().double()).abs()[fine] <= 1e-6 * want.abs()[fine].clamp_min(1.0)).all()
 
 
 @pytest.mark.parametrize("walk", [*WALKS, "leaf_pairs"])
