@@ -69,6 +69,8 @@
 #   bash benchmarks/device_next.sh pisa_tests    PISA's walk tests compiled on the GPU (leaf pairs with the fp32
 #                                                walk's three bf16 parts, scan, offsets past 2**31 elements,
 #                                                the contract): first after a change the CPU could only compile
+#   bash benchmarks/device_next.sh pisa_tests_quick  pisa_tests' leaf-pairs, precision and offsets files and the
+#                                                scan's rows walk: what fits beside a study in one call
 #   bash benchmarks/device_next.sh pisa_fma     PISA's leaf pairs with an eighth of their exponentials on the FMA units
 #                                                against none, in rounds (benchmarks/studies/pisa_fma_exps.py)
 #   bash benchmarks/device_next.sh pisa_regs     PISA's leaf-pairs walk with its walk kernel capped at 96 and 80
@@ -149,6 +151,11 @@ case "${1:-}" in
     timeout 580 python3 -m pytest -q -p no:cacheprovider tests/methods/pisa/test_pisa_leaf_pairs.py \
       tests/methods/pisa/test_pisa_scan.py tests/methods/pisa/test_pisa_offsets.py \
       tests/methods/pisa/test_pisa_walk_precision.py 2>&1 | tail -8
+    ;;
+  pisa_tests_quick)
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/methods/pisa/test_pisa_leaf_pairs.py \
+      tests/methods/pisa/test_pisa_walk_precision.py tests/methods/pisa/test_pisa_offsets.py \
+      "tests/methods/pisa/test_pisa_scan.py::test_rows_walk_by_other_query_counts_keeps_the_reference" 2>&1 | tail -8
     ;;
   pisa_fma)
     timeout 400 python3 benchmarks/studies/pisa_fma_exps.py --json "$out/pisa_fma_exps_${gpu}.json" 2>&1 | grep "^n=" || true
